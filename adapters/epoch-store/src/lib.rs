@@ -1,0 +1,1 @@
+//! fence-epoch-store (work in progress).

@@ -1,0 +1,1 @@
+//! lockd-examples (work in progress).

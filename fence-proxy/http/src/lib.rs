@@ -1,0 +1,1 @@
+//! fence-proxy-http (work in progress).

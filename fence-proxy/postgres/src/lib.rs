@@ -1,0 +1,1 @@
+//! fence-proxy-postgres (work in progress).

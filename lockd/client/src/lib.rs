@@ -1,0 +1,1 @@
+//! lockd-client (work in progress).

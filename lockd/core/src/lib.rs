@@ -1,0 +1,1 @@
+//! lockd-core (work in progress).

@@ -1,0 +1,135 @@
+//! The fencing-token format that lockd issues and fence-proxy enforces.
+//!
+//! It holds only the value types and their parsing, no I/O: the proxy and the adapters depend on
+//! this crate, not on lockd's server, so they need nothing but the token format.
+//!
+//! # Layout
+//! - [`FencingToken`]: the strictly increasing number lockd attaches to every grant.
+//! - [`Fence`]: a resource name together with a token, as carried by `SET lockd.fence`.
+//! - header names of the HTTP front end.
+
+use std::fmt;
+use std::str::FromStr;
+
+/// HTTP header naming the protected resource of a write.
+pub const LOCK_RESOURCE_HEADER: &str = "Lock-Resource";
+/// HTTP header carrying the decimal fencing token of a write.
+pub const FENCING_TOKEN_HEADER: &str = "Fencing-Token";
+/// HTTP header that marks a response made by fence-proxy itself, with the reason.
+pub const FENCE_PROXY_ERROR_HEADER: &str = "Fence-Proxy-Error";
+
+/// Longest resource name lockd accepts; the proxy applies the same bound.
+pub const RESOURCE_MAX_BYTES: usize = 256;
+
+/// A fencing token: strictly greater than every token lockd issued before, for any resource.
+///
+/// A protected store accepts a write only when its token is at least the highest it accepted for
+/// that resource.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct FencingToken(pub u64);
+
+impl fmt::Display for FencingToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// Why a token or fence value was rejected.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FenceParseError {
+    #[error("fencing token {0:?} is not a decimal number from 0 to 18446744073709551615")]
+    BadToken(String),
+    #[error("fence {0:?} must look like <resource>:<token>")]
+    MissingSeparator(String),
+    #[error("resource {0:?} must be 1 to 256 bytes without control characters")]
+    BadResource(String),
+}
+
+impl FromStr for FencingToken {
+    type Err = FenceParseError;
+
+    /// Accepts plain decimal digits only: no sign, no spaces, no leading `+`, so that two spellings
+    /// of one token never exist.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if s.is_empty() || !s.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(FenceParseError::BadToken(s.to_owned()));
+        }
+        s.parse::<u64>()
+            .map(FencingToken)
+            .map_err(|_| FenceParseError::BadToken(s.to_owned()))
+    }
+}
+
+/// Checks a resource name against lockd's policy: 1..=256 bytes of UTF-8 without control
+/// characters.
+pub fn validate_resource(resource: &str) -> Result<(), FenceParseError> {
+    if resource.is_empty()
+        || resource.len() > RESOURCE_MAX_BYTES
+        || resource.chars().any(char::is_control)
+    {
+        return Err(FenceParseError::BadResource(resource.to_owned()));
+    }
+    Ok(())
+}
+
+/// A resource and the token a session presents for it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Fence {
+    pub resource: String,
+    pub token: FencingToken,
+}
+
+impl FromStr for Fence {
+    type Err = FenceParseError;
+
+    /// Parses `<resource>:<token>`; the token is the digits after the last `:`, so resource names
+    /// may themselves contain colons.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let (resource, token) = s
+            .rsplit_once(':')
+            .ok_or_else(|| FenceParseError::MissingSeparator(s.to_owned()))?;
+        validate_resource(resource)?;
+        Ok(Fence {
+            resource: resource.to_owned(),
+            token: token.parse()?,
+        })
+    }
+}
+
+impl fmt::Display for Fence {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}", self.resource, self.token)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_accepts_only_plain_digits() {
+        assert_eq!("42".parse::<FencingToken>(), Ok(FencingToken(42)));
+        for bad in ["", "-1", "+1", " 1", "1.0", "0x10", "18446744073709551616"] {
+            assert!(bad.parse::<FencingToken>().is_err(), "{bad:?} was accepted");
+        }
+    }
+
+    #[test]
+    fn fence_splits_at_the_last_colon() {
+        let f: Fence = "orders:eu:42".parse().unwrap();
+        assert_eq!(f.resource, "orders:eu");
+        assert_eq!(f.token, FencingToken(42));
+        assert_eq!(f.to_string(), "orders:eu:42");
+    }
+
+    #[test]
+    fn fence_rejects_bad_values_naming_them() {
+        let err = "orders".parse::<Fence>().unwrap_err();
+        assert!(err.to_string().contains("\"orders\""), "{err}");
+        assert!(":42".parse::<Fence>().is_err());
+        assert!("a\u{7}b:1".parse::<Fence>().is_err());
+        assert!("orders:x".parse::<Fence>().is_err());
+        let long = format!("{}:1", "r".repeat(257));
+        assert!(long.parse::<Fence>().is_err());
+    }
+}

@@ -1,0 +1,1 @@
+//! lockd-server (work in progress).
