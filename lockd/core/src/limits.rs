@@ -1,0 +1,52 @@
+//! Every bound of the lock table, kept together with its reason.
+//!
+//! The bounds that shape replicated state travel in each [`Policy`] the leader stamps on a batch,
+//! so replicas configured differently still apply a batch identically.
+
+use serde::{Deserialize, Serialize};
+
+/// Default lease ttl: long enough to ride out a GC pause or a leader election, short enough that
+/// a crashed holder's work is picked up within half a minute.
+pub const LEASE_TTL_DEFAULT_MS: u64 = 30_000;
+/// Shortest lease: below one second a renewal every ttl/3 competes with election timeouts.
+pub const LEASE_TTL_MIN_MS: u64 = 1_000;
+/// Longest lease: five minutes bounds how long a vanished holder blocks a resource.
+pub const LEASE_TTL_MAX_MS: u64 = 300_000;
+/// Longest wait a caller may ask for; longer waits belong in a job queue, not a lock.
+pub const WAIT_TIMEOUT_MAX_MS: u64 = 300_000;
+/// Resource names are keys in several indexes and in every audit line.
+pub const RESOURCE_MAX_BYTES: usize = lockd_fence::RESOURCE_MAX_BYTES;
+/// A request_id is a client-chosen idempotency key (a UUID is 36 bytes).
+pub const REQUEST_ID_MAX_BYTES: usize = 128;
+/// Holder is free text for humans (host, pid, job); bounded because it is stored per lease.
+pub const HOLDER_MAX_BYTES: usize = 256;
+/// Default bound on one resource's queue: a longer queue means the lock is the bottleneck.
+pub const WAITERS_PER_RESOURCE_DEFAULT: u32 = 1_000;
+/// Default bound on all queues of one tenant, so one tenant cannot exhaust the table.
+pub const WAITERS_PER_TENANT_DEFAULT: u32 = 10_000;
+/// How long a request_id keeps returning its original outcome (CONTRACT: at least 10 minutes).
+pub const DEDUP_RETENTION_DEFAULT_MS: u64 = 600_000;
+/// Upper bound on dedup records: 2,000 acquires/s for 10 minutes is 1.2 million; past this bound
+/// new acquires are refused rather than forgetting records early.
+pub const DEDUP_RECORDS_MAX: usize = 2_000_000;
+/// Upper bound on resources with a holder or waiters (the design target is 100,000 resources
+/// with 20,000 held); past it new grants are refused rather than growing without limit.
+pub const ACTIVE_RESOURCES_MAX: usize = 1_000_000;
+
+/// The bounds that shape replicated state, stamped by the leader on every batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Policy {
+    pub waiters_per_resource_max: u32,
+    pub waiters_per_tenant_max: u32,
+    pub dedup_retention_ms: u64,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Policy {
+            waiters_per_resource_max: WAITERS_PER_RESOURCE_DEFAULT,
+            waiters_per_tenant_max: WAITERS_PER_TENANT_DEFAULT,
+            dedup_retention_ms: DEDUP_RETENTION_DEFAULT_MS,
+        }
+    }
+}

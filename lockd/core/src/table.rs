@@ -1,0 +1,778 @@
+//! [`LockTable`]: the deterministic state machine every replica applies committed batches to.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+
+use serde::{Deserialize, Serialize};
+
+use crate::command::{Batch, Command, EndWaitReason, Event, EventKind, Grant, Outcome};
+use crate::limits::{ACTIVE_RESOURCES_MAX, DEDUP_RECORDS_MAX, Policy};
+use crate::types::{LeaseId, RequestKey, ResourceName};
+use crate::FencingToken;
+
+/// The replicated lock table. Changed only by [`LockTable::apply`]; everything else reads.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct LockTable {
+    /// Resources that have a holder or waiters; idle records are deleted, so the table holds
+    /// active resources only. A BTreeMap so that any iteration is the same on every replica.
+    resources: BTreeMap<ResourceName, ResourceState>,
+    /// (expires_at_ms, resource) of every lease, so the leader's reaper reads due leases from the
+    /// front instead of scanning the table.
+    expiries: BTreeSet<(i64, ResourceName)>,
+    /// (deadline_ms, resource, waiter) of every waiter, for the same reason.
+    wait_deadlines: BTreeSet<(i64, ResourceName, RequestKey)>,
+    /// Outcome of every recent Acquire by request key, so a retry returns the original outcome.
+    dedup: HashMap<RequestKey, DedupRecord>,
+    /// Dedup records in insertion order (which is time order, the clock being monotonic):
+    /// (created_ms, seq, key). Pruning pops the front; `seq` tells a stale entry from a record
+    /// re-created under the same key.
+    dedup_order: VecDeque<(i64, u64, RequestKey)>,
+    /// Sequence number of the last dedup record created.
+    dedup_seq: u64,
+    /// Waiters queued per tenant (the resource name before its first `/`).
+    tenant_waiters: BTreeMap<String, u32>,
+    /// The last fencing token issued. Tokens come from this counter only, and the counter is
+    /// part of the replicated state and the snapshots, so it never repeats or goes back.
+    last_token: u64,
+    /// The table's clock: the largest batch stamp applied so far (Unix ms).
+    now_ms: i64,
+    /// The Raft term of the last batch applied; a larger one starts a new term (see
+    /// `begin_term`).
+    term: u64,
+    /// Number of held leases and of queued waiters, kept so Status is O(1).
+    held: u64,
+    waiting: u64,
+}
+
+/// One resource's holder and queue.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+struct ResourceState {
+    lease: Option<Lease>,
+    /// FIFO: the front is served next.
+    waiters: VecDeque<Waiter>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct Lease {
+    id: LeaseId,
+    token: FencingToken,
+    holder: String,
+    request_id: String,
+    lease_ttl_ms: u64,
+    expires_at_ms: i64,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct Waiter {
+    key: RequestKey,
+    request_id: String,
+    /// The lease id the leader drew when the waiter queued; used if it is granted.
+    lease_id: LeaseId,
+    holder: String,
+    lease_ttl_ms: u64,
+    deadline_ms: i64,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct DedupRecord {
+    /// Hash of the Acquire's arguments: a retry must match it.
+    args_hash: u64,
+    seq: u64,
+    state: DedupState,
+}
+
+#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
+enum DedupState {
+    Waiting,
+    Granted(Grant),
+    TimedOut,
+}
+
+/// What Describe shows of one resource. Never contains the lease id.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ResourceView {
+    pub held: bool,
+    pub holder: String,
+    pub fencing_token: FencingToken,
+    pub expires_at_ms: i64,
+    pub waiters: u32,
+}
+
+/// Table-wide counters for Status and metrics.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TableStats {
+    pub active_locks: u64,
+    pub waiters: u64,
+    pub resources: u64,
+    pub dedup_records: u64,
+    pub last_token: u64,
+    pub now_ms: i64,
+    pub term: u64,
+}
+
+impl LockTable {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Applies one committed batch from a Raft entry of `term`, returning one outcome per command
+    /// in order and appending the resulting state changes to `events`.
+    pub fn apply(&mut self, term: u64, batch: &Batch, events: &mut Vec<Event>) -> Vec<Outcome> {
+        // INV-TIME-MONOTONIC: a new leader whose clock is behind cannot move time back.
+        self.now_ms = self.now_ms.max(batch.now_ms);
+        if term > self.term {
+            self.begin_term(term);
+        }
+        self.prune_dedup(&batch.policy);
+        batch
+            .commands
+            .iter()
+            .map(|cmd| self.apply_command(cmd, &batch.policy, events))
+            .collect()
+    }
+
+    /// INV-CONSERVATIVE-FAILOVER: the first batch of a new term extends every lease to at least
+    /// (its stamp + the lease's ttl). The previous leader stamped every committed grant and renewal
+    /// before this term's election in real time, and this stamp comes after it, so no lease ends
+    /// earlier than its holder's own deadline, whatever the offset between the two leaders'
+    /// clocks. The price: after a failover a lease of a dead holder is reclaimed up to one ttl
+    /// later than it would have been.
+    fn begin_term(&mut self, term: u64) {
+        self.term = term;
+        let now = self.now_ms;
+        for (name, state) in self.resources.iter_mut() {
+            if let Some(lease) = &mut state.lease {
+                let floor = now.saturating_add(lease.lease_ttl_ms as i64);
+                if lease.expires_at_ms < floor {
+                    self.expiries.remove(&(lease.expires_at_ms, name.clone()));
+                    lease.expires_at_ms = floor;
+                    self.expiries.insert((floor, name.clone()));
+                }
+            }
+        }
+    }
+
+    fn apply_command(&mut self, cmd: &Command, policy: &Policy, events: &mut Vec<Event>) -> Outcome {
+        match cmd {
+            Command::Acquire {
+                resource,
+                request_id,
+                lease_ttl_ms,
+                wait_timeout_ms,
+                holder,
+                lease_id,
+            } => self.acquire(
+                resource,
+                request_id,
+                *lease_ttl_ms,
+                *wait_timeout_ms,
+                holder,
+                *lease_id,
+                policy,
+                events,
+            ),
+            Command::Renew {
+                resource,
+                lease_id,
+                lease_ttl_ms,
+            } => self.renew(resource, *lease_id, *lease_ttl_ms, events),
+            Command::Release { resource, lease_id } => self.release(resource, *lease_id, events),
+            Command::Reap { resource } => {
+                self.settle(resource, events);
+                Outcome::Reaped
+            }
+            Command::EndWait {
+                resource,
+                request_id,
+                reason,
+            } => self.end_wait(resource, request_id, *reason, events),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn acquire(
+        &mut self,
+        resource: &ResourceName,
+        request_id: &str,
+        lease_ttl_ms: u64,
+        wait_timeout_ms: u64,
+        holder: &str,
+        lease_id: LeaseId,
+        policy: &Policy,
+        events: &mut Vec<Event>,
+    ) -> Outcome {
+        let key = RequestKey::of(request_id);
+        let args = args_hash(resource, lease_ttl_ms, wait_timeout_ms, holder);
+        self.settle(resource, events);
+
+        // INV-DEDUP: a retry answers from the record, never acts again.
+        if let Some(record) = self.dedup.get(&key) {
+            if record.args_hash != args {
+                return Outcome::InvalidArgument(format!(
+                    "invalid request_id: {request_id:?} was already used with other arguments \
+                     (resource, lease_ttl_ms, wait_timeout_ms or holder); use a new request_id \
+                     for a new attempt"
+                ));
+            }
+            return match record.state {
+                DedupState::Granted(grant) => Outcome::Granted(self.refresh(resource, grant)),
+                DedupState::TimedOut => Outcome::WaitTimedOut,
+                DedupState::Waiting => Outcome::Queued {
+                    position: self.position(resource, key).unwrap_or_else(|| {
+                        panic!("INV-QUEUE-ONCE: request {request_id:?} is Waiting but not queued on {resource}")
+                    }),
+                },
+            };
+        }
+
+        if self.dedup.len() >= DEDUP_RECORDS_MAX {
+            return Outcome::Exhausted(format!(
+                "request dedup table is full ({DEDUP_RECORDS_MAX} records within the retention \
+                 window): too many acquires"
+            ));
+        }
+        let mut state = match self.resources.remove(resource) {
+            Some(state) => state,
+            None if self.resources.len() >= ACTIVE_RESOURCES_MAX => {
+                return Outcome::Exhausted(format!(
+                    "too many active resources ({ACTIVE_RESOURCES_MAX}): cannot lock {resource:?}"
+                ));
+            }
+            None => ResourceState::default(),
+        };
+
+        let outcome = match &state.lease {
+            None => {
+                assert!(
+                    state.waiters.is_empty(),
+                    "INV-SINGLE-HOLDER: {resource} has {} waiters but no holder after settle",
+                    state.waiters.len()
+                );
+                let grant = self.grant(
+                    resource,
+                    &mut state,
+                    NewLease {
+                        id: lease_id,
+                        request_id,
+                        holder,
+                        lease_ttl_ms,
+                    },
+                    None,
+                    events,
+                );
+                self.dedup_put(key, args, DedupState::Granted(grant));
+                Outcome::Granted(grant)
+            }
+            Some(lease) if wait_timeout_ms == 0 => Outcome::Held {
+                holder: lease.holder.clone(),
+            },
+            Some(_) => self.enqueue(
+                resource,
+                &mut state,
+                Waiter {
+                    key,
+                    request_id: request_id.to_owned(),
+                    lease_id,
+                    holder: holder.to_owned(),
+                    lease_ttl_ms,
+                    deadline_ms: self.now_ms.saturating_add(wait_timeout_ms as i64),
+                },
+                args,
+                policy,
+                events,
+            ),
+        };
+        self.put_back(resource, state);
+        outcome
+    }
+
+    fn enqueue(
+        &mut self,
+        resource: &ResourceName,
+        state: &mut ResourceState,
+        waiter: Waiter,
+        args: u64,
+        policy: &Policy,
+        events: &mut Vec<Event>,
+    ) -> Outcome {
+        let queued = state.waiters.len() as u32;
+        if queued >= policy.waiters_per_resource_max {
+            return Outcome::Exhausted(format!(
+                "resource {resource:?} has {queued} waiters: limit waiters_per_resource_max is {}",
+                policy.waiters_per_resource_max
+            ));
+        }
+        let tenant = resource.tenant();
+        let tenant_count = self.tenant_waiters.get(tenant).copied().unwrap_or(0);
+        if tenant_count >= policy.waiters_per_tenant_max {
+            return Outcome::Exhausted(format!(
+                "tenant {tenant:?} has {tenant_count} waiters: limit waiters_per_tenant_max is {}",
+                policy.waiters_per_tenant_max
+            ));
+        }
+        *self.tenant_waiters.entry(tenant.to_owned()).or_insert(0) += 1;
+        self.waiting += 1;
+        self.wait_deadlines
+            .insert((waiter.deadline_ms, resource.clone(), waiter.key));
+        self.dedup_put(waiter.key, args, DedupState::Waiting);
+        events.push(Event {
+            kind: EventKind::Queued,
+            resource: resource.clone(),
+            fencing_token: FencingToken(0),
+            holder: waiter.holder.clone(),
+            request_id: waiter.request_id.clone(),
+        });
+        state.waiters.push_back(waiter);
+        Outcome::Queued {
+            position: queued + 1,
+        }
+    }
+
+    fn renew(
+        &mut self,
+        resource: &ResourceName,
+        lease_id: LeaseId,
+        lease_ttl_ms: u64,
+        events: &mut Vec<Event>,
+    ) -> Outcome {
+        self.settle(resource, events);
+        let now = self.now_ms;
+        // INV-CURRENT-LEASE-ONLY.
+        let Some(lease) = self
+            .resources
+            .get_mut(resource)
+            .and_then(|s| s.lease.as_mut())
+            .filter(|l| l.id == lease_id)
+        else {
+            return Outcome::NotFound;
+        };
+        let ttl = if lease_ttl_ms == 0 {
+            lease.lease_ttl_ms
+        } else {
+            lease_ttl_ms
+        };
+        self.expiries.remove(&(lease.expires_at_ms, resource.clone()));
+        lease.lease_ttl_ms = ttl;
+        lease.expires_at_ms = now.saturating_add(ttl as i64);
+        self.expiries.insert((lease.expires_at_ms, resource.clone()));
+        events.push(Event {
+            kind: EventKind::Renewed,
+            resource: resource.clone(),
+            fencing_token: lease.token,
+            holder: lease.holder.clone(),
+            request_id: lease.request_id.clone(),
+        });
+        Outcome::Renewed {
+            expires_at_ms: lease.expires_at_ms,
+            lease_ttl_ms: ttl,
+        }
+    }
+
+    fn release(&mut self, resource: &ResourceName, lease_id: LeaseId, events: &mut Vec<Event>) -> Outcome {
+        self.settle(resource, events);
+        let Some(mut state) = self.resources.remove(resource) else {
+            return Outcome::Released(false);
+        };
+        // INV-CURRENT-LEASE-ONLY: a superseded lease id never touches the new holder.
+        let released = state.lease.as_ref().is_some_and(|l| l.id == lease_id);
+        if released {
+            self.end_lease(resource, &mut state, EventKind::Released, events);
+            self.hand_off(resource, &mut state, events);
+        }
+        self.put_back(resource, state);
+        Outcome::Released(released)
+    }
+
+    fn end_wait(
+        &mut self,
+        resource: &ResourceName,
+        request_id: &str,
+        reason: EndWaitReason,
+        events: &mut Vec<Event>,
+    ) -> Outcome {
+        let key = RequestKey::of(request_id);
+        self.settle(resource, events);
+        if let Some(mut state) = self.resources.remove(resource) {
+            let found = state.waiters.iter().position(|w| w.key == key);
+            if let Some(index) = found {
+                let waiter = state.waiters.remove(index).expect("index from position");
+                self.forget_waiter(resource, &waiter);
+                let kind = match reason {
+                    EndWaitReason::TimedOut => {
+                        self.dedup_set(key, DedupState::TimedOut);
+                        EventKind::TimedOut { waiter: key }
+                    }
+                    EndWaitReason::Cancelled => {
+                        // A caller that went away may come back with the same request_id; it
+                        // then queues again, at the end.
+                        self.dedup.remove(&key);
+                        EventKind::Cancelled { waiter: key }
+                    }
+                };
+                events.push(waiter_event(kind, resource, &waiter));
+                self.put_back(resource, state);
+                return match reason {
+                    EndWaitReason::TimedOut => Outcome::WaitTimedOut,
+                    EndWaitReason::Cancelled => Outcome::WaitCancelled,
+                };
+            }
+            self.put_back(resource, state);
+        }
+        // Not queued (any more): the log already decided. A grant that won the race is returned,
+        // so the caller learns of the lease instead of leaving it to expire unseen.
+        match self.dedup.get(&key).map(|r| r.state) {
+            Some(DedupState::Granted(grant)) => Outcome::Granted(self.refresh(resource, grant)),
+            _ => match reason {
+                EndWaitReason::TimedOut => Outcome::WaitTimedOut,
+                EndWaitReason::Cancelled => Outcome::WaitCancelled,
+            },
+        }
+    }
+
+    /// Brings one resource up to the table's clock: expires its lease if due, times out waiters
+    /// whose deadline passed, hands the lock to the next waiter, and deletes the record if idle.
+    /// Every command on a resource settles it first, so a due lease never blocks anybody even
+    /// before the reaper's command arrives.
+    fn settle(&mut self, resource: &ResourceName, events: &mut Vec<Event>) {
+        let Some(mut state) = self.resources.remove(resource) else {
+            return;
+        };
+        let now = self.now_ms;
+        if state.lease.as_ref().is_some_and(|l| l.expires_at_ms <= now) {
+            self.end_lease(resource, &mut state, EventKind::Expired, events);
+        }
+        if state.waiters.iter().any(|w| w.deadline_ms <= now) {
+            let (expired, kept): (VecDeque<Waiter>, VecDeque<Waiter>) =
+                state.waiters.drain(..).partition(|w| w.deadline_ms <= now);
+            state.waiters = kept;
+            for waiter in expired {
+                self.forget_waiter(resource, &waiter);
+                self.dedup_set(waiter.key, DedupState::TimedOut);
+                events.push(waiter_event(EventKind::TimedOut { waiter: waiter.key }, resource, &waiter));
+            }
+        }
+        if state.lease.is_none() {
+            self.hand_off(resource, &mut state, events);
+        }
+        self.put_back(resource, state);
+    }
+
+    /// Passes a free lock to the head waiter, in the same command that freed it. Only that
+    /// waiter's event carries its key, so only its call is woken.
+    fn hand_off(&mut self, resource: &ResourceName, state: &mut ResourceState, events: &mut Vec<Event>) {
+        assert!(state.lease.is_none(), "hand_off on held resource {resource}");
+        if let Some(waiter) = state.waiters.pop_front() {
+            self.forget_waiter(resource, &waiter);
+            let grant = self.grant(
+                resource,
+                state,
+                NewLease {
+                    id: waiter.lease_id,
+                    request_id: &waiter.request_id,
+                    holder: &waiter.holder,
+                    lease_ttl_ms: waiter.lease_ttl_ms,
+                },
+                Some(waiter.key),
+                events,
+            );
+            self.dedup_set(waiter.key, DedupState::Granted(grant));
+        }
+    }
+
+    fn grant(
+        &mut self,
+        resource: &ResourceName,
+        state: &mut ResourceState,
+        new: NewLease<'_>,
+        to_waiter: Option<RequestKey>,
+        events: &mut Vec<Event>,
+    ) -> Grant {
+        assert!(
+            state.lease.is_none(),
+            "INV-SINGLE-HOLDER: granting {resource} while it is held"
+        );
+        let token = FencingToken(self.last_token + 1);
+        assert!(
+            token.0 > self.last_token,
+            "INV-TOKEN-MONOTONIC: token {token} after {}",
+            self.last_token
+        );
+        self.last_token = token.0;
+        let expires_at_ms = self.now_ms.saturating_add(new.lease_ttl_ms as i64);
+        state.lease = Some(Lease {
+            id: new.id,
+            token,
+            holder: new.holder.to_owned(),
+            request_id: new.request_id.to_owned(),
+            lease_ttl_ms: new.lease_ttl_ms,
+            expires_at_ms,
+        });
+        self.expiries.insert((expires_at_ms, resource.clone()));
+        self.held += 1;
+        let grant = Grant {
+            lease_id: new.id,
+            fencing_token: token,
+            expires_at_ms,
+            lease_ttl_ms: new.lease_ttl_ms,
+        };
+        events.push(Event {
+            kind: EventKind::Granted { to_waiter, grant },
+            resource: resource.clone(),
+            fencing_token: token,
+            holder: new.holder.to_owned(),
+            request_id: new.request_id.to_owned(),
+        });
+        grant
+    }
+
+    fn end_lease(
+        &mut self,
+        resource: &ResourceName,
+        state: &mut ResourceState,
+        kind: EventKind,
+        events: &mut Vec<Event>,
+    ) {
+        let lease = state.lease.take().expect("end_lease on a free resource");
+        self.expiries.remove(&(lease.expires_at_ms, resource.clone()));
+        self.held -= 1;
+        events.push(Event {
+            kind,
+            resource: resource.clone(),
+            fencing_token: lease.token,
+            holder: lease.holder,
+            request_id: lease.request_id,
+        });
+    }
+
+    fn forget_waiter(&mut self, resource: &ResourceName, waiter: &Waiter) {
+        self.wait_deadlines
+            .remove(&(waiter.deadline_ms, resource.clone(), waiter.key));
+        self.waiting -= 1;
+        let tenant = resource.tenant();
+        if let Some(count) = self.tenant_waiters.get_mut(tenant) {
+            *count -= 1;
+            if *count == 0 {
+                self.tenant_waiters.remove(tenant);
+            }
+        }
+    }
+
+    /// Re-inserts a resource's state, or drops it when idle: idle records cost nothing, and
+    /// tokens come from the global counter, so deleting them never lets a token repeat.
+    fn put_back(&mut self, resource: &ResourceName, state: ResourceState) {
+        if state.lease.is_some() || !state.waiters.is_empty() {
+            self.resources.insert(resource.clone(), state);
+        }
+    }
+
+    /// A grant as a retry should see it: with the current expiry while the lease is still current.
+    fn refresh(&self, resource: &ResourceName, grant: Grant) -> Grant {
+        match self
+            .resources
+            .get(resource)
+            .and_then(|s| s.lease.as_ref())
+            .filter(|l| l.id == grant.lease_id)
+        {
+            Some(lease) => Grant {
+                expires_at_ms: lease.expires_at_ms,
+                lease_ttl_ms: lease.lease_ttl_ms,
+                ..grant
+            },
+            None => grant,
+        }
+    }
+
+    fn position(&self, resource: &ResourceName, key: RequestKey) -> Option<u32> {
+        self.resources
+            .get(resource)?
+            .waiters
+            .iter()
+            .position(|w| w.key == key)
+            .map(|i| i as u32 + 1)
+    }
+
+    fn dedup_put(&mut self, key: RequestKey, args_hash: u64, state: DedupState) {
+        self.dedup_seq += 1;
+        let seq = self.dedup_seq;
+        self.dedup.insert(key, DedupRecord { args_hash, seq, state });
+        self.dedup_order.push_back((self.now_ms, seq, key));
+    }
+
+    fn dedup_set(&mut self, key: RequestKey, state: DedupState) {
+        if let Some(record) = self.dedup.get_mut(&key) {
+            record.state = state;
+        }
+    }
+
+    /// Forgets dedup records older than the retention window. A record whose request is still
+    /// queued is kept (moved to the back): forgetting it would let a retry queue twice.
+    fn prune_dedup(&mut self, policy: &Policy) {
+        let horizon = self.now_ms.saturating_sub(policy.dedup_retention_ms as i64);
+        while let Some(&(created, seq, key)) = self.dedup_order.front() {
+            if created > horizon {
+                break;
+            }
+            self.dedup_order.pop_front();
+            match self.dedup.get(&key) {
+                Some(record) if record.seq == seq => {
+                    if matches!(record.state, DedupState::Waiting) {
+                        self.dedup_order.push_back((self.now_ms, seq, key));
+                    } else {
+                        self.dedup.remove(&key);
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+
+    // ---- reads ----
+
+    pub fn describe(&self, resource: &ResourceName) -> ResourceView {
+        let Some(state) = self.resources.get(resource) else {
+            return ResourceView::default();
+        };
+        let mut view = ResourceView {
+            waiters: state.waiters.len() as u32,
+            ..ResourceView::default()
+        };
+        if let Some(lease) = &state.lease {
+            view.held = true;
+            view.holder = lease.holder.clone();
+            view.fencing_token = lease.token;
+            view.expires_at_ms = lease.expires_at_ms;
+        }
+        view
+    }
+
+    pub fn stats(&self) -> TableStats {
+        TableStats {
+            active_locks: self.held,
+            waiters: self.waiting,
+            resources: self.resources.len() as u64,
+            dedup_records: self.dedup.len() as u64,
+            last_token: self.last_token,
+            now_ms: self.now_ms,
+            term: self.term,
+        }
+    }
+
+    /// Up to `max` resources with a lease or a waiter due at `now_ms`, earliest first: what the
+    /// leader's reaper proposes `Reap` for.
+    pub fn due(&self, now_ms: i64, max: usize) -> Vec<ResourceName> {
+        let leases = self
+            .expiries
+            .iter()
+            .take_while(|(at, _)| *at <= now_ms)
+            .map(|(_, r)| r);
+        let waits = self
+            .wait_deadlines
+            .iter()
+            .take_while(|(at, _, _)| *at <= now_ms)
+            .map(|(_, r, _)| r);
+        let mut out: Vec<ResourceName> = Vec::new();
+        let mut seen = BTreeSet::new();
+        for r in leases.chain(waits) {
+            if out.len() >= max {
+                break;
+            }
+            if seen.insert(r) {
+                out.push(r.clone());
+            }
+        }
+        out
+    }
+
+    /// The `n` resources with the longest queues (ties by name), for Status.
+    pub fn top_by_waiters(&self, n: usize) -> Vec<(ResourceName, u32)> {
+        let mut all: Vec<(ResourceName, u32)> = self
+            .resources
+            .iter()
+            .filter(|(_, s)| !s.waiters.is_empty())
+            .map(|(r, s)| (r.clone(), s.waiters.len() as u32))
+            .collect();
+        all.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        all.truncate(n);
+        all
+    }
+
+    /// Checks the table's internal consistency (indexes against records). O(n): for tests and
+    /// snapshot loading, not the apply path.
+    pub fn check_consistency(&self) -> Result<(), String> {
+        let mut held = 0;
+        let mut waiting = 0;
+        let mut tenants: BTreeMap<String, u32> = BTreeMap::new();
+        let mut expiries = BTreeSet::new();
+        let mut deadlines = BTreeSet::new();
+        for (name, state) in &self.resources {
+            if state.lease.is_none() && state.waiters.is_empty() {
+                return Err(format!("idle record kept for {name}"));
+            }
+            if state.lease.is_none() && !state.waiters.is_empty() {
+                return Err(format!("{name} has waiters but no holder"));
+            }
+            if let Some(l) = &state.lease {
+                held += 1;
+                if l.token.0 > self.last_token {
+                    return Err(format!("{name} token {} above last {}", l.token, self.last_token));
+                }
+                expiries.insert((l.expires_at_ms, name.clone()));
+            }
+            let mut keys = BTreeSet::new();
+            for w in &state.waiters {
+                waiting += 1;
+                if !keys.insert(w.key) {
+                    return Err(format!("{name} queues {:?} twice", w.request_id));
+                }
+                *tenants.entry(name.tenant().to_owned()).or_default() += 1;
+                deadlines.insert((w.deadline_ms, name.clone(), w.key));
+                match self.dedup.get(&w.key).map(|r| r.state) {
+                    Some(DedupState::Waiting) => {}
+                    other => return Err(format!("waiter {:?} has dedup state {other:?}", w.request_id)),
+                }
+            }
+        }
+        if held != self.held || waiting != self.waiting {
+            return Err(format!(
+                "counters held={} waiting={} but counted {held} and {waiting}",
+                self.held, self.waiting
+            ));
+        }
+        if expiries != self.expiries || deadlines != self.wait_deadlines || tenants != self.tenant_waiters {
+            return Err("an index disagrees with the records".into());
+        }
+        Ok(())
+    }
+}
+
+/// The parameters of a lease about to be granted.
+struct NewLease<'a> {
+    id: LeaseId,
+    request_id: &'a str,
+    holder: &'a str,
+    lease_ttl_ms: u64,
+}
+
+fn waiter_event(kind: EventKind, resource: &ResourceName, waiter: &Waiter) -> Event {
+    Event {
+        kind,
+        resource: resource.clone(),
+        fencing_token: FencingToken(0),
+        holder: waiter.holder.clone(),
+        request_id: waiter.request_id.clone(),
+    }
+}
+
+/// Stable hash of an Acquire's arguments, length-prefixed so fields cannot run into each other.
+fn args_hash(resource: &ResourceName, ttl: u64, wait: u64, holder: &str) -> u64 {
+    let mut buf = Vec::with_capacity(resource.as_str().len() + holder.len() + 32);
+    buf.extend_from_slice(&(resource.as_str().len() as u64).to_le_bytes());
+    buf.extend_from_slice(resource.as_str().as_bytes());
+    buf.extend_from_slice(&ttl.to_le_bytes());
+    buf.extend_from_slice(&wait.to_le_bytes());
+    buf.extend_from_slice(&(holder.len() as u64).to_le_bytes());
+    buf.extend_from_slice(holder.as_bytes());
+    xxhash_rust::xxh3::xxh3_64(&buf)
+}
+
+#[cfg(test)]
+mod tests;
