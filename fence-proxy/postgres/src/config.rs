@@ -1,0 +1,22 @@
+//! Settings shared by every session, derived once from the command-line flags.
+
+use std::time::Duration;
+
+use crate::fence_sql::FenceTable;
+
+/// What a session needs to know about the proxy's configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// `host:port` of the upstream Postgres, from `--upstream`.
+    pub upstream_addr: String,
+    /// Where fences are recorded; a validated identifier because it is spliced into SQL.
+    pub fence_table: FenceTable,
+    /// Whether sessions without a fence are held to read-only transactions.
+    pub require_fence: bool,
+    /// Bound on one protocol message body, both directions.
+    pub max_message_bytes: usize,
+    /// Bound on opening the upstream TCP connection.
+    pub connect_timeout: Duration,
+    /// Bound on a client's startup and authentication.
+    pub startup_timeout: Duration,
+}

@@ -1,0 +1,138 @@
+//! Errors the proxy makes itself, and their SQLSTATEs: the one table from condition to code.
+//!
+//! | condition | SQLSTATE | severity |
+//! |---|---|---|
+//! | stale fencing token (raised inside the upstream transaction) | `55P03` lock_not_available | ERROR |
+//! | malformed `lockd.fence` value, in SET or in the startup options | `22023` invalid_parameter_value | ERROR (FATAL at startup) |
+//! | `SET LOCAL lockd.fence`, fence SET mixed with other statements, a statement after COMMIT/ROLLBACK TO in one fenced message, FunctionCall in a guarded session | `0A000` feature_not_supported | ERROR |
+//! | message longer than `--max-message-bytes`, too many tracked statements | `54000` program_limit_exceeded | FATAL / ERROR |
+//! | malformed frame or startup packet, unsupported protocol version | `08P01` protocol_violation | FATAL |
+//! | upstream unreachable or its connection lost | `08006` connection_failure | FATAL |
+//! | `--max-sessions` reached | `53300` too_many_connections | FATAL |
+//! | proxy shutting down | `57P01` admin_shutdown | FATAL |
+//!
+//! Every message starts with `fence-proxy: ` and names the values involved. Errors of the upstream
+//! (including `25006` read_only_sql_transaction under `--require-fence`) pass through unchanged.
+
+use bytes::{BufMut, BytesMut};
+
+use crate::codec::Message;
+
+/// SQLSTATE of a stale fencing token: the session lost the lock it names.
+pub const STALE_TOKEN: &str = "55P03";
+/// SQLSTATE of a malformed fence value.
+pub const BAD_FENCE: &str = "22023";
+/// SQLSTATE of a statement shape the proxy cannot fence.
+pub const NOT_SUPPORTED: &str = "0A000";
+/// SQLSTATE of a size or count limit.
+pub const LIMIT_EXCEEDED: &str = "54000";
+/// SQLSTATE of a protocol violation by a peer.
+pub const PROTOCOL_VIOLATION: &str = "08P01";
+/// SQLSTATE of a lost or unreachable upstream.
+pub const CONNECTION_FAILURE: &str = "08006";
+/// SQLSTATE of the session limit.
+pub const TOO_MANY_CONNECTIONS: &str = "53300";
+/// SQLSTATE of the proxy's shutdown.
+pub const ADMIN_SHUTDOWN: &str = "57P01";
+
+/// An error the proxy reports to a client itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProxyError {
+    /// `ERROR` keeps the session; `FATAL` ends it.
+    pub fatal: bool,
+    /// Five-character SQLSTATE from the table above.
+    pub code: &'static str,
+    /// The full message, starting with `fence-proxy: `.
+    pub message: String,
+    /// Optional hint on what to do instead.
+    pub hint: Option<String>,
+}
+
+impl ProxyError {
+    pub fn error(code: &'static str, message: impl std::fmt::Display) -> Self {
+        ProxyError {
+            fatal: false,
+            code,
+            message: format!("fence-proxy: {message}"),
+            hint: None,
+        }
+    }
+
+    pub fn fatal(code: &'static str, message: impl std::fmt::Display) -> Self {
+        ProxyError {
+            fatal: true,
+            ..Self::error(code, message)
+        }
+    }
+
+    pub fn with_hint(mut self, hint: impl Into<String>) -> Self {
+        self.hint = Some(hint.into());
+        self
+    }
+
+    /// The ErrorResponse message carrying this error.
+    pub fn to_message(&self) -> Message {
+        let severity = if self.fatal { "FATAL" } else { "ERROR" };
+        let mut body = BytesMut::new();
+        for (field, value) in [
+            (b'S', severity),
+            (b'V', severity),
+            (b'C', self.code),
+            (b'M', self.message.as_str()),
+        ]
+        .into_iter()
+        .chain(self.hint.as_deref().map(|h| (b'H', h)))
+        {
+            body.put_u8(field);
+            // A NUL inside a field would end it early on the client side.
+            body.put_slice(value.replace('\0', "\\0").as_bytes());
+            body.put_u8(0);
+        }
+        body.put_u8(0);
+        Message::new(b'E', &body)
+    }
+}
+
+/// ReadyForQuery with the given transaction status (`I`, `T` or `E`).
+pub fn ready_for_query(status: u8) -> Message {
+    Message::new(b'Z', &[status])
+}
+
+/// The SQLSTATE of an ErrorResponse body, if it has one.
+pub fn error_code(body: &[u8]) -> Option<String> {
+    error_field(body, b'C')
+}
+
+/// One field of an ErrorResponse or NoticeResponse body.
+pub fn error_field(body: &[u8], wanted: u8) -> Option<String> {
+    let mut rest = body;
+    while let Some((&field, tail)) = rest.split_first() {
+        if field == 0 {
+            return None;
+        }
+        let end = tail.iter().position(|&b| b == 0)?;
+        if field == wanted {
+            return Some(String::from_utf8_lossy(&tail[..end]).into_owned());
+        }
+        rest = &tail[end + 1..];
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_response_round_trips_its_fields() {
+        let e = ProxyError::error(BAD_FENCE, "fence \"x\" must look like <resource>:<token>")
+            .with_hint("use SET lockd.fence = 'orders:42'");
+        let m = e.to_message();
+        assert_eq!(m.tag, b'E');
+        assert_eq!(error_code(m.body()).as_deref(), Some("22023"));
+        let msg = error_field(m.body(), b'M').unwrap();
+        assert!(msg.starts_with("fence-proxy: fence \"x\""), "{msg}");
+        assert_eq!(error_field(m.body(), b'S').as_deref(), Some("ERROR"));
+        assert!(error_field(m.body(), b'H').unwrap().contains("orders:42"));
+    }
+}

@@ -1,0 +1,30 @@
+//! Every bound the front end enforces, kept together with its reason.
+
+/// Longest startup packet (SSLRequest, CancelRequest or StartupMessage) accepted from a client.
+/// Postgres itself refuses startup packets above 10,000 bytes (`MAX_STARTUP_PACKET_LENGTH`), so a
+/// longer one can never be valid.
+pub const MAX_STARTUP_PACKET_BYTES: usize = 10_000;
+
+/// Default bound on one protocol message body, in either direction. It caps the memory a session
+/// holds for one message (the relay buffers whole messages); 64 MiB leaves room for large `bytea`
+/// values and COPY rows while keeping a thousand sessions from exhausting the host. Postgres's own
+/// ceiling is 1 GiB.
+pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
+
+/// How many SSLRequest/GSSENCRequest refusals a client gets before it must send its startup
+/// message; libpq sends at most one of each, so a third one means a confused or hostile client.
+pub const MAX_ENCRYPTION_REQUESTS: usize = 2;
+
+/// Named prepared statements and portals whose kind the proxy remembers per session. Only
+/// transaction-control and session statements are remembered (every other statement is a data
+/// statement by default), so real clients stay far below this; it bounds a hostile client.
+pub const MAX_TRACKED_STATEMENTS: usize = 10_000;
+
+/// Statements of one simple-query message the proxy classifies. Scripts sent in one message
+/// (psql -c, migrations) rarely have more than a few hundred; the bound keeps the classification
+/// vector small.
+pub const MAX_STATEMENTS_PER_QUERY: usize = 100_000;
+
+/// Default number of concurrent client sessions. Each session holds one upstream connection, so
+/// this also bounds the proxy's share of the upstream's `max_connections`.
+pub const DEFAULT_MAX_SESSIONS: usize = 1_000;
