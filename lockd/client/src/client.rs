@@ -1,0 +1,619 @@
+//! [`Client`]: the `Lock` and `Cluster` RPCs with endpoint rotation, deadline-bounded retries and
+//! typed errors.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use lockd_api::v1::cluster_client::ClusterClient;
+use lockd_api::v1::lock_client::LockClient;
+use lockd_api::v1::{
+    AcquireRequest, DescribeRequest, DescribeResponse, ReleaseRequest, RenewRequest, StatusRequest,
+    StatusResponse,
+};
+use lockd_fence::FencingToken;
+use tokio::time::{Instant, sleep, timeout};
+use tonic::Status;
+use tonic::transport::Channel;
+
+use crate::config::ClientConfig;
+use crate::endpoints::Endpoints;
+use crate::error::{AttemptFailure, Error, Op, classify, from_final_status, humanize};
+use crate::guard::LeaseGuard;
+use crate::lease::{Lease, LeaseId, default_safety_margin};
+use crate::request_id::RequestId;
+use crate::retry::{backoff, next_delay, remaining};
+
+/// The server's default ttl (CONTRACT.md), assumed only if a reply leaves `lease_ttl_ms` empty.
+const SERVER_DEFAULT_TTL: Duration = Duration::from_millis(30_000);
+
+/// Options of one `Acquire`. `Default` = server-default ttl, no waiting, the client's holder text,
+/// a fresh request id, and a total time of `wait + ClientConfig::call_timeout`.
+#[derive(Clone, Debug, Default)]
+pub struct AcquireOptions {
+    /// Lease ttl; `None` lets the server pick its default (30 s).
+    pub ttl: Option<Duration>,
+    /// How long to queue for a held resource; `None` or zero = fail with [`Error::Held`].
+    pub wait: Option<Duration>,
+    /// Free text shown by `Describe`; `None` = [`ClientConfig::holder`].
+    pub holder: Option<String>,
+    /// The idempotency key; `None` = a fresh random one. Pass the id of an earlier attempt whose
+    /// outcome is unknown to learn it.
+    pub request_id: Option<RequestId>,
+    /// Total time for the call including retries; `None` = `wait + call_timeout`.
+    pub timeout: Option<Duration>,
+}
+
+impl AcquireOptions {
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = Some(ttl);
+        self
+    }
+    pub fn wait(mut self, wait: Duration) -> Self {
+        self.wait = Some(wait);
+        self
+    }
+    pub fn holder(mut self, holder: impl Into<String>) -> Self {
+        self.holder = Some(holder.into());
+        self
+    }
+    pub fn request_id(mut self, id: RequestId) -> Self {
+        self.request_id = Some(id);
+        self
+    }
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = Some(timeout);
+        self
+    }
+}
+
+/// A successful `Renew`.
+#[derive(Clone, Debug)]
+pub struct Renewed {
+    /// The lease's ttl after the renewal.
+    pub ttl: Duration,
+    /// When the answered attempt left this client: the new deadline counts from here.
+    pub sent_at: Instant,
+    /// Informative only, like [`Lease::expires_at_unix_ms`].
+    pub expires_at_unix_ms: i64,
+}
+
+/// A lockd client. Cheap to clone: clones share the connections.
+#[derive(Clone)]
+pub struct Client {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    endpoints: Endpoints,
+    config: ClientConfig,
+}
+
+/// What one logical call needs to know to retry and to report.
+struct CallCtx<'a> {
+    op: Op,
+    resource: Option<&'a str>,
+    request_id: Option<&'a RequestId>,
+    /// No attempt starts, and no attempt runs, past this instant.
+    deadline: Instant,
+    /// Longest one attempt may wait for its answer.
+    attempt_timeout: Duration,
+}
+
+/// A reply and the send times the lease arithmetic needs.
+struct Answered<T> {
+    value: T,
+    /// The earliest attempt that may have reached a node.
+    first_sent: Instant,
+    /// The attempt that was answered.
+    sent: Instant,
+}
+
+/// Why a call ended without a reply.
+enum Failed {
+    /// A definite status, mapped by each RPC with its own context.
+    Final(Status),
+    /// Retries ran out of time.
+    Exhausted(Error),
+}
+
+impl Client {
+    /// A client with default settings. Nothing is connected until the first call.
+    pub fn new<I, S>(endpoints: I) -> Result<Self, Error>
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        Self::with_config(ClientConfig::new(endpoints))
+    }
+
+    pub fn with_config(config: ClientConfig) -> Result<Self, Error> {
+        let endpoints = Endpoints::parse(&config.endpoints, config.connect_timeout)?;
+        Ok(Client {
+            inner: Arc::new(Inner { endpoints, config }),
+        })
+    }
+
+    pub fn config(&self) -> &ClientConfig {
+        &self.inner.config
+    }
+
+    /// The margin subtracted from the deadline of a lease with this ttl: the configured one or
+    /// [`default_safety_margin`], never more than half the ttl (so a renewal is always due before
+    /// the deadline).
+    pub fn safety_margin(&self, ttl: Duration) -> Duration {
+        self.inner
+            .config
+            .safety_margin
+            .unwrap_or_else(|| default_safety_margin(ttl))
+            .min(ttl / 2)
+    }
+
+    /// Takes the lock on `resource` (waiting up to `opts.wait`), retrying transport errors and
+    /// `UNAVAILABLE` with the same request id until the call's deadline.
+    pub async fn acquire(&self, resource: &str, opts: AcquireOptions) -> Result<Lease, Error> {
+        let started = Instant::now();
+        check_resource(resource)?;
+        let wait = opts.wait.unwrap_or_default();
+        let request_id = opts.request_id.clone().unwrap_or_else(RequestId::random);
+        let request = AcquireRequest {
+            resource: resource.to_owned(),
+            request_id: request_id.as_str().to_owned(),
+            lease_ttl_ms: opts.ttl.map(millis).unwrap_or(0),
+            wait_timeout_ms: millis(wait),
+            holder: opts
+                .holder
+                .clone()
+                .unwrap_or_else(|| self.inner.config.holder.clone()),
+        };
+        let budget = opts
+            .timeout
+            .unwrap_or(wait + self.inner.config.call_timeout);
+        let ctx = CallCtx {
+            op: Op::Acquire,
+            resource: Some(resource),
+            request_id: Some(&request_id),
+            deadline: started + budget,
+            // A waiting attempt legitimately takes up to `wait` before the server answers.
+            attempt_timeout: wait + self.inner.config.attempt_timeout,
+        };
+        let answered = self
+            .call(&ctx, |channel| {
+                let request = request.clone();
+                async move { LockClient::new(channel).acquire(request).await }
+            })
+            .await
+            .map_err(|f| self.failed(f, &ctx, None, wait))?;
+        let reply = answered.value;
+        Ok(Lease {
+            resource: resource.to_owned(),
+            lease_id: LeaseId::new(reply.lease_id),
+            fencing_token: FencingToken(reply.fencing_token),
+            ttl: granted_ttl(reply.lease_ttl_ms, opts.ttl),
+            request_id,
+            sent_at: answered.first_sent,
+            expires_at_unix_ms: reply.expires_at_unix_ms,
+        })
+    }
+
+    /// Acquires and returns a [`LeaseGuard`] that renews the lease until it is released, dropped
+    /// or lost. If the acquire took so long (waiting, retries) that less than half the ttl is left
+    /// of its local deadline, the lease is renewed once before the guard is handed out, so a
+    /// caller never starts work on a lease about to be declared lost.
+    pub async fn lock(&self, resource: &str, opts: AcquireOptions) -> Result<LeaseGuard, Error> {
+        let started = Instant::now();
+        let budget = opts
+            .timeout
+            .unwrap_or(opts.wait.unwrap_or_default() + self.inner.config.call_timeout);
+        let lease = self.acquire(resource, opts).await?;
+        let margin = self.safety_margin(lease.ttl);
+        let now = Instant::now();
+        let (valid_from, ttl) = if lease.local_deadline(margin) < now + lease.ttl / 2 {
+            // The renewal's own send time starts a fresh deadline; a renewal that succeeds proves the
+            // lease was still current when it committed, even if the first deadline has passed.
+            let deadline = (started + budget).max(now + self.inner.config.attempt_timeout);
+            match self
+                .renew_until(
+                    resource,
+                    &lease.lease_id,
+                    None,
+                    deadline,
+                    self.inner.config.attempt_timeout,
+                )
+                .await
+            {
+                Ok(r) => (r.sent_at, r.ttl),
+                Err(e) => {
+                    let _ = timeout(
+                        self.inner.config.attempt_timeout,
+                        self.release(resource, &lease.lease_id),
+                    )
+                    .await;
+                    return Err(e);
+                }
+            }
+        } else {
+            (lease.sent_at, lease.ttl)
+        };
+        Ok(LeaseGuard::start(
+            self.clone(),
+            lease,
+            valid_from,
+            ttl,
+            margin,
+        ))
+    }
+
+    /// Extends `lease_id` on `resource` by its ttl (or `ttl`), retrying until the call timeout.
+    pub async fn renew(
+        &self,
+        resource: &str,
+        lease_id: &LeaseId,
+        ttl: Option<Duration>,
+    ) -> Result<Renewed, Error> {
+        let deadline = Instant::now() + self.inner.config.call_timeout;
+        self.renew_until(
+            resource,
+            lease_id,
+            ttl,
+            deadline,
+            self.inner.config.attempt_timeout,
+        )
+        .await
+    }
+
+    /// `Renew` with an explicit deadline and per-attempt limit: the guard bounds both by the
+    /// lease's own deadline.
+    pub(crate) async fn renew_until(
+        &self,
+        resource: &str,
+        lease_id: &LeaseId,
+        ttl: Option<Duration>,
+        deadline: Instant,
+        attempt_timeout: Duration,
+    ) -> Result<Renewed, Error> {
+        check_resource(resource)?;
+        let request = RenewRequest {
+            resource: resource.to_owned(),
+            lease_id: lease_id.as_str().to_owned(),
+            lease_ttl_ms: ttl.map(millis).unwrap_or(0),
+        };
+        let ctx = CallCtx {
+            op: Op::Renew,
+            resource: Some(resource),
+            request_id: None,
+            deadline,
+            attempt_timeout,
+        };
+        let answered = self
+            .call(&ctx, |channel| {
+                let request = request.clone();
+                async move { LockClient::new(channel).renew(request).await }
+            })
+            .await
+            .map_err(|f| self.failed(f, &ctx, Some(lease_id), Duration::ZERO))?;
+        Ok(Renewed {
+            ttl: granted_ttl(answered.value.lease_ttl_ms, ttl),
+            sent_at: answered.sent,
+            expires_at_unix_ms: answered.value.expires_at_unix_ms,
+        })
+    }
+
+    /// Gives up `lease_id`. `Ok(false)` when it was not the current lease (nothing released). A
+    /// release retried after an unanswered attempt may also answer `false` because that earlier
+    /// attempt released it.
+    pub async fn release(&self, resource: &str, lease_id: &LeaseId) -> Result<bool, Error> {
+        check_resource(resource)?;
+        let request = ReleaseRequest {
+            resource: resource.to_owned(),
+            lease_id: lease_id.as_str().to_owned(),
+        };
+        let ctx = CallCtx {
+            op: Op::Release,
+            resource: Some(resource),
+            request_id: None,
+            deadline: Instant::now() + self.inner.config.call_timeout,
+            attempt_timeout: self.inner.config.attempt_timeout,
+        };
+        let answered = self
+            .call(&ctx, |channel| {
+                let request = request.clone();
+                async move { LockClient::new(channel).release(request).await }
+            })
+            .await
+            .map_err(|f| self.failed(f, &ctx, Some(lease_id), Duration::ZERO))?;
+        Ok(answered.value.released)
+    }
+
+    /// The linearizable state of `resource` (never its lease id).
+    pub async fn describe(&self, resource: &str) -> Result<DescribeResponse, Error> {
+        check_resource(resource)?;
+        let request = DescribeRequest {
+            resource: resource.to_owned(),
+        };
+        let ctx = CallCtx {
+            op: Op::Describe,
+            resource: Some(resource),
+            request_id: None,
+            deadline: Instant::now() + self.inner.config.call_timeout,
+            attempt_timeout: self.inner.config.attempt_timeout,
+        };
+        self.call(&ctx, |channel| {
+            let request = request.clone();
+            async move { LockClient::new(channel).describe(request).await }
+        })
+        .await
+        .map(|a| a.value)
+        .map_err(|f| self.failed(f, &ctx, None, Duration::ZERO))
+    }
+
+    /// Status of the first node that answers (not necessarily the leader).
+    pub async fn status(&self) -> Result<StatusResponse, Error> {
+        let ctx = CallCtx {
+            op: Op::Status,
+            resource: None,
+            request_id: None,
+            deadline: Instant::now() + self.inner.config.call_timeout,
+            attempt_timeout: self.inner.config.attempt_timeout,
+        };
+        self.call(&ctx, |channel| async move {
+            ClusterClient::new(channel).status(StatusRequest {}).await
+        })
+        .await
+        .map(|a| a.value)
+        .map_err(|f| self.failed(f, &ctx, None, Duration::ZERO))
+    }
+
+    /// Runs `rpc` against the current endpoint until it answers, gives a final status, or the
+    /// deadline passes; rotates to the next endpoint and backs off after every retryable failure.
+    async fn call<T, F, Fut>(&self, ctx: &CallCtx<'_>, mut rpc: F) -> Result<Answered<T>, Failed>
+    where
+        F: FnMut(Channel) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<T>, Status>>,
+    {
+        let started = Instant::now();
+        let endpoints = &self.inner.endpoints;
+        let mut delays = backoff();
+        let mut attempts = 0u32;
+        let mut first_sent: Option<Instant> = None;
+        let mut last_error = String::from("the deadline passed before any attempt");
+        while Instant::now() < ctx.deadline {
+            attempts += 1;
+            let index = endpoints.current();
+            let name = endpoints.name(index);
+            let left = remaining(Instant::now(), ctx.deadline);
+            let failure = match timeout(left, endpoints.channel(index)).await {
+                Err(_) => AttemptFailure::NotSent(format!(
+                    "{name}: not connected within {}",
+                    humanize(left)
+                )),
+                Ok(Err(e)) => {
+                    AttemptFailure::NotSent(format!("{name}: cannot connect: {}", error_chain(&e)))
+                }
+                Ok(Ok(channel)) => {
+                    let sent = Instant::now();
+                    let limit = ctx.attempt_timeout.min(remaining(sent, ctx.deadline));
+                    match timeout(limit, rpc(channel)).await {
+                        Ok(Ok(reply)) => {
+                            return Ok(Answered {
+                                value: reply.into_inner(),
+                                first_sent: first_sent.unwrap_or(sent),
+                                sent,
+                            });
+                        }
+                        Ok(Err(status)) => {
+                            let failure = classify(ctx.op, status, name);
+                            if !matches!(failure, AttemptFailure::NotSent(_)) {
+                                first_sent.get_or_insert(sent);
+                            }
+                            failure
+                        }
+                        Err(_) => {
+                            first_sent.get_or_insert(sent);
+                            AttemptFailure::MaybeSent(format!(
+                                "{name}: no answer within {}",
+                                humanize(limit)
+                            ))
+                        }
+                    }
+                }
+            };
+            match failure {
+                AttemptFailure::Final(status) => return Err(Failed::Final(status)),
+                AttemptFailure::NotSent(message) | AttemptFailure::MaybeSent(message) => {
+                    tracing::debug!(op = %ctx.op, attempt = attempts, error = %message, "retrying on the next endpoint");
+                    last_error = message;
+                    endpoints.invalidate(index);
+                    endpoints.rotate_from(index);
+                }
+            }
+            match next_delay(&mut delays, Instant::now(), ctx.deadline) {
+                Some(delay) => sleep(delay).await,
+                None => break,
+            }
+        }
+        let elapsed = started.elapsed();
+        let resource = ctx.resource.map(str::to_owned);
+        Err(Failed::Exhausted(
+            if first_sent.is_some() && ctx.op.mutates() {
+                Error::OutcomeUnknown {
+                    op: ctx.op,
+                    resource: resource.unwrap_or_default(),
+                    request_id: ctx.request_id.map(|id| id.as_str().to_owned()),
+                    attempts,
+                    elapsed,
+                    last_error,
+                }
+            } else {
+                Error::Unavailable {
+                    op: ctx.op,
+                    resource,
+                    attempts,
+                    elapsed,
+                    last_error,
+                }
+            },
+        ))
+    }
+
+    fn failed(
+        &self,
+        failed: Failed,
+        ctx: &CallCtx<'_>,
+        lease: Option<&LeaseId>,
+        wait: Duration,
+    ) -> Error {
+        match failed {
+            Failed::Exhausted(e) => e,
+            Failed::Final(status) => from_final_status(
+                ctx.op,
+                status,
+                ctx.resource.unwrap_or_default(),
+                lease.map(LeaseId::as_str),
+                wait,
+            ),
+        }
+    }
+}
+
+/// Refuses to send a resource name the server would reject anyway, naming it.
+fn check_resource(resource: &str) -> Result<(), Error> {
+    lockd_fence::validate_resource(resource).map_err(|e| Error::InvalidArgument {
+        message: e.to_string(),
+    })
+}
+
+/// Milliseconds for the wire, saturating (the server rejects absurd values with the value named).
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// The ttl a reply granted; a reply without one means the requested ttl or the server default.
+fn granted_ttl(reply_ms: u64, requested: Option<Duration>) -> Duration {
+    if reply_ms > 0 {
+        Duration::from_millis(reply_ms)
+    } else {
+        requested
+            .filter(|d| !d.is_zero())
+            .unwrap_or(SERVER_DEFAULT_TTL)
+    }
+}
+
+/// `outer: inner: innermost`, since tonic's transport errors hide the cause in their sources.
+fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let text = s.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        source = s.source();
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn granted_ttl_prefers_the_reply() {
+        assert_eq!(granted_ttl(5000, None), Duration::from_secs(5));
+        assert_eq!(
+            granted_ttl(0, Some(Duration::from_secs(2))),
+            Duration::from_secs(2)
+        );
+        assert_eq!(granted_ttl(0, None), SERVER_DEFAULT_TTL);
+    }
+
+    #[test]
+    fn margin_never_exceeds_half_the_ttl() {
+        let mut config = ClientConfig::new(["127.0.0.1:1"]);
+        config.safety_margin = Some(Duration::from_secs(100));
+        let client = Client::with_config(config).unwrap();
+        assert_eq!(
+            client.safety_margin(Duration::from_secs(10)),
+            Duration::from_secs(5)
+        );
+    }
+
+    /// Against a port nobody listens on, every attempt fails to connect: the error says "not done",
+    /// not "outcome unknown", and arrives by the deadline.
+    #[tokio::test]
+    async fn unreachable_endpoints_mean_not_done_within_the_deadline() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        drop(listener);
+        let client = Client::new([addr.to_string()]).unwrap();
+        let started = Instant::now();
+        let err = client
+            .acquire(
+                "orders/1",
+                AcquireOptions::default().timeout(Duration::from_millis(600)),
+            )
+            .await
+            .unwrap_err();
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "{:?}",
+            started.elapsed()
+        );
+        assert!(
+            matches!(err, Error::Unavailable { attempts, .. } if attempts >= 2),
+            "{err:?}"
+        );
+        assert!(err.is_definitely_not_granted());
+        assert!(err.to_string().contains(&addr.to_string()), "{err}");
+    }
+
+    /// A node that accepts the connection but never answers leaves the outcome unknown, and the
+    /// error carries the request id to retry with.
+    #[tokio::test]
+    async fn silent_node_means_outcome_unknown_with_request_id() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        // Accept and hold connections without speaking HTTP/2 back.
+        let holder = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((socket, _)) = listener.accept().await {
+                held.push(socket);
+            }
+        });
+        let mut config = ClientConfig::new([addr.to_string()]);
+        config.attempt_timeout = Duration::from_millis(200);
+        config.connect_timeout = Duration::from_millis(200);
+        let client = Client::with_config(config).unwrap();
+        let id = RequestId::random();
+        let err = client
+            .acquire(
+                "orders/1",
+                AcquireOptions::default()
+                    .request_id(id.clone())
+                    .timeout(Duration::from_millis(900)),
+            )
+            .await
+            .unwrap_err();
+        holder.abort();
+        match &err {
+            Error::OutcomeUnknown { request_id, .. } => {
+                assert_eq!(request_id.as_deref(), Some(id.as_str()));
+            }
+            other => panic!("expected OutcomeUnknown, got {other:?}"),
+        }
+        assert!(!err.is_definitely_not_granted());
+        assert!(err.to_string().contains("orders/1"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn bad_resource_is_refused_before_sending() {
+        let client = Client::new(["127.0.0.1:1"]).unwrap();
+        let err = client
+            .acquire("a\u{7}b", AcquireOptions::default())
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument { .. }), "{err:?}");
+        assert!(err.to_string().contains("a\\u{7}b"), "{err}");
+    }
+}

@@ -1,0 +1,81 @@
+//! Client settings and the timing constants behind their defaults, kept together.
+
+use std::time::Duration;
+
+/// How long establishing a TCP + HTTP/2 connection to one endpoint may take before the client moves
+/// on to the next one. Loopback and LAN connections take well under a millisecond; a node that does
+/// not answer within a second is down or partitioned, and another node can forward for us.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Longest a single non-waiting RPC attempt may take. CONTRACT.md bounds a node without quorum to
+/// answer `UNAVAILABLE` within 5 s; one more second covers the network and scheduling.
+pub const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(6);
+
+/// Default total time for one logical call, all retries included, on top of any `wait_timeout`.
+/// A leader election takes a few hundred milliseconds (openraft's election timeout is 150-300 ms);
+/// fifteen seconds rides out several elections and a node restart without hanging a caller forever.
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// Smallest safety margin subtracted from a lease's deadline. It covers the rate difference between
+/// the client's and the leader's monotonic clocks, scheduling delays between the deadline passing
+/// and the application reacting, and timer granularity (tokio timers fire at 1 ms resolution).
+pub const SAFETY_MARGIN_MIN: Duration = Duration::from_millis(250);
+
+/// The safety margin as a fraction of the ttl (1/`SAFETY_MARGIN_TTL_DIVISOR`): clock-rate errors
+/// grow with the interval they are measured over, so a longer ttl gets a longer margin.
+pub const SAFETY_MARGIN_TTL_DIVISOR: u32 = 10;
+
+/// Renewals are due every ttl / `RENEWALS_PER_TTL`: three chances to renew before the lease could
+/// expire, so one lost or slow renewal does not lose the lease.
+pub const RENEWALS_PER_TTL: u32 = 3;
+
+/// Each renewal interval is shortened by a random fraction of up to 1/`RENEW_JITTER_DIVISOR`, so
+/// that many clients that acquired together do not renew in lockstep.
+pub const RENEW_JITTER_DIVISOR: u32 = 4;
+
+/// Settings of a [`crate::Client`]. `ClientConfig::new(endpoints)` gives the defaults above.
+#[derive(Clone, Debug)]
+pub struct ClientConfig {
+    /// `host:port` or `http://host:port` of every node; any node forwards to the leader, the list
+    /// only needs to contain at least one live node.
+    pub endpoints: Vec<String>,
+    /// Limit on connecting to one endpoint; see [`CONNECT_TIMEOUT`].
+    pub connect_timeout: Duration,
+    /// Limit on one non-waiting RPC attempt; see [`ATTEMPT_TIMEOUT`].
+    pub attempt_timeout: Duration,
+    /// Default limit on a whole call with its retries; see [`CALL_TIMEOUT`].
+    pub call_timeout: Duration,
+    /// Margin subtracted from every lease deadline; `None` = [`crate::default_safety_margin`].
+    pub safety_margin: Option<Duration>,
+    /// Free text sent as `holder` with every `Acquire` that does not set its own, shown by
+    /// `Describe` so that operators can tell who holds a lock.
+    pub holder: String,
+}
+
+impl ClientConfig {
+    pub fn new<I, S>(endpoints: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        ClientConfig {
+            endpoints: endpoints.into_iter().map(Into::into).collect(),
+            connect_timeout: CONNECT_TIMEOUT,
+            attempt_timeout: ATTEMPT_TIMEOUT,
+            call_timeout: CALL_TIMEOUT,
+            safety_margin: None,
+            holder: default_holder(),
+        }
+    }
+}
+
+/// `<hostname>/pid-<pid>`: enough for an operator to find the holding process.
+fn default_holder() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_owned())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "unknown-host".to_owned());
+    format!("{host}/pid-{}", std::process::id())
+}

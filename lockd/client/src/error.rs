@@ -1,0 +1,370 @@
+//! The errors a caller branches on, and the one table that maps gRPC statuses onto them.
+//!
+//! | status from lockd | `Acquire` | `Renew` | `Release` / `Describe` / `Status` |
+//! |---|---|---|---|
+//! | `ABORTED` | [`Error::Held`] | - | - |
+//! | `DEADLINE_EXCEEDED` | [`Error::WaitTimedOut`] | retried | retried |
+//! | `RESOURCE_EXHAUSTED` | [`Error::LimitReached`] | same | same |
+//! | `INVALID_ARGUMENT` | [`Error::InvalidArgument`] | same | same |
+//! | `NOT_FOUND` | [`Error::NotFound`] | [`Error::NotFound`] | [`Error::NotFound`] |
+//! | `UNAVAILABLE`, transport error, no answer | retried, then [`Error::OutcomeUnknown`] | same | same (reads: [`Error::Unavailable`]) |
+//! | connection refused on every attempt | [`Error::Unavailable`] | same | same |
+//! | anything else | [`Error::Protocol`] | same | same |
+
+use std::fmt;
+use std::time::Duration;
+
+use tonic::{Code, Status};
+
+/// The RPC an error came from; it decides how a status is read (see the table above).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op {
+    Acquire,
+    Renew,
+    Release,
+    Describe,
+    Status,
+}
+
+impl Op {
+    /// Whether the RPC changes state, so that an unanswered attempt leaves its outcome unknown.
+    pub fn mutates(self) -> bool {
+        matches!(self, Op::Acquire | Op::Renew | Op::Release)
+    }
+}
+
+impl fmt::Display for Op {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Op::Acquire => "acquire",
+            Op::Renew => "renew",
+            Op::Release => "release",
+            Op::Describe => "describe",
+            Op::Status => "status",
+        })
+    }
+}
+
+/// What a failed call did to the cluster.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Definitely not done: nothing was granted, renewed or released.
+    NotDone,
+    /// May have happened. For `Acquire`, retry with the same request id to learn the outcome; a
+    /// lease granted and never learnt expires after its ttl.
+    Unknown,
+}
+
+/// Errors of [`crate::Client`] and [`crate::LeaseGuard`].
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// `ABORTED`: another lease holds the resource and the call did not wait. Not granted.
+    #[error("{resource:?} is held by another lease (not granted): {message}")]
+    Held { resource: String, message: String },
+
+    /// `DEADLINE_EXCEEDED` on `Acquire`: waited `wait_timeout` without getting the lock. Not
+    /// granted, and the waiter has left the queue.
+    #[error("waited {} for {resource:?} without getting it (not granted): {message}", humanize(*wait_timeout))]
+    WaitTimedOut {
+        resource: String,
+        wait_timeout: Duration,
+        message: String,
+    },
+
+    /// `RESOURCE_EXHAUSTED`: the waiter limit of the resource or its tenant is reached. Not granted.
+    #[error("waiter limit reached for {resource:?} (not granted): {message}")]
+    LimitReached { resource: String, message: String },
+
+    /// `INVALID_ARGUMENT` from the server, or an argument this client refused to send.
+    #[error("invalid argument: {message}")]
+    InvalidArgument { message: String },
+
+    /// `NOT_FOUND`: the lease is not the current lease of the resource (expired, released,
+    /// superseded or unknown). Nothing was renewed.
+    #[error(
+        "lease {lease} of {resource:?} is not current (expired, released or superseded): {message}"
+    )]
+    NotFound {
+        resource: String,
+        lease: String,
+        message: String,
+    },
+
+    /// The call may or may not have taken effect: an attempt reached a node (or may have) but no
+    /// answer arrived before the deadline. For `Acquire`, retry with `request_id`.
+    #[error(
+        "{op} of {resource:?}: outcome unknown after {attempts} attempt(s) in {}{}: {last_error}",
+        humanize(*elapsed),
+        request_id.as_ref().map(|id| format!(" (retry with request id {id})")).unwrap_or_default()
+    )]
+    OutcomeUnknown {
+        op: Op,
+        resource: String,
+        request_id: Option<String>,
+        attempts: u32,
+        elapsed: Duration,
+        last_error: String,
+    },
+
+    /// No node could serve the call before the deadline and nothing was done: every attempt
+    /// failed to connect, or the call only reads.
+    #[error(
+        "{op}{}: no lockd node answered after {attempts} attempt(s) in {} (not done): {last_error}",
+        resource.as_ref().map(|r| format!(" of {r:?}")).unwrap_or_default(),
+        humanize(*elapsed)
+    )]
+    Unavailable {
+        op: Op,
+        resource: Option<String>,
+        attempts: u32,
+        elapsed: Duration,
+        last_error: String,
+    },
+
+    /// An endpoint that is not `host:port` or `http://host:port`.
+    #[error("bad endpoint {endpoint:?}: {reason}")]
+    BadEndpoint { endpoint: String, reason: String },
+
+    /// A status the contract does not give for this RPC (e.g. `INTERNAL`, `UNIMPLEMENTED`).
+    #[error("{op}: unexpected reply {code:?} from lockd: {message}")]
+    Protocol {
+        op: Op,
+        code: Code,
+        message: String,
+        outcome: Outcome,
+    },
+}
+
+impl Error {
+    /// Whether the cluster may have done what the call asked.
+    pub fn outcome(&self) -> Outcome {
+        match self {
+            Error::OutcomeUnknown { .. } => Outcome::Unknown,
+            Error::Protocol { outcome, .. } => *outcome,
+            _ => Outcome::NotDone,
+        }
+    }
+
+    /// Whether `Acquire` definitely did not grant a lease (the opposite of "outcome unknown").
+    pub fn is_definitely_not_granted(&self) -> bool {
+        self.outcome() == Outcome::NotDone
+    }
+}
+
+/// How one failed attempt is handled by the retry loop.
+#[derive(Debug)]
+pub(crate) enum AttemptFailure {
+    /// The request never left this client (connection refused, connect timeout): retry elsewhere,
+    /// nothing happened.
+    NotSent(String),
+    /// The request may have reached a node (server `UNAVAILABLE`, broken connection, no answer in
+    /// time): retry elsewhere, the outcome is unknown until an answer arrives.
+    MaybeSent(String),
+    /// A definite answer: stop retrying.
+    Final(Status),
+}
+
+/// Sorts a failed attempt's status into "retry" or "final". Transport errors carry a source error
+/// (tonic builds them from the failing I/O); statuses sent by a server have none.
+pub(crate) fn classify(op: Op, status: Status, endpoint: &str) -> AttemptFailure {
+    let describe = |s: &Status| format!("{endpoint}: {:?}: {}", s.code(), s.message());
+    if is_connect_error(&status) {
+        return AttemptFailure::NotSent(describe(&status));
+    }
+    let from_transport = std::error::Error::source(&status).is_some();
+    match status.code() {
+        Code::Unavailable => AttemptFailure::MaybeSent(describe(&status)),
+        // A broken connection surfaces as UNKNOWN or CANCELLED with the I/O error as source.
+        Code::Unknown | Code::Cancelled | Code::Internal if from_transport => {
+            AttemptFailure::MaybeSent(describe(&status))
+        }
+        // Only a waiting Acquire has a deadline of its own; elsewhere this comes from a proxy or
+        // a server-side timeout and says nothing final.
+        Code::DeadlineExceeded if op != Op::Acquire => AttemptFailure::MaybeSent(describe(&status)),
+        _ => AttemptFailure::Final(status),
+    }
+}
+
+fn is_connect_error(status: &Status) -> bool {
+    let mut source = std::error::Error::source(status);
+    while let Some(err) = source {
+        if err.downcast_ref::<tonic::ConnectError>().is_some() {
+            return true;
+        }
+        source = err.source();
+    }
+    false
+}
+
+/// Maps a final status of `op` on `resource` to the caller's error (the table above).
+pub(crate) fn from_final_status(
+    op: Op,
+    status: Status,
+    resource: &str,
+    lease: Option<&str>,
+    wait_timeout: Duration,
+) -> Error {
+    let message = status.message().to_owned();
+    let resource = resource.to_owned();
+    match status.code() {
+        Code::Aborted if op == Op::Acquire => Error::Held { resource, message },
+        Code::DeadlineExceeded if op == Op::Acquire => Error::WaitTimedOut {
+            resource,
+            wait_timeout,
+            message,
+        },
+        Code::ResourceExhausted => Error::LimitReached { resource, message },
+        Code::InvalidArgument => Error::InvalidArgument { message },
+        Code::NotFound => Error::NotFound {
+            resource,
+            lease: lease.map(crate::lease::abbreviate).unwrap_or_default(),
+            message,
+        },
+        code => Error::Protocol {
+            op,
+            code,
+            message,
+            // INTERNAL after the request arrived may hide a commit; only a read is harmless.
+            outcome: if op.mutates() {
+                Outcome::Unknown
+            } else {
+                Outcome::NotDone
+            },
+        },
+    }
+}
+
+/// `1.5s`-style rendering for messages.
+pub(crate) fn humanize(d: Duration) -> String {
+    let ms = d.as_millis();
+    if ms < 1000 {
+        format!("{ms}ms")
+    } else if ms % 1000 == 0 {
+        format!("{}s", ms / 1000)
+    } else {
+        format!("{:.1}s", d.as_secs_f64())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn server_statuses_are_final_and_typed() {
+        let held = from_final_status(
+            Op::Acquire,
+            Status::aborted("lockd: \"a\" is held"),
+            "a",
+            None,
+            Duration::ZERO,
+        );
+        assert!(matches!(held, Error::Held { .. }), "{held:?}");
+        assert!(held.is_definitely_not_granted());
+        assert!(held.to_string().contains("\"a\""), "{held}");
+
+        let timed_out = from_final_status(
+            Op::Acquire,
+            Status::deadline_exceeded("lockd: waited"),
+            "a",
+            None,
+            Duration::from_secs(3),
+        );
+        assert!(matches!(timed_out, Error::WaitTimedOut { .. }));
+        assert!(timed_out.to_string().contains("3s"), "{timed_out}");
+
+        let nf = from_final_status(
+            Op::Renew,
+            Status::not_found("lockd: lease not current"),
+            "a",
+            Some("0123456789abcdef0123"),
+            Duration::ZERO,
+        );
+        assert!(matches!(nf, Error::NotFound { .. }));
+        assert!(
+            !nf.to_string().contains("0123456789abcdef0123"),
+            "full lease id leaked: {nf}"
+        );
+
+        let limit = from_final_status(
+            Op::Acquire,
+            Status::resource_exhausted("x"),
+            "a",
+            None,
+            Duration::ZERO,
+        );
+        assert!(matches!(limit, Error::LimitReached { .. }));
+        let invalid = from_final_status(
+            Op::Acquire,
+            Status::invalid_argument("x"),
+            "a",
+            None,
+            Duration::ZERO,
+        );
+        assert!(matches!(invalid, Error::InvalidArgument { .. }));
+        let internal = from_final_status(
+            Op::Acquire,
+            Status::internal("x"),
+            "a",
+            None,
+            Duration::ZERO,
+        );
+        assert_eq!(internal.outcome(), Outcome::Unknown);
+        let internal_read = from_final_status(
+            Op::Describe,
+            Status::internal("x"),
+            "a",
+            None,
+            Duration::ZERO,
+        );
+        assert_eq!(internal_read.outcome(), Outcome::NotDone);
+    }
+
+    #[test]
+    fn unavailable_is_retried_with_unknown_outcome() {
+        let f = classify(Op::Acquire, Status::unavailable("lockd: no quorum"), "e1");
+        assert!(
+            matches!(f, AttemptFailure::MaybeSent(ref m) if m.contains("e1")),
+            "{f:?}"
+        );
+        // Server-sent UNKNOWN (no transport source) is a final answer, not a retry.
+        let f = classify(Op::Acquire, Status::unknown("boom"), "e1");
+        assert!(matches!(f, AttemptFailure::Final(_)), "{f:?}");
+        // DEADLINE_EXCEEDED is final only for a waiting Acquire.
+        let f = classify(Op::Acquire, Status::deadline_exceeded("w"), "e1");
+        assert!(matches!(f, AttemptFailure::Final(_)));
+        let f = classify(Op::Renew, Status::deadline_exceeded("w"), "e1");
+        assert!(matches!(f, AttemptFailure::MaybeSent(_)));
+        let f = classify(Op::Acquire, Status::aborted("held"), "e1");
+        assert!(matches!(f, AttemptFailure::Final(_)));
+    }
+
+    #[test]
+    fn connect_errors_are_not_sent() {
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused");
+        let status = Status::from_error(Box::new(tonic::ConnectError(Box::new(io))));
+        assert_eq!(status.code(), Code::Unavailable);
+        let f = classify(Op::Acquire, status, "e1");
+        assert!(matches!(f, AttemptFailure::NotSent(_)), "{f:?}");
+    }
+
+    #[test]
+    fn outcome_unknown_names_the_request_id() {
+        let e = Error::OutcomeUnknown {
+            op: Op::Acquire,
+            resource: "orders/1".into(),
+            request_id: Some("rid-7".into()),
+            attempts: 4,
+            elapsed: Duration::from_millis(1500),
+            last_error: "e1: Unavailable: no quorum".into(),
+        };
+        let s = e.to_string();
+        assert!(
+            s.contains("rid-7") && s.contains("\"orders/1\"") && s.contains("1.5s"),
+            "{s}"
+        );
+        assert_eq!(e.outcome(), Outcome::Unknown);
+        assert!(!e.is_definitely_not_granted());
+    }
+}
