@@ -1,1 +1,53 @@
-//! lockd-server (work in progress).
+//! The lockd daemon: the lock table of `lockd-core`, replicated by openraft, persisted in redb and
+//! served over gRPC.
+//!
+//! It does not decide lock semantics (that is `lockd-core`, pure and deterministic) and it does
+//! not define the wire format (that is `lockd-api`).
+//!
+//! # Layout
+//! - [`config`]: flags and tuning of a node.
+//! - [`node`]: wiring of one node and its background tasks (reaper, leadership watcher).
+//! - [`raft`]: openraft type configuration and the peer network.
+//! - [`storage`]: the redb log store and the state machine with its snapshots.
+//! - [`proposer`]: group commit of client commands into Raft entries.
+//! - [`waiters`]: calls parked until the log grants them.
+//! - [`service`]: the gRPC services and the status-code table.
+//! - [`observe`]: metrics and health endpoints.
+//! - [`clock`]: the leader's stamp clock.
+//! - [`dev`]: `lockd dev`, three nodes in one process.
+
+pub mod clock;
+pub mod config;
+pub mod dev;
+pub mod node;
+pub mod observe;
+pub mod proposer;
+pub mod raft;
+pub mod service;
+pub mod storage;
+pub mod waiters;
+
+use config::LogFormat;
+
+/// Sets up logging on stderr. Levels come from `RUST_LOG` (default `info`, openraft at `warn`).
+pub fn init_tracing(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,openraft=warn"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    let _ = match format {
+        LogFormat::Json => builder.json().try_init(),
+        LogFormat::Text => builder.try_init(),
+    };
+}
+
+/// Resolves when the process receives SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).expect("installing SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}

@@ -1,0 +1,174 @@
+//! Node configuration: the `lockd` flags of CONTRACT.md plus tuning knobs, each with its
+//! `LOCKD_*` environment variable.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use lockd_core::Policy;
+use lockd_core::limits::{
+    DEDUP_RETENTION_DEFAULT_MS, WAITERS_PER_RESOURCE_DEFAULT, WAITERS_PER_TENANT_DEFAULT,
+};
+
+/// One peer: `ID=HOST:PORT`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Peer {
+    pub id: u64,
+    pub addr: String,
+}
+
+impl std::str::FromStr for Peer {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let (id, addr) = s
+            .split_once('=')
+            .ok_or_else(|| format!("peer {s:?} must look like ID=HOST:PORT"))?;
+        let id: u64 = id
+            .parse()
+            .map_err(|_| format!("peer {s:?}: id {id:?} is not a positive integer"))?;
+        if id == 0 {
+            return Err(format!("peer {s:?}: id must be at least 1"));
+        }
+        addr.parse::<SocketAddr>()
+            .map_err(|e| format!("peer {s:?}: address {addr:?} is not HOST:PORT ({e})"))?;
+        Ok(Peer {
+            id,
+            addr: addr.to_owned(),
+        })
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// Tuning shared by `lockd` and `lockd dev`.
+#[derive(Clone, Debug, clap::Args)]
+pub struct Tuning {
+    /// Raft heartbeat interval.
+    #[arg(long, env = "LOCKD_HEARTBEAT_MS", default_value_t = 100)]
+    pub heartbeat_ms: u64,
+    /// Lower bound of the randomised election timeout. Upper bound is twice this.
+    #[arg(long, env = "LOCKD_ELECTION_TIMEOUT_MS", default_value_t = 600)]
+    pub election_timeout_ms: u64,
+    /// Build a snapshot (and purge the log before it) after this many log entries.
+    #[arg(long, env = "LOCKD_SNAPSHOT_EVERY", default_value_t = 5_000)]
+    pub snapshot_every: u64,
+    /// Log entries kept behind the snapshot so briefly lagging followers catch up without one.
+    #[arg(long, env = "LOCKD_LOGS_KEPT_AFTER_SNAPSHOT", default_value_t = 1_000)]
+    pub logs_kept_after_snapshot: u64,
+    /// Waiters allowed on one resource.
+    #[arg(long, env = "LOCKD_WAITERS_PER_RESOURCE_MAX", default_value_t = WAITERS_PER_RESOURCE_DEFAULT)]
+    pub waiters_per_resource_max: u32,
+    /// Waiters allowed on all resources of one tenant (the name before its first `/`).
+    #[arg(long, env = "LOCKD_WAITERS_PER_TENANT_MAX", default_value_t = WAITERS_PER_TENANT_DEFAULT)]
+    pub waiters_per_tenant_max: u32,
+    /// Log format on stderr.
+    #[arg(long, env = "LOCKD_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+}
+
+impl Tuning {
+    pub fn policy(&self) -> Policy {
+        Policy {
+            waiters_per_resource_max: self.waiters_per_resource_max,
+            waiters_per_tenant_max: self.waiters_per_tenant_max,
+            dedup_retention_ms: DEDUP_RETENTION_DEFAULT_MS,
+        }
+    }
+
+    pub fn validate(&self) -> Result<(), String> {
+        if self.heartbeat_ms == 0 || self.election_timeout_ms < 3 * self.heartbeat_ms {
+            return Err(format!(
+                "--election-timeout-ms {} must be at least 3 x --heartbeat-ms {} (and heartbeat > 0)",
+                self.election_timeout_ms, self.heartbeat_ms
+            ));
+        }
+        if self.snapshot_every < 10 {
+            return Err(format!(
+                "--snapshot-every {} must be at least 10",
+                self.snapshot_every
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Everything one node needs to run.
+#[derive(Clone, Debug)]
+pub struct NodeConfig {
+    pub id: u64,
+    pub listen: SocketAddr,
+    pub peers: BTreeMap<u64, String>,
+    pub data_dir: PathBuf,
+    pub metrics_listen: Option<SocketAddr>,
+    pub tuning: Tuning,
+}
+
+impl NodeConfig {
+    /// Checks the parts clap cannot: the peer list must be consistent and contain this node.
+    pub fn new(
+        id: u64,
+        listen: SocketAddr,
+        peers: Vec<Peer>,
+        data_dir: PathBuf,
+        metrics_listen: Option<SocketAddr>,
+        tuning: Tuning,
+    ) -> Result<Self, String> {
+        tuning.validate()?;
+        let mut map = BTreeMap::new();
+        for p in peers {
+            if let Some(prev) = map.insert(p.id, p.addr.clone()) {
+                return Err(format!(
+                    "--peer id {} given twice ({prev} and {})",
+                    p.id, p.addr
+                ));
+            }
+        }
+        if map.is_empty() {
+            map.insert(id, listen.to_string());
+        }
+        if !map.contains_key(&id) {
+            return Err(format!(
+                "--id {id} is not in the --peer list ({:?})",
+                map.keys().collect::<Vec<_>>()
+            ));
+        }
+        Ok(NodeConfig {
+            id,
+            listen,
+            peers: map,
+            data_dir,
+            metrics_listen,
+            tuning,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peer_parsing_names_the_bad_value() {
+        assert_eq!(
+            "2=127.0.0.1:7002".parse::<Peer>(),
+            Ok(Peer {
+                id: 2,
+                addr: "127.0.0.1:7002".into()
+            })
+        );
+        assert!(
+            "x=127.0.0.1:1"
+                .parse::<Peer>()
+                .unwrap_err()
+                .contains("\"x\"")
+        );
+        assert!("1=nohost".parse::<Peer>().unwrap_err().contains("nohost"));
+        assert!("0=127.0.0.1:1".parse::<Peer>().is_err());
+        assert!("127.0.0.1:1".parse::<Peer>().is_err());
+    }
+}

@@ -1,0 +1,119 @@
+//! `lockd`: the Raft lock daemon. Parses flags, sets up logging, runs a node (or `lockd dev`).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use lockd_server::config::{NodeConfig, Peer, Tuning};
+use tokio_util::sync::CancellationToken;
+
+/// lockd: a replicated lock service with fencing tokens.
+///
+/// Three nodes started with the same --peer list form one cluster. Clients may call any node.
+#[derive(Parser, Debug)]
+#[command(name = "lockd", version, args_conflicts_with_subcommands = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Cmd>,
+    /// This node's id, as in the --peer list.
+    #[arg(long, env = "LOCKD_ID")]
+    id: Option<u64>,
+    /// Address of this node's gRPC port (clients and replication).
+    #[arg(long, env = "LOCKD_LISTEN")]
+    listen: Option<SocketAddr>,
+    /// A member as ID=HOST:PORT; repeat for every member, this node included.
+    #[arg(long = "peer", env = "LOCKD_PEERS", value_delimiter = ',')]
+    peers: Vec<Peer>,
+    /// Where this node keeps its Raft log, vote and snapshots.
+    #[arg(long, env = "LOCKD_DATA_DIR")]
+    data_dir: Option<PathBuf>,
+    /// Serve /metrics, /healthz and /readyz here.
+    #[arg(long, env = "LOCKD_METRICS_LISTEN")]
+    metrics_listen: Option<SocketAddr>,
+    #[command(flatten)]
+    tuning: Tuning,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Three replicas in one process on 127.0.0.1:7001-7003 (metrics on 9101-9103).
+    Dev {
+        /// Folder for the three nodes' data.
+        #[arg(long, default_value = "lockd-dev-data")]
+        data_dir: PathBuf,
+        #[command(flatten)]
+        tuning: Tuning,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            use clap::error::ErrorKind;
+            if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) {
+                let _ = e.print();
+                return ExitCode::SUCCESS;
+            }
+            let text = e.to_string();
+            let line = text
+                .lines()
+                .next()
+                .unwrap_or("bad arguments")
+                .trim_start_matches("error: ");
+            eprintln!("lockd: {line}");
+            return ExitCode::from(2);
+        }
+    };
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("lockd: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("lockd: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
+    let shutdown = CancellationToken::new();
+    let on_signal = shutdown.clone();
+    tokio::spawn(async move {
+        lockd_server::shutdown_signal().await;
+        on_signal.cancel();
+    });
+    match cli.command {
+        Some(Cmd::Dev { data_dir, tuning }) => {
+            tuning.validate().map_err(|e| anyhow::anyhow!(e))?;
+            lockd_server::init_tracing(tuning.log_format);
+            lockd_server::dev::run(data_dir, tuning, shutdown).await
+        }
+        None => {
+            let missing = |flag: &str| {
+                anyhow::anyhow!("{flag} is required (or run `lockd dev`); see lockd --help")
+            };
+            let id = cli.id.ok_or_else(|| missing("--id"))?;
+            let listen = cli.listen.ok_or_else(|| missing("--listen"))?;
+            let data_dir = cli.data_dir.ok_or_else(|| missing("--data-dir"))?;
+            let config = NodeConfig::new(
+                id,
+                listen,
+                cli.peers,
+                data_dir,
+                cli.metrics_listen,
+                cli.tuning,
+            )
+            .map_err(|e| anyhow::anyhow!(e))?;
+            lockd_server::init_tracing(config.tuning.log_format);
+            let node = lockd_server::node::start(config, shutdown).await?;
+            node.done.await?
+        }
+    }
+}

@@ -1,0 +1,317 @@
+//! One lockd node: storage, Raft, the proposer, the reaper and the gRPC server, wired together.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use lockd_api::v1::cluster_server::ClusterServer;
+use lockd_api::v1::lock_client::LockClient;
+use lockd_api::v1::lock_server::LockServer;
+use lockd_core::{Command, Event, EventKind};
+use openraft::{BasicNode, ServerState};
+use tokio_util::sync::CancellationToken;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::clock::Clock;
+use crate::config::NodeConfig;
+use crate::observe::metrics::NodeMetrics;
+use crate::proposer::Proposer;
+use crate::raft::network::Network;
+use crate::raft::{NodeId, Raft};
+use crate::service::cluster::ClusterService;
+use crate::service::lock::LockService;
+use crate::service::raft::RaftService;
+use crate::storage::state_machine::{AppliedSink, SmState, StateMachine};
+use crate::storage::{self, log_store::LogStore};
+use crate::waiters::{WaitEnd, WaitRegistry};
+
+/// How often the leader looks for leases and waits that are due.
+const REAP_INTERVAL: Duration = Duration::from_millis(50);
+/// Resources reaped per round; the rest follow in the next round.
+const REAP_BATCH_MAX: usize = 2_000;
+/// Largest client message: requests are a few hundred bytes.
+pub const CLIENT_MESSAGE_MAX_BYTES: usize = 64 * 1024;
+
+/// Everything the RPC handlers and background tasks of one node share.
+pub struct NodeCtx {
+    pub id: NodeId,
+    pub raft: Raft,
+    pub sm: Arc<RwLock<SmState>>,
+    pub proposer: Proposer,
+    pub waits: Arc<WaitRegistry>,
+    pub clock: Clock,
+    pub metrics: Arc<NodeMetrics>,
+    pub committed: Arc<AtomicU64>,
+    /// Client channels to the other nodes, for forwarding calls to the leader.
+    pub peers: BTreeMap<NodeId, (String, LockClient<Channel>)>,
+    pub election_timeout_max_ms: u64,
+}
+
+impl NodeCtx {
+    /// Ready = this node is part of a quorum with a known leader.
+    pub fn readiness(&self) -> Result<String, String> {
+        let m = self.raft.metrics().borrow().clone();
+        match (m.state, m.current_leader) {
+            (ServerState::Leader, _) => match m.millis_since_quorum_ack {
+                Some(ms) if ms <= self.election_timeout_max_ms => {
+                    Ok(format!("leader of term {}", m.current_term))
+                }
+                other => Err(format!(
+                    "leader of term {} without a quorum acknowledgement for {other:?} ms",
+                    m.current_term
+                )),
+            },
+            (_, Some(leader)) => Ok(format!(
+                "follower of leader {leader} in term {}",
+                m.current_term
+            )),
+            (state, None) => Err(format!(
+                "{state:?} in term {} with no known leader",
+                m.current_term
+            )),
+        }
+    }
+
+    pub fn refresh_gauges(&self) {
+        let stats = self.sm.read().expect("state lock").table.stats();
+        let m = self.raft.metrics().borrow().clone();
+        self.metrics.with(|| {
+            metrics::gauge!("lockd_active_locks").set(stats.active_locks as f64);
+            metrics::gauge!("lockd_waiters").set(stats.waiters as f64);
+            metrics::gauge!("lockd_is_leader").set(if m.state == ServerState::Leader {
+                1.0
+            } else {
+                0.0
+            });
+            metrics::gauge!("lockd_raft_commit_index")
+                .set(self.committed.load(Ordering::Relaxed) as f64);
+            metrics::gauge!("lockd_raft_term").set(m.current_term as f64);
+        });
+    }
+}
+
+/// Wakes waiting calls and counts state changes as entries apply.
+struct Hub {
+    waits: Arc<WaitRegistry>,
+    metrics: Arc<NodeMetrics>,
+}
+
+impl AppliedSink for Hub {
+    fn on_applied(&self, _log_index: u64, events: &[Event]) {
+        for e in events {
+            match e.kind {
+                EventKind::Granted {
+                    to_waiter: Some(key),
+                    grant,
+                } => self.waits.notify(key, WaitEnd::Granted(grant)),
+                EventKind::TimedOut { waiter } => self.waits.notify(waiter, WaitEnd::TimedOut),
+                EventKind::Expired => self
+                    .metrics
+                    .with(|| metrics::counter!("lockd_lease_expirations_total").increment(1)),
+                _ => {}
+            }
+        }
+    }
+}
+
+/// A started node. Dropping it does not stop it: cancel the token given to [`run`].
+pub struct RunningNode {
+    pub ctx: Arc<NodeCtx>,
+    pub done: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+/// Starts a node and returns once its ports are bound; it runs until `shutdown` is cancelled.
+pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::Result<RunningNode> {
+    let t = &config.tuning;
+    let raft_config = openraft::Config {
+        cluster_name: "lockd".into(),
+        heartbeat_interval: t.heartbeat_ms,
+        election_timeout_min: t.election_timeout_ms,
+        election_timeout_max: t.election_timeout_ms * 2,
+        install_snapshot_timeout: 10_000,
+        snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(t.snapshot_every),
+        max_in_snapshot_log_to_keep: t.logs_kept_after_snapshot,
+        snapshot_max_chunk_size: 4 * 1024 * 1024,
+        max_payload_entries: 64,
+        ..Default::default()
+    }
+    .validate()
+    .map_err(|e| anyhow::anyhow!("raft configuration: {e}"))?;
+
+    let db = storage::open(&config.data_dir)?;
+    let log_store = LogStore::new(db.clone());
+    let committed = log_store.committed_index();
+    let waits = Arc::new(WaitRegistry::default());
+    let metrics = Arc::new(NodeMetrics::new());
+    let sink = Arc::new(Hub {
+        waits: waits.clone(),
+        metrics: metrics.clone(),
+    });
+    let state_machine = StateMachine::open(db, sink).await?;
+    let sm = state_machine.shared();
+    let raft = Raft::new(
+        config.id,
+        Arc::new(raft_config),
+        Network,
+        log_store,
+        state_machine,
+    )
+    .await
+    .map_err(|e| anyhow::anyhow!("starting raft: {e}"))?;
+
+    // Nodes started with the same --peer list form the cluster with no separate init step: each
+    // proposes the same initial membership, which openraft accepts once and ignores afterwards.
+    if !raft.is_initialized().await? {
+        let members: BTreeMap<NodeId, BasicNode> = config
+            .peers
+            .iter()
+            .map(|(id, addr)| (*id, BasicNode { addr: addr.clone() }))
+            .collect();
+        if let Err(e) = raft.initialize(members).await {
+            tracing::info!(error = %e, "initialize skipped");
+        }
+    }
+
+    let clock = Clock::new();
+    let proposer = Proposer::start(raft.clone(), clock.clone(), t.policy(), metrics.clone());
+    let mut peers = BTreeMap::new();
+    for (id, addr) in &config.peers {
+        if *id == config.id {
+            continue;
+        }
+        let channel = Endpoint::from_shared(format!("http://{addr}"))?
+            .connect_timeout(Duration::from_millis(500))
+            .tcp_nodelay(true)
+            .connect_lazy();
+        let client = LockClient::new(channel)
+            .max_decoding_message_size(CLIENT_MESSAGE_MAX_BYTES)
+            .max_encoding_message_size(CLIENT_MESSAGE_MAX_BYTES);
+        peers.insert(*id, (addr.clone(), client));
+    }
+    let ctx = Arc::new(NodeCtx {
+        id: config.id,
+        raft: raft.clone(),
+        sm,
+        proposer,
+        waits,
+        clock,
+        metrics,
+        committed,
+        peers,
+        election_timeout_max_ms: t.election_timeout_ms * 2,
+    });
+
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .map_err(|e| anyhow::anyhow!("binding --listen {}: {e}", config.listen))?;
+    let (health_reporter, health_service) = tonic_health::server::health_reporter();
+    tokio::spawn(watch_leadership(
+        ctx.clone(),
+        health_reporter,
+        shutdown.clone(),
+    ));
+    tokio::spawn(reap(ctx.clone(), shutdown.clone()));
+    if let Some(addr) = config.metrics_listen {
+        let std_listener = std::net::TcpListener::bind(addr)
+            .map_err(|e| anyhow::anyhow!("binding --metrics-listen {addr}: {e}"))?;
+        drop(std_listener);
+        let (c, s) = (ctx.clone(), shutdown.clone());
+        tokio::spawn(async move {
+            if let Err(e) = crate::observe::http::serve(c, addr, s).await {
+                tracing::error!(error = %e, "metrics listener stopped");
+            }
+        });
+    }
+
+    let server = tonic::transport::Server::builder()
+        .tcp_nodelay(true)
+        .add_service(health_service)
+        .add_service(
+            LockServer::new(LockService::new(ctx.clone()))
+                .max_decoding_message_size(CLIENT_MESSAGE_MAX_BYTES),
+        )
+        .add_service(ClusterServer::new(ClusterService::new(ctx.clone())))
+        .add_service(RaftService::server(raft.clone()))
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            shutdown.clone().cancelled_owned(),
+        );
+    tracing::info!(id = config.id, listen = %config.listen, data_dir = %config.data_dir.display(), "lockd node started");
+    let done = tokio::spawn(async move {
+        let result = server.await;
+        let _ = raft.shutdown().await;
+        result.map_err(|e| anyhow::anyhow!("grpc server: {e}"))
+    });
+    Ok(RunningNode { ctx, done })
+}
+
+/// Keeps leader gauges, the leader-change counter and the gRPC health status current.
+async fn watch_leadership(
+    ctx: Arc<NodeCtx>,
+    health: tonic_health::server::HealthReporter,
+    shutdown: CancellationToken,
+) {
+    let mut rx = ctx.raft.metrics();
+    let mut last_leader = None;
+    let mut ticker = tokio::time::interval(Duration::from_millis(250));
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            changed = rx.changed() => if changed.is_err() { return },
+            _ = ticker.tick() => {}
+        }
+        let leader = rx.borrow().current_leader;
+        if leader != last_leader {
+            if leader.is_some() {
+                ctx.metrics
+                    .with(|| metrics::counter!("lockd_leader_changes_total").increment(1));
+                tracing::info!(leader = ?leader, "leader changed");
+            }
+            last_leader = leader;
+        }
+        ctx.refresh_gauges();
+        let status = if ctx.readiness().is_ok() {
+            tonic_health::ServingStatus::Serving
+        } else {
+            tonic_health::ServingStatus::NotServing
+        };
+        health.set_service_status("lockd.v1.Lock", status).await;
+        health.set_service_status("", status).await;
+    }
+}
+
+/// On the leader, proposes `Reap` for every resource whose lease or waiter is due by the
+/// leader's clock. Expiry is thus decided by the leader and committed through the log; apply
+/// checks the time again against the batch stamp.
+async fn reap(ctx: Arc<NodeCtx>, shutdown: CancellationToken) {
+    let mut ticker = tokio::time::interval(REAP_INTERVAL);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = ticker.tick() => {}
+        }
+        if ctx.raft.metrics().borrow().state != ServerState::Leader {
+            continue;
+        }
+        let due = ctx
+            .sm
+            .read()
+            .expect("state lock")
+            .table
+            .due(ctx.clock.now_ms(), REAP_BATCH_MAX);
+        if due.is_empty() {
+            continue;
+        }
+        let unique: BTreeSet<_> = due.into_iter().collect();
+        let proposals = unique
+            .into_iter()
+            .map(|resource| ctx.proposer.propose(Command::Reap { resource }));
+        for result in futures::future::join_all(proposals).await {
+            if let Err(e) = result {
+                tracing::debug!(error = %e, "reap proposal failed");
+            }
+        }
+    }
+}

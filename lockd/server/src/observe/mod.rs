@@ -1,0 +1,4 @@
+//! Metrics, health endpoints and the audit log.
+
+pub mod http;
+pub mod metrics;

@@ -1,0 +1,29 @@
+//! openraft type configuration and the network between nodes.
+
+pub mod network;
+
+use std::io::Cursor;
+
+use lockd_core::{Batch, Outcome};
+use serde::{Deserialize, Serialize};
+
+/// What a committed batch answers: one outcome per command, in order.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BatchResponse(pub Vec<Outcome>);
+
+openraft::declare_raft_types!(
+    /// lockd's Raft: entries carry command batches; node ids are the `--id` numbers.
+    pub TypeConfig:
+        D = Batch,
+        R = BatchResponse,
+        NodeId = u64,
+        Node = openraft::BasicNode,
+        Entry = openraft::Entry<TypeConfig>,
+        SnapshotData = Cursor<Vec<u8>>,
+        AsyncRuntime = openraft::TokioRuntime,
+);
+
+pub type NodeId = u64;
+pub type Raft = openraft::Raft<TypeConfig>;
+pub type LogId = openraft::LogId<NodeId>;
+pub type StorageError = openraft::StorageError<NodeId>;

@@ -1,0 +1,134 @@
+//! Raft messages between nodes over the node's gRPC port (`lockd.raft.v1.Raft`), postcard-encoded.
+
+use std::time::Duration;
+
+use openraft::BasicNode;
+use openraft::error::{InstallSnapshotError, NetworkError, RPCError, RaftError, Unreachable};
+use openraft::network::{RPCOption, RaftNetwork, RaftNetworkFactory};
+use openraft::raft::{
+    AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse,
+    VoteRequest, VoteResponse,
+};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tonic::transport::{Channel, Endpoint};
+
+use super::{NodeId, TypeConfig};
+use crate::service::raft::pb::{RaftMessage, raft_client::RaftClient};
+
+/// Largest replication message either side accepts: appends carry up to `max_payload_entries`
+/// batches and snapshots come in chunks of `snapshot_max_chunk_size`.
+pub const RAFT_MESSAGE_MAX_BYTES: usize = 64 * 1024 * 1024;
+/// How long a connection attempt to a peer may take before openraft counts it unreachable.
+const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// Creates one lazily connecting channel per peer.
+#[derive(Clone, Default)]
+pub struct Network;
+
+impl RaftNetworkFactory<TypeConfig> for Network {
+    type Network = PeerClient;
+
+    async fn new_client(&mut self, target: NodeId, node: &BasicNode) -> PeerClient {
+        let channel = Endpoint::from_shared(format!("http://{}", node.addr))
+            .map(|e| {
+                e.connect_timeout(CONNECT_TIMEOUT)
+                    .tcp_nodelay(true)
+                    .http2_keep_alive_interval(Duration::from_secs(5))
+                    .connect_lazy()
+            })
+            .map_err(|e| format!("peer {target} address {:?}: {e}", node.addr));
+        PeerClient {
+            target,
+            client: channel.map(|c| {
+                RaftClient::new(c)
+                    .max_decoding_message_size(RAFT_MESSAGE_MAX_BYTES)
+                    .max_encoding_message_size(RAFT_MESSAGE_MAX_BYTES)
+            }),
+        }
+    }
+}
+
+pub struct PeerClient {
+    target: NodeId,
+    client: Result<RaftClient<Channel>, String>,
+}
+
+type RpcErr<E> = RPCError<NodeId, BasicNode, RaftError<NodeId, E>>;
+
+impl PeerClient {
+    async fn call<Req, Resp, E>(
+        &mut self,
+        method: Method,
+        req: &Req,
+        option: &RPCOption,
+    ) -> Result<Resp, RpcErr<E>>
+    where
+        Req: Serialize,
+        Resp: DeserializeOwned,
+        E: std::error::Error + DeserializeOwned,
+    {
+        let client = match &mut self.client {
+            Ok(c) => c,
+            Err(e) => {
+                return Err(RPCError::Unreachable(Unreachable::new(
+                    &std::io::Error::other(e.clone()),
+                )));
+            }
+        };
+        let data =
+            postcard::to_allocvec(req).map_err(|e| RPCError::Network(NetworkError::new(&e)))?;
+        let mut request = tonic::Request::new(RaftMessage { data });
+        request.set_timeout(option.hard_ttl());
+        let result = match method {
+            Method::Append => client.append_entries(request).await,
+            Method::Vote => client.vote(request).await,
+            Method::Snapshot => client.install_snapshot(request).await,
+        };
+        let reply = match result {
+            Ok(r) => r.into_inner(),
+            Err(status) if status.code() == tonic::Code::Unavailable => {
+                tracing::debug!(peer = self.target, %status, "peer unreachable");
+                return Err(RPCError::Unreachable(Unreachable::new(&status)));
+            }
+            Err(status) => return Err(RPCError::Network(NetworkError::new(&status))),
+        };
+        let decoded: Result<Resp, RaftError<NodeId, E>> = postcard::from_bytes(&reply.data)
+            .map_err(|e| RPCError::Network(NetworkError::new(&e)))?;
+        decoded
+            .map_err(|e| RPCError::RemoteError(openraft::error::RemoteError::new(self.target, e)))
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Method {
+    Append,
+    Vote,
+    Snapshot,
+}
+
+impl RaftNetwork<TypeConfig> for PeerClient {
+    async fn append_entries(
+        &mut self,
+        rpc: AppendEntriesRequest<TypeConfig>,
+        option: RPCOption,
+    ) -> Result<AppendEntriesResponse<NodeId>, RpcErr<openraft::error::Infallible>> {
+        self.call(Method::Append, &rpc, &option).await
+    }
+
+    async fn install_snapshot(
+        &mut self,
+        rpc: InstallSnapshotRequest<TypeConfig>,
+        option: RPCOption,
+    ) -> Result<InstallSnapshotResponse<NodeId>, RpcErr<InstallSnapshotError>> {
+        self.call(Method::Snapshot, &rpc, &option).await
+    }
+
+    async fn vote(
+        &mut self,
+        rpc: VoteRequest<NodeId>,
+        option: RPCOption,
+    ) -> Result<VoteResponse<NodeId>, RpcErr<openraft::error::Infallible>> {
+        self.call(Method::Vote, &rpc, &option).await
+    }
+}

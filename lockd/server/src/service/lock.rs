@@ -1,0 +1,471 @@
+//! `lockd.v1.Lock`: validates at the edge, forwards to the leader, proposes through the
+//! proposer, and maps outcomes to replies.
+//!
+//! Request flow: client → any node → (forwarded once, marked with `lockd-forwarded-by`) → leader
+//! → proposer batch → Raft commit on a quorum → apply on the leader → reply. A waiting Acquire
+//! then parks on the wait registry until an applied event names its request.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use lockd_api::FORWARDED_HEADER;
+use lockd_api::v1::lock_server::Lock;
+use lockd_api::v1::{
+    AcquireRequest, AcquireResponse, DescribeRequest, DescribeResponse, ReleaseRequest,
+    ReleaseResponse, RenewRequest, RenewResponse,
+};
+use lockd_core::{
+    Command, EndWaitReason, Grant, LeaseId, Outcome, RequestKey, ResourceName, validate,
+};
+use openraft::ServerState;
+use rand::RngExt;
+use tonic::{Request, Response, Status};
+
+use super::errors;
+use crate::node::NodeCtx;
+use crate::observe::metrics::Op;
+use crate::raft::NodeId;
+use crate::waiters::WaitEnd;
+
+/// How long a call waits for a leader to be known before answering UNAVAILABLE.
+const LEADER_WAIT: Duration = Duration::from_secs(2);
+/// Deadline of a forwarded call that does not wait for a lock: commit timeout plus margin,
+/// within CONTRACT's 5 s bound.
+const FORWARD_TIMEOUT: Duration = Duration::from_millis(4_500);
+/// Grace after a waiter's own deadline before its call proposes the timeout itself; normally the
+/// leader's reaper times it out first.
+const WAIT_BACKSTOP: Duration = Duration::from_secs(1);
+/// Deadline of a linearizable read (a heartbeat round to a quorum).
+const READ_TIMEOUT: Duration = Duration::from_secs(3);
+
+pub struct LockService {
+    ctx: Arc<NodeCtx>,
+}
+
+impl LockService {
+    pub fn new(ctx: Arc<NodeCtx>) -> Self {
+        LockService { ctx }
+    }
+}
+
+/// Where a call is served.
+enum Route {
+    Local,
+    Forward(NodeId),
+}
+
+impl LockService {
+    /// Finds the leader, waiting up to [`LEADER_WAIT`] for one to be elected. A call that was
+    /// already forwarded is never forwarded again.
+    async fn route<T>(&self, req: &Request<T>) -> Result<Route, Status> {
+        let forwarded = req.metadata().contains_key(FORWARDED_HEADER);
+        let deadline = tokio::time::Instant::now() + LEADER_WAIT;
+        let mut rx = self.ctx.raft.metrics();
+        loop {
+            let (state, leader, term) = {
+                let m = rx.borrow_and_update();
+                (m.state, m.current_leader, m.current_term)
+            };
+            match leader {
+                Some(l) if l == self.ctx.id && state == ServerState::Leader => {
+                    return Ok(Route::Local);
+                }
+                Some(l) if l != self.ctx.id && !forwarded && self.ctx.peers.contains_key(&l) => {
+                    return Ok(Route::Forward(l));
+                }
+                Some(l) if l != self.ctx.id && forwarded => {
+                    return Err(errors::unavailable(format!(
+                        "node {} received a forwarded call but the leader is node {l} (term {term}); retry",
+                        self.ctx.id
+                    )));
+                }
+                _ => {}
+            }
+            if tokio::time::timeout_at(deadline, rx.changed())
+                .await
+                .is_err()
+            {
+                return Err(errors::unavailable(format!(
+                    "node {} knows no leader after {} ms (term {term}): no quorum; nothing was done, retry",
+                    self.ctx.id,
+                    LEADER_WAIT.as_millis()
+                )));
+            }
+        }
+    }
+
+    fn peer(
+        &self,
+        id: NodeId,
+    ) -> (
+        String,
+        lockd_api::v1::lock_client::LockClient<tonic::transport::Channel>,
+    ) {
+        let (addr, client) = &self.ctx.peers[&id];
+        (addr.clone(), client.clone())
+    }
+
+    fn forward_request<T>(&self, msg: T, timeout: Duration) -> Request<T> {
+        let mut req = Request::new(msg);
+        req.metadata_mut().insert(
+            FORWARDED_HEADER,
+            self.ctx
+                .id
+                .to_string()
+                .parse()
+                .expect("digits are valid metadata"),
+        );
+        req.set_timeout(timeout);
+        req
+    }
+
+    fn forward_error(&self, leader: NodeId, addr: &str, status: Status) -> Status {
+        // Statuses from the leader are its answer; transport failures are not.
+        if status.message().starts_with("lockd: ") {
+            return status;
+        }
+        errors::unavailable(format!(
+            "forwarding from node {} to leader {leader} at {addr} failed ({}: {}); outcome unknown, retry with the same request_id",
+            self.ctx.id,
+            status.code(),
+            status.message()
+        ))
+    }
+
+    async fn propose(&self, cmd: Command) -> Result<Outcome, Status> {
+        self.ctx
+            .proposer
+            .propose(cmd)
+            .await
+            .map_err(|e| errors::propose_failed(self.ctx.id, e))
+    }
+
+    fn record<T>(&self, op: Op, forwarded: bool, started: Instant, result: &Result<T, Status>) {
+        // A forwarded call is counted once, by the node the client called.
+        if !forwarded {
+            self.ctx
+                .metrics
+                .request(op, errors::outcome_label(result), started.elapsed());
+        }
+    }
+
+    // ---- Acquire ----
+
+    async fn acquire_local(&self, req: AcquireRequest) -> Result<AcquireResponse, Status> {
+        let resource = validate::resource(&req.resource).map_err(errors::invalid)?;
+        validate::request_id(&req.request_id).map_err(errors::invalid)?;
+        let ttl = validate::lease_ttl_ms(req.lease_ttl_ms).map_err(errors::invalid)?;
+        let wait = validate::wait_timeout_ms(req.wait_timeout_ms).map_err(errors::invalid)?;
+        validate::holder(&req.holder).map_err(errors::invalid)?;
+
+        let key = RequestKey::of(&req.request_id);
+        // Registered before proposing, so a grant that applies at once is not missed.
+        let registration = (wait > 0).then(|| self.ctx.waits.register(key));
+        let mut guard = WaitGuard {
+            ctx: self.ctx.clone(),
+            resource: resource.clone(),
+            request_id: req.request_id.clone(),
+            key,
+            registration: registration.as_ref().map(|(id, _)| *id),
+            armed: false,
+        };
+        let lease_id = LeaseId(rand::rng().random::<u128>());
+        let outcome = self
+            .propose(Command::Acquire {
+                resource: resource.clone(),
+                request_id: req.request_id.clone(),
+                lease_ttl_ms: ttl,
+                wait_timeout_ms: wait,
+                holder: req.holder.clone(),
+                lease_id,
+            })
+            .await?;
+        match outcome {
+            Outcome::Granted(g) => Ok(grant_reply(g)),
+            Outcome::Held { holder } => Err(errors::held(resource.as_str(), &holder)),
+            Outcome::WaitTimedOut => Err(errors::wait_timed_out(resource.as_str(), wait)),
+            Outcome::InvalidArgument(msg) => Err(errors::invalid(msg)),
+            Outcome::Exhausted(msg) => Err(errors::exhausted(msg)),
+            Outcome::Queued { .. } => {
+                let (_, rx) = registration.expect("queued only when waiting");
+                guard.armed = true;
+                self.wait_for_grant(&mut guard, rx, wait).await
+            }
+            other => Err(Status::internal(format!(
+                "lockd: unexpected outcome {other:?} for Acquire"
+            ))),
+        }
+    }
+
+    /// Parks until the log grants or times out this waiter. Leaving early (the caller went away)
+    /// drops the guard, which proposes the waiter's removal.
+    async fn wait_for_grant(
+        &self,
+        guard: &mut WaitGuard,
+        mut rx: tokio::sync::oneshot::Receiver<WaitEnd>,
+        wait_ms: u64,
+    ) -> Result<AcquireResponse, Status> {
+        let backstop = tokio::time::sleep(Duration::from_millis(wait_ms) + WAIT_BACKSTOP);
+        tokio::pin!(backstop);
+        let mut leader = self.ctx.raft.metrics();
+        loop {
+            tokio::select! {
+                end = &mut rx => {
+                    guard.armed = false;
+                    return match end {
+                        Ok(WaitEnd::Granted(g)) => Ok(grant_reply(g)),
+                        Ok(WaitEnd::TimedOut) => Err(errors::wait_timed_out(guard.resource.as_str(), wait_ms)),
+                        // A retry of the same request took over the registration.
+                        Err(_) => Err(errors::unavailable(format!(
+                            "a newer call with request_id {:?} took over this wait", guard.request_id
+                        ))),
+                    };
+                }
+                _ = &mut backstop => {
+                    guard.armed = false;
+                    let outcome = self.propose(Command::EndWait {
+                        resource: guard.resource.clone(),
+                        request_id: guard.request_id.clone(),
+                        reason: EndWaitReason::TimedOut,
+                    }).await?;
+                    return match outcome {
+                        Outcome::Granted(g) => Ok(grant_reply(g)),
+                        _ => Err(errors::wait_timed_out(guard.resource.as_str(), wait_ms)),
+                    };
+                }
+                changed = leader.changed() => {
+                    let still_leader = changed.is_ok() && leader.borrow_and_update().state == ServerState::Leader;
+                    if !still_leader {
+                        // The queue is replicated: the place is kept for a retry on the new leader.
+                        guard.armed = false;
+                        return Err(errors::unavailable(format!(
+                            "node {} stopped being the leader while {:?} waited; retry with the same request_id to keep its place",
+                            self.ctx.id, guard.request_id
+                        )));
+                    }
+                }
+            }
+        }
+    }
+
+    async fn describe_local(&self, req: DescribeRequest) -> Result<DescribeResponse, Status> {
+        let resource = validate::resource(&req.resource).map_err(errors::invalid)?;
+        match tokio::time::timeout(READ_TIMEOUT, self.ctx.raft.ensure_linearizable()).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => {
+                return Err(errors::unavailable(format!(
+                    "node {} cannot serve a linearizable read: {e}",
+                    self.ctx.id
+                )));
+            }
+            Err(_) => {
+                return Err(errors::unavailable(format!(
+                    "node {} could not confirm leadership with a quorum within {} ms",
+                    self.ctx.id,
+                    READ_TIMEOUT.as_millis()
+                )));
+            }
+        }
+        let view = self
+            .ctx
+            .sm
+            .read()
+            .expect("state lock")
+            .table
+            .describe(&resource);
+        Ok(DescribeResponse {
+            held: view.held,
+            holder: view.holder,
+            fencing_token: view.fencing_token.0,
+            expires_at_unix_ms: view.expires_at_ms,
+            waiters: view.waiters,
+        })
+    }
+}
+
+fn grant_reply(g: Grant) -> AcquireResponse {
+    AcquireResponse {
+        lease_id: g.lease_id.to_string(),
+        fencing_token: g.fencing_token.0,
+        expires_at_unix_ms: g.expires_at_ms,
+        lease_ttl_ms: g.lease_ttl_ms,
+    }
+}
+
+/// Removes a waiter from the queue when its call ends without an answer from the log (the
+/// caller cancelled or disconnected).
+struct WaitGuard {
+    ctx: Arc<NodeCtx>,
+    resource: ResourceName,
+    request_id: String,
+    key: RequestKey,
+    registration: Option<u64>,
+    armed: bool,
+}
+
+impl Drop for WaitGuard {
+    fn drop(&mut self) {
+        if let Some(id) = self.registration {
+            self.ctx.waits.unregister(self.key, id);
+        }
+        if self.armed {
+            let ctx = self.ctx.clone();
+            let cmd = Command::EndWait {
+                resource: self.resource.clone(),
+                request_id: self.request_id.clone(),
+                reason: EndWaitReason::Cancelled,
+            };
+            tokio::spawn(async move {
+                if let Err(e) = ctx.proposer.propose(cmd).await {
+                    tracing::warn!(error = %e, "could not remove a cancelled waiter; the reaper removes it at its deadline");
+                }
+            });
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl Lock for LockService {
+    async fn acquire(
+        &self,
+        req: Request<AcquireRequest>,
+    ) -> Result<Response<AcquireResponse>, Status> {
+        let started = Instant::now();
+        let forwarded = req.metadata().contains_key(FORWARDED_HEADER);
+        let result = match self.route(&req).await {
+            Ok(Route::Local) => self.acquire_local(req.into_inner()).await,
+            Ok(Route::Forward(leader)) => {
+                let (addr, mut client) = self.peer(leader);
+                let wait = Duration::from_millis(
+                    req.get_ref()
+                        .wait_timeout_ms
+                        .min(lockd_core::limits::WAIT_TIMEOUT_MAX_MS),
+                );
+                let fwd =
+                    self.forward_request(req.into_inner(), FORWARD_TIMEOUT + wait + WAIT_BACKSTOP);
+                client
+                    .acquire(fwd)
+                    .await
+                    .map(Response::into_inner)
+                    .map_err(|s| self.forward_error(leader, &addr, s))
+            }
+            Err(s) => Err(s),
+        };
+        self.record(Op::Acquire, forwarded, started, &result);
+        result.map(Response::new)
+    }
+
+    async fn renew(&self, req: Request<RenewRequest>) -> Result<Response<RenewResponse>, Status> {
+        let started = Instant::now();
+        let forwarded = req.metadata().contains_key(FORWARDED_HEADER);
+        let result = match self.route(&req).await {
+            Ok(Route::Local) => {
+                let r = req.into_inner();
+                async {
+                    let resource = validate::resource(&r.resource).map_err(errors::invalid)?;
+                    let lease_id = validate::lease_id(&r.lease_id).map_err(errors::invalid)?;
+                    let ttl = if r.lease_ttl_ms == 0 {
+                        0
+                    } else {
+                        validate::lease_ttl_ms(r.lease_ttl_ms).map_err(errors::invalid)?
+                    };
+                    match self
+                        .propose(Command::Renew {
+                            resource: resource.clone(),
+                            lease_id,
+                            lease_ttl_ms: ttl,
+                        })
+                        .await?
+                    {
+                        Outcome::Renewed {
+                            expires_at_ms,
+                            lease_ttl_ms,
+                        } => Ok(RenewResponse {
+                            expires_at_unix_ms: expires_at_ms,
+                            lease_ttl_ms,
+                        }),
+                        Outcome::NotFound => Err(errors::not_found(resource.as_str())),
+                        other => Err(Status::internal(format!(
+                            "lockd: unexpected outcome {other:?} for Renew"
+                        ))),
+                    }
+                }
+                .await
+            }
+            Ok(Route::Forward(leader)) => {
+                let (addr, mut client) = self.peer(leader);
+                let fwd = self.forward_request(req.into_inner(), FORWARD_TIMEOUT);
+                client
+                    .renew(fwd)
+                    .await
+                    .map(Response::into_inner)
+                    .map_err(|s| self.forward_error(leader, &addr, s))
+            }
+            Err(s) => Err(s),
+        };
+        self.record(Op::Renew, forwarded, started, &result);
+        result.map(Response::new)
+    }
+
+    async fn release(
+        &self,
+        req: Request<ReleaseRequest>,
+    ) -> Result<Response<ReleaseResponse>, Status> {
+        let started = Instant::now();
+        let forwarded = req.metadata().contains_key(FORWARDED_HEADER);
+        let result = match self.route(&req).await {
+            Ok(Route::Local) => {
+                let r = req.into_inner();
+                async {
+                    let resource = validate::resource(&r.resource).map_err(errors::invalid)?;
+                    let lease_id = validate::lease_id(&r.lease_id).map_err(errors::invalid)?;
+                    match self
+                        .propose(Command::Release { resource, lease_id })
+                        .await?
+                    {
+                        Outcome::Released(released) => Ok(ReleaseResponse { released }),
+                        other => Err(Status::internal(format!(
+                            "lockd: unexpected outcome {other:?} for Release"
+                        ))),
+                    }
+                }
+                .await
+            }
+            Ok(Route::Forward(leader)) => {
+                let (addr, mut client) = self.peer(leader);
+                let fwd = self.forward_request(req.into_inner(), FORWARD_TIMEOUT);
+                client
+                    .release(fwd)
+                    .await
+                    .map(Response::into_inner)
+                    .map_err(|s| self.forward_error(leader, &addr, s))
+            }
+            Err(s) => Err(s),
+        };
+        self.record(Op::Release, forwarded, started, &result);
+        result.map(Response::new)
+    }
+
+    async fn describe(
+        &self,
+        req: Request<DescribeRequest>,
+    ) -> Result<Response<DescribeResponse>, Status> {
+        let started = Instant::now();
+        let forwarded = req.metadata().contains_key(FORWARDED_HEADER);
+        let result = match self.route(&req).await {
+            Ok(Route::Local) => self.describe_local(req.into_inner()).await,
+            Ok(Route::Forward(leader)) => {
+                let (addr, mut client) = self.peer(leader);
+                let fwd = self.forward_request(req.into_inner(), FORWARD_TIMEOUT);
+                client
+                    .describe(fwd)
+                    .await
+                    .map(Response::into_inner)
+                    .map_err(|s| self.forward_error(leader, &addr, s))
+            }
+            Err(s) => Err(s),
+        };
+        self.record(Op::Describe, forwarded, started, &result);
+        result.map(Response::new)
+    }
+}

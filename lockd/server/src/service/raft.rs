@@ -1,0 +1,61 @@
+//! Receiving side of replication: decodes openraft messages and hands them to the local Raft.
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tonic::{Request, Response, Status};
+
+use crate::raft::Raft;
+
+pub mod pb {
+    tonic::include_proto!("lockd.raft.v1");
+}
+
+use pb::RaftMessage;
+use pb::raft_server::RaftServer;
+
+pub struct RaftService {
+    raft: Raft,
+}
+
+impl RaftService {
+    pub fn server(raft: Raft) -> RaftServer<Self> {
+        RaftServer::new(RaftService { raft })
+            .max_decoding_message_size(crate::raft::network::RAFT_MESSAGE_MAX_BYTES)
+            .max_encoding_message_size(crate::raft::network::RAFT_MESSAGE_MAX_BYTES)
+    }
+}
+
+fn decode<T: DeserializeOwned>(req: Request<RaftMessage>) -> Result<T, Status> {
+    postcard::from_bytes(&req.into_inner().data)
+        .map_err(|e| Status::invalid_argument(format!("lockd: undecodable raft message: {e}")))
+}
+
+fn encode<T: Serialize>(v: &T) -> Result<Response<RaftMessage>, Status> {
+    postcard::to_allocvec(v)
+        .map(|data| Response::new(RaftMessage { data }))
+        .map_err(|e| Status::internal(format!("lockd: encoding raft reply: {e}")))
+}
+
+#[tonic::async_trait]
+impl pb::raft_server::Raft for RaftService {
+    async fn append_entries(
+        &self,
+        req: Request<RaftMessage>,
+    ) -> Result<Response<RaftMessage>, Status> {
+        let rpc = decode(req)?;
+        encode(&self.raft.append_entries(rpc).await)
+    }
+
+    async fn vote(&self, req: Request<RaftMessage>) -> Result<Response<RaftMessage>, Status> {
+        let rpc = decode(req)?;
+        encode(&self.raft.vote(rpc).await)
+    }
+
+    async fn install_snapshot(
+        &self,
+        req: Request<RaftMessage>,
+    ) -> Result<Response<RaftMessage>, Status> {
+        let rpc = decode(req)?;
+        encode(&self.raft.install_snapshot(rpc).await)
+    }
+}

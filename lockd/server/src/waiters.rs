@@ -1,0 +1,59 @@
+//! Calls waiting for a lock on this node, woken one at a time by applied events.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use lockd_core::{Grant, RequestKey};
+use tokio::sync::oneshot;
+
+/// How a wait ended, as decided by the log.
+#[derive(Debug, Clone, Copy)]
+pub enum WaitEnd {
+    Granted(Grant),
+    TimedOut,
+}
+
+/// Waiting calls by request key. Only the event that names a key wakes its call: a release wakes
+/// one waiter, never all of them.
+#[derive(Default)]
+pub struct WaitRegistry {
+    calls: Mutex<HashMap<RequestKey, (u64, oneshot::Sender<WaitEnd>)>>,
+    next_id: AtomicU64,
+}
+
+impl WaitRegistry {
+    /// Registers a call before its Acquire is proposed, so a grant applied at once is not missed.
+    /// A retry of the same request replaces the older call, which then sees its channel close.
+    pub fn register(&self, key: RequestKey) -> (u64, oneshot::Receiver<WaitEnd>) {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        self.calls
+            .lock()
+            .expect("waiters lock")
+            .insert(key, (id, tx));
+        (id, rx)
+    }
+
+    /// Removes a registration if it is still this call's.
+    pub fn unregister(&self, key: RequestKey, id: u64) {
+        let mut calls = self.calls.lock().expect("waiters lock");
+        if calls.get(&key).is_some_and(|(current, _)| *current == id) {
+            calls.remove(&key);
+        }
+    }
+
+    pub fn notify(&self, key: RequestKey, end: WaitEnd) {
+        if let Some((_, tx)) = self.calls.lock().expect("waiters lock").remove(&key) {
+            let _ = tx.send(end);
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.calls.lock().expect("waiters lock").len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
