@@ -1,0 +1,271 @@
+//! A real three-node lockd cluster of separate `lockd` processes on a random loopback address,
+//! with data dirs in a temporary folder. Nodes can be killed, restarted, paused and wiped.
+
+use std::net::Ipv4Addr;
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use lockd_api::v1::cluster_client::ClusterClient;
+use lockd_api::v1::lock_client::LockClient;
+use lockd_api::v1::{StatusRequest, StatusResponse};
+use nix::sys::signal::Signal;
+use tonic::transport::Channel;
+
+use crate::process::{ChildGuard, command, random_loopback_ip};
+
+/// Client gRPC port of node i (1-based) is `BASE_PORT + i`; metrics `METRICS_BASE_PORT + i`.
+pub const BASE_PORT: u16 = 7000;
+pub const METRICS_BASE_PORT: u16 = 9100;
+
+/// Timings used by test clusters: quick elections so failover tests stay short.
+#[derive(Clone, Debug)]
+pub struct ClusterOptions {
+    pub nodes: u64,
+    pub heartbeat_ms: u64,
+    pub election_timeout_ms: u64,
+    pub snapshot_every: u64,
+    pub logs_kept_after_snapshot: u64,
+    pub extra_args: Vec<String>,
+}
+
+impl Default for ClusterOptions {
+    fn default() -> Self {
+        ClusterOptions {
+            nodes: 3,
+            heartbeat_ms: 100,
+            election_timeout_ms: 600,
+            snapshot_every: 5_000,
+            logs_kept_after_snapshot: 1_000,
+            extra_args: Vec::new(),
+        }
+    }
+}
+
+pub struct Cluster {
+    pub ip: Ipv4Addr,
+    pub options: ClusterOptions,
+    dir: tempfile::TempDir,
+    nodes: Vec<Option<ChildGuard>>,
+}
+
+impl Cluster {
+    /// Starts the nodes and waits until one of them is leader with a quorum.
+    pub async fn start(options: ClusterOptions) -> anyhow::Result<Cluster> {
+        let mut cluster = Cluster {
+            ip: random_loopback_ip(),
+            options,
+            dir: tempfile::tempdir()?,
+            nodes: Vec::new(),
+        };
+        for id in 1..=cluster.options.nodes {
+            cluster.nodes.push(None);
+            cluster.start_node(id)?;
+        }
+        cluster.wait_for_leader(Duration::from_secs(20)).await?;
+        Ok(cluster)
+    }
+
+    pub async fn start_default() -> anyhow::Result<Cluster> {
+        Self::start(ClusterOptions::default()).await
+    }
+
+    pub fn addr(&self, id: u64) -> String {
+        format!("{}:{}", self.ip, BASE_PORT + id as u16)
+    }
+
+    pub fn metrics_addr(&self, id: u64) -> String {
+        format!("{}:{}", self.ip, METRICS_BASE_PORT + id as u16)
+    }
+
+    /// All client endpoints, comma separated, as `lockctl --endpoints` takes them.
+    pub fn endpoints(&self) -> String {
+        (1..=self.options.nodes)
+            .map(|i| self.addr(i))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    pub fn data_dir(&self, id: u64) -> PathBuf {
+        self.dir.path().join(format!("node{id}"))
+    }
+
+    /// Starts (or restarts) node `id` with its data dir as it is.
+    pub fn start_node(&mut self, id: u64) -> anyhow::Result<()> {
+        let o = &self.options;
+        let mut cmd: Command = command("lockd");
+        cmd.arg("--id")
+            .arg(id.to_string())
+            .arg("--listen")
+            .arg(self.addr(id))
+            .arg("--data-dir")
+            .arg(self.data_dir(id))
+            .arg("--metrics-listen")
+            .arg(self.metrics_addr(id))
+            .arg("--heartbeat-ms")
+            .arg(o.heartbeat_ms.to_string())
+            .arg("--election-timeout-ms")
+            .arg(o.election_timeout_ms.to_string())
+            .arg("--snapshot-every")
+            .arg(o.snapshot_every.to_string())
+            .arg("--logs-kept-after-snapshot")
+            .arg(o.logs_kept_after_snapshot.to_string());
+        for peer in 1..=o.nodes {
+            cmd.arg("--peer").arg(format!("{peer}={}", self.addr(peer)));
+        }
+        cmd.args(&o.extra_args);
+        if std::env::var_os("RUST_LOG").is_none() {
+            cmd.env("RUST_LOG", "warn,openraft=off");
+        }
+        let guard = ChildGuard::spawn(format!("lockd-{id}"), cmd)?;
+        self.nodes[id as usize - 1] = Some(guard);
+        Ok(())
+    }
+
+    /// kill -9.
+    pub fn kill(&mut self, id: u64) {
+        if let Some(mut node) = self.nodes[id as usize - 1].take() {
+            node.kill();
+        }
+    }
+
+    pub fn pause(&self, id: u64) {
+        if let Some(node) = &self.nodes[id as usize - 1] {
+            node.signal(Signal::SIGSTOP);
+        }
+    }
+
+    pub fn resume(&self, id: u64) {
+        if let Some(node) = &self.nodes[id as usize - 1] {
+            node.signal(Signal::SIGCONT);
+        }
+    }
+
+    pub fn pid(&self, id: u64) -> Option<u32> {
+        self.nodes[id as usize - 1].as_ref().and_then(|n| n.pid())
+    }
+
+    /// Kills node `id` and deletes its data dir: it comes back empty and must catch up.
+    pub fn wipe(&mut self, id: u64) -> anyhow::Result<()> {
+        self.kill(id);
+        let dir = self.data_dir(id);
+        if dir.exists() {
+            std::fs::remove_dir_all(&dir)?;
+        }
+        Ok(())
+    }
+
+    pub fn is_running(&mut self, id: u64) -> bool {
+        self.nodes[id as usize - 1]
+            .as_mut()
+            .is_some_and(|n| n.is_running())
+    }
+
+    pub async fn channel(&self, id: u64) -> anyhow::Result<Channel> {
+        Ok(Channel::from_shared(format!("http://{}", self.addr(id)))?
+            .connect_timeout(Duration::from_secs(1))
+            .connect_lazy())
+    }
+
+    pub async fn lock_client(&self, id: u64) -> anyhow::Result<LockClient<Channel>> {
+        Ok(LockClient::new(self.channel(id).await?))
+    }
+
+    pub async fn cluster_client(&self, id: u64) -> anyhow::Result<ClusterClient<Channel>> {
+        Ok(ClusterClient::new(self.channel(id).await?))
+    }
+
+    pub async fn status(&self, id: u64) -> anyhow::Result<StatusResponse> {
+        let mut c = self.cluster_client(id).await?;
+        let mut req = tonic::Request::new(StatusRequest {});
+        req.set_timeout(Duration::from_secs(2));
+        Ok(c.status(req).await?.into_inner())
+    }
+
+    /// Waits until a running node reports itself leader and every running node agrees.
+    pub async fn wait_for_leader(&mut self, within: Duration) -> anyhow::Result<u64> {
+        let deadline = Instant::now() + within;
+        loop {
+            let mut leaders = Vec::new();
+            let mut running = 0;
+            for id in 1..=self.options.nodes {
+                if !self.is_running(id) {
+                    continue;
+                }
+                running += 1;
+                if let Ok(s) = self.status(id).await {
+                    if s.leader_id != 0 && (s.role == "leader") == (s.leader_id == id) {
+                        leaders.push(s.leader_id);
+                    }
+                }
+            }
+            if running > 0 && leaders.len() == running && leaders.iter().all(|l| *l == leaders[0]) {
+                return Ok(leaders[0]);
+            }
+            if Instant::now() > deadline {
+                anyhow::bail!(
+                    "no agreed leader within {within:?} (saw {leaders:?} from {running} running nodes)"
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// The current leader, as seen by any running node.
+    pub async fn leader(&mut self) -> anyhow::Result<u64> {
+        self.wait_for_leader(Duration::from_secs(20)).await
+    }
+
+    /// Waits until every running node has applied at least `index`.
+    pub async fn wait_applied(&mut self, index: u64, within: Duration) -> anyhow::Result<()> {
+        let deadline = Instant::now() + within;
+        loop {
+            let mut behind = Vec::new();
+            for id in 1..=self.options.nodes {
+                if !self.is_running(id) {
+                    continue;
+                }
+                match self.status(id).await {
+                    Ok(s) if s.applied_index >= index => {}
+                    Ok(s) => behind.push((id, s.applied_index)),
+                    Err(_) => behind.push((id, 0)),
+                }
+            }
+            if behind.is_empty() {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                anyhow::bail!("nodes {behind:?} did not apply index {index} within {within:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Fetches `/metrics` of node `id`.
+    pub async fn metrics_text(&self, id: u64) -> anyhow::Result<String> {
+        http_get(&self.metrics_addr(id), "/metrics")
+            .await
+            .map(|(_, body)| body)
+    }
+}
+
+/// A minimal HTTP/1.0 GET over loopback (no client library needed for two endpoints).
+pub async fn http_get(addr: &str, path: &str) -> anyhow::Result<(u16, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::time::timeout(Duration::from_secs(2), tokio::net::TcpStream::connect(addr))
+        .await??;
+    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
+        .await?;
+    let mut buf = String::new();
+    tokio::time::timeout(Duration::from_secs(5), s.read_to_string(&mut buf)).await??;
+    let status: u16 = buf
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .ok_or_else(|| anyhow::anyhow!("malformed HTTP reply from {addr}{path}: {buf:?}"))?;
+    let body = buf
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    Ok((status, body))
+}
