@@ -2,9 +2,9 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::FencingToken;
 use crate::limits::Policy;
 use crate::types::{LeaseId, RequestKey, ResourceName};
-use crate::FencingToken;
 
 /// One Raft entry: many client commands committed together (group commit), stamped once by the
 /// leader with its clock and its policy. Apply takes time and bounds only from here.
@@ -72,14 +72,21 @@ pub enum Outcome {
     /// Acquire (or a retry of it, or an EndWait that lost the race to a grant).
     Granted(Grant),
     /// Acquire without waiting found the resource held.
-    Held { holder: String },
+    Held {
+        holder: String,
+    },
     /// Acquire joined (or, retried, is still in) the queue at this 1-based position.
-    Queued { position: u32 },
+    Queued {
+        position: u32,
+    },
     /// The wait ended without the lock (this call or an earlier one with the same request_id).
     WaitTimedOut,
     /// EndWait(Cancelled) removed the waiter, or found nothing to remove.
     WaitCancelled,
-    Renewed { expires_at_ms: i64, lease_ttl_ms: u64 },
+    Renewed {
+        expires_at_ms: i64,
+        lease_ttl_ms: u64,
+    },
     /// Renew with a lease id that is not current.
     NotFound,
     Released(bool),
@@ -114,9 +121,13 @@ pub enum EventKind {
     Expired,
     Queued,
     /// A waiter left: its caller went away.
-    Cancelled { waiter: RequestKey },
+    Cancelled {
+        waiter: RequestKey,
+    },
     /// A waiter left: its wait ran out.
-    TimedOut { waiter: RequestKey },
+    TimedOut {
+        waiter: RequestKey,
+    },
 }
 
 impl EventKind {

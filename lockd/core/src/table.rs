@@ -4,10 +4,10 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
+use crate::FencingToken;
 use crate::command::{Batch, Command, EndWaitReason, Event, EventKind, Grant, Outcome};
 use crate::limits::{ACTIVE_RESOURCES_MAX, DEDUP_RECORDS_MAX, Policy};
 use crate::types::{LeaseId, RequestKey, ResourceName};
-use crate::FencingToken;
 
 /// The replicated lock table. Changed only by [`LockTable::apply`]; everything else reads.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -151,7 +151,12 @@ impl LockTable {
         }
     }
 
-    fn apply_command(&mut self, cmd: &Command, policy: &Policy, events: &mut Vec<Event>) -> Outcome {
+    fn apply_command(
+        &mut self,
+        cmd: &Command,
+        policy: &Policy,
+        events: &mut Vec<Event>,
+    ) -> Outcome {
         match cmd {
             Command::Acquire {
                 resource,
@@ -350,10 +355,12 @@ impl LockTable {
         } else {
             lease_ttl_ms
         };
-        self.expiries.remove(&(lease.expires_at_ms, resource.clone()));
+        self.expiries
+            .remove(&(lease.expires_at_ms, resource.clone()));
         lease.lease_ttl_ms = ttl;
         lease.expires_at_ms = now.saturating_add(ttl as i64);
-        self.expiries.insert((lease.expires_at_ms, resource.clone()));
+        self.expiries
+            .insert((lease.expires_at_ms, resource.clone()));
         events.push(Event {
             kind: EventKind::Renewed,
             resource: resource.clone(),
@@ -367,7 +374,12 @@ impl LockTable {
         }
     }
 
-    fn release(&mut self, resource: &ResourceName, lease_id: LeaseId, events: &mut Vec<Event>) -> Outcome {
+    fn release(
+        &mut self,
+        resource: &ResourceName,
+        lease_id: LeaseId,
+        events: &mut Vec<Event>,
+    ) -> Outcome {
         self.settle(resource, events);
         let Some(mut state) = self.resources.remove(resource) else {
             return Outcome::Released(false);
@@ -447,7 +459,11 @@ impl LockTable {
             for waiter in expired {
                 self.forget_waiter(resource, &waiter);
                 self.dedup_set(waiter.key, DedupState::TimedOut);
-                events.push(waiter_event(EventKind::TimedOut { waiter: waiter.key }, resource, &waiter));
+                events.push(waiter_event(
+                    EventKind::TimedOut { waiter: waiter.key },
+                    resource,
+                    &waiter,
+                ));
             }
         }
         if state.lease.is_none() {
@@ -458,8 +474,16 @@ impl LockTable {
 
     /// Passes a free lock to the head waiter, in the same command that freed it. Only that
     /// waiter's event carries its key, so only its call is woken.
-    fn hand_off(&mut self, resource: &ResourceName, state: &mut ResourceState, events: &mut Vec<Event>) {
-        assert!(state.lease.is_none(), "hand_off on held resource {resource}");
+    fn hand_off(
+        &mut self,
+        resource: &ResourceName,
+        state: &mut ResourceState,
+        events: &mut Vec<Event>,
+    ) {
+        assert!(
+            state.lease.is_none(),
+            "hand_off on held resource {resource}"
+        );
         if let Some(waiter) = state.waiters.pop_front() {
             self.forget_waiter(resource, &waiter);
             let grant = self.grant(
@@ -532,7 +556,8 @@ impl LockTable {
         events: &mut Vec<Event>,
     ) {
         let lease = state.lease.take().expect("end_lease on a free resource");
-        self.expiries.remove(&(lease.expires_at_ms, resource.clone()));
+        self.expiries
+            .remove(&(lease.expires_at_ms, resource.clone()));
         self.held -= 1;
         events.push(Event {
             kind,
@@ -593,7 +618,14 @@ impl LockTable {
     fn dedup_put(&mut self, key: RequestKey, args_hash: u64, state: DedupState) {
         self.dedup_seq += 1;
         let seq = self.dedup_seq;
-        self.dedup.insert(key, DedupRecord { args_hash, seq, state });
+        self.dedup.insert(
+            key,
+            DedupRecord {
+                args_hash,
+                seq,
+                state,
+            },
+        );
         self.dedup_order.push_back((self.now_ms, seq, key));
     }
 
@@ -713,7 +745,10 @@ impl LockTable {
             if let Some(l) = &state.lease {
                 held += 1;
                 if l.token.0 > self.last_token {
-                    return Err(format!("{name} token {} above last {}", l.token, self.last_token));
+                    return Err(format!(
+                        "{name} token {} above last {}",
+                        l.token, self.last_token
+                    ));
                 }
                 expiries.insert((l.expires_at_ms, name.clone()));
             }
@@ -727,7 +762,12 @@ impl LockTable {
                 deadlines.insert((w.deadline_ms, name.clone(), w.key));
                 match self.dedup.get(&w.key).map(|r| r.state) {
                     Some(DedupState::Waiting) => {}
-                    other => return Err(format!("waiter {:?} has dedup state {other:?}", w.request_id)),
+                    other => {
+                        return Err(format!(
+                            "waiter {:?} has dedup state {other:?}",
+                            w.request_id
+                        ));
+                    }
                 }
             }
         }
@@ -737,7 +777,10 @@ impl LockTable {
                 self.held, self.waiting
             ));
         }
-        if expiries != self.expiries || deadlines != self.wait_deadlines || tenants != self.tenant_waiters {
+        if expiries != self.expiries
+            || deadlines != self.wait_deadlines
+            || tenants != self.tenant_waiters
+        {
             return Err("an index disagrees with the records".into());
         }
         Ok(())

@@ -98,7 +98,13 @@ mod tests {
 
     #[test]
     fn tenant_is_the_prefix_before_the_first_slash() {
-        assert_eq!(ResourceName::new_unchecked("team/a/b".into()).tenant(), "team");
-        assert_eq!(ResourceName::new_unchecked("plain".into()).tenant(), "plain");
+        assert_eq!(
+            ResourceName::new_unchecked("team/a/b".into()).tenant(),
+            "team"
+        );
+        assert_eq!(
+            ResourceName::new_unchecked("plain".into()).tenant(),
+            "plain"
+        );
     }
 }

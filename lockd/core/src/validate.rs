@@ -65,7 +65,9 @@ pub fn lease_ttl_ms(ttl: u64) -> Result<u64, InvalidArgument> {
     if !(LEASE_TTL_MIN_MS..=LEASE_TTL_MAX_MS).contains(&ttl) {
         return Err(invalid(
             "lease_ttl_ms",
-            format!("{ttl} is outside {LEASE_TTL_MIN_MS}..={LEASE_TTL_MAX_MS} (0 means {LEASE_TTL_DEFAULT_MS})"),
+            format!(
+                "{ttl} is outside {LEASE_TTL_MIN_MS}..={LEASE_TTL_MAX_MS} (0 means {LEASE_TTL_DEFAULT_MS})"
+            ),
         ));
     }
     Ok(ttl)
@@ -117,15 +119,26 @@ mod tests {
         let e = resource("").unwrap_err();
         assert_eq!(e.field, "resource");
         let e = resource("a\u{1}b").unwrap_err();
-        assert!(e.to_string().contains("resource") && e.to_string().contains("a\\u{1}b"), "{e}");
+        assert!(
+            e.to_string().contains("resource") && e.to_string().contains("a\\u{1}b"),
+            "{e}"
+        );
         assert!(resource(&"x".repeat(257)).is_err());
         assert!(resource(&"x".repeat(256)).is_ok());
         assert!(resource("team/ünïcode").is_ok());
         let e = lease_ttl_ms(999).unwrap_err();
-        assert!(e.to_string().contains("lease_ttl_ms") && e.to_string().contains("999"), "{e}");
+        assert!(
+            e.to_string().contains("lease_ttl_ms") && e.to_string().contains("999"),
+            "{e}"
+        );
         assert_eq!(lease_ttl_ms(0), Ok(LEASE_TTL_DEFAULT_MS));
         assert!(lease_ttl_ms(300_001).is_err());
-        assert!(wait_timeout_ms(300_001).unwrap_err().to_string().contains("300001"));
+        assert!(
+            wait_timeout_ms(300_001)
+                .unwrap_err()
+                .to_string()
+                .contains("300001")
+        );
         assert_eq!(request_id("").unwrap_err().field, "request_id");
         assert!(request_id(&"r".repeat(129)).is_err());
         assert_eq!(lease_id("nope").unwrap_err().field, "lease_id");

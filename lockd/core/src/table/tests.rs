@@ -41,7 +41,10 @@ impl Harness {
             policy: policy(),
             commands: vec![cmd],
         };
-        let out = self.table.apply(self.term, &batch, &mut self.events).remove(0);
+        let out = self
+            .table
+            .apply(self.term, &batch, &mut self.events)
+            .remove(0);
         self.table.check_consistency().unwrap();
         out
     }
@@ -70,18 +73,36 @@ impl Harness {
 fn acquire_renew_release_and_held() {
     let mut h = Harness::new();
     let g = h.granted("orders/1", "r1");
-    assert_eq!(h.acquire("orders/1", "r2", 10_000, 0), Outcome::Held { holder: "holder-r1".into() });
+    assert_eq!(
+        h.acquire("orders/1", "r2", 10_000, 0),
+        Outcome::Held {
+            holder: "holder-r1".into()
+        }
+    );
     h.now += 5_000;
     assert_eq!(
-        h.run(Command::Renew { resource: res("orders/1"), lease_id: g.lease_id, lease_ttl_ms: 0 }),
-        Outcome::Renewed { expires_at_ms: h.now + 10_000, lease_ttl_ms: 10_000 }
+        h.run(Command::Renew {
+            resource: res("orders/1"),
+            lease_id: g.lease_id,
+            lease_ttl_ms: 0
+        }),
+        Outcome::Renewed {
+            expires_at_ms: h.now + 10_000,
+            lease_ttl_ms: 10_000
+        }
     );
     assert_eq!(
-        h.run(Command::Release { resource: res("orders/1"), lease_id: LeaseId(999) }),
+        h.run(Command::Release {
+            resource: res("orders/1"),
+            lease_id: LeaseId(999)
+        }),
         Outcome::Released(false)
     );
     assert_eq!(
-        h.run(Command::Release { resource: res("orders/1"), lease_id: g.lease_id }),
+        h.run(Command::Release {
+            resource: res("orders/1"),
+            lease_id: g.lease_id
+        }),
         Outcome::Released(true)
     );
     assert_eq!(h.table.stats().resources, 0, "idle record deleted");
@@ -96,9 +117,19 @@ fn superseded_lease_never_touches_the_new_holder() {
     h.now += 10_000; // old lease due
     let new = h.granted("r", "b");
     assert!(new.fencing_token > old.fencing_token);
-    assert_eq!(h.run(Command::Release { resource: res("r"), lease_id: old.lease_id }), Outcome::Released(false));
     assert_eq!(
-        h.run(Command::Renew { resource: res("r"), lease_id: old.lease_id, lease_ttl_ms: 0 }),
+        h.run(Command::Release {
+            resource: res("r"),
+            lease_id: old.lease_id
+        }),
+        Outcome::Released(false)
+    );
+    assert_eq!(
+        h.run(Command::Renew {
+            resource: res("r"),
+            lease_id: old.lease_id,
+            lease_ttl_ms: 0
+        }),
         Outcome::NotFound
     );
     assert!(h.table.describe(&res("r")).held);
@@ -116,7 +147,10 @@ fn retry_returns_original_grant_and_rejects_other_arguments() {
     }
     // Even after the lease is released, the retry gets the original lease (whose Renew will
     // answer NOT_FOUND), never a second lease.
-    h.run(Command::Release { resource: res("r"), lease_id: g.lease_id });
+    h.run(Command::Release {
+        resource: res("r"),
+        lease_id: g.lease_id,
+    });
     assert_eq!(h.acquire("r", "req", 10_000, 0), Outcome::Granted(g));
     assert!(!h.table.describe(&res("r")).held);
 }
@@ -126,16 +160,27 @@ fn fifo_handoff_wakes_only_the_head() {
     let mut h = Harness::new();
     let first = h.granted("r", "holder");
     for (i, w) in ["w1", "w2", "w3"].iter().enumerate() {
-        assert_eq!(h.acquire("r", w, 10_000, 60_000), Outcome::Queued { position: i as u32 + 1 });
+        assert_eq!(
+            h.acquire("r", w, 10_000, 60_000),
+            Outcome::Queued {
+                position: i as u32 + 1
+            }
+        );
     }
     assert_eq!(h.table.describe(&res("r")).waiters, 3);
     h.events.clear();
-    h.run(Command::Release { resource: res("r"), lease_id: first.lease_id });
+    h.run(Command::Release {
+        resource: res("r"),
+        lease_id: first.lease_id,
+    });
     let woken: Vec<_> = h
         .events
         .iter()
         .filter_map(|e| match e.kind {
-            EventKind::Granted { to_waiter: Some(k), grant } => Some((k, grant)),
+            EventKind::Granted {
+                to_waiter: Some(k),
+                grant,
+            } => Some((k, grant)),
             _ => None,
         })
         .collect();
@@ -143,26 +188,49 @@ fn fifo_handoff_wakes_only_the_head() {
     assert_eq!(woken[0].0, RequestKey::of("w1"));
     assert!(woken[0].1.fencing_token > first.fencing_token);
     // A retry of w2 keeps its place (now first in line).
-    assert_eq!(h.acquire("r", "w2", 10_000, 60_000), Outcome::Queued { position: 1 });
+    assert_eq!(
+        h.acquire("r", "w2", 10_000, 60_000),
+        Outcome::Queued { position: 1 }
+    );
     // Cancel w2: w3 moves up.
     assert_eq!(
-        h.run(Command::EndWait { resource: res("r"), request_id: "w2".into(), reason: EndWaitReason::Cancelled }),
+        h.run(Command::EndWait {
+            resource: res("r"),
+            request_id: "w2".into(),
+            reason: EndWaitReason::Cancelled
+        }),
         Outcome::WaitCancelled
     );
-    assert_eq!(h.acquire("r", "w3", 10_000, 60_000), Outcome::Queued { position: 1 });
+    assert_eq!(
+        h.acquire("r", "w3", 10_000, 60_000),
+        Outcome::Queued { position: 1 }
+    );
 }
 
 #[test]
 fn waiter_deadline_and_limits() {
     let mut h = Harness::new();
     h.granted("t/r", "holder");
-    assert_eq!(h.acquire("t/r", "w", 10_000, 2_000), Outcome::Queued { position: 1 });
+    assert_eq!(
+        h.acquire("t/r", "w", 10_000, 2_000),
+        Outcome::Queued { position: 1 }
+    );
     h.now += 2_000;
-    h.run(Command::Reap { resource: res("t/r") });
+    h.run(Command::Reap {
+        resource: res("t/r"),
+    });
     assert_eq!(h.table.describe(&res("t/r")).waiters, 0);
-    assert_eq!(h.acquire("t/r", "w", 10_000, 2_000), Outcome::WaitTimedOut, "original outcome");
+    assert_eq!(
+        h.acquire("t/r", "w", 10_000, 2_000),
+        Outcome::WaitTimedOut,
+        "original outcome"
+    );
 
-    let tight = Policy { waiters_per_resource_max: 1, waiters_per_tenant_max: 2, ..Policy::default() };
+    let tight = Policy {
+        waiters_per_resource_max: 1,
+        waiters_per_tenant_max: 2,
+        ..Policy::default()
+    };
     let acquire = |h: &mut Harness, r: &str, req: &str| {
         let batch = Batch {
             now_ms: h.now,
@@ -178,20 +246,30 @@ fn waiter_deadline_and_limits() {
         };
         h.table.apply(h.term, &batch, &mut h.events).remove(0)
     };
-    assert_eq!(acquire(&mut h, "t/r", "q1"), Outcome::Queued { position: 1 });
+    assert_eq!(
+        acquire(&mut h, "t/r", "q1"),
+        Outcome::Queued { position: 1 }
+    );
     match acquire(&mut h, "t/r", "q2") {
         Outcome::Exhausted(msg) => assert!(msg.contains("waiters_per_resource_max"), "{msg}"),
         other => panic!("{other:?}"),
     }
     h.granted("t/s", "holder-s");
-    assert_eq!(acquire(&mut h, "t/s", "q3"), Outcome::Queued { position: 1 });
+    assert_eq!(
+        acquire(&mut h, "t/s", "q3"),
+        Outcome::Queued { position: 1 }
+    );
     h.granted("t/u", "holder-u");
     match acquire(&mut h, "t/u", "q4") {
         Outcome::Exhausted(msg) => assert!(msg.contains("waiters_per_tenant_max"), "{msg}"),
         other => panic!("{other:?}"),
     }
     h.table.check_consistency().unwrap();
-    assert_eq!(h.table.describe(&res("t/r")).waiters, 1, "queue intact after a refusal");
+    assert_eq!(
+        h.table.describe(&res("t/r")).waiters,
+        1,
+        "queue intact after a refusal"
+    );
 }
 
 #[test]
@@ -229,14 +307,22 @@ fn clock_never_goes_back() {
 fn dedup_records_are_forgotten_after_retention_but_not_while_queued() {
     let mut h = Harness::new();
     let g = h.granted("r", "a");
-    assert_eq!(h.acquire("r", "w", 10_000, 300_000), Outcome::Queued { position: 1 });
-    h.run(Command::Release { resource: res("r"), lease_id: g.lease_id });
+    assert_eq!(
+        h.acquire("r", "w", 10_000, 300_000),
+        Outcome::Queued { position: 1 }
+    );
+    h.run(Command::Release {
+        resource: res("r"),
+        lease_id: g.lease_id,
+    });
     h.now += 600_001;
     h.run(Command::Reap { resource: res("r") });
     // "a" is forgotten (w's lease expired meanwhile too): the same id is now a fresh request
     // and gets a new lease instead of the original one.
     match h.acquire("r", "a", 10_000, 0) {
-        Outcome::Granted(fresh) => assert!(fresh.lease_id != g.lease_id && fresh.fencing_token > g.fencing_token),
+        Outcome::Granted(fresh) => {
+            assert!(fresh.lease_id != g.lease_id && fresh.fencing_token > g.fencing_token)
+        }
         other => panic!("{other:?}"),
     }
 }
@@ -272,7 +358,7 @@ struct Model {
 #[derive(Default, Clone)]
 struct ModelRes {
     lease: Option<(LeaseId, u64, i64, u64, String, String)>, // id, token, expires, ttl, holder, req
-    queue: Vec<(String, LeaseId, u64, i64, String)>,          // req, id, ttl, deadline, holder
+    queue: Vec<(String, LeaseId, u64, i64, String)>,         // req, id, ttl, deadline, holder
 }
 
 #[derive(Clone, Copy, PartialEq, Debug)]
@@ -304,13 +390,34 @@ impl Model {
 
     fn grant(&mut self, s: &mut ModelRes, id: LeaseId, ttl: u64, holder: &str, req: &str) -> Grant {
         self.last_token += 1;
-        s.lease = Some((id, self.last_token, self.now + ttl as i64, ttl, holder.into(), req.into()));
-        Grant { lease_id: id, fencing_token: FencingToken(self.last_token), expires_at_ms: self.now + ttl as i64, lease_ttl_ms: ttl }
+        s.lease = Some((
+            id,
+            self.last_token,
+            self.now + ttl as i64,
+            ttl,
+            holder.into(),
+            req.into(),
+        ));
+        Grant {
+            lease_id: id,
+            fencing_token: FencingToken(self.last_token),
+            expires_at_ms: self.now + ttl as i64,
+            lease_ttl_ms: ttl,
+        }
     }
 
     fn current(&self, r: &str, g: Grant) -> Grant {
-        match self.res.get(r).and_then(|s| s.lease.as_ref()).filter(|l| l.0 == g.lease_id) {
-            Some(l) => Grant { expires_at_ms: l.2, lease_ttl_ms: l.3, ..g },
+        match self
+            .res
+            .get(r)
+            .and_then(|s| s.lease.as_ref())
+            .filter(|l| l.0 == g.lease_id)
+        {
+            Some(l) => Grant {
+                expires_at_ms: l.2,
+                lease_ttl_ms: l.3,
+                ..g
+            },
             None => g,
         }
     }
@@ -338,7 +445,14 @@ impl Model {
             }
         });
         match cmd {
-            Command::Acquire { resource, request_id, lease_ttl_ms, wait_timeout_ms, holder, lease_id } => {
+            Command::Acquire {
+                resource,
+                request_id,
+                lease_ttl_ms,
+                wait_timeout_ms,
+                holder,
+                lease_id,
+            } => {
                 let r = resource.as_str();
                 let args = format!("{r}|{lease_ttl_ms}|{wait_timeout_ms}|{holder}");
                 self.settle(r);
@@ -350,36 +464,65 @@ impl Model {
                         ModelDedup::Granted(g) => Outcome::Granted(self.current(r, g)),
                         ModelDedup::TimedOut => Outcome::WaitTimedOut,
                         ModelDedup::Waiting => Outcome::Queued {
-                            position: self.res[r].queue.iter().position(|w| &w.0 == request_id).unwrap() as u32 + 1,
+                            position: self.res[r]
+                                .queue
+                                .iter()
+                                .position(|w| &w.0 == request_id)
+                                .unwrap() as u32
+                                + 1,
                         },
                     };
                 }
                 let mut s = self.res.remove(r).unwrap_or_default();
                 let out = if s.lease.is_none() {
                     let g = self.grant(&mut s, *lease_id, *lease_ttl_ms, holder, request_id);
-                    self.dedup.insert(request_id.clone(), (args, self.now, ModelDedup::Granted(g)));
+                    self.dedup
+                        .insert(request_id.clone(), (args, self.now, ModelDedup::Granted(g)));
                     Outcome::Granted(g)
                 } else if *wait_timeout_ms == 0 {
-                    Outcome::Held { holder: s.lease.as_ref().unwrap().4.clone() }
+                    Outcome::Held {
+                        holder: s.lease.as_ref().unwrap().4.clone(),
+                    }
                 } else {
-                    s.queue.push((request_id.clone(), *lease_id, *lease_ttl_ms, self.now + *wait_timeout_ms as i64, holder.clone()));
-                    self.dedup.insert(request_id.clone(), (args, self.now, ModelDedup::Waiting));
-                    Outcome::Queued { position: s.queue.len() as u32 }
+                    s.queue.push((
+                        request_id.clone(),
+                        *lease_id,
+                        *lease_ttl_ms,
+                        self.now + *wait_timeout_ms as i64,
+                        holder.clone(),
+                    ));
+                    self.dedup
+                        .insert(request_id.clone(), (args, self.now, ModelDedup::Waiting));
+                    Outcome::Queued {
+                        position: s.queue.len() as u32,
+                    }
                 };
                 self.res.insert(r.to_owned(), s);
                 out
             }
-            Command::Renew { resource, lease_id, lease_ttl_ms } => {
+            Command::Renew {
+                resource,
+                lease_id,
+                lease_ttl_ms,
+            } => {
                 let r = resource.as_str();
                 self.settle(r);
                 let now = self.now;
-                match self.res.get_mut(r).and_then(|s| s.lease.as_mut()).filter(|l| l.0 == *lease_id) {
+                match self
+                    .res
+                    .get_mut(r)
+                    .and_then(|s| s.lease.as_mut())
+                    .filter(|l| l.0 == *lease_id)
+                {
                     Some(l) => {
                         if *lease_ttl_ms != 0 {
                             l.3 = *lease_ttl_ms;
                         }
                         l.2 = now + l.3 as i64;
-                        Outcome::Renewed { expires_at_ms: l.2, lease_ttl_ms: l.3 }
+                        Outcome::Renewed {
+                            expires_at_ms: l.2,
+                            lease_ttl_ms: l.3,
+                        }
                     }
                     None => Outcome::NotFound,
                 }
@@ -400,7 +543,11 @@ impl Model {
                 self.settle(resource.as_str());
                 Outcome::Reaped
             }
-            Command::EndWait { resource, request_id, reason } => {
+            Command::EndWait {
+                resource,
+                request_id,
+                reason,
+            } => {
                 let r = resource.as_str();
                 self.settle(r);
                 let s = self.res.get_mut(r).unwrap();
@@ -431,13 +578,36 @@ impl Model {
 
 #[derive(Debug, Clone)]
 enum Op {
-    Acquire { r: usize, req: usize, ttl: u64, wait: u64, holder: usize },
-    Renew { r: usize, lease: usize, ttl: u64 },
-    Release { r: usize, lease: usize },
-    Reap { r: usize },
-    EndWait { r: usize, req: usize, cancel: bool },
-    Step { ms: i64 },
-    BackStep { ms: i64 },
+    Acquire {
+        r: usize,
+        req: usize,
+        ttl: u64,
+        wait: u64,
+        holder: usize,
+    },
+    Renew {
+        r: usize,
+        lease: usize,
+        ttl: u64,
+    },
+    Release {
+        r: usize,
+        lease: usize,
+    },
+    Reap {
+        r: usize,
+    },
+    EndWait {
+        r: usize,
+        req: usize,
+        cancel: bool,
+    },
+    Step {
+        ms: i64,
+    },
+    BackStep {
+        ms: i64,
+    },
     NewTerm,
 }
 
