@@ -1,1 +1,47 @@
-//! fence-epoch-store (work in progress).
+//! Epoch stores for fence-proxy: they check a write's fencing token against the highest token
+//! accepted for its resource, record the new highest, and keep writes of one resource in token
+//! order while they are forwarded.
+//!
+//! They do not forward anything or speak any client protocol: the front ends (`fence-proxy-http`,
+//! `fence-proxy-postgres`) do that and hold the [`Permit`] a store hands out while they forward.
+//!
+//! # Ordering guarantee
+//!
+//! `INV-FENCE-ORDER`: once a write with token `t` was accepted for a resource, no write with a
+//! token lower than `t` for that resource reaches the upstream afterwards. A store gets there by
+//! three rules:
+//!
+//! 1. One forward per resource at a time: [`EpochStore::admit`] returns a [`Permit`] that excludes
+//!    every other write of the same resource (in-process mutex; in Postgres also a session advisory
+//!    lock, so across replicas) until the front end releases it after the upstream answered.
+//! 2. The new highest token is durable before the forward starts, so a crash never lowers it.
+//! 3. A forward whose outcome is unknown (timeout, connection lost after sending) may still be
+//!    applied later: the resource stays closed for a quarantine period after it. The Postgres store
+//!    writes the in-flight deadline into the record, so a replica that crashed mid-forward is
+//!    waited out by the others too.
+//!
+//! The limit that remains: an upstream that applies a request later than the forward timeout plus
+//! the quarantine after the proxy gave up on it can still apply it after a newer write.
+//!
+//! # Layout
+//! - [`store`]: the [`EpochStore`] trait, [`Admission`], [`Permit`], [`ForwardOutcome`], [`Timing`].
+//! - [`error`]: [`StoreError`].
+//! - [`slots`]: the in-process per-resource lock table with quarantine, shared by the stores.
+//! - [`redb_store`]: [`RedbStore`], the embedded default.
+//! - [`postgres_store`]: [`PostgresStore`], shared by many proxy replicas.
+//! - [`spec`]: [`StoreSpec`], parsing `redb:PATH` / `postgres://...` and opening the store.
+
+pub mod error;
+pub mod postgres_store;
+pub mod redb_store;
+pub mod slots;
+pub mod spec;
+pub mod store;
+
+pub use error::StoreError;
+pub use lockd_fence::FencingToken;
+pub use postgres_store::PostgresStore;
+pub use redb_store::RedbStore;
+pub use slots::{SlotGuard, Slots};
+pub use spec::{StoreOptions, StoreSpec};
+pub use store::{Admission, EpochStore, ForwardOutcome, Permit, PermitRelease, Timing};

@@ -1,0 +1,42 @@
+//! Errors of the epoch stores, with the values involved in every message.
+
+use std::time::Duration;
+
+use lockd_fence::FencingToken;
+
+/// Why a store could not decide about a write. Every variant means the write was not forwarded.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The store could not be reached or failed; the proxy fails closed.
+    #[error("epoch store {store} unavailable: {detail}")]
+    Unavailable { store: String, detail: String },
+    /// Another write of the resource held it (or a quarantine did) for longer than the wait bound.
+    #[error("resource {resource:?} busy: {why}; waited {waited_ms} ms of at most {wait_max_ms} ms")]
+    Busy {
+        resource: String,
+        why: &'static str,
+        waited_ms: u64,
+        wait_max_ms: u64,
+    },
+    /// The store cannot represent this token (Postgres `bigint` is signed).
+    #[error("fencing token {token} exceeds the {store} store's largest token {max}")]
+    TokenOutOfRange {
+        token: FencingToken,
+        max: u64,
+        store: &'static str,
+    },
+    /// The store's configuration is invalid (bad path, bad table name).
+    #[error("epoch store configuration: {0}")]
+    Config(String),
+}
+
+impl StoreError {
+    pub(crate) fn busy(resource: &str, why: &'static str, waited: Duration, max: Duration) -> Self {
+        StoreError::Busy {
+            resource: resource.to_owned(),
+            why,
+            waited_ms: waited.as_millis() as u64,
+            wait_max_ms: max.as_millis() as u64,
+        }
+    }
+}

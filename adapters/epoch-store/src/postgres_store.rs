@@ -1,0 +1,509 @@
+//! The shared epoch store: one Postgres table, used by many proxy replicas at once.
+
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use lockd_fence::FencingToken;
+use sqlx::pool::PoolConnection;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{AssertSqlSafe, PgPool, Postgres};
+use tokio::time::{Instant, timeout};
+
+use crate::{Admission, EpochStore, ForwardOutcome, Permit, PermitRelease, SlotGuard, Slots};
+use crate::{StoreError, Timing};
+
+/// Default table name; `--store-table` changes it, for example to give each test its own.
+pub const DEFAULT_TABLE: &str = "fence_proxy_epochs";
+
+/// Postgres identifiers longer than this are silently truncated; refuse them instead.
+const TABLE_NAME_MAX_BYTES: usize = 63;
+
+/// Largest token the store holds: the column is a signed `bigint`, and an order-preserving
+/// re-encoding would make the table unreadable to operators.
+pub const TOKEN_MAX: u64 = i64::MAX as u64;
+
+/// SQLSTATE `lock_not_available`: `lock_timeout` expired while waiting for the advisory lock.
+const SQLSTATE_LOCK_NOT_AVAILABLE: &str = "55P03";
+/// SQLSTATEs two replicas can get when they create the table at the same moment.
+const SQLSTATE_ALREADY_CREATED: [&str; 2] = ["42P07", "23505"];
+
+/// The statements of one table, built once because the table name is part of them.
+struct Statements {
+    create: Arc<str>,
+    lock: Arc<str>,
+    select: Arc<str>,
+    upsert: Arc<str>,
+    mark: Arc<str>,
+    unlock: Arc<str>,
+}
+
+impl Statements {
+    fn new(table: &str) -> Self {
+        let s = |sql: String| -> Arc<str> { sql.into() };
+        Statements {
+            create: s(format!(
+                "CREATE TABLE IF NOT EXISTS {table} (\
+                   resource text PRIMARY KEY, \
+                   token bigint NOT NULL CHECK (token >= 0), \
+                   busy_until timestamptz, \
+                   updated_at timestamptz NOT NULL DEFAULT now())"
+            )),
+            lock: s("SELECT pg_advisory_lock(hashtextextended($1, 0))".to_owned()),
+            select: s(format!(
+                "SELECT token, COALESCE(CEIL(EXTRACT(EPOCH FROM (busy_until - now())) * 1000), 0)::bigint \
+                 FROM {table} WHERE resource = $1"
+            )),
+            upsert: s(format!(
+                "INSERT INTO {table} AS t (resource, token, busy_until, updated_at) \
+                 VALUES ($1, $2, now() + $3::float8 * interval '1 millisecond', now()) \
+                 ON CONFLICT (resource) DO UPDATE \
+                 SET token = EXCLUDED.token, busy_until = EXCLUDED.busy_until, updated_at = now() \
+                 WHERE t.token <= EXCLUDED.token \
+                 RETURNING token"
+            )),
+            mark: s(format!(
+                "UPDATE {table} SET busy_until = CASE WHEN $2::bigint > 0 \
+                   THEN now() + $2::float8 * interval '1 millisecond' ELSE NULL END \
+                 WHERE resource = $1"
+            )),
+            unlock: s("SELECT pg_advisory_unlock(hashtextextended($1, 0))".to_owned()),
+        }
+    }
+}
+
+/// Epoch store in a Postgres table shared by every proxy replica.
+///
+/// Per resource, a write takes an in-process mutex (so that a replica's own waiters do not hold
+/// connections) and then a session-level advisory lock keyed by `table/resource` (so that
+/// replicas exclude one another). Holding both, it reads the record, refuses a lower token, and
+/// commits the new token together with `busy_until = now() + forward timeout + quarantine`
+/// before the forward starts. Release clears `busy_until` (or sets it to the quarantine after an
+/// unknown outcome) and unlocks. A replica that dies mid-forward loses its session, which frees
+/// the advisory lock, but its `busy_until` still makes the next writer wait out the forward it
+/// may have left in flight.
+pub struct PostgresStore {
+    pool: PgPool,
+    /// `host:port/database` (never the password), for error messages.
+    name: String,
+    table: String,
+    sql: Arc<Statements>,
+    /// Set once the table exists; retried on each write until it succeeds, so that a proxy can
+    /// start while the database is down and fail closed until it is back.
+    schema_ready: tokio::sync::OnceCell<()>,
+    slots: Slots,
+    timing: Timing,
+}
+
+impl PostgresStore {
+    /// Prepares a pool for `url` without connecting: an unreachable database makes writes fail
+    /// closed (503) instead of stopping the proxy from starting.
+    pub fn connect_lazy(
+        url: &str,
+        table: &str,
+        max_connections: u32,
+        timing: Timing,
+    ) -> Result<Self, StoreError> {
+        validate_table(table)?;
+        let options = PgConnectOptions::from_str(url)
+            .map_err(|e| StoreError::Config(format!("postgres url: {e}")))?
+            .application_name("fence-proxy")
+            .options([
+                (
+                    "lock_timeout",
+                    format!("{}ms", timing.lock_wait.as_millis()),
+                ),
+                (
+                    "statement_timeout",
+                    format!(
+                        "{}ms",
+                        (timing.lock_wait + timing.store_timeout).as_millis()
+                    ),
+                ),
+            ]);
+        let name = format!(
+            "postgres://{}:{}/{}",
+            options.get_host(),
+            options.get_port(),
+            options.get_database().unwrap_or("")
+        );
+        let pool = PgPoolOptions::new()
+            .max_connections(max_connections)
+            .acquire_timeout(timing.store_timeout)
+            .connect_lazy_with(options);
+        Ok(PostgresStore {
+            pool,
+            name,
+            table: table.to_owned(),
+            sql: Arc::new(Statements::new(table)),
+            schema_ready: tokio::sync::OnceCell::new(),
+            slots: Slots::new(),
+            timing,
+        })
+    }
+
+    pub fn table(&self) -> &str {
+        &self.table
+    }
+
+    /// The highest token recorded for `resource`, if any.
+    pub async fn highest(&self, resource: &str) -> Result<Option<FencingToken>, StoreError> {
+        self.ensure_schema().await?;
+        let row: Option<(i64, i64)> = self
+            .bounded(
+                "reading a record",
+                sqlx::query_as(AssertSqlSafe(self.sql.select.clone()))
+                    .bind(resource)
+                    .fetch_optional(&self.pool),
+            )
+            .await?;
+        Ok(row.map(|(t, _)| FencingToken(t as u64)))
+    }
+
+    async fn ensure_schema(&self) -> Result<(), StoreError> {
+        self.schema_ready
+            .get_or_try_init(|| async {
+                let what = "creating the table";
+                let create = sqlx::query(AssertSqlSafe(self.sql.create.clone()));
+                match timeout(self.timing.store_timeout, create.execute(&self.pool)).await {
+                    Ok(Ok(_)) => Ok(()),
+                    // Another replica created it at the same moment: it exists, which is all
+                    // this step needs.
+                    Ok(Err(e)) if is_already_created(&e) => Ok(()),
+                    Ok(Err(e)) => Err(self.unavailable(what, e)),
+                    Err(_) => Err(self.no_answer(what)),
+                }
+            })
+            .await
+            .map(|_| ())
+    }
+
+    /// Runs one statement with the store timeout, mapping every failure to `Unavailable`.
+    async fn bounded<T>(
+        &self,
+        what: &str,
+        fut: impl Future<Output = Result<T, sqlx::Error>>,
+    ) -> Result<T, StoreError> {
+        match timeout(self.timing.store_timeout, fut).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(self.unavailable(what, e)),
+            Err(_) => Err(self.no_answer(what)),
+        }
+    }
+
+    fn no_answer(&self, what: &str) -> StoreError {
+        self.unavailable(
+            what,
+            format!(
+                "no answer within {} ms",
+                self.timing.store_timeout.as_millis()
+            ),
+        )
+    }
+
+    fn unavailable(&self, what: &str, e: impl std::fmt::Display) -> StoreError {
+        StoreError::Unavailable {
+            store: self.name.clone(),
+            detail: format!("{what}: {e}"),
+        }
+    }
+
+    async fn admit_inner(
+        &self,
+        resource: &str,
+        token: FencingToken,
+    ) -> Result<Admission, StoreError> {
+        if token.0 > TOKEN_MAX {
+            return Err(StoreError::TokenOutOfRange {
+                token,
+                max: TOKEN_MAX,
+                store: "postgres",
+            });
+        }
+        let started = Instant::now();
+        let guard = self.slots.lock(resource, self.timing.lock_wait).await?;
+        self.ensure_schema().await?;
+        let conn = self.bounded("connecting", self.pool.acquire()).await?;
+        let mut conn = SessionConn(Some(conn));
+        let key = format!("{}/{}", self.table, resource);
+        match self
+            .decide(&mut conn, &key, resource, token, started)
+            .await?
+        {
+            Decision::Accepted => Ok(Admission::Accepted(Permit::new(
+                resource,
+                token,
+                PgPermit {
+                    conn,
+                    guard,
+                    key,
+                    resource: resource.to_owned(),
+                    sql: self.sql.clone(),
+                    store: self.name.clone(),
+                    quarantine: self.timing.quarantine,
+                    store_timeout: self.timing.store_timeout,
+                },
+            ))),
+            Decision::Stale(highest) => {
+                unlock(conn, &self.sql, &key, self.timing.store_timeout).await;
+                Ok(Admission::Stale { highest })
+            }
+            Decision::Busy(e) => {
+                unlock(conn, &self.sql, &key, self.timing.store_timeout).await;
+                Err(e)
+            }
+        }
+    }
+
+    /// Takes the advisory lock and decides. An `Err` leaves the lock in an unknown state: the
+    /// caller drops the connection, which closes the session and so frees the lock.
+    async fn decide(
+        &self,
+        conn: &mut SessionConn,
+        key: &str,
+        resource: &str,
+        token: FencingToken,
+        started: Instant,
+    ) -> Result<Decision, StoreError> {
+        let wait_max = self.timing.lock_wait;
+        let remaining = wait_max.saturating_sub(started.elapsed());
+        let lock = sqlx::query(AssertSqlSafe(self.sql.lock.clone()))
+            .bind(key)
+            .execute(conn.get());
+        let busy = |why| StoreError::busy(resource, why, started.elapsed(), wait_max);
+        match timeout(remaining, lock).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) if sqlstate(&e).as_deref() == Some(SQLSTATE_LOCK_NOT_AVAILABLE) => {
+                return Err(busy("another proxy replica is forwarding a write of it"));
+            }
+            Ok(Err(e)) => return Err(self.unavailable("taking the resource's advisory lock", e)),
+            Err(_) => return Err(busy("another proxy replica is forwarding a write of it")),
+        }
+
+        let row: Option<(i64, i64)> = self
+            .bounded(
+                "reading the record",
+                sqlx::query_as(AssertSqlSafe(self.sql.select.clone()))
+                    .bind(resource)
+                    .fetch_optional(conn.get()),
+            )
+            .await?;
+        if let Some((highest, busy_ms)) = row {
+            if highest as u64 > token.0 {
+                return Ok(Decision::Stale(FencingToken(highest as u64)));
+            }
+            if busy_ms > 0 {
+                let busy_for = Duration::from_millis(busy_ms as u64);
+                if started.elapsed() + busy_for > wait_max {
+                    return Ok(Decision::Busy(busy(
+                        "a forward with an unknown outcome (timeout or crashed replica) may still be in flight",
+                    )));
+                }
+                tokio::time::sleep(busy_for).await;
+            }
+        }
+
+        let hold_ms = (self.timing.forward_timeout + self.timing.quarantine).as_millis() as i64;
+        let recorded: Option<i64> = self
+            .bounded(
+                "recording the token",
+                sqlx::query_scalar(AssertSqlSafe(self.sql.upsert.clone()))
+                    .bind(resource)
+                    .bind(token.0 as i64)
+                    .bind(hold_ms)
+                    .fetch_optional(conn.get()),
+            )
+            .await?;
+        if recorded.is_some() {
+            return Ok(Decision::Accepted);
+        }
+        // Only a writer that bypasses the advisory lock can raise the record between our read
+        // and our upsert; the conditional upsert still refused to lower it.
+        let highest: i64 = self
+            .bounded(
+                "re-reading the record",
+                sqlx::query_scalar(AssertSqlSafe(format!(
+                    "SELECT token FROM {} WHERE resource = $1",
+                    self.table
+                )))
+                .bind(resource)
+                .fetch_one(conn.get()),
+            )
+            .await?;
+        Ok(Decision::Stale(FencingToken(highest as u64)))
+    }
+}
+
+enum Decision {
+    Accepted,
+    Stale(FencingToken),
+    Busy(StoreError),
+}
+
+fn sqlstate(e: &sqlx::Error) -> Option<String> {
+    e.as_database_error()
+        .and_then(|d| d.code())
+        .map(|c| c.into_owned())
+}
+
+fn is_already_created(e: &sqlx::Error) -> bool {
+    sqlstate(e).is_some_and(|c| SQLSTATE_ALREADY_CREATED.contains(&c.as_str()))
+}
+
+fn validate_table(table: &str) -> Result<(), StoreError> {
+    let mut chars = table.chars();
+    let first_ok = chars
+        .next()
+        .is_some_and(|c| c.is_ascii_lowercase() || c == '_');
+    let rest_ok = chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+    if !first_ok || !rest_ok || table.len() > TABLE_NAME_MAX_BYTES {
+        return Err(StoreError::Config(format!(
+            "table name {table:?} must be 1 to {TABLE_NAME_MAX_BYTES} bytes of a-z, 0-9 and _, \
+             not starting with a digit"
+        )));
+    }
+    Ok(())
+}
+
+/// A pooled connection that may hold a session advisory lock. Dropped, it closes the session
+/// (which frees the lock) instead of going back to the pool still locked; only
+/// [`SessionConn::into_pool`] returns it, after a successful unlock.
+struct SessionConn(Option<PoolConnection<Postgres>>);
+
+impl SessionConn {
+    fn get(&mut self) -> &mut sqlx::PgConnection {
+        self.0.as_mut().expect("SessionConn used after into_pool")
+    }
+
+    fn into_pool(mut self) {
+        drop(self.0.take());
+    }
+}
+
+impl Drop for SessionConn {
+    fn drop(&mut self) {
+        if let Some(conn) = self.0.take() {
+            drop(conn.detach());
+        }
+    }
+}
+
+/// Unlocks and returns the connection to the pool; on any failure the connection is closed.
+async fn unlock(mut conn: SessionConn, sql: &Statements, key: &str, bound: Duration) {
+    let unlocked = timeout(
+        bound,
+        sqlx::query_scalar::<_, bool>(AssertSqlSafe(sql.unlock.clone()))
+            .bind(key)
+            .fetch_one(conn.get()),
+    )
+    .await;
+    match unlocked {
+        Ok(Ok(true)) => conn.into_pool(),
+        Ok(Ok(false)) => {
+            tracing::warn!(%key, "advisory lock was not held at unlock; closing the session")
+        }
+        Ok(Err(e)) => {
+            tracing::warn!(%key, error = %e, "advisory unlock failed; closing the session")
+        }
+        Err(_) => tracing::warn!(%key, "advisory unlock timed out; closing the session"),
+    }
+}
+
+/// The release half of a Postgres permit.
+struct PgPermit {
+    conn: SessionConn,
+    guard: SlotGuard,
+    key: String,
+    resource: String,
+    sql: Arc<Statements>,
+    /// The store's name, for error messages.
+    store: String,
+    quarantine: Duration,
+    store_timeout: Duration,
+}
+
+impl PermitRelease for PgPermit {
+    fn release(
+        self: Box<Self>,
+        outcome: ForwardOutcome,
+    ) -> BoxFuture<'static, Result<(), StoreError>> {
+        Box::pin(async move {
+            let PgPermit {
+                mut conn,
+                mut guard,
+                key,
+                resource,
+                sql,
+                store,
+                quarantine,
+                store_timeout,
+            } = *self;
+            let busy_ms = match outcome {
+                ForwardOutcome::Unknown => {
+                    guard.quarantine(quarantine);
+                    quarantine.as_millis() as i64
+                }
+                ForwardOutcome::Answered | ForwardOutcome::NotSent => 0,
+            };
+            let marked = timeout(
+                store_timeout,
+                sqlx::query(AssertSqlSafe(sql.mark.clone()))
+                    .bind(&resource)
+                    .bind(busy_ms)
+                    .execute(conn.get()),
+            )
+            .await;
+            let result = match marked {
+                Ok(Ok(_)) => Ok(()),
+                // The in-flight mark written at admission stays: others wait longer, never less.
+                Ok(Err(e)) => Err(StoreError::Unavailable {
+                    store: store.clone(),
+                    detail: format!("clearing the in-flight mark of {resource:?}: {e}"),
+                }),
+                Err(_) => Err(StoreError::Unavailable {
+                    store: store.clone(),
+                    detail: format!(
+                        "clearing the in-flight mark of {resource:?}: no answer within {} ms",
+                        store_timeout.as_millis()
+                    ),
+                }),
+            };
+            if result.is_ok() {
+                unlock(conn, &sql, &key, store_timeout).await;
+            }
+            drop(guard);
+            result
+        })
+    }
+}
+
+impl EpochStore for PostgresStore {
+    fn admit<'a>(
+        &'a self,
+        resource: &'a str,
+        token: FencingToken,
+    ) -> BoxFuture<'a, Result<Admission, StoreError>> {
+        Box::pin(self.admit_inner(resource, token))
+    }
+
+    fn kind(&self) -> &'static str {
+        "postgres"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_names_are_plain_identifiers() {
+        for ok in ["fence_proxy_epochs", "_t", "t1"] {
+            validate_table(ok).unwrap();
+        }
+        for bad in ["", "1t", "T", "a-b", "a;drop", "a b", &"t".repeat(64)] {
+            let err = validate_table(bad).unwrap_err();
+            assert!(err.to_string().contains(&format!("{bad:?}")), "{err}");
+        }
+    }
+}

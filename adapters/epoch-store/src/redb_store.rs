@@ -1,0 +1,227 @@
+//! The embedded epoch store: one redb file, for a single proxy process.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use futures::future::BoxFuture;
+use lockd_fence::FencingToken;
+use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
+
+use crate::{Admission, EpochStore, ForwardOutcome, Permit, PermitRelease, SlotGuard, Slots};
+use crate::{StoreError, Timing};
+
+/// Resource name to the highest token accepted for it.
+const EPOCHS: TableDefinition<&str, u64> = TableDefinition::new("fence_proxy_epochs");
+
+/// Epoch store in an embedded redb file.
+///
+/// Writes of one resource are serialised by an in-process mutex held for the whole forward; the
+/// token is committed durably (fsync) before the forward starts. A redb file is opened by one
+/// process at a time, so this store serves exactly one proxy; use [`crate::PostgresStore`] for
+/// several replicas.
+pub struct RedbStore {
+    /// The open database; `Arc` because commits run on the blocking thread pool.
+    db: Arc<Database>,
+    /// Where the file lives, for error messages.
+    path: PathBuf,
+    /// Per-resource exclusion and quarantine.
+    slots: Slots,
+    timing: Timing,
+}
+
+impl RedbStore {
+    /// Opens or creates the file at `path` (its directory must exist).
+    pub fn open(path: impl AsRef<Path>, timing: Timing) -> Result<Self, StoreError> {
+        let path = path.as_ref().to_owned();
+        let db = Database::create(&path).map_err(|e| StoreError::Unavailable {
+            store: format!("redb:{}", path.display()),
+            detail: format!("opening: {e}"),
+        })?;
+        let store = RedbStore {
+            db: Arc::new(db),
+            path,
+            slots: Slots::new(),
+            timing,
+        };
+        // Create the table now, so that a read before the first write finds it.
+        let txn = store.db.begin_write().map_err(|e| store.unavailable(e))?;
+        txn.open_table(EPOCHS).map_err(|e| store.unavailable(e))?;
+        txn.commit().map_err(|e| store.unavailable(e))?;
+        Ok(store)
+    }
+
+    /// The highest token recorded for `resource`, if any.
+    pub async fn highest(&self, resource: &str) -> Result<Option<FencingToken>, StoreError> {
+        let db = self.db.clone();
+        let resource = resource.to_owned();
+        let read = tokio::task::spawn_blocking(move || -> Result<Option<u64>, redb::Error> {
+            let txn = db.begin_read()?;
+            let table = txn.open_table(EPOCHS)?;
+            Ok(table.get(resource.as_str())?.map(|v| v.value()))
+        });
+        let value = read
+            .await
+            .map_err(|e| self.unavailable(e))?
+            .map_err(|e| self.unavailable(e))?;
+        Ok(value.map(FencingToken))
+    }
+
+    fn unavailable(&self, e: impl std::fmt::Display) -> StoreError {
+        StoreError::Unavailable {
+            store: format!("redb:{}", self.path.display()),
+            detail: e.to_string(),
+        }
+    }
+
+    async fn admit_inner(
+        &self,
+        resource: &str,
+        token: FencingToken,
+    ) -> Result<Admission, StoreError> {
+        let guard = self.slots.lock(resource, self.timing.lock_wait).await?;
+        let db = self.db.clone();
+        let key = resource.to_owned();
+        let decided = tokio::task::spawn_blocking(move || check_and_record(&db, &key, token))
+            .await
+            .map_err(|e| self.unavailable(e))?
+            .map_err(|e| self.unavailable(e))?;
+        Ok(match decided {
+            Ok(()) => Admission::Accepted(Permit::new(
+                resource,
+                token,
+                RedbPermit {
+                    guard,
+                    quarantine: self.timing.quarantine,
+                },
+            )),
+            Err(highest) => Admission::Stale { highest },
+        })
+    }
+}
+
+/// Records `token` for `resource` unless a higher one is recorded; the inner `Err` carries that
+/// higher token. Runs on a blocking thread: a durable redb commit waits for fsync.
+fn check_and_record(
+    db: &Database,
+    resource: &str,
+    token: FencingToken,
+) -> Result<Result<(), FencingToken>, redb::Error> {
+    // An equal token is the common case of a holder writing again: answer it from a read
+    // transaction without paying for a commit.
+    {
+        let txn = db.begin_read()?;
+        let table = txn.open_table(EPOCHS)?;
+        if let Some(current) = table.get(resource)?.map(|v| v.value()) {
+            if current > token.0 {
+                return Ok(Err(FencingToken(current)));
+            }
+            if current == token.0 {
+                return Ok(Ok(()));
+            }
+        }
+    }
+    let txn = db.begin_write()?;
+    {
+        let mut table = txn.open_table(EPOCHS)?;
+        let current = table.get(resource)?.map(|v| v.value());
+        if let Some(current) = current.filter(|c| *c > token.0) {
+            return Ok(Err(FencingToken(current)));
+        }
+        table.insert(resource, token.0)?;
+    }
+    txn.commit()?;
+    Ok(Ok(()))
+}
+
+/// The release half of a redb permit: the in-process guard.
+struct RedbPermit {
+    guard: SlotGuard,
+    quarantine: std::time::Duration,
+}
+
+impl PermitRelease for RedbPermit {
+    fn release(
+        mut self: Box<Self>,
+        outcome: ForwardOutcome,
+    ) -> BoxFuture<'static, Result<(), StoreError>> {
+        if outcome == ForwardOutcome::Unknown {
+            self.guard.quarantine(self.quarantine);
+        }
+        drop(self);
+        Box::pin(async { Ok(()) })
+    }
+}
+
+impl EpochStore for RedbStore {
+    fn admit<'a>(
+        &'a self,
+        resource: &'a str,
+        token: FencingToken,
+    ) -> BoxFuture<'a, Result<Admission, StoreError>> {
+        Box::pin(self.admit_inner(resource, token))
+    }
+
+    fn kind(&self) -> &'static str {
+        "redb"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn timing() -> Timing {
+        Timing {
+            lock_wait: Duration::from_millis(200),
+            quarantine: Duration::from_millis(300),
+            ..Timing::default()
+        }
+    }
+
+    async fn accepted(store: &RedbStore, r: &str, t: u64) -> Permit {
+        match store.admit(r, FencingToken(t)).await.unwrap() {
+            Admission::Accepted(p) => p,
+            Admission::Stale { highest } => panic!("{r}:{t} stale, highest {highest}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn records_and_rejects_lower_tokens_across_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("epochs.redb");
+        {
+            let store = RedbStore::open(&path, timing()).unwrap();
+            let p = accepted(&store, "a", 7).await;
+            p.release(ForwardOutcome::Answered).await.unwrap();
+            let p = accepted(&store, "a", 7).await;
+            p.release(ForwardOutcome::Answered).await.unwrap();
+            match store.admit("a", FencingToken(6)).await.unwrap() {
+                Admission::Stale { highest } => assert_eq!(highest, FencingToken(7)),
+                Admission::Accepted(p) => panic!("6 accepted after 7: {p:?}"),
+            }
+        }
+        let store = RedbStore::open(&path, timing()).unwrap();
+        assert_eq!(store.highest("a").await.unwrap(), Some(FencingToken(7)));
+        assert_eq!(store.highest("b").await.unwrap(), None);
+    }
+
+    #[tokio::test]
+    async fn permit_excludes_and_unknown_outcome_quarantines() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = RedbStore::open(dir.path().join("e.redb"), timing()).unwrap();
+        let p = accepted(&store, "a", 1).await;
+        let err = store.admit("a", FencingToken(2)).await.unwrap_err();
+        assert!(matches!(err, StoreError::Busy { .. }), "{err}");
+        p.release(ForwardOutcome::Unknown).await.unwrap();
+        // The quarantine (300 ms) outlasts the wait bound (200 ms): refused at once.
+        let err = store.admit("a", FencingToken(2)).await.unwrap_err();
+        assert!(err.to_string().contains("quarantined"), "{err}");
+        tokio::time::sleep(Duration::from_millis(350)).await;
+        accepted(&store, "a", 2)
+            .await
+            .release(ForwardOutcome::Answered)
+            .await
+            .unwrap();
+    }
+}

@@ -1,0 +1,167 @@
+//! The epoch-store trait and the permit a front end holds while it forwards a write.
+
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use lockd_fence::FencingToken;
+
+use crate::StoreError;
+
+/// Checks and records fencing tokens per resource, and serialises the forwards of one resource.
+///
+/// Implementations must uphold, for each resource:
+/// - a token lower than the highest recorded is answered [`Admission::Stale`] with that highest;
+/// - a token greater than or equal to it is recorded durably *before* `admit` returns
+///   [`Admission::Accepted`];
+/// - while a [`Permit`] of a resource is alive, no other `admit` of that resource returns
+///   `Accepted` (in any process sharing the store);
+/// - after a permit is released with [`ForwardOutcome::Unknown`], no `admit` of that resource
+///   returns `Accepted` before [`Timing::quarantine`] has passed.
+///
+/// The trait is object safe so that a front end can pick the store at run time
+/// (`Arc<dyn EpochStore>`); see `examples/examples/custom_epoch_store.rs` for a store of one's own.
+pub trait EpochStore: Send + Sync + 'static {
+    /// Waits (at most [`Timing::lock_wait`]) for exclusive use of `resource`, then checks `token`
+    /// against the highest accepted token and records it if it is not lower.
+    fn admit<'a>(
+        &'a self,
+        resource: &'a str,
+        token: FencingToken,
+    ) -> BoxFuture<'a, Result<Admission, StoreError>>;
+
+    /// A short name for logs and error messages, such as `redb` or `postgres`.
+    fn kind(&self) -> &'static str;
+}
+
+/// The store's answer to a write.
+#[derive(Debug)]
+pub enum Admission {
+    /// The token was recorded; forward the write while holding the permit, then release it.
+    Accepted(Permit),
+    /// The token is lower than `highest`, the highest token accepted for the resource.
+    Stale { highest: FencingToken },
+}
+
+/// What became of a forward, which decides how long the resource stays closed after it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ForwardOutcome {
+    /// The upstream answered (any status): whatever it did with the write is done.
+    Answered,
+    /// The write never left the proxy (connection refused, bad request line): nothing to wait for.
+    NotSent,
+    /// The proxy gave up or lost the connection after sending: the upstream may still apply the
+    /// write, so the resource is quarantined.
+    Unknown,
+}
+
+/// Time bounds shared by the stores.
+#[derive(Clone, Copy, Debug)]
+pub struct Timing {
+    /// Longest a write waits for the forward of another write of the same resource (or its
+    /// quarantine) before it is refused as busy.
+    pub lock_wait: Duration,
+    /// Longest the front end waits for the upstream's answer. A shared store marks a record "in
+    /// flight" for this long plus `quarantine`, so that a replica that dies mid-forward is waited
+    /// out by the others.
+    pub forward_timeout: Duration,
+    /// How long a resource stays closed after a forward with an unknown outcome.
+    pub quarantine: Duration,
+    /// Bound on one store operation: connecting, or one statement other than the lock wait.
+    pub store_timeout: Duration,
+}
+
+impl Default for Timing {
+    fn default() -> Self {
+        Timing {
+            lock_wait: Duration::from_secs(10),
+            forward_timeout: Duration::from_secs(30),
+            quarantine: Duration::from_secs(10),
+            store_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// The store-specific half of a permit: what to do when the forward is over.
+pub trait PermitRelease: Send + 'static {
+    /// Ends the exclusive use of the resource. With [`ForwardOutcome::Unknown`] the resource
+    /// must stay closed for the quarantine period.
+    fn release(
+        self: Box<Self>,
+        outcome: ForwardOutcome,
+    ) -> BoxFuture<'static, Result<(), StoreError>>;
+}
+
+/// Exclusive use of one resource, at one accepted token, for the duration of one forward.
+///
+/// Release it with [`Permit::release`] once the outcome of the forward is known. A permit that is
+/// dropped without being released is released as [`ForwardOutcome::Unknown`] on the current Tokio
+/// runtime, because nobody can tell whether its write reached the upstream.
+pub struct Permit {
+    /// The resource this permit excludes others from.
+    resource: String,
+    /// The token that was accepted and recorded.
+    token: FencingToken,
+    /// The store's release action; `None` once released.
+    release: Option<Box<dyn PermitRelease>>,
+}
+
+impl std::fmt::Debug for Permit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Permit")
+            .field("resource", &self.resource)
+            .field("token", &self.token)
+            .field("released", &self.release.is_none())
+            .finish()
+    }
+}
+
+impl Permit {
+    /// Made by a store when it accepted `token` for `resource`.
+    pub fn new(
+        resource: impl Into<String>,
+        token: FencingToken,
+        release: impl PermitRelease,
+    ) -> Self {
+        Permit {
+            resource: resource.into(),
+            token,
+            release: Some(Box::new(release)),
+        }
+    }
+
+    pub fn resource(&self) -> &str {
+        &self.resource
+    }
+
+    pub fn token(&self) -> FencingToken {
+        self.token
+    }
+
+    /// Ends the forward. An error here does not undo the accepted token; it means the store may
+    /// keep the resource closed longer (for example until the in-flight mark expires).
+    pub async fn release(mut self, outcome: ForwardOutcome) -> Result<(), StoreError> {
+        match self.release.take() {
+            Some(release) => release.release(outcome).await,
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        let Some(release) = self.release.take() else {
+            return;
+        };
+        let resource = std::mem::take(&mut self.resource);
+        let token = self.token;
+        // Without a runtime the store's own drop glue runs instead (closing the connection or
+        // unlocking the mutex); the durable in-flight mark still covers a shared store.
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            handle.spawn(async move {
+                if let Err(e) = release.release(ForwardOutcome::Unknown).await {
+                    tracing::warn!(%resource, %token, error = %e, "releasing a dropped permit");
+                }
+            });
+        }
+    }
+}

@@ -1,0 +1,159 @@
+//! The Postgres store against the real database at 127.0.0.1:5432 (user postgres, database
+//! `test`): two store instances on one table stand for two proxy replicas.
+
+use std::time::{Duration, Instant};
+
+use fence_epoch_store::{Admission, EpochStore, ForwardOutcome, Permit, PostgresStore, StoreError};
+use fence_epoch_store::{FencingToken, Timing};
+use sqlx::Connection;
+
+const URL: &str = "postgres://postgres@127.0.0.1:5432/test";
+
+/// Fails with instructions when the database is not running.
+async fn require_postgres() {
+    if let Err(e) = sqlx::PgConnection::connect(URL).await {
+        panic!(
+            "Postgres at {URL} is unreachable ({e}); start it with \
+             `pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start`"
+        );
+    }
+}
+
+fn unique_table(test: &str) -> String {
+    format!("fence_t_{test}_{}", std::process::id())
+}
+
+async fn drop_table(table: &str) {
+    let mut conn = sqlx::PgConnection::connect(URL).await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!("DROP TABLE IF EXISTS {table}")))
+        .execute(&mut conn)
+        .await
+        .unwrap();
+}
+
+fn replica(table: &str, lock_wait_ms: u64, quarantine_ms: u64) -> PostgresStore {
+    let timing = Timing {
+        lock_wait: Duration::from_millis(lock_wait_ms),
+        forward_timeout: Duration::from_millis(500),
+        quarantine: Duration::from_millis(quarantine_ms),
+        store_timeout: Duration::from_secs(2),
+    };
+    PostgresStore::connect_lazy(URL, table, 4, timing).unwrap()
+}
+
+async fn accepted(store: &PostgresStore, r: &str, t: u64) -> Permit {
+    match store.admit(r, FencingToken(t)).await.unwrap() {
+        Admission::Accepted(p) => p,
+        Admission::Stale { highest } => panic!("{r}:{t} stale, highest {highest}"),
+    }
+}
+
+/// Goal: a permit held by one replica excludes the other; a lower token is stale everywhere.
+#[tokio::test]
+async fn replicas_exclude_each_other_and_share_the_highest_token() {
+    require_postgres().await;
+    let table = unique_table("exclude");
+    drop_table(&table).await;
+    let a = replica(&table, 300, 300);
+    let b = replica(&table, 300, 300);
+
+    let p = accepted(&a, "r", 5).await;
+    let t0 = Instant::now();
+    let err = b.admit("r", FencingToken(6)).await.unwrap_err();
+    assert!(matches!(err, StoreError::Busy { .. }), "{err}");
+    assert!(
+        t0.elapsed() >= Duration::from_millis(250),
+        "{:?}",
+        t0.elapsed()
+    );
+    // Another resource is not blocked.
+    accepted(&b, "other", 1)
+        .await
+        .release(ForwardOutcome::Answered)
+        .await
+        .unwrap();
+    p.release(ForwardOutcome::Answered).await.unwrap();
+
+    match b.admit("r", FencingToken(4)).await.unwrap() {
+        Admission::Stale { highest } => assert_eq!(highest, FencingToken(5)),
+        Admission::Accepted(p) => panic!("4 accepted after 5: {p:?}"),
+    }
+    accepted(&b, "r", 5)
+        .await
+        .release(ForwardOutcome::Answered)
+        .await
+        .unwrap();
+    accepted(&b, "r", 6)
+        .await
+        .release(ForwardOutcome::NotSent)
+        .await
+        .unwrap();
+    assert_eq!(a.highest("r").await.unwrap(), Some(FencingToken(6)));
+
+    let err = a.admit("r", FencingToken(u64::MAX)).await.unwrap_err();
+    assert!(err.to_string().contains("18446744073709551615"), "{err}");
+    drop_table(&table).await;
+}
+
+/// Goal: a quarantine after an unknown outcome on one replica also holds back the other one,
+/// because it lives in the shared record, not only in the replica's memory.
+#[tokio::test]
+async fn quarantine_is_shared_between_replicas() {
+    require_postgres().await;
+    let table = unique_table("quarantine");
+    drop_table(&table).await;
+    let a = replica(&table, 2000, 600);
+    let impatient = replica(&table, 200, 600);
+    let patient = replica(&table, 2000, 600);
+
+    accepted(&a, "r", 1)
+        .await
+        .release(ForwardOutcome::Unknown)
+        .await
+        .unwrap();
+    let t0 = Instant::now();
+    let err = impatient.admit("r", FencingToken(2)).await.unwrap_err();
+    assert!(err.to_string().contains("unknown outcome"), "{err}");
+    let p = accepted(&patient, "r", 2).await;
+    assert!(
+        t0.elapsed() >= Duration::from_millis(500),
+        "{:?}",
+        t0.elapsed()
+    );
+    p.release(ForwardOutcome::Answered).await.unwrap();
+    // Answered: no quarantine afterwards.
+    let t1 = Instant::now();
+    accepted(&impatient, "r", 3)
+        .await
+        .release(ForwardOutcome::Answered)
+        .await
+        .unwrap();
+    assert!(
+        t1.elapsed() < Duration::from_millis(200),
+        "{:?}",
+        t1.elapsed()
+    );
+    drop_table(&table).await;
+}
+
+/// Goal: a permit dropped without release (its forward's fate unknown) quarantines the resource.
+#[tokio::test]
+async fn dropped_permit_counts_as_unknown() {
+    require_postgres().await;
+    let table = unique_table("dropped");
+    drop_table(&table).await;
+    let a = replica(&table, 2000, 500);
+    drop(accepted(&a, "r", 1).await);
+    let t0 = Instant::now();
+    accepted(&a, "r", 2)
+        .await
+        .release(ForwardOutcome::Answered)
+        .await
+        .unwrap();
+    assert!(
+        t0.elapsed() >= Duration::from_millis(400),
+        "{:?}",
+        t0.elapsed()
+    );
+    drop_table(&table).await;
+}
