@@ -199,7 +199,11 @@ impl Cluster {
                     }
                 }
             }
-            if running > 0 && leaders.len() == running && leaders.iter().all(|l| *l == leaders[0]) {
+            let agreed =
+                running > 0 && leaders.len() == running && leaders.iter().all(|l| *l == leaders[0]);
+            // Followers keep naming a killed leader until their election timeout: require the
+            // leader itself to be running.
+            if agreed && self.is_running(leaders[0]) {
                 return Ok(leaders[0]);
             }
             if Instant::now() > deadline {

@@ -140,7 +140,14 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
     .map_err(|e| anyhow::anyhow!("raft configuration: {e}"))?;
 
     let db = storage::open(&config.data_dir)?;
-    let log_store = LogStore::new(db.clone());
+    let mut log_store = LogStore::new(db.clone());
+    let started_empty = {
+        use openraft::storage::RaftLogStorage;
+        log_store.read_vote().await?.is_none()
+            && log_store.get_log_state().await?.last_log_id.is_none()
+    };
+    let refuse_votes_until = started_empty
+        .then(|| std::time::Instant::now() + Duration::from_millis(4 * t.election_timeout_ms));
     let committed = log_store.committed_index();
     let waits = Arc::new(WaitRegistry::default());
     let metrics = Arc::new(NodeMetrics::new());
@@ -232,7 +239,7 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
                 .max_decoding_message_size(CLIENT_MESSAGE_MAX_BYTES),
         )
         .add_service(ClusterServer::new(ClusterService::new(ctx.clone())))
-        .add_service(RaftService::server(raft.clone()))
+        .add_service(RaftService::server(raft.clone(), refuse_votes_until))
         .serve_with_incoming_shutdown(
             tokio_stream::wrappers::TcpListenerStream::new(listener),
             shutdown.clone().cancelled_owned(),

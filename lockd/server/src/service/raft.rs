@@ -15,13 +15,20 @@ use pb::raft_server::RaftServer;
 
 pub struct RaftService {
     raft: Raft,
+    /// Set when this node started with an empty data dir: it may have voted in the current term
+    /// before its disk was lost, so it grants no vote until every election of that term has
+    /// ended (two maximum election timeouts). Otherwise it could vote twice in one term.
+    refuse_votes_until: Option<std::time::Instant>,
 }
 
 impl RaftService {
-    pub fn server(raft: Raft) -> RaftServer<Self> {
-        RaftServer::new(RaftService { raft })
-            .max_decoding_message_size(crate::raft::network::RAFT_MESSAGE_MAX_BYTES)
-            .max_encoding_message_size(crate::raft::network::RAFT_MESSAGE_MAX_BYTES)
+    pub fn server(raft: Raft, refuse_votes_until: Option<std::time::Instant>) -> RaftServer<Self> {
+        RaftServer::new(RaftService {
+            raft,
+            refuse_votes_until,
+        })
+        .max_decoding_message_size(crate::raft::network::RAFT_MESSAGE_MAX_BYTES)
+        .max_encoding_message_size(crate::raft::network::RAFT_MESSAGE_MAX_BYTES)
     }
 }
 
@@ -47,6 +54,14 @@ impl pb::raft_server::Raft for RaftService {
     }
 
     async fn vote(&self, req: Request<RaftMessage>) -> Result<Response<RaftMessage>, Status> {
+        if self
+            .refuse_votes_until
+            .is_some_and(|t| std::time::Instant::now() < t)
+        {
+            return Err(Status::unavailable(
+                "lockd: node started with an empty data dir; not voting yet",
+            ));
+        }
         let rpc = decode(req)?;
         encode(&self.raft.vote(rpc).await)
     }

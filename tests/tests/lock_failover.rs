@@ -1,0 +1,439 @@
+//! lockd through failures of real node processes: leader loss, lost replies, quorum loss, full
+//! restarts and log compaction with lagging and wiped nodes (issue 2, tests 2, 3, 5, 6, 7).
+
+use std::time::{Duration, Instant};
+
+use lockd_api::v1::lock_client::LockClient;
+use lockd_api::v1::{
+    AcquireRequest, AcquireResponse, DescribeRequest, ReleaseRequest, RenewRequest,
+};
+use lockd_tests::cluster::{Cluster, ClusterOptions};
+use tonic::Code;
+use tonic::transport::Channel;
+
+/// CONTRACT: a node without quorum answers UNAVAILABLE within 5 s. Allow scheduling slack.
+const UNAVAILABLE_BOUND: Duration = Duration::from_millis(5_500);
+
+fn req(resource: &str, request_id: &str, ttl_ms: u64) -> AcquireRequest {
+    AcquireRequest {
+        resource: resource.into(),
+        request_id: request_id.into(),
+        lease_ttl_ms: ttl_ms,
+        wait_timeout_ms: 0,
+        holder: "failover-test".into(),
+    }
+}
+
+async fn acquire(
+    c: &mut LockClient<Channel>,
+    resource: &str,
+    request_id: &str,
+    ttl_ms: u64,
+) -> Result<AcquireResponse, tonic::Status> {
+    c.acquire(req(resource, request_id, ttl_ms))
+        .await
+        .map(|r| r.into_inner())
+}
+
+/// Retries UNAVAILABLE (no leader yet, outcome unknown) with the same request_id, as a client must.
+async fn acquire_retrying(
+    cluster: &Cluster,
+    nodes: &[u64],
+    resource: &str,
+    request_id: &str,
+    ttl_ms: u64,
+) -> AcquireResponse {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut i = 0;
+    loop {
+        let node = nodes[i % nodes.len()];
+        i += 1;
+        let mut c = cluster.lock_client(node).await.unwrap();
+        match acquire(&mut c, resource, request_id, ttl_ms).await {
+            Ok(r) => return r,
+            Err(s) if s.code() == Code::Unavailable && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(s) => panic!("acquire {resource} {request_id} on node {node}: {s:?}"),
+        }
+    }
+}
+
+async fn describe(cluster: &Cluster, node: u64, resource: &str) -> lockd_api::v1::DescribeResponse {
+    let mut c = cluster.lock_client(node).await.unwrap();
+    c.describe(DescribeRequest {
+        resource: resource.into(),
+    })
+    .await
+    .unwrap()
+    .into_inner()
+}
+
+fn others(leader: u64) -> Vec<u64> {
+    (1..=3).filter(|i| *i != leader).collect()
+}
+
+/// Goal: tokens keep growing across a leader change. Method: grants, kill -9 the leader, wait
+/// for a new one, grant again through the survivors.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_grow_across_leader_change() {
+    let mut cluster = Cluster::start_default().await.unwrap();
+    let leader = cluster.leader().await.unwrap();
+    let mut c = cluster.lock_client(leader).await.unwrap();
+    let mut max = 0;
+    for i in 0..50 {
+        let l = acquire(&mut c, &format!("lc/{i}"), &format!("lc-{i}"), 60_000)
+            .await
+            .unwrap();
+        assert!(l.fencing_token > max);
+        max = l.fencing_token;
+    }
+    cluster.kill(leader);
+    let survivors = others(leader);
+    let new_leader = cluster
+        .wait_for_leader(Duration::from_secs(20))
+        .await
+        .unwrap();
+    assert_ne!(new_leader, leader);
+    for i in 0..20 {
+        let l = acquire_retrying(
+            &cluster,
+            &survivors,
+            &format!("lc2/{i}"),
+            &format!("lc2-{i}"),
+            60_000,
+        )
+        .await;
+        assert!(
+            l.fencing_token > max,
+            "token {} after {max}",
+            l.fencing_token
+        );
+        max = l.fencing_token;
+    }
+    // The leases granted under the old leader are still held (with their tokens) after failover.
+    let d = describe(&cluster, survivors[0], "lc/49").await;
+    assert!(d.held);
+}
+
+/// Goal: an Acquire that committed but whose reply never reached the caller, retried with the
+/// same request_id on another node, returns the same lease; there is one lease. Method: cancel
+/// calls by a short client deadline until one is cancelled after its commit (Describe shows the
+/// grant), then retry it elsewhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_reply_retry_returns_the_same_lease() {
+    let mut cluster = Cluster::start_default().await.unwrap();
+    let leader = cluster.leader().await.unwrap();
+    let mut found = None;
+    'search: for deadline_ms in (1..=40u64).cycle().take(200) {
+        for attempt in 0..3 {
+            let resource = format!("lost/{deadline_ms}-{attempt}-{}", rand_suffix());
+            let request_id = format!("lost-{resource}");
+            let mut c = cluster.lock_client(leader).await.unwrap();
+            // Connect first so the deadline covers only the call.
+            let _ = c
+                .describe(DescribeRequest {
+                    resource: "warmup".into(),
+                })
+                .await;
+            let mut r = tonic::Request::new(req(&resource, &request_id, 60_000));
+            r.set_timeout(Duration::from_millis(deadline_ms));
+            match c.acquire(r).await {
+                Ok(_) => continue,
+                Err(s) if matches!(s.code(), Code::DeadlineExceeded | Code::Cancelled) => {}
+                Err(s) => panic!("{s:?}"),
+            }
+            // Let the proposal commit if it is going to.
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let d = describe(&cluster, leader, &resource).await;
+            if d.held {
+                found = Some((resource, request_id, d.fencing_token));
+                break 'search;
+            }
+        }
+    }
+    let (resource, request_id, token) =
+        found.expect("no call was cancelled after its commit in 600 tries");
+    let other = others(leader)[0];
+    let retry = acquire_retrying(&cluster, &[other], &resource, &request_id, 60_000).await;
+    assert_eq!(
+        retry.fencing_token, token,
+        "the retry returned a different grant"
+    );
+    let again = acquire_retrying(
+        &cluster,
+        &[others(leader)[1]],
+        &resource,
+        &request_id,
+        60_000,
+    )
+    .await;
+    assert_eq!(again.lease_id, retry.lease_id);
+    let d = describe(&cluster, other, &resource).await;
+    assert!(d.held && d.fencing_token == token, "{d:?}");
+    // The lease id the retry got is the live one: it can renew.
+    let mut c = cluster.lock_client(other).await.unwrap();
+    c.renew(RenewRequest {
+        resource: resource.clone(),
+        lease_id: retry.lease_id.clone(),
+        lease_ttl_ms: 0,
+    })
+    .await
+    .unwrap();
+
+    // Also across a leader change: kill the leader and retry on a survivor.
+    cluster.kill(leader);
+    let survivors = others(leader);
+    let after = acquire_retrying(&cluster, &survivors, &resource, &request_id, 60_000).await;
+    assert_eq!(after.lease_id, retry.lease_id);
+    assert_eq!(after.fencing_token, token);
+}
+
+fn rand_suffix() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64
+        % 1_000_000
+}
+
+/// Goal: a node without quorum grants and renews nothing and answers UNAVAILABLE within the
+/// bound; service resumes when the others return. Method: stop two nodes, call the survivor
+/// (once a follower survivor, once the old leader), restart, check.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quorum_loss_answers_unavailable_and_grants_nothing() {
+    let mut cluster = Cluster::start_default().await.unwrap();
+    let leader = cluster.leader().await.unwrap();
+    let mut c = cluster.lock_client(leader).await.unwrap();
+    let held = acquire(&mut c, "quorum/held", "q-held", 60_000)
+        .await
+        .unwrap();
+
+    // Case A: the old leader survives alone.
+    let followers = others(leader);
+    for f in &followers {
+        cluster.kill(*f);
+    }
+    let mut c = cluster.lock_client(leader).await.unwrap();
+    let t = Instant::now();
+    let err = acquire(&mut c, "quorum/a", "q-a", 60_000)
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    assert!(t.elapsed() < UNAVAILABLE_BOUND, "took {:?}", t.elapsed());
+    let t = Instant::now();
+    let err = c
+        .renew(RenewRequest {
+            resource: "quorum/held".into(),
+            lease_id: held.lease_id.clone(),
+            lease_ttl_ms: 0,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    assert!(t.elapsed() < UNAVAILABLE_BOUND, "took {:?}", t.elapsed());
+    let t = Instant::now();
+    let err = c
+        .describe(DescribeRequest {
+            resource: "quorum/held".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    assert!(t.elapsed() < UNAVAILABLE_BOUND, "took {:?}", t.elapsed());
+
+    for f in &followers {
+        cluster.start_node(*f).unwrap();
+    }
+    cluster
+        .wait_for_leader(Duration::from_secs(30))
+        .await
+        .unwrap();
+    // The unacknowledged acquire may commit later (its outcome was unknown); a retry with its
+    // request_id tells, and whatever it says, there is exactly one holder.
+    let retry = acquire_retrying(&cluster, &[1, 2, 3], "quorum/a", "q-a", 60_000).await;
+    assert_eq!(
+        describe(&cluster, 1, "quorum/a").await.fencing_token,
+        retry.fencing_token
+    );
+    let err = acquire(
+        &mut cluster.lock_client(2).await.unwrap(),
+        "quorum/a",
+        "q-other",
+        60_000,
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(err.code(), Code::Aborted);
+    // The renewal that failed did not break the lease: it is still current.
+    let mut c = cluster.lock_client(3).await.unwrap();
+    c.renew(RenewRequest {
+        resource: "quorum/held".into(),
+        lease_id: held.lease_id.clone(),
+        lease_ttl_ms: 0,
+    })
+    .await
+    .unwrap();
+
+    // Case B: a follower survives alone (it knows no leader after its election timeout).
+    let leader = cluster.leader().await.unwrap();
+    let survivor = others(leader)[0];
+    cluster.kill(leader);
+    cluster.kill(others(leader)[1]);
+    let mut c = cluster.lock_client(survivor).await.unwrap();
+    let t = Instant::now();
+    let err = acquire(&mut c, "quorum/b", "q-b", 60_000)
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    assert!(t.elapsed() < UNAVAILABLE_BOUND, "took {:?}", t.elapsed());
+    cluster.start_node(leader).unwrap();
+    cluster.start_node(others(leader)[1]).unwrap();
+    cluster
+        .wait_for_leader(Duration::from_secs(30))
+        .await
+        .unwrap();
+    let d = describe(&cluster, survivor, "quorum/b").await;
+    assert!(!d.held, "a minority granted quorum/b: {d:?}");
+    let b = acquire_retrying(&cluster, &[1, 2, 3], "quorum/b", "q-b2", 60_000).await;
+    assert!(b.fencing_token > retry.fencing_token);
+}
+
+/// Goal: a full restart from the data dirs keeps leases, tokens and dedup records, and the next
+/// token is larger than every earlier one. Method: grants, kill -9 all, restart all, compare.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_restart_keeps_leases_tokens_and_dedup() {
+    let mut cluster = Cluster::start_default().await.unwrap();
+    let mut c = cluster.lock_client(1).await.unwrap();
+    let mut grants = Vec::new();
+    for i in 0..20 {
+        grants.push(
+            acquire(&mut c, &format!("restart/{i}"), &format!("rs-{i}"), 120_000)
+                .await
+                .unwrap(),
+        );
+    }
+    // Some released, so the table holds both live and gone leases.
+    for i in 0..5 {
+        let g = &grants[i];
+        c.release(ReleaseRequest {
+            resource: format!("restart/{i}"),
+            lease_id: g.lease_id.clone(),
+        })
+        .await
+        .unwrap();
+    }
+    let max = grants.iter().map(|g| g.fencing_token).max().unwrap();
+    for id in 1..=3 {
+        cluster.kill(id);
+    }
+    for id in 1..=3 {
+        cluster.start_node(id).unwrap();
+    }
+    cluster
+        .wait_for_leader(Duration::from_secs(30))
+        .await
+        .unwrap();
+    for (i, g) in grants.iter().enumerate() {
+        let d = describe(&cluster, 2, &format!("restart/{i}")).await;
+        assert_eq!(d.held, i >= 5, "restart/{i}: {d:?}");
+        if i >= 5 {
+            assert_eq!(d.fencing_token, g.fencing_token);
+        }
+        // The dedup record survived: the retry answers with the original lease.
+        let retry = acquire_retrying(
+            &cluster,
+            &[3],
+            &format!("restart/{i}"),
+            &format!("rs-{i}"),
+            120_000,
+        )
+        .await;
+        assert_eq!(retry.lease_id, g.lease_id);
+        assert_eq!(retry.fencing_token, g.fencing_token);
+    }
+    let next = acquire_retrying(&cluster, &[1], "restart/new", "rs-new", 10_000).await;
+    assert!(
+        next.fencing_token > max,
+        "token {} after restart, max before {max}",
+        next.fencing_token
+    );
+}
+
+/// Goal: snapshots compact the log; a restarted node and a node with an empty data dir both catch
+/// up (by snapshot) and agree on the state. Method: snapshot every 20 entries, keep 5; run many
+/// commands while node 3 is down; restart it; wipe node 2; compare Status of all nodes; then make
+/// a caught-up node leader and read through it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compaction_then_lagging_and_wiped_nodes_catch_up() {
+    let mut cluster = Cluster::start(ClusterOptions {
+        snapshot_every: 20,
+        logs_kept_after_snapshot: 5,
+        ..ClusterOptions::default()
+    })
+    .await
+    .unwrap();
+    let leader = cluster.leader().await.unwrap();
+    let lagging = others(leader)[1];
+    let wiped = others(leader)[0];
+    let mut c = cluster.lock_client(leader).await.unwrap();
+    for i in 0..40 {
+        acquire(
+            &mut c,
+            &format!("compact/a{i}"),
+            &format!("ca-{i}"),
+            120_000,
+        )
+        .await
+        .unwrap();
+    }
+    cluster.kill(lagging);
+    let mut held = Vec::new();
+    for i in 0..120 {
+        let r = format!("compact/b{i}");
+        let g = acquire(&mut c, &r, &format!("cb-{i}"), 120_000)
+            .await
+            .unwrap();
+        if i % 3 == 0 {
+            c.release(ReleaseRequest {
+                resource: r,
+                lease_id: g.lease_id,
+            })
+            .await
+            .unwrap();
+        } else {
+            held.push((r, g.fencing_token));
+        }
+    }
+    cluster.start_node(lagging).unwrap();
+    cluster.wipe(wiped).unwrap();
+    cluster.start_node(wiped).unwrap();
+    let target = cluster.status(leader).await.unwrap().applied_index;
+    cluster
+        .wait_applied(target, Duration::from_secs(30))
+        .await
+        .unwrap();
+    let statuses: Vec<_> = futures_join(&cluster).await;
+    for s in &statuses {
+        assert_eq!(s.active_locks, statuses[0].active_locks, "{statuses:?}");
+        assert_eq!(s.active_locks, 40 + held.len() as u64);
+    }
+    // Hand leadership to a caught-up node by stopping the leader, then read through it.
+    cluster.kill(leader);
+    cluster
+        .wait_for_leader(Duration::from_secs(30))
+        .await
+        .unwrap();
+    for (r, token) in held.iter().step_by(7) {
+        let d = describe(&cluster, wiped, r).await;
+        assert!(d.held && d.fencing_token == *token, "{r}: {d:?}");
+    }
+}
+
+async fn futures_join(cluster: &Cluster) -> Vec<lockd_api::v1::StatusResponse> {
+    let mut out = Vec::new();
+    for id in 1..=3 {
+        out.push(cluster.status(id).await.unwrap());
+    }
+    out
+}
