@@ -14,6 +14,7 @@ pub const DEV_METRICS_PORTS: [u16; 3] = [9101, 9102, 9103];
 
 pub async fn run(
     data_dir: PathBuf,
+    host: std::net::Ipv4Addr,
     tuning: Tuning,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
@@ -22,7 +23,7 @@ pub async fn run(
         .enumerate()
         .map(|(i, port)| crate::config::Peer {
             id: i as u64 + 1,
-            addr: format!("127.0.0.1:{port}"),
+            addr: format!("{host}:{port}"),
         })
         .collect();
     let mut nodes = Vec::new();
@@ -32,7 +33,7 @@ pub async fn run(
             peer.addr.parse()?,
             peers.clone(),
             data_dir.join(peer.id.to_string()),
-            Some(format!("127.0.0.1:{}", DEV_METRICS_PORTS[i]).parse()?),
+            Some(format!("{host}:{}", DEV_METRICS_PORTS[i]).parse()?),
             tuning.clone(),
         )
         .map_err(|e| anyhow::anyhow!(e))?;
@@ -48,7 +49,7 @@ pub async fn run(
         data_dir.display()
     );
     println!("  gRPC endpoints:  {endpoints}");
-    println!("  metrics:         http://127.0.0.1:9101/metrics (9102, 9103)");
+    println!("  metrics:         http://{host}:9101/metrics (9102, 9103)");
     println!("  try:             lockctl --endpoints {endpoints} acquire demo/job --ttl 30s");
     println!("  stop with Ctrl-C");
     for n in nodes {

@@ -42,6 +42,9 @@ enum Cmd {
         /// Folder for the three nodes' data.
         #[arg(long, default_value = "lockd-dev-data")]
         data_dir: PathBuf,
+        /// Loopback address to bind (any 127.x.y.z), so several dev clusters can run side by side.
+        #[arg(long, default_value = "127.0.0.1")]
+        host: std::net::Ipv4Addr,
         #[command(flatten)]
         tuning: Tuning,
     },
@@ -90,10 +93,14 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         on_signal.cancel();
     });
     match cli.command {
-        Some(Cmd::Dev { data_dir, tuning }) => {
+        Some(Cmd::Dev {
+            data_dir,
+            host,
+            tuning,
+        }) => {
             tuning.validate().map_err(|e| anyhow::anyhow!(e))?;
             lockd_server::init_tracing(tuning.log_format);
-            lockd_server::dev::run(data_dir, tuning, shutdown).await
+            lockd_server::dev::run(data_dir, host, tuning, shutdown).await
         }
         None => {
             let missing = |flag: &str| {
