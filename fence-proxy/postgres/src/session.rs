@@ -235,7 +235,9 @@ impl Session {
             if self.up_rx.read_buffer().is_empty() {
                 self.client_tx.flush().await?;
             }
-            if self.client_rx.read_buffer().is_empty() {
+            // While a request is outstanding the client's next messages stay unread, so what was
+            // written upstream must go out now even if more client bytes are buffered.
+            if self.client_rx.read_buffer().is_empty() || (self.awaiting_ready && !self.copy_in) {
                 self.up_tx.flush().await?;
             }
         }
@@ -297,6 +299,8 @@ impl Session {
     }
 
     async fn on_client(&mut self, m: Message) -> anyhow::Result<Flow> {
+        tracing::trace!(tag = %(m.tag as char), len = m.frame.len(), pending = self.pending.len(), "client message");
+        if std::env::var_os("PGTRACE").is_some() { eprintln!("C> {} {:?}", m.tag as char, self.pending); }
         match m.tag {
             b'Q' => self.simple_query(m).await,
             b'P' => self.parse(m).await,
@@ -677,6 +681,8 @@ impl Session {
     }
 
     async fn on_upstream(&mut self, m: Message) -> anyhow::Result<Flow> {
+        tracing::trace!(tag = %(m.tag as char), len = m.frame.len(), pending = self.pending.len(), "upstream message");
+        if std::env::var_os("PGTRACE").is_some() { eprintln!("U> {} {:?}", m.tag as char, self.pending.front()); }
         match m.tag {
             b'Z' => return self.on_ready(m).await,
             b'E' => {
