@@ -1,1 +1,52 @@
-fn main() {}
+//! `lockctl`: the command-line client of lockd (acquire, renew, release, describe, status, hold).
+//!
+//! It holds no lock logic of its own: every command is a thin layer over `lockd-client`, plus, for
+//! `hold`, supervision of a child process.
+//!
+//! # Layout
+//! - [`cli`]: flags and commands (clap), duration parsing.
+//! - [`exit`]: the exit-code table and the one-line error type.
+//! - [`commands`]: acquire, renew, release, describe, status and their text/JSON output.
+//! - [`hold`]: `hold -- COMMAND`: run a command under a lease, stop it when the lease is lost.
+
+mod cli;
+mod commands;
+mod exit;
+mod hold;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+fn main() -> ExitCode {
+    let cli = match cli::Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => return cli::report_parse_error(e),
+    };
+    // Logs go to stderr and are off unless RUST_LOG asks, so that every error stays one line.
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("off")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    // One thread: `hold` forks its child from this thread, and the child's parent-death signal is
+    // tied to the forking thread, so it must live as long as the process.
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("lockctl: cannot start the async runtime: {e}");
+            return ExitCode::from(exit::INTERNAL);
+        }
+    };
+    let json = cli.json;
+    let code = match runtime.block_on(commands::run(cli)) {
+        Ok(code) => code,
+        Err(failure) => failure.report(json),
+    };
+    ExitCode::from(code)
+}

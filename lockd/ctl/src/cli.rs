@@ -1,0 +1,189 @@
+//! Flags and commands, as CONTRACT.md lists them.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::error::ErrorKind;
+use clap::{Args, Parser, Subcommand};
+
+use crate::exit;
+
+/// The `lockd dev` cluster, so that `lockctl status` works out of the box on a developer machine.
+pub const DEFAULT_ENDPOINTS: &str = "127.0.0.1:7001,127.0.0.1:7002,127.0.0.1:7003";
+
+/// Command-line client of lockd. Exit codes: 0 ok, 1 internal, 2 usage, 3 held, 4 wait timed out,
+/// 5 lease not current, 6 waiter limit, 7 invalid argument, 8 outcome unknown, 9 unavailable,
+/// 10 hold: lease lost; hold otherwise exits with COMMAND's status.
+#[derive(Parser, Debug)]
+#[command(name = "lockctl", version, about, long_about = None)]
+pub struct Cli {
+    /// lockd nodes, comma-separated host:port; any node forwards to the leader.
+    #[arg(long, global = true, env = "LOCKD_ENDPOINTS", value_delimiter = ',', default_value = DEFAULT_ENDPOINTS)]
+    pub endpoints: Vec<String>,
+
+    /// Print one JSON object instead of text.
+    #[arg(long, global = true)]
+    pub json: bool,
+
+    /// Total time for one call including retries across nodes (acquire: on top of --wait).
+    #[arg(long, global = true, value_parser = parse_duration, default_value = "15s")]
+    pub timeout: Duration,
+
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Take a lease; prints lease_id, fencing_token and ttl.
+    Acquire {
+        resource: String,
+        #[command(flatten)]
+        lease: LeaseArgs,
+        /// Idempotency key: repeat it to learn the outcome of an attempt that ended "unknown".
+        #[arg(long)]
+        request_id: Option<String>,
+    },
+    /// Extend a lease by its ttl.
+    Renew {
+        resource: String,
+        lease_id: String,
+        /// New ttl (default: keep the lease's ttl).
+        #[arg(long, value_parser = parse_duration)]
+        ttl: Option<Duration>,
+    },
+    /// Give a lease up.
+    Release { resource: String, lease_id: String },
+    /// Show who holds a resource (never the lease id).
+    Describe { resource: String },
+    /// Show the state of the node that answers.
+    Status,
+    /// Run COMMAND while holding the lease; stop it if the lease is lost.
+    Hold {
+        resource: String,
+        #[command(flatten)]
+        lease: LeaseArgs,
+        /// The command and its arguments, after `--`.
+        #[arg(required = true, last = true, value_name = "COMMAND")]
+        command: Vec<String>,
+    },
+}
+
+/// Flags shared by `acquire` and `hold`.
+#[derive(Args, Debug)]
+pub struct LeaseArgs {
+    /// Lease ttl, e.g. 30s (default: the server's, 30s).
+    #[arg(long, value_parser = parse_duration)]
+    pub ttl: Option<Duration>,
+    /// Queue for a held resource this long, e.g. 10s (default: do not wait).
+    #[arg(long, value_parser = parse_duration)]
+    pub wait: Option<Duration>,
+    /// Free text shown by describe (default: <hostname>/pid-<pid>).
+    #[arg(long)]
+    pub holder: Option<String>,
+}
+
+/// `30s`, `1m30s`, `500ms`.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s)
+        .map_err(|e| format!("{s:?} is not a duration like 30s or 500ms ({e})"))
+}
+
+/// Prints help/version as clap does; every real parse error as one line, exit code 2.
+pub fn report_parse_error(e: clap::Error) -> ExitCode {
+    match e.kind() {
+        ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => {
+            let _ = e.print();
+            ExitCode::SUCCESS
+        }
+        _ => {
+            eprintln!("lockctl: {} (see lockctl --help)", one_line(&e));
+            ExitCode::from(exit::USAGE)
+        }
+    }
+}
+
+/// The first meaningful line of clap's rendering, without its `error: ` prefix.
+fn one_line(e: &clap::Error) -> String {
+    let rendered = e.render().to_string();
+    let mut lines = rendered.lines().map(str::trim).filter(|l| !l.is_empty());
+    let first = lines.next().unwrap_or("invalid arguments");
+    let mut first = first.strip_prefix("error: ").unwrap_or(first).to_owned();
+    // "the following required arguments were not provided:" lists them on the next lines.
+    if first.ends_with(':') {
+        let listed: Vec<&str> = lines
+            .take_while(|l| !l.starts_with("Usage:") && !l.starts_with("tip:"))
+            .collect();
+        first = format!("{} {}", first, listed.join(", "));
+    }
+    // A missing subcommand renders as the whole usage text; keep the essentials.
+    if e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+        || e.kind() == ErrorKind::MissingSubcommand
+    {
+        return "a command is required: acquire, renew, release, describe, status or hold".into();
+    }
+    first
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn durations_parse_and_name_bad_values() {
+        assert_eq!(parse_duration("30s"), Ok(Duration::from_secs(30)));
+        assert_eq!(parse_duration("1m30s"), Ok(Duration::from_secs(90)));
+        let err = parse_duration("3x").unwrap_err();
+        assert!(err.contains("\"3x\""), "{err}");
+    }
+
+    #[test]
+    fn hold_takes_the_command_after_the_separator() {
+        let cli = Cli::try_parse_from([
+            "lockctl",
+            "--endpoints",
+            "a:1,b:2",
+            "hold",
+            "r",
+            "--ttl",
+            "5s",
+            "--",
+            "sh",
+            "-c",
+            "echo $LOCKD_FENCING_TOKEN",
+        ])
+        .unwrap();
+        assert_eq!(cli.endpoints, ["a:1", "b:2"]);
+        match cli.command {
+            Command::Hold {
+                resource,
+                lease,
+                command,
+            } => {
+                assert_eq!(resource, "r");
+                assert_eq!(lease.ttl, Some(Duration::from_secs(5)));
+                assert_eq!(command, ["sh", "-c", "echo $LOCKD_FENCING_TOKEN"]);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn parse_errors_are_one_line() {
+        let e = Cli::try_parse_from(["lockctl", "acquire", "r", "--ttl", "soon"]).unwrap_err();
+        let line = one_line(&e);
+        assert!(line.contains("soon"), "{line}");
+        assert!(!line.contains('\n'));
+        let e = Cli::try_parse_from(["lockctl"]).unwrap_err();
+        assert!(one_line(&e).contains("command is required"));
+        let e = Cli::try_parse_from(["lockctl", "hold", "r"]).unwrap_err();
+        let line = one_line(&e);
+        assert!(line.contains("<COMMAND>"), "{line}");
+    }
+}

@@ -1,0 +1,252 @@
+//! acquire, renew, release, describe and status, with text and JSON output.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use lockd_client::{AcquireOptions, Client, ClientConfig, LeaseId, RequestId};
+use serde_json::json;
+
+use crate::cli::{Cli, Command};
+use crate::exit::{self, Failure};
+use crate::hold;
+
+/// Runs one command; `Ok` carries the exit code (`hold` passes on its child's).
+pub async fn run(cli: Cli) -> Result<u8, Failure> {
+    let mut config = ClientConfig::new(cli.endpoints.iter().map(String::as_str));
+    config.call_timeout = cli.timeout;
+    let client = Client::with_config(config)?;
+    let json = cli.json;
+    match cli.command {
+        Command::Acquire {
+            resource,
+            lease,
+            request_id,
+        } => {
+            let mut opts = acquire_options(&lease, cli.timeout);
+            if let Some(id) = request_id {
+                opts.request_id = Some(RequestId::parse(id)?);
+            }
+            let granted = client.acquire(&resource, opts).await?;
+            print_fields(
+                json,
+                json!({
+                    "resource": granted.resource,
+                    "lease_id": granted.lease_id.as_str(),
+                    "fencing_token": granted.fencing_token.0,
+                    "lease_ttl_ms": millis(granted.ttl),
+                    "expires_at_unix_ms": granted.expires_at_unix_ms,
+                    "request_id": granted.request_id.as_str(),
+                }),
+                &[
+                    ("lease_id", granted.lease_id.as_str().to_owned()),
+                    ("fencing_token", granted.fencing_token.to_string()),
+                    ("ttl", humantime::format_duration(granted.ttl).to_string()),
+                ],
+            );
+            Ok(exit::OK)
+        }
+        Command::Renew {
+            resource,
+            lease_id,
+            ttl,
+        } => {
+            let renewed = client
+                .renew(&resource, &LeaseId::new(lease_id), ttl)
+                .await?;
+            print_fields(
+                json,
+                json!({
+                    "resource": resource,
+                    "lease_ttl_ms": millis(renewed.ttl),
+                    "expires_at_unix_ms": renewed.expires_at_unix_ms,
+                }),
+                &[
+                    ("ttl", humantime::format_duration(renewed.ttl).to_string()),
+                    ("expires_at", wall_time(renewed.expires_at_unix_ms)),
+                ],
+            );
+            Ok(exit::OK)
+        }
+        Command::Release { resource, lease_id } => {
+            let lease_id = LeaseId::new(lease_id);
+            let released = client.release(&resource, &lease_id).await?;
+            if !released {
+                return Err(Failure::new(
+                    exit::NOT_FOUND,
+                    "not_found",
+                    format!(
+                        "lease {} of {resource:?} is not current (expired, released or superseded); nothing released",
+                        lockd_client::lease::abbreviate(lease_id.as_str())
+                    ),
+                ));
+            }
+            print_fields(
+                json,
+                json!({ "resource": resource, "released": true }),
+                &[("released", "true".to_owned())],
+            );
+            Ok(exit::OK)
+        }
+        Command::Describe { resource } => {
+            let d = client.describe(&resource).await?;
+            print_fields(
+                json,
+                json!({
+                    "resource": resource,
+                    "held": d.held,
+                    "holder": d.holder,
+                    "fencing_token": d.fencing_token,
+                    "expires_at_unix_ms": d.expires_at_unix_ms,
+                    "waiters": d.waiters,
+                }),
+                &[
+                    ("resource", resource.clone()),
+                    ("held", d.held.to_string()),
+                    ("holder", d.holder.clone()),
+                    ("fencing_token", d.fencing_token.to_string()),
+                    (
+                        "expires_at",
+                        if d.held {
+                            wall_time(d.expires_at_unix_ms)
+                        } else {
+                            "-".to_owned()
+                        },
+                    ),
+                    ("waiters", d.waiters.to_string()),
+                ],
+            );
+            Ok(exit::OK)
+        }
+        Command::Status => {
+            let s = client.status().await?;
+            let members: Vec<_> = s
+                .members
+                .iter()
+                .map(|m| json!({ "id": m.id, "address": m.address }))
+                .collect();
+            let hot = |list: &[lockd_api::v1::HotResource]| -> Vec<serde_json::Value> {
+                list.iter()
+                    .map(|h| json!({ "resource": h.resource, "acquires": h.acquires, "waiters": h.waiters }))
+                    .collect()
+            };
+            let hot_text = |list: &[lockd_api::v1::HotResource]| -> String {
+                if list.is_empty() {
+                    return "-".to_owned();
+                }
+                list.iter()
+                    .map(|h| {
+                        format!(
+                            "{} ({} acquires, {} waiting)",
+                            h.resource, h.acquires, h.waiters
+                        )
+                    })
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            };
+            print_fields(
+                json,
+                json!({
+                    "node_id": s.node_id,
+                    "role": s.role,
+                    "leader_id": s.leader_id,
+                    "term": s.term,
+                    "commit_index": s.commit_index,
+                    "applied_index": s.applied_index,
+                    "lag": s.lag,
+                    "members": members,
+                    "active_locks": s.active_locks,
+                    "waiters": s.waiters,
+                    "hot_by_acquires": hot(&s.hot_by_acquires),
+                    "hot_by_waiters": hot(&s.hot_by_waiters),
+                }),
+                &[
+                    ("node", s.node_id.to_string()),
+                    (
+                        "role",
+                        if s.role.is_empty() {
+                            "-".into()
+                        } else {
+                            s.role.clone()
+                        },
+                    ),
+                    (
+                        "leader",
+                        if s.leader_id == 0 {
+                            "none known".into()
+                        } else {
+                            s.leader_id.to_string()
+                        },
+                    ),
+                    ("term", s.term.to_string()),
+                    ("commit_index", s.commit_index.to_string()),
+                    ("applied_index", s.applied_index.to_string()),
+                    ("lag", s.lag.to_string()),
+                    (
+                        "members",
+                        s.members
+                            .iter()
+                            .map(|m| format!("{}={}", m.id, m.address))
+                            .collect::<Vec<_>>()
+                            .join(" "),
+                    ),
+                    ("active_locks", s.active_locks.to_string()),
+                    ("waiters", s.waiters.to_string()),
+                    ("hot_by_acquires", hot_text(&s.hot_by_acquires)),
+                    ("hot_by_waiters", hot_text(&s.hot_by_waiters)),
+                ],
+            );
+            Ok(exit::OK)
+        }
+        Command::Hold {
+            resource,
+            lease,
+            command,
+        } => {
+            let opts = acquire_options(&lease, cli.timeout);
+            hold::hold(&client, &resource, opts, &command, json).await
+        }
+    }
+}
+
+pub fn acquire_options(lease: &crate::cli::LeaseArgs, timeout: Duration) -> AcquireOptions {
+    AcquireOptions {
+        ttl: lease.ttl,
+        wait: lease.wait,
+        holder: lease.holder.clone(),
+        request_id: None,
+        timeout: Some(lease.wait.unwrap_or_default() + timeout),
+    }
+}
+
+/// One JSON object, or aligned `key  value` lines.
+fn print_fields(json: bool, object: serde_json::Value, fields: &[(&str, String)]) {
+    if json {
+        println!("{object}");
+        return;
+    }
+    let width = fields.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
+    for (key, value) in fields {
+        println!("{key:<width$}  {value}");
+    }
+}
+
+pub fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// RFC 3339 rendering of the server's informative wall-clock expiry, with its distance from now.
+fn wall_time(unix_ms: i64) -> String {
+    let Ok(ms) = u64::try_from(unix_ms) else {
+        return unix_ms.to_string();
+    };
+    let at = UNIX_EPOCH + Duration::from_millis(ms);
+    let when = humantime::format_rfc3339_millis(at);
+    match at.duration_since(SystemTime::now()) {
+        Ok(ahead) => format!("{when} (in {})", round(ahead)),
+        Err(e) => format!("{when} ({} ago)", round(e.duration())),
+    }
+}
+
+/// Rounds to 0.1 s for display.
+fn round(d: Duration) -> humantime::FormattedDuration {
+    humantime::format_duration(Duration::from_millis(d.as_millis() as u64 / 100 * 100))
+}
