@@ -8,7 +8,7 @@ use crate::fence_sql::MAX_RECORDABLE_TOKEN;
 /// Parses `<resource>:<token>` with lockd's rules, and checks the token fits the `bigint` column.
 pub fn parse(value: &str) -> Result<Fence, ProxyError> {
     let fence: Fence = value.parse().map_err(|e| {
-        ProxyError::error(error::BAD_FENCE, format!("invalid lockd.fence value: {e}"))
+        ProxyError::error(error::BAD_FENCE, format!("invalid lockd.fence value {value:?}: {e}"))
             .with_hint("SET lockd.fence = '<resource>:<token>', with the fencing token lockd granted, e.g. 'orders:42'")
     })?;
     if fence.token.0 > MAX_RECORDABLE_TOKEN {

@@ -300,7 +300,6 @@ impl Session {
 
     async fn on_client(&mut self, m: Message) -> anyhow::Result<Flow> {
         tracing::trace!(tag = %(m.tag as char), len = m.frame.len(), pending = self.pending.len(), "client message");
-        if std::env::var_os("PGTRACE").is_some() { eprintln!("C> {} {:?}", m.tag as char, self.pending); }
         match m.tag {
             b'Q' => self.simple_query(m).await,
             b'P' => self.parse(m).await,
@@ -682,7 +681,6 @@ impl Session {
 
     async fn on_upstream(&mut self, m: Message) -> anyhow::Result<Flow> {
         tracing::trace!(tag = %(m.tag as char), len = m.frame.len(), pending = self.pending.len(), "upstream message");
-        if std::env::var_os("PGTRACE").is_some() { eprintln!("U> {} {:?}", m.tag as char, self.pending.front()); }
         match m.tag {
             b'Z' => return self.on_ready(m).await,
             b'E' => {

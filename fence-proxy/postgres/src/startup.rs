@@ -48,7 +48,6 @@ pub async fn handshake(mut client: TcpStream, cfg: Arc<Config>) -> anyhow::Resul
             }
         };
         let code = i32::from_be_bytes([packet[4], packet[5], packet[6], packet[7]]);
-        if std::env::var_os("PGTRACE").is_some() { eprintln!("startup packet code {code}"); }
         match code {
             SSL_REQUEST | GSSENC_REQUEST if encryption_requests < MAX_ENCRYPTION_REQUESTS => {
                 encryption_requests += 1;
@@ -133,7 +132,6 @@ pub async fn handshake(mut client: TcpStream, cfg: Arc<Config>) -> anyhow::Resul
             }
         };
         client_tx.write_all(&msg.frame).await?;
-        if std::env::var_os("PGTRACE").is_some() { eprintln!("startup U> {}", msg.tag as char); }
         match msg.tag {
             b'Z' => break msg.body().first().copied().unwrap_or(b'I'),
             b'E' => {

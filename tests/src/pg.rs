@@ -1,0 +1,312 @@
+//! Harness for the Postgres front end of fence-proxy: the shared local Postgres, a proxy running
+//! in-process on a free port, psql, and a private password-protected Postgres cluster for the
+//! authentication pass-through tests.
+
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use tokio_util::sync::CancellationToken;
+
+use crate::process::ChildGuard;
+
+/// The Postgres every suite runs against: trust authentication for 127.0.0.1.
+pub const PG_HOST: &str = "127.0.0.1";
+pub const PG_PORT: u16 = 5432;
+pub const PG_USER: &str = "postgres";
+pub const PG_DATABASE: &str = "test";
+
+/// How long a started server (proxy or private cluster) may take to accept connections.
+const STARTUP_WAIT: Duration = Duration::from_secs(30);
+
+/// URL of the shared Postgres, directly.
+pub fn direct_url() -> String {
+    format!("postgres://{PG_USER}@{PG_HOST}:{PG_PORT}/{PG_DATABASE}")
+}
+
+/// Panics with instructions when the shared Postgres is not reachable.
+pub fn require_postgres() {
+    let addr: SocketAddr = format!("{PG_HOST}:{PG_PORT}").parse().unwrap();
+    if TcpStream::connect_timeout(&addr, Duration::from_secs(2)).is_err() {
+        panic!(
+            "Postgres is not reachable at {addr}; start it with \
+             `pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start` \
+             (user {PG_USER}, trust auth, database {PG_DATABASE}: `createdb -h 127.0.0.1 -U postgres test`)"
+        );
+    }
+}
+
+/// A name unique to this test run, usable as a table name or fence resource.
+pub fn unique_name(prefix: &str) -> String {
+    use rand::RngExt;
+    let n: u64 = rand::rng().random();
+    format!("{prefix}_{n:016x}")
+}
+
+/// A free TCP port on 127.0.0.1 (bound, then released for the server to take).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("binding an ephemeral port")
+        .port()
+}
+
+fn wait_accepting(addr: SocketAddr, what: &str) {
+    let deadline = Instant::now() + STARTUP_WAIT;
+    while TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "{what} did not accept connections on {addr} within {STARTUP_WAIT:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The Postgres front end of fence-proxy running in-process on its own runtime thread, stopped
+/// (shutdown token, then join) on drop.
+pub struct PgProxy {
+    pub addr: SocketAddr,
+    shutdown: CancellationToken,
+    thread: Option<std::thread::JoinHandle<anyhow::Result<()>>>,
+}
+
+impl PgProxy {
+    /// Starts a proxy in front of the shared Postgres.
+    pub fn start(require_fence: bool) -> PgProxy {
+        Self::start_with(direct_url(), require_fence)
+    }
+
+    /// Starts a proxy in front of `upstream`.
+    pub fn start_with(upstream: String, require_fence: bool) -> PgProxy {
+        let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let args = fence_proxy_postgres::Args {
+            listen: addr,
+            upstream,
+            require_fence,
+            pool_size: 1,
+            max_sessions: 64,
+            max_message_bytes: fence_proxy_postgres::limits::DEFAULT_MAX_MESSAGE_BYTES,
+            connect_timeout_ms: 5_000,
+            startup_timeout_ms: 10_000,
+            fence_table: "lockd_fence".to_owned(),
+        };
+        let shutdown = CancellationToken::new();
+        let token = shutdown.clone();
+        let thread = std::thread::spawn(move || {
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()?
+                .block_on(fence_proxy_postgres::run(args, token))
+        });
+        wait_accepting(addr, "fence-proxy postgres");
+        PgProxy {
+            addr,
+            shutdown,
+            thread: Some(thread),
+        }
+    }
+
+    /// URL of the shared database through this proxy.
+    pub fn url(&self) -> String {
+        self.url_as(PG_USER, PG_DATABASE)
+    }
+
+    pub fn url_as(&self, user: &str, database: &str) -> String {
+        format!(
+            "postgres://{user}@{}:{}/{database}",
+            self.addr.ip(),
+            self.addr.port()
+        )
+    }
+
+    /// A tokio-postgres configuration for this proxy, optionally with a startup fence.
+    pub fn config(&self, fence: Option<&str>) -> tokio_postgres::Config {
+        let mut c: tokio_postgres::Config = self.url().parse().unwrap();
+        if let Some(f) = fence {
+            c.options(format!("-c lockd.fence={f}"));
+        }
+        c
+    }
+}
+
+impl Drop for PgProxy {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+        if let Some(t) = self.thread.take() {
+            match t.join() {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => eprintln!("fence-proxy postgres exited with an error: {e}"),
+                Err(_) => eprintln!("fence-proxy postgres thread panicked"),
+            }
+        }
+    }
+}
+
+/// Connects with tokio-postgres and drives the connection on the current runtime.
+pub async fn connect(config: &tokio_postgres::Config) -> tokio_postgres::Client {
+    let (client, connection) = config
+        .connect(tokio_postgres::NoTls)
+        .await
+        .unwrap_or_else(|e| panic!("connecting with {config:?}: {e:?}"));
+    tokio::spawn(async move {
+        let _ = connection.await;
+    });
+    client
+}
+
+/// Runs `psql` on `url` with `script` as its input file; `env` adds variables such as PGOPTIONS.
+pub fn psql(url: &str, script: &Path, vars: &[(&str, &str)], env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new("psql");
+    cmd.arg("-X")
+        .arg("--no-psqlrc")
+        .arg("-v")
+        .arg("ON_ERROR_STOP=0")
+        .arg("-d")
+        .arg(url)
+        .arg("-f")
+        .arg(script);
+    for (k, v) in vars {
+        cmd.arg("-v").arg(format!("{k}={v}"));
+    }
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.stdin(Stdio::null())
+        .output()
+        .expect("running psql (is the postgresql-client package installed?)")
+}
+
+/// A throwaway Postgres cluster with password authentication (scram-sha-256 and md5 roles),
+/// started from the installed server binaries, so authentication pass-through can be tested
+/// without touching the shared server's pg_hba.conf. Killed and removed on drop.
+pub struct PrivateCluster {
+    pub port: u16,
+    _server: ChildGuard,
+    dir: PathBuf,
+}
+
+fn is_root() -> bool {
+    id_of_self() == Some(0)
+}
+
+fn id_of_self() -> Option<u32> {
+    let out = Command::new("id").arg("-u").output().ok()?;
+    String::from_utf8_lossy(&out.stdout).trim().parse().ok()
+}
+
+/// `id <flag> postgres`: the uid or gid of the `postgres` OS user.
+fn id_of(flag: &str) -> Option<u32> {
+    let out = Command::new("id").arg(flag).arg("postgres").output().ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    String::from_utf8_lossy(&out.stdout).trim().parse().ok()
+}
+
+/// Password of the roles the private cluster creates.
+pub const PRIVATE_PASSWORD: &str = "s3cret-fence";
+
+impl PrivateCluster {
+    /// Fails with the reason when the server binaries or the `postgres` OS user are
+    /// missing.
+    pub fn start() -> Result<PrivateCluster, String> {
+        let bin = std::fs::read_dir("/usr/lib/postgresql")
+            .map_err(|e| format!("no /usr/lib/postgresql: {e}"))?
+            .filter_map(|e| e.ok())
+            .map(|e| e.path().join("bin"))
+            .find(|p| p.join("initdb").exists())
+            .ok_or("no initdb under /usr/lib/postgresql/*/bin")?;
+        let dir = std::env::temp_dir().join(unique_name("lockd_pg_cluster"));
+        std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+        // As root, the server runs as the `postgres` OS user (initdb refuses root); setting the
+        // ids directly, instead of through runuser, keeps the server our own child to kill.
+        let ids = if is_root() {
+            let uid = id_of("-u").ok_or("no `postgres` OS user")?;
+            let gid = id_of("-g").ok_or("no `postgres` OS group")?;
+            let status = Command::new("chown")
+                .arg("postgres")
+                .arg(&dir)
+                .status()
+                .map_err(|e| e.to_string())?;
+            if !status.success() {
+                return Err(format!("chown postgres {}: {status}", dir.display()));
+            }
+            Some((uid, gid))
+        } else {
+            None
+        };
+        let run_as_postgres = |program: &Path| {
+            use std::os::unix::process::CommandExt;
+            let mut c = Command::new(program);
+            if let Some((uid, gid)) = ids {
+                c.uid(uid).gid(gid);
+            }
+            c.stdin(Stdio::null());
+            c
+        };
+        let pwfile = dir.join("pw");
+        std::fs::write(&pwfile, PRIVATE_PASSWORD).map_err(|e| e.to_string())?;
+        let data = dir.join("data");
+        let out = run_as_postgres(&bin.join("initdb"))
+            .arg("-D")
+            .arg(&data)
+            .arg("-U")
+            .arg("postgres")
+            .arg("--auth=scram-sha-256")
+            .arg(format!("--pwfile={}", pwfile.display()))
+            .output()
+            .map_err(|e| e.to_string())?;
+        if !out.status.success() {
+            return Err(format!(
+                "initdb failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            ));
+        }
+        // md5 entries first for the md5 role, scram for everyone else.
+        std::fs::write(
+            data.join("pg_hba.conf"),
+            "host all md5_user 127.0.0.1/32 md5\nhost all all 127.0.0.1/32 scram-sha-256\n",
+        )
+        .map_err(|e| e.to_string())?;
+        let port = free_port();
+        let mut cmd = run_as_postgres(&bin.join("postgres"));
+        cmd.arg("-D")
+            .arg(&data)
+            .arg("-p")
+            .arg(port.to_string())
+            .arg("-c")
+            .arg("listen_addresses=127.0.0.1")
+            .arg("-c")
+            .arg(format!("unix_socket_directories={}", dir.display()))
+            .arg("-c")
+            .arg("fsync=off");
+        let server = ChildGuard::spawn("private postgres", cmd).map_err(|e| e.to_string())?;
+        wait_accepting(
+            format!("127.0.0.1:{port}").parse().unwrap(),
+            "private postgres",
+        );
+        Ok(PrivateCluster {
+            port,
+            _server: server,
+            dir,
+        })
+    }
+
+    /// URL of the cluster's `postgres` database for `user`, with the password.
+    pub fn url(&self, user: &str) -> String {
+        format!(
+            "postgres://{user}:{PRIVATE_PASSWORD}@127.0.0.1:{}/postgres",
+            self.port
+        )
+    }
+}
+
+impl Drop for PrivateCluster {
+    fn drop(&mut self) {
+        // The server is killed by its guard first only if fields drop in order; kill explicitly.
+        self._server.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
