@@ -26,6 +26,8 @@ pub struct ClusterOptions {
     pub election_timeout_ms: u64,
     pub snapshot_every: u64,
     pub logs_kept_after_snapshot: u64,
+    /// Each node writes its audit log to `<data dir>.audit.log` (see [`Cluster::audit_path`]).
+    pub audit: bool,
     pub extra_args: Vec<String>,
 }
 
@@ -37,6 +39,7 @@ impl Default for ClusterOptions {
             election_timeout_ms: 600,
             snapshot_every: 5_000,
             logs_kept_after_snapshot: 1_000,
+            audit: false,
             extra_args: Vec::new(),
         }
     }
@@ -90,6 +93,11 @@ impl Cluster {
         self.dir.path().join(format!("node{id}"))
     }
 
+    /// The audit log of node `id` (kept outside its data dir, so wiping the node keeps it).
+    pub fn audit_path(&self, id: u64) -> PathBuf {
+        self.dir.path().join(format!("node{id}.audit.log"))
+    }
+
     /// Starts (or restarts) node `id` with its data dir as it is.
     pub fn start_node(&mut self, id: u64) -> anyhow::Result<()> {
         let o = &self.options;
@@ -112,6 +120,9 @@ impl Cluster {
             .arg(o.logs_kept_after_snapshot.to_string());
         for peer in 1..=o.nodes {
             cmd.arg("--peer").arg(format!("{peer}={}", self.addr(peer)));
+        }
+        if o.audit {
+            cmd.arg("--audit-log").arg(self.audit_path(id));
         }
         cmd.args(&o.extra_args);
         if std::env::var_os("RUST_LOG").is_none() {

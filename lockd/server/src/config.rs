@@ -66,6 +66,12 @@ pub struct Tuning {
     /// Waiters allowed on all resources of one tenant (the name before its first `/`).
     #[arg(long, env = "LOCKD_WAITERS_PER_TENANT_MAX", default_value_t = WAITERS_PER_TENANT_DEFAULT)]
     pub waiters_per_tenant_max: u32,
+    /// Audit log: a file path, or `-` for stdout. One JSON line per state change.
+    #[arg(long, env = "LOCKD_AUDIT_LOG")]
+    pub audit_log: Option<PathBuf>,
+    /// Rotate the audit log file when it would grow past this many bytes.
+    #[arg(long, env = "LOCKD_AUDIT_LOG_MAX_BYTES", default_value_t = 100 * 1024 * 1024)]
+    pub audit_log_max_bytes: u64,
     /// Log format on stderr.
     #[arg(long, env = "LOCKD_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
@@ -87,6 +93,12 @@ impl Tuning {
                 self.election_timeout_ms, self.heartbeat_ms
             ));
         }
+        if self.audit_log_max_bytes < 4096 {
+            return Err(format!(
+                "--audit-log-max-bytes {} must be at least 4096",
+                self.audit_log_max_bytes
+            ));
+        }
         if self.snapshot_every < 10 {
             return Err(format!(
                 "--snapshot-every {} must be at least 10",
@@ -105,6 +117,7 @@ pub struct NodeConfig {
     pub peers: BTreeMap<u64, String>,
     pub data_dir: PathBuf,
     pub metrics_listen: Option<SocketAddr>,
+    pub audit: Option<crate::observe::audit::AuditTarget>,
     pub tuning: Tuning,
 }
 
@@ -137,12 +150,23 @@ impl NodeConfig {
                 map.keys().collect::<Vec<_>>()
             ));
         }
+        let audit = match tuning.audit_log.as_deref() {
+            None => None,
+            Some(p) if p == std::path::Path::new("-") => {
+                Some(crate::observe::audit::AuditTarget::Stdout)
+            }
+            Some(p) => Some(crate::observe::audit::AuditTarget::File {
+                path: p.to_path_buf(),
+                max_bytes: tuning.audit_log_max_bytes,
+            }),
+        };
         Ok(NodeConfig {
             id,
             listen,
             peers: map,
             data_dir,
             metrics_listen,
+            audit,
             tuning,
         })
     }

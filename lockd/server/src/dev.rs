@@ -34,7 +34,7 @@ pub async fn run(
             peers.clone(),
             data_dir.join(peer.id.to_string()),
             Some(format!("{host}:{}", DEV_METRICS_PORTS[i]).parse()?),
-            tuning.clone(),
+            per_node(&tuning, peer.id),
         )
         .map_err(|e| anyhow::anyhow!(e))?;
         nodes.push(node::start(config, shutdown.clone()).await?);
@@ -56,4 +56,16 @@ pub async fn run(
         n.done.await??;
     }
     Ok(())
+}
+
+/// The nodes of one process share the tuning, but each writes its own audit file
+/// (`PATH.1`, `PATH.2`, `PATH.3`); stdout is shared, and each line names its node.
+fn per_node(tuning: &Tuning, id: u64) -> Tuning {
+    let mut t = tuning.clone();
+    if let Some(path) = &tuning.audit_log {
+        if path.as_os_str() != "-" {
+            t.audit_log = Some(PathBuf::from(format!("{}.{id}", path.display())));
+        }
+    }
+    t
 }

@@ -15,6 +15,7 @@ use tonic::transport::{Channel, Endpoint};
 
 use crate::clock::Clock;
 use crate::config::NodeConfig;
+use crate::observe::audit::AuditLog;
 use crate::observe::metrics::NodeMetrics;
 use crate::proposer::Proposer;
 use crate::raft::network::Network;
@@ -46,6 +47,7 @@ pub struct NodeCtx {
     /// Client channels to the other nodes, for forwarding calls to the leader.
     pub peers: BTreeMap<NodeId, (String, LockClient<Channel>)>,
     pub election_timeout_max_ms: u64,
+    pub hub: Arc<Hub>,
 }
 
 impl NodeCtx {
@@ -91,14 +93,44 @@ impl NodeCtx {
     }
 }
 
-/// Wakes waiting calls and counts state changes as entries apply.
-struct Hub {
+/// Acquire counts tracked per resource for Status's hot list; past this many resources new ones
+/// are not tracked, so the map cannot grow without bound.
+const HOT_TRACKED_MAX: usize = 100_000;
+
+/// Wakes waiting calls, counts state changes and writes the audit log as entries apply.
+pub struct Hub {
     waits: Arc<WaitRegistry>,
     metrics: Arc<NodeMetrics>,
+    audit: Option<AuditLog>,
+    /// Grants and queued waiters per resource since this node started.
+    acquires: std::sync::Mutex<std::collections::HashMap<String, u64>>,
+}
+
+impl Hub {
+    /// The `n` resources with the most acquires (grants and queued waiters) seen by this node.
+    pub fn top_by_acquires(&self, n: usize) -> Vec<(String, u64)> {
+        let map = self.acquires.lock().expect("hub lock");
+        let mut all: Vec<(String, u64)> = map.iter().map(|(k, v)| (k.clone(), *v)).collect();
+        all.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        all.truncate(n);
+        all
+    }
+
+    pub fn flush_audit(&self) {
+        if let Some(a) = &self.audit {
+            a.flush();
+        }
+    }
 }
 
 impl AppliedSink for Hub {
-    fn on_applied(&self, _log_index: u64, events: &[Event]) {
+    fn on_applied(&self, log_index: u64, unix_ms: i64, events: &[Event]) {
+        if events.is_empty() {
+            return;
+        }
+        if let Some(audit) = &self.audit {
+            audit.record(log_index, unix_ms, events);
+        }
         for e in events {
             match e.kind {
                 EventKind::Granted {
@@ -111,6 +143,29 @@ impl AppliedSink for Hub {
                     .with(|| metrics::counter!("lockd_lease_expirations_total").increment(1)),
                 _ => {}
             }
+            if matches!(
+                e.kind,
+                EventKind::Granted {
+                    to_waiter: None,
+                    ..
+                } | EventKind::Queued
+            ) {
+                let mut map = self.acquires.lock().expect("hub lock");
+                let len = map.len();
+                match map.get_mut(e.resource.as_str()) {
+                    Some(n) => *n += 1,
+                    None if len < HOT_TRACKED_MAX => {
+                        map.insert(e.resource.to_string(), 1);
+                    }
+                    None => {}
+                }
+            }
+        }
+    }
+
+    fn on_snapshot_installed(&self, log_index: u64, unix_ms: i64) {
+        if let Some(audit) = &self.audit {
+            audit.snapshot_installed(log_index, unix_ms);
         }
     }
 }
@@ -151,10 +206,17 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
     let committed = log_store.committed_index();
     let waits = Arc::new(WaitRegistry::default());
     let metrics = Arc::new(NodeMetrics::new());
-    let sink = Arc::new(Hub {
+    let audit = match &config.audit {
+        Some(target) => Some(AuditLog::open(target.clone(), config.id)?),
+        None => None,
+    };
+    let hub = Arc::new(Hub {
         waits: waits.clone(),
         metrics: metrics.clone(),
+        audit,
+        acquires: Default::default(),
     });
+    let sink: Arc<dyn AppliedSink> = hub.clone();
     let state_machine = StateMachine::open(db, sink).await?;
     let sm = state_machine.shared();
     let raft = Raft::new(
@@ -207,6 +269,7 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
         committed,
         peers,
         election_timeout_max_ms: t.election_timeout_ms * 2,
+        hub,
     });
 
     let listener = tokio::net::TcpListener::bind(config.listen)

@@ -1,4 +1,5 @@
 //! Metrics, health endpoints and the audit log.
 
+pub mod audit;
 pub mod http;
 pub mod metrics;

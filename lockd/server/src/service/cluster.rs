@@ -66,7 +66,25 @@ impl Cluster for ClusterService {
             waiters: stats.waiters,
             role: role.into(),
             lag: commit.saturating_sub(applied),
-            hot_by_acquires: Vec::new(),
+            hot_by_acquires: self
+                .ctx
+                .hub
+                .top_by_acquires(HOT_RESOURCES_LISTED)
+                .into_iter()
+                .map(|(resource, acquires)| {
+                    let waiters = {
+                        let s = self.ctx.sm.read().expect("state lock");
+                        lockd_core::validate::resource(&resource)
+                            .map(|r| s.table.describe(&r).waiters)
+                            .unwrap_or(0)
+                    };
+                    HotResource {
+                        resource,
+                        acquires,
+                        waiters,
+                    }
+                })
+                .collect(),
             hot_by_waiters: hot_waiters
                 .into_iter()
                 .map(|(r, n)| HotResource {

@@ -19,7 +19,10 @@ use crate::raft::{BatchResponse, LogId, NodeId, StorageError, TypeConfig};
 /// Receives the state changes of every applied entry, in log order: it wakes waiting calls,
 /// counts metrics and writes the audit log. Called while apply runs, so it must be quick.
 pub trait AppliedSink: Send + Sync + 'static {
-    fn on_applied(&self, log_index: u64, events: &[Event]);
+    /// `unix_ms` is the table's clock after the entry (the leader's stamp, clamped).
+    fn on_applied(&self, log_index: u64, unix_ms: i64, events: &[Event]);
+    /// A snapshot from the leader replaced the table up to `log_index`.
+    fn on_snapshot_installed(&self, log_index: u64, unix_ms: i64);
 }
 
 /// The in-memory state machine, shared read-only with the RPC layer.
@@ -111,10 +114,10 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
         let mut events = Vec::new();
         for entry in entries {
             events.clear();
-            let response = {
+            let (response, now_ms) = {
                 let mut s = self.state.write().expect("state lock");
                 s.last_applied = Some(entry.log_id);
-                match entry.payload {
+                let response = match entry.payload {
                     EntryPayload::Blank => BatchResponse::default(),
                     EntryPayload::Normal(batch) => BatchResponse(s.table.apply(
                         entry.log_id.leader_id.term,
@@ -125,11 +128,10 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
                         s.membership = StoredMembership::new(Some(entry.log_id), m);
                         BatchResponse::default()
                     }
-                }
+                };
+                (response, s.table.stats().now_ms)
             };
-            if !events.is_empty() {
-                self.sink.on_applied(entry.log_id.index, &events);
-            }
+            self.sink.on_applied(entry.log_id.index, now_ms, &events);
             responses.push(response);
         }
         Ok(responses)
@@ -169,10 +171,15 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
         write_snapshot(self.db.clone(), bytes)
             .await
             .map_err(|e| StorageIOError::write_snapshot(Some(meta.signature()), &e))?;
-        let mut s = self.state.write().expect("state lock");
-        s.table = table;
-        s.last_applied = meta.last_log_id;
-        s.membership = meta.last_membership.clone();
+        let now_ms = table.stats().now_ms;
+        {
+            let mut s = self.state.write().expect("state lock");
+            s.table = table;
+            s.last_applied = meta.last_log_id;
+            s.membership = meta.last_membership.clone();
+        }
+        self.sink
+            .on_snapshot_installed(meta.last_log_id.map(|l| l.index).unwrap_or(0), now_ms);
         Ok(())
     }
 

@@ -1,0 +1,310 @@
+//! Metrics, the audit log and readiness of real lockd nodes (issue 7, tests 1 to 3).
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use lockd_api::v1::{AcquireRequest, ReleaseRequest, RenewRequest};
+use lockd_tests::cluster::{Cluster, ClusterOptions, http_get};
+use tonic::Code;
+
+fn req(resource: &str, request_id: &str, ttl_ms: u64, wait_ms: u64) -> AcquireRequest {
+    AcquireRequest {
+        resource: resource.into(),
+        request_id: request_id.into(),
+        lease_ttl_ms: ttl_ms,
+        wait_timeout_ms: wait_ms,
+        holder: "obs".into(),
+    }
+}
+
+/// The value of one sample line (`name{labels} value`) in Prometheus text, 0 if absent.
+fn sample(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// Goal: after a scripted workload, /metrics shows exactly its counts. Method: on one node,
+/// 10 grants (2 of them with 1 s ttl, left to expire), 3 held answers, 1 renew of an expired
+/// lease; read the node's /metrics.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_a_scripted_workload_exactly() {
+    let cluster = Cluster::start_default().await.unwrap();
+    let node = 2;
+    let mut c = cluster.lock_client(node).await.unwrap();
+    let mut short = Vec::new();
+    for i in 0..10 {
+        let ttl = if i < 2 { 1_000 } else { 60_000 };
+        let g = c
+            .acquire(req(&format!("m/{i}"), &format!("m{i}"), ttl, 0))
+            .await
+            .unwrap()
+            .into_inner();
+        if i < 2 {
+            short.push(g);
+        }
+    }
+    for i in 0..3 {
+        let e = c
+            .acquire(req("m/5", &format!("held{i}"), 60_000, 0))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), Code::Aborted);
+    }
+    tokio::time::sleep(Duration::from_millis(1_800)).await;
+    let e = c
+        .renew(RenewRequest {
+            resource: "m/0".into(),
+            lease_id: short[0].lease_id.clone(),
+            lease_ttl_ms: 0,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::NotFound);
+    let text = cluster.metrics_text(node).await.unwrap();
+    assert_eq!(
+        sample(&text, r#"lockd_requests_total{op="acquire",outcome="ok"}"#),
+        10.0,
+        "{text}"
+    );
+    assert_eq!(
+        sample(
+            &text,
+            r#"lockd_requests_total{op="acquire",outcome="held"}"#
+        ),
+        3.0
+    );
+    assert_eq!(
+        sample(
+            &text,
+            r#"lockd_requests_total{op="renew",outcome="not_found"}"#
+        ),
+        1.0
+    );
+    assert_eq!(sample(&text, "lockd_renew_failures_total"), 1.0);
+    assert_eq!(sample(&text, "lockd_lease_expirations_total"), 2.0);
+    assert_eq!(sample(&text, "lockd_active_locks"), 8.0);
+    assert!(
+        sample(
+            &text,
+            r#"lockd_request_duration_seconds_bucket{op="acquire",le="0.001"}"#
+        ) >= 0.0
+    );
+    assert!(
+        text.contains(r#"lockd_request_duration_seconds_bucket{op="acquire",le="10"}"#),
+        "buckets up to 10 s"
+    );
+    assert_eq!(
+        sample(
+            &text,
+            r#"lockd_request_duration_seconds_count{op="acquire"}"#
+        ),
+        13.0
+    );
+    // Other nodes did not count these calls, but applied the same expirations.
+    let other = cluster.metrics_text(3).await.unwrap();
+    assert_eq!(
+        sample(&other, r#"lockd_requests_total{op="acquire",outcome="ok"}"#),
+        0.0
+    );
+    assert_eq!(sample(&other, "lockd_lease_expirations_total"), 2.0);
+    // Exactly one node says it leads; it timed the commits.
+    let mut leaders = Vec::new();
+    for id in 1..=3 {
+        let text = cluster.metrics_text(id).await.unwrap();
+        if sample(&text, "lockd_is_leader") == 1.0 {
+            assert!(
+                sample(&text, "lockd_raft_commit_duration_seconds_count") >= 1.0,
+                "{text}"
+            );
+            leaders.push(id);
+        }
+    }
+    assert_eq!(leaders.len(), 1, "{leaders:?}");
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct AuditKey {
+    log_index: u64,
+    op: String,
+    outcome: String,
+    resource: String,
+    fencing_token: u64,
+    request_id: String,
+}
+
+fn read_audit(path: &std::path::Path) -> Vec<(AuditKey, serde_json::Value)> {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    text.lines()
+        .map(|l| {
+            let v: serde_json::Value =
+                serde_json::from_str(l).unwrap_or_else(|e| panic!("bad audit line {l:?}: {e}"));
+            let key = AuditKey {
+                log_index: v["log_index"].as_u64().unwrap(),
+                op: v["op"].as_str().unwrap().into(),
+                outcome: v["outcome"].as_str().unwrap().into(),
+                resource: v["resource"].as_str().unwrap_or("").into(),
+                fencing_token: v["fencing_token"].as_u64().unwrap_or(0),
+                request_id: v["request_id"].as_str().unwrap_or("").into(),
+            };
+            (key, v)
+        })
+        .collect()
+}
+
+/// Goal: the audit log holds each change exactly once, in log order, across a leader change and
+/// a restart. Method: a workload of grants, renewals, releases, a queued waiter, an expiry; kill
+/// the leader; more workload; restart it (it replays its log); check every node's file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn audit_log_has_each_change_once_in_log_order_across_leader_change() {
+    let mut cluster = Cluster::start(ClusterOptions {
+        audit: true,
+        ..ClusterOptions::default()
+    })
+    .await
+    .unwrap();
+    let leader = cluster.leader().await.unwrap();
+    let mut granted_tokens = HashSet::new();
+    let mut c = cluster.lock_client(leader).await.unwrap();
+    for i in 0..10 {
+        let g = c
+            .acquire(req(&format!("a/{i}"), &format!("a{i}"), 60_000, 0))
+            .await
+            .unwrap()
+            .into_inner();
+        granted_tokens.insert(g.fencing_token);
+        c.renew(RenewRequest {
+            resource: format!("a/{i}"),
+            lease_id: g.lease_id.clone(),
+            lease_ttl_ms: 0,
+        })
+        .await
+        .unwrap();
+        if i % 2 == 0 {
+            c.release(ReleaseRequest {
+                resource: format!("a/{i}"),
+                lease_id: g.lease_id,
+            })
+            .await
+            .unwrap();
+        }
+    }
+    let short = c
+        .acquire(req("a/short", "short", 1_000, 0))
+        .await
+        .unwrap()
+        .into_inner();
+    granted_tokens.insert(short.fencing_token);
+    let err = c
+        .acquire(req("a/1", "waiter", 60_000, 500))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::DeadlineExceeded);
+    tokio::time::sleep(Duration::from_millis(1_500)).await; // a/short expires
+
+    cluster.kill(leader);
+    cluster
+        .wait_for_leader(Duration::from_secs(20))
+        .await
+        .unwrap();
+    let survivor = (1..=3).find(|i| *i != leader).unwrap();
+    let mut c = cluster.lock_client(survivor).await.unwrap();
+    for i in 0..5 {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let g = loop {
+            match c
+                .acquire(req(&format!("b/{i}"), &format!("b{i}"), 60_000, 0))
+                .await
+            {
+                Ok(g) => break g.into_inner(),
+                Err(s) if s.code() == Code::Unavailable && Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(100)).await
+                }
+                Err(s) => panic!("{s:?}"),
+            }
+        };
+        granted_tokens.insert(g.fencing_token);
+    }
+    cluster.start_node(leader).unwrap();
+    let target = cluster.status(survivor).await.unwrap().applied_index;
+    cluster
+        .wait_applied(target, Duration::from_secs(20))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await; // the writer thread flushes
+
+    for id in 1..=3 {
+        let lines = read_audit(&cluster.audit_path(id));
+        let indexes: Vec<u64> = lines.iter().map(|(k, _)| k.log_index).collect();
+        assert!(
+            indexes.windows(2).all(|w| w[0] <= w[1]),
+            "node {id}: not in log order: {indexes:?}"
+        );
+        let mut seen = HashSet::new();
+        for (k, _) in &lines {
+            assert!(seen.insert(k.clone()), "node {id}: {k:?} written twice");
+        }
+        let grants: HashSet<u64> = lines
+            .iter()
+            .filter(|(k, _)| k.outcome == "granted")
+            .map(|(k, _)| k.fencing_token)
+            .collect();
+        assert_eq!(
+            grants, granted_tokens,
+            "node {id}: grants in the audit log differ from those clients got"
+        );
+        let count = |op: &str, outcome: &str| {
+            lines
+                .iter()
+                .filter(|(k, _)| k.op == op && k.outcome == outcome)
+                .count()
+        };
+        assert_eq!(count("renew", "renewed"), 10, "node {id}");
+        assert_eq!(count("release", "released"), 5, "node {id}");
+        assert_eq!(count("expire", "expired"), 1, "node {id}");
+        assert_eq!(count("acquire", "queued"), 1, "node {id}");
+        assert_eq!(count("wait", "timed_out"), 1, "node {id}");
+        // No payload: lease ids never appear.
+        assert!(lines.iter().all(|(_, v)| v.get("lease_id").is_none()));
+    }
+}
+
+/// Goal: /readyz turns unready when the node loses its quorum and ready again after; /healthz
+/// stays up. Method: kill two nodes, poll the survivor, restart them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_follows_quorum() {
+    let mut cluster = Cluster::start_default().await.unwrap();
+    let addr = cluster.metrics_addr(1);
+    assert_eq!(http_get(&addr, "/readyz").await.unwrap().0, 200);
+    cluster.kill(2);
+    cluster.kill(3);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (code, body) = http_get(&addr, "/readyz").await.unwrap();
+        if code == 503 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "still ready without quorum: {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(http_get(&addr, "/healthz").await.unwrap().0, 200);
+    cluster.start_node(2).unwrap();
+    cluster.start_node(3).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (code, body) = http_get(&addr, "/readyz").await.unwrap();
+        if code == 200 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not ready after quorum came back: {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
