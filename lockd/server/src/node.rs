@@ -48,6 +48,8 @@ pub struct NodeCtx {
     pub peers: BTreeMap<NodeId, (String, LockClient<Channel>)>,
     pub election_timeout_max_ms: u64,
     pub hub: Arc<Hub>,
+    /// True while this node is the leader; changes only on a change of role.
+    pub is_leader: tokio::sync::watch::Sender<bool>,
 }
 
 impl NodeCtx {
@@ -270,6 +272,7 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
         peers,
         election_timeout_max_ms: t.election_timeout_ms * 2,
         hub,
+        is_leader: tokio::sync::watch::Sender::new(false),
     });
 
     let listener = tokio::net::TcpListener::bind(config.listen)
@@ -326,12 +329,21 @@ async fn watch_leadership(
     let mut last_leader = None;
     let mut ticker = tokio::time::interval(Duration::from_millis(250));
     loop {
-        tokio::select! {
+        // Role changes are handled at once; gauges and health, which cost a lock and an await,
+        // only on the ticker rather than on every commit.
+        let tick = tokio::select! {
             _ = shutdown.cancelled() => return,
-            changed = rx.changed() => if changed.is_err() { return },
-            _ = ticker.tick() => {}
-        }
-        let leader = rx.borrow().current_leader;
+            changed = rx.changed() => if changed.is_err() { return } else { false },
+            _ = ticker.tick() => true,
+        };
+        let (leader, state) = {
+            let m = rx.borrow();
+            (m.current_leader, m.state)
+        };
+        ctx.is_leader.send_if_modified(|v| {
+            let now = state == ServerState::Leader;
+            std::mem::replace(v, now) != now
+        });
         if leader != last_leader {
             if leader.is_some() {
                 ctx.metrics
@@ -339,6 +351,9 @@ async fn watch_leadership(
                 tracing::info!(leader = ?leader, "leader changed");
             }
             last_leader = leader;
+        }
+        if !tick {
+            continue;
         }
         ctx.refresh_gauges();
         let status = if ctx.readiness().is_ok() {

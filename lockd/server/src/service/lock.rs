@@ -207,7 +207,9 @@ impl LockService {
     ) -> Result<AcquireResponse, Status> {
         let backstop = tokio::time::sleep(Duration::from_millis(wait_ms) + WAIT_BACKSTOP);
         tokio::pin!(backstop);
-        let mut leader = self.ctx.raft.metrics();
+        // Changes only when this node gains or loses leadership, so parked calls are not woken
+        // by every commit.
+        let mut leader = self.ctx.is_leader.subscribe();
         loop {
             tokio::select! {
                 end = &mut rx => {
@@ -234,7 +236,7 @@ impl LockService {
                     };
                 }
                 changed = leader.changed() => {
-                    let still_leader = changed.is_ok() && leader.borrow_and_update().state == ServerState::Leader;
+                    let still_leader = changed.is_ok() && *leader.borrow_and_update();
                     if !still_leader {
                         // The queue is replicated: the place is kept for a retry on the new leader.
                         guard.armed = false;
