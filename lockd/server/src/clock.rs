@@ -16,7 +16,13 @@ pub struct Clock {
 }
 
 impl Clock {
+    /// `LOCKD_TEST_CLOCK_OFFSET_MS` (test-only, for fault injection) shifts this node's stamps, as
+    /// if its wall clock were that far off when the process started.
     pub fn new() -> Self {
+        let offset = std::env::var("LOCKD_TEST_CLOCK_OFFSET_MS")
+            .ok()
+            .and_then(|v| v.parse::<i64>().ok())
+            .unwrap_or(0);
         let unix = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_millis() as i64)
@@ -24,7 +30,7 @@ impl Clock {
         Clock {
             base_unix_ms: unix,
             base: Instant::now(),
-            offset_ms: Arc::new(AtomicI64::new(0)),
+            offset_ms: Arc::new(AtomicI64::new(offset)),
         }
     }
 

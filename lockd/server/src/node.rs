@@ -224,7 +224,9 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
     let raft = Raft::new(
         config.id,
         Arc::new(raft_config),
-        Network,
+        Network {
+            local_ip: source_ip(&config),
+        },
         log_store,
         state_machine,
     )
@@ -253,6 +255,7 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
         }
         let channel = Endpoint::from_shared(format!("http://{addr}"))?
             .connect_timeout(Duration::from_millis(500))
+            .local_address(source_ip(&config))
             .tcp_nodelay(true)
             .connect_lazy();
         let client = LockClient::new(channel)
@@ -317,6 +320,12 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
         result.map_err(|e| anyhow::anyhow!("grpc server: {e}"))
     });
     Ok(RunningNode { ctx, done })
+}
+
+/// The listen IP as the source of connections to peers, unless it is a wildcard.
+fn source_ip(config: &NodeConfig) -> Option<std::net::IpAddr> {
+    let ip = config.listen.ip();
+    (!ip.is_unspecified()).then_some(ip)
 }
 
 /// Keeps leader gauges, the leader-change counter and the gRPC health status current.

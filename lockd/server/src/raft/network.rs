@@ -24,7 +24,11 @@ const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
 
 /// Creates one lazily connecting channel per peer.
 #[derive(Clone, Default)]
-pub struct Network;
+pub struct Network {
+    /// Source address of connections to peers: the node's listen IP, so peers (and fault-injection
+    /// relays in tests) see which node is calling. `None` when listening on a wildcard address.
+    pub local_ip: Option<std::net::IpAddr>,
+}
 
 impl RaftNetworkFactory<TypeConfig> for Network {
     type Network = PeerClient;
@@ -33,6 +37,7 @@ impl RaftNetworkFactory<TypeConfig> for Network {
         let channel = Endpoint::from_shared(format!("http://{}", node.addr))
             .map(|e| {
                 e.connect_timeout(CONNECT_TIMEOUT)
+                    .local_address(self.local_ip)
                     .tcp_nodelay(true)
                     .http2_keep_alive_interval(Duration::from_secs(5))
                     .connect_lazy()
