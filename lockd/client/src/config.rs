@@ -71,11 +71,15 @@ impl ClientConfig {
 
 /// `<hostname>/pid-<pid>`: enough for an operator to find the holding process.
 fn default_holder() -> String {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+    format!("{}/pid-{}", hostname(), std::process::id())
+}
+
+/// This machine's host name, for holder texts; `unknown-host` when it cannot be read.
+pub fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|h| h.trim().to_owned())
         .ok()
         .filter(|h| !h.is_empty())
         .or_else(|| std::env::var("HOSTNAME").ok())
-        .unwrap_or_else(|| "unknown-host".to_owned());
-    format!("{host}/pid-{}", std::process::id())
+        .unwrap_or_else(|| "unknown-host".to_owned())
 }

@@ -22,6 +22,10 @@ pub async fn run(cli: Cli) -> Result<u8, Failure> {
             request_id,
         } => {
             let mut opts = acquire_options(&lease, cli.timeout);
+            // Without the pid: repeating `acquire --request-id ID` from a new process must send
+            // the same arguments, or lockd rejects the id as reused.
+            opts.holder
+                .get_or_insert_with(|| format!("{}/lockctl", lockd_client::config::hostname()));
             if let Some(id) = request_id {
                 opts.request_id = Some(RequestId::parse(id)?);
             }

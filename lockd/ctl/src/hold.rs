@@ -31,6 +31,11 @@ pub const ENV_FENCING_TOKEN: &str = "LOCKD_FENCING_TOKEN";
 /// its signal handler at all.
 const KILL_GRACE_MIN: Duration = Duration::from_millis(100);
 
+/// How long `hold` tries to release a lease it already considers lost before exiting: the lease has
+/// most likely expired (nothing to release), and the cluster may be unreachable, which is often why
+/// it was lost; an operator should not wait a full call timeout for a courtesy call.
+const RELEASE_AFTER_LOSS_TIMEOUT: Duration = Duration::from_secs(1);
+
 /// How COMMAND ended.
 enum Ended {
     Exited(ExitStatus),
@@ -75,7 +80,13 @@ pub async fn hold(
     })?;
 
     // COMMAND has exited: only now give the lock up.
-    let released = guard.release().await;
+    let released = match &ended {
+        Ended::Exited(_) => guard.release().await,
+        Ended::Stopped { .. } => {
+            let _ = timeout(RELEASE_AFTER_LOSS_TIMEOUT, guard.release()).await;
+            Ok(false)
+        }
+    };
     match ended {
         Ended::Exited(status) => {
             let code = exit_code(status);
