@@ -774,3 +774,58 @@ async fn lockctl_commands_errors_and_json() {
     json_err.fails(3, &["\"cli/2\""]);
     assert_eq!(json_err.json()["error"]["kind"], "held");
 }
+
+/// Goal: a `lock()` that waited most of a ttl in the queue does not hand out a guard whose
+/// deadline (counted from the Acquire's send time) is about to pass: it renews first, and the guard
+/// then keeps the lease. Method: A holds with a 2 s ttl and releases after 1.6 s; B locks with a
+/// 2 s ttl while waiting; B's guard must be valid for at least half a ttl and survive two ttls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lock_after_a_long_wait_renews_before_handing_out() {
+    let _serial = serial().await;
+    let cluster = Cluster::start_default().await.unwrap();
+    let a = client(&cluster);
+    let guard_a = a
+        .lock("wait/1", AcquireOptions::default().ttl(TTL))
+        .await
+        .unwrap();
+    let b = client(&cluster);
+    let waiting = {
+        let b = b.clone();
+        tokio::spawn(async move {
+            let sent = Instant::now();
+            let guard = b
+                .lock(
+                    "wait/1",
+                    AcquireOptions::default()
+                        .ttl(TTL)
+                        .wait(Duration::from_secs(10)),
+                )
+                .await;
+            (sent, guard)
+        })
+    };
+    sleep(Duration::from_millis(1600)).await;
+    assert!(guard_a.release().await.unwrap());
+    let (sent, guard_b) = waiting.await.unwrap();
+    let guard_b = guard_b.unwrap();
+    let handed_out = Instant::now();
+    assert!(
+        handed_out - sent >= Duration::from_millis(1500),
+        "{:?}",
+        handed_out - sent
+    );
+    // Counted from the Acquire's send time, the deadline would be at most ~0.15 s away now.
+    assert!(
+        guard_b.deadline() >= handed_out + TTL / 2,
+        "guard handed out with only {:?} left",
+        guard_b.deadline() - handed_out
+    );
+    let lost = guard_b.lost();
+    sleep(TTL * 2).await;
+    assert!(!lost.is_lost(), "{:?}", lost.reason());
+    assert_eq!(
+        describe(&b, "wait/1").await.fencing_token,
+        guard_b.fencing_token().0
+    );
+    assert!(guard_b.release().await.unwrap());
+}
