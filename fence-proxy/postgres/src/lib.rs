@@ -176,7 +176,12 @@ pub async fn run(args: Args, shutdown: CancellationToken) -> anyhow::Result<()> 
         tracker.spawn(async move {
             let _permit = permit;
             let startup = tokio::time::timeout(cfg.startup_timeout, startup::handshake(stream, cfg.clone()));
-            let session = match startup.await {
+            let startup = tokio::select! {
+                s = startup => s,
+                // A client still authenticating is dropped at shutdown rather than waited for.
+                () = shutdown.cancelled() => return,
+            };
+            let session = match startup {
                 Ok(Ok(Startup::Session(s))) => s,
                 Ok(Ok(Startup::Done)) => return,
                 Ok(Err(e)) => {

@@ -464,12 +464,9 @@ impl Session {
                     }
                     return self.fail_request(err, b'I').await;
                 }
-                let client_opens = kinds
-                    .iter()
-                    .rev()
-                    .find(|k| matches!(k, Kind::TxnStart | Kind::TxnEnd))
-                    == Some(&Kind::TxnStart);
-                ready.auto_end = !client_opens;
+                // A query that opens a block of its own keeps it (and its failed state after an
+                // error), as it would directly; otherwise the proxy ends its wrapper block.
+                ready.auto_end = !kinds.contains(&Kind::TxnStart);
                 ready.suppress_begin_warning = kinds.contains(&Kind::TxnStart);
             } else if !self.recorded {
                 let guard = self.guard_sql();
