@@ -25,7 +25,7 @@
 //!
 //! # Layout
 //! - [`store`]: the [`EpochStore`] trait, [`Admission`], [`Permit`], [`ForwardOutcome`], [`Timing`].
-//! - [`error`]: [`StoreError`].
+//! - [`mod@error`]: [`StoreError`], one variant per way a store can fail to decide.
 //! - [`slots`]: the in-process per-resource lock table with quarantine, shared by the stores.
 //! - [`redb_store`]: [`RedbStore`], the embedded default.
 //! - [`postgres_store`]: [`PostgresStore`], shared by many proxy replicas.

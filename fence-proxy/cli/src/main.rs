@@ -1,1 +1,163 @@
-fn main() {}
+//! `fence-proxy`: parses flags, sets up logging and the metrics endpoint, and runs a front end
+//! until SIGINT or SIGTERM.
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand, ValueEnum};
+use tokio_util::sync::CancellationToken;
+
+mod telemetry;
+
+/// The fencing write proxy: rejects writes whose fencing token is lower than the highest the
+/// proxy accepted for their resource, before they reach storage that cannot check tokens.
+#[derive(Parser, Debug)]
+#[command(name = "fence-proxy", version)]
+struct Cli {
+    /// Log line format on stderr; the level comes from RUST_LOG (default `info`).
+    #[arg(long, global = true, env = "FENCE_PROXY_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// HTTP front end: reverse proxy that checks Lock-Resource and Fencing-Token on writes.
+    Http {
+        #[command(flatten)]
+        common: Common,
+        #[command(flatten)]
+        args: fence_proxy_http::Args,
+    },
+}
+
+/// Flags every front end shares.
+#[derive(clap::Args, Debug)]
+struct Common {
+    /// Serve Prometheus `/metrics` and `/healthz` on this address.
+    #[arg(long, env = "FENCE_PROXY_METRICS_LISTEN", value_name = "ADDR")]
+    metrics_listen: Option<SocketAddr>,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) if e.kind() == clap::error::ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+            eprintln!(
+                "fence-proxy: error: a front end is required: fence-proxy http ... (see --help)"
+            );
+            return ExitCode::from(2);
+        }
+        Err(e) if !e.use_stderr() => {
+            // --help and --version.
+            let _ = e.print();
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            eprintln!("fence-proxy: {}", one_line(&e.to_string()));
+            return ExitCode::from(2);
+        }
+    };
+    telemetry::init_tracing(matches!(cli.log_format, LogFormat::Json));
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("fence-proxy: error: starting the Tokio runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(cli.command)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("fence-proxy: error: {}", one_line(&format!("{e:#}")));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(command: Command) -> anyhow::Result<()> {
+    let shutdown = CancellationToken::new();
+    tokio::spawn(cancel_on_signal(shutdown.clone()));
+    match command {
+        Command::Http { common, args } => {
+            start_metrics(&common, "http", shutdown.clone()).await?;
+            fence_proxy_http::run(args, shutdown).await
+        }
+    }
+}
+
+async fn start_metrics(
+    common: &Common,
+    frontend: &'static str,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    let Some(addr) = common.metrics_listen else {
+        return Ok(());
+    };
+    let handle = telemetry::install_recorder()?;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("binding --metrics-listen {addr}"))?;
+    tracing::info!(%addr, frontend, "metrics on /metrics, health on /healthz");
+    tokio::spawn(telemetry::serve_metrics(listener, handle, shutdown));
+    Ok(())
+}
+
+async fn cancel_on_signal(shutdown: CancellationToken) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot watch SIGTERM; only SIGINT stops the proxy");
+            let _ = tokio::signal::ctrl_c().await;
+            shutdown.cancel();
+            return;
+        }
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+    tracing::info!("signal received, shutting down");
+    shutdown.cancel();
+}
+
+/// Folds clap's or anyhow's multi-line text into one line: the message without usage and hints.
+fn one_line(text: &str) -> String {
+    let message = text
+        .split("\n\nUsage:")
+        .next()
+        .unwrap_or(text)
+        .split("\n\nFor more information")
+        .next()
+        .unwrap_or(text);
+    let folded: Vec<&str> = message
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with("tip:"))
+        .collect();
+    folded.join(" ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn folds_clap_errors() {
+        let text = "error: the following required arguments were not provided:\n  --listen <ADDR>\n\nUsage: fence-proxy http --listen <ADDR>\n\nFor more information, try '--help'.\n";
+        assert_eq!(
+            one_line(text),
+            "error: the following required arguments were not provided: --listen <ADDR>"
+        );
+    }
+}

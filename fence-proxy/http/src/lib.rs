@@ -1,1 +1,26 @@
-//! fence-proxy-http (work in progress).
+//! The HTTP front end of fence-proxy: a reverse proxy that forwards a write to the upstream only
+//! when its fencing token is not lower than the highest accepted for its resource, and keeps the
+//! writes of one resource in token order at the upstream.
+//!
+//! It does not terminate TLS towards the upstream, speak HTTP upgrades (WebSocket), or decide
+//! anything about tokens itself: the epoch store (`fence-epoch-store`) decides and serialises.
+//!
+//! # Layout
+//! - [`args`]: [`Args`], the command-line flags of `fence-proxy http`.
+//! - [`proxy`]: [`Proxy`], the request handler (fence check, forward, permit release).
+//! - [`refusal`]: [`Refusal`], the table from each refusal to status, reason and JSON body.
+//! - [`fence`]: reading `Lock-Resource` and `Fencing-Token` from a request.
+//! - [`metrics`]: metric names shared with the Postgres front end.
+//! - [`server`]: accepting connections, graceful shutdown, [`serve`] and [`run`].
+
+pub mod args;
+pub mod fence;
+pub mod metrics;
+pub mod proxy;
+pub mod refusal;
+pub mod server;
+
+pub use args::{Args, Upstream};
+pub use proxy::{Proxy, ProxyConfig};
+pub use refusal::Refusal;
+pub use server::{run, serve};

@@ -1,0 +1,146 @@
+//! The `fence-proxy` binary refuses bad flags with one line on stderr and a non-zero exit, and
+//! serves its metrics and health endpoints.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_fence-proxy");
+
+fn refused(args: &[&str]) -> String {
+    let out = Command::new(BIN)
+        .args(args)
+        .output()
+        .expect("run fence-proxy");
+    assert!(!out.status.success(), "{args:?} succeeded");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(
+        stderr.trim_end().lines().count(),
+        1,
+        "{args:?}: not one line: {stderr:?}"
+    );
+    assert!(stderr.starts_with("fence-proxy: "), "{stderr:?}");
+    stderr
+}
+
+/// Goal: every bad invocation names what is wrong, on one line, with a non-zero status.
+#[test]
+fn bad_flags_give_one_line_and_non_zero_exit() {
+    assert!(refused(&[]).contains("front end is required"));
+    assert!(refused(&["bogus"]).contains("'bogus'"));
+    assert!(refused(&["http", "--upstream", "http://127.0.0.1:1"]).contains("--listen"));
+    assert!(refused(&["http", "--listen", "nope", "--upstream", "http://h"]).contains("'nope'"));
+    let e = refused(&["http", "--listen", "127.0.0.1:0", "--upstream", "https://h"]);
+    assert!(e.contains("https"), "{e}");
+    let e = refused(&[
+        "http",
+        "--listen",
+        "127.0.0.1:0",
+        "--upstream",
+        "http://h",
+        "--store",
+        "mysql://u:pw@h/d",
+    ]);
+    assert!(e.contains("redb:PATH"), "{e}");
+    let e = refused(&[
+        "http",
+        "--listen",
+        "127.0.0.1:0",
+        "--upstream",
+        "http://h",
+        "--upstream-timeout",
+        "soon",
+    ]);
+    assert!(e.contains("'soon'"), "{e}");
+    // Parsed fine, but the store cannot be opened: a one-line runtime error, exit 1.
+    let e = refused(&[
+        "http",
+        "--listen",
+        "127.0.0.1:0",
+        "--upstream",
+        "http://h",
+        "--store",
+        "redb:/nonexistent/dir/e.redb",
+    ]);
+    assert!(e.contains("/nonexistent/dir/e.redb"), "{e}");
+}
+
+#[test]
+fn help_exits_zero() {
+    let out = Command::new(BIN).args(["http", "--help"]).output().unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    for flag in [
+        "--listen",
+        "--upstream",
+        "--store",
+        "--metrics-listen",
+        "--upstream-timeout",
+    ] {
+        assert!(text.contains(flag), "{flag} missing from --help");
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn get(port: u16, path: &str) -> Option<String> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).ok()?;
+    Some(out)
+}
+
+/// Goal: `/healthz` answers and `/metrics` shows the histogram with bucket boundaries.
+#[test]
+fn metrics_and_health_are_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let (listen, metrics) = (free_port(), free_port());
+    let mut child = Command::new(BIN)
+        .args(["http", "--listen", &format!("127.0.0.1:{listen}")])
+        .args(["--upstream", "http://127.0.0.1:1", "--metrics-listen"])
+        .arg(format!("127.0.0.1:{metrics}"))
+        .arg("--store")
+        .arg(format!("redb:{}", dir.path().join("e.redb").display()))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let health = loop {
+        if let Some(r) = get(metrics, "/healthz") {
+            break r;
+        }
+        assert!(Instant::now() < deadline, "metrics endpoint never came up");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(
+        health.starts_with("HTTP/1.1 200") && health.ends_with("ok\n"),
+        "{health}"
+    );
+    // A read to a dead upstream: 502, counted, and its forward timed.
+    let r = get(listen, "/x").unwrap();
+    assert!(r.starts_with("HTTP/1.1 502"), "{r}");
+    let m = get(metrics, "/metrics").unwrap();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(
+        m.contains(r#"fence_proxy_requests_total{frontend="http",result="upstream-error"} 1"#),
+        "{m}"
+    );
+    assert!(
+        m.contains(r#"fence_proxy_forward_duration_seconds_bucket{frontend="http",le="0.001"}"#),
+        "{m}"
+    );
+}

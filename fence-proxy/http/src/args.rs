@@ -1,0 +1,155 @@
+//! Flags of `fence-proxy http`. Each has a `FENCE_PROXY_*` environment variable.
+
+use std::net::SocketAddr;
+use std::str::FromStr;
+use std::time::Duration;
+
+use fence_epoch_store::postgres_store::DEFAULT_TABLE;
+use fence_epoch_store::spec::DEFAULT_POSTGRES_CONNECTIONS;
+use fence_epoch_store::{StoreOptions, StoreSpec, Timing};
+
+/// Default bound on requests handled at once; beyond it new requests wait for a free slot, so a
+/// flood queues in the kernel's accept backlog instead of exhausting memory or store connections.
+pub const DEFAULT_MAX_IN_FLIGHT: u64 = 1024;
+
+/// `fence-proxy http`: reject writes with stale fencing tokens before they reach the upstream.
+#[derive(clap::Args, Debug, Clone)]
+pub struct Args {
+    /// Address to accept HTTP/1.1 and HTTP/2 (h2c) requests on.
+    #[arg(long, env = "FENCE_PROXY_LISTEN", value_name = "ADDR")]
+    pub listen: SocketAddr,
+
+    /// Base URL of the protected HTTP service (http:// only); the request path is appended.
+    #[arg(long, env = "FENCE_PROXY_UPSTREAM", value_name = "URL")]
+    pub upstream: Upstream,
+
+    /// Epoch store: `redb:PATH` (embedded, one proxy) or a `postgres://` URL (shared by replicas).
+    #[arg(
+        long,
+        env = "FENCE_PROXY_STORE",
+        value_name = "STORE",
+        default_value = "redb:fence-proxy-epochs.redb"
+    )]
+    pub store: StoreSpec,
+
+    /// Table of the Postgres store.
+    #[arg(long, env = "FENCE_PROXY_STORE_TABLE", value_name = "NAME", default_value = DEFAULT_TABLE)]
+    pub store_table: String,
+
+    /// Connections of the Postgres store's pool; each write being forwarded holds one.
+    #[arg(long, env = "FENCE_PROXY_STORE_MAX_CONNECTIONS", value_name = "N",
+          default_value_t = DEFAULT_POSTGRES_CONNECTIONS)]
+    pub store_max_connections: u32,
+
+    /// Bound on one epoch-store operation (connecting, one statement); past it: 503.
+    #[arg(long, env = "FENCE_PROXY_STORE_TIMEOUT", value_name = "DURATION",
+          default_value = "5s", value_parser = humantime::parse_duration)]
+    pub store_timeout: Duration,
+
+    /// How long the upstream may take to answer a forwarded request; past it: 504.
+    #[arg(long, env = "FENCE_PROXY_UPSTREAM_TIMEOUT", value_name = "DURATION",
+          default_value = "30s", value_parser = humantime::parse_duration)]
+    pub upstream_timeout: Duration,
+
+    /// How long a write waits for the forward of another write of the same resource; past it:
+    /// 503 resource-busy.
+    #[arg(long, env = "FENCE_PROXY_LOCK_WAIT", value_name = "DURATION",
+          default_value = "10s", value_parser = humantime::parse_duration)]
+    pub lock_wait: Duration,
+
+    /// How long a resource stays closed after a forward whose outcome is unknown (timeout or
+    /// connection lost), in case the upstream still applies it.
+    #[arg(long, env = "FENCE_PROXY_QUARANTINE", value_name = "DURATION",
+          default_value = "10s", value_parser = humantime::parse_duration)]
+    pub quarantine: Duration,
+
+    /// Requests handled at once; more wait for a free slot.
+    #[arg(long, env = "FENCE_PROXY_MAX_IN_FLIGHT", value_name = "N",
+          default_value_t = DEFAULT_MAX_IN_FLIGHT, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_in_flight: u64,
+}
+
+impl Args {
+    /// The store's options derived from these flags.
+    pub fn store_options(&self) -> StoreOptions {
+        StoreOptions {
+            timing: Timing {
+                lock_wait: self.lock_wait,
+                forward_timeout: self.upstream_timeout,
+                quarantine: self.quarantine,
+                store_timeout: self.store_timeout,
+            },
+            postgres_table: self.store_table.clone(),
+            postgres_max_connections: self.store_max_connections,
+        }
+    }
+}
+
+/// A validated upstream base URL: `http://host[:port][/prefix]`.
+#[derive(Clone, Debug)]
+pub struct Upstream {
+    /// `http`.
+    pub scheme: http::uri::Scheme,
+    pub authority: http::uri::Authority,
+    /// Path prefix without a trailing `/` (empty for none), put in front of every request path.
+    pub path_prefix: String,
+}
+
+impl FromStr for Upstream {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let uri: http::Uri = s
+            .parse()
+            .map_err(|e| format!("upstream {s:?} is not a URL: {e}"))?;
+        match uri.scheme_str() {
+            Some("http") => {}
+            Some(other) => {
+                return Err(format!(
+                    "upstream {s:?}: scheme {other:?} is not supported, only http:// \
+                     (put TLS termination next to the upstream)"
+                ));
+            }
+            None => return Err(format!("upstream {s:?} needs http:// and a host")),
+        }
+        let authority = uri
+            .authority()
+            .cloned()
+            .ok_or_else(|| format!("upstream {s:?} has no host"))?;
+        if uri.query().is_some() {
+            return Err(format!("upstream {s:?} must not have a query string"));
+        }
+        Ok(Upstream {
+            scheme: http::uri::Scheme::HTTP,
+            authority,
+            path_prefix: uri.path().trim_end_matches('/').to_owned(),
+        })
+    }
+}
+
+impl std::fmt::Display for Upstream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}://{}{}",
+            self.scheme, self.authority, self.path_prefix
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn upstream_urls() {
+        let u: Upstream = "http://127.0.0.1:9000/base/".parse().unwrap();
+        assert_eq!(u.to_string(), "http://127.0.0.1:9000/base");
+        let u: Upstream = "http://h".parse().unwrap();
+        assert_eq!(u.path_prefix, "");
+        for bad in ["https://h", "h:80", "/x", "http://h/?q=1"] {
+            let err = bad.parse::<Upstream>().unwrap_err();
+            assert!(err.contains(&format!("{bad:?}")), "{err}");
+        }
+    }
+}

@@ -1,0 +1,236 @@
+//! Every response the proxy makes itself: one table from refusal to HTTP status,
+//! `Fence-Proxy-Error` reason and JSON body. Nothing is forwarded for any of them, except that
+//! `UpstreamError`/`UpstreamTimeout` report a forward that failed.
+
+use bytes::Bytes;
+use http::{HeaderValue, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use lockd_fence::{FENCE_PROXY_ERROR_HEADER, FencingToken};
+
+use crate::proxy::ProxyBody;
+
+/// Why the proxy answered a request itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Refusal {
+    /// 412: the token is lower than the highest accepted for the resource.
+    Stale {
+        resource: String,
+        token: FencingToken,
+        highest: FencingToken,
+    },
+    /// 428: a write without `Lock-Resource` or `Fencing-Token`.
+    FenceRequired {
+        resource: Option<String>,
+        token: Option<FencingToken>,
+        /// Which header(s) are missing.
+        missing: String,
+    },
+    /// 400: a fence header that is repeated, not UTF-8, or not valid.
+    BadFence {
+        resource: Option<String>,
+        token: Option<FencingToken>,
+        detail: String,
+    },
+    /// 503: the epoch store could not decide; the proxy fails closed.
+    StoreUnavailable {
+        resource: String,
+        token: FencingToken,
+        detail: String,
+    },
+    /// 503: another write of the resource (or a quarantine) held it past `--lock-wait`.
+    /// Not in the contract's table, which is silent on waiting; see docs/fence-proxy.md.
+    ResourceBusy {
+        resource: String,
+        token: FencingToken,
+        detail: String,
+    },
+    /// 502: the upstream could not be reached or broke the connection.
+    UpstreamError {
+        resource: Option<String>,
+        token: Option<FencingToken>,
+        detail: String,
+        /// Whether the request may have reached the upstream.
+        maybe_applied: bool,
+    },
+    /// 504: the upstream did not answer within `--upstream-timeout`.
+    UpstreamTimeout {
+        resource: Option<String>,
+        token: Option<FencingToken>,
+        timeout_ms: u64,
+    },
+}
+
+/// Seconds a client is told to wait after `resource-busy` or `store-unavailable`.
+const RETRY_AFTER_SECONDS: &str = "1";
+
+impl Refusal {
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Refusal::Stale { .. } => StatusCode::PRECONDITION_FAILED,
+            Refusal::FenceRequired { .. } => StatusCode::PRECONDITION_REQUIRED,
+            Refusal::BadFence { .. } => StatusCode::BAD_REQUEST,
+            Refusal::StoreUnavailable { .. } | Refusal::ResourceBusy { .. } => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
+            Refusal::UpstreamError { .. } => StatusCode::BAD_GATEWAY,
+            Refusal::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
+        }
+    }
+
+    /// The `Fence-Proxy-Error` value, also the `result` label of `fence_proxy_requests_total`.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Refusal::Stale { .. } => "stale-fencing-token",
+            Refusal::FenceRequired { .. } => "fence-required",
+            Refusal::BadFence { .. } => "bad-fence",
+            Refusal::StoreUnavailable { .. } => "store-unavailable",
+            Refusal::ResourceBusy { .. } => "resource-busy",
+            Refusal::UpstreamError { .. } => "upstream-error",
+            Refusal::UpstreamTimeout { .. } => "upstream-timeout",
+        }
+    }
+
+    /// One sentence for people, naming the values.
+    pub fn message(&self) -> String {
+        match self {
+            Refusal::Stale {
+                resource,
+                token,
+                highest,
+            } => format!(
+                "fence-proxy: stale fencing token {token} for {resource:?}: highest accepted is {highest}; not forwarded"
+            ),
+            Refusal::FenceRequired { missing, .. } => format!(
+                "fence-proxy: a write needs the Lock-Resource and Fencing-Token headers; missing {missing}; not forwarded"
+            ),
+            Refusal::BadFence { detail, .. } => {
+                format!("fence-proxy: bad fence: {detail}; not forwarded")
+            }
+            Refusal::StoreUnavailable {
+                resource,
+                token,
+                detail,
+            } => format!(
+                "fence-proxy: cannot check token {token} for {resource:?}: {detail}; not forwarded, retry later"
+            ),
+            Refusal::ResourceBusy { detail, .. } => {
+                format!("fence-proxy: {detail}; not forwarded, retry later")
+            }
+            Refusal::UpstreamError {
+                detail,
+                maybe_applied,
+                ..
+            } => {
+                if *maybe_applied {
+                    format!(
+                        "fence-proxy: upstream failed after the request was sent: {detail}; it may have been applied"
+                    )
+                } else {
+                    format!(
+                        "fence-proxy: upstream unreachable: {detail}; the request was not delivered"
+                    )
+                }
+            }
+            Refusal::UpstreamTimeout { timeout_ms, .. } => format!(
+                "fence-proxy: upstream did not answer within {timeout_ms} ms; the request may still be applied"
+            ),
+        }
+    }
+
+    fn fields(&self) -> (Option<&str>, Option<FencingToken>, Option<FencingToken>) {
+        match self {
+            Refusal::Stale {
+                resource,
+                token,
+                highest,
+            } => (Some(resource), Some(*token), Some(*highest)),
+            Refusal::StoreUnavailable {
+                resource, token, ..
+            }
+            | Refusal::ResourceBusy {
+                resource, token, ..
+            } => (Some(resource), Some(*token), None),
+            Refusal::FenceRequired {
+                resource, token, ..
+            }
+            | Refusal::BadFence {
+                resource, token, ..
+            }
+            | Refusal::UpstreamError {
+                resource, token, ..
+            }
+            | Refusal::UpstreamTimeout {
+                resource, token, ..
+            } => (resource.as_deref(), *token, None),
+        }
+    }
+
+    /// `{"error": reason, "resource": ..., "token": ..., "highest": ..., "message": ...}`, with
+    /// `resource`, `token` and `highest` present only where known.
+    pub fn json(&self) -> serde_json::Value {
+        let (resource, token, highest) = self.fields();
+        let mut body = serde_json::Map::new();
+        body.insert("error".into(), self.reason().into());
+        if let Some(r) = resource {
+            body.insert("resource".into(), r.into());
+        }
+        if let Some(t) = token {
+            body.insert("token".into(), t.0.into());
+        }
+        if let Some(h) = highest {
+            body.insert("highest".into(), h.0.into());
+        }
+        body.insert("message".into(), self.message().into());
+        serde_json::Value::Object(body)
+    }
+
+    pub fn into_response(self) -> Response<ProxyBody> {
+        let body = Full::new(Bytes::from(self.json().to_string()))
+            .map_err(|never| match never {})
+            .boxed();
+        let mut response = Response::new(body);
+        *response.status_mut() = self.status();
+        let headers = response.headers_mut();
+        headers.insert(
+            FENCE_PROXY_ERROR_HEADER,
+            HeaderValue::from_static(self.reason()),
+        );
+        headers.insert(
+            http::header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        if self.status() == StatusCode::SERVICE_UNAVAILABLE {
+            headers.insert(
+                http::header::RETRY_AFTER,
+                HeaderValue::from_static(RETRY_AFTER_SECONDS),
+            );
+        }
+        response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stale_body_carries_numbers() {
+        let r = Refusal::Stale {
+            resource: "orders/42".into(),
+            token: FencingToken(41),
+            highest: FencingToken(42),
+        };
+        let j = r.json();
+        assert_eq!(j["error"], "stale-fencing-token");
+        assert_eq!(j["resource"], "orders/42");
+        assert_eq!(j["token"], 41);
+        assert_eq!(j["highest"], 42);
+        assert!(r.message().contains("41") && r.message().contains("\"orders/42\""));
+        let resp = r.into_response();
+        assert_eq!(resp.status(), 412);
+        assert_eq!(
+            resp.headers()[FENCE_PROXY_ERROR_HEADER],
+            "stale-fencing-token"
+        );
+    }
+}
