@@ -381,11 +381,17 @@ impl Client {
             attempts += 1;
             let index = endpoints.current();
             let name = endpoints.name(index);
-            let left = remaining(Instant::now(), ctx.deadline);
-            let failure = match timeout(left, endpoints.channel(index)).await {
+            // Connecting (TCP and HTTP/2 handshake) gets the connect timeout, not the attempt's:
+            // a node that cannot even finish a handshake in that time is skipped.
+            let connect_limit = self
+                .inner
+                .config
+                .connect_timeout
+                .min(remaining(Instant::now(), ctx.deadline));
+            let failure = match timeout(connect_limit, endpoints.channel(index)).await {
                 Err(_) => AttemptFailure::NotSent(format!(
                     "{name}: not connected within {}",
-                    humanize(left)
+                    humanize(connect_limit)
                 )),
                 Ok(Err(e)) => {
                     AttemptFailure::NotSent(format!("{name}: cannot connect: {}", error_chain(&e)))

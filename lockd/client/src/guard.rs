@@ -137,8 +137,11 @@ impl LostSignal {
 
 /// A held lease that renews itself until released, dropped or lost.
 pub struct LeaseGuard {
+    /// Shares connections with the caller's client; used for the final release.
     client: Client,
+    /// The lease as acquired; its id and token never change while the guard lives.
     lease: Lease,
+    /// Subtracted from every deadline; also the grace `lockctl hold` gives a command on loss.
     margin: Duration,
     shared: Arc<Shared>,
     /// Stops the renewal task when the owner releases or drops the guard.

@@ -65,8 +65,11 @@ pub fn local_deadline(sent_at: Instant, ttl: Duration, margin: Duration) -> Inst
 /// A lease as `Acquire` returned it.
 #[derive(Clone, Debug)]
 pub struct Lease {
+    /// The locked resource, as sent.
     pub resource: String,
+    /// The secret that `Renew` and `Release` need.
     pub lease_id: LeaseId,
+    /// Strictly greater than every token the cluster issued before; attach it to every write.
     pub fencing_token: FencingToken,
     /// The ttl the cluster granted (the server's default when the request said 0).
     pub ttl: Duration,
