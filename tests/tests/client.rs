@@ -225,10 +225,10 @@ impl Run {
 async fn read_when_written(path: &Path) -> String {
     let deadline = Instant::now() + PROMPTLY;
     loop {
-        if let Ok(s) = std::fs::read_to_string(path) {
-            if s.ends_with('\n') {
-                return s.trim().to_owned();
-            }
+        if let Ok(s) = std::fs::read_to_string(path)
+            && s.ends_with('\n')
+        {
+            return s.trim().to_owned();
         }
         assert!(
             Instant::now() < deadline,

@@ -187,3 +187,17 @@ fn exit_code(status: ExitStatus) -> u8 {
         .map(|s| 128u8.saturating_add(s as u8))
         .unwrap_or(exit::INTERNAL)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exit_codes_follow_the_shell_convention() {
+        // Raw wait statuses: exit code in the second byte, terminating signal in the low bits.
+        assert_eq!(exit_code(ExitStatus::from_raw(0)), 0);
+        assert_eq!(exit_code(ExitStatus::from_raw(3 << 8)), 3);
+        assert_eq!(exit_code(ExitStatus::from_raw(Signal::SIGKILL as i32)), 137);
+        assert_eq!(exit_code(ExitStatus::from_raw(Signal::SIGTERM as i32)), 143);
+    }
+}
