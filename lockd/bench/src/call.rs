@@ -1,7 +1,7 @@
 //! One lockd call with the bench's own deadline, and its failure as (code, message).
 
 use std::future::Future;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::stats::{CLIENT_TIMEOUT, code_name};
 
@@ -13,12 +13,13 @@ pub struct CallError {
     pub message: String,
 }
 
-/// Awaits `call`, giving up after `timeout`.
+/// Awaits `call` until `deadline`; `limit` is what the deadline means, for the message.
 pub async fn call<T>(
-    timeout: Duration,
+    deadline: Instant,
+    limit: Duration,
     call: impl Future<Output = Result<tonic::Response<T>, tonic::Status>>,
 ) -> Result<T, CallError> {
-    match tokio::time::timeout(timeout, call).await {
+    match tokio::time::timeout_at(deadline.into(), call).await {
         Ok(Ok(reply)) => Ok(reply.into_inner()),
         Ok(Err(status)) => Err(CallError {
             code: code_name(status.code()),
@@ -26,7 +27,7 @@ pub async fn call<T>(
         }),
         Err(_) => Err(CallError {
             code: CLIENT_TIMEOUT,
-            message: format!("no reply within {timeout:?} (outcome unknown)"),
+            message: format!("no reply within {limit:?} (outcome unknown)"),
         }),
     }
 }

@@ -102,7 +102,12 @@ pub async fn run(cli: &Cli, args: &HandoffArgs) -> anyhow::Result<()> {
                         wait_timeout_ms: wait.as_millis() as u64,
                         holder: format!("lockd-bench/{c}"),
                     };
-                    let reply = call(timeout, pool.lock_client().acquire(req)).await;
+                    let reply = call(
+                        Instant::now() + timeout,
+                        timeout,
+                        pool.lock_client().acquire(req),
+                    )
+                    .await;
                     let granted = Instant::now();
                     let lease = match reply {
                         Ok(reply) => reply.lease_id,
@@ -134,7 +139,12 @@ pub async fn run(cli: &Cli, args: &HandoffArgs) -> anyhow::Result<()> {
                         resource: resource.clone(),
                         lease_id: lease,
                     };
-                    let reply = call(timeout, pool.lock_client().release(req)).await;
+                    let reply = call(
+                        Instant::now() + timeout,
+                        timeout,
+                        pool.lock_client().release(req),
+                    )
+                    .await;
                     if sent < measure_start {
                         continue;
                     }

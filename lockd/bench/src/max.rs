@@ -90,7 +90,13 @@ pub async fn run(cli: &Cli, args: &MaxArgs) -> anyhow::Result<()> {
                     wait_timeout_ms: 0,
                     holder: "lockd-bench".into(),
                 };
-                let lease = match call(timeout, pool.lock_client().acquire(req)).await {
+                let lease = match call(
+                    Instant::now() + timeout,
+                    timeout,
+                    pool.lock_client().acquire(req),
+                )
+                .await
+                {
                     Ok(reply) => {
                         if in_window {
                             measured.ok("acquire", sent.elapsed());
@@ -111,7 +117,13 @@ pub async fn run(cli: &Cli, args: &MaxArgs) -> anyhow::Result<()> {
                     resource: resource.clone(),
                     lease_id: lease,
                 };
-                match call(timeout, pool.lock_client().release(req)).await {
+                match call(
+                    Instant::now() + timeout,
+                    timeout,
+                    pool.lock_client().release(req),
+                )
+                .await
+                {
                     Ok(reply) if reply.released => {
                         if in_window {
                             measured.ok("release", sent.elapsed());

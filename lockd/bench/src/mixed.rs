@@ -210,6 +210,10 @@ impl Ctx {
 
     async fn execute(&self, planned: Planned, intended: Instant) {
         let mut client = self.pool.lock_client();
+        // Counted from the intended send time, like the latency: a call that starts late gets
+        // less time, so no reply ever counts as a success after more than --request-timeout.
+        let deadline = intended + self.request_timeout;
+        let limit = self.request_timeout;
         let rec = self.recorder(intended);
         match planned {
             Planned::Acquire(r) => {
@@ -221,7 +225,7 @@ impl Ctx {
                     wait_timeout_ms: 0,
                     holder: "lockd-bench".into(),
                 };
-                let res = call(self.request_timeout, client.acquire(req)).await;
+                let res = call(deadline, limit, client.acquire(req)).await;
                 let latency = intended.elapsed();
                 self.table.lock().expect("table lock").acquiring -= 1;
                 match res {
@@ -246,7 +250,7 @@ impl Ctx {
                     lease_id: lease_id.to_string(),
                     lease_ttl_ms: 0,
                 };
-                let res = call(self.request_timeout, client.renew(req)).await;
+                let res = call(deadline, limit, client.renew(req)).await;
                 let latency = intended.elapsed();
                 match res {
                     Ok(_) => {
@@ -270,7 +274,7 @@ impl Ctx {
                     resource: self.name(r),
                     lease_id: lease_id.to_string(),
                 };
-                let res = call(self.request_timeout, client.release(req)).await;
+                let res = call(deadline, limit, client.release(req)).await;
                 let latency = intended.elapsed();
                 match res {
                     Ok(reply) if reply.released => {
@@ -464,12 +468,14 @@ pub async fn run(cli: &Cli, args: &MixedArgs) -> anyhow::Result<()> {
 
     let report = ctx.measured.report(duration);
     let warm = ctx.warmup.report(warmup);
+    // Calls sent in the measured window that neither answered nor failed by the end of the drain.
+    let unfinished = measured_sent.saturating_sub(report.ok_total() + report.error_total());
     let held_at_end = ctx.table.lock().expect("table lock").held.len();
     let achieved = report.ok_rate();
     eprintln!(
         "warmup: {} ok, {} errors; measured: sent {measured_sent} in {duration:?}, \
-         achieved {achieved:.0} ok/s of {rate} target ({:.1}%), held at end {held_at_end}, \
-         dispatch lag p99 {} max {}",
+         achieved {achieved:.0} ok/s of {rate} target ({:.1}%), unfinished {unfinished}, \
+         held at end {held_at_end}, dispatch lag p99 {} max {}",
         warm.ok_total(),
         warm.error_total(),
         100.0 * achieved / rate as f64,
@@ -497,6 +503,7 @@ pub async fn run(cli: &Cli, args: &MixedArgs) -> anyhow::Result<()> {
         "sent": measured_sent,
         "ok": report.ok_total(),
         "errors": report.error_total(),
+        "unfinished": unfinished,
         "achieved_rate": (achieved * 10.0).round() / 10.0,
         "achieved_ratio": (achieved / rate as f64 * 10_000.0).round() / 10_000.0,
         "dispatch_lag_p99_ms": dispatch_lag.value_at_quantile(0.99) as f64 / 1000.0,
@@ -534,7 +541,8 @@ async fn cleanup(ctx: &Arc<Ctx>) {
                 lease_id: lease_id.to_string(),
             };
             let mut client = ctx.pool.lock_client();
-            if call(ctx.request_timeout, client.release(req))
+            let deadline = Instant::now() + ctx.request_timeout;
+            if call(deadline, ctx.request_timeout, client.release(req))
                 .await
                 .is_err()
             {
