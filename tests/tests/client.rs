@@ -829,3 +829,32 @@ async fn lock_after_a_long_wait_renews_before_handing_out() {
     );
     assert!(guard_b.release().await.unwrap());
 }
+
+/// Goal: a guard whose lease stops being current (here: released by someone who knew the lease id)
+/// learns it from `NOT_FOUND` at its next renewal, fires its lost signal with that reason, and
+/// stops renewing. Method: release the guard's lease behind its back and wait one renewal interval.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guard_reports_not_current_when_its_lease_is_gone() {
+    let _serial = serial().await;
+    let cluster = Cluster::start_default().await.unwrap();
+    let a = client(&cluster);
+    let guard = a
+        .lock("gone/1", AcquireOptions::default().ttl(TTL))
+        .await
+        .unwrap();
+    let lost = guard.lost();
+    assert!(a.release("gone/1", guard.lease_id()).await.unwrap());
+    tokio::time::timeout(TTL, lost.fired())
+        .await
+        .expect("lost signal did not fire within one ttl");
+    assert!(
+        matches!(lost.reason(), Some(LossReason::NotCurrent { .. })),
+        "{:?}",
+        lost.reason()
+    );
+    assert!(guard.check().is_err());
+    let renewals = guard.renewals();
+    sleep(TTL).await;
+    assert_eq!(guard.renewals(), renewals, "a lost guard kept renewing");
+    assert!(!describe(&a, "gone/1").await.held, "the guard re-acquired");
+}
