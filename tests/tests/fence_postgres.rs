@@ -794,3 +794,106 @@ async fn password_authentication_passes_through() {
         assert_eq!(code(&err), "28P01", "{err:?}");
     }
 }
+
+/// Goal: end to end with lockd's tokens, the zombie scenario: A holds the lock, pauses past its
+/// lease, B takes over with a higher token and writes; A wakes up and its late transaction is
+/// rejected with 55P03, leaving B's rows.
+/// Method: a real three-node lockd cluster; A acquires with a 1.5 s lease and writes through the
+/// proxy; A then stops renewing (the pause) while B waits in lockd's queue and is granted the lock
+/// on expiry; B writes; A's late writes (autocommit and explicit) fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zombie_holder_is_fenced_with_lockd_tokens() {
+    use lockd_api::v1::AcquireRequest;
+    use lockd_tests::cluster::Cluster;
+
+    pg::require_postgres();
+    let cluster = Cluster::start_default().await.unwrap();
+    let proxy = PgProxy::start(false);
+    let direct = pg::connect(&pg::direct_url().parse().unwrap()).await;
+    let resource = pg::unique_name("zombie/orders");
+    let tbl = pg::unique_name("zombie");
+    direct
+        .batch_execute(&format!(
+            "CREATE TABLE {tbl} (k text PRIMARY KEY, holder text, token bigint)"
+        ))
+        .await
+        .unwrap();
+    let acquire = |request_id: &str, wait_timeout_ms: u64| AcquireRequest {
+        resource: resource.clone(),
+        request_id: request_id.to_owned(),
+        lease_ttl_ms: 1_500,
+        wait_timeout_ms,
+        holder: request_id.to_owned(),
+    };
+
+    // Phase 1: A holds the lock and writes with its token.
+    let mut lock_a = cluster.lock_client(1).await.unwrap();
+    let lease_a = lock_a
+        .acquire(acquire("zombie-a", 0))
+        .await
+        .unwrap()
+        .into_inner();
+    let a =
+        pg::connect(&proxy.config(Some(&format!("{resource}:{}", lease_a.fencing_token)))).await;
+    a.execute(
+        &format!("INSERT INTO {tbl} VALUES ('row', 'a', $1)"),
+        &[&(lease_a.fencing_token as i64)],
+    )
+    .await
+    .unwrap();
+
+    // Phase 2: A pauses (no renewals); B queues in lockd and gets the lock when A's lease
+    // expires, with a higher token, and writes.
+    let mut lock_b = cluster.lock_client(2).await.unwrap();
+    let lease_b = lock_b
+        .acquire(acquire("zombie-b", 10_000))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(lease_b.fencing_token > lease_a.fencing_token);
+    let mut b = pg::connect(&proxy.config(None)).await;
+    b.batch_execute(&format!(
+        "SET lockd.fence = '{resource}:{}'",
+        lease_b.fencing_token
+    ))
+    .await
+    .unwrap();
+    let tx = b.transaction().await.unwrap();
+    tx.execute(
+        &format!("UPDATE {tbl} SET holder = 'b', token = $1"),
+        &[&(lease_b.fencing_token as i64)],
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+
+    // Phase 3: A wakes up and carries on as if it still held the lock.
+    let err = a
+        .execute(&format!("UPDATE {tbl} SET holder = 'a-late'"), &[])
+        .await
+        .unwrap_err();
+    assert_eq!(code(&err), STALE, "{err:?}");
+    let msg = message(&err);
+    assert!(
+        msg.contains(&lease_a.fencing_token.to_string())
+            && msg.contains(&lease_b.fencing_token.to_string()),
+        "{msg}"
+    );
+    let err = a
+        .batch_execute(&format!(
+            "BEGIN; DELETE FROM {tbl}; INSERT INTO {tbl} VALUES ('row', 'a-late', 0); COMMIT"
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(code(&err), STALE, "{err:?}");
+    let row = direct
+        .query_one(&format!("SELECT holder, token FROM {tbl}"), &[])
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, String>(0), "b");
+    assert_eq!(row.get::<_, i64>(1), lease_b.fencing_token as i64);
+    direct
+        .batch_execute(&format!("DROP TABLE {tbl}"))
+        .await
+        .unwrap();
+}
