@@ -32,6 +32,13 @@ enum Command {
         #[command(flatten)]
         args: fence_proxy_http::Args,
     },
+    /// Postgres front end: wire-protocol proxy that records each fenced transaction's token.
+    Postgres {
+        #[command(flatten)]
+        common: Common,
+        #[command(flatten)]
+        args: fence_proxy_postgres::Args,
+    },
 }
 
 /// Flags every front end shares.
@@ -53,7 +60,7 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) if e.kind() == clap::error::ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
             eprintln!(
-                "fence-proxy: error: a front end is required: fence-proxy http ... (see --help)"
+                "fence-proxy: error: a front end is required: fence-proxy http|postgres ... (see --help)"
             );
             return ExitCode::from(2);
         }
@@ -91,6 +98,10 @@ async fn run(command: Command) -> anyhow::Result<()> {
         Command::Http { common, args } => {
             start_metrics(&common, "http", shutdown.clone()).await?;
             fence_proxy_http::run(args, shutdown).await
+        }
+        Command::Postgres { common, args } => {
+            start_metrics(&common, "postgres", shutdown.clone()).await?;
+            fence_proxy_postgres::run(args, shutdown).await
         }
     }
 }

@@ -129,8 +129,15 @@ fn metrics_and_health_are_served() {
         health.starts_with("HTTP/1.1 200") && health.ends_with("ok\n"),
         "{health}"
     );
-    // A read to a dead upstream: 502, counted, and its forward timed.
-    let r = get(listen, "/x").unwrap();
+    // A read to a dead upstream: 502, counted, and its forward timed. The proxy's own listener
+    // may bind a moment after the metrics one.
+    let r = loop {
+        if let Some(r) = get(listen, "/x") {
+            break r;
+        }
+        assert!(Instant::now() < deadline, "proxy listener never came up");
+        std::thread::sleep(Duration::from_millis(50));
+    };
     assert!(r.starts_with("HTTP/1.1 502"), "{r}");
     let m = get(metrics, "/metrics").unwrap();
     child.kill().unwrap();
@@ -143,4 +150,21 @@ fn metrics_and_health_are_served() {
         m.contains(r#"fence_proxy_forward_duration_seconds_bucket{frontend="http",le="0.001"}"#),
         "{m}"
     );
+}
+
+/// Goal: the Postgres front end is wired in and validates its flags the same way.
+#[test]
+fn postgres_subcommand_is_wired() {
+    let out = Command::new(BIN)
+        .args(["postgres", "--help"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("--upstream") && text.contains("--metrics-listen"),
+        "{text}"
+    );
+    let e = refused(&["postgres", "--listen", "127.0.0.1:0"]);
+    assert!(e.contains("--upstream"), "{e}");
 }
