@@ -122,6 +122,7 @@ pub async fn run(cli: Cli) -> Result<u8, Failure> {
         }
         Command::Status => {
             let s = client.status().await?;
+            let nodes = node_statuses(&s.members).await;
             let members: Vec<_> = s
                 .members
                 .iter()
@@ -161,6 +162,14 @@ pub async fn run(cli: Cli) -> Result<u8, Failure> {
                     "waiters": s.waiters,
                     "hot_by_acquires": hot(&s.hot_by_acquires),
                     "hot_by_waiters": hot(&s.hot_by_waiters),
+                    "nodes": nodes.iter().map(|(id, addr, r)| match r {
+                        Ok(n) => json!({
+                            "id": id, "address": addr, "role": n.role, "leader_id": n.leader_id,
+                            "term": n.term, "commit_index": n.commit_index, "applied_index": n.applied_index,
+                            "lag": n.lag, "active_locks": n.active_locks, "waiters": n.waiters,
+                        }),
+                        Err(e) => json!({ "id": id, "address": addr, "error": e }),
+                    }).collect::<Vec<_>>(),
                 }),
                 &[
                     ("node", s.node_id.to_string()),
@@ -198,6 +207,9 @@ pub async fn run(cli: Cli) -> Result<u8, Failure> {
                     ("hot_by_waiters", hot_text(&s.hot_by_waiters)),
                 ],
             );
+            if !json {
+                print_nodes(&nodes);
+            }
             Ok(exit::OK)
         }
         Command::Hold {
@@ -207,6 +219,55 @@ pub async fn run(cli: Cli) -> Result<u8, Failure> {
         } => {
             let opts = acquire_options(&lease, cli.timeout);
             hold::hold(&client, &resource, opts, &command, json).await
+        }
+    }
+}
+
+/// How long `status` waits for each node's own answer: a down node must not stall the report.
+const NODE_STATUS_TIMEOUT: Duration = Duration::from_secs(2);
+
+type NodeStatus = (u64, String, Result<lockd_api::v1::StatusResponse, String>);
+
+/// Asks every member for its own view (role, term, indexes, lag), in parallel.
+async fn node_statuses(members: &[lockd_api::v1::Member]) -> Vec<NodeStatus> {
+    let asks = members.iter().map(|m| async move {
+        let result = async {
+            let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", m.address))
+                .map_err(|e| format!("bad address: {e}"))?
+                .connect_timeout(NODE_STATUS_TIMEOUT)
+                .connect()
+                .await
+                .map_err(|e| format!("unreachable: {e}"))?;
+            let mut req = tonic::Request::new(lockd_api::v1::StatusRequest {});
+            req.set_timeout(NODE_STATUS_TIMEOUT);
+            lockd_api::v1::cluster_client::ClusterClient::new(channel)
+                .status(req)
+                .await
+                .map(|r| r.into_inner())
+                .map_err(|s| format!("{}: {}", s.code(), s.message()))
+        };
+        let result = tokio::time::timeout(NODE_STATUS_TIMEOUT * 2, result)
+            .await
+            .unwrap_or_else(|_| Err("no answer".to_owned()));
+        (m.id, m.address.clone(), result)
+    });
+    futures::future::join_all(asks).await
+}
+
+/// One line per node, as each node sees itself.
+fn print_nodes(nodes: &[NodeStatus]) {
+    println!();
+    println!(
+        "{:<4} {:<22} {:<10} {:>6} {:>8} {:>8} {:>6} {:>8} {:>8}",
+        "id", "address", "role", "term", "commit", "applied", "lag", "locks", "waiters"
+    );
+    for (id, addr, r) in nodes {
+        match r {
+            Ok(n) => println!(
+                "{:<4} {:<22} {:<10} {:>6} {:>8} {:>8} {:>6} {:>8} {:>8}",
+                id, addr, n.role, n.term, n.commit_index, n.applied_index, n.lag, n.active_locks, n.waiters
+            ),
+            Err(e) => println!("{id:<4} {addr:<22} {e}"),
         }
     }
 }

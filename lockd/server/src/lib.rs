@@ -29,10 +29,11 @@ pub mod waiters;
 
 use config::LogFormat;
 
-/// Sets up logging on stderr. Levels come from `RUST_LOG` (default `info`, openraft at `warn`).
-pub fn init_tracing(format: LogFormat) {
+/// Sets up logging on stderr. Levels come from `RUST_LOG`.
+/// `default_filter` applies when `RUST_LOG` is unset.
+pub fn init_tracing(format: LogFormat, default_filter: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,openraft=warn"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);

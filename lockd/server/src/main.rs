@@ -99,7 +99,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             tuning,
         }) => {
             tuning.validate().map_err(|e| anyhow::anyhow!(e))?;
-            lockd_server::init_tracing(tuning.log_format);
+            // In one process the nodes start one after another, and openraft logs every refused
+            // connection of that moment as an error: quiet it unless RUST_LOG asks.
+            lockd_server::init_tracing(tuning.log_format, "info,openraft=off");
             lockd_server::dev::run(data_dir, host, tuning, shutdown).await
         }
         None => {
@@ -118,7 +120,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 cli.tuning,
             )
             .map_err(|e| anyhow::anyhow!(e))?;
-            lockd_server::init_tracing(config.tuning.log_format);
+            lockd_server::init_tracing(config.tuning.log_format, "info,openraft=warn");
             let node = lockd_server::node::start(config, shutdown).await?;
             node.done.await?
         }
