@@ -6,9 +6,13 @@
 //! # Layout
 //! - [`cluster`]: a real multi-process lockd cluster that tests can kill, pause and wipe.
 //! - [`process`]: locating built binaries and owning child processes.
+//! - [`http_upstream`]: an in-process HTTP upstream that logs every request it applied, in order.
+//! - [`fence_proxy`]: `fence-proxy http` as a child process, and an HTTP client for it.
 //! - [`pg`]: the local Postgres, an in-process fence-proxy Postgres front end, psql, a private
 //!   password-protected cluster.
 
 pub mod cluster;
+pub mod fence_proxy;
+pub mod http_upstream;
 pub mod pg;
 pub mod process;

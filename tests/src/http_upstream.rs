@@ -1,0 +1,171 @@
+//! A real HTTP server standing for the storage behind fence-proxy: it runs in-process on Tokio,
+//! applies every request it receives (after an optional per-request delay), and keeps the
+//! applied requests in order so that a test can check what reached the storage and when.
+//!
+//! A request is applied even when the client (the proxy) has given up on it and closed the
+//! connection: that is the worst case a fencing proxy faces, and the one its quarantine is for.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::{Request, Response};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio_util::sync::CancellationToken;
+
+/// Request header asking the upstream to wait this many milliseconds before applying.
+pub const DELAY_HEADER: &str = "Upstream-Delay-Ms";
+
+/// Longest delay a request may ask for, so that a typo cannot hang a test.
+const DELAY_MAX_MS: u64 = 30_000;
+
+/// One request as the upstream applied it.
+#[derive(Clone, Debug)]
+pub struct Applied {
+    pub method: String,
+    /// Path and query as received.
+    pub path: String,
+    pub headers: hyper::HeaderMap,
+    pub body: Bytes,
+    /// When it was applied, on this process's monotonic clock.
+    pub at: Instant,
+}
+
+impl Applied {
+    /// The `Fencing-Token` it carried, if any.
+    pub fn token(&self) -> Option<u64> {
+        self.header("fencing-token")?.parse().ok()
+    }
+
+    /// The `Lock-Resource` it carried, if any.
+    pub fn resource(&self) -> Option<&str> {
+        self.header("lock-resource")
+    }
+
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name)?.to_str().ok()
+    }
+}
+
+/// The running upstream; stops when dropped.
+pub struct HttpUpstream {
+    pub addr: SocketAddr,
+    log: Arc<Mutex<Vec<Applied>>>,
+    shutdown: CancellationToken,
+}
+
+impl HttpUpstream {
+    /// Binds 127.0.0.1 on a free port and serves until dropped.
+    pub async fn start() -> anyhow::Result<HttpUpstream> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let shutdown = CancellationToken::new();
+        tokio::spawn(serve(listener, log.clone(), shutdown.clone()));
+        Ok(HttpUpstream {
+            addr,
+            log,
+            shutdown,
+        })
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Every request applied so far, in the order applied.
+    pub fn applied(&self) -> Vec<Applied> {
+        self.log.lock().unwrap().clone()
+    }
+
+    /// The applied requests other than GET, HEAD and OPTIONS.
+    pub fn writes(&self) -> Vec<Applied> {
+        self.applied()
+            .into_iter()
+            .filter(|a| !matches!(a.method.as_str(), "GET" | "HEAD" | "OPTIONS"))
+            .collect()
+    }
+}
+
+impl Drop for HttpUpstream {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+async fn serve(
+    listener: tokio::net::TcpListener,
+    log: Arc<Mutex<Vec<Applied>>>,
+    shutdown: CancellationToken,
+) {
+    loop {
+        let stream = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(_) => continue,
+            },
+        };
+        let log = log.clone();
+        let service = hyper::service::service_fn(move |req| apply(req, log.clone()));
+        tokio::spawn(async move {
+            let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                .serve_connection(TokioIo::new(stream), service)
+                .await;
+        });
+    }
+}
+
+async fn apply(
+    req: Request<Incoming>,
+    log: Arc<Mutex<Vec<Applied>>>,
+) -> Result<Response<Full<Bytes>>, Infallible> {
+    let (parts, body) = req.into_parts();
+    let body = match body.collect().await {
+        Ok(b) => b.to_bytes(),
+        // The sender gave up mid-body: a real store would not apply a truncated request.
+        Err(_) => {
+            return Ok(Response::builder()
+                .status(400)
+                .body(Full::default())
+                .unwrap());
+        }
+    };
+    let delay_ms = parts
+        .headers
+        .get(DELAY_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or(0)
+        .min(DELAY_MAX_MS);
+    // Applied in a task of its own, so that it happens even if the connection closes first.
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(delay_ms)).await;
+        let index = {
+            let mut log = log.lock().unwrap();
+            log.push(Applied {
+                method: parts.method.to_string(),
+                path: parts
+                    .uri
+                    .path_and_query()
+                    .map_or("/".into(), |p| p.to_string()),
+                headers: parts.headers.clone(),
+                body,
+                at: Instant::now(),
+            });
+            log.len() - 1
+        };
+        let _ = tx.send(index);
+    });
+    let index = rx.await.unwrap_or(usize::MAX);
+    Ok(Response::builder()
+        .status(200)
+        .header("Upstream-Applied-Index", index.to_string())
+        .body(Full::new(Bytes::from(format!("applied #{index}\n"))))
+        .unwrap())
+}

@@ -1,0 +1,538 @@
+//! fence-proxy's HTTP front end (issue 5): fence checks, token order across two proxy processes
+//! sharing the Postgres store, faults, restart with the redb store, and end to end with lockd.
+//!
+//! Every test starts a real HTTP upstream that logs the requests it applied, in order, and real
+//! `fence-proxy` processes. Postgres tests use a table of their own, so tests run in parallel.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use lockd_tests::fence_proxy::{FenceProxy, Reply};
+use lockd_tests::http_upstream::{DELAY_HEADER, HttpUpstream};
+use lockd_tests::pg;
+
+/// A table of the shared Postgres that is dropped when the test ends.
+struct PgTable {
+    name: String,
+}
+
+impl PgTable {
+    fn new(prefix: &str) -> PgTable {
+        pg::require_postgres();
+        PgTable {
+            name: pg::unique_name(prefix),
+        }
+    }
+
+    fn store(&self) -> String {
+        pg::direct_url()
+    }
+}
+
+impl Drop for PgTable {
+    fn drop(&mut self) {
+        let sql = format!("DROP TABLE IF EXISTS {}", self.name);
+        let _ = std::process::Command::new("psql")
+            .args([
+                "-q",
+                "-X",
+                "-h",
+                pg::PG_HOST,
+                "-U",
+                pg::PG_USER,
+                "-d",
+                pg::PG_DATABASE,
+            ])
+            .args(["-c", &sql])
+            .output();
+    }
+}
+
+fn redb_store(dir: &tempfile::TempDir) -> String {
+    format!("redb:{}", dir.path().join("epochs.redb").display())
+}
+
+async fn put(proxy: &FenceProxy, resource: &str, token: &str, body: &str) -> Reply {
+    proxy
+        .write("PUT", "/obj", (Some(resource), Some(token)), &[], body)
+        .await
+        .unwrap()
+}
+
+fn assert_refused(reply: &Reply, status: u16, reason: &str) {
+    assert_eq!(reply.status, status, "{reply:?}");
+    assert_eq!(reply.proxy_error(), Some(reason), "{reply:?}");
+    assert_eq!(reply.json()["error"], reason, "{reply:?}");
+}
+
+/// The fence checks of test 1, against either store.
+async fn fence_checks(store: &str, extra: &[&str]) {
+    let upstream = HttpUpstream::start().await.unwrap();
+    let proxy = FenceProxy::start(&upstream.url(), store, extra)
+        .await
+        .unwrap();
+    let r = "orders/42";
+
+    // Phase 1: accepted and recorded; every header, conditional ones included, and the body
+    // reach the upstream.
+    let reply = proxy
+        .write(
+            "PUT",
+            "/orders/42?v=1",
+            (Some(r), Some("5")),
+            &[
+                ("If-Match", "\"v1\""),
+                ("If-Unmodified-Since", "Sat, 01 Jan 2000 00:00:00 GMT"),
+                ("X-Custom", "c"),
+            ],
+            "five",
+        )
+        .await
+        .unwrap();
+    assert_eq!(reply.status, 200, "{reply:?}");
+    assert_eq!(reply.proxy_error(), None);
+    let w = upstream.writes();
+    assert_eq!(w.len(), 1);
+    assert_eq!(
+        (w[0].method.as_str(), w[0].path.as_str()),
+        ("PUT", "/orders/42?v=1")
+    );
+    assert_eq!(w[0].header("if-match"), Some("\"v1\""));
+    assert_eq!(
+        w[0].header("if-unmodified-since"),
+        Some("Sat, 01 Jan 2000 00:00:00 GMT")
+    );
+    assert_eq!(w[0].header("x-custom"), Some("c"));
+    assert_eq!((w[0].resource(), w[0].token()), (Some(r), Some(5)));
+    assert_eq!(&w[0].body[..], b"five");
+
+    // Phase 2: the same token again is accepted (the holder writes twice).
+    assert_eq!(put(&proxy, r, "5", "five again").await.status, 200);
+    assert_eq!(upstream.writes().len(), 2);
+
+    // Phase 3: a lower token: 412 naming the values, not forwarded.
+    let reply = put(&proxy, r, "4", "four").await;
+    assert_refused(&reply, 412, "stale-fencing-token");
+    let j = reply.json();
+    assert_eq!(
+        (
+            j["resource"].as_str(),
+            j["token"].as_u64(),
+            j["highest"].as_u64()
+        ),
+        (Some(r), Some(4), Some(5))
+    );
+    assert_eq!(
+        upstream.writes().len(),
+        2,
+        "a stale write reached the upstream"
+    );
+
+    // Phase 4: writes without the headers: 428, for every write method.
+    for method in ["POST", "PUT", "PATCH", "DELETE"] {
+        let reply = proxy
+            .write(method, "/obj", (None, None), &[], "x")
+            .await
+            .unwrap();
+        assert_refused(&reply, 428, "fence-required");
+    }
+    let reply = proxy
+        .write("DELETE", "/obj", (Some(r), None), &[], "")
+        .await
+        .unwrap();
+    assert_refused(&reply, 428, "fence-required");
+    assert_eq!(reply.json()["resource"], r);
+
+    // Phase 5: malformed fences: 400.
+    for token in ["abc", "-1", "1.5", "18446744073709551616", ""] {
+        let reply = put(&proxy, r, token, "x").await;
+        assert_refused(&reply, 400, "bad-fence");
+    }
+    let long = "r".repeat(257);
+    assert_refused(&put(&proxy, &long, "9", "x").await, 400, "bad-fence");
+    assert_eq!(
+        upstream.writes().len(),
+        2,
+        "a refused write reached the upstream"
+    );
+
+    // Phase 6: reads pass unchecked, with or without headers.
+    let reply = lockd_tests::fence_proxy::get(&proxy.url("/orders/42"))
+        .await
+        .unwrap();
+    assert_eq!(reply.status, 200, "{reply:?}");
+    let reply = proxy
+        .write("GET", "/x", (Some(r), Some("1")), &[], "")
+        .await
+        .unwrap();
+    assert_eq!(
+        reply.status, 200,
+        "a read with a stale token is still a read: {reply:?}"
+    );
+    assert_eq!(upstream.applied().len(), 4);
+
+    // Phase 7: a higher token is accepted; the metrics counted all of it.
+    assert_eq!(
+        proxy
+            .write("PATCH", "/obj", (Some(r), Some("6")), &[], "")
+            .await
+            .unwrap()
+            .status,
+        200
+    );
+    let m = proxy.metrics().await.unwrap();
+    for line in [
+        r#"fence_proxy_requests_total{frontend="http",result="forwarded"} 3"#,
+        r#"fence_proxy_requests_total{frontend="http",result="passthrough"} 2"#,
+        r#"fence_proxy_requests_total{frontend="http",result="stale-fencing-token"} 1"#,
+        r#"fence_proxy_requests_total{frontend="http",result="fence-required"} 5"#,
+        r#"fence_proxy_requests_total{frontend="http",result="bad-fence"} 6"#,
+        r#"fence_proxy_stale_rejections_total{frontend="http"} 1"#,
+        r#"fence_proxy_forward_duration_seconds_count{frontend="http"} 5"#,
+    ] {
+        assert!(m.contains(line), "missing {line:?} in:\n{m}");
+    }
+}
+
+/// Goal: test 1 of the issue with the embedded store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fence_checks_with_redb_store() {
+    let dir = tempfile::tempdir().unwrap();
+    fence_checks(&redb_store(&dir), &[]).await;
+}
+
+/// Goal: test 1 of the issue with the shared Postgres store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fence_checks_with_postgres_store() {
+    let table = PgTable::new("fence_http_checks");
+    fence_checks(&table.store(), &["--store-table", &table.name]).await;
+}
+
+/// Number of rounds of the ordering test; each round is one fresh resource.
+const ORDER_ROUNDS: usize = 40;
+
+/// Goal: with two proxy processes sharing the Postgres store, a slow upstream and concurrent
+/// writers with tokens 41 and 42 on one resource, the upstream never applies 41 after 42.
+/// Method: per round a fresh resource; the writer of 41 asks the upstream to take 40 ms to apply
+/// (so without serialisation 42, fast, would overtake it), the writer of 42 none; each goes
+/// through a different proxy (chosen at random) after a random 0-15 ms pause. Then check the
+/// upstream's log per resource, and that both interleavings (41 forwarded first, or 41 refused
+/// because 42 came first) happened, so the check had something to check.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_proxies_on_postgres_never_apply_41_after_42() {
+    use rand::RngExt;
+    let table = PgTable::new("fence_http_order");
+    let upstream = HttpUpstream::start().await.unwrap();
+    let extra = ["--store-table", table.name.as_str(), "--lock-wait", "10s"];
+    let a = FenceProxy::start(&upstream.url(), &table.store(), &extra)
+        .await
+        .unwrap();
+    let b = FenceProxy::start(&upstream.url(), &table.store(), &extra)
+        .await
+        .unwrap();
+    let prefix = pg::unique_name("order");
+
+    let mut replies = Vec::new();
+    for round in 0..ORDER_ROUNDS {
+        let resource = format!("{prefix}/{round}");
+        let (p41, p42) = if rand::rng().random_bool(0.5) {
+            (&a, &b)
+        } else {
+            (&b, &a)
+        };
+        let (d41, d42) = (
+            rand::rng().random_range(0..15u64),
+            rand::rng().random_range(0..15u64),
+        );
+        let w41 = async {
+            tokio::time::sleep(Duration::from_millis(d41)).await;
+            p41.write(
+                "PUT",
+                "/obj",
+                (Some(&resource), Some("41")),
+                &[(DELAY_HEADER, "40")],
+                "41",
+            )
+            .await
+            .unwrap()
+        };
+        let w42 = async {
+            tokio::time::sleep(Duration::from_millis(d42)).await;
+            p42.write("PUT", "/obj", (Some(&resource), Some("42")), &[], "42")
+                .await
+                .unwrap()
+        };
+        let (r41, r42) = tokio::join!(w41, w42);
+        assert_eq!(
+            r42.status, 200,
+            "round {round}: 42 must be accepted: {r42:?}"
+        );
+        assert!(
+            r41.status == 200 || r41.status == 412,
+            "round {round}: {r41:?}"
+        );
+        replies.push((resource, r41.status));
+    }
+
+    let mut per_resource: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+    for w in upstream.writes() {
+        per_resource
+            .entry(w.resource().unwrap().to_owned())
+            .or_default()
+            .push(w.token().unwrap());
+    }
+    let mut both_forwarded = 0;
+    let mut stale_refused = 0;
+    for (resource, status41) in &replies {
+        let tokens = &per_resource[resource];
+        let first_42 = tokens
+            .iter()
+            .position(|t| *t == 42)
+            .expect("42 was applied");
+        assert!(
+            !tokens[first_42..].contains(&41),
+            "{resource}: upstream applied 41 after 42: {tokens:?}"
+        );
+        match status41 {
+            200 => {
+                assert_eq!(tokens, &[41, 42], "{resource}");
+                both_forwarded += 1;
+            }
+            _ => {
+                assert_eq!(
+                    tokens,
+                    &[42],
+                    "{resource}: a refused 41 reached the upstream"
+                );
+                stale_refused += 1;
+            }
+        }
+    }
+    eprintln!(
+        "{ORDER_ROUNDS} rounds: 41 then 42 forwarded {both_forwarded}, 41 refused as stale {stale_refused}"
+    );
+    assert!(
+        both_forwarded > 0 && stale_refused > 0,
+        "only one interleaving happened (41 first: {both_forwarded}, 42 first: {stale_refused})"
+    );
+}
+
+/// Goal: an unreachable epoch store fails closed: 503 store-unavailable and nothing forwarded;
+/// reads, which need no store, still pass.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_unreachable_is_503_and_nothing_is_forwarded() {
+    let upstream = HttpUpstream::start().await.unwrap();
+    let dead = format!("postgres://postgres@127.0.0.1:{}/test", pg::free_port());
+    let proxy = FenceProxy::start(&upstream.url(), &dead, &["--store-timeout", "500ms"])
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let reply = put(&proxy, "orders/1", "3", "x").await;
+    assert_refused(&reply, 503, "store-unavailable");
+    let j = reply.json();
+    assert_eq!(
+        (j["resource"].as_str(), j["token"].as_u64()),
+        (Some("orders/1"), Some(3))
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        started.elapsed()
+    );
+    assert!(
+        upstream.writes().is_empty(),
+        "forwarded while the store was down"
+    );
+    let reply = lockd_tests::fence_proxy::get(&proxy.url("/orders/1"))
+        .await
+        .unwrap();
+    assert_eq!(reply.status, 200, "{reply:?}");
+}
+
+/// Goal: an upstream that refuses connections gives 502 upstream-error, for writes and reads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_down_is_502() {
+    let dir = tempfile::tempdir().unwrap();
+    let dead = format!("http://127.0.0.1:{}", pg::free_port());
+    let proxy = FenceProxy::start(&dead, &redb_store(&dir), &[])
+        .await
+        .unwrap();
+    let reply = put(&proxy, "orders/1", "3", "x").await;
+    assert_refused(&reply, 502, "upstream-error");
+    assert_eq!(reply.json()["token"], 3);
+    let reply = lockd_tests::fence_proxy::get(&proxy.url("/x"))
+        .await
+        .unwrap();
+    assert_refused(&reply, 502, "upstream-error");
+    // The write was never delivered, so no quarantine: the next one goes straight to the store.
+    let started = Instant::now();
+    assert_refused(
+        &put(&proxy, "orders/1", "4", "x").await,
+        502,
+        "upstream-error",
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "took {:?}",
+        started.elapsed()
+    );
+}
+
+/// Goal: an upstream slower than --upstream-timeout gives 504 upstream-timeout, and because the
+/// upstream still applies that write later, the next write of the resource is held back by the
+/// quarantine until after it: the upstream's log keeps token order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_too_slow_is_504_and_quarantine_keeps_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = HttpUpstream::start().await.unwrap();
+    let proxy = FenceProxy::start(
+        &upstream.url(),
+        &redb_store(&dir),
+        &[
+            "--upstream-timeout",
+            "300ms",
+            "--quarantine",
+            "2s",
+            "--lock-wait",
+            "5s",
+        ],
+    )
+    .await
+    .unwrap();
+    let started = Instant::now();
+    let reply = proxy
+        .write(
+            "PUT",
+            "/obj",
+            (Some("orders/1"), Some("1")),
+            &[(DELAY_HEADER, "1000")],
+            "late",
+        )
+        .await
+        .unwrap();
+    assert_refused(&reply, 504, "upstream-timeout");
+    let timed_out = started.elapsed();
+    assert!(
+        timed_out < Duration::from_millis(900),
+        "504 after {timed_out:?}"
+    );
+
+    let reply = put(&proxy, "orders/1", "2", "next").await;
+    assert_eq!(reply.status, 200, "{reply:?}");
+    assert!(
+        started.elapsed() >= Duration::from_millis(2200),
+        "quarantine skipped: {:?}",
+        started.elapsed()
+    );
+    let tokens: Vec<_> = upstream
+        .writes()
+        .iter()
+        .map(|w| w.token().unwrap())
+        .collect();
+    assert_eq!(
+        tokens,
+        [1, 2],
+        "the late write must be applied before the next one"
+    );
+
+    // Another resource is not affected by the quarantine.
+    let t = Instant::now();
+    let reply = proxy
+        .write(
+            "PUT",
+            "/obj",
+            (Some("orders/2"), Some("1")),
+            &[(DELAY_HEADER, "1000")],
+            "late",
+        )
+        .await
+        .unwrap();
+    assert_refused(&reply, 504, "upstream-timeout");
+    assert_eq!(put(&proxy, "orders/3", "1", "x").await.status, 200);
+    assert!(
+        t.elapsed() < Duration::from_millis(1500),
+        "{:?}",
+        t.elapsed()
+    );
+}
+
+/// Goal: the redb store keeps the highest tokens across a kill -9 and restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redb_highest_tokens_survive_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = HttpUpstream::start().await.unwrap();
+    let mut proxy = FenceProxy::start(&upstream.url(), &redb_store(&dir), &[])
+        .await
+        .unwrap();
+    assert_eq!(put(&proxy, "a", "7", "x").await.status, 200);
+    assert_eq!(put(&proxy, "b", "9", "x").await.status, 200);
+
+    proxy.kill();
+    proxy.restart().await.unwrap();
+
+    let reply = put(&proxy, "a", "6", "x").await;
+    assert_refused(&reply, 412, "stale-fencing-token");
+    assert_eq!(reply.json()["highest"], 7);
+    assert_refused(
+        &put(&proxy, "b", "8", "x").await,
+        412,
+        "stale-fencing-token",
+    );
+    assert_eq!(put(&proxy, "b", "9", "x").await.status, 200);
+    assert_eq!(put(&proxy, "c", "1", "x").await.status, 200);
+    assert_eq!(upstream.writes().len(), 4);
+}
+
+/// Goal: test 5 of the issue, end to end with lockd. A acquires (token t); A's lease expires;
+/// B acquires (t' > t) and writes; A's delayed write gets 412; the upstream holds B's only.
+/// Method: a real three-node lockd cluster, a 1 s lease for A that is never renewed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lockd_end_to_end_stale_holder_is_fenced() {
+    use lockd_api::v1::AcquireRequest;
+    use lockd_tests::cluster::Cluster;
+
+    let cluster = Cluster::start_default().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = HttpUpstream::start().await.unwrap();
+    let proxy = FenceProxy::start(&upstream.url(), &redb_store(&dir), &[])
+        .await
+        .unwrap();
+    let resource = pg::unique_name("e2e/orders");
+    let acquire = |id: &str, wait_timeout_ms: u64| AcquireRequest {
+        resource: resource.clone(),
+        request_id: id.to_owned(),
+        lease_ttl_ms: 1_000,
+        wait_timeout_ms,
+        holder: id.to_owned(),
+    };
+
+    // Phase 1: A acquires and prepares a write, then stalls past its lease.
+    let mut lock_a = cluster.lock_client(1).await.unwrap();
+    let a = lock_a.acquire(acquire("a", 0)).await.unwrap().into_inner();
+
+    // Phase 2: B waits in lockd's queue, gets the lock when A's lease expires, and writes.
+    let mut lock_b = cluster.lock_client(2).await.unwrap();
+    let b = lock_b
+        .acquire(acquire("b", 10_000))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        b.fencing_token > a.fencing_token,
+        "{} !> {}",
+        b.fencing_token,
+        a.fencing_token
+    );
+    let reply = put(&proxy, &resource, &b.fencing_token.to_string(), "B").await;
+    assert_eq!(reply.status, 200, "{reply:?}");
+
+    // Phase 3: A wakes up and sends its delayed write: refused, naming B's token.
+    let reply = put(&proxy, &resource, &a.fencing_token.to_string(), "A").await;
+    assert_refused(&reply, 412, "stale-fencing-token");
+    assert_eq!(reply.json()["highest"], b.fencing_token);
+
+    let writes = upstream.writes();
+    assert_eq!(writes.len(), 1, "{writes:?}");
+    assert_eq!(&writes[0].body[..], b"B");
+    assert_eq!(writes[0].token(), Some(b.fencing_token));
+}
