@@ -48,11 +48,12 @@ pub enum LogFormat {
 /// Tuning shared by `lockd` and `lockd dev`.
 #[derive(Clone, Debug, clap::Args)]
 pub struct Tuning {
-    /// Raft heartbeat interval.
-    #[arg(long, env = "LOCKD_HEARTBEAT_MS", default_value_t = 100)]
+    /// Raft heartbeat interval. openraft 0.9 also uses it as the timeout of each AppendEntries
+    /// call, so it must cover a follower's fsync of a full batch with room to spare.
+    #[arg(long, env = "LOCKD_HEARTBEAT_MS", default_value_t = 250)]
     pub heartbeat_ms: u64,
     /// Lower bound of the randomised election timeout. Upper bound is twice this.
-    #[arg(long, env = "LOCKD_ELECTION_TIMEOUT_MS", default_value_t = 600)]
+    #[arg(long, env = "LOCKD_ELECTION_TIMEOUT_MS", default_value_t = 1000)]
     pub election_timeout_ms: u64,
     /// Build a snapshot (and purge the log before it) after this many log entries.
     #[arg(long, env = "LOCKD_SNAPSHOT_EVERY", default_value_t = 5_000)]

@@ -190,7 +190,9 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
         snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(t.snapshot_every),
         max_in_snapshot_log_to_keep: t.logs_kept_after_snapshot,
         snapshot_max_chunk_size: 4 * 1024 * 1024,
-        max_payload_entries: 64,
+        // Entries per AppendEntries: with up to 512 commands each this keeps one call to about a
+        // megabyte, well inside the heartbeat-long timeout openraft 0.9 gives it.
+        max_payload_entries: 16,
         ..Default::default()
     }
     .validate()

@@ -16,10 +16,10 @@ use crate::raft::Raft;
 
 /// Commands waiting for a batch. Beyond this the node answers UNAVAILABLE ("overloaded") at once
 /// instead of queueing without bound.
-pub const PROPOSE_QUEUE_MAX: usize = 20_000;
+pub const PROPOSE_QUEUE_MAX: usize = 8_192;
 /// Commands in one Raft entry: large enough to amortise an fsync, small enough that one entry
 /// stays well under the replication message limit.
-pub const BATCH_COMMANDS_MAX: usize = 1_024;
+pub const BATCH_COMMANDS_MAX: usize = 512;
 /// Entries proposed but not yet applied. More in flight lets replication pipeline; fewer keeps
 /// batches large under load.
 pub const INFLIGHT_BATCHES_MAX: usize = 4;

@@ -1,29 +1,73 @@
-//! The Raft log and vote in redb.
+//! The Raft log and vote in redb, written by one writer thread with group commit.
+//!
+//! openraft's core awaits `append` inline, so an fsync inside `append` would stall heartbeats and
+//! replication responses for its whole duration. Instead `append` hands the encoded entries to the
+//! writer thread and returns; the thread commits everything queued in one durable redb
+//! transaction and only then fires each append's flush callback (openraft counts an entry towards
+//! the quorum only after its callback). Until then the entries are served from an in-memory
+//! overlay, so replication can read them at once. Vote, truncate and purge go through the same
+//! queue, in order, and their callers wait for the durable commit.
 
+use std::collections::BTreeMap;
 use std::fmt::Debug;
 use std::ops::{Bound, RangeBounds};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, Mutex};
 
 use openraft::storage::{LogFlushed, RaftLogStorage};
 use openraft::{Entry, LogState, RaftLogReader, StorageIOError, Vote};
 use redb::{Database, ReadableDatabase, ReadableTable};
+use tokio::sync::oneshot;
 
 use super::{KEY_COMMITTED, KEY_LAST_PURGED, KEY_VOTE, LOG, META, blocking};
 use crate::raft::{LogId, NodeId, StorageError, TypeConfig};
 
-/// Log storage handle. Cloning shares the database; openraft uses a clone as its log reader.
+/// Log storage handle. Cloning shares the database, the overlay and the writer.
 #[derive(Clone)]
 pub struct LogStore {
     db: Arc<Database>,
+    /// Entries handed to the writer but not yet durable, by index.
+    pending: Arc<Mutex<BTreeMap<u64, Entry<TypeConfig>>>>,
+    writer: Sender<WriteOp>,
     /// The committed index openraft last reported, for Status (0 = none).
     committed: Arc<AtomicU64>,
 }
 
+enum WriteOp {
+    Append {
+        entries: Vec<(u64, Vec<u8>)>,
+        callback: LogFlushed<TypeConfig>,
+    },
+    /// Durable before `done` fires.
+    Meta {
+        key: &'static str,
+        value: Vec<u8>,
+        done: Option<oneshot::Sender<Result<(), String>>>,
+    },
+    Truncate {
+        from: u64,
+        done: oneshot::Sender<Result<(), String>>,
+    },
+    Purge {
+        upto: LogId,
+        done: oneshot::Sender<Result<(), String>>,
+    },
+}
+
 impl LogStore {
     pub fn new(db: Arc<Database>) -> Self {
+        let (tx, rx) = channel();
+        let pending = Arc::new(Mutex::new(BTreeMap::new()));
+        let (db2, pending2) = (db.clone(), pending.clone());
+        std::thread::Builder::new()
+            .name("raft-log-writer".into())
+            .spawn(move || write_loop(db2, pending2, rx))
+            .expect("spawning the log writer thread");
         LogStore {
             db,
+            pending,
+            writer: tx,
             committed: Arc::new(AtomicU64::new(0)),
         }
     }
@@ -39,6 +83,93 @@ impl LogStore {
         match table.get(key)? {
             Some(v) => Ok(Some(postcard::from_bytes(v.value())?)),
             None => Ok(None),
+        }
+    }
+
+    /// Queues an operation and waits for its durable commit.
+    async fn submit(
+        &self,
+        make: impl FnOnce(oneshot::Sender<Result<(), String>>) -> WriteOp,
+    ) -> Result<(), std::io::Error> {
+        let (tx, rx) = oneshot::channel();
+        self.writer
+            .send(make(tx))
+            .map_err(|_| std::io::Error::other("the log writer thread has stopped"))?;
+        match rx.await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(std::io::Error::other(e)),
+            Err(_) => Err(std::io::Error::other("the log writer thread has stopped")),
+        }
+    }
+}
+
+/// Commits everything queued, one durable transaction per round.
+fn write_loop(
+    db: Arc<Database>,
+    pending: Arc<Mutex<BTreeMap<u64, Entry<TypeConfig>>>>,
+    rx: Receiver<WriteOp>,
+) {
+    while let Ok(first) = rx.recv() {
+        let mut ops = vec![first];
+        while let Ok(op) = rx.try_recv() {
+            ops.push(op);
+        }
+        let result = (|| -> anyhow::Result<()> {
+            let txn = db.begin_write()?;
+            {
+                let mut log = txn.open_table(LOG)?;
+                let mut meta = txn.open_table(META)?;
+                for op in &ops {
+                    match op {
+                        WriteOp::Append { entries, .. } => {
+                            for (index, bytes) in entries {
+                                log.insert(index, bytes.as_slice())?;
+                            }
+                        }
+                        WriteOp::Meta { key, value, .. } => {
+                            meta.insert(*key, value.as_slice())?;
+                        }
+                        WriteOp::Truncate { from, .. } => {
+                            log.retain_in(*from.., |_, _| false)?;
+                        }
+                        WriteOp::Purge { upto, .. } => {
+                            meta.insert(KEY_LAST_PURGED, postcard::to_allocvec(upto)?.as_slice())?;
+                            log.retain_in(..=upto.index, |_, _| false)?;
+                        }
+                    }
+                }
+            }
+            txn.commit()?;
+            Ok(())
+        })();
+        let err = result.as_ref().err().map(|e| e.to_string());
+        if let Some(e) = &err {
+            tracing::error!(error = %e, "raft log write failed");
+        }
+        for op in ops {
+            match op {
+                WriteOp::Append { entries, callback } => {
+                    if err.is_none() {
+                        // Durable now: readers find them in redb.
+                        let mut p = pending.lock().expect("pending lock");
+                        for (index, _) in &entries {
+                            p.remove(index);
+                        }
+                    }
+                    callback.log_io_completed(match &err {
+                        None => Ok(()),
+                        Some(e) => Err(std::io::Error::other(e.clone())),
+                    });
+                }
+                WriteOp::Meta { done, .. } => {
+                    if let Some(done) = done {
+                        let _ = done.send(err.clone().map_or(Ok(()), Err));
+                    }
+                }
+                WriteOp::Truncate { done, .. } | WriteOp::Purge { done, .. } => {
+                    let _ = done.send(err.clone().map_or(Ok(()), Err));
+                }
+            }
         }
     }
 }
@@ -72,23 +203,39 @@ impl RaftLogReader<TypeConfig> for LogStore {
         range: RB,
     ) -> Result<Vec<Entry<TypeConfig>>, StorageError> {
         let (start, end) = range_of(&range);
+        // Snapshot the overlay first: an entry leaves it only after it is durable in redb, so
+        // every entry is in at least one of the two reads.
+        let overlay: Vec<Entry<TypeConfig>> = {
+            let p = self.pending.lock().expect("pending lock");
+            match end {
+                Some(end) => p.range(start..end).map(|(_, e)| e.clone()).collect(),
+                None => p.range(start..).map(|(_, e)| e.clone()).collect(),
+            }
+        };
         let db = self.db.clone();
-        blocking(move || {
+        let mut stored = blocking(move || {
             let txn = db.begin_read()?;
             let table = txn.open_table(LOG)?;
             let iter = match end {
                 Some(end) => table.range(start..end)?,
                 None => table.range(start..)?,
             };
-            let mut out = Vec::new();
+            let mut out = BTreeMap::new();
             for item in iter {
-                let (_, v) = item?;
-                out.push(postcard::from_bytes::<Entry<TypeConfig>>(v.value())?);
+                let (k, v) = item?;
+                out.insert(
+                    k.value(),
+                    postcard::from_bytes::<Entry<TypeConfig>>(v.value())?,
+                );
             }
             Ok(out)
         })
         .await
-        .map_err(|e| StorageIOError::read_logs(&e).into())
+        .map_err(|e| StorageIOError::read_logs(&e))?;
+        for e in overlay {
+            stored.insert(e.log_id.index, e);
+        }
+        Ok(stored.into_values().collect())
     }
 }
 
@@ -100,6 +247,12 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         let last_purged: Option<LogId> = self
             .read_meta(KEY_LAST_PURGED)
             .map_err(|e| StorageIOError::read_logs(&io(e)))?;
+        let pending_last = self
+            .pending
+            .lock()
+            .expect("pending lock")
+            .last_key_value()
+            .map(|(_, e)| e.log_id);
         let last = blocking(move || {
             let txn = db.begin_read()?;
             let table = txn.open_table(LOG)?;
@@ -112,6 +265,10 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         })
         .await
         .map_err(|e| StorageIOError::read_logs(&e))?;
+        let last = match (last, pending_last) {
+            (Some(a), Some(b)) => Some(if b.index >= a.index { b } else { a }),
+            (a, b) => a.or(b),
+        };
         Ok(LogState {
             last_purged_log_id: last_purged,
             last_log_id: last.or(last_purged),
@@ -125,13 +282,11 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     /// Durable before it returns: a vote that is forgotten after a crash allows two leaders in
     /// one term.
     async fn save_vote(&mut self, vote: &Vote<NodeId>) -> Result<(), StorageError> {
-        let db = self.db.clone();
-        let bytes = encode(vote).map_err(|e| StorageIOError::write_vote(&io(e)))?;
-        blocking(move || {
-            let txn = db.begin_write()?;
-            txn.open_table(META)?.insert(KEY_VOTE, bytes.as_slice())?;
-            txn.commit()?;
-            Ok(())
+        let value = encode(vote).map_err(|e| StorageIOError::write_vote(&io(e)))?;
+        self.submit(|done| WriteOp::Meta {
+            key: KEY_VOTE,
+            value,
+            done: Some(done),
         })
         .await
         .map_err(|e| StorageIOError::write_vote(&e).into())
@@ -142,24 +297,23 @@ impl RaftLogStorage<TypeConfig> for LogStore {
             .map_err(|e| StorageIOError::read_vote(&io(e)).into())
     }
 
-    /// Written without its own fsync: the next append's durable commit carries it, and losing it
-    /// only means replaying less on restart until the leader repeats it.
+    /// Queued without waiting: it rides on the next durable commit, and losing it only means
+    /// replaying less on restart until the leader repeats it.
     async fn save_committed(&mut self, committed: Option<LogId>) -> Result<(), StorageError> {
         if let Some(c) = committed {
             self.committed.store(c.index, Ordering::Relaxed);
         }
-        let db = self.db.clone();
-        let bytes = encode(&committed).map_err(|e| StorageIOError::write(&io(e)))?;
-        blocking(move || {
-            let mut txn = db.begin_write()?;
-            txn.set_durability(redb::Durability::None)?;
-            txn.open_table(META)?
-                .insert(KEY_COMMITTED, bytes.as_slice())?;
-            txn.commit()?;
-            Ok(())
-        })
-        .await
-        .map_err(|e| StorageIOError::write(&e).into())
+        let value = encode(&committed).map_err(|e| StorageIOError::write(&io(e)))?;
+        self.writer
+            .send(WriteOp::Meta {
+                key: KEY_COMMITTED,
+                value,
+                done: None,
+            })
+            .map_err(|_| {
+                StorageIOError::write(&std::io::Error::other("the log writer thread has stopped"))
+                    .into()
+            })
     }
 
     async fn read_committed(&mut self) -> Result<Option<LogId>, StorageError> {
@@ -173,8 +327,7 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         Ok(c)
     }
 
-    /// Appends and fsyncs, and only then reports the entries flushed: openraft counts them
-    /// towards the quorum as soon as the callback fires.
+    /// Hands the entries to the writer and returns; the callback fires after the fsync.
     async fn append<I>(
         &mut self,
         entries: I,
@@ -185,47 +338,36 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         I::IntoIter: Send,
     {
         let mut encoded = Vec::new();
-        for e in entries {
-            let bytes = encode(&e).map_err(|err| StorageIOError::write_logs(&io(err)))?;
-            encoded.push((e.log_id.index, bytes));
-        }
-        let db = self.db.clone();
-        let result = blocking(move || {
-            let txn = db.begin_write()?;
-            {
-                let mut table = txn.open_table(LOG)?;
-                for (index, bytes) in &encoded {
-                    table.insert(index, bytes.as_slice())?;
-                }
-            }
-            txn.commit()?;
-            Ok(())
-        })
-        .await;
-        match result {
-            Ok(()) => {
-                callback.log_io_completed(Ok(()));
-                Ok(())
-            }
-            Err(e) => {
-                let err = StorageIOError::write_logs(&e);
-                callback.log_io_completed(Err(e));
-                Err(err.into())
+        {
+            let mut p = self.pending.lock().expect("pending lock");
+            for e in entries {
+                let bytes = encode(&e).map_err(|err| StorageIOError::write_logs(&io(err)))?;
+                encoded.push((e.log_id.index, bytes));
+                p.insert(e.log_id.index, e);
             }
         }
+        self.writer
+            .send(WriteOp::Append {
+                entries: encoded,
+                callback,
+            })
+            .map_err(|_| {
+                StorageIOError::write_logs(&std::io::Error::other(
+                    "the log writer thread has stopped",
+                ))
+                .into()
+            })
     }
 
-    /// Deletes entries from `log_id.index` on (a conflicting suffix).
+    /// Deletes entries from `log_id.index` on (a conflicting suffix), durably, before returning.
     async fn truncate(&mut self, log_id: LogId) -> Result<(), StorageError> {
-        let db = self.db.clone();
-        blocking(move || {
-            let txn = db.begin_write()?;
-            {
-                let mut table = txn.open_table(LOG)?;
-                table.retain_in(log_id.index.., |_, _| false)?;
-            }
-            txn.commit()?;
-            Ok(())
+        self.pending
+            .lock()
+            .expect("pending lock")
+            .retain(|index, _| *index < log_id.index);
+        self.submit(|done| WriteOp::Truncate {
+            from: log_id.index,
+            done,
         })
         .await
         .map_err(|e| StorageIOError::write_logs(&e).into())
@@ -234,20 +376,12 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     /// Deletes entries up to `log_id.index` and records `last_purged` in the same transaction,
     /// so a restart after compaction knows where the log starts.
     async fn purge(&mut self, log_id: LogId) -> Result<(), StorageError> {
-        let db = self.db.clone();
-        let bytes = encode(&log_id).map_err(|e| StorageIOError::write_logs(&io(e)))?;
-        blocking(move || {
-            let txn = db.begin_write()?;
-            {
-                txn.open_table(META)?
-                    .insert(KEY_LAST_PURGED, bytes.as_slice())?;
-                let mut table = txn.open_table(LOG)?;
-                table.retain_in(..=log_id.index, |_, _| false)?;
-            }
-            txn.commit()?;
-            Ok(())
-        })
-        .await
-        .map_err(|e| StorageIOError::write_logs(&e).into())
+        self.pending
+            .lock()
+            .expect("pending lock")
+            .retain(|index, _| *index > log_id.index);
+        self.submit(|done| WriteOp::Purge { upto: log_id, done })
+            .await
+            .map_err(|e| StorageIOError::write_logs(&e).into())
     }
 }
