@@ -14,6 +14,10 @@ use nix::unistd::Pid;
 /// package has one, so `cargo test --workspace` provides them all.
 pub fn bin_path(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("current_exe");
+    // A binary of this package (`lockd-tests --bin chaos`) sits next to the others.
+    if let Some(beside) = exe.parent().map(|d| d.join(name)).filter(|p| p.exists()) {
+        return beside;
+    }
     let dir = exe
         .parent()
         .and_then(|deps| deps.parent())

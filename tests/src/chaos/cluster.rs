@@ -1,0 +1,347 @@
+//! Three `lockd` processes wired through fault-injecting relays, plus the processes and targets a
+//! chaos run needs around them.
+//!
+//! Addresses, on one random `127.A.B.0/24` per run:
+//! - node i listens on `127.A.B.(10+i):7001` (clients and replication) and binds its outgoing peer
+//!   connections to that IP, so relays can tell callers apart;
+//! - its peers reach it through the relay `127.A.B.(20+i):7001` (its `--peer` address), which can
+//!   blackhole chosen callers: that is how partitions are made;
+//! - clients may reach it through `127.A.B.(30+i):7001`, a relay that can drop replies after the
+//!   node received (and committed) the request.
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use lockd_api::v1::StatusRequest;
+use lockd_api::v1::cluster_client::ClusterClient;
+use nix::sys::signal::Signal;
+use tonic::transport::Channel;
+
+use super::relay::Relay;
+use crate::process::{ChildGuard, command, random_loopback_ip};
+
+pub const NODES: u64 = 3;
+const PORT: u16 = 7001;
+const METRICS_PORT: u16 = 9101;
+/// How long a node may take to stop after SIGTERM before it is killed.
+const STOP_WAIT: Duration = Duration::from_secs(5);
+/// Audit files are never rotated during a run (the checker reads one file per node).
+const AUDIT_MAX_BYTES: u64 = 1 << 30;
+
+/// Raft timings of a chaos cluster.
+#[derive(Clone, Debug)]
+pub struct Timings {
+    pub heartbeat_ms: u64,
+    pub election_timeout_ms: u64,
+    /// Small, so snapshots and log purges happen during a run.
+    pub snapshot_every: u64,
+    pub logs_kept_after_snapshot: u64,
+}
+
+impl Default for Timings {
+    fn default() -> Self {
+        Timings {
+            heartbeat_ms: 100,
+            election_timeout_ms: 600,
+            snapshot_every: 500,
+            logs_kept_after_snapshot: 100,
+        }
+    }
+}
+
+pub struct ChaosCluster {
+    /// The `127.A.B` prefix of this run.
+    pub net: [u8; 3],
+    pub timings: Timings,
+    pub dir: PathBuf,
+    nodes: Vec<Option<ChildGuard>>,
+    /// Clock offset each node was last started with (`LOCKD_TEST_CLOCK_OFFSET_MS`).
+    pub clock_offsets_ms: Vec<i64>,
+    /// Nodes currently stopped with SIGSTOP.
+    paused: Vec<bool>,
+    peer_relays: Vec<Relay>,
+    client_relays: Vec<Relay>,
+}
+
+fn ip(net: [u8; 3], last: u8) -> Ipv4Addr {
+    Ipv4Addr::new(net[0], net[1], net[2], last)
+}
+
+impl ChaosCluster {
+    /// Starts relays and nodes in `dir` (kept by the caller) and waits for a leader.
+    pub async fn start(dir: PathBuf, timings: Timings) -> anyhow::Result<ChaosCluster> {
+        let base = random_loopback_ip().octets();
+        let net = [127, base[1], base[2]];
+        let mut c = ChaosCluster {
+            net,
+            timings,
+            dir,
+            nodes: (0..NODES).map(|_| None).collect(),
+            clock_offsets_ms: vec![0; NODES as usize],
+            paused: vec![false; NODES as usize],
+            peer_relays: Vec::new(),
+            client_relays: Vec::new(),
+        };
+        for id in 1..=NODES {
+            c.peer_relays
+                .push(Relay::start(c.peer_addr(id), c.addr(id)).await?);
+            c.client_relays
+                .push(Relay::start(c.client_relay_addr(id), c.addr(id)).await?);
+        }
+        for id in 1..=NODES {
+            c.start_node(id, 0)?;
+        }
+        c.wait_for_leader(Duration::from_secs(30)).await?;
+        Ok(c)
+    }
+
+    pub fn node_ip(&self, id: u64) -> Ipv4Addr {
+        ip(self.net, 10 + id as u8)
+    }
+
+    /// The node's own listen address (clients connect here directly).
+    pub fn addr(&self, id: u64) -> SocketAddr {
+        SocketAddr::new(IpAddr::V4(self.node_ip(id)), PORT)
+    }
+
+    /// The address peers use for node `id`: its partition relay.
+    pub fn peer_addr(&self, id: u64) -> SocketAddr {
+        SocketAddr::new(IpAddr::V4(ip(self.net, 20 + id as u8)), PORT)
+    }
+
+    /// The reply-dropping relay in front of node `id`, for clients.
+    pub fn client_relay_addr(&self, id: u64) -> SocketAddr {
+        SocketAddr::new(IpAddr::V4(ip(self.net, 30 + id as u8)), PORT)
+    }
+
+    /// An address on this run's network for the harness's own servers.
+    pub fn harness_ip(&self) -> IpAddr {
+        IpAddr::V4(ip(self.net, 50))
+    }
+
+    pub fn audit_path(&self, id: u64) -> PathBuf {
+        self.dir.join(format!("node{id}.audit.log"))
+    }
+
+    /// Starts (or restarts) node `id` with its data dir as it is and the given clock offset.
+    pub fn start_node(&mut self, id: u64, clock_offset_ms: i64) -> anyhow::Result<()> {
+        let t = &self.timings;
+        let mut cmd: Command = command("lockd");
+        cmd.arg("--id")
+            .arg(id.to_string())
+            .arg("--listen")
+            .arg(self.addr(id).to_string())
+            .arg("--data-dir")
+            .arg(self.dir.join(format!("node{id}")))
+            .arg("--metrics-listen")
+            .arg(SocketAddr::new(IpAddr::V4(self.node_ip(id)), METRICS_PORT).to_string())
+            .arg("--heartbeat-ms")
+            .arg(t.heartbeat_ms.to_string())
+            .arg("--election-timeout-ms")
+            .arg(t.election_timeout_ms.to_string())
+            .arg("--snapshot-every")
+            .arg(t.snapshot_every.to_string())
+            .arg("--logs-kept-after-snapshot")
+            .arg(t.logs_kept_after_snapshot.to_string())
+            .arg("--audit-log")
+            .arg(self.audit_path(id))
+            .arg("--audit-log-max-bytes")
+            .arg(AUDIT_MAX_BYTES.to_string());
+        for peer in 1..=NODES {
+            cmd.arg("--peer")
+                .arg(format!("{peer}={}", self.peer_addr(peer)));
+        }
+        cmd.env("LOCKD_TEST_CLOCK_OFFSET_MS", clock_offset_ms.to_string());
+        if std::env::var_os("RUST_LOG").is_none() {
+            cmd.env("RUST_LOG", "error,openraft=off");
+        }
+        self.clock_offsets_ms[id as usize - 1] = clock_offset_ms;
+        self.paused[id as usize - 1] = false;
+        self.nodes[id as usize - 1] = Some(ChildGuard::spawn(format!("lockd-{id}"), cmd)?);
+        Ok(())
+    }
+
+    /// kill -9.
+    pub fn kill(&mut self, id: u64) {
+        if let Some(mut n) = self.nodes[id as usize - 1].take() {
+            n.kill();
+        }
+        self.paused[id as usize - 1] = false;
+    }
+
+    pub fn is_up(&self, id: u64) -> bool {
+        self.nodes[id as usize - 1].is_some()
+    }
+
+    pub fn pause(&mut self, id: u64) {
+        if let Some(n) = &self.nodes[id as usize - 1] {
+            n.signal(Signal::SIGSTOP);
+            self.paused[id as usize - 1] = true;
+        }
+    }
+
+    pub fn resume(&mut self, id: u64) {
+        if let Some(n) = &self.nodes[id as usize - 1] {
+            n.signal(Signal::SIGCONT);
+        }
+        self.paused[id as usize - 1] = false;
+    }
+
+    /// Cuts node `id` off from both peers, both directions.
+    pub fn isolate(&self, id: u64) {
+        for other in 1..=NODES {
+            if other != id {
+                self.peer_relays[other as usize - 1].block(IpAddr::V4(self.node_ip(id)));
+                self.peer_relays[id as usize - 1].block(IpAddr::V4(self.node_ip(other)));
+            }
+        }
+    }
+
+    pub fn drop_replies(&self, id: u64, on: bool) {
+        self.client_relays[id as usize - 1].set_drop_replies(on);
+    }
+
+    pub fn heal_network(&self) {
+        for r in self.peer_relays.iter().chain(&self.client_relays) {
+            r.heal();
+        }
+    }
+
+    /// Lifts every fault: network healed, paused nodes resumed, stopped nodes restarted with the
+    /// clock offset they last had.
+    pub fn heal_all(&mut self) -> anyhow::Result<()> {
+        self.heal_network();
+        for id in 1..=NODES {
+            if self.paused[id as usize - 1] {
+                self.resume(id);
+            }
+            if !self.is_up(id) {
+                self.start_node(id, self.clock_offsets_ms[id as usize - 1])?;
+            }
+        }
+        Ok(())
+    }
+
+    pub async fn status(&self, id: u64) -> anyhow::Result<lockd_api::v1::StatusResponse> {
+        let ch = Channel::from_shared(format!("http://{}", self.addr(id)))?
+            .connect_timeout(Duration::from_millis(500))
+            .connect_lazy();
+        let mut c = ClusterClient::new(ch);
+        let r = tokio::time::timeout(Duration::from_secs(1), c.status(StatusRequest {})).await??;
+        Ok(r.into_inner())
+    }
+
+    /// The node that says it is leader, among running, unpaused nodes (`None` if none does).
+    pub async fn current_leader(&self) -> Option<u64> {
+        for id in 1..=NODES {
+            if !self.is_up(id) || self.paused[id as usize - 1] {
+                continue;
+            }
+            if let Ok(s) = self.status(id).await {
+                if s.role == "leader" && s.leader_id == id {
+                    return Some(id);
+                }
+            }
+        }
+        None
+    }
+
+    /// Waits until every running node names the same running leader.
+    pub async fn wait_for_leader(&self, within: Duration) -> anyhow::Result<u64> {
+        let deadline = Instant::now() + within;
+        loop {
+            let mut seen = Vec::new();
+            for id in 1..=NODES {
+                if self.is_up(id) {
+                    seen.push(self.status(id).await.map(|s| s.leader_id).unwrap_or(0));
+                }
+            }
+            if !seen.is_empty() && seen[0] != 0 && seen.iter().all(|l| *l == seen[0]) {
+                return Ok(seen[0]);
+            }
+            if Instant::now() > deadline {
+                anyhow::bail!("no agreed leader within {within:?} (nodes name {seen:?})");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Waits until every node has applied the leader's commit index.
+    pub async fn wait_converged(&self, within: Duration) -> anyhow::Result<()> {
+        let deadline = Instant::now() + within;
+        loop {
+            let mut applied = Vec::new();
+            let mut commit = 0;
+            for id in 1..=NODES {
+                match self.status(id).await {
+                    Ok(s) => {
+                        commit = commit.max(s.commit_index);
+                        applied.push(s.applied_index);
+                    }
+                    Err(_) => applied.push(0),
+                }
+            }
+            if commit > 0 && applied.iter().all(|a| *a >= commit) {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                anyhow::bail!(
+                    "nodes did not converge within {within:?}: applied {applied:?}, commit {commit}"
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Stops every node with SIGTERM (so audit lines are flushed), SIGKILL after a grace period.
+    pub fn stop_all(&mut self) {
+        for id in 1..=NODES {
+            if let Some(n) = &self.nodes[id as usize - 1] {
+                n.signal(Signal::SIGCONT);
+                n.signal(Signal::SIGTERM);
+            }
+        }
+        let deadline = Instant::now() + STOP_WAIT;
+        for slot in &mut self.nodes {
+            if let Some(mut n) = slot.take() {
+                while n.try_wait().is_none() && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                n.kill();
+            }
+        }
+    }
+}
+
+/// `fence-proxy http` in front of `upstream`, with its redb epoch store in `dir`.
+pub fn start_http_proxy(
+    listen: SocketAddr,
+    upstream: SocketAddr,
+    dir: &std::path::Path,
+) -> anyhow::Result<ChildGuard> {
+    let mut cmd = command("fence-proxy");
+    cmd.arg("http")
+        .arg("--listen")
+        .arg(listen.to_string())
+        .arg("--upstream")
+        .arg(format!("http://{upstream}"))
+        .arg("--store")
+        .arg(format!("redb:{}", dir.join("epochs.redb").display()))
+        .arg("--upstream-timeout")
+        .arg("3s");
+    if std::env::var_os("RUST_LOG").is_none() {
+        cmd.env("RUST_LOG", "error");
+    }
+    let guard = ChildGuard::spawn("fence-proxy-http", cmd)?;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while std::net::TcpStream::connect_timeout(&listen, Duration::from_millis(200)).is_err() {
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "fence-proxy http did not listen on {listen} within 20 s"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(guard)
+}

@@ -1,0 +1,27 @@
+//! Fault-injection verification: real `lockd` processes, `fence-proxy` and protected targets
+//! under a seeded nemesis (crashes, pauses, partitions, lost replies, clock jumps, stalled
+//! clients), with a recorded history checked against the invariants. See docs/verification.md.
+//!
+//! It does not fix what it finds: a violation is reported with its seed and a rerun command.
+//!
+//! # Layout
+//! - [`relay`]: fault-injecting TCP relay (blackhole by source IP, drop replies).
+//! - [`cluster`]: three nodes wired through relays; `fence-proxy http` start-up.
+//! - [`register`]: the protected HTTP register and a minimal HTTP client.
+//! - [`history`]: the recorded history (invoke, ok, fail, unknown).
+//! - [`workload`]: the seeded client workers.
+//! - [`nemesis`]: the seeded fault schedule.
+//! - [`checker`]: the invariant checks.
+//! - [`run`]: one run from start to verdict.
+
+pub mod checker;
+pub mod cluster;
+pub mod history;
+pub mod nemesis;
+pub mod register;
+pub mod relay;
+pub mod run;
+pub mod workload;
+
+#[cfg(test)]
+mod checker_tests;

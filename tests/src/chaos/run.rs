@@ -1,0 +1,435 @@
+//! One chaos run from start to verdict: cluster, targets, workers and nemesis for the configured
+//! time, then faults lifted, liveness probed, logs collected and the history checked.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::time::{Duration, Instant};
+
+use lockd_api::v1::lock_client::LockClient;
+use lockd_api::v1::{AcquireRequest, ReleaseRequest};
+use tokio_util::sync::CancellationToken;
+use tonic::transport::Channel;
+
+use super::checker::{self, Applied, AuditLine, CheckInput, Liveness, Violation};
+use super::cluster::{ChaosCluster, NODES, Timings, start_http_proxy};
+use super::history::{History, OpKind, Outcome};
+use super::nemesis::{Fault, MAX_CLOCK_OFFSET_MS, Nemesis};
+use super::register::Register;
+use super::workload::{self, Endpoints, MAX_TTL_MS, MAX_WAIT_MS, Mode, PgTarget, Worker};
+
+/// Liveness bound, from the moment faults stopped and clients stopped: a restarted node starts
+/// and an election completes (6 s: start-up plus up to two randomised election timeouts of
+/// 0.6-1.2 s and a commit), then a lease left by a stopped client runs out: one ttl, plus one more
+/// ttl because a new term extends every lease (conservative failover), plus a queued waiter whose
+/// caller vanished (its wait, then one unrenewed ttl), plus the largest clock offset (a leader
+/// whose clock is behind holds the table clock back by that much).
+pub const LIVENESS_BOUND: Duration = Duration::from_millis(
+    6_000 + 2 * MAX_TTL_MS + (MAX_WAIT_MS + MAX_TTL_MS) + MAX_CLOCK_OFFSET_MS as u64,
+);
+/// How long stopped workers may take to finish their current operation.
+const WORKER_STOP_WAIT: Duration = Duration::from_secs(20);
+
+#[derive(Clone, Debug)]
+pub struct RunConfig {
+    pub seed: u64,
+    pub duration: Duration,
+    pub workers: usize,
+    pub resources: usize,
+    pub mode: Mode,
+    /// Also write to a Postgres table through `fence-proxy postgres`.
+    pub postgres: bool,
+    /// Forces the first fault (the broken-mode test starts with a client pause).
+    pub first_fault: Option<Fault>,
+}
+
+impl RunConfig {
+    pub fn short(seed: u64) -> RunConfig {
+        RunConfig {
+            seed,
+            duration: Duration::from_secs(60),
+            workers: 6,
+            resources: 3,
+            mode: Mode::Correct,
+            postgres: true,
+            first_fault: None,
+        }
+    }
+
+    /// The command that reruns this configuration.
+    pub fn rerun_command(&self) -> String {
+        let mut c = format!(
+            "CARGO_TARGET_DIR=/work/target-chaos cargo run -p lockd-tests --bin chaos -- --seed {} --duration {}s --workers {} --resources {}",
+            self.seed,
+            self.duration.as_secs(),
+            self.workers,
+            self.resources
+        );
+        if self.mode == Mode::PausedClientsBypassFence {
+            c.push_str(" --broken bypass-fence");
+        }
+        if !self.postgres {
+            c.push_str(" --no-postgres");
+        }
+        if let Some(f) = self.first_fault {
+            c.push_str(&format!(" --first-fault {f:?}"));
+        }
+        c
+    }
+}
+
+#[derive(Debug)]
+pub struct RunReport {
+    pub config: RunConfig,
+    pub violations: Vec<Violation>,
+    /// History, audit logs and the verdict of the run.
+    pub artifacts: PathBuf,
+    pub faults: Vec<Fault>,
+    pub ops: usize,
+    pub grants: usize,
+    pub writes_ok: usize,
+    pub writes_refused: usize,
+    pub unknown: usize,
+    pub liveness: Vec<Liveness>,
+}
+
+impl RunReport {
+    pub fn summary(&self) -> String {
+        let mut s = format!(
+            "chaos seed {} ({:?}, {:?}): {} ops, {} grants, {} fenced writes acknowledged, {} refused, {} unknown outcomes; faults {:?}; liveness {:?}; artifacts {}\n",
+            self.config.seed,
+            self.config.duration,
+            self.config.mode,
+            self.ops,
+            self.grants,
+            self.writes_ok,
+            self.writes_refused,
+            self.unknown,
+            self.faults,
+            self.liveness
+                .iter()
+                .map(|l| l.acquired_after_ms)
+                .collect::<Vec<_>>(),
+            self.artifacts.display()
+        );
+        if self.violations.is_empty() {
+            s.push_str("no violations\n");
+        } else {
+            s.push_str(&format!("{} VIOLATIONS:\n", self.violations.len()));
+            for v in self.violations.iter().take(30) {
+                s.push_str(&format!("  {v}\n"));
+            }
+            s.push_str(&format!(
+                "seed {}; rerun with: {}\n",
+                self.config.seed,
+                self.config.rerun_command()
+            ));
+        }
+        s
+    }
+}
+
+/// Runs one chaos run. Errors are harness failures (a process would not start); invariant
+/// violations are in the report.
+pub async fn run(config: RunConfig) -> anyhow::Result<RunReport> {
+    let artifacts = tempfile::Builder::new()
+        .prefix(&format!("lockd-chaos-{}-", config.seed))
+        .tempdir()?
+        .keep();
+    let run_id = format!("c{:x}", config.seed);
+    let unique = crate::pg::unique_name("chaos");
+    let mut cluster = ChaosCluster::start(artifacts.clone(), Timings::default()).await?;
+    let register = Register::start(cluster.harness_ip()).await?;
+    let proxy_addr = std::net::SocketAddr::new(cluster.harness_ip(), 8080);
+    let _http_proxy = start_http_proxy(proxy_addr, register.addr, &artifacts)?;
+    let (pg_proxy, pg_target) = if config.postgres {
+        crate::pg::require_postgres();
+        let direct: tokio_postgres::Config = crate::pg::direct_url().parse()?;
+        let admin = workload_connect(&direct).await?;
+        admin
+            .batch_execute(&format!(
+                "CREATE TABLE {unique} (id bigserial primary key, resource text not null, token bigint not null, value text not null)"
+            ))
+            .await?;
+        let proxy = crate::pg::PgProxy::start(false);
+        let target = PgTarget {
+            proxy: proxy.config(None),
+            direct,
+            table: unique.clone(),
+        };
+        (Some((proxy, admin)), Some(target))
+    } else {
+        (None, None)
+    };
+    let endpoints = Endpoints {
+        nodes: (1..=NODES).map(|i| cluster.addr(i)).collect(),
+        relays: (1..=NODES).map(|i| cluster.client_relay_addr(i)).collect(),
+        http_proxy: proxy_addr,
+        register: register.addr,
+        pg: pg_target,
+    };
+    // Resource names are unique per run: the Postgres fence table is shared with other suites.
+    let resources: Vec<String> = (0..config.resources)
+        .map(|i| format!("{unique}/r{i}"))
+        .collect();
+    let start = Instant::now();
+    let history = History::new(start);
+    let stop = CancellationToken::new();
+    let mut pauses: Vec<Arc<AtomicBool>> = Vec::new();
+    let mut handles = Vec::new();
+    for id in 0..config.workers {
+        let w = Worker::new(
+            id,
+            config.seed,
+            run_id.clone(),
+            resources.clone(),
+            endpoints.clone(),
+            history.clone(),
+            config.mode,
+            stop.clone(),
+        );
+        pauses.push(w.pause_next.clone());
+        handles.push(tokio::spawn(w.run()));
+    }
+
+    let mut nemesis = Nemesis::new(config.seed, history.clone(), pauses);
+    let nemesis_result = nemesis
+        .run(&mut cluster, start + config.duration, config.first_fault)
+        .await;
+    cluster.heal_all()?;
+    history.note("nemesis", "faults stopped");
+    stop.cancel();
+    let stopped_by = Instant::now() + WORKER_STOP_WAIT;
+    for h in handles {
+        let left = stopped_by.saturating_duration_since(Instant::now());
+        if tokio::time::timeout(left, h).await.is_err() {
+            history.note("harness", "a worker did not stop in time (aborted)");
+        }
+    }
+    nemesis_result?;
+    history.note("harness", "clients stopped; probing liveness");
+
+    let quiet = Instant::now();
+    let probes = resources.iter().map(|r| {
+        probe_liveness(
+            r.clone(),
+            endpoints.nodes.clone(),
+            history.clone(),
+            quiet,
+            run_id.clone(),
+        )
+    });
+    let liveness = futures::future::join_all(probes).await;
+
+    let converged = cluster.wait_converged(Duration::from_secs(20)).await;
+    cluster.stop_all();
+    let mut audit = Vec::new();
+    for id in 1..=NODES {
+        let text = std::fs::read_to_string(cluster.audit_path(id)).unwrap_or_default();
+        for line in text.lines().filter(|l| !l.trim().is_empty()) {
+            audit.push(serde_json::from_str::<AuditLine>(line)?);
+        }
+    }
+    let http_applied = register.applied();
+    let pg_applied = match &pg_proxy {
+        Some((_, admin)) => {
+            let rows = admin
+                .query(
+                    &format!("SELECT resource, token, value FROM {unique} ORDER BY id"),
+                    &[],
+                )
+                .await?;
+            admin.batch_execute(&format!("DROP TABLE {unique}")).await?;
+            Some(
+                rows.iter()
+                    .map(|r| Applied {
+                        resource: r.get(0),
+                        token: r.get::<_, i64>(1) as u64,
+                        value: r.get(2),
+                    })
+                    .collect(),
+            )
+        }
+        None => None,
+    };
+    drop(pg_proxy);
+
+    let ops = history.snapshot();
+    let input = CheckInput {
+        ops: ops.clone(),
+        audit,
+        http_applied,
+        pg_applied,
+        liveness: liveness.clone(),
+    };
+    let mut violations = checker::check(&input);
+    if let Err(e) = converged {
+        violations.push(Violation {
+            check: "liveness",
+            detail: format!("replicas did not converge after the faults stopped: {e}"),
+        });
+    }
+    let count = |f: &dyn Fn(&OpKind, &Outcome) -> bool| {
+        ops.iter()
+            .filter(|o| f(&o.kind, o.outcome.as_ref().unwrap()))
+            .count()
+    };
+    let report = RunReport {
+        violations,
+        artifacts: artifacts.clone(),
+        faults: nemesis.injected.clone(),
+        ops: ops.len(),
+        grants: count(&|k, o| {
+            matches!(k, OpKind::Acquire { .. }) && matches!(o, Outcome::Granted { .. })
+        }),
+        writes_ok: count(&|k, o| matches!(k, OpKind::Write { .. }) && o.is_ok()),
+        writes_refused: count(&|k, o| {
+            matches!(k, OpKind::Write { .. }) && matches!(o, Outcome::Fail { .. })
+        }),
+        unknown: count(&|_, o| matches!(o, Outcome::Unknown { .. })),
+        liveness,
+        config,
+    };
+    write_artifacts(&report, &input)?;
+    Ok(report)
+}
+
+fn write_artifacts(report: &RunReport, input: &CheckInput) -> anyhow::Result<()> {
+    use std::io::Write;
+    let mut h = std::io::BufWriter::new(std::fs::File::create(
+        report.artifacts.join("history.jsonl"),
+    )?);
+    for op in &input.ops {
+        writeln!(h, "{}", serde_json::to_string(op)?)?;
+    }
+    let mut a = std::io::BufWriter::new(std::fs::File::create(
+        report.artifacts.join("applied.jsonl"),
+    )?);
+    for x in &input.http_applied {
+        writeln!(a, "{}", serde_json::json!({"target": "http", "write": x}))?;
+    }
+    for x in input.pg_applied.iter().flatten() {
+        writeln!(
+            a,
+            "{}",
+            serde_json::json!({"target": "postgres", "write": x})
+        )?;
+    }
+    std::fs::write(report.artifacts.join("verdict.txt"), report.summary())?;
+    Ok(())
+}
+
+async fn workload_connect(
+    config: &tokio_postgres::Config,
+) -> anyhow::Result<tokio_postgres::Client> {
+    let (client, conn) = config.connect(tokio_postgres::NoTls).await?;
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    Ok(client)
+}
+
+/// Acquires `resource` (waiting, retrying with one request id while the outcome is unknown) and
+/// releases it; reports how long after `since` the grant came.
+async fn probe_liveness(
+    resource: String,
+    nodes: Vec<std::net::SocketAddr>,
+    history: History,
+    since: Instant,
+    run_id: String,
+) -> Liveness {
+    let bound = LIVENESS_BOUND;
+    let mut request_id = format!("{run_id}-liveness-{resource}");
+    let mut attempt = 0u32;
+    while since.elapsed() < bound {
+        attempt += 1;
+        let node = nodes[attempt as usize % nodes.len()];
+        let ch = Channel::from_shared(format!("http://{node}"))
+            .expect("uri")
+            .connect_timeout(Duration::from_millis(500))
+            .connect_lazy();
+        let wait_ms = 2_000;
+        let op = history.invoke(
+            "liveness",
+            OpKind::Acquire {
+                resource: resource.clone(),
+                request_id: request_id.clone(),
+                ttl_ms: 5_000,
+                wait_ms,
+                attempt,
+                via: node.to_string(),
+            },
+        );
+        let req = AcquireRequest {
+            resource: resource.clone(),
+            request_id: request_id.clone(),
+            lease_ttl_ms: 5_000,
+            wait_timeout_ms: wait_ms,
+            holder: "liveness".into(),
+        };
+        let mut client = LockClient::new(ch);
+        let outcome =
+            match tokio::time::timeout(Duration::from_millis(wait_ms + 3_000), client.acquire(req))
+                .await
+            {
+                Ok(Ok(r)) => {
+                    let r = r.into_inner();
+                    Outcome::Granted {
+                        lease_id: r.lease_id,
+                        token: r.fencing_token,
+                    }
+                }
+                Ok(Err(s)) => workload::classify(&s),
+                Err(_) => Outcome::Unknown {
+                    reason: "no answer".into(),
+                },
+            };
+        history.complete(op, outcome.clone());
+        match outcome {
+            Outcome::Granted { lease_id, token } => {
+                let after = since.elapsed().as_millis() as u64;
+                let rel = history.invoke(
+                    "liveness",
+                    OpKind::Release {
+                        resource: resource.clone(),
+                        lease_id: lease_id.clone(),
+                        token,
+                    },
+                );
+                let r = tokio::time::timeout(
+                    Duration::from_secs(5),
+                    client.release(ReleaseRequest {
+                        resource: resource.clone(),
+                        lease_id,
+                    }),
+                )
+                .await;
+                let o = match r {
+                    Ok(Ok(r)) => Outcome::Done {
+                        released: Some(r.into_inner().released),
+                    },
+                    Ok(Err(s)) => workload::classify(&s),
+                    Err(_) => Outcome::Unknown {
+                        reason: "no answer".into(),
+                    },
+                };
+                history.complete(rel, o);
+                return Liveness {
+                    resource,
+                    acquired_after_ms: Some(after),
+                    bound_ms: bound.as_millis() as u64,
+                };
+            }
+            // A waited-out attempt is a final "not this time": the next one needs a new id.
+            Outcome::Fail { .. } => request_id = format!("{run_id}-liveness-{resource}-{attempt}"),
+            Outcome::Unknown { .. } | Outcome::Done { .. } => {
+                tokio::time::sleep(Duration::from_millis(200)).await
+            }
+        }
+    }
+    Liveness {
+        resource,
+        acquired_after_ms: None,
+        bound_ms: bound.as_millis() as u64,
+    }
+}
