@@ -8,7 +8,8 @@
 //!
 //! Flags: `--seed N` (default: random, printed), `--duration 90s|10m` (default 10m),
 //! `--workers N` (6), `--resources N` (3), `--no-postgres`, `--broken bypass-fence` (stalled
-//! clients write around the fence: the run must then report violations), `--first-fault NAME`.
+//! clients write around the fence: the run must then report violations), `--first-fault NAME`,
+//! `--faults KillLeader,PauseClient,...` (default: all kinds).
 //! Exits 0 when no invariant was violated, 1 when one was, 2 on bad flags or a harness error.
 
 use std::process::ExitCode;
@@ -30,20 +31,10 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
 }
 
 fn parse_fault(s: &str) -> Result<Fault, String> {
-    use Fault::*;
-    [
-        KillLeader,
-        KillFollower,
-        PauseNode,
-        IsolateFollower,
-        IsolateLeader,
-        DropReplies,
-        ClockJump,
-        PauseClient,
-    ]
-    .into_iter()
-    .find(|f| format!("{f:?}").eq_ignore_ascii_case(s))
-    .ok_or_else(|| format!("unknown fault {s:?}"))
+    lockd_tests::chaos::nemesis::ALL
+        .into_iter()
+        .find(|f| format!("{f:?}").eq_ignore_ascii_case(s))
+        .ok_or_else(|| format!("unknown fault {s:?}"))
 }
 
 fn parse() -> Result<RunConfig, String> {
@@ -65,8 +56,14 @@ fn parse() -> Result<RunConfig, String> {
                 other => return Err(format!("unknown --broken mode {other:?}")),
             },
             "--first-fault" => c.first_fault = Some(parse_fault(&value()?)?),
+            "--faults" => {
+                c.faults = value()?
+                    .split(',')
+                    .map(parse_fault)
+                    .collect::<Result<_, _>>()?
+            }
             "--help" | "-h" => {
-                return Err("usage: chaos [--seed N] [--duration 10m] [--workers N] [--resources N] [--no-postgres] [--broken bypass-fence] [--first-fault NAME]".into());
+                return Err("usage: chaos [--seed N] [--duration 10m] [--workers N] [--resources N] [--no-postgres] [--broken bypass-fence] [--first-fault NAME] [--faults NAME,NAME]".into());
             }
             other => return Err(format!("unknown flag {other:?}")),
         }

@@ -1,5 +1,6 @@
 //! The nemesis: a seeded schedule of faults, one at a time, each held for a while and then lifted.
-//! The same seed gives the same sequence of fault kinds, targets (by role) and durations; the
+//! Every kind comes once per round of eight, in a seeded order. The same seed gives the same
+//! sequence of fault kinds, targets (by role) and durations; the
 //! interleaving with client operations still depends on timing.
 
 use std::sync::Arc;
@@ -35,7 +36,7 @@ pub enum Fault {
     PauseClient,
 }
 
-const ALL: [Fault; 8] = [
+pub const ALL: [Fault; 8] = [
     Fault::KillLeader,
     Fault::KillFollower,
     Fault::PauseNode,
@@ -53,16 +54,41 @@ pub struct Nemesis {
     client_pauses: Vec<Arc<AtomicBool>>,
     /// Faults injected, in order (for the report).
     pub injected: Vec<Fault>,
+    /// Faults still to draw in this round: every kind once per round, in a seeded order, so even
+    /// a short run meets each kind.
+    bag: Vec<Fault>,
+    /// The fault kinds this nemesis draws from.
+    kinds: Vec<Fault>,
 }
 
 impl Nemesis {
-    pub fn new(seed: u64, history: History, client_pauses: Vec<Arc<AtomicBool>>) -> Nemesis {
+    /// A nemesis drawing from `kinds` (all of [`ALL`] in normal runs).
+    pub fn new(
+        seed: u64,
+        kinds: Vec<Fault>,
+        history: History,
+        client_pauses: Vec<Arc<AtomicBool>>,
+    ) -> Nemesis {
         Nemesis {
             rng: StdRng::seed_from_u64(seed ^ NEMESIS_SALT),
             history,
             client_pauses,
             injected: Vec::new(),
+            kinds,
+            bag: Vec::new(),
         }
+    }
+
+    fn draw(&mut self) -> Fault {
+        if self.bag.is_empty() {
+            self.bag = self.kinds.clone();
+            // Fisher-Yates with the seeded RNG.
+            for i in (1..self.bag.len()).rev() {
+                let j = self.rng.random_range(0..=i);
+                self.bag.swap(i, j);
+            }
+        }
+        self.bag.pop().expect("refilled above")
     }
 
     fn note(&self, what: String) {
@@ -97,7 +123,7 @@ impl Nemesis {
             self.sleep_ms(500, 1_500).await;
             let fault = match next.take() {
                 Some(f) => f,
-                None => ALL[self.rng.random_range(0..ALL.len())],
+                None => self.draw(),
             };
             self.injected.push(fault);
             self.inject(cluster, fault).await?;

@@ -14,7 +14,7 @@ use tonic::transport::Channel;
 use super::checker::{self, Applied, AuditLine, CheckInput, Liveness, Violation};
 use super::cluster::{ChaosCluster, NODES, Timings, start_http_proxy};
 use super::history::{History, OpKind, Outcome};
-use super::nemesis::{Fault, MAX_CLOCK_OFFSET_MS, Nemesis};
+use super::nemesis::{ALL, Fault, MAX_CLOCK_OFFSET_MS, Nemesis};
 use super::register::Register;
 use super::workload::{self, Endpoints, MAX_TTL_MS, MAX_WAIT_MS, Mode, PgTarget, Worker};
 
@@ -41,6 +41,8 @@ pub struct RunConfig {
     pub postgres: bool,
     /// Forces the first fault (the broken-mode test starts with a client pause).
     pub first_fault: Option<Fault>,
+    /// The fault kinds the nemesis draws from.
+    pub faults: Vec<Fault>,
 }
 
 impl RunConfig {
@@ -53,6 +55,7 @@ impl RunConfig {
             mode: Mode::Correct,
             postgres: true,
             first_fault: None,
+            faults: ALL.to_vec(),
         }
     }
 
@@ -70,6 +73,10 @@ impl RunConfig {
         }
         if !self.postgres {
             c.push_str(" --no-postgres");
+        }
+        if self.faults != ALL {
+            let names: Vec<String> = self.faults.iter().map(|f| format!("{f:?}")).collect();
+            c.push_str(&format!(" --faults {}", names.join(",")));
         }
         if let Some(f) = self.first_fault {
             c.push_str(&format!(" --first-fault {f:?}"));
@@ -192,7 +199,7 @@ pub async fn run(config: RunConfig) -> anyhow::Result<RunReport> {
         handles.push(tokio::spawn(w.run()));
     }
 
-    let mut nemesis = Nemesis::new(config.seed, history.clone(), pauses);
+    let mut nemesis = Nemesis::new(config.seed, config.faults.clone(), history.clone(), pauses);
     let nemesis_result = nemesis
         .run(&mut cluster, start + config.duration, config.first_fault)
         .await;
