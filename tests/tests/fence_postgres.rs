@@ -448,8 +448,17 @@ async fn interleaved_holders_never_overlap() {
             let mut client = pg::connect(&config).await;
             let mut late_successes = 0;
             let mut stale = 0;
-            for i in 0..60 {
+            // Keep writing until well after B's commit, however fast or slow the machine is, so
+            // the run always interleaves (bounded, in case B never commits).
+            let mut after_b = 0;
+            for i in 0..5_000 {
                 let began_after_b = b_committed.load(std::sync::atomic::Ordering::SeqCst);
+                if began_after_b {
+                    after_b += 1;
+                    if after_b > 20 {
+                        break;
+                    }
+                }
                 let result = if (i + w) % 2 == 0 {
                     client
                         .execute(&format!("INSERT INTO {tbl} (token) VALUES (41)"), &[])
