@@ -319,7 +319,10 @@ async fn lockctl_status_shows_each_node_and_hot_resources() {
     let mut waiting = Vec::new();
     for i in 0..2 {
         let mut w = cluster.lock_client(1).await.unwrap();
-        waiting.push(tokio::spawn(async move { w.acquire(req("hot/r", &format!("hw{i}"), 60_000, 30_000)).await }));
+        waiting.push(tokio::spawn(async move {
+            w.acquire(req("hot/r", &format!("hw{i}"), 60_000, 30_000))
+                .await
+        }));
     }
     let deadline = Instant::now() + Duration::from_secs(10);
     while cluster.status(1).await.unwrap().waiters < 2 {
@@ -330,13 +333,26 @@ async fn lockctl_status_shows_each_node_and_hot_resources() {
         .args(["--endpoints", &cluster.endpoints(), "--json", "status"])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let nodes = v["nodes"].as_array().unwrap();
     assert_eq!(nodes.len(), 3, "{v}");
-    assert_eq!(nodes.iter().filter(|n| n["role"] == "leader").count(), 1, "{v}");
+    assert_eq!(
+        nodes.iter().filter(|n| n["role"] == "leader").count(),
+        1,
+        "{v}"
+    );
     for n in nodes {
-        assert!(n["term"].as_u64().unwrap() >= 1 && n["applied_index"].as_u64().is_some() && n["lag"].as_u64().is_some(), "{n}");
+        assert!(
+            n["term"].as_u64().unwrap() >= 1
+                && n["applied_index"].as_u64().is_some()
+                && n["lag"].as_u64().is_some(),
+            "{n}"
+        );
         assert_eq!(n["active_locks"], 1);
         assert_eq!(n["waiters"], 2);
     }

@@ -265,7 +265,15 @@ fn print_nodes(nodes: &[NodeStatus]) {
         match r {
             Ok(n) => println!(
                 "{:<4} {:<22} {:<10} {:>6} {:>8} {:>8} {:>6} {:>8} {:>8}",
-                id, addr, n.role, n.term, n.commit_index, n.applied_index, n.lag, n.active_locks, n.waiters
+                id,
+                addr,
+                n.role,
+                n.term,
+                n.commit_index,
+                n.applied_index,
+                n.lag,
+                n.active_locks,
+                n.waiters
             ),
             Err(e) => println!("{id:<4} {addr:<22} {e}"),
         }

@@ -26,7 +26,17 @@ pub const RESOURCE_MAX_BYTES: usize = 256;
 /// A protected store accepts a write only when its token is at least the highest it accepted for
 /// that resource.
 #[derive(
-    Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Default, serde::Serialize, serde::Deserialize,
+    Clone,
+    Copy,
+    Debug,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    Default,
+    serde::Serialize,
+    serde::Deserialize,
 )]
 #[serde(transparent)]
 pub struct FencingToken(pub u64);
