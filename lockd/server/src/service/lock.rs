@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use lockd_api::FORWARDED_HEADER;
+use lockd_api::v1::lock_client::LockClient;
 use lockd_api::v1::lock_server::Lock;
 use lockd_api::v1::{
     AcquireRequest, AcquireResponse, DescribeRequest, DescribeResponse, ReleaseRequest,
@@ -19,6 +20,7 @@ use lockd_core::{
 };
 use openraft::ServerState;
 use rand::RngExt;
+use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
 use super::errors;
@@ -94,13 +96,7 @@ impl LockService {
         }
     }
 
-    fn peer(
-        &self,
-        id: NodeId,
-    ) -> (
-        String,
-        lockd_api::v1::lock_client::LockClient<tonic::transport::Channel>,
-    ) {
+    fn peer(&self, id: NodeId) -> (String, LockClient<Channel>) {
         let (addr, client) = &self.ctx.peers[&id];
         (addr.clone(), client.clone())
     }
@@ -326,148 +322,141 @@ impl Drop for WaitGuard {
     }
 }
 
+impl LockService {
+    async fn renew_local(&self, r: RenewRequest) -> Result<RenewResponse, Status> {
+        let resource = validate::resource(&r.resource).map_err(errors::invalid)?;
+        let lease_id = validate::lease_id(&r.lease_id).map_err(errors::invalid)?;
+        let ttl = if r.lease_ttl_ms == 0 {
+            0
+        } else {
+            validate::lease_ttl_ms(r.lease_ttl_ms).map_err(errors::invalid)?
+        };
+        let cmd = Command::Renew {
+            resource: resource.clone(),
+            lease_id,
+            lease_ttl_ms: ttl,
+        };
+        match self.propose(cmd).await? {
+            Outcome::Renewed {
+                expires_at_ms,
+                lease_ttl_ms,
+            } => Ok(RenewResponse {
+                expires_at_unix_ms: expires_at_ms,
+                lease_ttl_ms,
+            }),
+            Outcome::NotFound => Err(errors::not_found(resource.as_str())),
+            other => Err(Status::internal(format!(
+                "lockd: unexpected outcome {other:?} for Renew"
+            ))),
+        }
+    }
+
+    async fn release_local(&self, r: ReleaseRequest) -> Result<ReleaseResponse, Status> {
+        let resource = validate::resource(&r.resource).map_err(errors::invalid)?;
+        let lease_id = validate::lease_id(&r.lease_id).map_err(errors::invalid)?;
+        match self
+            .propose(Command::Release { resource, lease_id })
+            .await?
+        {
+            Outcome::Released(released) => Ok(ReleaseResponse { released }),
+            other => Err(Status::internal(format!(
+                "lockd: unexpected outcome {other:?} for Release"
+            ))),
+        }
+    }
+
+    /// The shape every Lock call shares: serve locally on the leader or forward once to it (with
+    /// `timeout`), then count the answer once, on the node the client called.
+    async fn serve<Req, Resp, LocalFut, FwdFut>(
+        &self,
+        op: Op,
+        req: Request<Req>,
+        timeout: Duration,
+        local: impl FnOnce(Req) -> LocalFut,
+        forward: impl FnOnce(LockClient<Channel>, Request<Req>) -> FwdFut,
+    ) -> Result<Response<Resp>, Status>
+    where
+        LocalFut: Future<Output = Result<Resp, Status>>,
+        FwdFut: Future<Output = Result<Response<Resp>, Status>>,
+    {
+        let started = Instant::now();
+        let forwarded = req.metadata().contains_key(FORWARDED_HEADER);
+        let result = match self.route(&req).await {
+            Ok(Route::Local) => local(req.into_inner()).await,
+            Ok(Route::Forward(leader)) => {
+                let (addr, client) = self.peer(leader);
+                let fwd = self.forward_request(req.into_inner(), timeout);
+                forward(client, fwd)
+                    .await
+                    .map(Response::into_inner)
+                    .map_err(|s| self.forward_error(leader, &addr, s))
+            }
+            Err(s) => Err(s),
+        };
+        self.record(op, forwarded, started, &result);
+        result.map(Response::new)
+    }
+}
+
 #[tonic::async_trait]
 impl Lock for LockService {
     async fn acquire(
         &self,
         req: Request<AcquireRequest>,
     ) -> Result<Response<AcquireResponse>, Status> {
-        let started = Instant::now();
-        let forwarded = req.metadata().contains_key(FORWARDED_HEADER);
-        let result = match self.route(&req).await {
-            Ok(Route::Local) => self.acquire_local(req.into_inner()).await,
-            Ok(Route::Forward(leader)) => {
-                let (addr, mut client) = self.peer(leader);
-                let wait = Duration::from_millis(
-                    req.get_ref()
-                        .wait_timeout_ms
-                        .min(lockd_core::limits::WAIT_TIMEOUT_MAX_MS),
-                );
-                let fwd =
-                    self.forward_request(req.into_inner(), FORWARD_TIMEOUT + wait + WAIT_BACKSTOP);
-                client
-                    .acquire(fwd)
-                    .await
-                    .map(Response::into_inner)
-                    .map_err(|s| self.forward_error(leader, &addr, s))
-            }
-            Err(s) => Err(s),
-        };
-        self.record(Op::Acquire, forwarded, started, &result);
-        result.map(Response::new)
+        // A forwarded waiting call may take its whole wait.
+        let wait = Duration::from_millis(
+            req.get_ref()
+                .wait_timeout_ms
+                .min(lockd_core::limits::WAIT_TIMEOUT_MAX_MS),
+        );
+        let timeout = FORWARD_TIMEOUT + wait + WAIT_BACKSTOP;
+        self.serve(
+            Op::Acquire,
+            req,
+            timeout,
+            |r| self.acquire_local(r),
+            |mut c, r| async move { c.acquire(r).await },
+        )
+        .await
     }
 
     async fn renew(&self, req: Request<RenewRequest>) -> Result<Response<RenewResponse>, Status> {
-        let started = Instant::now();
-        let forwarded = req.metadata().contains_key(FORWARDED_HEADER);
-        let result = match self.route(&req).await {
-            Ok(Route::Local) => {
-                let r = req.into_inner();
-                async {
-                    let resource = validate::resource(&r.resource).map_err(errors::invalid)?;
-                    let lease_id = validate::lease_id(&r.lease_id).map_err(errors::invalid)?;
-                    let ttl = if r.lease_ttl_ms == 0 {
-                        0
-                    } else {
-                        validate::lease_ttl_ms(r.lease_ttl_ms).map_err(errors::invalid)?
-                    };
-                    match self
-                        .propose(Command::Renew {
-                            resource: resource.clone(),
-                            lease_id,
-                            lease_ttl_ms: ttl,
-                        })
-                        .await?
-                    {
-                        Outcome::Renewed {
-                            expires_at_ms,
-                            lease_ttl_ms,
-                        } => Ok(RenewResponse {
-                            expires_at_unix_ms: expires_at_ms,
-                            lease_ttl_ms,
-                        }),
-                        Outcome::NotFound => Err(errors::not_found(resource.as_str())),
-                        other => Err(Status::internal(format!(
-                            "lockd: unexpected outcome {other:?} for Renew"
-                        ))),
-                    }
-                }
-                .await
-            }
-            Ok(Route::Forward(leader)) => {
-                let (addr, mut client) = self.peer(leader);
-                let fwd = self.forward_request(req.into_inner(), FORWARD_TIMEOUT);
-                client
-                    .renew(fwd)
-                    .await
-                    .map(Response::into_inner)
-                    .map_err(|s| self.forward_error(leader, &addr, s))
-            }
-            Err(s) => Err(s),
-        };
-        self.record(Op::Renew, forwarded, started, &result);
-        result.map(Response::new)
+        self.serve(
+            Op::Renew,
+            req,
+            FORWARD_TIMEOUT,
+            |r| self.renew_local(r),
+            |mut c, r| async move { c.renew(r).await },
+        )
+        .await
     }
 
     async fn release(
         &self,
         req: Request<ReleaseRequest>,
     ) -> Result<Response<ReleaseResponse>, Status> {
-        let started = Instant::now();
-        let forwarded = req.metadata().contains_key(FORWARDED_HEADER);
-        let result = match self.route(&req).await {
-            Ok(Route::Local) => {
-                let r = req.into_inner();
-                async {
-                    let resource = validate::resource(&r.resource).map_err(errors::invalid)?;
-                    let lease_id = validate::lease_id(&r.lease_id).map_err(errors::invalid)?;
-                    match self
-                        .propose(Command::Release { resource, lease_id })
-                        .await?
-                    {
-                        Outcome::Released(released) => Ok(ReleaseResponse { released }),
-                        other => Err(Status::internal(format!(
-                            "lockd: unexpected outcome {other:?} for Release"
-                        ))),
-                    }
-                }
-                .await
-            }
-            Ok(Route::Forward(leader)) => {
-                let (addr, mut client) = self.peer(leader);
-                let fwd = self.forward_request(req.into_inner(), FORWARD_TIMEOUT);
-                client
-                    .release(fwd)
-                    .await
-                    .map(Response::into_inner)
-                    .map_err(|s| self.forward_error(leader, &addr, s))
-            }
-            Err(s) => Err(s),
-        };
-        self.record(Op::Release, forwarded, started, &result);
-        result.map(Response::new)
+        self.serve(
+            Op::Release,
+            req,
+            FORWARD_TIMEOUT,
+            |r| self.release_local(r),
+            |mut c, r| async move { c.release(r).await },
+        )
+        .await
     }
 
     async fn describe(
         &self,
         req: Request<DescribeRequest>,
     ) -> Result<Response<DescribeResponse>, Status> {
-        let started = Instant::now();
-        let forwarded = req.metadata().contains_key(FORWARDED_HEADER);
-        let result = match self.route(&req).await {
-            Ok(Route::Local) => self.describe_local(req.into_inner()).await,
-            Ok(Route::Forward(leader)) => {
-                let (addr, mut client) = self.peer(leader);
-                let fwd = self.forward_request(req.into_inner(), FORWARD_TIMEOUT);
-                client
-                    .describe(fwd)
-                    .await
-                    .map(Response::into_inner)
-                    .map_err(|s| self.forward_error(leader, &addr, s))
-            }
-            Err(s) => Err(s),
-        };
-        self.record(Op::Describe, forwarded, started, &result);
-        result.map(Response::new)
+        self.serve(
+            Op::Describe,
+            req,
+            FORWARD_TIMEOUT,
+            |r| self.describe_local(r),
+            |mut c, r| async move { c.describe(r).await },
+        )
+        .await
     }
 }
