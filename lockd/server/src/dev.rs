@@ -44,14 +44,21 @@ pub async fn run(
         .map(|p| p.addr.as_str())
         .collect::<Vec<_>>()
         .join(",");
-    println!(
-        "lockd dev: 3 replicas running, data in {}",
-        data_dir.display()
+    // One write, and a closed stdout (a supervisor that stopped reading) is not a reason to
+    // stop serving: the banner is a courtesy, the replicas are the product.
+    let banner = format!(
+        "lockd dev: 3 replicas running, data in {dir}\n  \
+         gRPC endpoints:  {endpoints}\n  \
+         metrics:         http://{host}:9101/metrics (9102, 9103)\n  \
+         try:             lockctl --endpoints {endpoints} acquire demo/job --ttl 30s\n  \
+         stop with Ctrl-C\n",
+        dir = data_dir.display()
     );
-    println!("  gRPC endpoints:  {endpoints}");
-    println!("  metrics:         http://{host}:9101/metrics (9102, 9103)");
-    println!("  try:             lockctl --endpoints {endpoints} acquire demo/job --ttl 30s");
-    println!("  stop with Ctrl-C");
+    {
+        use std::io::Write;
+        let mut out = std::io::stdout().lock();
+        let _ = out.write_all(banner.as_bytes()).and_then(|()| out.flush());
+    }
     for n in nodes {
         n.done.await??;
     }

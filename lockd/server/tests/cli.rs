@@ -94,11 +94,14 @@ async fn lockd_dev_serves_three_replicas() {
     }
     let stdout = child.stdout.take().unwrap();
     let _guard = Kill(child);
+    // Read the banner, then keep draining stdout so the server never writes into a closed pipe.
+    let mut lines = BufReader::new(stdout).lines();
     let mut printed = String::new();
-    for line in BufReader::new(stdout).lines().take(3) {
+    for line in lines.by_ref().take(3) {
         printed.push_str(&line.unwrap());
         printed.push('\n');
     }
+    std::thread::spawn(move || lines.for_each(drop));
     let endpoint = format!("{host}:7001");
     assert!(printed.contains(&endpoint), "{printed}");
     let mut status = ClusterClient::connect(format!("http://{endpoint}"))
