@@ -198,8 +198,8 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
     .validate()
     .map_err(|e| anyhow::anyhow!("raft configuration: {e}"))?;
 
-    let db = storage::open(&config.data_dir)?;
-    let mut log_store = LogStore::new(db.clone());
+    let dbs = storage::open(&config.data_dir)?;
+    let mut log_store = LogStore::new(dbs.log.clone());
     let started_empty = {
         use openraft::storage::RaftLogStorage;
         log_store.read_vote().await?.is_none()
@@ -221,7 +221,7 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
         acquires: Default::default(),
     });
     let sink: Arc<dyn AppliedSink> = hub.clone();
-    let state_machine = StateMachine::open(db, sink).await?;
+    let state_machine = StateMachine::open(dbs, sink).await?;
     let sm = state_machine.shared();
     let raft = Raft::new(
         config.id,
@@ -302,8 +302,10 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
         });
     }
 
+    // The builder's tcp_nodelay does not reach sockets accepted from our own listener, so the
+    // listener sets it: with Nagle on, a small reply waits for the peer's delayed ACK (40 ms).
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     let server = tonic::transport::Server::builder()
-        .tcp_nodelay(true)
         .add_service(health_service)
         .add_service(
             LockServer::new(LockService::new(ctx.clone()))
@@ -311,10 +313,7 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
         )
         .add_service(ClusterServer::new(ClusterService::new(ctx.clone())))
         .add_service(RaftService::server(raft.clone(), refuse_votes_until))
-        .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
-            shutdown.clone().cancelled_owned(),
-        );
+        .serve_with_incoming_shutdown(incoming, shutdown.clone().cancelled_owned());
     tracing::info!(id = config.id, listen = %config.listen, data_dir = %config.data_dir.display(), "lockd node started");
     let done = tokio::spawn(async move {
         let result = server.await;

@@ -1,5 +1,10 @@
-//! Persistence in one redb file per node: the Raft log, the vote, the committed index and the
-//! latest state-machine snapshot.
+//! Persistence in two redb files per node: `lockd.redb` holds the Raft log, the vote and the
+//! committed index; `snapshot.redb` holds the latest state-machine snapshot.
+//!
+//! Two files because redb has one writer per database: a snapshot is megabytes, and writing it
+//! into the log's database would hold up every log append (and so every commit) until its fsync.
+//! The order of writes keeps the pair consistent: openraft purges log entries only after the
+//! snapshot covering them is durable.
 //!
 //! The state machine itself lives in memory; after a restart it is rebuilt from the snapshot plus
 //! the committed log entries after it, which openraft replays. Every write that openraft is told
@@ -15,24 +20,47 @@ use redb::{Database, TableDefinition};
 
 /// Log entries by index, each a postcard-encoded `openraft::Entry`.
 pub(crate) const LOG: TableDefinition<u64, &[u8]> = TableDefinition::new("raft_log");
-/// Small records by name: `vote`, `committed`, `last_purged`, `snapshot_meta`, `snapshot`.
+/// Small records by name: `vote`, `committed`, `last_purged` (and `snapshot` in data dirs written
+/// before snapshots moved to their own file).
 pub(crate) const META: TableDefinition<&str, &[u8]> = TableDefinition::new("raft_meta");
+/// In `snapshot.redb`: the latest snapshot under [`KEY_SNAPSHOT`].
+pub(crate) const SNAPSHOTS: TableDefinition<&str, &[u8]> = TableDefinition::new("snapshots");
 
 pub(crate) const KEY_VOTE: &str = "vote";
 pub(crate) const KEY_COMMITTED: &str = "committed";
 pub(crate) const KEY_LAST_PURGED: &str = "last_purged";
 pub(crate) const KEY_SNAPSHOT: &str = "snapshot";
 
-/// Opens (or creates) the node's database in `data_dir`.
-pub fn open(data_dir: &Path) -> anyhow::Result<Arc<Database>> {
+/// The node's two databases.
+pub struct Databases {
+    pub log: Arc<Database>,
+    pub snapshots: Arc<Database>,
+}
+
+/// Opens (or creates) the node's databases in `data_dir`.
+pub fn open(data_dir: &Path) -> anyhow::Result<Databases> {
     std::fs::create_dir_all(data_dir)
         .map_err(|e| anyhow::anyhow!("creating data dir {}: {e}", data_dir.display()))?;
-    let path = data_dir.join("lockd.redb");
+    let log = create(&data_dir.join("lockd.redb"), |txn| {
+        txn.open_table(LOG)?;
+        txn.open_table(META)?;
+        Ok(())
+    })?;
+    let snapshots = create(&data_dir.join("snapshot.redb"), |txn| {
+        txn.open_table(SNAPSHOTS)?;
+        Ok(())
+    })?;
+    Ok(Databases { log, snapshots })
+}
+
+fn create(
+    path: &Path,
+    tables: impl FnOnce(&redb::WriteTransaction) -> Result<(), redb::TableError>,
+) -> anyhow::Result<Arc<Database>> {
     let db =
-        Database::create(&path).map_err(|e| anyhow::anyhow!("opening {}: {e}", path.display()))?;
+        Database::create(path).map_err(|e| anyhow::anyhow!("opening {}: {e}", path.display()))?;
     let txn = db.begin_write()?;
-    txn.open_table(LOG)?;
-    txn.open_table(META)?;
+    tables(&txn)?;
     txn.commit()?;
     Ok(Arc::new(db))
 }
@@ -45,5 +73,36 @@ pub(crate) async fn blocking<T: Send + 'static>(
         Ok(Ok(v)) => Ok(v),
         Ok(Err(e)) => Err(std::io::Error::other(e.to_string())),
         Err(join) => Err(std::io::Error::other(join.to_string())),
+    }
+}
+
+/// Runs snapshot work (encoding megabytes, then a large fsync) on its own thread at a lower CPU
+/// priority: on a small machine it would otherwise take cores from the commit path and show up
+/// as latency on every call in flight. Its result is awaited like [`blocking`].
+pub(crate) async fn background<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, anyhow::Error> + Send + 'static,
+) -> Result<T, std::io::Error> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("snapshot".into())
+        .spawn(move || {
+            lower_thread_priority();
+            let _ = tx.send(f());
+        })?;
+    match rx.await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(std::io::Error::other(e.to_string())),
+        Err(_) => Err(std::io::Error::other("the snapshot thread panicked")),
+    }
+}
+
+/// Nice 10 for the calling thread (on Linux the nice value is per thread). Best effort: if it
+/// fails the work runs at normal priority.
+fn lower_thread_priority() {
+    #[cfg(target_os = "linux")]
+    // SAFETY: setpriority has no memory-safety preconditions; gettid names the calling thread.
+    unsafe {
+        let tid = libc::gettid();
+        libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, 10);
     }
 }

@@ -13,7 +13,7 @@ use openraft::{
 use redb::{Database, ReadableDatabase};
 use serde::{Deserialize, Serialize};
 
-use super::{KEY_SNAPSHOT, META, blocking};
+use super::{Databases, KEY_SNAPSHOT, META, SNAPSHOTS, background, blocking};
 use crate::raft::{BatchResponse, LogId, NodeId, StorageError, TypeConfig};
 
 /// Receives the state changes of every applied entry, in log order: it wakes waiting calls,
@@ -51,9 +51,10 @@ pub struct StateMachine {
 impl StateMachine {
     /// Loads the latest snapshot from the database, if any; openraft then replays the committed
     /// log after it.
-    pub async fn open(db: Arc<Database>, sink: Arc<dyn AppliedSink>) -> anyhow::Result<Self> {
+    pub async fn open(dbs: Databases, sink: Arc<dyn AppliedSink>) -> anyhow::Result<Self> {
         let mut state = SmState::default();
-        if let Some(stored) = read_snapshot(&db)? {
+        let db = dbs.snapshots;
+        if let Some(stored) = read_snapshot(&db, &dbs.log)? {
             let table: LockTable = postcard::from_bytes(&stored.table)?;
             table.check_consistency().map_err(|e| {
                 anyhow::anyhow!("snapshot {} is inconsistent: {e}", stored.meta.snapshot_id)
@@ -75,19 +76,42 @@ impl StateMachine {
     }
 }
 
-fn read_snapshot(db: &Database) -> anyhow::Result<Option<StoredSnapshot>> {
-    let txn = db.begin_read()?;
-    let table = txn.open_table(META)?;
-    Ok(match table.get(KEY_SNAPSHOT)? {
-        Some(v) => Some(postcard::from_bytes(v.value())?),
+/// The latest snapshot. Data dirs written before snapshots had their own file keep it in the log
+/// database; it is moved to `snapshot.redb` first (written and synced there before it is removed
+/// from the log database, so a crash in between leaves a copy in one of them).
+fn read_snapshot(db: &Database, log_db: &Database) -> anyhow::Result<Option<StoredSnapshot>> {
+    if read_snapshot_bytes(db)?.is_none() {
+        let legacy = {
+            let txn = log_db.begin_read()?;
+            let table = txn.open_table(META)?;
+            table.get(KEY_SNAPSHOT)?.map(|v| v.value().to_vec())
+        };
+        if let Some(bytes) = legacy {
+            let txn = db.begin_write()?;
+            txn.open_table(SNAPSHOTS)?
+                .insert(KEY_SNAPSHOT, bytes.as_slice())?;
+            txn.commit()?;
+            let txn = log_db.begin_write()?;
+            txn.open_table(META)?.remove(KEY_SNAPSHOT)?;
+            txn.commit()?;
+        }
+    }
+    Ok(match read_snapshot_bytes(db)? {
+        Some(bytes) => Some(postcard::from_bytes(&bytes)?),
         None => None,
     })
+}
+
+fn read_snapshot_bytes(db: &Database) -> anyhow::Result<Option<Vec<u8>>> {
+    let txn = db.begin_read()?;
+    let table = txn.open_table(SNAPSHOTS)?;
+    Ok(table.get(KEY_SNAPSHOT)?.map(|v| v.value().to_vec()))
 }
 
 async fn write_snapshot(db: Arc<Database>, bytes: Vec<u8>) -> Result<(), std::io::Error> {
     blocking(move || {
         let txn = db.begin_write()?;
-        txn.open_table(META)?
+        txn.open_table(SNAPSHOTS)?
             .insert(KEY_SNAPSHOT, bytes.as_slice())?;
         txn.commit()?;
         Ok(())
@@ -185,13 +209,9 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
 
     async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot<TypeConfig>>, StorageError> {
         let db = self.db.clone();
-        let raw = blocking(move || {
-            let txn = db.begin_read()?;
-            let table = txn.open_table(META)?;
-            Ok(table.get(KEY_SNAPSHOT)?.map(|v| v.value().to_vec()))
-        })
-        .await
-        .map_err(|e| StorageIOError::read_snapshot(None, &e))?;
+        let raw = blocking(move || read_snapshot_bytes(&db))
+            .await
+            .map_err(|e| StorageIOError::read_snapshot(None, &e))?;
         let Some(bytes) = raw else { return Ok(None) };
         let stored: StoredSnapshot =
             postcard::from_bytes(&bytes).map_err(|e| StorageIOError::read_snapshot(None, &e))?;
@@ -212,10 +232,12 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
     /// Copies the table under the read lock (apply waits only for the copy), then encodes and
     /// persists it off the async workers.
     async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, StorageError> {
+        let started = std::time::Instant::now();
         let (table, last_applied, membership) = {
             let s = self.state.read().expect("state lock");
             (s.table.clone(), s.last_applied, s.membership.clone())
         };
+        let copied = started.elapsed();
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
         let snapshot_id = match last_applied {
             Some(l) => format!("{}-{}-{seq}", l.leader_id.term, l.index),
@@ -227,18 +249,32 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
             snapshot_id,
         };
         let meta2 = meta.clone();
-        let bytes = blocking(move || {
+        let db = self.db.clone();
+        let (bytes, encoded) = background(move || {
             let stored = StoredSnapshot {
                 meta: meta2,
                 table: postcard::to_allocvec(&table)?,
             };
-            Ok(postcard::to_allocvec(&stored)?)
+            drop(table);
+            let bytes = postcard::to_allocvec(&stored)?;
+            drop(stored);
+            let encoded = started.elapsed();
+            let txn = db.begin_write()?;
+            txn.open_table(SNAPSHOTS)?
+                .insert(KEY_SNAPSHOT, bytes.as_slice())?;
+            txn.commit()?;
+            Ok((bytes, encoded))
         })
         .await
         .map_err(|e| StorageIOError::write_snapshot(Some(meta.signature()), &e))?;
-        write_snapshot(self.db.clone(), bytes.clone())
-            .await
-            .map_err(|e| StorageIOError::write_snapshot(Some(meta.signature()), &e))?;
+        tracing::info!(
+            snapshot_id = %meta.snapshot_id,
+            bytes = bytes.len(),
+            copy_ms = copied.as_millis() as u64,
+            encode_ms = (encoded - copied).as_millis() as u64,
+            persist_ms = (started.elapsed() - encoded).as_millis() as u64,
+            "snapshot built"
+        );
         Ok(Snapshot {
             meta,
             snapshot: Box::new(Cursor::new(bytes)),
