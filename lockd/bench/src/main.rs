@@ -31,6 +31,10 @@ use clap::Parser;
 /// replicas, and one call costs the bench far less than the cluster.
 const WORKER_THREADS: usize = 2;
 
+/// The bench shares the machine with the cluster it measures, so it spends as little CPU as it can.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> ExitCode {
     let cli = match cli::Cli::try_parse() {
         Ok(cli) => cli,

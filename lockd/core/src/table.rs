@@ -1,6 +1,8 @@
 //! [`LockTable`]: the deterministic state machine every replica applies committed batches to.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeSet, VecDeque};
+
+use imbl::{OrdMap, OrdSet, Vector};
 
 use serde::{Deserialize, Serialize};
 
@@ -10,26 +12,31 @@ use crate::limits::{ACTIVE_RESOURCES_MAX, DEDUP_RECORDS_MAX, Policy};
 use crate::types::{LeaseId, RequestKey, ResourceName};
 
 /// The replicated lock table. Changed only by [`LockTable::apply`]; everything else reads.
+///
+/// The large collections are persistent (imbl): cloning the table is O(1) and shares structure,
+/// so a snapshot takes a consistent copy without stopping apply for the length of a deep copy;
+/// later writes copy only the nodes they touch. Ordered maps throughout, so every replica
+/// iterates (and encodes) the same table identically.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct LockTable {
     /// Resources that have a holder or waiters; idle records are deleted, so the table holds
-    /// active resources only. A BTreeMap so that any iteration is the same on every replica.
-    resources: BTreeMap<ResourceName, ResourceState>,
+    /// active resources only. An ordered map so that any iteration is the same on every replica.
+    resources: OrdMap<ResourceName, ResourceState>,
     /// (expires_at_ms, resource) of every lease, so the leader's reaper reads due leases from the
     /// front instead of scanning the table.
-    expiries: BTreeSet<(i64, ResourceName)>,
+    expiries: OrdSet<(i64, ResourceName)>,
     /// (deadline_ms, resource, waiter) of every waiter, for the same reason.
-    wait_deadlines: BTreeSet<(i64, ResourceName, RequestKey)>,
+    wait_deadlines: OrdSet<(i64, ResourceName, RequestKey)>,
     /// Outcome of every recent Acquire by request key, so a retry returns the original outcome.
-    dedup: HashMap<RequestKey, DedupRecord>,
+    dedup: OrdMap<RequestKey, DedupRecord>,
     /// Dedup records in insertion order (which is time order, the clock being monotonic):
     /// (created_ms, seq, key). Pruning pops the front; `seq` tells a stale entry from a record
     /// re-created under the same key.
-    dedup_order: VecDeque<(i64, u64, RequestKey)>,
+    dedup_order: Vector<(i64, u64, RequestKey)>,
     /// Sequence number of the last dedup record created.
     dedup_seq: u64,
     /// Waiters queued per tenant (the resource name before its first `/`).
-    tenant_waiters: BTreeMap<String, u32>,
+    tenant_waiters: OrdMap<String, u32>,
     /// The last fencing token issued. Tokens come from this counter only, and the counter is
     /// part of the replicated state and the snapshots, so it never repeats or goes back.
     last_token: u64,
@@ -139,15 +146,21 @@ impl LockTable {
     fn begin_term(&mut self, term: u64) {
         self.term = term;
         let now = self.now_ms;
-        for (name, state) in self.resources.iter_mut() {
-            if let Some(lease) = &mut state.lease {
+        let short: Vec<(ResourceName, i64, i64)> = self
+            .resources
+            .iter()
+            .filter_map(|(name, state)| {
+                let lease = state.lease.as_ref()?;
                 let floor = now.saturating_add(lease.lease_ttl_ms as i64);
-                if lease.expires_at_ms < floor {
-                    self.expiries.remove(&(lease.expires_at_ms, name.clone()));
-                    lease.expires_at_ms = floor;
-                    self.expiries.insert((floor, name.clone()));
-                }
+                (lease.expires_at_ms < floor).then(|| (name.clone(), lease.expires_at_ms, floor))
+            })
+            .collect();
+        for (name, old, floor) in short {
+            if let Some(lease) = self.resources.get_mut(&name).and_then(|s| s.lease.as_mut()) {
+                lease.expires_at_ms = floor;
             }
+            self.expiries.remove(&(old, name.clone()));
+            self.expiries.insert((floor, name));
         }
     }
 
@@ -732,9 +745,9 @@ impl LockTable {
     pub fn check_consistency(&self) -> Result<(), String> {
         let mut held = 0;
         let mut waiting = 0;
-        let mut tenants: BTreeMap<String, u32> = BTreeMap::new();
-        let mut expiries = BTreeSet::new();
-        let mut deadlines = BTreeSet::new();
+        let mut tenants: OrdMap<String, u32> = OrdMap::new();
+        let mut expiries = OrdSet::new();
+        let mut deadlines = OrdSet::new();
         for (name, state) in &self.resources {
             if state.lease.is_none() && state.waiters.is_empty() {
                 return Err(format!("idle record kept for {name}"));

@@ -12,8 +12,9 @@ use std::collections::BTreeMap;
 use std::fmt::Debug;
 use std::ops::{Bound, RangeBounds};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use openraft::storage::{LogFlushed, RaftLogStorage};
 use openraft::{Entry, LogState, RaftLogReader, StorageIOError, Vote};
@@ -103,17 +104,45 @@ impl LogStore {
     }
 }
 
+/// Log entries deleted per write round at most. Compaction frees thousands of entries at once;
+/// deleting them all in one transaction would hold up the appends of that round (and so every
+/// commit) for as long as it takes. In chunks the purge trails behind by a few rounds instead.
+const PURGE_CHUNK: u64 = 256;
+/// How soon an idle writer deletes the next chunk of a purge backlog.
+const PURGE_IDLE_DELAY: Duration = Duration::from_millis(5);
+
 /// Commits everything queued, one durable transaction per round.
+///
+/// A purge records `last_purged` in its round (durable before openraft is told) and leaves the
+/// entries to be deleted [`PURGE_CHUNK`] per round. openraft never reads at or below
+/// `last_purged`, and a restart resumes the deletion from the recorded `last_purged`.
 fn write_loop(
     db: Arc<Database>,
     pending: Arc<Mutex<BTreeMap<u64, Entry<TypeConfig>>>>,
     rx: Receiver<WriteOp>,
 ) {
-    while let Ok(first) = rx.recv() {
-        let mut ops = vec![first];
+    let mut purge_upto = read_last_purged(&db).unwrap_or_else(|e| {
+        tracing::error!(error = %e, "reading last_purged; leftover entries stay until the next purge");
+        None
+    });
+    loop {
+        let first = if purge_upto.is_some() {
+            match rx.recv_timeout(PURGE_IDLE_DELAY) {
+                Ok(op) => Some(op),
+                Err(RecvTimeoutError::Timeout) => None,
+                Err(RecvTimeoutError::Disconnected) => return,
+            }
+        } else {
+            match rx.recv() {
+                Ok(op) => Some(op),
+                Err(_) => return,
+            }
+        };
+        let mut ops: Vec<WriteOp> = first.into_iter().collect();
         while let Ok(op) = rx.try_recv() {
             ops.push(op);
         }
+        let mut backlog_done = false;
         let result = (|| -> anyhow::Result<()> {
             let txn = db.begin_write()?;
             {
@@ -134,14 +163,28 @@ fn write_loop(
                         }
                         WriteOp::Purge { upto, .. } => {
                             meta.insert(KEY_LAST_PURGED, postcard::to_allocvec(upto)?.as_slice())?;
-                            log.retain_in(..=upto.index, |_, _| false)?;
+                            purge_upto = Some(purge_upto.map_or(upto.index, |p| p.max(upto.index)));
                         }
+                    }
+                }
+                if let Some(upto) = purge_upto {
+                    let first = log.first()?.map(|(k, _)| k.value());
+                    match first {
+                        Some(first) if first <= upto => {
+                            let end = upto.min(first + PURGE_CHUNK - 1);
+                            log.retain_in(..=end, |_, _| false)?;
+                            backlog_done = end == upto;
+                        }
+                        _ => backlog_done = true,
                     }
                 }
             }
             txn.commit()?;
             Ok(())
         })();
+        if result.is_ok() && backlog_done {
+            purge_upto = None;
+        }
         let err = result.as_ref().err().map(|e| e.to_string());
         if let Some(e) = &err {
             tracing::error!(error = %e, "raft log write failed");
@@ -172,6 +215,15 @@ fn write_loop(
             }
         }
     }
+}
+
+fn read_last_purged(db: &Database) -> anyhow::Result<Option<u64>> {
+    let txn = db.begin_read()?;
+    let table = txn.open_table(META)?;
+    Ok(match table.get(KEY_LAST_PURGED)? {
+        Some(v) => Some(postcard::from_bytes::<LogId>(v.value())?.index),
+        None => None,
+    })
 }
 
 /// An anyhow error as the io::Error openraft's error constructors take.
@@ -265,13 +317,14 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         })
         .await
         .map_err(|e| StorageIOError::read_logs(&e))?;
-        let last = match (last, pending_last) {
-            (Some(a), Some(b)) => Some(if b.index >= a.index { b } else { a }),
-            (a, b) => a.or(b),
-        };
+        // Entries at or below last_purged may still wait for the writer's chunked deletion.
+        let last = [last, pending_last, last_purged]
+            .into_iter()
+            .flatten()
+            .max_by_key(|l| l.index);
         Ok(LogState {
             last_purged_log_id: last_purged,
-            last_log_id: last.or(last_purged),
+            last_log_id: last,
         })
     }
 
