@@ -55,8 +55,12 @@ pub struct Tuning {
     /// Lower bound of the randomised election timeout. Upper bound is twice this.
     #[arg(long, env = "LOCKD_ELECTION_TIMEOUT_MS", default_value_t = 1000)]
     pub election_timeout_ms: u64,
-    /// Build a snapshot (and purge the log before it) after this many log entries.
-    #[arg(long, env = "LOCKD_SNAPSHOT_EVERY", default_value_t = 5_000)]
+    /// Build a snapshot (and purge the log before it) after this many log entries. A snapshot
+    /// costs O(table), and the table is mostly the 10-minute request_id window (about 1.2 million
+    /// records at 2,000 acquires/s), while an entry batches up to 512 commands: 20,000 entries is
+    /// a snapshot every ~80 s at 6,000 ops/s and a replay of at most ~20,000 entries on restart.
+    /// Node N waits (N-1 mod 8)/8 of this longer, so replicas do not snapshot together.
+    #[arg(long, env = "LOCKD_SNAPSHOT_EVERY", default_value_t = 20_000)]
     pub snapshot_every: u64,
     /// Log entries kept behind the snapshot so briefly lagging followers catch up without one.
     #[arg(long, env = "LOCKD_LOGS_KEPT_AFTER_SNAPSHOT", default_value_t = 1_000)]

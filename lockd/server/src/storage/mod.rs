@@ -23,8 +23,10 @@ pub(crate) const LOG: TableDefinition<u64, &[u8]> = TableDefinition::new("raft_l
 /// Small records by name: `vote`, `committed`, `last_purged` (and `snapshot` in data dirs written
 /// before snapshots moved to their own file).
 pub(crate) const META: TableDefinition<&str, &[u8]> = TableDefinition::new("raft_meta");
-/// In `snapshot.redb`: the latest snapshot under [`KEY_SNAPSHOT`].
+/// In `snapshot.redb`: the latest snapshot, its meta and its encoded table.
 pub(crate) const SNAPSHOTS: TableDefinition<&str, &[u8]> = TableDefinition::new("snapshots");
+pub(crate) const KEY_SNAPSHOT_META: &str = "meta";
+pub(crate) const KEY_SNAPSHOT_TABLE: &str = "table";
 
 pub(crate) const KEY_VOTE: &str = "vote";
 pub(crate) const KEY_COMMITTED: &str = "committed";

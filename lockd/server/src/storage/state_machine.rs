@@ -13,7 +13,10 @@ use openraft::{
 use redb::{Database, ReadableDatabase};
 use serde::{Deserialize, Serialize};
 
-use super::{Databases, KEY_SNAPSHOT, META, SNAPSHOTS, background, blocking};
+use super::{
+    Databases, KEY_SNAPSHOT, KEY_SNAPSHOT_META, KEY_SNAPSHOT_TABLE, META, SNAPSHOTS, background,
+    blocking,
+};
 use crate::raft::{BatchResponse, LogId, NodeId, StorageError, TypeConfig};
 
 /// Receives the state changes of every applied entry, in log order: it wakes waiting calls,
@@ -33,11 +36,18 @@ pub struct SmState {
     pub membership: StoredMembership<NodeId, BasicNode>,
 }
 
-/// A snapshot as stored in redb and sent to lagging nodes.
+/// The format of data dirs written before snapshots had their own file: meta and the encoded
+/// table nested in one value. Read once, when such a snapshot is moved to `snapshot.redb`.
 #[derive(Serialize, Deserialize)]
+struct LegacySnapshot {
+    meta: SnapshotMeta<NodeId, BasicNode>,
+    table: Vec<u8>,
+}
+
+/// A snapshot: openraft's meta, and the postcard-encoded [`LockTable`] (the bytes a lagging node
+/// receives; openraft sends the meta beside them). Stored under two keys of one transaction.
 struct StoredSnapshot {
     meta: SnapshotMeta<NodeId, BasicNode>,
-    /// postcard-encoded [`LockTable`].
     table: Vec<u8>,
 }
 
@@ -56,6 +66,7 @@ impl StateMachine {
         let db = dbs.snapshots;
         if let Some(stored) = read_snapshot(&db, &dbs.log)? {
             let table: LockTable = postcard::from_bytes(&stored.table)?;
+            drop(stored.table);
             table.check_consistency().map_err(|e| {
                 anyhow::anyhow!("snapshot {} is inconsistent: {e}", stored.meta.snapshot_id)
             })?;
@@ -80,43 +91,50 @@ impl StateMachine {
 /// database; it is moved to `snapshot.redb` first (written and synced there before it is removed
 /// from the log database, so a crash in between leaves a copy in one of them).
 fn read_snapshot(db: &Database, log_db: &Database) -> anyhow::Result<Option<StoredSnapshot>> {
-    if read_snapshot_bytes(db)?.is_none() {
-        let legacy = {
-            let txn = log_db.begin_read()?;
-            let table = txn.open_table(META)?;
-            table.get(KEY_SNAPSHOT)?.map(|v| v.value().to_vec())
-        };
-        if let Some(bytes) = legacy {
-            let txn = db.begin_write()?;
-            txn.open_table(SNAPSHOTS)?
-                .insert(KEY_SNAPSHOT, bytes.as_slice())?;
-            txn.commit()?;
-            let txn = log_db.begin_write()?;
-            txn.open_table(META)?.remove(KEY_SNAPSHOT)?;
-            txn.commit()?;
-        }
+    if let Some(stored) = read_stored(db)? {
+        return Ok(Some(stored));
     }
-    Ok(match read_snapshot_bytes(db)? {
-        Some(bytes) => Some(postcard::from_bytes(&bytes)?),
-        None => None,
-    })
+    let legacy = {
+        let txn = log_db.begin_read()?;
+        let table = txn.open_table(META)?;
+        table.get(KEY_SNAPSHOT)?.map(|v| v.value().to_vec())
+    };
+    let Some(bytes) = legacy else { return Ok(None) };
+    let LegacySnapshot { meta, table } = postcard::from_bytes(&bytes)?;
+    let stored = StoredSnapshot { meta, table };
+    write_stored(db, &stored)?;
+    let txn = log_db.begin_write()?;
+    txn.open_table(META)?.remove(KEY_SNAPSHOT)?;
+    txn.commit()?;
+    Ok(Some(stored))
 }
 
-fn read_snapshot_bytes(db: &Database) -> anyhow::Result<Option<Vec<u8>>> {
+fn read_stored(db: &Database) -> anyhow::Result<Option<StoredSnapshot>> {
     let txn = db.begin_read()?;
-    let table = txn.open_table(SNAPSHOTS)?;
-    Ok(table.get(KEY_SNAPSHOT)?.map(|v| v.value().to_vec()))
+    let snapshots = txn.open_table(SNAPSHOTS)?;
+    let (Some(meta), Some(table)) = (
+        snapshots.get(KEY_SNAPSHOT_META)?,
+        snapshots.get(KEY_SNAPSHOT_TABLE)?,
+    ) else {
+        return Ok(None);
+    };
+    Ok(Some(StoredSnapshot {
+        meta: postcard::from_bytes(meta.value())?,
+        table: table.value().to_vec(),
+    }))
 }
 
-async fn write_snapshot(db: Arc<Database>, bytes: Vec<u8>) -> Result<(), std::io::Error> {
-    blocking(move || {
-        let txn = db.begin_write()?;
-        txn.open_table(SNAPSHOTS)?
-            .insert(KEY_SNAPSHOT, bytes.as_slice())?;
-        txn.commit()?;
-        Ok(())
-    })
-    .await
+/// Meta and table in one durable transaction, replacing the previous snapshot.
+fn write_stored(db: &Database, stored: &StoredSnapshot) -> anyhow::Result<()> {
+    let meta = postcard::to_allocvec(&stored.meta)?;
+    let txn = db.begin_write()?;
+    {
+        let mut snapshots = txn.open_table(SNAPSHOTS)?;
+        snapshots.insert(KEY_SNAPSHOT_META, meta.as_slice())?;
+        snapshots.insert(KEY_SNAPSHOT_TABLE, stored.table.as_slice())?;
+    }
+    txn.commit()?;
+    Ok(())
 }
 
 impl RaftStateMachine<TypeConfig> for StateMachine {
@@ -181,9 +199,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
         snapshot: Box<Cursor<Vec<u8>>>,
     ) -> Result<(), StorageError> {
         let bytes = snapshot.into_inner();
-        let stored: StoredSnapshot = postcard::from_bytes(&bytes)
-            .map_err(|e| StorageIOError::read_snapshot(Some(meta.signature()), &e))?;
-        let table: LockTable = postcard::from_bytes(&stored.table)
+        let table: LockTable = postcard::from_bytes(&bytes)
             .map_err(|e| StorageIOError::read_snapshot(Some(meta.signature()), &e))?;
         if let Err(e) = table.check_consistency() {
             return Err(StorageIOError::read_snapshot(
@@ -192,7 +208,12 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
             )
             .into());
         }
-        write_snapshot(self.db.clone(), bytes)
+        let stored = StoredSnapshot {
+            meta: meta.clone(),
+            table: bytes,
+        };
+        let db = self.db.clone();
+        blocking(move || write_stored(&db, &stored))
             .await
             .map_err(|e| StorageIOError::write_snapshot(Some(meta.signature()), &e))?;
         let now_ms = table.stats().now_ms;
@@ -209,15 +230,12 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
 
     async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot<TypeConfig>>, StorageError> {
         let db = self.db.clone();
-        let raw = blocking(move || read_snapshot_bytes(&db))
+        let raw = blocking(move || read_stored(&db))
             .await
             .map_err(|e| StorageIOError::read_snapshot(None, &e))?;
-        let Some(bytes) = raw else { return Ok(None) };
-        let stored: StoredSnapshot =
-            postcard::from_bytes(&bytes).map_err(|e| StorageIOError::read_snapshot(None, &e))?;
-        Ok(Some(Snapshot {
+        Ok(raw.map(|stored| Snapshot {
             meta: stored.meta,
-            snapshot: Box::new(Cursor::new(bytes)),
+            snapshot: Box::new(Cursor::new(stored.table)),
         }))
     }
 }
@@ -251,19 +269,14 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
         let meta2 = meta.clone();
         let db = self.db.clone();
         let (bytes, encoded) = background(move || {
-            let stored = StoredSnapshot {
+            let mut stored = StoredSnapshot {
                 meta: meta2,
                 table: postcard::to_allocvec(&table)?,
             };
             drop(table);
-            let bytes = postcard::to_allocvec(&stored)?;
-            drop(stored);
             let encoded = started.elapsed();
-            let txn = db.begin_write()?;
-            txn.open_table(SNAPSHOTS)?
-                .insert(KEY_SNAPSHOT, bytes.as_slice())?;
-            txn.commit()?;
-            Ok((bytes, encoded))
+            write_stored(&db, &stored)?;
+            Ok((std::mem::take(&mut stored.table), encoded))
         })
         .await
         .map_err(|e| StorageIOError::write_snapshot(Some(meta.signature()), &e))?;
@@ -279,5 +292,84 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
             meta,
             snapshot: Box::new(Cursor::new(bytes)),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use lockd_core::{Batch, Command, Event, LeaseId, Policy, ResourceName};
+    use openraft::CommittedLeaderId;
+
+    use super::*;
+
+    struct NoSink;
+    impl AppliedSink for NoSink {
+        fn on_applied(&self, _: u64, _: i64, _: &[Event]) {}
+        fn on_snapshot_installed(&self, _: u64, _: i64) {}
+    }
+
+    /// Goal: a data dir whose snapshot sits in the log database (as before `snapshot.redb`)
+    /// starts from that snapshot and moves it, so nothing compacted away is lost.
+    #[tokio::test]
+    async fn a_snapshot_in_the_old_place_moves_to_snapshot_redb() {
+        let dir = tempfile::tempdir().unwrap();
+        let dbs = crate::storage::open(dir.path()).unwrap();
+        let mut table = LockTable::default();
+        let batch = Batch {
+            now_ms: 1_000,
+            policy: Policy::default(),
+            commands: vec![Command::Acquire {
+                resource: ResourceName::new_unchecked("jobs/a".into()),
+                request_id: "r1".into(),
+                lease_ttl_ms: 30_000,
+                wait_timeout_ms: 0,
+                holder: "test".into(),
+                lease_id: "0123456789abcdef0123456789abcdef"
+                    .parse::<LeaseId>()
+                    .unwrap(),
+            }],
+        };
+        table.apply(1, &batch, &mut Vec::new());
+        let meta = SnapshotMeta {
+            last_log_id: Some(LogId::new(CommittedLeaderId::new(1, 1), 7)),
+            last_membership: StoredMembership::default(),
+            snapshot_id: "1-7-0".into(),
+        };
+        let legacy = postcard::to_allocvec(&LegacySnapshot {
+            meta,
+            table: postcard::to_allocvec(&table).unwrap(),
+        })
+        .unwrap();
+        let txn = dbs.log.begin_write().unwrap();
+        txn.open_table(META)
+            .unwrap()
+            .insert(KEY_SNAPSHOT, legacy.as_slice())
+            .unwrap();
+        txn.commit().unwrap();
+
+        let reopened = Databases {
+            log: dbs.log.clone(),
+            snapshots: dbs.snapshots.clone(),
+        };
+        let sm = StateMachine::open(reopened, Arc::new(NoSink))
+            .await
+            .unwrap();
+        {
+            let state = sm.shared();
+            let s = state.read().unwrap();
+            assert_eq!(s.table.stats(), table.stats());
+            assert_eq!(s.table.stats().active_locks, 1);
+            assert_eq!(s.last_applied.map(|l| l.index), Some(7));
+        }
+        let txn = dbs.log.begin_read().unwrap();
+        assert!(
+            txn.open_table(META)
+                .unwrap()
+                .get(KEY_SNAPSHOT)
+                .unwrap()
+                .is_none()
+        );
+        let moved = read_stored(&dbs.snapshots).unwrap().unwrap();
+        assert_eq!(moved.meta.snapshot_id, "1-7-0");
     }
 }
