@@ -43,24 +43,38 @@ pub struct Databases {
 pub fn open(data_dir: &Path) -> anyhow::Result<Databases> {
     std::fs::create_dir_all(data_dir)
         .map_err(|e| anyhow::anyhow!("creating data dir {}: {e}", data_dir.display()))?;
-    let log = create(&data_dir.join("lockd.redb"), |txn| {
+    let log = create(&data_dir.join("lockd.redb"), LOG_CACHE_BYTES, |txn| {
         txn.open_table(LOG)?;
         txn.open_table(META)?;
         Ok(())
     })?;
-    let snapshots = create(&data_dir.join("snapshot.redb"), |txn| {
-        txn.open_table(SNAPSHOTS)?;
-        Ok(())
-    })?;
+    let snapshots = create(
+        &data_dir.join("snapshot.redb"),
+        SNAPSHOT_CACHE_BYTES,
+        |txn| {
+            txn.open_table(SNAPSHOTS)?;
+            Ok(())
+        },
+    )?;
     Ok(Databases { log, snapshots })
 }
 
+/// redb caches up to 1 GiB per database by default, and counts written pages in it: a replica
+/// writing 100 MB snapshots grew by hundreds of megabytes. The log is read mostly near its end
+/// (fresh entries also sit in the writer's overlay), snapshots only when a node restarts or a
+/// follower needs one, so small caches cost little.
+const LOG_CACHE_BYTES: usize = 32 * 1024 * 1024;
+const SNAPSHOT_CACHE_BYTES: usize = 4 * 1024 * 1024;
+
 fn create(
     path: &Path,
+    cache_bytes: usize,
     tables: impl FnOnce(&redb::WriteTransaction) -> Result<(), redb::TableError>,
 ) -> anyhow::Result<Arc<Database>> {
-    let db =
-        Database::create(path).map_err(|e| anyhow::anyhow!("opening {}: {e}", path.display()))?;
+    let db = redb::Builder::new()
+        .set_cache_size(cache_bytes)
+        .create(path)
+        .map_err(|e| anyhow::anyhow!("opening {}: {e}", path.display()))?;
     let txn = db.begin_write()?;
     tables(&txn)?;
     txn.commit()?;
