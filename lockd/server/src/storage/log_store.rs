@@ -79,12 +79,7 @@ impl LogStore {
     }
 
     fn read_meta<T: serde::de::DeserializeOwned>(&self, key: &str) -> anyhow::Result<Option<T>> {
-        let txn = self.db.begin_read()?;
-        let table = txn.open_table(META)?;
-        match table.get(key)? {
-            Some(v) => Ok(Some(postcard::from_bytes(v.value())?)),
-            None => Ok(None),
-        }
+        read_meta(&self.db, key)
     }
 
     /// Queues an operation and waits for its durable commit.
@@ -121,10 +116,13 @@ fn write_loop(
     pending: Arc<Mutex<BTreeMap<u64, Entry<TypeConfig>>>>,
     rx: Receiver<WriteOp>,
 ) {
-    let mut purge_upto = read_last_purged(&db).unwrap_or_else(|e| {
-        tracing::error!(error = %e, "reading last_purged; leftover entries stay until the next purge");
-        None
-    });
+    let mut purge_upto = match read_meta::<LogId>(&db, KEY_LAST_PURGED) {
+        Ok(last) => last.map(|l| l.index),
+        Err(e) => {
+            tracing::error!(error = %e, "reading last_purged; old entries stay until the next purge");
+            None
+        }
+    };
     loop {
         let first = if purge_upto.is_some() {
             match rx.recv_timeout(PURGE_IDLE_DELAY) {
@@ -217,13 +215,16 @@ fn write_loop(
     }
 }
 
-fn read_last_purged(db: &Database) -> anyhow::Result<Option<u64>> {
+fn read_meta<T: serde::de::DeserializeOwned>(
+    db: &Database,
+    key: &str,
+) -> anyhow::Result<Option<T>> {
     let txn = db.begin_read()?;
     let table = txn.open_table(META)?;
-    Ok(match table.get(KEY_LAST_PURGED)? {
-        Some(v) => Some(postcard::from_bytes::<LogId>(v.value())?.index),
-        None => None,
-    })
+    match table.get(key)? {
+        Some(v) => Ok(Some(postcard::from_bytes(v.value())?)),
+        None => Ok(None),
+    }
 }
 
 /// An anyhow error as the io::Error openraft's error constructors take.
@@ -436,5 +437,92 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         self.submit(|done| WriteOp::Purge { upto: log_id, done })
             .await
             .map_err(|e| StorageIOError::write_logs(&e).into())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use openraft::{CommittedLeaderId, EntryPayload};
+
+    use super::*;
+
+    fn log_id(index: u64) -> LogId {
+        LogId::new(CommittedLeaderId::new(1, 1), index)
+    }
+
+    /// Writes blank entries straight into redb, as earlier rounds of the writer would have.
+    fn put_entries(db: &Database, indexes: std::ops::RangeInclusive<u64>) {
+        let txn = db.begin_write().unwrap();
+        {
+            let mut log = txn.open_table(LOG).unwrap();
+            for i in indexes {
+                let entry: Entry<TypeConfig> = Entry {
+                    log_id: log_id(i),
+                    payload: EntryPayload::Blank,
+                };
+                log.insert(i, postcard::to_allocvec(&entry).unwrap().as_slice())
+                    .unwrap();
+            }
+        }
+        txn.commit().unwrap();
+    }
+
+    fn first_index(db: &Database) -> Option<u64> {
+        let txn = db.begin_read().unwrap();
+        let log = txn.open_table(LOG).unwrap();
+        log.first().unwrap().map(|(k, _)| k.value())
+    }
+
+    async fn wait_first_index(db: &Database, want: Option<u64>) {
+        for _ in 0..200 {
+            if first_index(db) == want {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("log starts at {:?}, want {want:?}", first_index(db));
+    }
+
+    /// Goal: a purge is recorded at once and its entries are deleted in chunks, also after a
+    /// restart, while the entries after it stay readable.
+    #[tokio::test]
+    async fn purge_records_at_once_and_deletes_in_chunks_across_restarts() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = crate::storage::open(dir.path()).unwrap().log;
+        put_entries(&db, 1..=1_000);
+        let mut store = LogStore::new(db.clone());
+        store.purge(log_id(600)).await.unwrap();
+
+        let state = store.get_log_state().await.unwrap();
+        assert_eq!(state.last_purged_log_id, Some(log_id(600)));
+        assert_eq!(state.last_log_id, Some(log_id(1_000)));
+        wait_first_index(&db, Some(601)).await;
+        let kept = store.try_get_log_entries(601..=1_000).await.unwrap();
+        assert_eq!(kept.len(), 400);
+        assert_eq!(kept[0].log_id, log_id(601));
+
+        // A crash before the deletion finished leaves old entries behind; a restart removes them.
+        drop(store);
+        put_entries(&db, 1..=300);
+        let mut store = LogStore::new(db.clone());
+        wait_first_index(&db, Some(601)).await;
+        let state = store.get_log_state().await.unwrap();
+        assert_eq!(state.last_purged_log_id, Some(log_id(600)));
+        assert_eq!(state.last_log_id, Some(log_id(1_000)));
+    }
+
+    /// Goal: a purge past the end of the local log (a snapshot from the leader covers more than
+    /// this node has) makes the purged id the last log id, not the stale end of the log.
+    #[tokio::test]
+    async fn purge_past_the_end_moves_the_last_log_id() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = crate::storage::open(dir.path()).unwrap().log;
+        put_entries(&db, 1..=10);
+        let mut store = LogStore::new(db.clone());
+        store.purge(log_id(50)).await.unwrap();
+        let state = store.get_log_state().await.unwrap();
+        assert_eq!(state.last_purged_log_id, Some(log_id(50)));
+        assert_eq!(state.last_log_id, Some(log_id(50)));
+        wait_first_index(&db, None).await;
     }
 }
