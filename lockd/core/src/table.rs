@@ -2,7 +2,7 @@
 
 use std::collections::{BTreeSet, VecDeque};
 
-use imbl::{OrdMap, OrdSet, Vector};
+use imbl::{OrdMap, OrdSet};
 
 use serde::{Deserialize, Serialize};
 
@@ -28,13 +28,7 @@ pub struct LockTable {
     /// (deadline_ms, resource, waiter) of every waiter, for the same reason.
     wait_deadlines: OrdSet<(i64, ResourceName, RequestKey)>,
     /// Outcome of every recent Acquire by request key, so a retry returns the original outcome.
-    dedup: OrdMap<RequestKey, DedupRecord>,
-    /// Dedup records in insertion order (which is time order, the clock being monotonic):
-    /// (created_ms, seq, key). Pruning pops the front; `seq` tells a stale entry from a record
-    /// re-created under the same key.
-    dedup_order: Vector<(i64, u64, RequestKey)>,
-    /// Sequence number of the last dedup record created.
-    dedup_seq: u64,
+    dedup: DedupWindow,
     /// Waiters queued per tenant (the resource name before its first `/`).
     tenant_waiters: OrdMap<String, u32>,
     /// The last fencing token issued. Tokens come from this counter only, and the counter is
@@ -77,21 +71,6 @@ struct Waiter {
     holder: String,
     lease_ttl_ms: u64,
     deadline_ms: i64,
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize)]
-struct DedupRecord {
-    /// Hash of the Acquire's arguments: a retry must match it.
-    args_hash: u64,
-    seq: u64,
-    state: DedupState,
-}
-
-#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
-enum DedupState {
-    Waiting,
-    Granted(Grant),
-    TimedOut,
 }
 
 /// What Describe shows of one resource. Never contains the lease id.
@@ -223,15 +202,15 @@ impl LockTable {
         self.settle(resource, events);
 
         // INV-DEDUP: a retry answers from the record, never acts again.
-        if let Some(record) = self.dedup.get(&key) {
-            if record.args_hash != args {
+        if let Some((recorded_args, state)) = self.dedup.get(key) {
+            if recorded_args != args {
                 return Outcome::InvalidArgument(format!(
                     "invalid request_id: {request_id:?} was already used with other arguments \
                      (resource, lease_ttl_ms, wait_timeout_ms or holder); use a new request_id \
                      for a new attempt"
                 ));
             }
-            return match record.state {
+            return match state {
                 DedupState::Granted(grant) => Outcome::Granted(self.refresh(resource, grant)),
                 DedupState::TimedOut => Outcome::WaitTimedOut,
                 DedupState::Waiting => Outcome::Queued {
@@ -429,7 +408,7 @@ impl LockTable {
                     EndWaitReason::Cancelled => {
                         // A caller that went away may come back with the same request_id; it
                         // then queues again, at the end.
-                        self.dedup.remove(&key);
+                        self.dedup.remove(key);
                         EventKind::Cancelled { waiter: key }
                     }
                 };
@@ -444,7 +423,7 @@ impl LockTable {
         }
         // Not queued (any more): the log already decided. A grant that won the race is returned,
         // so the caller learns of the lease instead of leaving it to expire unseen.
-        match self.dedup.get(&key).map(|r| r.state) {
+        match self.dedup.get(key).map(|(_, state)| state) {
             Some(DedupState::Granted(grant)) => Outcome::Granted(self.refresh(resource, grant)),
             _ => match reason {
                 EndWaitReason::TimedOut => Outcome::WaitTimedOut,
@@ -629,45 +608,18 @@ impl LockTable {
     }
 
     fn dedup_put(&mut self, key: RequestKey, args_hash: u64, state: DedupState) {
-        self.dedup_seq += 1;
-        let seq = self.dedup_seq;
-        self.dedup.insert(
-            key,
-            DedupRecord {
-                args_hash,
-                seq,
-                state,
-            },
-        );
-        self.dedup_order.push_back((self.now_ms, seq, key));
+        self.dedup.insert(key, args_hash, self.now_ms, state);
     }
 
     fn dedup_set(&mut self, key: RequestKey, state: DedupState) {
-        if let Some(record) = self.dedup.get_mut(&key) {
-            record.state = state;
-        }
+        self.dedup.set_state(key, state);
     }
 
-    /// Forgets dedup records older than the retention window. A record whose request is still
-    /// queued is kept (moved to the back): forgetting it would let a retry queue twice.
+    /// Forgets dedup records older than the retention window (waiting ones excepted: see
+    /// [`DedupWindow::prune`]).
     fn prune_dedup(&mut self, policy: &Policy) {
         let horizon = self.now_ms.saturating_sub(policy.dedup_retention_ms as i64);
-        while let Some(&(created, seq, key)) = self.dedup_order.front() {
-            if created > horizon {
-                break;
-            }
-            self.dedup_order.pop_front();
-            match self.dedup.get(&key) {
-                Some(record) if record.seq == seq => {
-                    if matches!(record.state, DedupState::Waiting) {
-                        self.dedup_order.push_back((self.now_ms, seq, key));
-                    } else {
-                        self.dedup.remove(&key);
-                    }
-                }
-                _ => {}
-            }
-        }
+        self.dedup.prune(horizon, self.now_ms);
     }
 
     // ---- reads ----
@@ -773,7 +725,7 @@ impl LockTable {
                 }
                 *tenants.entry(name.tenant().to_owned()).or_default() += 1;
                 deadlines.insert((w.deadline_ms, name.clone(), w.key));
-                match self.dedup.get(&w.key).map(|r| r.state) {
+                match self.dedup.get(w.key).map(|(_, state)| state) {
                     Some(DedupState::Waiting) => {}
                     other => {
                         return Err(format!(
@@ -790,6 +742,7 @@ impl LockTable {
                 self.held, self.waiting
             ));
         }
+        self.dedup.check()?;
         if expiries != self.expiries
             || deadlines != self.wait_deadlines
             || tenants != self.tenant_waiters
@@ -830,5 +783,10 @@ fn args_hash(resource: &ResourceName, ttl: u64, wait: u64, holder: &str) -> u64 
     xxhash_rust::xxh3::xxh3_64(&buf)
 }
 
+mod dedup;
+mod snapshot;
 #[cfg(test)]
 mod tests;
+
+use dedup::{DedupState, DedupWindow};
+pub use snapshot::SnapshotError;

@@ -65,7 +65,7 @@ impl StateMachine {
         let mut state = SmState::default();
         let db = dbs.snapshots;
         if let Some(stored) = read_snapshot(&db, &dbs.log)? {
-            let table: LockTable = postcard::from_bytes(&stored.table)?;
+            let table = LockTable::decode_snapshot(&stored.table)?;
             drop(stored.table);
             table.check_consistency().map_err(|e| {
                 anyhow::anyhow!("snapshot {} is inconsistent: {e}", stored.meta.snapshot_id)
@@ -199,7 +199,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
         snapshot: Box<Cursor<Vec<u8>>>,
     ) -> Result<(), StorageError> {
         let bytes = snapshot.into_inner();
-        let table: LockTable = postcard::from_bytes(&bytes)
+        let table = LockTable::decode_snapshot(&bytes)
             .map_err(|e| StorageIOError::read_snapshot(Some(meta.signature()), &e))?;
         if let Err(e) = table.check_consistency() {
             return Err(StorageIOError::read_snapshot(
@@ -271,7 +271,7 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
         let (bytes, encoded) = background(move || {
             let mut stored = StoredSnapshot {
                 meta: meta2,
-                table: postcard::to_allocvec(&table)?,
+                table: table.encode_snapshot(),
             };
             drop(table);
             let encoded = started.elapsed();
@@ -337,7 +337,7 @@ mod tests {
         };
         let legacy = postcard::to_allocvec(&LegacySnapshot {
             meta,
-            table: postcard::to_allocvec(&table).unwrap(),
+            table: table.encode_snapshot(),
         })
         .unwrap();
         let txn = dbs.log.begin_write().unwrap();

@@ -1,0 +1,433 @@
+//! The request-dedup window: the outcome of every Acquire of the last `dedup_retention_ms`, by
+//! request key, so that a retry returns the original outcome instead of acting again.
+//!
+//! At the design load (2,000 acquires/s, 10-minute retention) the window holds 1.2 million
+//! records, by far the largest part of the table, so its layout is chosen for size:
+//!
+//! - records are fixed-size (72 bytes) and kept in one persistent vector in creation order,
+//!   which is time order (the table's clock never goes back). Pruning pops the front; cloning
+//!   for a snapshot is O(1) and later writes copy only the chunks they touch.
+//! - a hash index maps a key to its record's sequence number (4 bytes a slot). It is derived
+//!   data: snapshots carry only the records, and loading one rebuilds the index.
+
+use std::fmt;
+
+use hashbrown::HashTable;
+use imbl::Vector;
+use serde::de::{SeqAccess, Visitor};
+use serde::ser::SerializeSeq;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use crate::FencingToken;
+use crate::command::Grant;
+use crate::types::{LeaseId, RequestKey};
+
+/// What a retry of an Acquire is answered with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub(super) enum DedupState {
+    /// Still queued: the retry learns its position.
+    Waiting,
+    Granted(Grant),
+    TimedOut,
+}
+
+/// One Acquire's record. Keys and lease ids are byte arrays rather than `u128`, whose 16-byte
+/// alignment would pad the record from 72 to 96 bytes (and whose varint encoding takes up to
+/// 19 bytes in a snapshot instead of 16).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub(super) struct Record {
+    key: [u8; 16],
+    /// Hash of the Acquire's arguments: a retry must match it.
+    args_hash: u64,
+    /// Table clock when the record was created (or last carried over while still waiting).
+    created_ms: i64,
+    status: Status,
+    // The grant, meaningful when `status` is `Granted`.
+    lease_id: [u8; 16],
+    fencing_token: u64,
+    expires_at_ms: i64,
+    /// At most `LEASE_TTL_MAX_MS` (validated at the edge), so 32 bits hold it.
+    lease_ttl_ms: u32,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+enum Status {
+    Waiting,
+    Granted,
+    TimedOut,
+    /// Removed (a cancelled wait); the slot stays until pruning reaches it.
+    Forgotten,
+}
+
+impl Record {
+    fn new(key: RequestKey, args_hash: u64, created_ms: i64, state: DedupState) -> Self {
+        let mut record = Record {
+            key: key.0.to_le_bytes(),
+            args_hash,
+            created_ms,
+            status: Status::Waiting,
+            lease_id: [0; 16],
+            fencing_token: 0,
+            expires_at_ms: 0,
+            lease_ttl_ms: 0,
+        };
+        record.set_state(state);
+        record
+    }
+
+    fn set_state(&mut self, state: DedupState) {
+        match state {
+            DedupState::Waiting => self.status = Status::Waiting,
+            DedupState::TimedOut => self.status = Status::TimedOut,
+            DedupState::Granted(grant) => {
+                self.status = Status::Granted;
+                self.lease_id = grant.lease_id.0.to_le_bytes();
+                self.fencing_token = grant.fencing_token.0;
+                self.expires_at_ms = grant.expires_at_ms;
+                self.lease_ttl_ms = u32::try_from(grant.lease_ttl_ms).unwrap_or(u32::MAX);
+            }
+        }
+    }
+
+    fn state(&self) -> Option<DedupState> {
+        match self.status {
+            Status::Waiting => Some(DedupState::Waiting),
+            Status::TimedOut => Some(DedupState::TimedOut),
+            Status::Forgotten => None,
+            Status::Granted => Some(DedupState::Granted(Grant {
+                lease_id: LeaseId(u128::from_le_bytes(self.lease_id)),
+                fencing_token: FencingToken(self.fencing_token),
+                expires_at_ms: self.expires_at_ms,
+                lease_ttl_ms: u64::from(self.lease_ttl_ms),
+            })),
+        }
+    }
+
+    fn is_live(&self) -> bool {
+        self.status != Status::Forgotten
+    }
+}
+
+/// The low half of a key, which is already a hash (xxh3-128 of the request_id).
+fn slot_hash(key: &[u8; 16]) -> u64 {
+    u64::from_le_bytes(key[..8].try_into().expect("8 of 16 bytes"))
+}
+
+/// The dedup records, oldest first, with a hash index by key.
+#[derive(Clone, Default)]
+pub(super) struct DedupWindow {
+    records: Vector<Record>,
+    /// Sequence number of `records[0]`; record `i` has `front + i` (wrapping: the window is far
+    /// smaller than 2³²).
+    front: u32,
+    /// Sequence numbers of live records, found by key.
+    index: HashTable<u32>,
+}
+
+impl DedupWindow {
+    /// Number of live records.
+    pub(super) fn len(&self) -> usize {
+        self.index.len()
+    }
+
+    fn position(&self, seq: u32) -> usize {
+        seq.wrapping_sub(self.front) as usize
+    }
+
+    fn find(&self, key: RequestKey) -> Option<u32> {
+        let key = key.0.to_le_bytes();
+        self.index
+            .find(slot_hash(&key), |&seq| {
+                self.records
+                    .get(self.position(seq))
+                    .is_some_and(|r| r.key == key)
+            })
+            .copied()
+    }
+
+    /// The record of `key`: the arguments' hash and the state.
+    pub(super) fn get(&self, key: RequestKey) -> Option<(u64, DedupState)> {
+        let record = self.records.get(self.position(self.find(key)?))?;
+        Some((record.args_hash, record.state()?))
+    }
+
+    /// Adds a record for a key that has none.
+    pub(super) fn insert(
+        &mut self,
+        key: RequestKey,
+        args_hash: u64,
+        created_ms: i64,
+        state: DedupState,
+    ) {
+        debug_assert!(self.find(key).is_none(), "dedup key inserted twice");
+        self.push(Record::new(key, args_hash, created_ms, state));
+    }
+
+    /// Appends a record and indexes it under the next sequence number.
+    fn push(&mut self, record: Record) {
+        let seq = self.front.wrapping_add(self.records.len() as u32);
+        let hash = slot_hash(&record.key);
+        self.records.push_back(record);
+        let Self {
+            records,
+            front,
+            index,
+        } = self;
+        index.insert_unique(hash, seq, |&s| {
+            slot_hash(&records[s.wrapping_sub(*front) as usize].key)
+        });
+    }
+
+    /// Changes the state of `key`'s record, if it has one.
+    pub(super) fn set_state(&mut self, key: RequestKey, state: DedupState) {
+        if let Some(seq) = self.find(key) {
+            let at = self.position(seq);
+            if let Some(record) = self.records.get_mut(at) {
+                record.set_state(state);
+            }
+        }
+    }
+
+    /// Forgets `key`'s record: a later Acquire with the same request_id starts afresh.
+    pub(super) fn remove(&mut self, key: RequestKey) {
+        let Some(seq) = self.find(key) else {
+            return;
+        };
+        self.unindex(&key.0.to_le_bytes(), seq);
+        let at = self.position(seq);
+        if let Some(record) = self.records.get_mut(at) {
+            record.status = Status::Forgotten;
+        }
+    }
+
+    fn unindex(&mut self, key: &[u8; 16], seq: u32) {
+        if let Ok(entry) = self.index.find_entry(slot_hash(key), |&s| s == seq) {
+            entry.remove();
+        }
+    }
+
+    /// Forgets records created at or before `horizon_ms`. A record whose request is still queued
+    /// is carried over to the back, stamped `now_ms`: forgetting it would let a retry queue twice.
+    pub(super) fn prune(&mut self, horizon_ms: i64, now_ms: i64) {
+        // Bounded by the length on entry, so records carried over are not visited again even if
+        // `now_ms` is itself past the horizon.
+        for _ in 0..self.records.len() {
+            match self.records.front() {
+                Some(record) if record.created_ms <= horizon_ms => {}
+                _ => break,
+            }
+            let record = self.records.pop_front().expect("front exists");
+            let seq = self.front;
+            self.front = self.front.wrapping_add(1);
+            match record.status {
+                Status::Forgotten => {}
+                Status::Waiting => {
+                    self.unindex(&record.key, seq);
+                    self.push(Record {
+                        created_ms: now_ms,
+                        ..record
+                    });
+                }
+                Status::Granted | Status::TimedOut => self.unindex(&record.key, seq),
+            }
+        }
+    }
+
+    /// Checks the index against the records. O(n): for tests and snapshot loading.
+    pub(super) fn check(&self) -> Result<(), String> {
+        let mut live = 0;
+        let mut last_created = i64::MIN;
+        for (i, record) in self.records.iter().enumerate() {
+            if record.created_ms < last_created {
+                return Err(format!("dedup record {i} is older than the one before it"));
+            }
+            last_created = record.created_ms;
+            if !record.is_live() {
+                continue;
+            }
+            live += 1;
+            let key = RequestKey(u128::from_le_bytes(record.key));
+            if self.find(key).map(|seq| self.position(seq)) != Some(i) {
+                return Err(format!(
+                    "dedup record {i} ({key:?}) is not indexed at its place"
+                ));
+            }
+        }
+        if live != self.index.len() {
+            return Err(format!(
+                "dedup index has {} entries for {live} live records",
+                self.index.len()
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for DedupWindow {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DedupWindow")
+            .field("live", &self.index.len())
+            .field("slots", &self.records.len())
+            .finish()
+    }
+}
+
+/// A snapshot holds the live records, oldest first; the index is rebuilt on load.
+impl Serialize for DedupWindow {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let mut seq = serializer.serialize_seq(Some(self.index.len()))?;
+        for record in self.records.iter().filter(|r| r.is_live()) {
+            seq.serialize_element(record)?;
+        }
+        seq.end()
+    }
+}
+
+impl<'de> Deserialize<'de> for DedupWindow {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Records;
+        impl<'de> Visitor<'de> for Records {
+            type Value = DedupWindow;
+
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a sequence of dedup records")
+            }
+
+            // Straight into the window: no intermediate Vec of a million records.
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<DedupWindow, A::Error> {
+                let mut window = DedupWindow::default();
+                while let Some(record) = seq.next_element::<Record>()? {
+                    window.push(record);
+                }
+                Ok(window)
+            }
+        }
+        deserializer.deserialize_seq(Records)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn grant(token: u64) -> Grant {
+        Grant {
+            lease_id: LeaseId(u128::MAX - token as u128),
+            fencing_token: FencingToken(token),
+            expires_at_ms: 1_000 + token as i64,
+            lease_ttl_ms: 30_000,
+        }
+    }
+
+    #[test]
+    fn a_record_is_72_bytes() {
+        assert_eq!(std::mem::size_of::<Record>(), 72);
+    }
+
+    #[test]
+    fn records_round_trip_their_state() {
+        let mut w = DedupWindow::default();
+        let (a, b, c) = (
+            RequestKey::of("a"),
+            RequestKey::of("b"),
+            RequestKey::of("c"),
+        );
+        w.insert(a, 1, 10, DedupState::Granted(grant(7)));
+        w.insert(b, 2, 11, DedupState::Waiting);
+        w.insert(c, 3, 12, DedupState::TimedOut);
+        assert_eq!(w.get(a), Some((1, DedupState::Granted(grant(7)))));
+        assert_eq!(w.get(b), Some((2, DedupState::Waiting)));
+        assert_eq!(w.get(c), Some((3, DedupState::TimedOut)));
+        assert_eq!(w.get(RequestKey::of("d")), None);
+
+        w.set_state(b, DedupState::Granted(grant(8)));
+        w.remove(c);
+        assert_eq!(w.get(b), Some((2, DedupState::Granted(grant(8)))));
+        assert_eq!(w.get(c), None);
+        assert_eq!(w.len(), 2);
+        w.check().unwrap();
+
+        // A forgotten key can be used again.
+        w.insert(c, 4, 13, DedupState::Waiting);
+        assert_eq!(w.get(c), Some((4, DedupState::Waiting)));
+        w.check().unwrap();
+    }
+
+    #[test]
+    fn prune_forgets_old_records_but_carries_waiting_ones_over() {
+        let mut w = DedupWindow::default();
+        for i in 0..100 {
+            let state = if i % 10 == 0 {
+                DedupState::Waiting
+            } else {
+                DedupState::TimedOut
+            };
+            w.insert(RequestKey::of(&i.to_string()), i, i as i64, state);
+        }
+        w.prune(49, 500);
+        w.check().unwrap();
+        // 50..100 stay; of 0..50, the five waiting ones are carried over.
+        assert_eq!(w.len(), 55);
+        assert_eq!(w.get(RequestKey::of("10")), Some((10, DedupState::Waiting)));
+        assert_eq!(w.get(RequestKey::of("11")), None);
+        assert_eq!(
+            w.get(RequestKey::of("51")),
+            Some((51, DedupState::TimedOut))
+        );
+
+        // Everything is past the horizon, and so is the carry-over stamp: prune still ends.
+        w.prune(1_000, 1_000);
+        w.check().unwrap();
+        assert_eq!(w.len(), 10);
+        w.prune(1_000, 2_000);
+        assert_eq!(w.len(), 10);
+    }
+
+    #[test]
+    fn snapshots_keep_live_records_in_order_and_rebuild_the_index() {
+        let mut w = DedupWindow::default();
+        for i in 0..1_000u64 {
+            w.insert(
+                RequestKey::of(&i.to_string()),
+                i,
+                i as i64,
+                DedupState::Granted(grant(i)),
+            );
+        }
+        for i in (0..1_000u64).step_by(3) {
+            w.remove(RequestKey::of(&i.to_string()));
+        }
+        w.prune(99, 1_000);
+        let copy: DedupWindow = postcard::from_bytes(&postcard::to_allocvec(&w).unwrap()).unwrap();
+        copy.check().unwrap();
+        assert_eq!(copy.len(), w.len());
+        for i in 0..1_000u64 {
+            let key = RequestKey::of(&i.to_string());
+            assert_eq!(copy.get(key), w.get(key), "record {i}");
+        }
+        assert!(copy.records.iter().all(Record::is_live));
+    }
+
+    #[test]
+    fn sequence_numbers_wrap() {
+        let mut w = DedupWindow {
+            front: u32::MAX - 5,
+            ..DedupWindow::default()
+        };
+        for i in 0..20u64 {
+            w.insert(
+                RequestKey::of(&i.to_string()),
+                i,
+                i as i64,
+                DedupState::TimedOut,
+            );
+        }
+        w.prune(9, 20);
+        w.check().unwrap();
+        assert_eq!(w.len(), 10);
+        assert_eq!(
+            w.get(RequestKey::of("15")),
+            Some((15, DedupState::TimedOut))
+        );
+    }
+}
