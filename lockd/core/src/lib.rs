@@ -36,5 +36,5 @@ pub mod validate;
 pub use command::{Batch, Command, EndWaitReason, Event, EventKind, Grant, Outcome};
 pub use limits::Policy;
 pub use lockd_fence::FencingToken;
-pub use table::{LockTable, ResourceView, TableStats};
+pub use table::{LockTable, ResourceView, SnapshotCopy, SnapshotError, TableStats};
 pub use types::{LeaseId, RequestKey, ResourceName};

@@ -13,10 +13,11 @@ use crate::types::{LeaseId, RequestKey, ResourceName};
 
 /// The replicated lock table. Changed only by [`LockTable::apply`]; everything else reads.
 ///
-/// The large collections are persistent (imbl): cloning the table is O(1) and shares structure,
-/// so a snapshot takes a consistent copy without stopping apply for the length of a deep copy;
-/// later writes copy only the nodes they touch. Ordered maps throughout, so every replica
-/// iterates (and encodes) the same table identically.
+/// The large collections are persistent (imbl): a snapshot copy ([`LockTable::snapshot_copy`]) is
+/// O(1) and shares structure, so a snapshot is consistent without stopping apply for the length of
+/// a deep copy; later writes copy only the nodes they touch. Ordered collections throughout (the dedup
+/// window's hash index is only looked up, never iterated), so every replica iterates and encodes
+/// the same table identically.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct LockTable {
     /// Resources that have a holder or waiters; idle records are deleted, so the table holds
@@ -700,6 +701,8 @@ impl LockTable {
         let mut tenants: OrdMap<String, u32> = OrdMap::new();
         let mut expiries = OrdSet::new();
         let mut deadlines = OrdSet::new();
+        // Waiter keys across all queues: a request is queued at most once anywhere.
+        let mut keys = BTreeSet::new();
         for (name, state) in &self.resources {
             if state.lease.is_none() && state.waiters.is_empty() {
                 return Err(format!("idle record kept for {name}"));
@@ -717,7 +720,6 @@ impl LockTable {
                 }
                 expiries.insert((l.expires_at_ms, name.clone()));
             }
-            let mut keys = BTreeSet::new();
             for w in &state.waiters {
                 waiting += 1;
                 if !keys.insert(w.key) {
@@ -743,6 +745,14 @@ impl LockTable {
             ));
         }
         self.dedup.check()?;
+        // Every Waiting record has its waiter (the loop above checked the converse), or a retry
+        // would look for a queue entry that does not exist.
+        if self.dedup.waiting() as u64 != waiting {
+            return Err(format!(
+                "{} dedup records are waiting but {waiting} waiters are queued",
+                self.dedup.waiting()
+            ));
+        }
         if expiries != self.expiries
             || deadlines != self.wait_deadlines
             || tenants != self.tenant_waiters
@@ -789,4 +799,4 @@ mod snapshot;
 mod tests;
 
 use dedup::{DedupState, DedupWindow};
-pub use snapshot::SnapshotError;
+pub use snapshot::{SnapshotCopy, SnapshotError};

@@ -13,15 +13,28 @@ use super::dedup::{DedupState, DedupWindow};
 use super::{LockTable, ResourceState};
 use crate::types::{RequestKey, ResourceName};
 
-/// Starts every format-2 snapshot. A format-1 snapshot starts with the varint count of active
-/// resources; it could only begin with these bytes if that count were 76 and the first name
-/// started "CKDTB2", and even then decoding falls back to format 1 when format 2 fails.
-const MAGIC_V2: &[u8; 8] = b"LOCKDTB2";
+/// Starts every format-2 snapshot. Ten 0xFF bytes are not a valid postcard varint, so no
+/// format-1 snapshot (which starts with the varint count of active resources) begins this way.
+const MAGIC_V2: &[u8] = b"\xff\xff\xff\xff\xff\xff\xff\xff\xff\xfflockd-table-2";
 
 #[derive(Debug, thiserror::Error)]
 pub enum SnapshotError {
-    #[error("lock table snapshot is not a valid format-2 or format-1 encoding: {0}")]
-    Decode(#[from] postcard::Error),
+    #[error("lock table snapshot (format {format}) does not decode: {source}")]
+    Decode { format: u8, source: postcard::Error },
+    #[error("lock table snapshot (format {format}) has {count} bytes after the table")]
+    TrailingBytes { format: u8, count: usize },
+}
+
+/// A copy of the table taken for a snapshot, to encode off the apply path. Taking it is O(1)
+/// (persistent collections; the dedup index, derived data, is left out), and it can only be
+/// encoded, never applied to.
+pub struct SnapshotCopy(LockTable);
+
+impl SnapshotCopy {
+    /// The snapshot bytes (format 2).
+    pub fn encode(&self) -> Vec<u8> {
+        self.0.encode_snapshot()
+    }
 }
 
 impl LockTable {
@@ -32,16 +45,45 @@ impl LockTable {
         out
     }
 
+    /// See [`SnapshotCopy`].
+    pub fn snapshot_copy(&self) -> SnapshotCopy {
+        SnapshotCopy(LockTable {
+            resources: self.resources.clone(),
+            expiries: self.expiries.clone(),
+            wait_deadlines: self.wait_deadlines.clone(),
+            dedup: self.dedup.copy_for_encoding(),
+            tenant_waiters: self.tenant_waiters.clone(),
+            last_token: self.last_token,
+            now_ms: self.now_ms,
+            term: self.term,
+            held: self.held,
+            waiting: self.waiting,
+        })
+    }
+
     /// Reads snapshot bytes of either format. Does not check consistency: see
     /// [`LockTable::check_consistency`].
     pub fn decode_snapshot(bytes: &[u8]) -> Result<LockTable, SnapshotError> {
-        if let Some(body) = bytes.strip_prefix(MAGIC_V2) {
-            if let Ok(table) = postcard::from_bytes::<LockTable>(body) {
-                return Ok(table);
-            }
+        match bytes.strip_prefix(MAGIC_V2) {
+            Some(body) => decode_all::<LockTable>(2, body),
+            None => decode_all::<TableV1>(1, bytes).map(LockTable::from),
         }
-        Ok(postcard::from_bytes::<TableV1>(bytes)?.into())
     }
+}
+
+fn decode_all<T: serde::de::DeserializeOwned>(
+    format: u8,
+    bytes: &[u8],
+) -> Result<T, SnapshotError> {
+    let (value, rest) = postcard::take_from_bytes(bytes)
+        .map_err(|source| SnapshotError::Decode { format, source })?;
+    if !rest.is_empty() {
+        return Err(SnapshotError::TrailingBytes {
+            format,
+            count: rest.len(),
+        });
+    }
+    Ok(value)
 }
 
 /// The table as format 1 laid it out, field for field.
@@ -74,7 +116,10 @@ impl From<TableV1> for LockTable {
     fn from(v1: TableV1) -> Self {
         let mut dedup = DedupWindow::default();
         for (created_ms, seq, key) in &v1.dedup_order {
-            if let Some(record) = v1.dedup.get(key).filter(|r| r.seq == *seq) {
+            let current = v1.dedup.get(key).filter(|r| r.seq == *seq);
+            // A repeated order entry would insert the key twice; check_consistency would then
+            // reject the table, but the first one is the record.
+            if let Some(record) = current.filter(|_| !dedup.contains(*key)) {
                 dedup.insert(*key, record.args_hash, *created_ms, record.state);
             }
         }
@@ -180,7 +225,20 @@ mod tests {
 
     #[test]
     fn garbage_is_an_error_not_a_table() {
-        assert!(LockTable::decode_snapshot(b"LOCKDTB2\xff\xff").is_err());
+        let bytes = sample().encode_snapshot();
+        let truncated = LockTable::decode_snapshot(&bytes[..bytes.len() - 1]).unwrap_err();
+        assert!(truncated.to_string().contains("format 2"), "{truncated}");
+        let mut longer = bytes.clone();
+        longer.push(0);
+        let trailing = LockTable::decode_snapshot(&longer).unwrap_err();
+        assert!(trailing.to_string().contains("1 bytes after"), "{trailing}");
         assert!(LockTable::decode_snapshot(b"").is_err());
+        assert!(LockTable::decode_snapshot(b"\x05junk").is_err());
+    }
+
+    #[test]
+    fn a_snapshot_copy_encodes_like_the_table() {
+        let table = sample();
+        assert_eq!(table.snapshot_copy().encode(), table.encode_snapshot());
     }
 }

@@ -253,7 +253,11 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
         let started = std::time::Instant::now();
         let (table, last_applied, membership) = {
             let s = self.state.read().expect("state lock");
-            (s.table.clone(), s.last_applied, s.membership.clone())
+            (
+                s.table.snapshot_copy(),
+                s.last_applied,
+                s.membership.clone(),
+            )
         };
         let copied = started.elapsed();
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
@@ -271,7 +275,7 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
         let (bytes, encoded) = background(move || {
             let mut stored = StoredSnapshot {
                 meta: meta2,
-                table: table.encode_snapshot(),
+                table: table.encode(),
             };
             drop(table);
             let encoded = started.elapsed();
