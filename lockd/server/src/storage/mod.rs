@@ -1,29 +1,34 @@
-//! Persistence in two redb files per node: `lockd.redb` holds the Raft log, the vote and the
-//! committed index; `snapshot.redb` holds the latest state-machine snapshot.
+//! Persistence per node: the redb database `lockd.redb` holds the Raft log, the vote and the
+//! committed index; the plain file `snapshot.bin` holds the latest state-machine snapshot.
 //!
-//! Two files because redb has one writer per database: a snapshot is megabytes, and writing it
-//! into the log's database would hold up every log append (and so every commit) until its fsync.
-//! The order of writes keeps the pair consistent: openraft purges log entries only after the
-//! snapshot covering them is durable.
+//! The snapshot is kept apart because redb has one writer per database: a snapshot is tens of
+//! megabytes, and writing it into the log's database would hold up every log append (and so
+//! every commit) until its fsync. A plain file also lets the snapshot be synced in small steps
+//! (see [`snapshot_file`]). The order of writes keeps the pair consistent: openraft purges log
+//! entries only after the snapshot covering them is durable.
 //!
 //! The state machine itself lives in memory; after a restart it is rebuilt from the snapshot plus
 //! the committed log entries after it, which openraft replays. Every write that openraft is told
-//! is durable went through a redb commit with `Durability::Immediate` (fsync) first.
+//! is durable was fsynced first.
 
 pub mod log_store;
+pub mod snapshot_file;
 pub mod state_machine;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use redb::{Database, TableDefinition};
 
+use snapshot_file::SnapshotFile;
+
 /// Log entries by index, each a postcard-encoded `openraft::Entry`.
 pub(crate) const LOG: TableDefinition<u64, &[u8]> = TableDefinition::new("raft_log");
 /// Small records by name: `vote`, `committed`, `last_purged` (and `snapshot` in data dirs written
-/// before snapshots moved to their own file).
+/// before snapshots moved out of the log database).
 pub(crate) const META: TableDefinition<&str, &[u8]> = TableDefinition::new("raft_meta");
-/// In `snapshot.redb`: the latest snapshot, its meta and its encoded table.
+/// In `snapshot.redb`, where snapshots were kept before `snapshot.bin`: the latest snapshot's
+/// meta and encoded table. Read once, to move them.
 pub(crate) const SNAPSHOTS: TableDefinition<&str, &[u8]> = TableDefinition::new("snapshots");
 pub(crate) const KEY_SNAPSHOT_META: &str = "meta";
 pub(crate) const KEY_SNAPSHOT_TABLE: &str = "table";
@@ -33,13 +38,15 @@ pub(crate) const KEY_COMMITTED: &str = "committed";
 pub(crate) const KEY_LAST_PURGED: &str = "last_purged";
 pub(crate) const KEY_SNAPSHOT: &str = "snapshot";
 
-/// The node's two databases.
+/// A node's persistent state.
 pub struct Databases {
     pub log: Arc<Database>,
-    pub snapshots: Arc<Database>,
+    pub snapshots: SnapshotFile,
+    /// Where snapshots were kept before `snapshot.bin` (moved on open if present).
+    pub legacy_snapshot_db: PathBuf,
 }
 
-/// Opens (or creates) the node's databases in `data_dir`.
+/// Opens (or creates) the node's storage in `data_dir`.
 pub fn open(data_dir: &Path) -> anyhow::Result<Databases> {
     std::fs::create_dir_all(data_dir)
         .map_err(|e| anyhow::anyhow!("creating data dir {}: {e}", data_dir.display()))?;
@@ -48,23 +55,31 @@ pub fn open(data_dir: &Path) -> anyhow::Result<Databases> {
         txn.open_table(META)?;
         Ok(())
     })?;
-    let snapshots = create(
-        &data_dir.join("snapshot.redb"),
-        SNAPSHOT_CACHE_BYTES,
-        |txn| {
-            txn.open_table(SNAPSHOTS)?;
-            Ok(())
-        },
-    )?;
-    Ok(Databases { log, snapshots })
+    Ok(Databases {
+        log,
+        snapshots: SnapshotFile::new(data_dir),
+        legacy_snapshot_db: data_dir.join("snapshot.redb"),
+    })
 }
 
-/// redb caches up to 1 GiB per database by default, and counts written pages in it: a replica
-/// writing 100 MB snapshots grew by hundreds of megabytes. The log is read mostly near its end
-/// (fresh entries also sit in the writer's overlay), snapshots only when a node restarts or a
-/// follower needs one, so small caches cost little.
+/// redb caches up to 1 GiB per database by default, and counts written pages in it. The log is
+/// read mostly near its end (fresh entries also sit in the writer's overlay), so a small cache
+/// costs little.
 const LOG_CACHE_BYTES: usize = 32 * 1024 * 1024;
-const SNAPSHOT_CACHE_BYTES: usize = 4 * 1024 * 1024;
+/// Enough for reading a legacy `snapshot.redb` once.
+const LEGACY_SNAPSHOT_CACHE_BYTES: usize = 4 * 1024 * 1024;
+
+/// Opens a `snapshot.redb` left by an earlier version, if there is one.
+pub(crate) fn open_legacy_snapshot_db(path: &Path) -> anyhow::Result<Option<Database>> {
+    if !path.exists() {
+        return Ok(None);
+    }
+    let db = redb::Builder::new()
+        .set_cache_size(LEGACY_SNAPSHOT_CACHE_BYTES)
+        .open(path)
+        .map_err(|e| anyhow::anyhow!("opening {}: {e}", path.display()))?;
+    Ok(Some(db))
+}
 
 fn create(
     path: &Path,

@@ -1,4 +1,4 @@
-//! The lock table as openraft's state machine, with snapshots persisted in redb.
+//! The lock table as openraft's state machine, with snapshots persisted in `snapshot.bin`.
 
 use std::io::Cursor;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -13,9 +13,10 @@ use openraft::{
 use redb::{Database, ReadableDatabase};
 use serde::{Deserialize, Serialize};
 
+use super::snapshot_file::{SnapshotFile, StoredSnapshot};
 use super::{
     Databases, KEY_SNAPSHOT, KEY_SNAPSHOT_META, KEY_SNAPSHOT_TABLE, META, SNAPSHOTS, background,
-    blocking,
+    blocking, open_legacy_snapshot_db,
 };
 use crate::raft::{BatchResponse, LogId, NodeId, StorageError, TypeConfig};
 
@@ -36,35 +37,26 @@ pub struct SmState {
     pub membership: StoredMembership<NodeId, BasicNode>,
 }
 
-/// The format of data dirs written before snapshots had their own file: meta and the encoded
-/// table nested in one value. Read once, when such a snapshot is moved to `snapshot.redb`.
+/// The format of data dirs written before snapshots left the log database: meta and the encoded
+/// table nested in one value. Read once, when such a snapshot is moved to `snapshot.bin`.
 #[derive(Serialize, Deserialize)]
 struct LegacySnapshot {
     meta: SnapshotMeta<NodeId, BasicNode>,
     table: Vec<u8>,
 }
 
-/// A snapshot: openraft's meta, and the postcard-encoded [`LockTable`] (the bytes a lagging node
-/// receives; openraft sends the meta beside them). Stored under two keys of one transaction.
-struct StoredSnapshot {
-    meta: SnapshotMeta<NodeId, BasicNode>,
-    table: Vec<u8>,
-}
-
 pub struct StateMachine {
     state: Arc<RwLock<SmState>>,
-    db: Arc<Database>,
+    snapshots: SnapshotFile,
     sink: Arc<dyn AppliedSink>,
     snapshot_seq: Arc<AtomicU64>,
 }
 
 impl StateMachine {
-    /// Loads the latest snapshot from the database, if any; openraft then replays the committed
-    /// log after it.
+    /// Loads the latest snapshot, if any; openraft then replays the committed log after it.
     pub async fn open(dbs: Databases, sink: Arc<dyn AppliedSink>) -> anyhow::Result<Self> {
         let mut state = SmState::default();
-        let db = dbs.snapshots;
-        if let Some(stored) = read_snapshot(&db, &dbs.log)? {
+        if let Some(stored) = read_snapshot(&dbs)? {
             let table = LockTable::decode_snapshot(&stored.table)?;
             drop(stored.table);
             table.check_consistency().map_err(|e| {
@@ -76,7 +68,7 @@ impl StateMachine {
         }
         Ok(StateMachine {
             state: Arc::new(RwLock::new(state)),
-            db,
+            snapshots: dbs.snapshots,
             sink,
             snapshot_seq: Arc::new(AtomicU64::new(0)),
         })
@@ -87,31 +79,46 @@ impl StateMachine {
     }
 }
 
-/// The latest snapshot. Data dirs written before snapshots had their own file keep it in the log
-/// database; it is moved to `snapshot.redb` first (written and synced there before it is removed
-/// from the log database, so a crash in between leaves a copy in one of them).
-fn read_snapshot(db: &Database, log_db: &Database) -> anyhow::Result<Option<StoredSnapshot>> {
-    if let Some(stored) = read_stored(db)? {
-        return Ok(Some(stored));
+/// The latest snapshot. Earlier versions kept it in `snapshot.redb`, and before that in the log
+/// database; such a snapshot is written to `snapshot.bin` (durably) before its old copy is
+/// removed, so a crash in between leaves it in one place or both, never in none.
+fn read_snapshot(dbs: &Databases) -> anyhow::Result<Option<StoredSnapshot>> {
+    let mut found = dbs.snapshots.read()?;
+    if let Some(db) = open_legacy_snapshot_db(&dbs.legacy_snapshot_db)? {
+        if found.is_none() {
+            found = read_legacy_snapshot_db(&db)?;
+            if let Some(stored) = &found {
+                dbs.snapshots.write(stored)?;
+            }
+        }
+        drop(db);
+        std::fs::remove_file(&dbs.legacy_snapshot_db)
+            .map_err(|e| anyhow::anyhow!("removing {}: {e}", dbs.legacy_snapshot_db.display()))?;
     }
-    let legacy = {
-        let txn = log_db.begin_read()?;
+    let in_log = {
+        let txn = dbs.log.begin_read()?;
         let table = txn.open_table(META)?;
         table.get(KEY_SNAPSHOT)?.map(|v| v.value().to_vec())
     };
-    let Some(bytes) = legacy else { return Ok(None) };
-    let LegacySnapshot { meta, table } = postcard::from_bytes(&bytes)?;
-    let stored = StoredSnapshot { meta, table };
-    write_stored(db, &stored)?;
-    let txn = log_db.begin_write()?;
-    txn.open_table(META)?.remove(KEY_SNAPSHOT)?;
-    txn.commit()?;
-    Ok(Some(stored))
+    if let Some(bytes) = in_log {
+        if found.is_none() {
+            let LegacySnapshot { meta, table } = postcard::from_bytes(&bytes)?;
+            let stored = StoredSnapshot { meta, table };
+            dbs.snapshots.write(&stored)?;
+            found = Some(stored);
+        }
+        let txn = dbs.log.begin_write()?;
+        txn.open_table(META)?.remove(KEY_SNAPSHOT)?;
+        txn.commit()?;
+    }
+    Ok(found)
 }
 
-fn read_stored(db: &Database) -> anyhow::Result<Option<StoredSnapshot>> {
+fn read_legacy_snapshot_db(db: &Database) -> anyhow::Result<Option<StoredSnapshot>> {
     let txn = db.begin_read()?;
-    let snapshots = txn.open_table(SNAPSHOTS)?;
+    let Ok(snapshots) = txn.open_table(SNAPSHOTS) else {
+        return Ok(None);
+    };
     let (Some(meta), Some(table)) = (
         snapshots.get(KEY_SNAPSHOT_META)?,
         snapshots.get(KEY_SNAPSHOT_TABLE)?,
@@ -122,19 +129,6 @@ fn read_stored(db: &Database) -> anyhow::Result<Option<StoredSnapshot>> {
         meta: postcard::from_bytes(meta.value())?,
         table: table.value().to_vec(),
     }))
-}
-
-/// Meta and table in one durable transaction, replacing the previous snapshot.
-fn write_stored(db: &Database, stored: &StoredSnapshot) -> anyhow::Result<()> {
-    let meta = postcard::to_allocvec(&stored.meta)?;
-    let txn = db.begin_write()?;
-    {
-        let mut snapshots = txn.open_table(SNAPSHOTS)?;
-        snapshots.insert(KEY_SNAPSHOT_META, meta.as_slice())?;
-        snapshots.insert(KEY_SNAPSHOT_TABLE, stored.table.as_slice())?;
-    }
-    txn.commit()?;
-    Ok(())
 }
 
 impl RaftStateMachine<TypeConfig> for StateMachine {
@@ -182,7 +176,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
     async fn get_snapshot_builder(&mut self) -> Self::SnapshotBuilder {
         SnapshotBuilder {
             state: self.state.clone(),
-            db: self.db.clone(),
+            snapshots: self.snapshots.clone(),
             seq: self.snapshot_seq.clone(),
         }
     }
@@ -212,8 +206,8 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
             meta: meta.clone(),
             table: bytes,
         };
-        let db = self.db.clone();
-        blocking(move || write_stored(&db, &stored))
+        let file = self.snapshots.clone();
+        blocking(move || file.write(&stored))
             .await
             .map_err(|e| StorageIOError::write_snapshot(Some(meta.signature()), &e))?;
         let now_ms = table.stats().now_ms;
@@ -229,8 +223,8 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
     }
 
     async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot<TypeConfig>>, StorageError> {
-        let db = self.db.clone();
-        let raw = blocking(move || read_stored(&db))
+        let file = self.snapshots.clone();
+        let raw = blocking(move || file.read())
             .await
             .map_err(|e| StorageIOError::read_snapshot(None, &e))?;
         Ok(raw.map(|stored| Snapshot {
@@ -242,7 +236,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
 
 pub struct SnapshotBuilder {
     state: Arc<RwLock<SmState>>,
-    db: Arc<Database>,
+    snapshots: SnapshotFile,
     seq: Arc<AtomicU64>,
 }
 
@@ -271,7 +265,7 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
             snapshot_id,
         };
         let meta2 = meta.clone();
-        let db = self.db.clone();
+        let file = self.snapshots.clone();
         let (bytes, encoded) = background(move || {
             let mut stored = StoredSnapshot {
                 meta: meta2,
@@ -279,7 +273,7 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
             };
             drop(table);
             let encoded = started.elapsed();
-            write_stored(&db, &stored)?;
+            file.write(&stored)?;
             Ok((std::mem::take(&mut stored.table), encoded))
         })
         .await
@@ -312,12 +306,7 @@ mod tests {
         fn on_snapshot_installed(&self, _: u64, _: i64) {}
     }
 
-    /// Goal: a data dir whose snapshot sits in the log database (as before `snapshot.redb`)
-    /// starts from that snapshot and moves it, so nothing compacted away is lost.
-    #[tokio::test]
-    async fn a_snapshot_in_the_old_place_moves_to_snapshot_redb() {
-        let dir = tempfile::tempdir().unwrap();
-        let dbs = crate::storage::open(dir.path()).unwrap();
+    fn sample() -> (LockTable, StoredSnapshot) {
         let mut table = LockTable::default();
         let batch = Batch {
             now_ms: 1_000,
@@ -339,25 +328,19 @@ mod tests {
             last_membership: StoredMembership::default(),
             snapshot_id: "1-7-0".into(),
         };
-        let legacy = postcard::to_allocvec(&LegacySnapshot {
+        let stored = StoredSnapshot {
             meta,
             table: table.encode_snapshot(),
-        })
-        .unwrap();
-        let txn = dbs.log.begin_write().unwrap();
-        txn.open_table(META)
-            .unwrap()
-            .insert(KEY_SNAPSHOT, legacy.as_slice())
-            .unwrap();
-        txn.commit().unwrap();
-
-        let reopened = Databases {
-            log: dbs.log.clone(),
-            snapshots: dbs.snapshots.clone(),
         };
-        let sm = StateMachine::open(reopened, Arc::new(NoSink))
-            .await
-            .unwrap();
+        (table, stored)
+    }
+
+    /// Opens the state machine on `dir` and checks it starts from `table` at index 7, from
+    /// `snapshot.bin`, with no copy left in an old place.
+    async fn assert_starts_from(dir: &std::path::Path, table: &LockTable) {
+        let dbs = crate::storage::open(dir).unwrap();
+        let log = dbs.log.clone();
+        let sm = StateMachine::open(dbs, Arc::new(NoSink)).await.unwrap();
         {
             let state = sm.shared();
             let s = state.read().unwrap();
@@ -365,7 +348,10 @@ mod tests {
             assert_eq!(s.table.stats().active_locks, 1);
             assert_eq!(s.last_applied.map(|l| l.index), Some(7));
         }
-        let txn = dbs.log.begin_read().unwrap();
+        let moved = SnapshotFile::new(dir).read().unwrap().unwrap();
+        assert_eq!(moved.meta.snapshot_id, "1-7-0");
+        assert!(!dir.join("snapshot.redb").exists());
+        let txn = log.begin_read().unwrap();
         assert!(
             txn.open_table(META)
                 .unwrap()
@@ -373,7 +359,50 @@ mod tests {
                 .unwrap()
                 .is_none()
         );
-        let moved = read_stored(&dbs.snapshots).unwrap().unwrap();
-        assert_eq!(moved.meta.snapshot_id, "1-7-0");
+    }
+
+    /// Goal: a data dir whose snapshot sits in the log database (the first layout) starts from
+    /// that snapshot and moves it to `snapshot.bin`, so nothing compacted away is lost.
+    #[tokio::test]
+    async fn a_snapshot_in_the_log_database_moves_to_snapshot_bin() {
+        let dir = tempfile::tempdir().unwrap();
+        let (table, stored) = sample();
+        {
+            let dbs = crate::storage::open(dir.path()).unwrap();
+            let legacy = postcard::to_allocvec(&LegacySnapshot {
+                meta: stored.meta,
+                table: stored.table,
+            })
+            .unwrap();
+            let txn = dbs.log.begin_write().unwrap();
+            txn.open_table(META)
+                .unwrap()
+                .insert(KEY_SNAPSHOT, legacy.as_slice())
+                .unwrap();
+            txn.commit().unwrap();
+        }
+        assert_starts_from(dir.path(), &table).await;
+        // And again, now from snapshot.bin.
+        assert_starts_from(dir.path(), &table).await;
+    }
+
+    /// Goal: the same for a snapshot in `snapshot.redb` (the second layout).
+    #[tokio::test]
+    async fn a_snapshot_in_snapshot_redb_moves_to_snapshot_bin() {
+        let dir = tempfile::tempdir().unwrap();
+        let (table, stored) = sample();
+        {
+            let db = redb::Database::create(dir.path().join("snapshot.redb")).unwrap();
+            let txn = db.begin_write().unwrap();
+            {
+                let mut t = txn.open_table(SNAPSHOTS).unwrap();
+                let meta = postcard::to_allocvec(&stored.meta).unwrap();
+                t.insert(KEY_SNAPSHOT_META, meta.as_slice()).unwrap();
+                t.insert(KEY_SNAPSHOT_TABLE, stored.table.as_slice())
+                    .unwrap();
+            }
+            txn.commit().unwrap();
+        }
+        assert_starts_from(dir.path(), &table).await;
     }
 }
