@@ -100,6 +100,9 @@ fn main() {
     );
     let decode = Instant::now();
     let loaded = LockTable::decode_snapshot(&bytes).expect("own snapshot decodes");
-    println!("snapshot: decode and rebuild the index {:?}", decode.elapsed());
+    println!(
+        "snapshot: decode and rebuild the index {:?}",
+        decode.elapsed()
+    );
     assert_eq!(loaded.stats(), stats);
 }

@@ -202,7 +202,7 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
     .map_err(|e| anyhow::anyhow!("raft configuration: {e}"))?;
 
     let dbs = storage::open(&config.data_dir)?;
-    let mut log_store = LogStore::new(dbs.log.clone());
+    let mut log_store = LogStore::new(dbs.log.clone(), dbs.snapshots.durable());
     let started_empty = {
         use openraft::storage::RaftLogStorage;
         log_store.read_vote().await?.is_none()

@@ -35,6 +35,14 @@ impl SnapshotCopy {
     pub fn encode(&self) -> Vec<u8> {
         self.0.encode_snapshot()
     }
+
+    /// Writes the snapshot bytes (format 2) to `out` as they are encoded, without holding them
+    /// all in memory.
+    pub fn encode_to<W: std::io::Write>(&self, mut out: W) -> std::io::Result<()> {
+        out.write_all(MAGIC_V2)?;
+        postcard::to_io(&self.0, out).map_err(std::io::Error::other)?;
+        Ok(())
+    }
 }
 
 impl LockTable {
@@ -240,5 +248,8 @@ mod tests {
     fn a_snapshot_copy_encodes_like_the_table() {
         let table = sample();
         assert_eq!(table.snapshot_copy().encode(), table.encode_snapshot());
+        let mut streamed = Vec::new();
+        table.snapshot_copy().encode_to(&mut streamed).unwrap();
+        assert_eq!(streamed, table.encode_snapshot());
     }
 }

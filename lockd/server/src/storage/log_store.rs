@@ -20,6 +20,7 @@ use openraft::storage::{LogFlushed, RaftLogStorage};
 use openraft::{Entry, LogState, RaftLogReader, StorageIOError, Vote};
 use redb::{Database, ReadableDatabase, ReadableTable};
 use tokio::sync::oneshot;
+use tokio::sync::watch;
 
 use super::{KEY_COMMITTED, KEY_LAST_PURGED, KEY_VOTE, LOG, META, blocking};
 use crate::raft::{LogId, NodeId, StorageError, TypeConfig};
@@ -34,6 +35,12 @@ pub struct LogStore {
     /// The committed index openraft last reported, for Status (0 = none).
     committed: Arc<AtomicU64>,
 }
+
+/// The last log id covered by the durable snapshot. openraft can ask for a purge before the
+/// snapshot that covers it is on disk (when a follower installs one from the leader, the purge
+/// is issued beside the install); entries are deleted only once the snapshot is durable, so a
+/// crash in between never leaves a purged log with an older snapshot.
+pub type SnapshotGate = watch::Receiver<Option<LogId>>;
 
 enum WriteOp {
     Append {
@@ -57,13 +64,14 @@ enum WriteOp {
 }
 
 impl LogStore {
-    pub fn new(db: Arc<Database>) -> Self {
+    /// A log store whose purges wait for `gate` (see [`SnapshotGate`]).
+    pub fn new(db: Arc<Database>, gate: SnapshotGate) -> Self {
         let (tx, rx) = channel();
         let pending = Arc::new(Mutex::new(BTreeMap::new()));
         let (db2, pending2) = (db.clone(), pending.clone());
         std::thread::Builder::new()
             .name("raft-log-writer".into())
-            .spawn(move || write_loop(db2, pending2, rx))
+            .spawn(move || write_loop(db2, pending2, rx, gate))
             .expect("spawning the log writer thread");
         LogStore {
             db,
@@ -108,14 +116,20 @@ const PURGE_IDLE_DELAY: Duration = Duration::from_millis(5);
 
 /// Commits everything queued, one durable transaction per round.
 ///
-/// A purge records `last_purged` in its round (durable before openraft is told) and leaves the
-/// entries to be deleted [`PURGE_CHUNK`] per round. openraft never reads at or below
-/// `last_purged`, and a restart resumes the deletion from the recorded `last_purged`.
+/// A purge records `last_purged` in its round and leaves the entries to be deleted
+/// [`PURGE_CHUNK`] per round. openraft never reads at or below `last_purged`, and a restart
+/// resumes the deletion from the recorded `last_purged`. A purge the durable snapshot does not
+/// cover yet is held (openraft is answered at once: a purge need not be durable) and recorded
+/// when the snapshot catches up, see [`SnapshotGate`].
 fn write_loop(
     db: Arc<Database>,
     pending: Arc<Mutex<BTreeMap<u64, Entry<TypeConfig>>>>,
     rx: Receiver<WriteOp>,
+    gate: SnapshotGate,
 ) {
+    // A purge asked for beyond the durable snapshot, held until the snapshot catches up.
+    let mut held_purge: Option<LogId> = None;
+    let covered = |upto: &LogId| gate.borrow().is_some_and(|s| s.index >= upto.index);
     let mut purge_upto = match read_meta::<LogId>(&db, KEY_LAST_PURGED) {
         Ok(last) => last.map(|l| l.index),
         Err(e) => {
@@ -124,7 +138,7 @@ fn write_loop(
         }
     };
     loop {
-        let first = if purge_upto.is_some() {
+        let first = if purge_upto.is_some() || held_purge.is_some() {
             match rx.recv_timeout(PURGE_IDLE_DELAY) {
                 Ok(op) => Some(op),
                 Err(RecvTimeoutError::Timeout) => None,
@@ -139,6 +153,22 @@ fn write_loop(
         let mut ops: Vec<WriteOp> = first.into_iter().collect();
         while let Ok(op) = rx.try_recv() {
             ops.push(op);
+        }
+        let mut record_purge = held_purge.take();
+        for op in &ops {
+            if let WriteOp::Purge { upto, .. } = op {
+                record_purge = record_purge.max(Some(*upto));
+            }
+        }
+        if let Some(upto) = record_purge
+            && !covered(&upto)
+        {
+            held_purge = Some(upto);
+            record_purge = None;
+        }
+        if ops.is_empty() && record_purge.is_none() && purge_upto.is_none() {
+            // Woken only to look at a held purge, which still waits for its snapshot.
+            continue;
         }
         let mut backlog_done = false;
         let result = (|| -> anyhow::Result<()> {
@@ -159,11 +189,12 @@ fn write_loop(
                         WriteOp::Truncate { from, .. } => {
                             log.retain_in(*from.., |_, _| false)?;
                         }
-                        WriteOp::Purge { upto, .. } => {
-                            meta.insert(KEY_LAST_PURGED, postcard::to_allocvec(upto)?.as_slice())?;
-                            purge_upto = Some(purge_upto.map_or(upto.index, |p| p.max(upto.index)));
-                        }
+                        WriteOp::Purge { .. } => {}
                     }
+                }
+                if let Some(upto) = &record_purge {
+                    meta.insert(KEY_LAST_PURGED, postcard::to_allocvec(upto)?.as_slice())?;
+                    purge_upto = Some(purge_upto.map_or(upto.index, |p| p.max(upto.index)));
                 }
                 if let Some(upto) = purge_upto {
                     let first = log.first()?.map(|(k, _)| k.value());
@@ -467,6 +498,11 @@ mod tests {
         txn.commit().unwrap();
     }
 
+    /// A gate that never holds a purge.
+    fn open_gate() -> SnapshotGate {
+        watch::channel(Some(log_id(u64::MAX))).1
+    }
+
     fn first_index(db: &Database) -> Option<u64> {
         let txn = db.begin_read().unwrap();
         let log = txn.open_table(LOG).unwrap();
@@ -490,7 +526,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let db = crate::storage::open(dir.path()).unwrap().log;
         put_entries(&db, 1..=1_000);
-        let mut store = LogStore::new(db.clone());
+        let mut store = LogStore::new(db.clone(), open_gate());
         store.purge(log_id(600)).await.unwrap();
 
         let state = store.get_log_state().await.unwrap();
@@ -504,7 +540,7 @@ mod tests {
         // A crash before the deletion finished leaves old entries behind; a restart removes them.
         drop(store);
         put_entries(&db, 1..=300);
-        let mut store = LogStore::new(db.clone());
+        let mut store = LogStore::new(db.clone(), open_gate());
         wait_first_index(&db, Some(601)).await;
         let state = store.get_log_state().await.unwrap();
         assert_eq!(state.last_purged_log_id, Some(log_id(600)));
@@ -518,11 +554,37 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let db = crate::storage::open(dir.path()).unwrap().log;
         put_entries(&db, 1..=10);
-        let mut store = LogStore::new(db.clone());
+        let mut store = LogStore::new(db.clone(), open_gate());
         store.purge(log_id(50)).await.unwrap();
         let state = store.get_log_state().await.unwrap();
         assert_eq!(state.last_purged_log_id, Some(log_id(50)));
         assert_eq!(state.last_log_id, Some(log_id(50)));
         wait_first_index(&db, None).await;
+    }
+
+    /// Goal: a purge beyond the durable snapshot (a follower installing one from the leader) is
+    /// neither recorded nor carried out until that snapshot is on disk.
+    #[tokio::test]
+    async fn a_purge_waits_for_the_snapshot_that_covers_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = crate::storage::open(dir.path()).unwrap().log;
+        put_entries(&db, 1..=100);
+        let (snapshot, gate) = watch::channel(Some(log_id(20)));
+        let mut store = LogStore::new(db.clone(), gate);
+        store.purge(log_id(80)).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(first_index(&db), Some(1));
+        let recorded: Option<LogId> = read_meta(&db, KEY_LAST_PURGED).unwrap();
+        assert_eq!(recorded, None);
+        // Appends go on meanwhile.
+        assert_eq!(
+            store.get_log_state().await.unwrap().last_log_id,
+            Some(log_id(100))
+        );
+
+        snapshot.send_replace(Some(log_id(80)));
+        wait_first_index(&db, Some(81)).await;
+        let recorded: Option<LogId> = read_meta(&db, KEY_LAST_PURGED).unwrap();
+        assert_eq!(recorded, Some(log_id(80)));
     }
 }

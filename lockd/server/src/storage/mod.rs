@@ -55,9 +55,11 @@ pub fn open(data_dir: &Path) -> anyhow::Result<Databases> {
         txn.open_table(META)?;
         Ok(())
     })?;
+    let snapshots = SnapshotFile::new(data_dir);
+    snapshots.remove_leftovers()?;
     Ok(Databases {
         log,
-        snapshots: SnapshotFile::new(data_dir),
+        snapshots,
         legacy_snapshot_db: data_dir.join("snapshot.redb"),
     })
 }

@@ -4,6 +4,8 @@ use std::io::Cursor;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
+use anyhow::Context;
+
 use lockd_core::{Event, LockTable};
 use openraft::storage::RaftStateMachine;
 use openraft::{
@@ -84,16 +86,20 @@ impl StateMachine {
 /// removed, so a crash in between leaves it in one place or both, never in none.
 fn read_snapshot(dbs: &Databases) -> anyhow::Result<Option<StoredSnapshot>> {
     let mut found = dbs.snapshots.read()?;
-    if let Some(db) = open_legacy_snapshot_db(&dbs.legacy_snapshot_db)? {
-        if found.is_none() {
-            found = read_legacy_snapshot_db(&db)?;
+    let legacy = &dbs.legacy_snapshot_db;
+    if legacy.exists() {
+        // A leftover next to snapshot.bin is not even opened: it is older, and if damaged it
+        // must not stop the node.
+        if found.is_none()
+            && let Some(db) = open_legacy_snapshot_db(legacy)?
+        {
+            found = read_legacy_snapshot_db(&db)
+                .with_context(|| format!("reading the snapshot in {}", legacy.display()))?;
             if let Some(stored) = &found {
                 dbs.snapshots.write(stored)?;
             }
         }
-        drop(db);
-        std::fs::remove_file(&dbs.legacy_snapshot_db)
-            .map_err(|e| anyhow::anyhow!("removing {}: {e}", dbs.legacy_snapshot_db.display()))?;
+        std::fs::remove_file(legacy).with_context(|| format!("removing {}", legacy.display()))?;
     }
     let in_log = {
         let txn = dbs.log.begin_read()?;
@@ -102,7 +108,8 @@ fn read_snapshot(dbs: &Databases) -> anyhow::Result<Option<StoredSnapshot>> {
     };
     if let Some(bytes) = in_log {
         if found.is_none() {
-            let LegacySnapshot { meta, table } = postcard::from_bytes(&bytes)?;
+            let LegacySnapshot { meta, table } = postcard::from_bytes(&bytes)
+                .context("decoding the snapshot kept in the log database (lockd.redb)")?;
             let stored = StoredSnapshot { meta, table };
             dbs.snapshots.write(&stored)?;
             found = Some(stored);
@@ -266,29 +273,22 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
         };
         let meta2 = meta.clone();
         let file = self.snapshots.clone();
-        let (bytes, encoded) = background(move || {
-            let mut stored = StoredSnapshot {
-                meta: meta2,
-                table: table.encode(),
-            };
-            drop(table);
-            let encoded = started.elapsed();
-            file.write(&stored)?;
-            Ok((std::mem::take(&mut stored.table), encoded))
-        })
-        .await
-        .map_err(|e| StorageIOError::write_snapshot(Some(meta.signature()), &e))?;
+        let bytes = background(move || file.write_with(&meta2, |out| Ok(table.encode_to(out)?)))
+            .await
+            .map_err(|e| StorageIOError::write_snapshot(Some(meta.signature()), &e))?;
         tracing::info!(
             snapshot_id = %meta.snapshot_id,
-            bytes = bytes.len(),
+            bytes,
             copy_ms = copied.as_millis() as u64,
-            encode_ms = (encoded - copied).as_millis() as u64,
-            persist_ms = (started.elapsed() - encoded).as_millis() as u64,
+            encode_and_persist_ms = (started.elapsed() - copied).as_millis() as u64,
             "snapshot built"
         );
+        // openraft 0.9 keeps only the meta of a snapshot it asked for (core/sm/worker.rs) and
+        // reads the data through get_current_snapshot when a follower needs it, so the bytes are
+        // not returned here: holding them would cost a second copy of the table in memory.
         Ok(Snapshot {
             meta,
-            snapshot: Box::new(Cursor::new(bytes)),
+            snapshot: Box::new(Cursor::new(Vec::new())),
         })
     }
 }
