@@ -213,6 +213,7 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
     let committed = log_store.committed_index();
     let waits = Arc::new(WaitRegistry::default());
     let metrics = Arc::new(NodeMetrics::new());
+    tokio::spawn(metrics.clone().upkeep(shutdown.clone()));
     let audit = match &config.audit {
         Some(target) => Some(AuditLog::open(target.clone(), config.id)?),
         None => None,

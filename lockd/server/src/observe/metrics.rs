@@ -3,10 +3,12 @@
 //! Each node owns its own recorder instead of the process-global one, because `lockd dev` runs
 //! three nodes in one process and each must report its own figures on its own port.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use metrics::Recorder;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle, PrometheusRecorder};
+use tokio_util::sync::CancellationToken;
 
 /// Histogram buckets from 1 ms to 10 s: they resolve both a 2 ms commit and a 5 s timeout, and
 /// unlike summaries they aggregate across nodes.
@@ -33,6 +35,9 @@ impl Op {
         }
     }
 }
+
+/// How often histogram samples are folded into buckets (see [`NodeMetrics::upkeep`]).
+const UPKEEP_EVERY: Duration = Duration::from_secs(5);
 
 pub struct NodeMetrics {
     recorder: PrometheusRecorder,
@@ -91,6 +96,21 @@ impl NodeMetrics {
     pub fn render(&self) -> String {
         self.handle.run_upkeep();
         self.handle.render()
+    }
+
+    /// Folds recorded histogram samples into their buckets every few seconds until `shutdown`.
+    /// The recorder keeps every sample until then; without this, a node nobody scrapes grew by
+    /// every latency it recorded (the leader of a 10-minute run at 6,000 calls/s by about
+    /// 100 MB).
+    pub async fn upkeep(self: Arc<Self>, shutdown: CancellationToken) {
+        let mut every = tokio::time::interval(UPKEEP_EVERY);
+        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = every.tick() => self.handle.run_upkeep(),
+                _ = shutdown.cancelled() => return,
+            }
+        }
     }
 }
 
