@@ -57,8 +57,8 @@ pub struct Tuning {
     pub election_timeout_ms: u64,
     /// Build a snapshot (and purge the log before it) after this many log entries. A snapshot
     /// costs O(table), and the table is mostly the 10-minute request_id window (about 1.2 million
-    /// records at 2,000 acquires/s), while an entry batches up to 512 commands: 20,000 entries is
-    /// a snapshot every ~80 s at 6,000 ops/s and a replay of at most ~20,000 entries on restart.
+    /// records at 2,000 acquires/s), while an entry batches up to 512 commands: 20,000 entries was
+    /// a snapshot every 30-60 s at 6,000 ops/s, and bounds a restart's replay to ~20,000 entries.
     /// Node N waits (N-1 mod 8)/8 of this longer, so replicas do not snapshot together.
     #[arg(long, env = "LOCKD_SNAPSHOT_EVERY", default_value_t = 20_000)]
     pub snapshot_every: u64,
