@@ -71,16 +71,12 @@ const LOG_CACHE_BYTES: usize = 32 * 1024 * 1024;
 /// Enough for reading a legacy `snapshot.redb` once.
 const LEGACY_SNAPSHOT_CACHE_BYTES: usize = 4 * 1024 * 1024;
 
-/// Opens a `snapshot.redb` left by an earlier version, if there is one.
-pub(crate) fn open_legacy_snapshot_db(path: &Path) -> anyhow::Result<Option<Database>> {
-    if !path.exists() {
-        return Ok(None);
-    }
-    let db = redb::Builder::new()
+/// Opens a `snapshot.redb` left by an earlier version.
+pub(crate) fn open_legacy_snapshot_db(path: &Path) -> anyhow::Result<Database> {
+    redb::Builder::new()
         .set_cache_size(LEGACY_SNAPSHOT_CACHE_BYTES)
         .open(path)
-        .map_err(|e| anyhow::anyhow!("opening {}: {e}", path.display()))?;
-    Ok(Some(db))
+        .map_err(|e| anyhow::anyhow!("opening {}: {e}", path.display()))
 }
 
 fn create(

@@ -90,9 +90,8 @@ fn read_snapshot(dbs: &Databases) -> anyhow::Result<Option<StoredSnapshot>> {
     if legacy.exists() {
         // A leftover next to snapshot.bin is not even opened: it is older, and if damaged it
         // must not stop the node.
-        if found.is_none()
-            && let Some(db) = open_legacy_snapshot_db(legacy)?
-        {
+        if found.is_none() {
+            let db = open_legacy_snapshot_db(legacy)?;
             found = read_legacy_snapshot_db(&db)
                 .with_context(|| format!("reading the snapshot in {}", legacy.display()))?;
             if let Some(stored) = &found {
