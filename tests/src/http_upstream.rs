@@ -169,3 +169,164 @@ async fn apply(
         .body(Full::new(Bytes::from(format!("applied #{index}\n"))))
         .unwrap())
 }
+
+/// What an [`EarlyAnswerUpstream`] saw of one request, in the order it saw it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum BodyEvent {
+    /// The request head arrived (and the upstream answered 200 at once).
+    Started { resource: String, token: u64 },
+    /// The last byte of that request's body was read.
+    Completed {
+        resource: String,
+        token: u64,
+        body: Vec<u8>,
+    },
+    /// The connection ended before the whole body arrived.
+    Truncated {
+        resource: String,
+        token: u64,
+        received: usize,
+    },
+}
+
+/// Longest request head the raw upstream accepts, so that a broken test cannot grow it forever.
+const RAW_HEAD_MAX_BYTES: usize = 64 * 1024;
+
+/// An upstream that answers every request with `200` as soon as its head has arrived and only then
+/// reads the request body, as a server that acknowledges early and applies later does. It logs,
+/// per request, when the head arrived and when the body was read completely: the order of these
+/// events is what a fencing proxy must keep in token order.
+///
+/// It speaks HTTP/1.1 by hand (heads with `Content-Length`; others get `411`), because hyper's
+/// server reads bodies only as its service asks and would hide the moment a body was finished.
+pub struct EarlyAnswerUpstream {
+    pub addr: SocketAddr,
+    events: Arc<Mutex<Vec<BodyEvent>>>,
+    shutdown: CancellationToken,
+}
+
+impl EarlyAnswerUpstream {
+    pub async fn start() -> anyhow::Result<EarlyAnswerUpstream> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let events = Arc::new(Mutex::new(Vec::new()));
+        let shutdown = CancellationToken::new();
+        let (log, stop) = (events.clone(), shutdown.clone());
+        tokio::spawn(async move {
+            loop {
+                let stream = tokio::select! {
+                    _ = stop.cancelled() => return,
+                    accepted = listener.accept() => match accepted {
+                        Ok((stream, _)) => stream,
+                        Err(_) => continue,
+                    },
+                };
+                tokio::spawn(early_answer_connection(stream, log.clone()));
+            }
+        });
+        Ok(EarlyAnswerUpstream {
+            addr,
+            events,
+            shutdown,
+        })
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// The events of `resource`, in the order they happened.
+    pub fn events(&self, resource: &str) -> Vec<BodyEvent> {
+        self.events
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|e| match e {
+                BodyEvent::Started { resource: r, .. }
+                | BodyEvent::Completed { resource: r, .. }
+                | BodyEvent::Truncated { resource: r, .. } => r == resource,
+            })
+            .cloned()
+            .collect()
+    }
+}
+
+impl Drop for EarlyAnswerUpstream {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+async fn early_answer_connection(stream: tokio::net::TcpStream, log: Arc<Mutex<Vec<BodyEvent>>>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = stream;
+    let mut buf: Vec<u8> = Vec::new();
+    loop {
+        // Read one head.
+        let head_end = loop {
+            if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                break i + 4;
+            }
+            if buf.len() > RAW_HEAD_MAX_BYTES {
+                return;
+            }
+            let mut chunk = [0u8; 4096];
+            match stream.read(&mut chunk).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            }
+        };
+        let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
+        buf.drain(..head_end);
+        let header = |name: &str| {
+            head.lines().skip(1).find_map(|line| {
+                let (k, v) = line.split_once(':')?;
+                k.trim()
+                    .eq_ignore_ascii_case(name)
+                    .then(|| v.trim().to_owned())
+            })
+        };
+        let Some(length) = header("content-length").and_then(|v| v.parse::<usize>().ok()) else {
+            let _ = stream
+                .write_all(b"HTTP/1.1 411 Length Required\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+                .await;
+            return;
+        };
+        let resource = header("lock-resource").unwrap_or_default();
+        let token = header("fencing-token")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        log.lock().unwrap().push(BodyEvent::Started {
+            resource: resource.clone(),
+            token,
+        });
+        if stream
+            .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+            .await
+            .is_err()
+        {
+            return;
+        }
+        // Now read the body, as it comes.
+        while buf.len() < length {
+            let mut chunk = [0u8; 4096];
+            match stream.read(&mut chunk).await {
+                Ok(0) | Err(_) => {
+                    log.lock().unwrap().push(BodyEvent::Truncated {
+                        resource,
+                        token,
+                        received: buf.len(),
+                    });
+                    return;
+                }
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            }
+        }
+        let body: Vec<u8> = buf.drain(..length).collect();
+        log.lock().unwrap().push(BodyEvent::Completed {
+            resource,
+            token,
+            body,
+        });
+    }
+}

@@ -109,7 +109,12 @@ impl PostgresStore {
         let options = PgConnectOptions::from_str(url)
             .map_err(|e| StoreError::Config(format!("postgres url: {e}")))?
             .application_name("fence-proxy")
+            // A recorded token must survive a crash of the database: with the server's (or the
+            // database's, or the role's) default `synchronous_commit = off` a commit is
+            // acknowledged before its WAL is flushed, and a crash could lower the highest token
+            // after a newer write was forwarded. Startup options override every such default.
             .options([
+                ("synchronous_commit", "on".to_owned()),
                 (
                     "lock_timeout",
                     format!("{}ms", timing.lock_wait.as_millis()),

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use futures::future::BoxFuture;
 use lockd_fence::FencingToken;
-use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
+use redb::{Database, Durability, ReadableDatabase, ReadableTable, TableDefinition};
 
 use crate::{Admission, EpochStore, ForwardOutcome, Permit, PermitRelease, SlotGuard, Slots};
 use crate::{StoreError, Timing};
@@ -120,7 +120,10 @@ fn check_and_record(
             }
         }
     }
-    let txn = db.begin_write()?;
+    let mut txn = db.begin_write()?;
+    // Immediate is redb's default; it is set here anyway because a recorded token that a crash
+    // could lower would let an older write through after a newer one was forwarded.
+    txn.set_durability(Durability::Immediate)?;
     {
         let mut table = txn.open_table(EPOCHS)?;
         let current = table.get(resource)?.map(|v| v.value());

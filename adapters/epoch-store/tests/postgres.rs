@@ -157,3 +157,80 @@ async fn dropped_permit_counts_as_unknown() {
     );
     drop_table(&table).await;
 }
+
+/// Goal: issue 13: the store's own transactions run with `synchronous_commit = on` even where the
+/// database's default is off, so a recorded token cannot go backwards after a Postgres crash.
+/// Method: a database of this test with `ALTER DATABASE ... SET synchronous_commit = off` (a plain
+/// session there reports off); the store's table is created beforehand with a trigger that logs
+/// `current_setting('synchronous_commit')` of every transaction that writes it; then one admit
+/// and one release (the record and its in-flight mark are both written).
+#[tokio::test]
+async fn issue13_store_forces_synchronous_commit_on() {
+    require_postgres().await;
+    let db = format!("fence_sc_{}", std::process::id());
+    let mut admin = sqlx::PgConnection::connect(URL).await.unwrap();
+    let run = |sql: String| sqlx::query(sqlx::AssertSqlSafe(sql));
+    run(format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    run(format!("CREATE DATABASE {db}"))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    run(format!("ALTER DATABASE {db} SET synchronous_commit = off"))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    let url = format!("postgres://postgres@127.0.0.1:5432/{db}");
+
+    // Phase 1: the database's default is off for an ordinary session.
+    let mut plain = sqlx::PgConnection::connect(&url).await.unwrap();
+    let default: String = sqlx::query_scalar("SHOW synchronous_commit")
+        .fetch_one(&mut plain)
+        .await
+        .unwrap();
+    assert_eq!(default, "off", "the test database must default to off");
+    for sql in [
+        "CREATE TABLE seen (setting text NOT NULL)",
+        "CREATE FUNCTION log_setting() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+           INSERT INTO seen VALUES (current_setting('synchronous_commit')); RETURN NEW; END $$",
+        "CREATE TABLE epochs (resource text PRIMARY KEY, token bigint NOT NULL CHECK (token >= 0), \
+           busy_until timestamptz, updated_at timestamptz NOT NULL DEFAULT now())",
+        "CREATE TRIGGER log_setting BEFORE INSERT OR UPDATE ON epochs \
+           FOR EACH ROW EXECUTE FUNCTION log_setting()",
+    ] {
+        sqlx::query(sql).execute(&mut plain).await.unwrap();
+    }
+
+    // Phase 2: the store records a token and releases it.
+    let timing = Timing {
+        lock_wait: Duration::from_secs(2),
+        forward_timeout: Duration::from_millis(500),
+        quarantine: Duration::from_millis(100),
+        store_timeout: Duration::from_secs(2),
+    };
+    let store = PostgresStore::connect_lazy(&url, "epochs", 2, timing).unwrap();
+    accepted(&store, "r", 7)
+        .await
+        .release(ForwardOutcome::Answered)
+        .await
+        .unwrap();
+    drop(store);
+
+    // Phase 3: every write of the store ran with synchronous_commit = on.
+    let seen: Vec<String> = sqlx::query_scalar("SELECT setting FROM seen")
+        .fetch_all(&mut plain)
+        .await
+        .unwrap();
+    drop(plain);
+    run(format!("DROP DATABASE {db} WITH (FORCE)"))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    assert_eq!(seen.len(), 2, "one upsert and one release: {seen:?}");
+    assert!(
+        seen.iter().all(|s| s == "on"),
+        "the store wrote with synchronous_commit {seen:?}"
+    );
+}

@@ -12,6 +12,15 @@ use fence_epoch_store::{StoreOptions, StoreSpec, Timing};
 /// flood queues in the kernel's accept backlog instead of exhausting memory or store connections.
 pub const DEFAULT_MAX_IN_FLIGHT: u64 = 1024;
 
+/// Default bound on client connections open at once; past it the proxy stops accepting until one
+/// closes, so that idle or slow connections cannot exhaust file descriptors and memory.
+pub const DEFAULT_MAX_CONNECTIONS: u64 = 4096;
+
+/// Default time a client has to send a complete request head (and, on a new connection, its
+/// first one); past it the connection is closed. Bounds how long a slowloris client holds a
+/// connection slot.
+pub const DEFAULT_HEADER_READ_TIMEOUT: &str = "10s";
+
 /// `fence-proxy http`: reject writes with stale fencing tokens before they reach the upstream.
 #[derive(clap::Args, Debug, Clone)]
 pub struct Args {
@@ -67,9 +76,38 @@ pub struct Args {
     #[arg(long, env = "FENCE_PROXY_MAX_IN_FLIGHT", value_name = "N",
           default_value_t = DEFAULT_MAX_IN_FLIGHT, value_parser = clap::value_parser!(u64).range(1..))]
     pub max_in_flight: u64,
+
+    /// Client connections open at once; more wait in the kernel's accept backlog.
+    #[arg(long, env = "FENCE_PROXY_MAX_CONNECTIONS", value_name = "N",
+          default_value_t = DEFAULT_MAX_CONNECTIONS, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_connections: u64,
+
+    /// Time a client has to send a complete request head, also while a kept-alive connection
+    /// idles between requests; past it the connection is closed.
+    #[arg(long, env = "FENCE_PROXY_HEADER_READ_TIMEOUT", value_name = "DURATION",
+          default_value = DEFAULT_HEADER_READ_TIMEOUT, value_parser = parse_positive_duration)]
+    pub header_read_timeout: Duration,
+}
+
+/// A duration greater than zero (a zero header timeout would close every connection at once).
+fn parse_positive_duration(s: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(s).map_err(|e| format!("{s:?}: {e}"))?;
+    if d.is_zero() {
+        return Err(format!("{s:?}: must be greater than zero"));
+    }
+    Ok(d)
 }
 
 impl Args {
+    /// The server's limits derived from these flags.
+    pub fn limits(&self) -> crate::server::Limits {
+        crate::server::Limits {
+            max_in_flight: self.max_in_flight as usize,
+            max_connections: self.max_connections as usize,
+            header_read_timeout: self.header_read_timeout,
+        }
+    }
+
     /// The store's options derived from these flags.
     pub fn store_options(&self) -> StoreOptions {
         StoreOptions {

@@ -8,12 +8,15 @@
 //! # Layout
 //! - [`args`]: [`Args`], the command-line flags of `fence-proxy http`.
 //! - [`proxy`]: [`Proxy`], the request handler (fence check, forward, permit release).
+//! - [`exchange`]: [`exchange::TrackedBody`], following a write's bodies to their end so that
+//!   the permit is released only then.
 //! - [`refusal`]: [`Refusal`], the table from each refusal to status, reason and JSON body.
 //! - [`fence`]: reading `Lock-Resource` and `Fencing-Token` from a request.
 //! - [`metrics`]: metric names shared with the Postgres front end.
 //! - [`server`]: accepting connections, graceful shutdown, [`serve`] and [`run`].
 
 pub mod args;
+pub mod exchange;
 pub mod fence;
 pub mod metrics;
 pub mod proxy;

@@ -3,10 +3,10 @@
 
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
-use fence_epoch_store::{Admission, EpochStore, ForwardOutcome, StoreError};
+use fence_epoch_store::{Admission, EpochStore, ForwardOutcome, Permit, StoreError};
 use http::header::{self, HeaderMap, HeaderName};
 use http::{Method, Request, Response, Uri};
 use http_body_util::BodyExt;
@@ -16,14 +16,17 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use lockd_fence::Fence;
+use tokio::sync::oneshot;
+use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
+use crate::exchange::{BodyEnd, BoxError, TrackedBody};
 use crate::fence::read_fence;
 use crate::metrics::{self as m, FRONTEND};
 use crate::{Refusal, Upstream};
 
 /// Body of every response the proxy sends: the upstream's, streamed, or the proxy's own JSON.
-pub type ProxyBody = BoxBody<Bytes, hyper::Error>;
+pub type ProxyBody = BoxBody<Bytes, BoxError>;
 
 /// Headers that describe one connection, not the message (RFC 9110 §7.6.1): never forwarded.
 /// Headers named in `Connection` are dropped too.
@@ -37,11 +40,16 @@ const HOP_BY_HOP: [HeaderName; 7] = [
     header::UPGRADE,
 ];
 
+/// How long past the exchange deadline the write task waits for the bodies to report that they
+/// were cut off, before it decides on its own that the outcome is unknown.
+const DEADLINE_REPORT_GRACE: Duration = Duration::from_millis(100);
+
 /// What the handler needs besides the store.
 #[derive(Clone, Debug)]
 pub struct ProxyConfig {
     pub upstream: Upstream,
-    /// How long the upstream may take to send its response head.
+    /// How long the upstream may take to send its response head; for a write, also the bound on
+    /// its whole exchange (request body sent, response received), after which it is cut off.
     pub upstream_timeout: Duration,
 }
 
@@ -50,8 +58,9 @@ pub struct Proxy {
     config: ProxyConfig,
     /// Decides and serialises writes; `dyn` so the store is chosen at run time.
     store: Arc<dyn EpochStore>,
-    /// Connection pool to the upstream.
-    client: Client<HttpConnector, Incoming>,
+    /// Connection pool to the upstream. Request bodies are wrapped so that a write's permit is
+    /// held until its body has been sent completely.
+    client: Client<HttpConnector, TrackedBody<Incoming>>,
     /// Write tasks in flight, awaited on shutdown so that their permits are released.
     writes: TaskTracker,
 }
@@ -79,10 +88,12 @@ impl Proxy {
         request: Request<Incoming>,
     ) -> Result<Response<ProxyBody>, Infallible> {
         if is_read(request.method()) {
-            let response = match self.forward(request, None).await.0 {
+            let request = request.map(TrackedBody::untracked);
+            let deadline = Instant::now() + self.config.upstream_timeout;
+            let response = match self.forward(request, None, deadline).await.0 {
                 Ok(response) => {
                     m::count(m::RESULT_PASSTHROUGH);
-                    response
+                    response.map(|body| TrackedBody::untracked(body).boxed())
                 }
                 Err(refusal) => refuse(refusal),
             };
@@ -92,80 +103,117 @@ impl Proxy {
             Ok(fence) => fence,
             Err(refusal) => return Ok(refuse(refusal)),
         };
-        // The write runs in its own task: if the client goes away, the task still finishes the
-        // forward and releases the permit with the right outcome instead of being cancelled
-        // half-way.
+        // The write runs in its own task: if the client goes away, the task still follows the
+        // exchange to its end and releases the permit with the right outcome instead of being
+        // cancelled half-way. It hands the response over as soon as the head is there and keeps
+        // the permit until both bodies have ended.
+        let (respond, response) = oneshot::channel();
         let this = self.clone();
-        let task = self
-            .writes
-            .spawn(async move { this.write(request, fence).await });
-        Ok(match task.await {
+        self.writes
+            .spawn(async move { this.write(request, fence, respond).await });
+        Ok(match response.await {
             Ok(response) => response,
-            // The task panicked: its permit was released as Unknown by its drop.
-            Err(e) => refuse(Refusal::UpstreamError {
+            // The task panicked before answering: its permit was released as Unknown by its drop.
+            Err(_) => refuse(Refusal::UpstreamError {
                 resource: None,
                 token: None,
-                detail: format!("internal error while forwarding: {e}"),
+                detail: "internal error while forwarding".to_owned(),
                 maybe_applied: true,
             }),
         })
     }
 
-    async fn write(&self, request: Request<Incoming>, fence: Fence) -> Response<ProxyBody> {
+    async fn write(
+        &self,
+        request: Request<Incoming>,
+        fence: Fence,
+        respond: oneshot::Sender<Response<ProxyBody>>,
+    ) {
         let Fence { resource, token } = fence;
+        // A send fails only when the client has gone; the response is then dropped, which ends
+        // its body as abandoned.
+        let reply = |response| {
+            let _ = respond.send(response);
+        };
         let permit = match self.store.admit(&resource, token).await {
             Ok(Admission::Accepted(permit)) => permit,
             Ok(Admission::Stale { highest }) => {
                 metrics::counter!(m::STALE_REJECTIONS_TOTAL, "frontend" => FRONTEND).increment(1);
-                return refuse(Refusal::Stale {
+                return reply(refuse(Refusal::Stale {
                     resource,
                     token,
                     highest,
-                });
+                }));
             }
             Err(e @ StoreError::Busy { .. }) => {
-                return refuse(Refusal::ResourceBusy {
+                return reply(refuse(Refusal::ResourceBusy {
                     resource,
                     token,
                     detail: e.to_string(),
-                });
+                }));
             }
             Err(e @ StoreError::TokenOutOfRange { .. }) => {
-                return refuse(Refusal::BadFence {
+                return reply(refuse(Refusal::BadFence {
                     resource: Some(resource),
                     token: Some(token),
                     detail: e.to_string(),
-                });
+                }));
             }
             Err(e) => {
                 tracing::warn!(%resource, %token, error = %e, "epoch store unavailable; failing closed");
-                return refuse(Refusal::StoreUnavailable {
+                return reply(refuse(Refusal::StoreUnavailable {
                     resource,
                     token,
                     detail: e.to_string(),
-                });
+                }));
             }
         };
-        let (result, outcome) = self.forward(request, Some((&resource, token))).await;
+        // One deadline for the whole exchange: response head, request body and response body.
+        // Past it both bodies are cut off and the outcome is unknown (quarantine).
+        let deadline = Instant::now() + self.config.upstream_timeout;
+        let (request, request_end) = {
+            let (parts, body) = request.into_parts();
+            let (body, end) = TrackedBody::tracked(body, deadline);
+            (Request::from_parts(parts, body), end)
+        };
+        let (result, outcome) = self
+            .forward(request, Some((&resource, token)), deadline)
+            .await;
+        let response = match result {
+            Ok(response) => response,
+            Err(refusal) => {
+                // The forward failed before a response head: its outcome is already decided
+                // (nothing sent, or unknown), whatever became of the request body.
+                self.release(permit, outcome).await;
+                return reply(refuse(refusal));
+            }
+        };
+        m::count(m::RESULT_FORWARDED);
+        let (parts, body) = response.into_parts();
+        let (body, response_end) = TrackedBody::tracked(body, deadline);
+        reply(Response::from_parts(parts, body.boxed()));
+        let outcome = exchange_outcome(request_end, response_end, deadline).await;
+        if outcome != ForwardOutcome::Answered {
+            tracing::debug!(%resource, %token, ?outcome, "write exchange did not end cleanly");
+        }
+        self.release(permit, outcome).await;
+    }
+
+    async fn release(&self, permit: Permit, outcome: ForwardOutcome) {
+        let (resource, token) = (permit.resource().to_owned(), permit.token());
         if let Err(e) = permit.release(outcome).await {
             tracing::warn!(%resource, %token, ?outcome, error = %e, "releasing the resource after a forward");
         }
-        match result {
-            Ok(response) => {
-                m::count(m::RESULT_FORWARDED);
-                response
-            }
-            Err(refusal) => refuse(refusal),
-        }
     }
 
-    /// Sends the request upstream and waits for the response head. Returns what the permit
-    /// needs to know: whether the upstream may have applied the request.
+    /// Sends the request upstream and waits (until `deadline`) for the response head. Returns
+    /// what the permit needs to know if no head came: whether the upstream may have applied it.
     async fn forward(
         &self,
-        request: Request<Incoming>,
+        request: Request<TrackedBody<Incoming>>,
         fence: Option<(&str, lockd_fence::FencingToken)>,
-    ) -> (Result<Response<ProxyBody>, Refusal>, ForwardOutcome) {
+        deadline: Instant,
+    ) -> (Result<Response<Incoming>, Refusal>, ForwardOutcome) {
         let (mut parts, body) = request.into_parts();
         parts.uri = match self.upstream_uri(&parts.uri) {
             Ok(uri) => uri,
@@ -184,8 +232,8 @@ impl Proxy {
         parts.version = http::Version::HTTP_11;
         let request = Request::from_parts(parts, body);
 
-        let started = Instant::now();
-        let sent = tokio::time::timeout(self.config.upstream_timeout, self.client.request(request));
+        let started = std::time::Instant::now();
+        let sent = tokio::time::timeout_at(deadline, self.client.request(request));
         let sent = sent.await;
         metrics::histogram!(m::FORWARD_DURATION_SECONDS, "frontend" => FRONTEND)
             .record(started.elapsed().as_secs_f64());
@@ -196,7 +244,7 @@ impl Proxy {
                 let (mut parts, body) = response.into_parts();
                 strip_hop_by_hop(&mut parts.headers);
                 (
-                    Ok(Response::from_parts(parts, body.boxed())),
+                    Ok(Response::from_parts(parts, body)),
                     ForwardOutcome::Answered,
                 )
             }
@@ -235,6 +283,24 @@ impl Proxy {
             .path_and_query(format!("{}{}", upstream.path_prefix, path_and_query))
             .build()
             .map_err(|e| format!("building the upstream URL for {uri}: {e}"))
+    }
+}
+
+/// Waits until both bodies of a forwarded write have ended (or the deadline has passed) and says
+/// what the permit must be released with. Only an exchange in which every byte went both ways is
+/// `Answered`; anything else leaves a partial or unknown request at the upstream, which the
+/// quarantine waits out.
+async fn exchange_outcome(
+    request_end: oneshot::Receiver<BodyEnd>,
+    response_end: oneshot::Receiver<BodyEnd>,
+    deadline: Instant,
+) -> ForwardOutcome {
+    // A body that is not being polled (its reader blocked on a full socket) cannot notice the
+    // deadline itself, so the wait has its own; the grace lets a body that noticed it report so.
+    let both = async { (request_end.await, response_end.await) };
+    match tokio::time::timeout_at(deadline + DEADLINE_REPORT_GRACE, both).await {
+        Ok((Ok(BodyEnd::Complete), Ok(BodyEnd::Complete))) => ForwardOutcome::Answered,
+        _ => ForwardOutcome::Unknown,
     }
 }
 

@@ -7,6 +7,7 @@ use http::{HeaderValue, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use lockd_fence::{FENCE_PROXY_ERROR_HEADER, FencingToken};
 
+use crate::exchange::BoxError;
 use crate::proxy::ProxyBody;
 
 /// Why the proxy answered a request itself.
@@ -186,7 +187,7 @@ impl Refusal {
 
     pub fn into_response(self) -> Response<ProxyBody> {
         let body = Full::new(Bytes::from(self.json().to_string()))
-            .map_err(|never| match never {})
+            .map_err(|never| -> BoxError { match never {} })
             .boxed();
         let mut response = Response::new(body);
         *response.status_mut() = self.status();

@@ -1,18 +1,20 @@
 //! Accepting connections, and shutting down without leaving a resource locked.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::Context;
 use fence_epoch_store::EpochStore;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
-use tower::ServiceBuilder;
 use tower::limit::ConcurrencyLimitLayer;
+use tower::{ServiceBuilder, ServiceExt};
 use tower_http::trace::TraceLayer;
 
 use crate::{Args, Proxy, ProxyConfig};
@@ -25,6 +27,31 @@ const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 /// Pause after a failed `accept` (for example too many open files), so that the loop does not
 /// spin while the condition lasts.
 const ACCEPT_ERROR_BACKOFF: Duration = Duration::from_millis(100);
+
+/// Bounds on what clients may hold of the server.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// Requests handled at once; more wait for a free slot.
+    pub max_in_flight: usize,
+    /// Client connections open at once; more wait in the kernel's accept backlog.
+    pub max_connections: usize,
+    /// Time a client has to send a complete request head (and, on a new connection, the first
+    /// bytes that show its protocol); past it the connection is closed.
+    pub header_read_timeout: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_in_flight: crate::args::DEFAULT_MAX_IN_FLIGHT as usize,
+            max_connections: crate::args::DEFAULT_MAX_CONNECTIONS as usize,
+            header_read_timeout: humantime::parse_duration(
+                crate::args::DEFAULT_HEADER_READ_TIMEOUT,
+            )
+            .expect("the default header read timeout is a valid duration"),
+        }
+    }
+}
 
 /// Opens the store, binds `--listen`, and serves until `shutdown` is cancelled.
 pub async fn run(args: Args, shutdown: CancellationToken) -> anyhow::Result<()> {
@@ -42,22 +69,17 @@ pub async fn run(args: Args, shutdown: CancellationToken) -> anyhow::Result<()> 
         store = %args.store,
         "fence-proxy http serving"
     );
+    let limits = args.limits();
     let config = ProxyConfig {
         upstream: args.upstream,
         upstream_timeout: args.upstream_timeout,
     };
-    serve(
-        listener,
-        store,
-        config,
-        args.max_in_flight as usize,
-        shutdown,
-    )
-    .await
+    serve_with_limits(listener, store, config, limits, shutdown).await
 }
 
 /// Serves the proxy on `listener` with any [`EpochStore`] until `shutdown` is cancelled; this is
-/// the entry point for a custom store (see `examples/examples/custom_epoch_store.rs`).
+/// the entry point for a custom store (see `examples/examples/custom_epoch_store.rs`). The other
+/// limits keep their defaults ([`Limits::default`]).
 pub async fn serve(
     listener: TcpListener,
     store: Arc<dyn EpochStore>,
@@ -65,16 +87,44 @@ pub async fn serve(
     max_in_flight: usize,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
+    let limits = Limits {
+        max_in_flight,
+        ..Limits::default()
+    };
+    serve_with_limits(listener, store, config, limits, shutdown).await
+}
+
+/// [`serve`] with every limit chosen by the caller.
+pub async fn serve_with_limits(
+    listener: TcpListener,
+    store: Arc<dyn EpochStore>,
+    config: ProxyConfig,
+    limits: Limits,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
     let proxy = Proxy::new(config, store);
     let handler = proxy.clone();
     let service = ServiceBuilder::new()
         .layer(TraceLayer::new_for_http())
-        .layer(ConcurrencyLimitLayer::new(max_in_flight))
+        .layer(ConcurrencyLimitLayer::new(limits.max_in_flight))
         .service_fn(move |request| handler.clone().handle(request));
-    let builder = auto::Builder::new(TokioExecutor::new());
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    // hyper runs this timer from the moment it waits for a request head, idle keep-alive
+    // included, so a client that sends nothing or trickles a head is closed after it.
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout);
     let graceful = GracefulShutdown::new();
+    let connections = Arc::new(Semaphore::new(limits.max_connections));
 
     loop {
+        // Wait for a free connection slot before accepting: past the cap, new connections wait
+        // in the kernel's backlog instead of costing a task and buffers each.
+        let slot = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            slot = connections.clone().acquire_owned() => slot.expect("the semaphore is never closed"),
+        };
         let (stream, peer) = tokio::select! {
             _ = shutdown.cancelled() => break,
             accepted = listener.accept() => match accepted {
@@ -87,15 +137,38 @@ pub async fn serve(
             },
         };
         let _ = stream.set_nodelay(true);
+        // hyper's header timer starts only once the protocol is known; until the first request
+        // arrives this flag lets the watchdog below close a connection that never shows one
+        // (a client that sends nothing, or a few bytes of the HTTP/2 preface).
+        let first_request = Arc::new(AtomicBool::new(false));
+        let seen = first_request.clone();
+        let connection_service = service.clone().map_request(move |request| {
+            seen.store(true, Ordering::Relaxed);
+            request
+        });
         let connection = builder
             .serve_connection(
                 TokioIo::new(stream),
-                TowerToHyperService::new(service.clone()),
+                TowerToHyperService::new(connection_service),
             )
             .into_owned();
         let connection = graceful.watch(connection);
+        let header_read_timeout = limits.header_read_timeout;
         tokio::spawn(async move {
-            if let Err(e) = connection.await {
+            // The slot is given back when this task ends, with the connection.
+            let _slot = slot;
+            tokio::pin!(connection);
+            let ended = tokio::select! {
+                ended = &mut connection => ended,
+                _ = tokio::time::sleep(header_read_timeout) => {
+                    if !first_request.load(Ordering::Relaxed) {
+                        tracing::debug!(%peer, "no request within the header read timeout; closing");
+                        return;
+                    }
+                    connection.await
+                }
+            };
+            if let Err(e) = ended {
                 tracing::debug!(%peer, error = %e, "connection ended with an error");
             }
         });
