@@ -8,6 +8,7 @@
 //! - [`cluster`]: a real multi-process lockd cluster that tests can kill, pause and wipe.
 //! - [`process`]: locating built binaries and owning child processes.
 //! - [`http_upstream`]: an in-process HTTP upstream that logs every request it applied, in order.
+//! - [`fencegen`]: the adversarial session generator for the Postgres front end (`fence-gen`).
 //! - [`fence_proxy`]: `fence-proxy http` as a child process, and an HTTP client for it.
 //! - [`pg`]: the local Postgres, an in-process fence-proxy Postgres front end, psql, a private
 //!   password-protected cluster.
@@ -15,6 +16,7 @@
 pub mod chaos;
 pub mod cluster;
 pub mod fence_proxy;
+pub mod fencegen;
 pub mod http_upstream;
 pub mod pg;
 pub mod process;

@@ -1,0 +1,576 @@
+//! The attacker's building blocks: each [`Block`] kind has one generator that appends wire steps
+//! to a session and updates what the generator believes the session's fence is. Adding an attack
+//! is one enum variant and one function.
+
+use rand::RngExt;
+use rand::rngs::StdRng;
+
+/// One message (or a group that must stay together) the attacker sends.
+#[derive(Clone, Debug)]
+pub enum Step {
+    /// Simple query protocol: one Query message, possibly several statements.
+    Query(String),
+    /// Extended protocol.
+    Parse {
+        name: String,
+        sql: String,
+    },
+    Bind {
+        portal: String,
+        statement: String,
+    },
+    Execute {
+        portal: String,
+    },
+    Sync,
+    Flush,
+    /// COPY FROM STDIN payload, sent right after the COPY query without waiting.
+    CopyData(Vec<u8>),
+    CopyDone,
+}
+
+/// What the generator believes the session's `lockd.fence` is when a write runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Claim {
+    /// Certainly a fence of the case's resource with this (stale) token.
+    Stale(i64),
+    /// Certainly no fence.
+    Unfenced,
+    /// Could be either (a clear or a set that a rollback may have undone).
+    Unknown,
+}
+
+impl Claim {
+    /// The `token_claimed` column: the token, 0 for unfenced, -1 when unknown.
+    pub fn column(self) -> i64 {
+        match self {
+            Claim::Stale(t) => t,
+            Claim::Unfenced => 0,
+            Claim::Unknown => -1,
+        }
+    }
+}
+
+/// Everything a block generator needs about its case.
+pub struct Ctx<'a> {
+    pub rng: &'a mut StdRng,
+    pub case_id: i64,
+    pub resource: &'a str,
+    /// The holder's token T, recorded before the attacker starts. Attackers only ever claim less.
+    pub holder_token: i64,
+    /// Schema-qualified data table, write function and procedure.
+    pub data_table: &'a str,
+    pub write_fn: &'a str,
+    pub proc_name: &'a str,
+    /// Unqualified name of the fence table, for shadowing it with a temporary table.
+    pub fence_table_base: &'a str,
+    pub gid_prefix: &'a str,
+    pub claim: Claim,
+    /// Counter for unique statement, cursor and savepoint names within the session.
+    pub names: u32,
+    pub steps: Vec<Step>,
+}
+
+impl Ctx<'_> {
+    fn name(&mut self, prefix: &str) -> String {
+        self.names += 1;
+        format!("{prefix}{}", self.names)
+    }
+
+    /// One INSERT of a row claiming the current fence.
+    fn write(&self) -> String {
+        format!(
+            "INSERT INTO {} (case_id, resource, token_claimed, session_kind) VALUES ({}, '{}', {}, 'attacker')",
+            self.data_table,
+            self.case_id,
+            self.resource,
+            self.claim.column()
+        )
+    }
+
+    fn fn_call(&self) -> String {
+        format!(
+            "{}({}, '{}', {}, 'attacker')",
+            self.write_fn,
+            self.case_id,
+            self.resource,
+            self.claim.column()
+        )
+    }
+
+    fn q(&mut self, sql: impl Into<String>) {
+        self.steps.push(Step::Query(sql.into()));
+    }
+
+    fn extended(&mut self, sql: impl Into<String>, sync: bool) {
+        self.steps.push(Step::Parse {
+            name: String::new(),
+            sql: sql.into(),
+        });
+        self.steps.push(Step::Bind {
+            portal: String::new(),
+            statement: String::new(),
+        });
+        self.steps.push(Step::Execute {
+            portal: String::new(),
+        });
+        if sync {
+            self.steps.push(Step::Sync);
+        }
+    }
+
+    /// A stale token for the case's resource: T-1 or T-2 (never T or more).
+    fn stale_token(&mut self) -> i64 {
+        self.holder_token - self.rng.random_range(1..=2)
+    }
+
+    /// After a statement that sets a stale fence which may fail or be rolled back.
+    fn after_set(&mut self, token: i64) {
+        self.claim = match self.claim {
+            Claim::Stale(_) => Claim::Stale(token),
+            _ => Claim::Unknown,
+        };
+    }
+
+    /// After a statement that may clear the fence.
+    fn after_clear(&mut self) {
+        if self.claim != Claim::Unfenced {
+            self.claim = Claim::Unknown;
+        }
+    }
+}
+
+/// The kinds of building blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Block {
+    SimpleWrite,
+    ExtendedWrite,
+    PipelineWithoutSync,
+    MultiStatement,
+    Transaction,
+    Savepoints,
+    ErrorInBlock,
+    CommitAndChain,
+    PrepareTransaction,
+    DoWithCommit,
+    CallWithCommit,
+    SqlPrepareReuse,
+    StatementNameReuse,
+    HoldCursor,
+    WritableCte,
+    FunctionFromSelect,
+    CopyIn,
+    SetFence,
+    ClearFence,
+    SearchPath,
+    ConformingStrings,
+    OddQuoting,
+    ShadowFenceTable,
+}
+
+/// Every block kind, for drawing at random.
+pub const ALL: [Block; 23] = [
+    Block::SimpleWrite,
+    Block::ExtendedWrite,
+    Block::PipelineWithoutSync,
+    Block::MultiStatement,
+    Block::Transaction,
+    Block::Savepoints,
+    Block::ErrorInBlock,
+    Block::CommitAndChain,
+    Block::PrepareTransaction,
+    Block::DoWithCommit,
+    Block::CallWithCommit,
+    Block::SqlPrepareReuse,
+    Block::StatementNameReuse,
+    Block::HoldCursor,
+    Block::WritableCte,
+    Block::FunctionFromSelect,
+    Block::CopyIn,
+    Block::SetFence,
+    Block::ClearFence,
+    Block::SearchPath,
+    Block::ConformingStrings,
+    Block::OddQuoting,
+    Block::ShadowFenceTable,
+];
+
+impl Block {
+    /// Appends this block's steps to the session.
+    pub fn generate(self, c: &mut Ctx<'_>) {
+        match self {
+            Block::SimpleWrite => simple_write(c),
+            Block::ExtendedWrite => extended_write(c),
+            Block::PipelineWithoutSync => pipeline_without_sync(c),
+            Block::MultiStatement => multi_statement(c),
+            Block::Transaction => transaction(c),
+            Block::Savepoints => savepoints(c),
+            Block::ErrorInBlock => error_in_block(c),
+            Block::CommitAndChain => commit_and_chain(c),
+            Block::PrepareTransaction => prepare_transaction(c),
+            Block::DoWithCommit => do_with_commit(c),
+            Block::CallWithCommit => call_with_commit(c),
+            Block::SqlPrepareReuse => sql_prepare_reuse(c),
+            Block::StatementNameReuse => statement_name_reuse(c),
+            Block::HoldCursor => hold_cursor(c),
+            Block::WritableCte => writable_cte(c),
+            Block::FunctionFromSelect => function_from_select(c),
+            Block::CopyIn => copy_in(c),
+            Block::SetFence => set_fence(c),
+            Block::ClearFence => clear_fence(c),
+            Block::SearchPath => search_path(c),
+            Block::ConformingStrings => conforming_strings(c),
+            Block::OddQuoting => odd_quoting(c),
+            Block::ShadowFenceTable => shadow_fence_table(c),
+        }
+    }
+}
+
+fn simple_write(c: &mut Ctx<'_>) {
+    let w = c.write();
+    c.q(w);
+}
+
+fn extended_write(c: &mut Ctx<'_>) {
+    let w = c.write();
+    c.extended(w, true);
+}
+
+/// Extended-protocol messages pipelined without Sync (and sometimes with a Flush), followed by
+/// more of them; the next block or the session's end syncs.
+fn pipeline_without_sync(c: &mut Ctx<'_>) {
+    let w = c.write();
+    c.extended("SELECT 1", false);
+    c.extended(w, false);
+    if c.rng.random_bool(0.5) {
+        c.steps.push(Step::Flush);
+    }
+    if c.rng.random_bool(0.5) {
+        c.extended("COMMIT", false);
+    }
+}
+
+fn multi_statement(c: &mut Ctx<'_>) {
+    let w = c.write();
+    let sql = match c.rng.random_range(0..3) {
+        0 => format!("SELECT 1; {w}; SELECT 2"),
+        1 => format!("{w}; {w}"),
+        _ => format!("BEGIN; {w}; COMMIT; {w}"),
+    };
+    c.q(sql);
+}
+
+fn transaction(c: &mut Ctx<'_>) {
+    let w = c.write();
+    let begin = [
+        "BEGIN",
+        "START TRANSACTION",
+        "BEGIN ISOLATION LEVEL SERIALIZABLE",
+    ][c.rng.random_range(0..3)];
+    let end = ["COMMIT", "END", "ROLLBACK", "COMMIT WORK"][c.rng.random_range(0..4)];
+    if c.rng.random_bool(0.5) {
+        c.q(begin);
+        c.q(w);
+        c.q(end);
+    } else {
+        c.extended(begin, false);
+        c.extended(w, false);
+        c.extended(end, true);
+    }
+}
+
+fn savepoints(c: &mut Ctx<'_>) {
+    let w = c.write();
+    let s = c.name("s");
+    let tail = [
+        format!("RELEASE SAVEPOINT {s}"),
+        format!("ROLLBACK TO SAVEPOINT {s}; {w}"),
+        format!("ROLLBACK TO {s}"),
+    ][c.rng.random_range(0..3)]
+    .clone();
+    c.q(format!("BEGIN; SAVEPOINT {s}; {w}; {tail}; COMMIT"));
+}
+
+/// Issue 13, bypass 1: an error aborts the block, then ROLLBACK (or ROLLBACK TO) and a write in
+/// the same Query.
+fn error_in_block(c: &mut Ctx<'_>) {
+    let w = c.write();
+    match c.rng.random_range(0..3) {
+        0 => {
+            c.q("BEGIN");
+            c.q("SELECT 1/0");
+            c.q(format!("ROLLBACK; {w}"));
+        }
+        1 => {
+            let s = c.name("s");
+            c.q(format!("BEGIN; SAVEPOINT {s}"));
+            c.q("SELECT 1/0");
+            c.q(format!("ROLLBACK TO SAVEPOINT {s}; {w}"));
+            c.q("COMMIT");
+        }
+        _ => {
+            c.q("BEGIN");
+            c.extended("SELECT 1/0", true);
+            c.extended("ROLLBACK", false);
+            c.extended(w, true);
+        }
+    }
+}
+
+fn commit_and_chain(c: &mut Ctx<'_>) {
+    let w = c.write();
+    c.q(format!("BEGIN; {w}; COMMIT AND CHAIN; {w}; COMMIT"));
+}
+
+fn prepare_transaction(c: &mut Ctx<'_>) {
+    let w = c.write();
+    let gid = format!("{}_{}_{}", c.gid_prefix, c.case_id, c.names);
+    c.names += 1;
+    c.q(format!("BEGIN; {w}; PREPARE TRANSACTION '{gid}'"));
+    c.q(format!("COMMIT PREPARED '{gid}'"));
+}
+
+/// Issue 13, bypass 4: COMMIT inside DO, over the extended protocol (and the simple one).
+fn do_with_commit(c: &mut Ctx<'_>) {
+    let w = c.write();
+    let body = format!("DO $$ BEGIN {w}; COMMIT; {w}; END $$");
+    if c.rng.random_bool(0.5) {
+        c.extended(body, true);
+    } else {
+        c.q(body);
+    }
+}
+
+fn call_with_commit(c: &mut Ctx<'_>) {
+    let call = format!(
+        "CALL {}({}, '{}', {})",
+        c.proc_name,
+        c.case_id,
+        c.resource,
+        c.claim.column()
+    );
+    if c.rng.random_bool(0.5) {
+        c.extended(call, true);
+    } else {
+        c.q(call);
+    }
+}
+
+/// Issue 13, bypass 2a: a protocol statement name prepared as harmless, deallocated in SQL and
+/// prepared again in SQL as a write, then bound and executed by name.
+fn sql_prepare_reuse(c: &mut Ctx<'_>) {
+    let w = c.write();
+    let s = c.name("gs");
+    c.steps.push(Step::Parse {
+        name: s.clone(),
+        sql: "SHOW work_mem".into(),
+    });
+    c.steps.push(Step::Sync);
+    c.q(format!("DEALLOCATE {s}"));
+    c.q(format!("PREPARE {s} AS {w}"));
+    if c.rng.random_bool(0.5) {
+        c.steps.push(Step::Bind {
+            portal: String::new(),
+            statement: s.clone(),
+        });
+        c.steps.push(Step::Execute {
+            portal: String::new(),
+        });
+        c.steps.push(Step::Sync);
+    } else {
+        c.q(format!("EXECUTE {s}"));
+    }
+    if c.rng.random_bool(0.5) {
+        let deallocate = if c.rng.random_bool(0.5) {
+            "DEALLOCATE ALL".to_owned()
+        } else {
+            format!("DEALLOCATE PREPARE {s}")
+        };
+        c.q(deallocate);
+    }
+}
+
+/// Issue 13, bypass 2b: Parse a name as a write, then Parse the same name as a read (refused by
+/// Postgres with 42P05), then execute it.
+fn statement_name_reuse(c: &mut Ctx<'_>) {
+    let w = c.write();
+    let s = c.name("gn");
+    c.steps.push(Step::Parse {
+        name: s.clone(),
+        sql: w,
+    });
+    c.steps.push(Step::Sync);
+    c.steps.push(Step::Parse {
+        name: s.clone(),
+        sql: "SHOW work_mem".into(),
+    });
+    c.steps.push(Step::Sync);
+    c.steps.push(Step::Bind {
+        portal: String::new(),
+        statement: s,
+    });
+    c.steps.push(Step::Execute {
+        portal: String::new(),
+    });
+    c.steps.push(Step::Sync);
+}
+
+fn hold_cursor(c: &mut Ctx<'_>) {
+    let cur = c.name("gc");
+    let call = c.fn_call();
+    c.q(format!(
+        "BEGIN; DECLARE {cur} CURSOR WITH HOLD FOR SELECT {call}; COMMIT"
+    ));
+    c.q(format!("FETCH ALL FROM {cur}; CLOSE {cur}"));
+}
+
+fn writable_cte(c: &mut Ctx<'_>) {
+    let w = c.write();
+    let sql = format!("WITH w AS ({w} RETURNING 1) SELECT count(*) FROM w");
+    if c.rng.random_bool(0.5) {
+        c.q(sql);
+    } else {
+        c.extended(sql, true);
+    }
+}
+
+fn function_from_select(c: &mut Ctx<'_>) {
+    let call = c.fn_call();
+    let sql = match c.rng.random_range(0..3) {
+        0 => format!("SELECT {call}"),
+        1 => format!("SELECT 1 FROM (SELECT {call}) AS t"),
+        _ => format!("VALUES ({call})"),
+    };
+    if c.rng.random_bool(0.5) {
+        c.q(sql);
+    } else {
+        c.extended(sql, true);
+    }
+}
+
+fn copy_in(c: &mut Ctx<'_>) {
+    c.q(format!(
+        "COPY {} (case_id, resource, token_claimed, session_kind) FROM STDIN",
+        c.data_table
+    ));
+    let row = format!(
+        "{}\t{}\t{}\tattacker\n",
+        c.case_id,
+        c.resource,
+        c.claim.column()
+    );
+    c.steps.push(Step::CopyData(row.into_bytes()));
+    c.steps.push(Step::CopyDone);
+}
+
+/// Every spelling of setting `lockd.fence` to a stale value (issue 13, bypass 6).
+fn set_fence(c: &mut Ctx<'_>) {
+    let t = c.stale_token();
+    let v = format!("{}:{t}", c.resource);
+    let local = c.rng.random_range(0..4) == 0;
+    let sql = match c.rng.random_range(0..9) {
+        0 => format!("SET lockd.fence = '{v}'"),
+        1 => format!("SET lockd.fence TO '{v}'"),
+        2 => format!("SET SESSION lockd.fence = '{v}'"),
+        3 => format!("SET \"lockd\".\"fence\" = '{v}'"),
+        4 => format!("SET lockd.\"fence\" = '{v}'"),
+        5 => format!("SET U&\"lockd\".U&\"f\\0065nce\" = '{v}'"),
+        6 => format!("SELECT set_config('lockd.fence', '{v}', {local})"),
+        7 => format!("SET \"LOCKD\".fence = '{v}'"),
+        _ => format!("SET lockd.fence = E'{}\\x3a{t}'", c.resource),
+    };
+    if local {
+        let w = c.write();
+        let set_local = sql.replacen("SET ", "SET LOCAL ", 1);
+        c.q(format!("BEGIN; {set_local}; {w}; COMMIT"));
+    } else if c.rng.random_bool(0.5) {
+        c.q(sql);
+    } else {
+        c.extended(sql, true);
+    }
+    c.after_set(t);
+}
+
+/// Clearing the fence, including after a write in the same Query (issue 13, bypass 3).
+fn clear_fence(c: &mut Ctx<'_>) {
+    let w = c.write();
+    let clear = [
+        "RESET lockd.fence",
+        "RESET ALL",
+        "DISCARD ALL",
+        "SET lockd.fence TO DEFAULT",
+        "SELECT set_config('lockd.fence', '', false)",
+        "RESET \"lockd\".\"fence\"",
+    ][c.rng.random_range(0..6)];
+    match c.rng.random_range(0..3) {
+        0 => c.q(format!("{w}; {clear}")),
+        1 => c.q(format!("BEGIN; {clear}; {w}; COMMIT")),
+        _ => c.q(clear),
+    }
+    c.after_clear();
+}
+
+fn search_path(c: &mut Ctx<'_>) {
+    let sql = [
+        "SET search_path = pg_temp",
+        "SET search_path TO ''",
+        "SET search_path = pg_temp, public",
+        "SELECT set_config('search_path', 'pg_catalog', false)",
+        "RESET search_path",
+    ][c.rng.random_range(0..5)];
+    c.q(sql);
+}
+
+/// `standard_conforming_strings = off` and a backslash-quoted string that hides a write from a
+/// reader that assumes it is on (issue 13, bypass 5).
+fn conforming_strings(c: &mut Ctx<'_>) {
+    let w = c.write();
+    let set = [
+        "SET standard_conforming_strings = off",
+        "SET standard_conforming_strings TO 'off'",
+        "SELECT set_config('standard_conforming_strings', 'off', false)",
+    ][c.rng.random_range(0..3)];
+    c.q(set);
+    match c.rng.random_range(0..3) {
+        0 => c.q(format!("SELECT 'a\\''; {w}; SELECT ''''")),
+        1 => c.q(format!("SELECT '\\'; {w}; SELECT \\''")),
+        _ => c.q(format!("SELECT E'\\\\'; {w}")),
+    }
+    if c.rng.random_bool(0.5) {
+        c.q("SET standard_conforming_strings = on");
+    }
+}
+
+/// Dollar tags and identifiers with bytes >= 0x80 that are not letters, U&"" and E'' strings
+/// (issue 13, bypass 5).
+fn odd_quoting(c: &mut Ctx<'_>) {
+    let w = c.write();
+    let tags = ["€", "→", "\u{a0}", "é", "_ü", "x€y", "\u{80}"];
+    let tag = tags[c.rng.random_range(0..tags.len())];
+    let sql = match c.rng.random_range(0..4) {
+        0 => format!("SELECT ${tag}$ $$ ${tag}$; {w}; SELECT ${tag}$ $$ ${tag}$"),
+        1 => format!("SELECT 1 AS {tag}a; {w}"),
+        2 => format!("SELECT U&'\\0027' AS \"q\"; {w}"),
+        _ => format!("SELECT E'\\'' AS q; {w}; SELECT E'\\''"),
+    };
+    if c.rng.random_bool(0.8) {
+        c.q(sql);
+    } else {
+        // As one statement of the extended protocol, which refuses several.
+        c.extended(sql, true);
+    }
+}
+
+/// A temporary table named like the fence table (issue 13, bypass 7), then writes.
+fn shadow_fence_table(c: &mut Ctx<'_>) {
+    let t = c.fence_table_base.to_owned();
+    c.q(format!(
+        "CREATE TEMP TABLE IF NOT EXISTS {t} (resource text PRIMARY KEY, token bigint NOT NULL, \
+         updated_at timestamptz NOT NULL DEFAULT now())"
+    ));
+    if c.rng.random_bool(0.5) {
+        c.q("SET search_path = pg_temp, public");
+    }
+    let w = c.write();
+    c.q(w);
+}
