@@ -1,8 +1,9 @@
 //! Length-bounded framing of Postgres protocol messages.
 //!
 //! Every regular message is one type byte and a big-endian `i32` length that counts itself but not
-//! the type byte. The decoder checks the length against the bound before buffering the body, so a
-//! peer cannot make the proxy allocate more than the bound per message.
+//! the type byte. The decoder checks the length against the bound before buffering the body, and
+//! never reserves the declared length up front, so a peer cannot make the proxy allocate more
+//! than the bound per message, nor more than it actually sent.
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt};
@@ -83,7 +84,8 @@ impl Decoder for MessageCodec {
         }
         let total = body + 5;
         if src.len() < total {
-            src.reserve(total - src.len());
+            // No reservation of the declared length: a peer that declares 64 MiB and sends five
+            // bytes must not cost 64 MiB. The reader grows the buffer as bytes arrive.
             return Ok(None);
         }
         let frame = src.split_to(total).freeze();
@@ -130,6 +132,24 @@ mod tests {
         src.put_i32(4 + 9);
         let err = codec.decode(&mut src).unwrap_err();
         assert!(err.to_string().contains("9 bytes"), "{err}");
+    }
+
+    /// Issue 13: a peer that declares a large message and sends nothing more must not make the
+    /// proxy reserve the declared length.
+    #[test]
+    fn issue13_robustness_decoder_does_not_reserve_declared_length() {
+        let mut codec = MessageCodec {
+            max_body_bytes: 64 * 1024 * 1024,
+        };
+        let mut src = BytesMut::new();
+        src.put_u8(b'Q');
+        src.put_i32(60 * 1024 * 1024);
+        assert!(codec.decode(&mut src).unwrap().is_none());
+        assert!(
+            src.capacity() < 1024 * 1024,
+            "reserved {} bytes for a 5-byte header",
+            src.capacity()
+        );
     }
 
     #[test]
