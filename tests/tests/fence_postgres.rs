@@ -1399,3 +1399,35 @@ async fn issue13_robustness_unbounded_statement_names() {
     assert_eq!(r.first_error(), "54000", "{r:?}");
     eprintln!("refused at name {i}: {:?}", r.errors);
 }
+
+/// Goal (issue 13, design): a fence lowered inside a transaction is checked before COMMIT, over
+/// the extended protocol too, and the failed COMMIT leaves the session idle as any failed COMMIT
+/// does.
+/// Method: the holder of 42 begins, writes, sets its fence to 41 inside the block, then sends
+/// COMMIT as Parse/Bind/Execute/Sync.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue13_fence_lowered_inside_the_transaction_fails_the_commit() {
+    let a = Attack::new(false).await;
+    let mut c = a.attacker(Some(42)).await;
+    assert!(c.query("BEGIN").await.errors.is_empty());
+    let w = c.query(&a.insert(41)).await;
+    assert!(w.errors.is_empty(), "{w:?}");
+    let s = c
+        .query(&format!("SET lockd.fence = '{}:41'", a.resource))
+        .await;
+    assert!(s.errors.is_empty(), "{s:?}");
+    let mut out = bytes::BytesMut::new();
+    wire::run("COMMIT", &mut out);
+    wire::sync(&mut out);
+    c.send(&out).await;
+    let r = c.read_until_ready().await;
+    assert_eq!(r.first_error(), STALE, "{r:?}");
+    assert_eq!(r.status, b'I', "{r:?}");
+    a.assert_nothing_committed("COMMIT after lowering the fence")
+        .await;
+    // The session goes on: back to 42, a write commits.
+    c.query(&format!("SET lockd.fence = '{}:42'", a.resource))
+        .await;
+    let w = c.query(&a.insert(42)).await;
+    assert!(w.errors.is_empty(), "{w:?}");
+}

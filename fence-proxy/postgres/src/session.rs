@@ -29,10 +29,11 @@
 //!
 //! # Why a wrong statement kind can only cost compatibility
 //!
-//! The kinds of prepared statements and portals are recorded when the upstream confirms them
-//! (ParseComplete, BindComplete, CloseComplete); a failed Parse of the unnamed statement leaves it
-//! absent, a failed Parse of a named one keeps the old entry, and messages skipped after an error
-//! change nothing. A name the proxy does not know is an ordinary statement. The kind decides
+//! The kinds of prepared statements and portals are projected as Parse, Bind and Close are sent
+//! (a Bind pipelined right behind its Parse must see the Parse's kind) along the path where every
+//! message succeeds, which is exact because an error makes the upstream skip to Sync: on an error
+//! the failed and skipped messages' projections are undone, a failed Parse of the unnamed
+//! statement leaves it absent, and a failed Parse of a named one keeps the old entry. A name the proxy does not know is an ordinary statement. The kind decides
 //! only two things: whether a statement is transaction control, and whether it needs the
 //! opening guard. Mistaking an ordinary statement for transaction control adds a guard or a
 //! BEGIN that warns, or leaves the proxy's block open for the client to commit (through the
@@ -144,6 +145,9 @@ struct Pending {
     /// Whether the proxy owns (must end) the open block once this unit has completed.
     owns_after: bool,
     track: Track,
+    /// How to restore the name map if this unit is skipped or fails: which map (`true` =
+    /// portals), the name, and its kind before the unit was projected.
+    undo: Option<(bool, String, Option<StatementKind>)>,
     /// Drop the 25001 "already a transaction in progress" warning the proxy's block causes.
     suppress_begin_warning: bool,
     /// Replaces the upstream's error for this unit (a Parse the proxy refused).
@@ -158,6 +162,7 @@ impl Pending {
             internal: false,
             owns_after,
             track: Track::Nothing,
+            undo: None,
             suppress_begin_warning: false,
             refusal: None,
             after: After::Continue,
@@ -735,7 +740,7 @@ impl Session {
         }
         let owns = self.group_owns();
         let mut p = Pending::new(Unit::Parse, owns);
-        p.track = Track::Statement(name.clone(), kind);
+        self.project(&mut p, Track::Statement(name.clone(), kind));
         if let Some(e) = refusal {
             // Replaced by a statement that fails at Parse, so the refusal keeps the upstream's
             // response order and the upstream skips to Sync.
@@ -768,7 +773,7 @@ impl Session {
         }
         let owns = self.group_owns();
         let mut p = Pending::new(Unit::Bind, owns);
-        p.track = Track::Portal(portal, kind);
+        self.project(&mut p, Track::Portal(portal, kind));
         self.pending.push_back(p);
         self.out.extend_from_slice(&m.frame);
         Ok(Flow::Continue)
@@ -782,13 +787,14 @@ impl Session {
             body = rest;
             if let Some(name) = codec::read_cstr(&mut body) {
                 // Only names the maps hold need remembering; the others are ordinary anyway.
-                p.track = match variant {
+                let track = match variant {
                     b'S' if self.statements.kinds.contains_key(&name) => {
                         Track::CloseStatement(name)
                     }
                     b'P' if self.portals.kinds.contains_key(&name) => Track::ClosePortal(name),
                     _ => Track::Nothing,
                 };
+                self.project(&mut p, track);
             }
         }
         self.pending.push_back(p);
@@ -863,7 +869,10 @@ impl Session {
             StatementKind::Commit { chain } => {
                 let skip_guard = g.status == b'E' && !g.executed;
                 if g.status != b'I' && !skip_guard {
-                    self.put_internal(&guard, g.owns, g.owns)?;
+                    // If the guard fails, the upstream skips this COMMIT; the proxy then rolls
+                    // the block back at Sync, so the client ends at `I` as after any failed
+                    // COMMIT.
+                    self.put_internal(&guard, true, g.owns)?;
                 }
                 g.owns = false;
                 if g.status != b'I' {
@@ -968,7 +977,6 @@ impl Session {
                 {
                     let done = self.pending.pop_front().expect("front exists");
                     self.request.owns = done.owns_after;
-                    self.apply_track(done.track);
                 }
                 if matches!(tag, b'G' | b'W') {
                     self.copy_in = true;
@@ -984,38 +992,72 @@ impl Session {
         Ok(Flow::Continue)
     }
 
-    fn apply_track(&mut self, track: Track) {
-        match track {
-            Track::Nothing => {}
-            Track::Statement(name, kind) => self.statements.set(name, kind),
-            Track::Portal(name, kind) => self.portals.set(name, kind),
-            Track::CloseStatement(name) => {
-                self.statements.kinds.remove(&name);
+    /// Applies what `track` does to the name maps as the message is sent, so the messages
+    /// behind it in the same group (a Bind right after its Parse, an Execute right after its
+    /// Bind) see the kind they will find upstream, and keeps the undo for [`Self::on_error`].
+    /// Projecting along the path where every message succeeds is exact: an error makes the
+    /// upstream skip everything up to Sync, and the skipped units are undone.
+    fn project(&mut self, p: &mut Pending, track: Track) {
+        let (portal, name, new) = match &track {
+            Track::Nothing => return,
+            Track::Statement(n, k) => (false, n.clone(), Some(k.clone())),
+            Track::Portal(n, k) => (true, n.clone(), Some(k.clone())),
+            Track::CloseStatement(n) => (false, n.clone(), None),
+            Track::ClosePortal(n) => (true, n.clone(), None),
+        };
+        let map = if portal {
+            &mut self.portals
+        } else {
+            &mut self.statements
+        };
+        p.undo = Some((portal, name.clone(), map.kinds.get(&name).cloned()));
+        match new {
+            Some(kind) => map.set(name, kind),
+            None => {
+                map.kinds.remove(&name);
             }
-            Track::ClosePortal(name) => {
-                self.portals.kinds.remove(&name);
+        }
+        p.track = track;
+    }
+
+    fn undo(&mut self, undo: (bool, String, Option<StatementKind>)) {
+        let (portal, name, prev) = undo;
+        let map = if portal {
+            &mut self.portals
+        } else {
+            &mut self.statements
+        };
+        match prev {
+            Some(kind) => map.set(name, kind),
+            None => {
+                map.kinds.remove(&name);
             }
         }
     }
 
     async fn on_error(&mut self, m: Message) -> anyhow::Result<()> {
         let code = error::error_code(m.body());
-        let (internal, refusal) = match self.pending.front_mut() {
-            Some(p) => {
-                // A failed Parse of the unnamed statement leaves none; a named one keeps its
-                // old statement.
-                if let (Unit::Parse, Track::Statement(name, _)) = (p.unit, &p.track)
-                    && name.is_empty()
-                {
-                    self.statements.kinds.remove("");
-                }
-                (p.internal, p.refusal.take())
-            }
-            None => (false, None),
+        let (internal, refusal, unnamed_parse) = match self.pending.front_mut() {
+            Some(p) => (
+                p.internal,
+                p.refusal.take(),
+                matches!((p.unit, &p.track), (Unit::Parse, Track::Statement(name, _)) if name.is_empty()),
+            ),
+            None => (false, None, false),
         };
-        // The upstream skips everything up to the next Sync; so do the expectations.
+        // The upstream skips everything up to the next Sync; so do the expectations, and the
+        // projected name kinds of the failed and skipped messages are undone, newest first.
+        let mut skipped = Vec::new();
         while self.pending.front().is_some_and(|p| p.unit != Unit::Ready) {
-            self.pending.pop_front();
+            skipped.extend(self.pending.pop_front().and_then(|p| p.undo));
+        }
+        for undo in skipped.into_iter().rev() {
+            self.undo(undo);
+        }
+        // A failed Parse of the unnamed statement leaves none; a named one keeps its old
+        // statement (restored above).
+        if unnamed_parse {
+            self.statements.kinds.remove("");
         }
         if let Some(g) = self.group.as_mut() {
             g.failed = true;
