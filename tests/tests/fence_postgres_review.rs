@@ -1,0 +1,323 @@
+//! Adversarial review of the Postgres front end of fence-proxy (issue 13 redesign): raw-wire
+//! attacks against the real Postgres at 127.0.0.1:5432. Each test demonstrates a way for a stale
+//! (or, under `--require-fence`, unfenced) session to commit a write through the proxy; the oracle
+//! is the table itself: no row written by the attacker committed.
+//!
+//! Setup per test (the `Attack` helper, as in fence_postgres.rs): resource `r` with token 42
+//! recorded by an honest holder; the attacker's rows carry token 41.
+
+use std::time::Duration;
+
+use bytes::{BufMut, BytesMut};
+use lockd_tests::pg::{self, PgProxy, RawConn, wire};
+
+/// One attack's world: proxy, table, resource with 42 recorded.
+struct Attack {
+    proxy: PgProxy,
+    direct: tokio_postgres::Client,
+    resource: String,
+    tbl: String,
+}
+
+impl Attack {
+    async fn new(require_fence: bool) -> Attack {
+        pg::require_postgres();
+        let proxy = PgProxy::start(require_fence);
+        let direct = pg::connect(&pg::direct_url().parse().unwrap()).await;
+        let resource = pg::unique_name("review");
+        let tbl = pg::unique_name("review");
+        direct
+            .batch_execute(&format!(
+                "CREATE TABLE {tbl} (id bigserial PRIMARY KEY, token bigint NOT NULL)"
+            ))
+            .await
+            .unwrap();
+        let holder = pg::connect(&proxy.config(Some(&format!("{resource}:42")))).await;
+        holder
+            .execute(&format!("INSERT INTO {tbl} (token) VALUES (42)"), &[])
+            .await
+            .expect("the holder of 42 writes");
+        Attack {
+            proxy,
+            direct,
+            resource,
+            tbl,
+        }
+    }
+
+    /// A raw session with startup `options` (`-c lockd.fence=...`), or none.
+    async fn session(&self, fence: Option<&str>) -> RawConn {
+        let options = fence.map(|f| format!("-c lockd.fence={f}"));
+        RawConn::connect(self.proxy.addr, pg::PG_USER, options.as_deref()).await
+    }
+
+    /// A raw session with these startup `options` verbatim.
+    async fn session_with(&self, options: &str) -> RawConn {
+        RawConn::connect(self.proxy.addr, pg::PG_USER, Some(options)).await
+    }
+
+    /// An INSERT carrying `token`.
+    fn insert(&self, token: i64) -> String {
+        format!("INSERT INTO {} (token) VALUES ({token})", self.tbl)
+    }
+
+    /// Rows committed with a token other than 42 (the attacker's).
+    async fn attacker_rows(&self) -> i64 {
+        self.direct
+            .query_one(
+                &format!("SELECT count(*) FROM {} WHERE token <> 42", self.tbl),
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0)
+    }
+
+    /// Records `what` in `broken` when an attacker row committed (so every variant of a test
+    /// runs before the test fails).
+    async fn check(&self, what: &str, broken: &mut Vec<String>) {
+        let n = self.attacker_rows().await;
+        if n != 0 {
+            broken.push(format!("{what}: {n} row(s) of the attacker committed"));
+        }
+    }
+
+    #[allow(dead_code)]
+    async fn assert_nothing_committed(&self, what: &str) {
+        assert_eq!(
+            self.attacker_rows().await,
+            0,
+            "{what}: a row of the attacker committed"
+        );
+    }
+}
+
+/// A simple Query message with arbitrary (not necessarily UTF-8) text bytes.
+fn raw_query(text: &[u8]) -> BytesMut {
+    let mut out = BytesMut::new();
+    out.put_u8(b'Q');
+    out.put_i32((4 + text.len() + 1) as i32);
+    out.put_slice(text);
+    out.put_u8(0);
+    out
+}
+
+/// Goal: the proxy must read query text as the server does whatever `client_encoding` says.
+/// Method: a session with startup options `-c client_encoding=SJIS` (and `-c lockd.fence=r:41`,
+/// or unfenced under --require-fence) sends one Query whose bytes are
+/// `SET application_name = E'<0x83>\'; COMMIT; INSERT ... (41); SELECT ' -- '`.
+/// The proxy decodes the text as (lossy) UTF-8: it sees U+FFFD, then `\'` (an escaped quote), so
+/// the whole rest is one string literal: a single SET (guard-free), wrapped in its block. The
+/// server converts from SJIS first: 0x83 0x5C is one character (ソ), there is no backslash, and
+/// the text is four statements: SET; COMMIT (ends the proxy's block); INSERT (in an implicit
+/// transaction of its own, no guard, commits); SELECT. (`SET client_encoding` as a query works as
+/// well for an unfenced session; for a stale one the proxy's guard rolls the SET back, hence the
+/// startup option.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review13_sjis_client_encoding_hides_commit_inside_a_string() {
+    let mut broken = Vec::new();
+    for require_fence in [false, true] {
+        let a = Attack::new(require_fence).await;
+        let options = if require_fence {
+            "-c client_encoding=SJIS".to_owned()
+        } else {
+            format!("-c client_encoding=SJIS -c lockd.fence={}:41", a.resource)
+        };
+        let mut c = a.session_with(&options).await;
+        let mut text = b"SET application_name = E'\x83\\'; COMMIT; ".to_vec();
+        text.extend_from_slice(a.insert(41).as_bytes());
+        text.extend_from_slice(b"; SELECT ' -- '");
+        c.send(&raw_query(&text)).await;
+        let r = c.read_until_ready().await;
+        eprintln!("require_fence={require_fence}: SJIS query -> {r:?}");
+        a.check(
+            &format!("require_fence={require_fence}: COMMIT hidden by an SJIS character"),
+            &mut broken,
+        )
+        .await;
+    }
+    assert!(broken.is_empty(), "{broken:#?}");
+}
+
+/// Goal: a wrong entry in the proxy's statement map may only cost compatibility (module doc of
+/// session.rs). It does not: a statement name the proxy believes to be COMMIT (or ROLLBACK,
+/// BEGIN, ROLLBACK TO) is executed at status `I` with no BEGIN and no guard, so if the server's
+/// statement of that name is really an INSERT, the INSERT runs in the extended protocol's
+/// implicit transaction and commits at Sync.
+/// Method: Parse `s1` = `COMMIT` (recorded as Commit on ParseComplete), Sync; SQL `DEALLOCATE
+/// s1`; SQL `PREPARE s1 AS INSERT ...` (the proxy does not track SQL-level PREPARE/DEALLOCATE);
+/// Bind `s1` + Flush (so the BindComplete records the portal's kind before the Execute), then
+/// Execute + Sync. Under --require-fence the attacker is unfenced (its guard only makes the
+/// DEALLOCATE/PREPARE block read-only, which both statements survive). Without it the attacker
+/// connects unfenced and its prepared INSERT sets `lockd.fence` to the stale `r:41` with
+/// set_config in the same (unguarded) transaction, which then commits with fence r:41.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review13_sql_deallocate_leaves_a_commit_kind_for_an_insert() {
+    let mut broken = Vec::new();
+    for require_fence in [true, false] {
+        for control in ["COMMIT", "ROLLBACK", "BEGIN", "ROLLBACK TO SAVEPOINT x"] {
+            let a = Attack::new(require_fence).await;
+            let mut c = a.session(None).await;
+            let mut out = BytesMut::new();
+            wire::parse("s1", control, &mut out);
+            wire::sync(&mut out);
+            c.send(&out).await;
+            let r = c.read_until_ready().await;
+            assert!(r.errors.is_empty(), "Parse s1 = {control}: {r:?}");
+            let r = c.query("DEALLOCATE s1").await;
+            assert!(r.errors.is_empty(), "DEALLOCATE: {r:?}");
+            let prepared = if require_fence {
+                format!("PREPARE s1 AS {}", a.insert(41))
+            } else {
+                format!(
+                    "PREPARE s1 AS INSERT INTO {} (token) SELECT 41 FROM \
+                     (SELECT pg_catalog.set_config('lockd.fence', '{}:41', false)) AS stale",
+                    a.tbl, a.resource
+                )
+            };
+            let r = c.query(&prepared).await;
+            assert!(r.errors.is_empty(), "PREPARE: {r:?}");
+            let mut out = BytesMut::new();
+            wire::bind("", "s1", &mut out);
+            postgres_protocol::message::frontend::flush(&mut out);
+            c.send(&out).await;
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let mut out = BytesMut::new();
+            wire::execute("", &mut out);
+            wire::sync(&mut out);
+            c.send(&out).await;
+            let r = c.read_until_ready().await;
+            eprintln!("require_fence={require_fence} s1={control}: Execute -> {r:?}");
+            let shown = c.query("SHOW lockd.fence").await;
+            eprintln!("SHOW lockd.fence afterwards -> {shown:?}");
+            a.check(
+                &format!(
+                    "require_fence={require_fence}: statement map says {control:?}, server runs INSERT"
+                ),
+                &mut broken,
+            )
+            .await;
+        }
+    }
+    assert!(broken.is_empty(), "{broken:#?}");
+}
+
+/// Goal: the guard runs right before every COMMIT. It does not when the COMMIT is a prepared
+/// statement bound and executed in one pipelined group: the portal's kind is recorded only on
+/// BindComplete, which has not arrived when the proxy plans the Execute, so the proxy takes the
+/// COMMIT for an ordinary statement and (the block being guarded already) adds nothing.
+/// Method: the attacker holds a fence on a fresh resource of its own; Parse `c` = `COMMIT`, Sync;
+/// `BEGIN`; `SELECT 1` (the guard runs and records the own fence); `SET lockd.fence = 'r:41'`
+/// (or `RESET lockd.fence` under --require-fence); `INSERT ... (41)`; then Bind `p` `c`, Execute
+/// `p`, Sync in one write. The transaction commits with the stale (or no) fence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review13_pipelined_bind_execute_of_prepared_commit_skips_the_guard() {
+    let mut broken = Vec::new();
+    for require_fence in [false, true] {
+        let a = Attack::new(require_fence).await;
+        let own = format!("{}_own:1", a.resource);
+        let mut c = a.session(Some(&own)).await;
+        let mut out = BytesMut::new();
+        wire::parse("c", "COMMIT", &mut out);
+        wire::sync(&mut out);
+        c.send(&out).await;
+        let r = c.read_until_ready().await;
+        assert!(r.errors.is_empty(), "Parse c = COMMIT: {r:?}");
+        for sql in ["BEGIN", "SELECT 1"] {
+            let r = c.query(sql).await;
+            assert!(r.errors.is_empty(), "{sql}: {r:?}");
+        }
+        let change = if require_fence {
+            "RESET lockd.fence".to_owned()
+        } else {
+            format!("SET lockd.fence = '{}:41'", a.resource)
+        };
+        let r = c.query(&change).await;
+        assert!(r.errors.is_empty(), "{change}: {r:?}");
+        let r = c.query(&a.insert(41)).await;
+        eprintln!("require_fence={require_fence}: INSERT -> {r:?}");
+        let mut out = BytesMut::new();
+        wire::bind("p", "c", &mut out);
+        wire::execute("p", &mut out);
+        wire::sync(&mut out);
+        c.send(&out).await;
+        let r = c.read_until_ready().await;
+        eprintln!("require_fence={require_fence}: Bind/Execute COMMIT -> {r:?}");
+        a.check(
+            &format!("require_fence={require_fence}: prepared COMMIT without the guard"),
+            &mut broken,
+        )
+        .await;
+    }
+    assert!(broken.is_empty(), "{broken:#?}");
+}
+
+/// Goal: the proxy's expectations of the response stream must follow the server's. A Sync sent
+/// while the server is in COPY FROM STDIN is ignored by the server ("Ignore Flush/Sync for the
+/// convenience of client libraries"), but the proxy opens a group for it and waits for one more
+/// ReadyForQuery than will ever come. From then on every ReadyForQuery is matched to the
+/// previous request: the client gets the ReadyForQuery of the proxy's own `BEGIN; guard` as the
+/// answer to its query and may send the next one while the proxy's block is still running; the
+/// proxy plans that next query from the projected status (`T`, guarded) and forwards it raw, and
+/// the server runs it after the proxy's COMMIT, in an implicit transaction with no guard.
+/// Method: the attacker holds a fence on a fresh resource of its own (so its COPY passes the
+/// guard); COPY FROM STDIN into a scratch table; Sync, CopyData, CopyDone; then `SELECT
+/// pg_sleep(1)` (its early ReadyForQuery arrives at once); then, during the sleep, one Query
+/// `SET lockd.fence = 'r:41'; INSERT ... (41)` (without --require-fence) or `RESET lockd.fence;
+/// INSERT ... (41)` (with it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review13_sync_during_copy_in_desynchronises_the_response_stream() {
+    let mut broken = Vec::new();
+    for require_fence in [false, true] {
+        let a = Attack::new(require_fence).await;
+        let scratch = format!("{}_scratch", a.tbl);
+        a.direct
+            .batch_execute(&format!("CREATE TABLE {scratch} (v bigint)"))
+            .await
+            .unwrap();
+        let own = format!("{}_own:1", a.resource);
+        let mut c = a.session(Some(&own)).await;
+        let mut out = BytesMut::new();
+        postgres_protocol::message::frontend::query(
+            &format!("COPY {scratch} (v) FROM STDIN"),
+            &mut out,
+        )
+        .unwrap();
+        c.send(&out).await;
+        // Let the CopyInResponse reach the proxy, which then reads the client during COPY.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let mut out = BytesMut::new();
+        wire::sync(&mut out);
+        out.put_u8(b'd');
+        out.put_i32(4 + 2);
+        out.put_slice(b"1\n");
+        out.put_u8(b'c');
+        out.put_i32(4);
+        c.send(&out).await;
+        let r = c.read_until_ready().await;
+        eprintln!("require_fence={require_fence}: COPY with a Sync inside -> {r:?}");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+
+        let mut out = BytesMut::new();
+        postgres_protocol::message::frontend::query("SELECT pg_sleep(1)", &mut out).unwrap();
+        c.send(&out).await;
+        let r = c.read_until_ready().await;
+        eprintln!("SELECT pg_sleep(1) -> {r:?}");
+        let attack = if require_fence {
+            format!("RESET lockd.fence; {}", a.insert(41))
+        } else {
+            format!("SET lockd.fence = '{}:41'; {}", a.resource, a.insert(41))
+        };
+        let mut out = BytesMut::new();
+        postgres_protocol::message::frontend::query(&attack, &mut out).unwrap();
+        c.send(&out).await;
+        // Let the sleep end and the server run what the proxy forwarded.
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        a.check(
+            &format!("require_fence={require_fence}: query forwarded raw after a Sync inside COPY"),
+            &mut broken,
+        )
+        .await;
+    }
+    assert!(broken.is_empty(), "{broken:#?}");
+}
