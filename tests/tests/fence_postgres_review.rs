@@ -321,3 +321,72 @@ async fn review13_sync_during_copy_in_desynchronises_the_response_stream() {
     }
     assert!(broken.is_empty(), "{broken:#?}");
 }
+
+/// Goal: the ordinary driver pattern of the extended protocol (Parse, Bind, Execute, ..., Sync
+/// in one write, as pgjdbc sends its COMMIT and ROLLBACK) must be planned like the simple
+/// protocol. It is not: statement kinds are recorded on ParseComplete and portal kinds on
+/// BindComplete, neither of which has arrived when the proxy plans the Execute, so a pipelined
+/// `COMMIT` or `ROLLBACK` is taken for an ordinary statement.
+/// Method, inside the attacker's own block whose guard already ran (`BEGIN; SELECT 1`):
+/// (a) one write of Parse/Bind/Execute `ROLLBACK`, Parse/Bind/Execute `INSERT ... (41)`, Sync:
+///     the server ends the block at the ROLLBACK and runs the INSERT in the group's implicit
+///     transaction, which commits at Sync with no guard (under --require-fence the session is
+///     unfenced and the new transaction is not read-only; without it the session switched its
+///     fence to the stale `r:41` with SET before the group);
+/// (b) `SET lockd.fence = 'r:41'` (or `RESET lockd.fence`), `INSERT ... (41)`, then one write of
+///     Parse/Bind/Execute `COMMIT`, Sync: no guard before the COMMIT.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review13_pipelined_unnamed_commit_or_rollback_is_taken_for_ordinary() {
+    let mut broken = Vec::new();
+    for require_fence in [false, true] {
+        for variant in ["rollback-then-insert", "commit"] {
+            let a = Attack::new(require_fence).await;
+            // Under --require-fence the session is unfenced from the start; without it, it
+            // holds a fence on a fresh resource of its own so its first guard passes.
+            let own = format!("{}_own:1", a.resource);
+            let mut c = if require_fence {
+                a.session(None).await
+            } else {
+                a.session(Some(&own)).await
+            };
+            for sql in ["BEGIN", "SELECT 1"] {
+                let r = c.query(sql).await;
+                assert!(r.errors.is_empty(), "{sql}: {r:?}");
+            }
+            if !require_fence {
+                let r = c
+                    .query(&format!("SET lockd.fence = '{}:41'", a.resource))
+                    .await;
+                assert!(r.errors.is_empty(), "SET: {r:?}");
+            }
+            let mut out = BytesMut::new();
+            if variant == "commit" {
+                if require_fence {
+                    // The guard made this block read-only; a fresh fence of its own lets the
+                    // attacker write, then it drops the fence before committing.
+                    c.query("ROLLBACK").await;
+                    c.query(&format!("SET lockd.fence = '{own}'")).await;
+                    c.query("BEGIN").await;
+                    c.query("SELECT 1").await;
+                    c.query("RESET lockd.fence").await;
+                }
+                let r = c.query(&a.insert(41)).await;
+                eprintln!("{variant} require_fence={require_fence}: INSERT -> {r:?}");
+                wire::run("COMMIT", &mut out);
+            } else {
+                wire::run("ROLLBACK", &mut out);
+                wire::run(&a.insert(41), &mut out);
+            }
+            wire::sync(&mut out);
+            c.send(&out).await;
+            let r = c.read_until_ready().await;
+            eprintln!("{variant} require_fence={require_fence}: group -> {r:?}");
+            a.check(
+                &format!("{variant} require_fence={require_fence}: pipelined transaction control"),
+                &mut broken,
+            )
+            .await;
+        }
+    }
+    assert!(broken.is_empty(), "{broken:#?}");
+}
