@@ -390,3 +390,64 @@ async fn review13_pipelined_unnamed_commit_or_rollback_is_taken_for_ordinary() {
     }
     assert!(broken.is_empty(), "{broken:#?}");
 }
+
+/// Goal: no client input may crash the proxy. The proxy hands every query text to pg_query on a
+/// tokio worker thread (2 MiB stack). The server's grammar builds a left-deep tree for
+/// `1+1+1+...` (bison's own stack stays flat), and pg_query turns the tree into protobuf
+/// recursively in C with no stack-depth check, so a deep enough tree overflows the worker's stack
+/// and the whole process aborts (SIGABRT), taking every session down. (At depth 1,000 the
+/// query is only refused, with 42601, because prost's decoder stops at 100 levels: a
+/// compatibility cost for long expression chains.)
+/// Method: the attack runs in a child process (this test binary re-run with
+/// `REVIEW13_CRASH_CHILD=1`), because the abort kills the process the in-process proxy lives in;
+/// the child sends `SELECT 1+1+...+1` with 1,000, 10,000 and 100,000 terms, each followed by a
+/// fresh session's `SELECT 1`. The test fails if the child dies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review13_deeply_nested_expression_crashes_the_proxy() {
+    const CHILD: &str = "REVIEW13_CRASH_CHILD";
+    if std::env::var_os(CHILD).is_some() {
+        let a = Attack::new(false).await;
+        for depth in [1_000usize, 10_000, 100_000] {
+            let mut c = a.session(None).await;
+            let sql = format!("SELECT 1{}", "+1".repeat(depth));
+            let mut out = BytesMut::new();
+            postgres_protocol::message::frontend::query(&sql, &mut out).unwrap();
+            c.send(&out).await;
+            let r = c.read_until_ready().await;
+            eprintln!(
+                "depth {depth}: first error {:?} status {}",
+                r.first_error(),
+                r.status as char
+            );
+            let mut fresh = a.session(None).await;
+            let r = fresh.query("SELECT 1").await;
+            assert!(
+                r.errors.is_empty() && r.status == b'I',
+                "after depth {depth}: {r:?}"
+            );
+        }
+        return;
+    }
+    let exe = std::env::current_exe().unwrap();
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(exe)
+            .args([
+                "review13_deeply_nested_expression_crashes_the_proxy",
+                "--exact",
+                "--nocapture",
+            ])
+            .env(CHILD, "1")
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let tail: Vec<&str> = stderr.lines().rev().take(6).collect();
+    assert!(
+        out.status.success(),
+        "the proxy's process died ({}): {:#?}",
+        out.status,
+        tail
+    );
+}
