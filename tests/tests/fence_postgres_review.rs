@@ -451,3 +451,35 @@ async fn review13_deeply_nested_expression_crashes_the_proxy() {
         tail
     );
 }
+
+/// Goal (compatibility, not safety): COPY FROM STDIN over the extended protocol, as
+/// tokio-postgres's `copy_in` sends it (Bind, Execute, Sync in one write, then CopyData and
+/// CopyDone), works through the proxy. The proxy puts its own guard and COMMIT messages before
+/// the client's Sync, i.e. behind the Execute that starts the COPY; the server, now reading
+/// CopyData, meets the proxy's Close and fails the COPY ("unexpected message type 0x43 during
+/// COPY from stdin").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review13_extended_protocol_copy_in_fails_through_the_proxy() {
+    use futures::SinkExt;
+    let a = Attack::new(false).await;
+    let scratch = format!("{}_copy", a.tbl);
+    a.direct
+        .batch_execute(&format!("CREATE TABLE {scratch} (v bigint)"))
+        .await
+        .unwrap();
+    let client = pg::connect(&a.proxy.config(None)).await;
+    let result = async {
+        let sink = client
+            .copy_in::<_, bytes::Bytes>(&format!("COPY {scratch} (v) FROM STDIN"))
+            .await?;
+        futures::pin_mut!(sink);
+        sink.send(bytes::Bytes::from_static(b"1\n2\n")).await?;
+        sink.finish().await
+    }
+    .await;
+    assert_eq!(
+        result.as_ref().map_err(|e| format!("{e:?}")),
+        Ok(&2),
+        "copy_in through the proxy"
+    );
+}
