@@ -483,3 +483,139 @@ async fn review13_extended_protocol_copy_in_fails_through_the_proxy() {
         "copy_in through the proxy"
     );
 }
+
+/// Goal: the documented setup ("init as postgres, --grant-to app; applications cannot touch the
+/// fence") must hold when the application role owns its database, the usual way databases are
+/// created. It does not with the default `public.lockd_fence`: since Postgres 15 the `public`
+/// schema is owned by `pg_database_owner`, i.e. by the database's owner, and the owner of a schema
+/// may drop any object in it. The application role drops the guard function (owned by
+/// `postgres`) and creates a no-op one under the same name, in one query so the proxy's own
+/// closing guard already calls the replacement; from then on every session's guard is a no-op
+/// and a stale session writes.
+/// Method: role `o` owning database `d`; `fence-proxy postgres init` as postgres in `d` with the
+/// default table and `--grant-to o`; a proxy in front of `d`; the holder of 42 writes; `o`,
+/// unfenced, sends `DROP FUNCTION public.lockd_fence_guard(boolean); CREATE FUNCTION
+/// public.lockd_fence_guard(require_fence boolean) RETURNS void ... no-op`; then `o` with fence
+/// `r:41` inserts a row of 41.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review13_database_owner_replaces_the_guard_in_public() {
+    pg::require_postgres();
+    let direct = pg::connect(&pg::direct_url().parse().unwrap()).await;
+    let role = pg::unique_name("review13_owner");
+    let db = pg::unique_name("review13_db");
+    direct
+        .batch_execute(&format!("CREATE ROLE {role} LOGIN"))
+        .await
+        .unwrap();
+    direct
+        .batch_execute(&format!("CREATE DATABASE {db} OWNER {role}"))
+        .await
+        .unwrap();
+    let upstream = format!(
+        "postgres://{}@{}:{}/{db}",
+        pg::PG_USER,
+        pg::PG_HOST,
+        pg::PG_PORT
+    );
+    let init_args = fence_proxy_postgres::InitArgs {
+        upstream: upstream.clone(),
+        fence_table: fence_proxy_postgres::DEFAULT_FENCE_TABLE.to_owned(),
+        grant_to: vec![role.clone()],
+    };
+    std::thread::spawn(move || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(fence_proxy_postgres::init(&init_args))
+    })
+    .join()
+    .unwrap()
+    .expect("init in the new database");
+
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{}", pg::free_port()).parse().unwrap();
+    let args = fence_proxy_postgres::Args {
+        listen: addr,
+        upstream: upstream.clone(),
+        require_fence: false,
+        pool_size: 1,
+        max_sessions: 16,
+        max_message_bytes: fence_proxy_postgres::limits::DEFAULT_MAX_MESSAGE_BYTES,
+        connect_timeout_ms: 5_000,
+        startup_timeout_ms: 10_000,
+        fence_table: fence_proxy_postgres::DEFAULT_FENCE_TABLE.to_owned(),
+    };
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let token = shutdown.clone();
+    let proxy = std::thread::spawn(move || {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(fence_proxy_postgres::run(args, token))
+    });
+    let mut up = false;
+    for _ in 0..300 {
+        if tokio::net::TcpStream::connect(addr).await.is_ok() {
+            up = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(up, "proxy did not start");
+
+    let through = |fence: Option<String>| {
+        let mut c: tokio_postgres::Config =
+            format!("postgres://{role}@{}:{}/{db}", addr.ip(), addr.port())
+                .parse()
+                .unwrap();
+        if let Some(f) = fence {
+            c.options(format!("-c lockd.fence={f}"));
+        }
+        c
+    };
+    let resource = pg::unique_name("review_owner");
+    let owner = pg::connect(&through(None)).await;
+    owner
+        .batch_execute("CREATE TABLE fenced_rows (token bigint NOT NULL)")
+        .await
+        .unwrap();
+    let holder = pg::connect(&through(Some(format!("{resource}:42")))).await;
+    holder
+        .batch_execute("INSERT INTO fenced_rows VALUES (42)")
+        .await
+        .expect("the holder of 42 writes");
+
+    let replaced = owner
+        .batch_execute(
+            "DROP FUNCTION public.lockd_fence_guard(boolean); \
+             CREATE FUNCTION public.lockd_fence_guard(require_fence boolean) RETURNS void \
+             LANGUAGE sql AS 'SELECT NULL::void'",
+        )
+        .await;
+    eprintln!("owner replaces the guard -> {replaced:?}");
+    let stale = pg::connect(&through(Some(format!("{resource}:41")))).await;
+    let wrote = stale
+        .batch_execute("INSERT INTO fenced_rows VALUES (41)")
+        .await;
+    eprintln!("stale 41 writes -> {wrote:?}");
+    let rows: i64 = owner
+        .query_one("SELECT count(*) FROM fenced_rows WHERE token <> 42", &[])
+        .await
+        .unwrap()
+        .get(0);
+
+    drop((owner, holder, stale));
+    shutdown.cancel();
+    let _ = proxy.join();
+    let dropped_db = direct
+        .batch_execute(&format!("DROP DATABASE {db} WITH (FORCE)"))
+        .await;
+    let dropped_role = direct.batch_execute(&format!("DROP ROLE {role}")).await;
+    eprintln!("cleanup: {dropped_db:?} {dropped_role:?}");
+    assert_eq!(
+        rows, 0,
+        "the database owner replaced the guard in public and a stale row committed"
+    );
+}
