@@ -619,3 +619,49 @@ async fn review13_database_owner_replaces_the_guard_in_public() {
         "the database owner replaced the guard in public and a stale row committed"
     );
 }
+
+/// Peak resident memory of this process (the in-process proxy and the test client), in KiB.
+fn high_water_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Goal: one client must not be able to exhaust the proxy's memory. The proxy accepts messages of
+/// up to 64 MiB by default and hands every query text to pg_query, whose parse tree and protobuf
+/// encoding (then decoded again by prost) cost hundreds of bytes per byte of SQL: a 4 MB
+/// `SELECT 1,1,...` raised this process's peak by 2.7 GB (and 29 s of CPU) in a debug build,
+/// so a default-sized message (64 MiB), or a few sessions at once, gets the proxy OOM-killed with
+/// every session on it.
+/// Method: one `SELECT 1,1,...,1` of 1 MB through the proxy (the server refuses it with 54011
+/// after the proxy classified it); the process's peak resident memory must grow by less than
+/// 256 MiB (a quarter of the 1 MiB × 1,024 amplification a 64 MiB message would need to stay
+/// under 16 GiB).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review13_one_query_costs_hundreds_of_times_its_size_in_memory() {
+    let a = Attack::new(false).await;
+    let mut c = a.session(None).await;
+    let before = high_water_kib();
+    let sql = format!("SELECT 1{}", ",1".repeat(500_000));
+    let mut out = BytesMut::new();
+    postgres_protocol::message::frontend::query(&sql, &mut out).unwrap();
+    c.send(&out).await;
+    let r = c.read_until_ready().await;
+    let after = high_water_kib();
+    eprintln!(
+        "query of {} bytes: {:?}; peak {} KiB -> {} KiB",
+        sql.len(),
+        r.first_error(),
+        before,
+        after
+    );
+    assert!(
+        after.saturating_sub(before) < 256 * 1024,
+        "one {}-byte query raised the proxy's peak memory by {} MiB",
+        sql.len(),
+        (after - before) / 1024
+    );
+}
