@@ -484,6 +484,28 @@ async fn review13_extended_protocol_copy_in_fails_through_the_proxy() {
     );
 }
 
+/// A database and role of one test, dropped (with psql, so it also runs while panicking) when
+/// the test ends.
+struct DropOnExit {
+    db: String,
+    role: String,
+}
+
+impl Drop for DropOnExit {
+    fn drop(&mut self) {
+        for sql in [
+            format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.db),
+            format!("DROP ROLE IF EXISTS {}", self.role),
+        ] {
+            let _ = std::process::Command::new("psql")
+                .args(["-X", "-q", "-h", pg::PG_HOST, "-U", pg::PG_USER, "-d"])
+                .arg(pg::PG_DATABASE)
+                .args(["-c", &sql])
+                .status();
+        }
+    }
+}
+
 /// Goal: the documented setup ("init as postgres, --grant-to app; applications cannot touch the
 /// fence") must hold when the application role owns its database, the usual way databases are
 /// created. It does not with the default `public.lockd_fence`: since Postgres 15 the `public`
@@ -511,6 +533,11 @@ async fn review13_database_owner_replaces_the_guard_in_public() {
         .batch_execute(&format!("CREATE DATABASE {db} OWNER {role}"))
         .await
         .unwrap();
+    // Drops the database and role even when the test panics half-way.
+    let _cleanup = DropOnExit {
+        db: db.clone(),
+        role: role.clone(),
+    };
     let upstream = format!(
         "postgres://{}@{}:{}/{db}",
         pg::PG_USER,
@@ -609,11 +636,6 @@ async fn review13_database_owner_replaces_the_guard_in_public() {
     drop((owner, holder, stale));
     shutdown.cancel();
     let _ = proxy.join();
-    let dropped_db = direct
-        .batch_execute(&format!("DROP DATABASE {db} WITH (FORCE)"))
-        .await;
-    let dropped_role = direct.batch_execute(&format!("DROP ROLE {role}")).await;
-    eprintln!("cleanup: {dropped_db:?} {dropped_role:?}");
     assert_eq!(
         rows, 0,
         "the database owner replaced the guard in public and a stale row committed"
