@@ -687,3 +687,34 @@ async fn review13_one_query_costs_hundreds_of_times_its_size_in_memory() {
         (after - before) / 1024
     );
 }
+
+/// Goal (transaction semantics, not fencing): a client's own BEGIN sent over the extended
+/// protocol in one write with its first statement (Parse/Bind/Execute `BEGIN`, Parse/Bind/Execute
+/// `INSERT`, Sync, as pgjdbc sends a transaction's start) opens a block the client ends. Through
+/// the proxy the pipelined BEGIN's kind is not known yet (recorded on ParseComplete), so the proxy
+/// opens and owns a block of its own around it and COMMITs it at the Sync: the client's later
+/// ROLLBACK finds nothing to roll back and the INSERT stays.
+/// Method: a fenced session (a fresh resource of its own) sends that group, then `ROLLBACK`; the
+/// row must not exist.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review13_pipelined_client_begin_is_committed_by_the_proxy_at_sync() {
+    let a = Attack::new(false).await;
+    let own = format!("{}_own:1", a.resource);
+    let mut c = a.session(Some(&own)).await;
+    let mut out = BytesMut::new();
+    wire::run("BEGIN", &mut out);
+    wire::run(&a.insert(7), &mut out);
+    wire::sync(&mut out);
+    c.send(&out).await;
+    let r = c.read_until_ready().await;
+    eprintln!("BEGIN; INSERT pipelined -> {r:?}");
+    let status_after_group = r.status;
+    let r = c.query("ROLLBACK").await;
+    eprintln!("ROLLBACK -> {r:?}");
+    let rows = a.attacker_rows().await;
+    assert!(
+        status_after_group == b'T' && rows == 0,
+        "status after the group {:?} (Postgres: 'T'); {rows} row(s) survived the client's ROLLBACK",
+        status_after_group as char
+    );
+}
