@@ -850,41 +850,45 @@ impl Session {
             anyhow::bail!("Execute outside a group");
         };
         let mut suppress = false;
+        // Whatever the projected kind says, no client Execute is forwarded outside a block the
+        // proxy opened: a kind that is wrong (a name redefined by SQL PREPARE/DEALLOCATE the
+        // proxy does not track) then only costs compatibility, never an implicit transaction
+        // that commits on its own. A believed BEGIN gets its options on the proxy's BEGIN.
+        if g.status == b'I' {
+            let begin = match &kind {
+                StatementKind::Begin(sql) => sql.clone(),
+                _ => fence_sql::BEGIN_SQL.to_owned(),
+            };
+            self.put_internal(&begin, false, true)?;
+            g.owns = true;
+            g.status = b'T';
+            self.guarded = false;
+        }
         match &kind {
-            StatementKind::Begin(_) => match g.status {
-                b'I' => {
-                    // The client's BEGIN opens the block itself; the guard comes before its first
-                    // data statement.
-                    g.status = b'T';
-                    self.guarded = false;
-                }
-                b'T' if g.owns => {
+            StatementKind::Begin(_) => {
+                if g.owns {
                     // The client turns the proxy's block into its own, as BEGIN turns an
-                    // implicit transaction into a block.
+                    // implicit transaction into a block; the 25001 warning the proxy's BEGIN
+                    // causes is the proxy's, not the client's.
                     g.owns = false;
                     suppress = true;
                 }
-                _ => {}
-            },
+            }
             StatementKind::Commit { chain } => {
                 let skip_guard = g.status == b'E' && !g.executed;
-                if g.status != b'I' && !skip_guard {
+                if !skip_guard {
                     // If the guard fails, the upstream skips this COMMIT; the proxy then rolls
                     // the block back at Sync, so the client ends at `I` as after any failed
                     // COMMIT.
                     self.put_internal(&guard, true, g.owns)?;
                 }
                 g.owns = false;
-                if g.status != b'I' {
-                    g.status = if *chain { b'T' } else { b'I' };
-                }
+                g.status = if *chain { b'T' } else { b'I' };
                 self.guarded = false;
             }
             StatementKind::Rollback { chain } => {
                 g.owns = false;
-                if g.status != b'I' {
-                    g.status = if *chain { b'T' } else { b'I' };
-                }
+                g.status = if *chain { b'T' } else { b'I' };
                 self.guarded = false;
             }
             StatementKind::RollbackTo => {
@@ -893,28 +897,13 @@ impl Session {
                 }
                 self.guarded = false;
             }
-            StatementKind::Setting => {
-                if g.status == b'I' {
-                    self.put_internal(fence_sql::BEGIN_SQL, false, true)?;
-                    g.owns = true;
-                    g.status = b'T';
-                    self.guarded = false;
-                }
-            }
-            StatementKind::CopyIn | StatementKind::Other => match g.status {
-                b'I' => {
-                    self.put_internal(fence_sql::BEGIN_SQL, false, true)?;
-                    self.put_internal(&guard, true, true)?;
-                    g.owns = true;
-                    g.status = b'T';
-                    self.guarded = true;
-                }
-                b'T' if !self.guarded => {
+            StatementKind::Setting => {}
+            StatementKind::CopyIn | StatementKind::Other => {
+                if g.status == b'T' && !self.guarded {
                     self.put_internal(&guard, g.owns, g.owns)?;
                     self.guarded = true;
                 }
-                _ => {}
-            },
+            }
         }
         g.executed = true;
         let mut p = Pending::new(Unit::Execute, g.owns);
