@@ -14,7 +14,7 @@
 use pg_query::NodeEnum;
 use pg_query::protobuf::{TransactionStmtKind, a_const};
 
-use crate::limits::MAX_STATEMENTS_PER_QUERY;
+use crate::limits::{CLASSIFY_STACK_BYTES, MAX_CLASSIFIED_SQL_BYTES, MAX_STATEMENTS_PER_QUERY};
 
 /// What one top-level statement means for the fence.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -78,6 +78,12 @@ pub enum ClassifyError {
     TooManyStatements,
     #[error("unsupported BEGIN option {0}")]
     BeginOption(String),
+    #[error(
+        "query text of {0} bytes exceeds the {MAX_CLASSIFIED_SQL_BYTES} bytes the proxy parses; pass large values as parameters or load data with COPY"
+    )]
+    TooLong(usize),
+    #[error("the proxy could not run its SQL parser: {0}")]
+    Parser(String),
 }
 
 /// Whether `sql` may only be read with `standard_conforming_strings = on`: it contains a
@@ -92,7 +98,22 @@ pub fn classify(sql: &str) -> Result<Vec<Statement>, ClassifyError> {
     if sql.contains('\0') {
         return Err(ClassifyError::Syntax("NUL byte in query text".to_owned()));
     }
-    let parsed = pg_query::parse(sql).map_err(|e| ClassifyError::Syntax(e.to_string()))?;
+    if sql.len() > MAX_CLASSIFIED_SQL_BYTES {
+        return Err(ClassifyError::TooLong(sql.len()));
+    }
+    // pg_query's protobuf output recurses once per tree level without a stack-depth check: on a
+    // runtime worker's 2 MiB stack a 10,000-term `1+1+...` aborts the process. A thread of its
+    // own with a stack sized for the deepest tree the length bound allows cannot overflow.
+    let parsed = std::thread::scope(|scope| {
+        std::thread::Builder::new()
+            .name("fence-proxy-classify".to_owned())
+            .stack_size(CLASSIFY_STACK_BYTES)
+            .spawn_scoped(scope, || pg_query::parse(sql))
+            .map_err(|e| ClassifyError::Parser(e.to_string()))?
+            .join()
+            .map_err(|_| ClassifyError::Parser("the parser thread panicked".to_owned()))
+    })?
+    .map_err(|e| ClassifyError::Syntax(e.to_string()))?;
     let stmts = &parsed.protobuf.stmts;
     if stmts.len() > MAX_STATEMENTS_PER_QUERY {
         return Err(ClassifyError::TooManyStatements);
@@ -259,5 +280,17 @@ mod tests {
             Err(ClassifyError::Syntax(_))
         ));
         assert!(needs_standard_strings("SELECT '\\''"));
+    }
+
+    /// Review 13: the deepest tree the length bound allows is classified (or refused) without
+    /// overflowing a stack, and longer text is refused before parsing.
+    #[test]
+    fn review13_deep_expressions_and_long_text_do_not_crash() {
+        let terms = (MAX_CLASSIFIED_SQL_BYTES - "SELECT 1".len()) / 2;
+        let deep = format!("SELECT 1{}", "+1".repeat(terms));
+        assert!(deep.len() <= MAX_CLASSIFIED_SQL_BYTES);
+        let _ = classify(&deep);
+        let long = format!("SELECT 1{}", ",1".repeat(terms + 1));
+        assert_eq!(classify(&long), Err(ClassifyError::TooLong(long.len())));
     }
 }

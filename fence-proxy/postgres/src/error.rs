@@ -31,6 +31,8 @@ pub const BAD_FENCE: &str = "22023";
 pub const NOT_SUPPORTED: &str = "0A000";
 /// SQLSTATE of query text the Postgres parser rejects.
 pub const SYNTAX_ERROR: &str = "42601";
+/// Query text that is not valid UTF-8, or a session whose client_encoding is not UTF8.
+pub const CHARACTER_NOT_IN_REPERTOIRE: &str = "22021";
 /// SQLSTATE of a missing guard function (a database where `init` did not run).
 pub const GUARD_MISSING: &str = "42883";
 /// SQLSTATE of a role that may not execute the guard function.
@@ -45,6 +47,8 @@ pub const CONNECTION_FAILURE: &str = "08006";
 pub const TOO_MANY_CONNECTIONS: &str = "53300";
 /// SQLSTATE of the proxy's shutdown.
 pub const ADMIN_SHUTDOWN: &str = "57P01";
+/// The proxy could not run its own machinery (a thread that could not be started).
+pub const INTERNAL_ERROR: &str = "XX000";
 
 /// An error the proxy reports to a client itself.
 #[derive(Debug, Clone, PartialEq, Eq)]

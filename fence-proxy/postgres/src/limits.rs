@@ -30,6 +30,21 @@ pub const MAX_NAME_BYTES: usize = 1_024;
 /// pipelines messages without reading answers). Each costs a few dozen bytes.
 pub const MAX_PENDING_UNITS: usize = 10_000;
 
+/// Longest SQL text (one Query or Parse) the proxy classifies. Postgres's parser and pg_query's
+/// protobuf encoding of the tree (decoded again by prost) cost several hundred bytes of memory
+/// per byte of SQL (a 1 MB `SELECT 1,1,...` raised the proxy's peak by over 600 MiB), so this
+/// bound, not `--max-message-bytes`, is what keeps one query from exhausting the proxy: 128 KiB
+/// costs at most about 100 MiB for the moment of classification. Larger data belongs in
+/// parameters (Bind values are not parsed) or COPY, which carry any size.
+pub const MAX_CLASSIFIED_SQL_BYTES: usize = 128 * 1024;
+
+/// Stack of the thread that classifies SQL. pg_query turns the parse tree into protobuf
+/// recursively in C without a depth check; the deepest tree a text of
+/// [`MAX_CLASSIFIED_SQL_BYTES`] can produce is a left-deep `1+1+...` of one level per two bytes
+/// (about 65,000 levels), which needs far less than this. The stack is reserved, not touched, so
+/// it costs address space, not memory.
+pub const CLASSIFY_STACK_BYTES: usize = 512 * 1024 * 1024;
+
 /// Statements of one simple-query message the proxy classifies. Scripts sent in one message
 /// (psql -c, migrations) rarely have more than a few hundred; the bound keeps the classification
 /// vector small. (The parse tree itself is bounded by `--max-message-bytes`.)

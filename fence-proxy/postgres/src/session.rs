@@ -281,6 +281,11 @@ pub struct Session {
     /// `standard_conforming_strings` is off (from ParameterStatus): text with a backslash is
     /// refused because the proxy's parser would read it differently.
     standard_strings_off: bool,
+    /// `client_encoding` as the server last reported it (ParameterStatus), `None` before any
+    /// report. The server converts client SQL from this encoding before lexing it; the proxy
+    /// reads UTF-8, so any other encoding (SJIS, GBK, BIG5 carry 0x5c `\\` as a trailing byte
+    /// of a multibyte character) makes the proxy refuse client SQL.
+    client_encoding: Option<String>,
     /// Responses still owed by the upstream, oldest first.
     pending: VecDeque<Pending>,
     statements: NameMap,
@@ -308,6 +313,7 @@ impl Session {
         up_tx: Tx,
         status: u8,
         standard_strings_off: bool,
+        client_encoding: Option<String>,
     ) -> Self {
         Session {
             cfg,
@@ -318,6 +324,7 @@ impl Session {
             status,
             guarded: false,
             standard_strings_off,
+            client_encoding,
             pending: VecDeque::new(),
             statements: NameMap::default(),
             portals: NameMap::default(),
@@ -482,7 +489,11 @@ impl Session {
                 .await;
         }
         let mut body = m.body();
-        let text = codec::read_cstr(&mut body).unwrap_or_default();
+        let raw = codec::read_cbytes(&mut body).unwrap_or_default();
+        let text = match self.sql_text(raw) {
+            Ok(t) => t,
+            Err(e) => return self.reject_request(e).await,
+        };
         let stmts = match self.read_sql(&text) {
             Ok(s) => s,
             Err(e) => return self.reject_request(e).await,
@@ -537,6 +548,47 @@ impl Session {
         self.plan_simple(&stmts, ClientOp::Message(m)).await
     }
 
+    /// The text of client SQL as the server will read it, or why the proxy cannot know that. The
+    /// server converts the bytes from `client_encoding` before lexing; the proxy's parser reads
+    /// UTF-8 and never decodes lossily. Every client encoding the server supports is a superset
+    /// of ASCII (multibyte characters use lead bytes of 0x80 and above, which is where SJIS, GBK
+    /// or BIG5 can hide a 0x5c `\\` as a trailing byte), so ASCII text reads the same in all of
+    /// them; non-ASCII text is accepted only while the encoding is UTF8. Inside a group, an
+    /// Execute already sent may have changed the encoding (any statement can call
+    /// `set_config('client_encoding', ...)`) before its ParameterStatus arrived, so non-ASCII
+    /// text is refused there too.
+    fn sql_text(&self, raw: &[u8]) -> Result<String, ProxyError> {
+        let utf8 = self
+            .client_encoding
+            .as_deref()
+            .is_some_and(|e| e.eq_ignore_ascii_case("UTF8") || e.eq_ignore_ascii_case("UTF-8"));
+        if !raw.is_ascii() {
+            if !utf8 {
+                let shown = self.client_encoding.as_deref().unwrap_or("(not reported)");
+                return Err(ProxyError::error(
+                    error::CHARACTER_NOT_IN_REPERTOIRE,
+                    format!(
+                        "fence-proxy: client_encoding is {shown} and the query text is not ASCII; the proxy reads non-ASCII SQL as UTF8 only, so it cannot read this query as Postgres would"
+                    ),
+                )
+                .with_hint("SET client_encoding = 'UTF8' (or connect with client_encoding=UTF8)"));
+            }
+            if self.group.as_ref().is_some_and(|g| g.executed) {
+                return Err(ProxyError::error(
+                    error::CHARACTER_NOT_IN_REPERTOIRE,
+                    "fence-proxy: non-ASCII statement text after an Execute in the same pipelined group: an earlier statement may have changed client_encoding, so the proxy cannot read it as Postgres would",
+                )
+                .with_hint("send a Sync after the Execute, or pass non-ASCII values as parameters"));
+            }
+        }
+        String::from_utf8(raw.to_vec()).map_err(|e| {
+            ProxyError::error(
+                error::CHARACTER_NOT_IN_REPERTOIRE,
+                format!("fence-proxy: query text is not valid UTF-8: {e}"),
+            )
+        })
+    }
+
     /// Classifies client SQL, or says why it is refused.
     fn read_sql(&self, text: &str) -> Result<Vec<Statement>, ProxyError> {
         // Inside a group, an Execute already sent may have turned the setting off before its
@@ -554,6 +606,8 @@ impl Session {
             ClassifyError::Syntax(_) => ProxyError::error(error::SYNTAX_ERROR, &e),
             ClassifyError::TooManyStatements => ProxyError::error(error::LIMIT_EXCEEDED, &e),
             ClassifyError::BeginOption(_) => ProxyError::error(error::NOT_SUPPORTED, &e),
+            ClassifyError::TooLong(_) => ProxyError::error(error::LIMIT_EXCEEDED, &e),
+            ClassifyError::Parser(_) => ProxyError::error(error::INTERNAL_ERROR, &e),
         })
     }
 
@@ -718,11 +772,11 @@ impl Session {
     async fn parse(&mut self, m: Message) -> anyhow::Result<Flow> {
         let mut body = m.body();
         let name = codec::read_cstr(&mut body).unwrap_or_default();
-        let text = codec::read_cstr(&mut body).unwrap_or_default();
+        let raw = codec::read_cbytes(&mut body).unwrap_or_default();
         if let Err(e) = Self::check_name(&name, "prepared statement") {
             return self.refuse_in_group(e).await;
         }
-        let (kind, refusal) = match self.read_sql(&text) {
+        let (kind, refusal) = match self.sql_text(raw).and_then(|text| self.read_sql(&text)) {
             // One statement: its kind. Several: the upstream refuses the Parse anyway.
             Ok(stmts) if stmts.len() == 1 => (stmts[0].kind.clone(), None),
             Ok(_) => (StatementKind::Other, None),
@@ -950,10 +1004,12 @@ impl Session {
                 }
             }
             b'S' => {
-                if let Some((name, value)) = parameter_status(m.body())
-                    && name == "standard_conforming_strings"
-                {
-                    self.standard_strings_off = value != "on";
+                if let Some((name, value)) = parameter_status(m.body()) {
+                    match name.as_str() {
+                        "standard_conforming_strings" => self.standard_strings_off = value != "on",
+                        "client_encoding" => self.client_encoding = Some(value),
+                        _ => {}
+                    }
                 }
                 self.send_client(&m).await?;
             }

@@ -110,6 +110,9 @@ pub async fn handshake(mut client: TcpStream, cfg: Arc<Config>) -> anyhow::Resul
 
     // Tracked from ParameterStatus: the session must know how the server lexes strings.
     let mut standard_strings_off = false;
+    // The server converts client SQL from client_encoding; the proxy reads UTF-8 only, so it must
+    // know the encoding (GUC_REPORT: the server reports it during startup).
+    let mut client_encoding: Option<String> = None;
     // Authentication is the upstream's business: relay its requests and the client's answers
     // (cleartext, md5, SASL/SCRAM) byte for byte until the first ReadyForQuery.
     let status = loop {
@@ -138,8 +141,12 @@ pub async fn handshake(mut client: TcpStream, cfg: Arc<Config>) -> anyhow::Resul
         client_tx.write_all(&msg.frame).await?;
         if msg.tag == b'S' {
             let mut body = msg.body();
-            if codec::read_cstr(&mut body).as_deref() == Some("standard_conforming_strings") {
-                standard_strings_off = codec::read_cstr(&mut body).as_deref() != Some("on");
+            match codec::read_cstr(&mut body).as_deref() {
+                Some("standard_conforming_strings") => {
+                    standard_strings_off = codec::read_cstr(&mut body).as_deref() != Some("on");
+                }
+                Some("client_encoding") => client_encoding = codec::read_cstr(&mut body),
+                _ => {}
             }
         }
         match msg.tag {
@@ -188,6 +195,7 @@ pub async fn handshake(mut client: TcpStream, cfg: Arc<Config>) -> anyhow::Resul
         up_tx,
         status,
         standard_strings_off,
+        client_encoding,
     ))))
 }
 
