@@ -513,9 +513,6 @@ pub fn init_guard(upstream: &str, table: &str) {
 
 /// SQL that lets `role` use this process's guard function, as `init --grant-to` does.
 pub fn grant_guard_sql(role: &str) -> String {
-    let table = fence_table();
-    let schema = table.split('.').next().unwrap();
-    format!(
-        "GRANT USAGE ON SCHEMA {schema} TO {role}; GRANT EXECUTE ON FUNCTION {table}_guard(boolean) TO {role};"
-    )
+    let table = fence_proxy_postgres::fence_sql::FenceTable::parse(&fence_table()).unwrap();
+    table.grant_sql(role)
 }

@@ -11,7 +11,12 @@
 //! compiles the same whatever `standard_conforming_strings` a session has.
 
 /// Validated, schema-qualified table name (`public.lockd_fence`, `ops.fences`). The guard
-/// function lives in the same schema, named after the table with a `_guard` suffix.
+/// function lives in the dedicated schema [`GUARD_SCHEMA`], owned by the role that ran `init`
+/// (application roles get USAGE only), never in the table's schema: since Postgres 15 `public` is
+/// owned by `pg_database_owner`, and the owner of a schema may drop any object in it, so a
+/// database owner could replace a guard kept there with a no-op.
+/// The guard is named after the table: `lockd_fence_guard` for `public.lockd_fence`,
+/// `<schema>__<table>_guard` for other schemas.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FenceTable {
     schema: String,
@@ -21,6 +26,14 @@ pub struct FenceTable {
 /// Longest table name accepted: Postgres truncates identifiers at 63 bytes, and the guard
 /// function's name adds `_guard` (6 bytes) to it.
 const MAX_TABLE_NAME_BYTES: usize = 63 - 6;
+
+/// Longest identifier Postgres keeps without truncating (NAMEDATALEN - 1).
+const MAX_IDENTIFIER_BYTES: usize = 63;
+
+/// The schema of the guard functions. `init` creates it owned by its own role and refuses a
+/// schema of that name owned by anyone else; the proxy's start-up check refuses a guard whose
+/// schema is not owned by the guard's owner.
+pub const GUARD_SCHEMA: &str = "lockd_fence_proxy";
 
 impl FenceTable {
     /// Parses `[schema.]name` of plain lower-case identifiers; an unqualified name lives in
@@ -38,15 +51,22 @@ impl FenceTable {
             [s, t] => (*s, *t),
             _ => ("", ""),
         };
-        if plain(schema) && plain(table) && !schema.starts_with("pg_") {
-            Ok(FenceTable {
+        if plain(schema) && plain(table) && !schema.starts_with("pg_") && schema != GUARD_SCHEMA {
+            let t = FenceTable {
                 schema: schema.to_owned(),
                 table: table.to_owned(),
-            })
+            };
+            let guard = t.guard_name();
+            if guard.len() > MAX_IDENTIFIER_BYTES {
+                return Err(format!(
+                    "fence table {name:?}: the guard function's name {guard:?} would exceed {MAX_IDENTIFIER_BYTES} bytes; use shorter schema and table names"
+                ));
+            }
+            Ok(t)
         } else {
             Err(format!(
                 "fence table {name:?} must be [schema.]name of lower-case letters, digits and _ \
-                 (at most {MAX_TABLE_NAME_BYTES} bytes each, schema not pg_*)"
+                 (at most {MAX_TABLE_NAME_BYTES} bytes each, schema not pg_* nor {GUARD_SCHEMA})"
             ))
         }
     }
@@ -56,9 +76,18 @@ impl FenceTable {
         format!("{}.{}", self.schema, self.table)
     }
 
-    /// `schema.table_guard`, the guard function.
+    /// The guard function's unqualified name.
+    fn guard_name(&self) -> String {
+        if self.schema == "public" {
+            format!("{}_guard", self.table)
+        } else {
+            format!("{}__{}_guard", self.schema, self.table)
+        }
+    }
+
+    /// `lockd_fence_proxy.<name>`, the guard function.
     pub fn guard_function(&self) -> String {
-        format!("{}.{}_guard", self.schema, self.table)
+        format!("{GUARD_SCHEMA}.{}", self.guard_name())
     }
 
     /// The signature `to_regprocedure` looks up.
@@ -71,10 +100,15 @@ impl FenceTable {
         format!("SELECT {}({require_fence})", self.guard_function())
     }
 
-    /// Whether the guard function exists in the connected database.
+    /// Whether the guard function exists in the connected database as `init` installs it: a
+    /// SECURITY DEFINER function in a schema owned by the function's owner (so nobody else can
+    /// drop and replace it).
     pub fn exists_sql(&self) -> String {
         format!(
-            "SELECT pg_catalog.to_regprocedure('{}') IS NOT NULL",
+            "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_proc p \
+             JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace \
+             WHERE p.oid = pg_catalog.to_regprocedure('{}') \
+             AND p.prosecdef AND n.nspowner = p.proowner)",
             self.guard_signature()
         )
     }
@@ -86,7 +120,18 @@ impl FenceTable {
         let t = self.qualified();
         let f = self.guard_function();
         format!(
-            r#"CREATE SCHEMA IF NOT EXISTS {schema};
+            r#"SELECT pg_catalog.pg_advisory_xact_lock(pg_catalog.hashtext('{guard_schema}'));
+CREATE SCHEMA IF NOT EXISTS {guard_schema};
+DO $lockd_init$
+BEGIN
+  IF (SELECT n.nspowner FROM pg_catalog.pg_namespace n WHERE n.nspname = '{guard_schema}')
+     IS DISTINCT FROM (SELECT r.oid FROM pg_catalog.pg_roles r WHERE r.rolname = CURRENT_USER) THEN
+    RAISE EXCEPTION 'fence-proxy: schema {guard_schema} exists and is owned by another role than %, which could replace the guard function; drop or reassign it first', CURRENT_USER;
+  END IF;
+END
+$lockd_init$;
+REVOKE ALL ON SCHEMA {guard_schema} FROM PUBLIC;
+CREATE SCHEMA IF NOT EXISTS {schema};
 CREATE TABLE IF NOT EXISTS {t} (resource text PRIMARY KEY, token bigint NOT NULL, updated_at timestamptz NOT NULL);
 REVOKE ALL ON TABLE {t} FROM PUBLIC;
 CREATE OR REPLACE FUNCTION {f}(require_fence boolean) RETURNS void
@@ -102,6 +147,18 @@ DECLARE
   v_highest bigint;
   v_bad boolean;
 BEGIN
+  -- The table must be the one init created: an ordinary table owned by this function's owner
+  -- (CURRENT_USER inside SECURITY DEFINER). Whoever owns the table's schema (a database owner
+  -- owns public) could otherwise drop it and create one of their own with lower tokens.
+  IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_class c
+                 WHERE c.oid = pg_catalog.to_regclass('{t}')
+                   AND c.relkind = 'r'
+                   AND c.relowner = (SELECT r.oid FROM pg_catalog.pg_roles r WHERE r.rolname = CURRENT_USER)) THEN
+    RAISE EXCEPTION USING
+      ERRCODE = '55000',
+      MESSAGE = pg_catalog.format('fence-proxy: the fence table {t} is missing, not an ordinary table, or not owned by %s, the owner of the guard: no transaction can be fenced', CURRENT_USER),
+      HINT = 'Rerun fence-proxy postgres init as the role that owns the guard, after removing the foreign table.';
+  END IF;
   IF v_fence IS NULL OR v_fence = '' THEN
     IF require_fence THEN
       IF pg_catalog.pg_current_xact_id_if_assigned() IS NOT NULL THEN
@@ -171,16 +228,16 @@ $lockd_guard$;
 REVOKE ALL ON FUNCTION {f}(boolean) FROM PUBLIC;
 "#,
             schema = self.schema,
+            guard_schema = GUARD_SCHEMA,
         )
     }
 
-    /// The statements that let `role` use the guard: USAGE on the schema and EXECUTE on the
-    /// function, and nothing on the table.
+    /// The statements that let `role` use the guard: USAGE on the guard's schema and EXECUTE on
+    /// the function, and nothing on the table.
     pub fn grant_sql(&self, role: &str) -> String {
         let role = quote_ident(role);
         format!(
-            "GRANT USAGE ON SCHEMA {} TO {role};\nGRANT EXECUTE ON FUNCTION {}(boolean) TO {role};\n",
-            self.schema,
+            "GRANT USAGE ON SCHEMA {GUARD_SCHEMA} TO {role};\nGRANT EXECUTE ON FUNCTION {}(boolean) TO {role};\n",
             self.guard_function()
         )
     }
@@ -210,8 +267,15 @@ mod tests {
             "public.lockd_fence"
         );
         let t = FenceTable::parse("ops.fences").unwrap();
-        assert_eq!(t.guard_function(), "ops.fences_guard");
-        assert_eq!(t.guard_call(true), "SELECT ops.fences_guard(true)");
+        assert_eq!(t.guard_function(), "lockd_fence_proxy.ops__fences_guard");
+        assert_eq!(
+            t.guard_call(true),
+            "SELECT lockd_fence_proxy.ops__fences_guard(true)"
+        );
+        assert_eq!(
+            FenceTable::parse("lockd_fence").unwrap().guard_function(),
+            "lockd_fence_proxy.lockd_fence_guard"
+        );
         for bad in [
             "",
             "a.b.c",
@@ -221,6 +285,7 @@ mod tests {
             "a b",
             "pg_temp.x",
             "a.",
+            "lockd_fence_proxy.x",
         ] {
             assert!(FenceTable::parse(bad).is_err(), "{bad:?} accepted");
         }

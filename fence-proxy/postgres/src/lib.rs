@@ -26,7 +26,7 @@ pub mod classify;
 mod codec;
 mod config;
 mod error;
-mod fence_sql;
+pub mod fence_sql;
 mod fence_value;
 pub mod limits;
 mod metrics_names;
