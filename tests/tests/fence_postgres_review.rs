@@ -305,8 +305,10 @@ async fn review13_sync_during_copy_in_desynchronises_the_response_stream() {
         c.send(&out).await;
         let r = c.read_until_ready().await;
         eprintln!("SELECT pg_sleep(1) -> {r:?}");
+        // `RESET lockd.fence` would restore the startup value (the attacker's own valid fence),
+        // so the unfenced variant empties the setting instead.
         let attack = if require_fence {
-            format!("RESET lockd.fence; {}", a.insert(41))
+            format!("SET lockd.fence = ''; {}", a.insert(41))
         } else {
             format!("SET lockd.fence = '{}:41'; {}", a.resource, a.insert(41))
         };

@@ -152,6 +152,9 @@ struct Pending {
     suppress_begin_warning: bool,
     /// Replaces the upstream's error for this unit (a Parse the proxy refused).
     refusal: Option<ProxyError>,
+    /// A client Execute the proxy believes to start COPY FROM STDIN: if it completes without
+    /// entering copy mode (a wrong kind), the client's messages need not wait any longer.
+    starts_copy: bool,
     after: After,
 }
 
@@ -165,6 +168,7 @@ impl Pending {
             undo: None,
             suppress_begin_warning: false,
             refusal: None,
+            starts_copy: false,
             after: After::Continue,
         }
     }
@@ -257,6 +261,18 @@ struct Group {
     failed: bool,
 }
 
+/// The upstream's COPY FROM STDIN mode, as the proxy follows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Copy {
+    Off,
+    /// A statement the proxy believes to be COPY FROM STDIN was forwarded and its answer
+    /// (CopyInResponse, an error, or CommandComplete) has not arrived: the client's next messages
+    /// wait, because the proxy must not put its own messages behind the COPY.
+    Starting,
+    /// The upstream reads CopyData (CopyInResponse or CopyBothResponse arrived).
+    In,
+}
+
 /// Whether the relay loop continues.
 enum Flow {
     Continue,
@@ -297,9 +313,8 @@ pub struct Session {
     /// A Sync, Query or FunctionCall was forwarded and its ReadyForQuery has not reached the
     /// client: the client's next messages wait, so each request starts from a known status.
     awaiting_ready: bool,
-    /// The upstream is in COPY FROM STDIN and needs the client's CopyData although a request is
-    /// outstanding.
-    copy_in: bool,
+    /// Where the upstream is in COPY FROM STDIN (see [`Copy`]).
+    copy: Copy,
     /// Upstream messages being assembled for one write.
     out: BytesMut,
 }
@@ -331,7 +346,7 @@ impl Session {
             group: None,
             request: Request::new(),
             awaiting_ready: false,
-            copy_in: false,
+            copy: Copy::Off,
             out: BytesMut::new(),
         }
     }
@@ -340,9 +355,12 @@ impl Session {
     pub async fn run(mut self, shutdown: CancellationToken) -> anyhow::Result<()> {
         loop {
             // In COPY FROM STDIN the upstream waits for the client's data, so reading the client
-            // never stops there.
-            let read_client =
-                (!self.awaiting_ready && self.pending.len() < MAX_PENDING_UNITS) || self.copy_in;
+            // never stops there; while a COPY's start is unanswered, the client waits.
+            let read_client = match self.copy {
+                Copy::In => true,
+                Copy::Starting => false,
+                Copy::Off => !self.awaiting_ready && self.pending.len() < MAX_PENDING_UNITS,
+            };
             let flow = tokio::select! {
                 msg = self.client_rx.next(), if read_client => {
                     match msg {
@@ -390,7 +408,12 @@ impl Session {
             }
             // While a request is outstanding the client's next messages stay unread, so what was
             // written upstream must go out now even if more client bytes are buffered.
-            if self.client_rx.read_buffer().is_empty() || (self.awaiting_ready && !self.copy_in) {
+            let holding = match self.copy {
+                Copy::In => false,
+                Copy::Starting => true,
+                Copy::Off => self.awaiting_ready,
+            };
+            if self.client_rx.read_buffer().is_empty() || holding {
                 self.up_tx.flush().await?;
             }
         }
@@ -455,6 +478,9 @@ impl Session {
 
     async fn on_client(&mut self, m: Message) -> anyhow::Result<Flow> {
         tracing::trace!(tag = %(m.tag as char), len = m.frame.len(), pending = self.pending.len(), "client message");
+        if self.copy == Copy::In {
+            return self.in_copy(m).await;
+        }
         match m.tag {
             b'Q' => self.simple_query(m).await,
             b'F' => self.function_call(m).await,
@@ -464,6 +490,39 @@ impl Session {
             _ => {
                 self.out.extend_from_slice(&m.frame);
                 Ok(Flow::Continue)
+            }
+        }
+    }
+
+    /// A client message while the upstream is in COPY FROM STDIN. The server accepts CopyData,
+    /// CopyDone and CopyFail there and ignores Flush and Sync ("for the convenience of client
+    /// libraries"), so a Sync creates no expected ReadyForQuery; the proxy drops it rather than
+    /// forwarding it, so that a server which left copy mode on an error cannot answer it either
+    /// (clients send another Sync after CopyDone or CopyFail, which the group ends with). Any
+    /// other message would fail the COPY in a way the proxy cannot follow: the session ends.
+    async fn in_copy(&mut self, m: Message) -> anyhow::Result<Flow> {
+        match m.tag {
+            b'd' => {
+                self.out.extend_from_slice(&m.frame);
+                Ok(Flow::Continue)
+            }
+            b'c' | b'f' => {
+                // The server leaves copy mode on CopyDone or CopyFail; the proxy's own block
+                // ends after it (at the query's ReadyForQuery or the group's next Sync).
+                self.copy = Copy::Off;
+                self.out.extend_from_slice(&m.frame);
+                Ok(Flow::Continue)
+            }
+            b'S' | b'H' => Ok(Flow::Continue),
+            tag => {
+                self.refuse_in_group(ProxyError::error(
+                    error::PROTOCOL_VIOLATION,
+                    format!(
+                        "message type {:?} during COPY FROM STDIN; expected CopyData, CopyDone or CopyFail",
+                        tag as char
+                    ),
+                ))
+                .await
             }
         }
     }
@@ -959,8 +1018,16 @@ impl Session {
                 }
             }
         }
+        let starts_copy = kind == StatementKind::CopyIn;
+        if starts_copy {
+            // The server reads CopyData right after this Execute: nothing of the proxy's own may
+            // follow it, so the client's next messages wait for CopyInResponse (or an error, or
+            // CommandComplete if the kind was wrong).
+            self.copy = Copy::Starting;
+        }
         g.executed = true;
         let mut p = Pending::new(Unit::Execute, g.owns);
+        p.starts_copy = starts_copy;
         p.suppress_begin_warning = suppress;
         self.pending.push_back(p);
         self.group = Some(g);
@@ -1022,12 +1089,14 @@ impl Session {
                 {
                     let done = self.pending.pop_front().expect("front exists");
                     self.request.owns = done.owns_after;
+                    if done.starts_copy && self.copy == Copy::Starting {
+                        // A statement the proxy took for COPY FROM STDIN completed without
+                        // entering copy mode (a wrong kind): nothing to wait for.
+                        self.copy = Copy::Off;
+                    }
                 }
                 if matches!(tag, b'G' | b'W') {
-                    self.copy_in = true;
-                }
-                if tag == b'C' {
-                    self.copy_in = false;
+                    self.copy = Copy::In;
                 }
                 if !internal && !self.request.internal_failed {
                     self.send_client(&m).await?;
@@ -1107,7 +1176,7 @@ impl Session {
         if let Some(g) = self.group.as_mut() {
             g.failed = true;
         }
-        self.copy_in = false;
+        self.copy = Copy::Off;
         let result = if code.as_deref() == Some(error::STALE_TOKEN) {
             RequestResult::Stale
         } else {
@@ -1178,7 +1247,7 @@ impl Session {
                 break;
             }
         }
-        self.copy_in = false;
+        self.copy = Copy::Off;
         if status == b'I' {
             self.guarded = false;
             // Portals live until their transaction ends.
