@@ -23,9 +23,17 @@
 //!   ReadyForQuery. Inside an extended-protocol group the proxy projects the status along the
 //!   path where every message succeeds: an error makes the upstream skip to Sync, and the
 //!   proxy's expectations skip with it.
-//! - **SQL is read by Postgres's grammar** (`classify`); text it cannot parse is refused, and so
-//!   is text with a backslash while `standard_conforming_strings` is off (tracked from
-//!   ParameterStatus).
+//! - **SQL is read by Postgres's grammar** (`classify`, on a thread with a stack sized for the
+//!   deepest tree the text bound allows); text it cannot parse is refused, and so is text with a
+//!   backslash while `standard_conforming_strings` is off, non-ASCII text unless
+//!   `client_encoding` is UTF8 (both tracked from ParameterStatus; inside a group after an
+//!   Execute either may have changed unseen, so both rules apply there too), text that is not
+//!   valid UTF-8, and text longer than `MAX_CLASSIFIED_SQL_BYTES`.
+//! - **COPY FROM STDIN is followed as the server follows it.** After a statement the proxy
+//!   believes to start COPY FROM STDIN, nothing of the proxy's own is sent and the client waits
+//!   until the upstream answers (CopyInResponse, an error, or CommandComplete for a wrong kind).
+//!   In copy mode the server ignores Flush and Sync, so the proxy drops them and expects no
+//!   ReadyForQuery; CopyDone or CopyFail end the mode, and the proxy ends its block after that.
 //!
 //! # Why a wrong statement kind can only cost compatibility
 //!
@@ -33,17 +41,30 @@
 //! (a Bind pipelined right behind its Parse must see the Parse's kind) along the path where every
 //! message succeeds, which is exact because an error makes the upstream skip to Sync: on an error
 //! the failed and skipped messages' projections are undone, a failed Parse of the unnamed
-//! statement leaves it absent, and a failed Parse of a named one keeps the old entry. A name the proxy does not know is an ordinary statement. The kind decides
-//! only two things: whether a statement is transaction control, and whether it needs the
-//! opening guard. Mistaking an ordinary statement for transaction control adds a guard or a
-//! BEGIN that warns, or leaves the proxy's block open for the client to commit (through the
-//! guard). The unsafe mistake would be taking a real COMMIT for an ordinary statement: a COMMIT
-//! can only be created by a protocol Parse (SQL `PREPARE` accepts SELECT, INSERT, UPDATE, DELETE,
-//! MERGE and VALUES only), and every Parse the upstream accepts is recorded before its name can
-//! be bound. A wrong "needs no opening guard" cannot commit anything either, because the guard
-//! before the commit still runs. The one place the proxy skips a guard before a client COMMIT is
-//! the first Execute of a group that starts in a failed transaction, where the upstream's own
-//! status (from ReadyForQuery) says that COMMIT can only roll back.
+//! statement leaves it absent, and a failed Parse of a named one keeps the old entry. The map can
+//! still be wrong: SQL `PREPARE` and `DEALLOCATE` redefine names the proxy does not follow. So
+//! safety rests on rules that hold whatever the kind:
+//!
+//! - At projected status `I`, every client Execute (whatever its believed kind: BEGIN, COMMIT,
+//!   ROLLBACK, ROLLBACK TO, SET, or anything else) is preceded by the proxy's own BEGIN (with the
+//!   believed BEGIN's options), so no client statement runs in an implicit transaction that
+//!   commits on its own at Sync. After a believed transaction end the projected status is `I`
+//!   again, so the next statement again gets a BEGIN (and the guard where it needs one); whether
+//!   the transaction was guarded is tracked per projected transaction.
+//! - The guard runs right before every Execute believed to be a commit, and before the proxy's
+//!   own COMMIT. A statement believed to be something else that really is a COMMIT can only have
+//!   been created by a protocol Parse (SQL `PREPARE` accepts SELECT, INSERT, UPDATE, DELETE,
+//!   MERGE and VALUES only), and every Parse is projected before its name can be bound.
+//! - A statement believed to be transaction control or a setting that really is a data statement
+//!   runs inside a block: either the proxy's (which it ends through the guard) or one left open
+//!   for the client (status `T`), whose COMMIT again goes through the guard; under
+//!   `--require-fence` the guard refuses the commit of an unfenced transaction that wrote.
+//! - A wrong "COPY" belief only holds the client until the statement's answer; a wrong "not
+//!   COPY" makes the proxy's own messages fail the COPY, which rolls back.
+//!
+//! The one place the proxy skips a guard before a client COMMIT is the first Execute of a group
+//! that starts in a failed transaction, where the upstream's own status (from ReadyForQuery) says
+//! that COMMIT can only roll back.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -273,6 +294,14 @@ enum Copy {
     In,
 }
 
+/// What the upstream reported during startup: the transaction status of its first
+/// ReadyForQuery and the settings that decide how it reads client SQL.
+pub struct Reported {
+    pub status: u8,
+    pub standard_strings_off: bool,
+    pub client_encoding: Option<String>,
+}
+
 /// Whether the relay loop continues.
 enum Flow {
     Continue,
@@ -326,10 +355,13 @@ impl Session {
         client_tx: Tx,
         up_rx: Rx,
         up_tx: Tx,
-        status: u8,
-        standard_strings_off: bool,
-        client_encoding: Option<String>,
+        reported: Reported,
     ) -> Self {
+        let Reported {
+            status,
+            standard_strings_off,
+            client_encoding,
+        } = reported;
         Session {
             cfg,
             client_rx,

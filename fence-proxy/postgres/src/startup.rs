@@ -193,9 +193,11 @@ pub async fn handshake(mut client: TcpStream, cfg: Arc<Config>) -> anyhow::Resul
         client_tx,
         up_rx,
         up_tx,
-        status,
-        standard_strings_off,
-        client_encoding,
+        crate::session::Reported {
+            status,
+            standard_strings_off,
+            client_encoding,
+        },
     ))))
 }
 
