@@ -633,18 +633,43 @@ async fn review13_database_owner_replaces_the_guard_in_public() {
         )
         .await;
     eprintln!("owner replaces the guard -> {replaced:?}");
+    // The owner of `public` may also drop the fence table (owned by postgres) and create one of
+    // its own; done directly, not through the proxy (whose closing guard would refuse it), this
+    // must make every guard fail rather than read the owner's rows.
+    let direct_owner = pg::connect(
+        &format!("postgres://{role}@{}:{}/{db}", pg::PG_HOST, pg::PG_PORT)
+            .parse()
+            .unwrap(),
+    )
+    .await;
+    let table_replaced = direct_owner
+        .batch_execute(
+            "DROP TABLE public.lockd_fence; \
+             CREATE TABLE public.lockd_fence (resource text PRIMARY KEY, token bigint NOT NULL, \
+             updated_at timestamptz NOT NULL)",
+        )
+        .await;
+    eprintln!("owner replaces the fence table directly -> {table_replaced:?}");
+    drop(direct_owner);
     let stale = pg::connect(&through(Some(format!("{resource}:41")))).await;
     let wrote = stale
         .batch_execute("INSERT INTO fenced_rows VALUES (41)")
         .await;
     eprintln!("stale 41 writes -> {wrote:?}");
-    let rows: i64 = owner
+    // Counted directly: through the proxy every guard now fails (closed) on the foreign table.
+    let counter = pg::connect(
+        &format!("postgres://{role}@{}:{}/{db}", pg::PG_HOST, pg::PG_PORT)
+            .parse()
+            .unwrap(),
+    )
+    .await;
+    let rows: i64 = counter
         .query_one("SELECT count(*) FROM fenced_rows WHERE token <> 42", &[])
         .await
         .unwrap()
         .get(0);
 
-    drop((owner, holder, stale));
+    drop((owner, holder, stale, counter));
     shutdown.cancel();
     let _ = proxy.join();
     assert_eq!(
