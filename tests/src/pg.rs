@@ -77,8 +77,12 @@ impl PgProxy {
         Self::start_with(direct_url(), require_fence)
     }
 
-    /// Starts a proxy in front of `upstream`.
+    /// Starts a proxy in front of `upstream`, after installing the guard there.
     pub fn start_with(upstream: String, require_fence: bool) -> PgProxy {
+        let fence_table = fence_table();
+        if upstream != direct_url() {
+            init_guard(&upstream, &fence_table);
+        }
         let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
         let args = fence_proxy_postgres::Args {
             listen: addr,
@@ -89,7 +93,7 @@ impl PgProxy {
             max_message_bytes: fence_proxy_postgres::limits::DEFAULT_MAX_MESSAGE_BYTES,
             connect_timeout_ms: 5_000,
             startup_timeout_ms: 10_000,
-            fence_table: "lockd_fence".to_owned(),
+            fence_table,
         };
         let shutdown = CancellationToken::new();
         let token = shutdown.clone();
@@ -309,4 +313,206 @@ impl Drop for PrivateCluster {
         self._server.kill();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// What one request (a simple Query, or an extended-protocol group up to Sync) got back on a
+/// [`RawConn`].
+#[derive(Debug, Default)]
+pub struct RawReply {
+    /// `(SQLSTATE, message)` of every ErrorResponse, in order.
+    pub errors: Vec<(String, String)>,
+    /// SQLSTATEs of every NoticeResponse.
+    pub notices: Vec<String>,
+    /// Type bytes of every message before ReadyForQuery, in order.
+    pub tags: Vec<u8>,
+    /// The transaction status of the final ReadyForQuery.
+    pub status: u8,
+}
+
+impl RawReply {
+    /// The SQLSTATE of the first error, or "" when there was none.
+    pub fn first_error(&self) -> &str {
+        self.errors.first().map(|e| e.0.as_str()).unwrap_or("")
+    }
+}
+
+/// A bare protocol-3 client over TCP (trust authentication only), so tests can send exactly the
+/// message sequences an attacker would: Parse/Bind/Execute without Sync, pipelined groups, names
+/// of any size, queries no driver would build.
+pub struct RawConn {
+    stream: tokio::net::TcpStream,
+    buf: bytes::BytesMut,
+}
+
+impl RawConn {
+    /// Connects as `user` to `database` at `addr` with startup `options` (e.g. `-c lockd.fence=r:41`).
+    pub async fn connect(addr: SocketAddr, user: &str, options: Option<&str>) -> RawConn {
+        use tokio::io::AsyncWriteExt;
+        let stream = tokio::net::TcpStream::connect(addr)
+            .await
+            .unwrap_or_else(|e| panic!("connecting to {addr}: {e}"));
+        let mut conn = RawConn {
+            stream,
+            buf: bytes::BytesMut::new(),
+        };
+        let mut params = vec![("user", user), ("database", PG_DATABASE)];
+        if let Some(o) = options {
+            params.push(("options", o));
+        }
+        let mut out = bytes::BytesMut::new();
+        postgres_protocol::message::frontend::startup_message(params, &mut out).unwrap();
+        conn.stream.write_all(&out).await.unwrap();
+        let reply = conn.read_until_ready().await;
+        assert!(
+            reply.errors.is_empty(),
+            "startup as {user} with {options:?} failed: {:?}",
+            reply.errors
+        );
+        conn
+    }
+
+    /// Sends raw bytes (one or more encoded frontend messages).
+    pub async fn send(&mut self, bytes: &[u8]) {
+        use tokio::io::AsyncWriteExt;
+        self.stream.write_all(bytes).await.unwrap();
+    }
+
+    /// Sends a simple Query and reads up to its ReadyForQuery.
+    pub async fn query(&mut self, sql: &str) -> RawReply {
+        let mut out = bytes::BytesMut::new();
+        postgres_protocol::message::frontend::query(sql, &mut out).unwrap();
+        self.send(&out).await;
+        self.read_until_ready().await
+    }
+
+    /// Reads backend messages until ReadyForQuery (or the connection ends).
+    pub async fn read_until_ready(&mut self) -> RawReply {
+        use tokio::io::AsyncReadExt;
+        let mut reply = RawReply::default();
+        loop {
+            while self.buf.len() >= 5 {
+                let len = i32::from_be_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]])
+                    as usize;
+                if self.buf.len() < len + 1 {
+                    break;
+                }
+                let frame = self.buf.split_to(len + 1);
+                let tag = frame[0];
+                let body = &frame[5..];
+                match tag {
+                    b'Z' => {
+                        reply.status = body[0];
+                        return reply;
+                    }
+                    b'E' => reply.errors.push((field(body, b'C'), field(body, b'M'))),
+                    b'N' => reply.notices.push(field(body, b'C')),
+                    _ => {}
+                }
+                reply.tags.push(tag);
+            }
+            let n =
+                tokio::time::timeout(Duration::from_secs(30), self.stream.read_buf(&mut self.buf))
+                    .await
+                    .expect("no ReadyForQuery within 30 s")
+                    .unwrap();
+            if n == 0 {
+                reply.status = b'X';
+                return reply;
+            }
+        }
+    }
+}
+
+fn field(body: &[u8], wanted: u8) -> String {
+    let mut rest = body;
+    while let Some((&f, tail)) = rest.split_first() {
+        if f == 0 {
+            break;
+        }
+        let end = tail.iter().position(|&b| b == 0).unwrap_or(tail.len());
+        if f == wanted {
+            return String::from_utf8_lossy(&tail[..end]).into_owned();
+        }
+        rest = &tail[(end + 1).min(tail.len())..];
+    }
+    String::new()
+}
+
+/// Encoders for extended-protocol messages with no parameters, for [`RawConn::send`].
+pub mod wire {
+    use bytes::BytesMut;
+    use postgres_protocol::message::frontend;
+
+    pub fn parse(name: &str, sql: &str, out: &mut BytesMut) {
+        frontend::parse(name, sql, std::iter::empty(), out).unwrap();
+    }
+
+    pub fn bind(portal: &str, statement: &str, out: &mut BytesMut) {
+        frontend::bind(
+            portal,
+            statement,
+            std::iter::empty(),
+            std::iter::empty::<()>(),
+            |(), _| Ok(postgres_protocol::IsNull::No),
+            std::iter::empty(),
+            out,
+        )
+        .map_err(|_| "bind")
+        .unwrap();
+    }
+
+    pub fn execute(portal: &str, out: &mut BytesMut) {
+        frontend::execute(portal, 0, out).unwrap();
+    }
+
+    pub fn sync(out: &mut BytesMut) {
+        frontend::sync(out);
+    }
+
+    /// Parse, Bind and Execute of `sql` in the unnamed statement and portal.
+    pub fn run(sql: &str, out: &mut BytesMut) {
+        parse("", sql, out);
+        bind("", "", out);
+        execute("", out);
+    }
+}
+
+/// The fence table of this test process: a schema of its own, so test binaries running in
+/// parallel (and anyone else on the shared Postgres) never share fence rows. Installed with
+/// `fence-proxy postgres init`'s library function the first time it is asked for.
+pub fn fence_table() -> String {
+    static TABLE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    TABLE
+        .get_or_init(|| {
+            let table = format!("{}.lockd_fence", unique_name("lockd_fence_test"));
+            init_guard(&direct_url(), &table);
+            table
+        })
+        .clone()
+}
+
+/// Runs `fence-proxy postgres init` for `table` on `upstream` (on a thread of its own, so async
+/// tests may call it).
+pub fn init_guard(upstream: &str, table: &str) {
+    let args = fence_proxy_postgres::InitArgs {
+        upstream: upstream.to_owned(),
+        fence_table: table.to_owned(),
+        grant_to: Vec::new(),
+    };
+    std::thread::spawn(move || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(fence_proxy_postgres::init(&args))
+    })
+    .join()
+    .expect("init thread")
+    .unwrap_or_else(|e| panic!("fence-proxy postgres init: {e:#}"));
+}
+
+/// SQL that lets `role` use this process's guard function, as `init --grant-to` does.
+pub fn grant_guard_sql(role: &str) -> String {
+    let table = fence_proxy_postgres::fence_sql::FenceTable::parse(&fence_table()).unwrap();
+    table.grant_sql(role)
 }

@@ -32,7 +32,8 @@ enum Command {
         #[command(flatten)]
         args: fence_proxy_http::Args,
     },
-    /// Postgres front end: wire-protocol proxy that records each fenced transaction's token.
+    /// Postgres front end: wire-protocol proxy that guards every transaction. Install the guard
+    /// first with `fence-proxy postgres init --upstream URL [--fence-table T] [--grant-to ROLE]`.
     Postgres {
         #[command(flatten)]
         common: Common,
@@ -55,7 +56,24 @@ enum LogFormat {
     Json,
 }
 
+/// `fence-proxy postgres init`: installs the fence table and the guard function.
+#[derive(Parser, Debug)]
+#[command(name = "fence-proxy postgres init")]
+struct InitCli {
+    #[command(flatten)]
+    args: fence_proxy_postgres::InitArgs,
+}
+
 fn main() -> ExitCode {
+    // `postgres init` is recognised before the main parser: `fence-proxy postgres` itself takes
+    // the proxy's flags (with --upstream required), which a clap subcommand would have to relax.
+    let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    if let Some(i) = argv
+        .windows(2)
+        .position(|w| w[0] == "postgres" && w[1] == "init")
+    {
+        return run_init(argv[i + 2..].to_vec());
+    }
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) if e.kind() == clap::error::ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
@@ -84,6 +102,42 @@ fn main() -> ExitCode {
     };
     match runtime.block_on(run(cli.command)) {
         Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("fence-proxy: error: {}", one_line(&format!("{e:#}")));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run_init(rest: Vec<std::ffi::OsString>) -> ExitCode {
+    let cli = match InitCli::try_parse_from(
+        std::iter::once(std::ffi::OsString::from("fence-proxy postgres init")).chain(rest),
+    ) {
+        Ok(cli) => cli,
+        Err(e) if !e.use_stderr() => {
+            let _ = e.print();
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            eprintln!("fence-proxy: {}", one_line(&e.to_string()));
+            return ExitCode::from(2);
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("fence-proxy: error: starting the Tokio runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(fence_proxy_postgres::init(&cli.args)) {
+        Ok(report) => {
+            print!("{report}");
+            ExitCode::SUCCESS
+        }
         Err(e) => {
             eprintln!("fence-proxy: error: {}", one_line(&format!("{e:#}")));
             ExitCode::FAILURE

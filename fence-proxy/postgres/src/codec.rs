@@ -1,8 +1,9 @@
 //! Length-bounded framing of Postgres protocol messages.
 //!
 //! Every regular message is one type byte and a big-endian `i32` length that counts itself but not
-//! the type byte. The decoder checks the length against the bound before buffering the body, so a
-//! peer cannot make the proxy allocate more than the bound per message.
+//! the type byte. The decoder checks the length against the bound before buffering the body, and
+//! never reserves the declared length up front, so a peer cannot make the proxy allocate more
+//! than the bound per message, nor more than it actually sent.
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt};
@@ -83,7 +84,8 @@ impl Decoder for MessageCodec {
         }
         let total = body + 5;
         if src.len() < total {
-            src.reserve(total - src.len());
+            // No reservation of the declared length: a peer that declares 64 MiB and sends five
+            // bytes must not cost 64 MiB. The reader grows the buffer as bytes arrive.
             return Ok(None);
         }
         let frame = src.split_to(total).freeze();
@@ -111,6 +113,15 @@ pub async fn read_startup_packet<R: AsyncRead + Unpin>(
 }
 
 /// Reads a NUL-terminated string from the front of `buf`, advancing past the NUL.
+/// Reads a NUL-terminated byte string without decoding it (client SQL text, which must never
+/// be decoded lossily: the proxy must read exactly the bytes the server reads).
+pub fn read_cbytes<'a>(buf: &mut &'a [u8]) -> Option<&'a [u8]> {
+    let end = buf.iter().position(|&b| b == 0)?;
+    let s = &buf[..end];
+    *buf = &buf[end + 1..];
+    Some(s)
+}
+
 pub fn read_cstr(buf: &mut &[u8]) -> Option<String> {
     let end = buf.iter().position(|&b| b == 0)?;
     let s = String::from_utf8_lossy(&buf[..end]).into_owned();
@@ -130,6 +141,24 @@ mod tests {
         src.put_i32(4 + 9);
         let err = codec.decode(&mut src).unwrap_err();
         assert!(err.to_string().contains("9 bytes"), "{err}");
+    }
+
+    /// Issue 13: a peer that declares a large message and sends nothing more must not make the
+    /// proxy reserve the declared length.
+    #[test]
+    fn issue13_robustness_decoder_does_not_reserve_declared_length() {
+        let mut codec = MessageCodec {
+            max_body_bytes: 64 * 1024 * 1024,
+        };
+        let mut src = BytesMut::new();
+        src.put_u8(b'Q');
+        src.put_i32(60 * 1024 * 1024);
+        assert!(codec.decode(&mut src).unwrap().is_none());
+        assert!(
+            src.capacity() < 1024 * 1024,
+            "reserved {} bytes for a 5-byte header",
+            src.capacity()
+        );
     }
 
     #[test]

@@ -2,17 +2,22 @@
 //!
 //! | condition | SQLSTATE | severity |
 //! |---|---|---|
-//! | stale fencing token (raised inside the upstream transaction) | `55P03` lock_not_available | ERROR |
-//! | malformed `lockd.fence` value, in SET or in the startup options | `22023` invalid_parameter_value | ERROR (FATAL at startup) |
-//! | `SET LOCAL lockd.fence`, fence SET mixed with other statements, a statement after COMMIT/ROLLBACK TO in one fenced message, FunctionCall in a guarded session | `0A000` feature_not_supported | ERROR |
-//! | message longer than `--max-message-bytes`, too many tracked statements | `54000` program_limit_exceeded | FATAL / ERROR |
+//! | stale fencing token (raised by the guard inside the upstream transaction) | `55P03` lock_not_available | ERROR |
+//! | malformed `lockd.fence` value (raised by the guard; FATAL when given as a startup option) | `22023` invalid_parameter_value | ERROR (FATAL at startup) |
+//! | unfenced transaction wrote under `--require-fence` (raised by the guard) | `25006` read_only_sql_transaction | ERROR |
+//! | a statement after COMMIT/END/ROLLBACK/ABORT/PREPARE TRANSACTION in one query; a backslash while `standard_conforming_strings` is off; an unsupported BEGIN option | `0A000` feature_not_supported | ERROR |
+//! | query text the Postgres parser rejects | `42601` syntax_error | ERROR |
+//! | guard function missing in the session's database | `42883` undefined_function | ERROR |
+//! | role not granted EXECUTE on the guard function | `42501` insufficient_privilege | ERROR |
+//! | message longer than `--max-message-bytes`, statement or portal name too long, too many tracked names | `54000` program_limit_exceeded | FATAL |
 //! | malformed frame or startup packet, unsupported protocol version | `08P01` protocol_violation | FATAL |
 //! | upstream unreachable or its connection lost | `08006` connection_failure | FATAL |
 //! | `--max-sessions` reached | `53300` too_many_connections | FATAL |
 //! | proxy shutting down | `57P01` admin_shutdown | FATAL |
 //!
 //! Every message starts with `fence-proxy: ` and names the values involved. Errors of the upstream
-//! (including `25006` read_only_sql_transaction under `--require-fence`) pass through unchanged.
+//! (including `25006` read_only_sql_transaction of a write in a transaction the guard made
+//! read-only) pass through unchanged.
 
 use bytes::{BufMut, BytesMut};
 
@@ -24,6 +29,14 @@ pub const STALE_TOKEN: &str = "55P03";
 pub const BAD_FENCE: &str = "22023";
 /// SQLSTATE of a statement shape the proxy cannot fence.
 pub const NOT_SUPPORTED: &str = "0A000";
+/// SQLSTATE of query text the Postgres parser rejects.
+pub const SYNTAX_ERROR: &str = "42601";
+/// Query text that is not valid UTF-8, or a session whose client_encoding is not UTF8.
+pub const CHARACTER_NOT_IN_REPERTOIRE: &str = "22021";
+/// SQLSTATE of a missing guard function (a database where `init` did not run).
+pub const GUARD_MISSING: &str = "42883";
+/// SQLSTATE of a role that may not execute the guard function.
+pub const INSUFFICIENT_PRIVILEGE: &str = "42501";
 /// SQLSTATE of a size or count limit.
 pub const LIMIT_EXCEEDED: &str = "54000";
 /// SQLSTATE of a protocol violation by a peer.
@@ -34,6 +47,8 @@ pub const CONNECTION_FAILURE: &str = "08006";
 pub const TOO_MANY_CONNECTIONS: &str = "53300";
 /// SQLSTATE of the proxy's shutdown.
 pub const ADMIN_SHUTDOWN: &str = "57P01";
+/// The proxy could not run its own machinery (a thread that could not be started).
+pub const INTERNAL_ERROR: &str = "XX000";
 
 /// An error the proxy reports to a client itself.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -1,127 +1,304 @@
-//! The SQL the proxy runs inside client transactions: the fence record and the read-only guard.
+//! The SQL of the fence: the table, the guard function that `fence-proxy postgres init` installs,
+//! and the statements the proxy runs around client statements.
 //!
-//! No client-supplied text is ever spliced into SQL: the resource travels hex-encoded and the
-//! token as digits, so the statements are injection-proof whatever the resource contains and
-//! whatever `standard_conforming_strings` says.
+//! The guard is a `SECURITY DEFINER` function owned by the role that ran `init`. It reads the
+//! fence from the session itself (`current_setting('lockd.fence', true)`), so whatever spelling a
+//! client used to set it (`SET "lockd"."fence"`, `set_config`, `ALTER ROLE ... SET`, startup
+//! options), the value Postgres holds is the value checked. Every object inside it is
+//! schema-qualified and its `search_path` is pinned to `pg_catalog, pg_temp`, so temporary tables
+//! or a client's `search_path` cannot shadow anything; the table grants nothing to application
+//! roles, so no client can lower or delete a fence row. The body contains no backslash, so it
+//! compiles the same whatever `standard_conforming_strings` a session has.
 
-use lockd_fence::Fence;
-
-/// Validated table name: one or two plain identifiers (`lockd_fence`, `ops.lockd_fence`).
+/// Validated, schema-qualified table name (`public.lockd_fence`, `ops.fences`). The guard
+/// function lives in the dedicated schema [`GUARD_SCHEMA`], owned by the role that ran `init`
+/// (application roles get USAGE only), never in the table's schema: since Postgres 15 `public` is
+/// owned by `pg_database_owner`, and the owner of a schema may drop any object in it, so a
+/// database owner could replace a guard kept there with a no-op.
+/// The guard is named after the table: `lockd_fence_guard` for `public.lockd_fence`,
+/// `<schema>__<table>_guard` for other schemas.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct FenceTable(String);
+pub struct FenceTable {
+    schema: String,
+    table: String,
+}
+
+/// Longest table name accepted: Postgres truncates identifiers at 63 bytes, and the guard
+/// function's name adds `_guard` (6 bytes) to it.
+const MAX_TABLE_NAME_BYTES: usize = 63 - 6;
+
+/// Longest identifier Postgres keeps without truncating (NAMEDATALEN - 1).
+const MAX_IDENTIFIER_BYTES: usize = 63;
+
+/// The schema of the guard functions. `init` creates it owned by its own role and refuses a
+/// schema of that name owned by anyone else; the proxy's start-up check refuses a guard whose
+/// schema is not owned by the guard's owner.
+pub const GUARD_SCHEMA: &str = "lockd_fence_proxy";
 
 impl FenceTable {
+    /// Parses `[schema.]name` of plain lower-case identifiers; an unqualified name lives in
+    /// `public`, so the proxy never depends on a session's `search_path`.
     pub fn parse(name: &str) -> Result<Self, String> {
-        let ok = !name.is_empty()
-            && name.split('.').count() <= 2
-            && name.split('.').all(|part| {
-                let mut chars = part.chars();
-                matches!(chars.next(), Some(c) if c.is_ascii_lowercase() || c == '_')
-                    && chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
-                    && part.len() <= 63
-            });
-        if ok {
-            Ok(FenceTable(name.to_owned()))
+        let plain = |part: &str| {
+            let mut chars = part.chars();
+            matches!(chars.next(), Some(c) if c.is_ascii_lowercase() || c == '_')
+                && chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+                && part.len() <= MAX_TABLE_NAME_BYTES
+        };
+        let parts: Vec<&str> = name.split('.').collect();
+        let (schema, table) = match parts.as_slice() {
+            [t] => ("public", *t),
+            [s, t] => (*s, *t),
+            _ => ("", ""),
+        };
+        if plain(schema) && plain(table) && !schema.starts_with("pg_") && schema != GUARD_SCHEMA {
+            let t = FenceTable {
+                schema: schema.to_owned(),
+                table: table.to_owned(),
+            };
+            let guard = t.guard_name();
+            if guard.len() > MAX_IDENTIFIER_BYTES {
+                return Err(format!(
+                    "fence table {name:?}: the guard function's name {guard:?} would exceed {MAX_IDENTIFIER_BYTES} bytes; use shorter schema and table names"
+                ));
+            }
+            Ok(t)
         } else {
             Err(format!(
-                "fence table {name:?} must be [schema.]name of lower-case letters, digits and _"
+                "fence table {name:?} must be [schema.]name of lower-case letters, digits and _ \
+                 (at most {MAX_TABLE_NAME_BYTES} bytes each, schema not pg_* nor {GUARD_SCHEMA})"
             ))
         }
     }
 
-    pub fn as_str(&self) -> &str {
-        &self.0
+    /// `schema.table`.
+    pub fn qualified(&self) -> String {
+        format!("{}.{}", self.schema, self.table)
     }
 
-    /// DDL that creates the table if it is missing.
-    pub fn create_sql(&self) -> String {
+    /// The guard function's unqualified name.
+    fn guard_name(&self) -> String {
+        if self.schema == "public" {
+            format!("{}_guard", self.table)
+        } else {
+            format!("{}__{}_guard", self.schema, self.table)
+        }
+    }
+
+    /// `lockd_fence_proxy.<name>`, the guard function.
+    pub fn guard_function(&self) -> String {
+        format!("{GUARD_SCHEMA}.{}", self.guard_name())
+    }
+
+    /// The signature `to_regprocedure` looks up.
+    pub fn guard_signature(&self) -> String {
+        format!("{}(boolean)", self.guard_function())
+    }
+
+    /// The statement the proxy runs to guard a transaction.
+    pub fn guard_call(&self, require_fence: bool) -> String {
+        format!("SELECT {}({require_fence})", self.guard_function())
+    }
+
+    /// Whether the guard function exists in the connected database as `init` installs it: a
+    /// SECURITY DEFINER function in a schema owned by the function's owner (so nobody else can
+    /// drop and replace it).
+    pub fn exists_sql(&self) -> String {
         format!(
-            "CREATE TABLE IF NOT EXISTS {} (resource text PRIMARY KEY, token bigint NOT NULL, \
-             updated_at timestamptz NOT NULL)",
-            self.0
+            "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_proc p \
+             JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace \
+             WHERE p.oid = pg_catalog.to_regprocedure('{}') \
+             AND p.prosecdef AND n.nspowner = p.proowner)",
+            self.guard_signature()
         )
     }
+
+    /// What `fence-proxy postgres init` runs, in one transaction: the table (owned by the init
+    /// role, no privilege for anyone else) and the guard function (EXECUTE only for the granted
+    /// roles). Idempotent: running it again replaces the function and keeps the recorded fences.
+    pub fn init_sql(&self) -> String {
+        let t = self.qualified();
+        let f = self.guard_function();
+        format!(
+            r#"SELECT pg_catalog.pg_advisory_xact_lock(pg_catalog.hashtext('{guard_schema}'));
+CREATE SCHEMA IF NOT EXISTS {guard_schema};
+DO $lockd_init$
+BEGIN
+  IF (SELECT n.nspowner FROM pg_catalog.pg_namespace n WHERE n.nspname = '{guard_schema}')
+     IS DISTINCT FROM (SELECT r.oid FROM pg_catalog.pg_roles r WHERE r.rolname = CURRENT_USER) THEN
+    RAISE EXCEPTION 'fence-proxy: schema {guard_schema} exists and is owned by another role than %, which could replace the guard function; drop or reassign it first', CURRENT_USER;
+  END IF;
+END
+$lockd_init$;
+REVOKE ALL ON SCHEMA {guard_schema} FROM PUBLIC;
+CREATE SCHEMA IF NOT EXISTS {schema};
+CREATE TABLE IF NOT EXISTS {t} (resource text PRIMARY KEY, token bigint NOT NULL, updated_at timestamptz NOT NULL);
+REVOKE ALL ON TABLE {t} FROM PUBLIC;
+CREATE OR REPLACE FUNCTION {f}(require_fence boolean) RETURNS void
+LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $lockd_guard$
+DECLARE
+  v_fence text := pg_catalog.current_setting('lockd.fence', true);
+  v_sep integer;
+  v_resource text;
+  v_digits text;
+  v_token bigint;
+  v_highest bigint;
+  v_bad boolean;
+BEGIN
+  -- The table must be the one init created: an ordinary table owned by this function's owner
+  -- (CURRENT_USER inside SECURITY DEFINER). Whoever owns the table's schema (a database owner
+  -- owns public) could otherwise drop it and create one of their own with lower tokens.
+  IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_class c
+                 WHERE c.oid = pg_catalog.to_regclass('{t}')
+                   AND c.relkind = 'r'
+                   AND c.relowner = (SELECT r.oid FROM pg_catalog.pg_roles r WHERE r.rolname = CURRENT_USER)) THEN
+    RAISE EXCEPTION USING
+      ERRCODE = '55000',
+      MESSAGE = pg_catalog.format('fence-proxy: the fence table {t} is missing, not an ordinary table, or not owned by %s, the owner of the guard: no transaction can be fenced', CURRENT_USER),
+      HINT = 'Rerun fence-proxy postgres init as the role that owns the guard, after removing the foreign table.';
+  END IF;
+  IF v_fence IS NULL OR v_fence = '' THEN
+    IF require_fence THEN
+      IF pg_catalog.pg_current_xact_id_if_assigned() IS NOT NULL THEN
+        RAISE EXCEPTION USING
+          ERRCODE = '25006',
+          MESSAGE = 'fence-proxy: this session has no fence (lockd.fence is empty) and the proxy runs with --require-fence: a transaction that wrote cannot commit',
+          HINT = 'SET lockd.fence = ''<resource>:<token>'' before writing.';
+      END IF;
+      PERFORM pg_catalog.set_config('transaction_read_only', 'on', true);
+    END IF;
+    RETURN;
+  END IF;
+  -- <resource>:<token>, the token being the digits after the last ':' (lockd's Fence rules).
+  IF pg_catalog.strpos(v_fence, ':') = 0 THEN
+    v_sep := 0;
+    v_resource := '';
+    v_digits := '';
+  ELSE
+    v_sep := pg_catalog.length(v_fence) - pg_catalog.strpos(pg_catalog.reverse(v_fence), ':') + 1;
+    v_resource := pg_catalog.substr(v_fence, 1, v_sep - 1);
+    v_digits := pg_catalog.substr(v_fence, v_sep + 1);
+  END IF;
+  -- Nested checks, because SQL does not promise to evaluate OR operands in order and the cast
+  -- must only see digits.
+  v_bad := v_sep = 0
+     OR pg_catalog.octet_length(v_resource) NOT BETWEEN 1 AND 256
+     OR v_resource OPERATOR(pg_catalog.~) ('[' || pg_catalog.chr(1) || '-' || pg_catalog.chr(31) || pg_catalog.chr(127) || '-' || pg_catalog.chr(159) || ']')
+     OR v_digits OPERATOR(pg_catalog.!~) '^[0-9]{{1,19}}$';
+  IF NOT v_bad THEN
+    v_bad := v_digits::pg_catalog.numeric > 9223372036854775807;
+  END IF;
+  IF v_bad THEN
+    RAISE EXCEPTION USING
+      ERRCODE = '22023',
+      MESSAGE = pg_catalog.format('fence-proxy: invalid lockd.fence value %s: expected <resource>:<token>, the resource 1 to 256 bytes without control characters, the token decimal digits up to 9223372036854775807', pg_catalog.to_json(v_fence)::text),
+      HINT = 'SET lockd.fence = ''<resource>:<token>'', with the fencing token lockd granted, e.g. ''orders:42''.';
+  END IF;
+  v_token := v_digits::bigint;
+  -- Read without a lock first: two raisers of one new token must not both hold a share lock and
+  -- then deadlock upgrading it.
+  SELECT f.token INTO v_highest FROM {t} AS f WHERE f.resource = v_resource;
+  IF FOUND AND v_highest = v_token THEN
+    -- Same holder: a shared row lock, so its transactions do not serialize on the row, while a
+    -- newer holder's raise waits for all of them to end.
+    SELECT f.token INTO v_highest FROM {t} AS f WHERE f.resource = v_resource FOR SHARE;
+    IF v_highest = v_token THEN
+      RETURN;
+    END IF;
+  END IF;
+  IF NOT FOUND OR v_highest < v_token THEN
+    INSERT INTO {t} AS f (resource, token, updated_at) VALUES (v_resource, v_token, pg_catalog.now())
+    ON CONFLICT (resource) DO UPDATE SET token = EXCLUDED.token, updated_at = pg_catalog.now()
+    WHERE f.token <= EXCLUDED.token;
+    IF FOUND THEN
+      RETURN;
+    END IF;
+    SELECT f.token INTO v_highest FROM {t} AS f WHERE f.resource = v_resource;
+  END IF;
+  RAISE EXCEPTION USING
+    ERRCODE = '55P03',
+    MESSAGE = pg_catalog.format('fence-proxy: stale fencing token %s for %s: highest accepted is %s',
+                     v_token, pg_catalog.to_json(v_resource)::text, v_highest),
+    DETAIL = pg_catalog.format('resource=%s token=%s highest=%s', pg_catalog.to_json(v_resource)::text, v_token, v_highest),
+    HINT = 'This session no longer holds the lock: nothing of this transaction was applied. Roll back, acquire the lock again and SET lockd.fence to the new token.';
+END
+$lockd_guard$;
+REVOKE ALL ON FUNCTION {f}(boolean) FROM PUBLIC;
+"#,
+            schema = self.schema,
+            guard_schema = GUARD_SCHEMA,
+        )
+    }
+
+    /// The statements that let `role` use the guard: USAGE on the guard's schema and EXECUTE on
+    /// the function, and nothing on the table.
+    pub fn grant_sql(&self, role: &str) -> String {
+        let role = quote_ident(role);
+        format!(
+            "GRANT USAGE ON SCHEMA {GUARD_SCHEMA} TO {role};\nGRANT EXECUTE ON FUNCTION {}(boolean) TO {role};\n",
+            self.guard_function()
+        )
+    }
+}
+
+/// Quotes an identifier for SQL (a role name given on the command line).
+fn quote_ident(name: &str) -> String {
+    format!("\"{}\"", name.replace('"', "\"\""))
 }
 
 /// The largest token the `bigint` column holds.
 pub const MAX_RECORDABLE_TOKEN: u64 = i64::MAX as u64;
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// A DO block that records `fence` in the fence table, inside the current transaction.
-///
-/// The upsert takes the row lock on the resource's record, so concurrent transactions of two
-/// holders serialise there: the older holder's transaction either commits before the newer one
-/// records its token, or it finds the newer token and fails with 55P03. The table is created when
-/// it is missing (it normally exists: the proxy creates it at start-up through its own pool).
-pub fn record_fence_sql(table: &FenceTable, fence: &Fence) -> String {
-    debug_assert!(fence.token.0 <= MAX_RECORDABLE_TOKEN);
-    let t = table.as_str();
-    format!(
-        r#"DO $lockd_fence$
-DECLARE
-  v_resource text := convert_from(decode('{res}', 'hex'), 'UTF8');
-  v_token bigint := {token};
-  v_highest bigint;
-BEGIN
-  IF to_regclass('{t}') IS NULL THEN
-    CREATE TABLE IF NOT EXISTS {t} (resource text PRIMARY KEY, token bigint NOT NULL, updated_at timestamptz NOT NULL);
-  END IF;
-  INSERT INTO {t} AS f (resource, token, updated_at) VALUES (v_resource, v_token, now())
-  ON CONFLICT (resource) DO UPDATE SET token = EXCLUDED.token, updated_at = now()
-  WHERE f.token <= EXCLUDED.token;
-  IF NOT FOUND THEN
-    SELECT f.token INTO v_highest FROM {t} AS f WHERE f.resource = v_resource;
-    RAISE EXCEPTION USING
-      ERRCODE = '55P03',
-      MESSAGE = format('fence-proxy: stale fencing token %s for %s: highest accepted is %s',
-                       v_token, to_json(v_resource)::text, v_highest),
-      DETAIL = format('resource=%s token=%s highest=%s', to_json(v_resource)::text, v_token, v_highest),
-      HINT = 'This session no longer holds the lock: nothing of this transaction was applied. Roll back, acquire the lock again and SET lockd.fence to the new token.';
-  END IF;
-END
-$lockd_fence$"#,
-        res = hex(fence.resource.as_bytes()),
-        token = fence.token.0,
-    )
-}
-
-/// Makes the current transaction read-only for good: `set_config` runs inside a SELECT, so a
-/// snapshot is taken first and Postgres then refuses any later switch back to read-write.
-pub const READ_ONLY_SQL: &str = "SELECT pg_catalog.set_config('transaction_read_only', 'on', true)";
-
-/// A DO block that raises a proxy error from inside the upstream, used where a Parse message must
-/// be refused but the reply has to stay in the upstream's response order.
-pub fn raise_sql(code: &str, message: &str) -> String {
-    debug_assert!(code.len() == 5 && code.bytes().all(|b| b.is_ascii_alphanumeric()));
-    format!(
-        "DO $lockd_fence$ BEGIN RAISE EXCEPTION USING ERRCODE = '{code}', MESSAGE = \
-         convert_from(decode('{}', 'hex'), 'UTF8'); END $lockd_fence$",
-        hex(message.as_bytes())
-    )
-}
+/// The proxy's own transaction statements, sent where the client's statements need a block.
+pub const BEGIN_SQL: &str = "BEGIN";
+pub const COMMIT_SQL: &str = "COMMIT";
+pub const ROLLBACK_SQL: &str = "ROLLBACK";
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn table_names_are_plain_identifiers() {
-        assert!(FenceTable::parse("lockd_fence").is_ok());
-        assert!(FenceTable::parse("ops.lockd_fence").is_ok());
-        for bad in ["", "a.b.c", "x;drop", "Upper", "1abc", "a b"] {
+    fn table_names_are_plain_identifiers_and_qualified() {
+        assert_eq!(
+            FenceTable::parse("lockd_fence").unwrap().qualified(),
+            "public.lockd_fence"
+        );
+        let t = FenceTable::parse("ops.fences").unwrap();
+        assert_eq!(t.guard_function(), "lockd_fence_proxy.ops__fences_guard");
+        assert_eq!(
+            t.guard_call(true),
+            "SELECT lockd_fence_proxy.ops__fences_guard(true)"
+        );
+        assert_eq!(
+            FenceTable::parse("lockd_fence").unwrap().guard_function(),
+            "lockd_fence_proxy.lockd_fence_guard"
+        );
+        for bad in [
+            "",
+            "a.b.c",
+            "x;drop",
+            "Upper",
+            "1abc",
+            "a b",
+            "pg_temp.x",
+            "a.",
+            "lockd_fence_proxy.x",
+        ] {
             assert!(FenceTable::parse(bad).is_err(), "{bad:?} accepted");
         }
     }
 
     #[test]
-    fn resource_travels_hex_encoded() {
-        let fence: Fence = "it's$lockd_fence$:7".parse().unwrap();
-        let sql = record_fence_sql(&FenceTable::parse("lockd_fence").unwrap(), &fence);
-        assert!(!sql.contains("it's"), "{sql}");
-        assert!(sql.contains(&hex(b"it's$lockd_fence$")));
-        assert!(sql.contains("v_token bigint := 7;"));
+    fn init_sql_has_no_backslash_and_grants_nothing_on_the_table() {
+        let t = FenceTable::parse("public.lockd_fence").unwrap();
+        let sql = t.init_sql();
+        assert!(!sql.contains('\\'));
+        assert!(sql.contains("REVOKE ALL ON TABLE public.lockd_fence FROM PUBLIC"));
+        let g = t.grant_sql("app\"x");
+        assert!(g.contains("\"app\"\"x\""), "{g}");
+        assert!(!g.contains("ON TABLE"), "{g}");
     }
 }

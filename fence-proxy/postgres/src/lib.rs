@@ -1,8 +1,9 @@
 //! Postgres wire-protocol front end of fence-proxy: clients point their connection string at it,
-//! and while a session has a fence (`SET lockd.fence = '<resource>:<token>'`), every transaction
-//! first records the fence in the `lockd_fence` table inside that same upstream transaction, so a
-//! stale holder's transaction fails with SQLSTATE 55P03 instead of overwriting a newer holder's
-//! rows.
+//! and every client statement runs inside a transaction block the proxy opened, with the guard
+//! function (installed by `fence-proxy postgres init`) run before the first data statement and
+//! before every commit. The guard records the session's fence (`lockd.fence`, however it was set)
+//! in the fence table, so a stale holder's transaction fails with SQLSTATE 55P03 instead of
+//! overwriting a newer holder's rows.
 //!
 //! It deliberately does not terminate TLS, authenticate clients or multiplex sessions onto shared
 //! upstream connections: authentication passes through to the upstream, so each client session
@@ -14,21 +15,22 @@
 //! - `limits`: every bound, with its reason.
 //! - `codec`: length-bounded message framing.
 //! - `startup`: SSL/cancel requests, startup packet, authentication relay.
-//! - `session`: the relay and the fence placement.
-//! - `sql`: statement splitting and classification.
-//! - `fence_sql`, `fence_value`: the SQL the proxy runs and the fence value rules.
+//! - `session`: the relay, the proxy's blocks and the guard placement.
+//! - [`classify`]: statement classification by Postgres's own parser (pure, fuzzable).
+//! - `fence_sql`: the fence table, the guard function and `init`'s SQL.
+//! - `fence_value`: the fence value rules for the early startup check.
 //! - `error`: proxy-made errors and their SQLSTATE table.
 //! - `metrics_names`: metric names.
 
+pub mod classify;
 mod codec;
 mod config;
 mod error;
-mod fence_sql;
+pub mod fence_sql;
 mod fence_value;
 pub mod limits;
 mod metrics_names;
 mod session;
-mod sql;
 mod startup;
 
 use std::net::SocketAddr;
@@ -59,13 +61,14 @@ pub struct Args {
     pub listen: SocketAddr,
     /// The Postgres server behind the proxy, as postgres://user@host:port/db. Clients connect
     /// to its host and port with their own user, database and credentials; the user and database
-    /// of this URL serve the proxy's own pool (creating the fence table).
+    /// of this URL serve the start-up check that the guard function exists.
     #[arg(long, env = "FENCE_PROXY_PG_UPSTREAM")]
     pub upstream: String,
-    /// Sessions without a fence may only read: each of their transactions is made read-only.
+    /// Sessions without a fence may only read: the guard makes each of their transactions
+    /// read-only, and refuses the commit of one that wrote.
     #[arg(long, env = "FENCE_PROXY_PG_REQUIRE_FENCE")]
     pub require_fence: bool,
-    /// Connections of the proxy's own pool (schema setup); client sessions never share them.
+    /// Connections of the proxy's own pool (the start-up check); client sessions never share them.
     #[arg(long, default_value_t = 2, env = "FENCE_PROXY_PG_POOL_SIZE")]
     pub pool_size: usize,
     /// Most concurrent client sessions; each holds one upstream connection.
@@ -88,14 +91,88 @@ pub struct Args {
         env = "FENCE_PROXY_PG_STARTUP_TIMEOUT_MS"
     )]
     pub startup_timeout_ms: u64,
-    /// Table the fences are recorded in; qualify it (`public.lockd_fence`) if sessions change
-    /// their search_path.
+    /// Table the fences are recorded in, as given to `fence-proxy postgres init`; the guard
+    /// function is `<table>_guard` in the same schema. An unqualified name means `public`.
     #[arg(
         long,
-        default_value = "lockd_fence",
+        default_value = DEFAULT_FENCE_TABLE,
         env = "FENCE_PROXY_PG_FENCE_TABLE"
     )]
     pub fence_table: String,
+}
+
+/// The fence table when `--fence-table` is not given.
+pub const DEFAULT_FENCE_TABLE: &str = "public.lockd_fence";
+
+/// Flags of `fence-proxy postgres init`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct InitArgs {
+    /// The database to install the fence table and guard function in, as
+    /// postgres://user@host:port/db; run it as the role that should own them (not an
+    /// application role), once per database clients use.
+    #[arg(long, env = "FENCE_PROXY_PG_UPSTREAM")]
+    pub upstream: String,
+    /// Table the fences are recorded in; the guard function is `<table>_guard` beside it.
+    #[arg(long, default_value = DEFAULT_FENCE_TABLE, env = "FENCE_PROXY_PG_FENCE_TABLE")]
+    pub fence_table: String,
+    /// Application role to grant the use of the guard to (repeatable). Without it the GRANT
+    /// statements are printed for you to run.
+    #[arg(long = "grant-to", value_name = "ROLE")]
+    pub grant_to: Vec<String>,
+}
+
+/// Installs (or replaces) the fence table and the guard function in the upstream's database, in
+/// one transaction, and grants the guard to `grant_to`. Returns a report for the operator: what
+/// was done and the GRANT statements for roles not granted yet.
+pub async fn init(args: &InitArgs) -> anyhow::Result<String> {
+    let table =
+        FenceTable::parse(&args.fence_table).map_err(|e| anyhow::anyhow!("--fence-table: {e}"))?;
+    let config: tokio_postgres::Config = args.upstream.parse().map_err(|e| {
+        anyhow::anyhow!(
+            "--upstream {:?} is not a postgres:// URL: {e}",
+            args.upstream
+        )
+    })?;
+    let (client, connection) = config
+        .connect(tokio_postgres::NoTls)
+        .await
+        .map_err(|e| anyhow::anyhow!("connecting to --upstream {:?}: {e}", args.upstream))?;
+    let driver = tokio::spawn(connection);
+    let mut sql = format!("BEGIN;\n{}", table.init_sql());
+    for role in &args.grant_to {
+        sql.push_str(&table.grant_sql(role));
+    }
+    sql.push_str("COMMIT;");
+    let result = client.batch_execute(&sql).await;
+    drop(client);
+    let _ = driver.await;
+    result.map_err(|e| {
+        anyhow::anyhow!(
+            "installing {} and {} through {:?}: {}",
+            table.qualified(),
+            table.guard_signature(),
+            args.upstream,
+            e.as_db_error()
+                .map(|d| d.message().to_owned())
+                .unwrap_or_else(|| e.to_string())
+        )
+    })?;
+    let mut report = format!(
+        "fence-proxy: installed table {} and guard function {} (SECURITY DEFINER); application roles get no privilege on the table\n",
+        table.qualified(),
+        table.guard_signature()
+    );
+    if args.grant_to.is_empty() {
+        report.push_str(
+            "-- grant the guard to each application role (or rerun with --grant-to ROLE):\n",
+        );
+        report.push_str(&table.grant_sql("<app_role>"));
+    } else {
+        for role in &args.grant_to {
+            report.push_str(&format!("granted the guard to role {role:?}\n"));
+        }
+    }
+    Ok(report)
 }
 
 /// Runs the proxy until `shutdown` is cancelled; open sessions then end with FATAL 57P01.
@@ -131,7 +208,7 @@ pub async fn run(args: Args, shutdown: CancellationToken) -> anyhow::Result<()> 
         startup_timeout: Duration::from_millis(args.startup_timeout_ms),
     });
 
-    ensure_fence_table(pg_config, &cfg, args.pool_size).await;
+    check_guard(pg_config, &cfg, args.pool_size).await?;
 
     let listener = TcpListener::bind(args.listen)
         .await
@@ -203,37 +280,38 @@ pub async fn run(args: Args, shutdown: CancellationToken) -> anyhow::Result<()> 
     Ok(())
 }
 
-/// Creates the fence table through the proxy's own pool. A failure is not fatal: sessions create
-/// the table themselves inside their first fenced transaction, and the upstream may come up later.
-async fn ensure_fence_table(pg_config: tokio_postgres::Config, cfg: &Config, pool_size: usize) {
+/// Refuses to start unless the guard function exists in the upstream URL's database: without it
+/// every transaction would fail, and the operator should learn that now, not from clients.
+async fn check_guard(
+    pg_config: tokio_postgres::Config,
+    cfg: &Config,
+    pool_size: usize,
+) -> anyhow::Result<()> {
     let manager = deadpool_postgres::Manager::new(pg_config, tokio_postgres::NoTls);
-    let pool = match deadpool_postgres::Pool::builder(manager)
+    let pool = deadpool_postgres::Pool::builder(manager)
         .max_size(pool_size)
         .wait_timeout(Some(cfg.connect_timeout))
         .create_timeout(Some(cfg.connect_timeout))
         .runtime(deadpool_postgres::Runtime::Tokio1)
         .build()
-    {
-        Ok(p) => p,
-        Err(e) => {
-            tracing::warn!("building the upstream pool: {e}");
-            return;
-        }
-    };
-    let result = async {
-        let client = pool.get().await.map_err(|e| e.to_string())?;
-        client
-            .batch_execute(&cfg.fence_table.create_sql())
-            .await
-            .map_err(|e| e.to_string())
-    }
-    .await;
-    match result {
-        Ok(()) => tracing::info!(table = cfg.fence_table.as_str(), "fence table ready"),
-        Err(e) => tracing::warn!(
-            table = cfg.fence_table.as_str(),
-            upstream = %cfg.upstream_addr,
-            "could not create the fence table now; sessions will create it when they need it: {e}"
-        ),
-    }
+        .map_err(|e| anyhow::anyhow!("building the upstream pool: {e}"))?;
+    let client = pool.get().await.map_err(|e| {
+        anyhow::anyhow!(
+            "cannot reach the upstream {} to check the guard function: {e}",
+            cfg.upstream_addr
+        )
+    })?;
+    let exists: bool = client
+        .query_one(&cfg.fence_table.exists_sql(), &[])
+        .await
+        .map_err(|e| anyhow::anyhow!("checking the guard function: {e}"))?
+        .get(0);
+    anyhow::ensure!(
+        exists,
+        "the guard function {} does not exist in the --upstream database: run `fence-proxy postgres init --upstream <url> --fence-table {}` first",
+        cfg.fence_table.guard_signature(),
+        cfg.fence_table.qualified()
+    );
+    tracing::info!(guard = %cfg.fence_table.guard_signature(), "guard function present");
+    Ok(())
 }

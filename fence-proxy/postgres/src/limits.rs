@@ -6,7 +6,8 @@
 pub const MAX_STARTUP_PACKET_BYTES: usize = 10_000;
 
 /// Default bound on one protocol message body, in either direction. It caps the memory a session
-/// holds for one message (the relay buffers whole messages); 64 MiB leaves room for large `bytea`
+/// holds for one message (the relay buffers whole messages, growing the buffer as bytes arrive,
+/// never reserving a declared length up front); 64 MiB leaves room for large `bytea`
 /// values and COPY rows while keeping a thousand sessions from exhausting the host. Postgres's own
 /// ceiling is 1 GiB.
 pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
@@ -15,14 +16,38 @@ pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
 /// message; libpq sends at most one of each, so a third one means a confused or hostile client.
 pub const MAX_ENCRYPTION_REQUESTS: usize = 2;
 
-/// Named prepared statements and portals whose kind the proxy remembers per session. Only
-/// transaction-control and session statements are remembered (every other statement is a data
-/// statement by default), so real clients stay far below this; it bounds a hostile client.
-pub const MAX_TRACKED_STATEMENTS: usize = 10_000;
+/// Prepared statements (and, separately, portals) whose kind the proxy remembers per session.
+/// Only transaction-control and setting statements are remembered (every other statement is
+/// ordinary by default), so real clients stay far below this; it bounds a hostile client.
+pub const MAX_TRACKED_NAMES: usize = 1_000;
+
+/// Longest prepared statement or portal name accepted. Drivers generate names of a few dozen
+/// bytes (`s0`, `sqlx_s_1`, `stmtcache_<hash>`); with [`MAX_TRACKED_NAMES`] this keeps the name
+/// maps of one session under about 2 MiB.
+pub const MAX_NAME_BYTES: usize = 1_024;
+
+/// Responses the proxy may be waiting for before it stops reading the client (a client that
+/// pipelines messages without reading answers). Each costs a few dozen bytes.
+pub const MAX_PENDING_UNITS: usize = 10_000;
+
+/// Longest SQL text (one Query or Parse) the proxy classifies. Postgres's parser and pg_query's
+/// protobuf encoding of the tree (decoded again by prost) cost several hundred bytes of memory
+/// per byte of SQL (a 1 MB `SELECT 1,1,...` raised the proxy's peak by over 600 MiB), so this
+/// bound, not `--max-message-bytes`, is what keeps one query from exhausting the proxy: 128 KiB
+/// costs at most about 100 MiB for the moment of classification. Larger data belongs in
+/// parameters (Bind values are not parsed) or COPY, which carry any size.
+pub const MAX_CLASSIFIED_SQL_BYTES: usize = 128 * 1024;
+
+/// Stack of the thread that classifies SQL. pg_query turns the parse tree into protobuf
+/// recursively in C without a depth check; the deepest tree a text of
+/// [`MAX_CLASSIFIED_SQL_BYTES`] can produce is a left-deep `1+1+...` of one level per two bytes
+/// (about 65,000 levels), which needs far less than this. The stack is reserved, not touched, so
+/// it costs address space, not memory.
+pub const CLASSIFY_STACK_BYTES: usize = 512 * 1024 * 1024;
 
 /// Statements of one simple-query message the proxy classifies. Scripts sent in one message
 /// (psql -c, migrations) rarely have more than a few hundred; the bound keeps the classification
-/// vector small.
+/// vector small. (The parse tree itself is bounded by `--max-message-bytes`.)
 pub const MAX_STATEMENTS_PER_QUERY: usize = 100_000;
 
 /// Default number of concurrent client sessions. Each session holds one upstream connection, so

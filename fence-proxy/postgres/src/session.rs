@@ -1,20 +1,70 @@
-//! One client session after authentication: relays messages both ways and fences every
-//! transaction.
+//! One client session after authentication: relays messages both ways and runs every client
+//! statement inside a transaction block that the proxy opened and guarded.
 //!
-//! The upstream answers messages strictly in order, so the session keeps a queue of the responses
-//! it still expects ([`Pending`]). That is what lets it slip its own statements (the fence record,
-//! the read-only guard) into the middle of an extended-protocol group and swallow exactly their
-//! responses, while everything else reaches the client unchanged.
+//! # The rules
 //!
-//! Where the fence goes:
-//! - simple Query, upstream idle: the proxy runs `BEGIN; <record>` first, forwards the query, then
-//!   COMMITs (or ROLLs BACK after an error) unless the query opened a block of its own;
-//! - simple Query inside a block whose fence is not recorded yet: `<record>` first;
-//! - extended protocol: before the first data Execute of each transaction, a Parse/Bind/Execute
-//!   of `<record>` under a name of the proxy's own, in the same implicit or explicit transaction.
+//! - **Every client statement runs inside an explicit block.** When the upstream is idle (status
+//!   `I`) and the client sends a statement, the proxy sends its own `BEGIN` (with the client's
+//!   BEGIN options rebuilt from the parse tree when the client's first statement is a BEGIN)
+//!   first, pipelined with the client's messages. Postgres then refuses COMMIT inside DO blocks
+//!   and procedures, and no statement can run in an implicit transaction that commits on its
+//!   own. If the client did not open the block itself, the proxy ends it after the client's
+//!   statements, as Postgres would have ended the implicit transaction.
+//! - **The guard runs before every commit point.** Before the client's COMMIT, END, PREPARE
+//!   TRANSACTION or COMMIT AND CHAIN, and before the proxy's own COMMIT, the proxy runs the guard
+//!   function (see `fence_sql`). It reads the fence from the session itself, so a fence changed by
+//!   any spelling inside the transaction is checked before the commit. It also runs once before
+//!   the first data statement of a transaction, so a stale session fails early and an unfenced
+//!   one under `--require-fence` is made read-only before it writes.
+//! - **A transaction-ending statement is the last of its query.** Anything after COMMIT or
+//!   ROLLBACK in one simple Query would run outside the guarded block; it is refused (0A000). A
+//!   COMMIT at the end of a multi-statement query is sent as a query of its own after the guard.
+//! - **Status comes from the upstream.** Each request starts from the status of the last
+//!   ReadyForQuery. Inside an extended-protocol group the proxy projects the status along the
+//!   path where every message succeeds: an error makes the upstream skip to Sync, and the
+//!   proxy's expectations skip with it.
+//! - **SQL is read by Postgres's grammar** (`classify`, on a thread with a stack sized for the
+//!   deepest tree the text bound allows); text it cannot parse is refused, and so is text with a
+//!   backslash while `standard_conforming_strings` is off, non-ASCII text unless
+//!   `client_encoding` is UTF8 (both tracked from ParameterStatus; inside a group after an
+//!   Execute either may have changed unseen, so both rules apply there too), text that is not
+//!   valid UTF-8, and text longer than `MAX_CLASSIFIED_SQL_BYTES`.
+//! - **COPY FROM STDIN is followed as the server follows it.** After a statement the proxy
+//!   believes to start COPY FROM STDIN, nothing of the proxy's own is sent and the client waits
+//!   until the upstream answers (CopyInResponse, an error, or CommandComplete for a wrong kind).
+//!   In copy mode the server ignores Flush and Sync, so the proxy drops them and expects no
+//!   ReadyForQuery; CopyDone or CopyFail end the mode, and the proxy ends its block after that.
 //!
-//! Transaction-control and session statements (BEGIN, SET TRANSACTION, SET, SHOW ...) are not
-//! preceded by the record, so `BEGIN ISOLATION LEVEL ...` and `SET TRANSACTION` keep working.
+//! # Why a wrong statement kind can only cost compatibility
+//!
+//! The kinds of prepared statements and portals are projected as Parse, Bind and Close are sent
+//! (a Bind pipelined right behind its Parse must see the Parse's kind) along the path where every
+//! message succeeds, which is exact because an error makes the upstream skip to Sync: on an error
+//! the failed and skipped messages' projections are undone, a failed Parse of the unnamed
+//! statement leaves it absent, and a failed Parse of a named one keeps the old entry. The map can
+//! still be wrong: SQL `PREPARE` and `DEALLOCATE` redefine names the proxy does not follow. So
+//! safety rests on rules that hold whatever the kind:
+//!
+//! - At projected status `I`, every client Execute (whatever its believed kind: BEGIN, COMMIT,
+//!   ROLLBACK, ROLLBACK TO, SET, or anything else) is preceded by the proxy's own BEGIN (with the
+//!   believed BEGIN's options), so no client statement runs in an implicit transaction that
+//!   commits on its own at Sync. After a believed transaction end the projected status is `I`
+//!   again, so the next statement again gets a BEGIN (and the guard where it needs one); whether
+//!   the transaction was guarded is tracked per projected transaction.
+//! - The guard runs right before every Execute believed to be a commit, and before the proxy's
+//!   own COMMIT. A statement believed to be something else that really is a COMMIT can only have
+//!   been created by a protocol Parse (SQL `PREPARE` accepts SELECT, INSERT, UPDATE, DELETE,
+//!   MERGE and VALUES only), and every Parse is projected before its name can be bound.
+//! - A statement believed to be transaction control or a setting that really is a data statement
+//!   runs inside a block: either the proxy's (which it ends through the guard) or one left open
+//!   for the client (status `T`), whose COMMIT again goes through the guard; under
+//!   `--require-fence` the guard refuses the commit of an unfenced transaction that wrote.
+//! - A wrong "COPY" belief only holds the client until the statement's answer; a wrong "not
+//!   COPY" makes the proxy's own messages fail the COPY, which rolls back.
+//!
+//! The one place the proxy skips a guard before a client COMMIT is the first Execute of a group
+//! that starts in a failed transaction, where the upstream's own status (from ReadyForQuery) says
+//! that COMMIT can only roll back.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -22,29 +72,33 @@ use std::time::Instant;
 
 use bytes::BytesMut;
 use futures::StreamExt;
-use lockd_fence::Fence;
 use postgres_protocol::message::frontend;
 use tokio::io::{AsyncWriteExt, BufWriter};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio_util::codec::FramedRead;
 use tokio_util::sync::CancellationToken;
 
+use crate::classify::{self, ClassifyError, Statement, StatementKind};
 use crate::codec::{self, FrameError, Message, MessageCodec};
 use crate::config::Config;
 use crate::error::{self, ProxyError, ready_for_query};
 use crate::fence_sql;
-use crate::fence_value;
-use crate::limits::MAX_TRACKED_STATEMENTS;
+use crate::limits::{MAX_NAME_BYTES, MAX_PENDING_UNITS, MAX_TRACKED_NAMES};
 use crate::metrics_names::{RequestResult, record_request};
-use crate::sql::{self, Kind};
 
-/// Name of the prepared statement and portal the proxy uses for its own extended-protocol work.
-/// The prefix keeps it apart from names drivers generate (`s0`, `sqlx_s_1`, `__asyncpg_...`).
-const INTERNAL_NAME: &str = "__lockd_fence_proxy";
+/// Prepared statement and portal names of the proxy's own extended-protocol work. The prefix
+/// keeps them apart from names drivers generate (`s0`, `sqlx_s_1`, `__asyncpg_...`); a client
+/// that uses them anyway only breaks its own transactions.
+const INTERNAL_STATEMENT: &str = "__lockd_fence_proxy_s";
+const INTERNAL_PORTAL: &str = "__lockd_fence_proxy_p";
 
 /// SQLSTATE of the warning Postgres gives for a BEGIN inside a block, which the proxy causes when
-/// it wraps a multi-statement query that starts with BEGIN.
+/// it wraps a client's BEGIN in its own block.
 const ACTIVE_SQL_TRANSACTION: &str = "25001";
+
+/// SQL the proxy substitutes for a Parse it refuses: it fails at Parse time, so the refusal
+/// arrives in the upstream's response order and the upstream skips to Sync.
+const REFUSED_PARSE_SQL: &str = "fence-proxy refused this statement";
 
 /// The response a forwarded message still owes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -72,43 +126,180 @@ impl Unit {
     }
 }
 
+/// What a completed unit changes in the name maps.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Track {
+    Nothing,
+    /// ParseComplete: the statement now has this kind. On error: an unnamed statement is gone.
+    Statement(String, StatementKind),
+    /// BindComplete: the portal now has this kind.
+    Portal(String, StatementKind),
+    /// CloseComplete: the statement or portal is gone.
+    CloseStatement(String),
+    ClosePortal(String),
+}
+
+/// What the proxy does when a ReadyForQuery arrives for a simple-protocol unit.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum After {
+    /// More units of this request were sent already: swallow.
+    Continue,
+    /// The end of the request: report the status to the client.
+    Report,
+    /// The prefix of a query whose last statement is a COMMIT: send the guard and the COMMIT
+    /// unless the prefix failed. `owns`: the proxy opened the block and rolls it back then.
+    CommitPart { sql: String, owns: bool },
+    /// The client's statements are done and the proxy opened the block: guard and COMMIT, or
+    /// ROLLBACK after an error.
+    EndBlock,
+    /// The end of an extended-protocol group: roll back the proxy's block if an error left it
+    /// failed, then report.
+    SyncEnd,
+}
+
 /// One expected response.
 #[derive(Debug)]
 struct Pending {
     unit: Unit,
-    /// The proxy's own message: its responses are swallowed, its error goes to the client.
+    /// The proxy's own message: its responses are swallowed, its first error goes to the client.
     internal: bool,
-    /// A fence change that takes effect once this Execute completes.
-    fence_change: Option<Option<Fence>>,
-    /// For a simple Query the proxy wrapped in its own BEGIN: end the transaction afterwards.
-    auto_end: bool,
-    /// Drop the 25001 "already a transaction in progress" warning the wrap causes.
+    /// Whether the proxy owns (must end) the open block once this unit has completed.
+    owns_after: bool,
+    track: Track,
+    /// How to restore the name map if this unit is skipped or fails: which map (`true` =
+    /// portals), the name, and its kind before the unit was projected.
+    undo: Option<(bool, String, Option<StatementKind>)>,
+    /// Drop the 25001 "already a transaction in progress" warning the proxy's block causes.
     suppress_begin_warning: bool,
+    /// Replaces the upstream's error for this unit (a Parse the proxy refused).
+    refusal: Option<ProxyError>,
+    /// A client Execute the proxy believes to start COPY FROM STDIN: if it completes without
+    /// entering copy mode (a wrong kind), the client's messages need not wait any longer.
+    starts_copy: bool,
+    after: After,
 }
 
 impl Pending {
-    fn new(unit: Unit) -> Self {
+    fn new(unit: Unit, owns_after: bool) -> Self {
         Pending {
             unit,
             internal: false,
-            fence_change: None,
-            auto_end: false,
+            owns_after,
+            track: Track::Nothing,
+            undo: None,
             suppress_begin_warning: false,
+            refusal: None,
+            starts_copy: false,
+            after: After::Continue,
         }
     }
 
-    fn internal(unit: Unit) -> Self {
+    fn internal(unit: Unit, owns_after: bool) -> Self {
         Pending {
             internal: true,
-            ..Pending::new(unit)
+            ..Pending::new(unit, owns_after)
+        }
+    }
+
+    fn ready(internal: bool, owns_after: bool, after: After) -> Self {
+        Pending {
+            internal,
+            after,
+            ..Pending::new(Unit::Ready, owns_after)
         }
     }
 }
 
-/// Outcome of a simple query the proxy ran on its own.
-struct InternalOutcome {
+/// Kinds of prepared statements or portals, as the upstream confirmed them. Ordinary statements
+/// are the default and are not stored, so real clients stay far below the bounds.
+#[derive(Debug, Default)]
+struct NameMap {
+    kinds: HashMap<String, StatementKind>,
+}
+
+impl NameMap {
+    fn get(&self, name: &str) -> StatementKind {
+        self.kinds
+            .get(name)
+            .cloned()
+            .unwrap_or(StatementKind::Other)
+    }
+
+    fn set(&mut self, name: String, kind: StatementKind) {
+        if kind == StatementKind::Other {
+            self.kinds.remove(&name);
+        } else {
+            self.kinds.insert(name, kind);
+        }
+    }
+
+    /// Whether one more entry would pass [`MAX_TRACKED_NAMES`].
+    fn full_for(&self, name: &str) -> bool {
+        self.kinds.len() >= MAX_TRACKED_NAMES && !self.kinds.contains_key(name)
+    }
+}
+
+/// Bookkeeping of the outstanding request (a simple Query, a FunctionCall, or an
+/// extended-protocol group up to its Sync).
+#[derive(Debug)]
+struct Request {
+    started: Option<Instant>,
+    result: RequestResult,
+    /// An error already reached the client: later ones of this request are consequences.
+    error_sent: bool,
+    /// One of the proxy's own statements failed: the client's output that follows is the
+    /// consequence (25P02 and the like) and is swallowed.
+    internal_failed: bool,
+    /// One of the client's statements failed.
+    client_failed: bool,
+    /// Whether the proxy owns the open block, as of the last completed unit.
+    owns: bool,
+}
+
+impl Request {
+    fn new() -> Self {
+        Request {
+            started: Some(Instant::now()),
+            result: RequestResult::Ok,
+            error_sent: false,
+            internal_failed: false,
+            client_failed: false,
+            owns: false,
+        }
+    }
+}
+
+/// Projection of an extended-protocol group along the path where every message succeeds.
+#[derive(Debug)]
+struct Group {
+    /// Transaction status the next message will find.
     status: u8,
-    error: Option<Message>,
+    /// The proxy opened the current block and must end it before Sync.
+    owns: bool,
+    /// A client Execute was sent in this group.
+    executed: bool,
+    /// An error was received: the upstream skips everything up to Sync.
+    failed: bool,
+}
+
+/// The upstream's COPY FROM STDIN mode, as the proxy follows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Copy {
+    Off,
+    /// A statement the proxy believes to be COPY FROM STDIN was forwarded and its answer
+    /// (CopyInResponse, an error, or CommandComplete) has not arrived: the client's next messages
+    /// wait, because the proxy must not put its own messages behind the COPY.
+    Starting,
+    /// The upstream reads CopyData (CopyInResponse or CopyBothResponse arrived).
+    In,
+}
+
+/// What the upstream reported during startup: the transaction status of its first
+/// ReadyForQuery and the settings that decide how it reads client SQL.
+pub struct Reported {
+    pub status: u8,
+    pub standard_strings_off: bool,
+    pub client_encoding: Option<String>,
 }
 
 /// Whether the relay loop continues.
@@ -117,56 +308,60 @@ enum Flow {
     Close,
 }
 
-type ClientRx = FramedRead<OwnedReadHalf, MessageCodec>;
+type Rx = FramedRead<OwnedReadHalf, MessageCodec>;
 type Tx = BufWriter<OwnedWriteHalf>;
 
 /// State of one client session and its upstream connection.
 pub struct Session {
     cfg: Arc<Config>,
-    client_rx: ClientRx,
+    client_rx: Rx,
     client_tx: Tx,
-    up_rx: ClientRx,
+    up_rx: Rx,
     up_tx: Tx,
-    /// Transaction status of the last ReadyForQuery (`I`, `T`, `E`), as the client saw it.
+    /// Transaction status of the last ReadyForQuery from the upstream (`I`, `T`, `E`).
     status: u8,
-    /// The fence as of the messages forwarded so far; decides what the next transaction records.
-    fence: Option<Fence>,
-    /// The fence as of the statements the upstream has completed; `fence` falls back to it when
-    /// an error discards the rest of a group.
-    confirmed_fence: Option<Fence>,
-    /// Whether the current upstream transaction already holds the fence record (or the read-only
-    /// guard), as of the messages forwarded so far.
-    recorded: bool,
+    /// The guard ran in the current transaction (projected); only saves repeated guards before
+    /// data statements, never the one before a commit.
+    guarded: bool,
+    /// `standard_conforming_strings` is off (from ParameterStatus): text with a backslash is
+    /// refused because the proxy's parser would read it differently.
+    standard_strings_off: bool,
+    /// `client_encoding` as the server last reported it (ParameterStatus), `None` before any
+    /// report. The server converts client SQL from this encoding before lexing it; the proxy
+    /// reads UTF-8, so any other encoding (SJIS, GBK, BIG5 carry 0x5c `\\` as a trailing byte
+    /// of a multibyte character) makes the proxy refuse client SQL.
+    client_encoding: Option<String>,
     /// Responses still owed by the upstream, oldest first.
     pending: VecDeque<Pending>,
-    /// Kinds of prepared statements that are not data statements; absent means data.
-    statements: HashMap<String, Kind>,
-    /// Same for portals.
-    portals: HashMap<String, Kind>,
-    /// A Sync or Query was forwarded and its ReadyForQuery has not arrived: the client's next
-    /// messages wait, so each request starts with a known transaction status.
+    statements: NameMap,
+    portals: NameMap,
+    /// The extended-protocol group being forwarded, if any.
+    group: Option<Group>,
+    /// The outstanding request.
+    request: Request,
+    /// A Sync, Query or FunctionCall was forwarded and its ReadyForQuery has not reached the
+    /// client: the client's next messages wait, so each request starts from a known status.
     awaiting_ready: bool,
-    /// The upstream is in COPY FROM STDIN and needs the client's CopyData although a request is
-    /// outstanding.
-    copy_in: bool,
-    /// An error discarded the rest of the current extended-protocol group.
-    group_failed: bool,
-    /// When the outstanding request was forwarded.
-    request_started: Option<Instant>,
-    /// Worst outcome of the outstanding request so far.
-    request_result: RequestResult,
+    /// Where the upstream is in COPY FROM STDIN (see [`Copy`]).
+    copy: Copy,
+    /// Upstream messages being assembled for one write.
+    out: BytesMut,
 }
 
 impl Session {
     pub fn new(
         cfg: Arc<Config>,
-        client_rx: ClientRx,
+        client_rx: Rx,
         client_tx: Tx,
-        up_rx: ClientRx,
+        up_rx: Rx,
         up_tx: Tx,
-        status: u8,
-        fence: Option<Fence>,
+        reported: Reported,
     ) -> Self {
+        let Reported {
+            status,
+            standard_strings_off,
+            client_encoding,
+        } = reported;
         Session {
             cfg,
             client_rx,
@@ -174,25 +369,32 @@ impl Session {
             up_rx,
             up_tx,
             status,
-            confirmed_fence: fence.clone(),
-            fence,
-            recorded: false,
+            guarded: false,
+            standard_strings_off,
+            client_encoding,
             pending: VecDeque::new(),
-            statements: HashMap::new(),
-            portals: HashMap::new(),
+            statements: NameMap::default(),
+            portals: NameMap::default(),
+            group: None,
+            request: Request::new(),
             awaiting_ready: false,
-            copy_in: false,
-            group_failed: false,
-            request_started: None,
-            request_result: RequestResult::Ok,
+            copy: Copy::Off,
+            out: BytesMut::new(),
         }
     }
 
     /// Relays until either side closes or `shutdown` fires.
     pub async fn run(mut self, shutdown: CancellationToken) -> anyhow::Result<()> {
         loop {
+            // In COPY FROM STDIN the upstream waits for the client's data, so reading the client
+            // never stops there; while a COPY's start is unanswered, the client waits.
+            let read_client = match self.copy {
+                Copy::In => true,
+                Copy::Starting => false,
+                Copy::Off => !self.awaiting_ready && self.pending.len() < MAX_PENDING_UNITS,
+            };
             let flow = tokio::select! {
-                msg = self.client_rx.next(), if !self.awaiting_ready || self.copy_in => {
+                msg = self.client_rx.next(), if read_client => {
                     match msg {
                         Some(Ok(m)) => self.on_client(m).await?,
                         Some(Err(e)) => {
@@ -230,6 +432,7 @@ impl Session {
                 let _ = self.client_tx.flush().await;
                 return Ok(());
             }
+            self.write_out().await?;
             // Flush a direction once its source has nothing more buffered, so a burst of rows is
             // written in few system calls.
             if self.up_rx.read_buffer().is_empty() {
@@ -237,32 +440,27 @@ impl Session {
             }
             // While a request is outstanding the client's next messages stay unread, so what was
             // written upstream must go out now even if more client bytes are buffered.
-            if self.client_rx.read_buffer().is_empty() || (self.awaiting_ready && !self.copy_in) {
+            let holding = match self.copy {
+                Copy::In => false,
+                Copy::Starting => true,
+                Copy::Off => self.awaiting_ready,
+            };
+            if self.client_rx.read_buffer().is_empty() || holding {
                 self.up_tx.flush().await?;
             }
         }
     }
 
-    fn guarded(&self) -> bool {
-        self.fence.is_some() || self.cfg.require_fence
-    }
-
-    /// The statement that guards a transaction: the fence record, or read-only without a fence.
-    fn guard_sql(&self) -> String {
-        match &self.fence {
-            Some(f) => fence_sql::record_fence_sql(&self.cfg.fence_table, f),
-            None => fence_sql::READ_ONLY_SQL.to_owned(),
+    async fn write_out(&mut self) -> std::io::Result<()> {
+        if !self.out.is_empty() {
+            let out = self.out.split();
+            self.up_tx.write_all(&out).await?;
         }
+        Ok(())
     }
 
-    fn begin_request(&mut self) {
-        self.awaiting_ready = true;
-        self.request_started = Some(Instant::now());
-        self.request_result = RequestResult::Ok;
-    }
-
-    async fn send_upstream(&mut self, m: &Message) -> std::io::Result<()> {
-        self.up_tx.write_all(&m.frame).await
+    fn guard_sql(&self) -> String {
+        self.cfg.fence_table.guard_call(self.cfg.require_fence)
     }
 
     async fn send_client(&mut self, m: &Message) -> std::io::Result<()> {
@@ -277,6 +475,16 @@ impl Session {
         self.client_tx.flush().await?;
         record_request(RequestResult::Rejected, None);
         Ok(Flow::Continue)
+    }
+
+    /// A refusal in the middle of an extended-protocol group that cannot be put in the
+    /// upstream's response order: the session ends with a FATAL error.
+    async fn refuse_in_group(&mut self, e: ProxyError) -> anyhow::Result<Flow> {
+        let e = ProxyError { fatal: true, ..e };
+        tracing::info!(code = e.code, "{}", e.message);
+        self.send_client(&e.to_message()).await?;
+        record_request(RequestResult::Rejected, None);
+        Ok(Flow::Close)
     }
 
     async fn client_frame_error(&mut self, e: FrameError) {
@@ -298,292 +506,395 @@ impl Session {
         let _ = self.client_tx.write_all(&e.to_message().frame).await;
     }
 
+    // ----- client side -------------------------------------------------------------------------
+
     async fn on_client(&mut self, m: Message) -> anyhow::Result<Flow> {
         tracing::trace!(tag = %(m.tag as char), len = m.frame.len(), pending = self.pending.len(), "client message");
+        if self.copy == Copy::In {
+            return self.in_copy(m).await;
+        }
         match m.tag {
             b'Q' => self.simple_query(m).await,
-            b'P' => self.parse(m).await,
-            b'B' => self.bind(m).await,
-            b'E' => self.execute(m).await,
-            b'D' => {
-                self.pending.push_back(Pending::new(Unit::Describe));
-                self.send_upstream(&m).await?;
-                Ok(Flow::Continue)
-            }
-            b'C' => {
-                let mut body = m.body();
-                if let Some((&variant, rest)) = body.split_first() {
-                    body = rest;
-                    if let Some(name) = codec::read_cstr(&mut body) {
-                        match variant {
-                            b'S' => self.statements.remove(&name),
-                            _ => self.portals.remove(&name),
-                        };
-                    }
-                }
-                self.pending.push_back(Pending::new(Unit::Close));
-                self.send_upstream(&m).await?;
-                Ok(Flow::Continue)
-            }
-            b'S' => {
-                self.pending.push_back(Pending::new(Unit::Ready));
-                self.begin_request();
-                self.send_upstream(&m).await?;
-                Ok(Flow::Continue)
-            }
-            b'F' => {
-                if self.guarded() {
-                    return self
-                        .reject_request(ProxyError::error(
-                            error::NOT_SUPPORTED,
-                            "the FunctionCall message (fast-path function call) cannot be fenced; call the function with SELECT instead",
-                        ))
-                        .await;
-                }
-                self.pending.push_back(Pending::new(Unit::Ready));
-                self.begin_request();
-                self.send_upstream(&m).await?;
-                Ok(Flow::Continue)
-            }
+            b'F' => self.function_call(m).await,
+            b'P' | b'B' | b'E' | b'D' | b'C' | b'S' | b'H' => self.extended(m).await,
             b'X' => Ok(Flow::Close),
-            // Flush, CopyData, CopyDone, CopyFail and anything unknown: the upstream decides.
+            // CopyData, CopyDone, CopyFail and anything unknown: the upstream decides.
             _ => {
-                self.send_upstream(&m).await?;
+                self.out.extend_from_slice(&m.frame);
                 Ok(Flow::Continue)
             }
         }
     }
 
-    /// Sets the fence (projected and confirmed) after a simple-protocol SET/RESET.
-    fn apply_fence_now(&mut self, fence: Option<Fence>) {
-        self.fence = fence.clone();
-        self.confirmed_fence = fence;
-        self.recorded = false;
+    /// A client message while the upstream is in COPY FROM STDIN. The server accepts CopyData,
+    /// CopyDone and CopyFail there and ignores Flush and Sync ("for the convenience of client
+    /// libraries"), so a Sync creates no expected ReadyForQuery; the proxy drops it rather than
+    /// forwarding it, so that a server which left copy mode on an error cannot answer it either
+    /// (clients send another Sync after CopyDone or CopyFail, which the group ends with). Any
+    /// other message would fail the COPY in a way the proxy cannot follow: the session ends.
+    async fn in_copy(&mut self, m: Message) -> anyhow::Result<Flow> {
+        match m.tag {
+            b'd' => {
+                self.out.extend_from_slice(&m.frame);
+                Ok(Flow::Continue)
+            }
+            b'c' | b'f' => {
+                // The server leaves copy mode on CopyDone or CopyFail; the proxy's own block
+                // ends after it (at the query's ReadyForQuery or the group's next Sync).
+                self.copy = Copy::Off;
+                self.out.extend_from_slice(&m.frame);
+                Ok(Flow::Continue)
+            }
+            b'S' | b'H' => Ok(Flow::Continue),
+            tag => {
+                self.refuse_in_group(ProxyError::error(
+                    error::PROTOCOL_VIOLATION,
+                    format!(
+                        "message type {:?} during COPY FROM STDIN; expected CopyData, CopyDone or CopyFail",
+                        tag as char
+                    ),
+                ))
+                .await
+            }
+        }
+    }
+
+    /// Encodes a simple Query into the outgoing buffer.
+    fn put_query(&mut self, sql: &str) -> anyhow::Result<()> {
+        frontend::query(sql, &mut self.out)?;
+        Ok(())
+    }
+
+    fn start_request(&mut self) {
+        self.request = Request::new();
+        self.awaiting_ready = true;
     }
 
     async fn simple_query(&mut self, m: Message) -> anyhow::Result<Flow> {
-        let mut body = m.body();
-        let sql_text = codec::read_cstr(&mut body).unwrap_or_default();
-        let Some(kinds) = sql::classify_query(&sql_text) else {
+        if self.group.is_some() {
             return self
                 .reject_request(ProxyError::error(
-                    error::LIMIT_EXCEEDED,
-                    format!(
-                        "query has more than {} statements",
-                        crate::limits::MAX_STATEMENTS_PER_QUERY
-                    ),
+                    error::PROTOCOL_VIOLATION,
+                    "simple Query received while an extended-protocol group is open; send Sync first",
                 ))
                 .await;
+        }
+        let mut body = m.body();
+        let raw = codec::read_cbytes(&mut body).unwrap_or_default();
+        let text = match self.sql_text(raw) {
+            Ok(t) => t,
+            Err(e) => return self.reject_request(e).await,
         };
-
-        let fence_statements = kinds
-            .iter()
-            .filter(|k| matches!(k, Kind::FenceSet(_) | Kind::FenceLocal))
-            .count();
-        if kinds.contains(&Kind::FenceLocal) {
+        let stmts = match self.read_sql(&text) {
+            Ok(s) => s,
+            Err(e) => return self.reject_request(e).await,
+        };
+        if stmts.is_empty() {
+            self.start_request();
+            self.out.extend_from_slice(&m.frame);
+            self.pending
+                .push_back(Pending::ready(false, false, After::Report));
+            return Ok(Flow::Continue);
+        }
+        let last = stmts.len() - 1;
+        if let Some(i) = stmts.iter().position(|s| s.kind.ends_transaction())
+            && i != last
+        {
             return self
                 .reject_request(
                     ProxyError::error(
                         error::NOT_SUPPORTED,
-                        "SET LOCAL lockd.fence is not supported: the fence is a session setting",
+                        "a statement may not follow COMMIT, END, ROLLBACK, ABORT or PREPARE TRANSACTION in the same query: it would run outside the guarded transaction",
                     )
-                    .with_hint("use SET lockd.fence = '<resource>:<token>'"),
+                    .with_hint("send the statements after the transaction end as a separate query"),
                 )
                 .await;
         }
-        if fence_statements > 0 && kinds.len() > 1 {
+        // A lone COMMIT or ROLLBACK with no transaction open ends nothing; Postgres answers it
+        // with a warning.
+        if self.status == b'I' && stmts.len() == 1 && stmts[0].kind.ends_transaction() {
+            self.start_request();
+            self.out.extend_from_slice(&m.frame);
+            self.pending
+                .push_back(Pending::ready(false, false, After::Report));
+            return Ok(Flow::Continue);
+        }
+        self.plan_simple(&stmts, ClientOp::Query(text, m)).await
+    }
+
+    /// A FunctionCall (fast-path call) is planned like a query of one data statement.
+    async fn function_call(&mut self, m: Message) -> anyhow::Result<Flow> {
+        if self.group.is_some() {
             return self
                 .reject_request(ProxyError::error(
-                    error::NOT_SUPPORTED,
-                    format!(
-                        "SET/RESET lockd.fence must be sent as a query of its own, not with {} other statement(s)",
-                        kinds.len() - 1
-                    ),
+                    error::PROTOCOL_VIOLATION,
+                    "FunctionCall received while an extended-protocol group is open; send Sync first",
                 ))
                 .await;
         }
-        if let [Kind::FenceSet(value)] = kinds.as_slice() {
-            let fence = match value {
-                None => None,
-                Some(v) if v.is_empty() && fence_statements == 1 => {
-                    return self
-                        .reject_request(
-                            ProxyError::error(
-                                error::BAD_FENCE,
-                                format!("cannot read a single lockd.fence value from {sql_text:?}"),
-                            )
-                            .with_hint("SET lockd.fence = '<resource>:<token>'"),
-                        )
-                        .await;
-                }
-                Some(v) => match fence_value::parse(v) {
-                    Ok(f) => Some(f),
-                    Err(e) => return self.reject_request(e).await,
-                },
-            };
-            // In a failed transaction the upstream refuses the SET too; keep the state alike.
-            if self.status != b'E' {
-                self.apply_fence_now(fence);
-            }
-            return self.forward_query(m, Pending::new(Unit::Ready)).await;
-        }
-        if kinds.contains(&Kind::ResetAll) && self.status != b'E' {
-            self.apply_fence_now(None);
-        }
+        let stmts = [Statement {
+            kind: StatementKind::Other,
+            start: 0,
+        }];
+        self.plan_simple(&stmts, ClientOp::Message(m)).await
+    }
 
-        let mut ready = Pending::new(Unit::Ready);
-        let has_data = kinds.contains(&Kind::Data);
-        if self.guarded() && has_data && self.status != b'E' {
-            let first_end = kinds
-                .iter()
-                .position(|k| matches!(k, Kind::TxnEnd | Kind::RollbackTo));
-            if let Some(end) = first_end
-                && kinds[end..].contains(&Kind::Data)
-            {
-                return self
-                    .reject_request(ProxyError::error(
-                        error::NOT_SUPPORTED,
-                        "in a fenced session, a statement may not follow COMMIT, ROLLBACK or ROLLBACK TO SAVEPOINT in the same query: it would run without the fence",
-                    ).with_hint("send the statements after the transaction end as a separate query"))
-                    .await;
+    /// The text of client SQL as the server will read it, or why the proxy cannot know that. The
+    /// server converts the bytes from `client_encoding` before lexing; the proxy's parser reads
+    /// UTF-8 and never decodes lossily. Every client encoding the server supports is a superset
+    /// of ASCII (multibyte characters use lead bytes of 0x80 and above, which is where SJIS, GBK
+    /// or BIG5 can hide a 0x5c `\\` as a trailing byte), so ASCII text reads the same in all of
+    /// them; non-ASCII text is accepted only while the encoding is UTF8. Inside a group, an
+    /// Execute already sent may have changed the encoding (any statement can call
+    /// `set_config('client_encoding', ...)`) before its ParameterStatus arrived, so non-ASCII
+    /// text is refused there too.
+    fn sql_text(&self, raw: &[u8]) -> Result<String, ProxyError> {
+        let utf8 = self
+            .client_encoding
+            .as_deref()
+            .is_some_and(|e| e.eq_ignore_ascii_case("UTF8") || e.eq_ignore_ascii_case("UTF-8"));
+        if !raw.is_ascii() {
+            if !utf8 {
+                let shown = self.client_encoding.as_deref().unwrap_or("(not reported)");
+                return Err(ProxyError::error(
+                    error::CHARACTER_NOT_IN_REPERTOIRE,
+                    format!(
+                        "fence-proxy: client_encoding is {shown} and the query text is not ASCII; the proxy reads non-ASCII SQL as UTF8 only, so it cannot read this query as Postgres would"
+                    ),
+                )
+                .with_hint("SET client_encoding = 'UTF8' (or connect with client_encoding=UTF8)"));
             }
-            if !self.pending.is_empty() {
-                return self
-                    .reject_request(ProxyError::error(
-                        error::PROTOCOL_VIOLATION,
-                        "simple Query received while an extended-protocol group is open; send Sync first",
-                    ))
-                    .await;
+            if self.group.as_ref().is_some_and(|g| g.executed) {
+                return Err(ProxyError::error(
+                    error::CHARACTER_NOT_IN_REPERTOIRE,
+                    "fence-proxy: non-ASCII statement text after an Execute in the same pipelined group: an earlier statement may have changed client_encoding, so the proxy cannot read it as Postgres would",
+                )
+                .with_hint("send a Sync after the Execute, or pass non-ASCII values as parameters"));
             }
-            if self.status == b'I' {
-                let guard = format!("BEGIN; {}", self.guard_sql());
-                let outcome = self.run_internal(&guard).await?;
-                if let Some(err) = outcome.error {
-                    if outcome.status != b'I' {
-                        self.run_internal("ROLLBACK").await?;
-                    }
-                    return self.fail_request(err, b'I').await;
-                }
-                // A query that opens a block of its own keeps it (and its failed state after an
-                // error), as it would directly; otherwise the proxy ends its wrapper block.
-                ready.auto_end = !kinds.contains(&Kind::TxnStart);
-                ready.suppress_begin_warning = kinds.contains(&Kind::TxnStart);
-            } else if !self.recorded {
-                let guard = self.guard_sql();
-                let outcome = self.run_internal(&guard).await?;
-                if let Some(err) = outcome.error {
-                    return self.fail_request(err, outcome.status).await;
-                }
-            }
-            self.recorded = true;
         }
-        if kinds
+        String::from_utf8(raw.to_vec()).map_err(|e| {
+            ProxyError::error(
+                error::CHARACTER_NOT_IN_REPERTOIRE,
+                format!("fence-proxy: query text is not valid UTF-8: {e}"),
+            )
+        })
+    }
+
+    /// Classifies client SQL, or says why it is refused.
+    fn read_sql(&self, text: &str) -> Result<Vec<Statement>, ProxyError> {
+        // Inside a group, an Execute already sent may have turned the setting off before its
+        // ParameterStatus reached the proxy, so a backslash is refused there too.
+        let maybe_off =
+            self.standard_strings_off || self.group.as_ref().is_some_and(|g| g.executed);
+        if maybe_off && classify::needs_standard_strings(text) {
+            return Err(ProxyError::error(
+                error::NOT_SUPPORTED,
+                "standard_conforming_strings is (or may be) off and the statement contains a backslash: the proxy cannot read it as Postgres would",
+            )
+            .with_hint("SET standard_conforming_strings = on in a query of its own; inside a pipelined group, send statements with backslashes before the first Execute or pass values as parameters"));
+        }
+        classify::classify(text).map_err(|e| match e {
+            ClassifyError::Syntax(_) => ProxyError::error(error::SYNTAX_ERROR, &e),
+            ClassifyError::TooManyStatements => ProxyError::error(error::LIMIT_EXCEEDED, &e),
+            ClassifyError::BeginOption(_) => ProxyError::error(error::NOT_SUPPORTED, &e),
+            ClassifyError::TooLong(_) => ProxyError::error(error::LIMIT_EXCEEDED, &e),
+            ClassifyError::Parser(_) => ProxyError::error(error::INTERNAL_ERROR, &e),
+        })
+    }
+
+    /// Sends a simple-protocol request wrapped in the guarded block (see the module doc).
+    async fn plan_simple(&mut self, stmts: &[Statement], op: ClientOp) -> anyhow::Result<Flow> {
+        self.start_request();
+        let entry = self.status;
+        let last = &stmts[stmts.len() - 1];
+        let begins = stmts
             .iter()
-            .any(|k| matches!(k, Kind::TxnEnd | Kind::RollbackTo))
-        {
-            self.recorded = false;
+            .any(|s| matches!(s.kind, StatementKind::Begin(_)));
+        let commit_last = matches!(last.kind, StatementKind::Commit { .. });
+        let split = commit_last && stmts.len() > 1;
+        let body = if split {
+            &stmts[..stmts.len() - 1]
+        } else {
+            stmts
+        };
+        let needs_guard = body.iter().any(|s| !s.kind.guard_free());
+        // The proxy opens the block at `I`; it must end it unless the client's statements open a
+        // block of their own or end it themselves.
+        let owns = entry == b'I' && !begins;
+        let guard = self.guard_sql();
+        match entry {
+            b'I' => {
+                let begin = match &stmts[0].kind {
+                    StatementKind::Begin(sql) => sql.clone(),
+                    _ => fence_sql::BEGIN_SQL.to_owned(),
+                };
+                let sql = if needs_guard {
+                    format!("{begin}; {guard}")
+                } else {
+                    begin
+                };
+                self.put_query(&sql)?;
+                self.pending
+                    .push_back(Pending::ready(true, owns, After::Continue));
+                self.guarded = needs_guard;
+            }
+            b'T' if needs_guard && !self.guarded => {
+                self.put_query(&guard)?;
+                self.pending
+                    .push_back(Pending::ready(true, false, After::Continue));
+                self.guarded = true;
+            }
+            _ => {}
         }
-        self.forward_query(m, ready).await
-    }
-
-    async fn forward_query(&mut self, m: Message, ready: Pending) -> anyhow::Result<Flow> {
-        self.pending.push_back(ready);
-        self.begin_request();
-        self.send_upstream(&m).await?;
-        Ok(Flow::Continue)
-    }
-
-    /// Ends a request whose guard statement failed: the client gets the upstream's error (55P03
-    /// for a stale token) and the resulting status; its own query never ran.
-    async fn fail_request(&mut self, err: Message, status: u8) -> anyhow::Result<Flow> {
-        let stale = error::error_code(err.body()).as_deref() == Some(error::STALE_TOKEN);
-        self.status = status;
-        self.recorded = false;
-        self.send_client(&err).await?;
-        self.send_client(&ready_for_query(status)).await?;
-        self.client_tx.flush().await?;
-        record_request(
-            if stale {
-                RequestResult::Stale
-            } else {
-                RequestResult::Error
-            },
-            None,
-        );
-        Ok(Flow::Continue)
-    }
-
-    /// Runs a simple query of the proxy's own while no client request is outstanding, swallowing
-    /// its results; notices and asynchronous messages still reach the client.
-    async fn run_internal(&mut self, sql_text: &str) -> anyhow::Result<InternalOutcome> {
-        debug_assert!(self.pending.is_empty());
-        let mut buf = BytesMut::new();
-        frontend::query(sql_text, &mut buf)?;
-        self.up_tx.write_all(&buf).await?;
-        self.up_tx.flush().await?;
-        let mut error = None;
-        loop {
-            let m = match self.up_rx.next().await {
-                Some(Ok(m)) => m,
-                Some(Err(e)) => anyhow::bail!("upstream {}: {e}", self.cfg.upstream_addr),
-                None => anyhow::bail!(
-                    "upstream {} closed the connection during the fence statement",
-                    self.cfg.upstream_addr
-                ),
-            };
-            match m.tag {
-                b'Z' => {
-                    let status = m.body().first().copied().unwrap_or(b'I');
-                    return Ok(InternalOutcome { status, error });
+        if stmts.iter().any(|s| {
+            matches!(
+                s.kind,
+                StatementKind::RollbackTo
+                    | StatementKind::Commit { .. }
+                    | StatementKind::Rollback { .. }
+            )
+        }) {
+            self.guarded = false;
+        }
+        let suppress = entry == b'I';
+        match op {
+            ClientOp::Query(text, m) if split => {
+                let prefix = &text[..last.start];
+                let commit = text[last.start..].to_owned();
+                self.put_query(prefix)?;
+                let mut p = Pending::ready(false, owns, After::CommitPart { sql: commit, owns });
+                p.suppress_begin_warning = suppress;
+                self.pending.push_back(p);
+                drop(m);
+            }
+            op => {
+                let ends = last.kind.ends_transaction();
+                let end_block = owns && !ends;
+                let copy = stmts.iter().any(|s| s.kind == StatementKind::CopyIn);
+                if commit_last && entry == b'T' {
+                    // A lone COMMIT inside a block: the guard goes right before it.
+                    self.put_query(&guard)?;
+                    self.pending
+                        .push_back(Pending::ready(true, false, After::Continue));
                 }
-                b'E' => error = Some(m),
-                b'S' | b'A' => self.send_client(&m).await?,
-                _ => {}
+                self.out.extend_from_slice(&op.frame());
+                let after = if end_block && copy {
+                    // COPY FROM STDIN reads CopyData next: nothing may follow it yet.
+                    After::EndBlock
+                } else if end_block {
+                    After::Continue
+                } else {
+                    After::Report
+                };
+                let mut p = Pending::ready(false, owns && !ends, after.clone());
+                p.suppress_begin_warning = suppress;
+                self.pending.push_back(p);
+                if end_block && !copy {
+                    // Pipelined: after an error the guard fails (swallowed) and COMMIT rolls back.
+                    self.put_query(&guard)?;
+                    self.pending
+                        .push_back(Pending::ready(true, true, After::Continue));
+                    self.put_query(fence_sql::COMMIT_SQL)?;
+                    self.pending
+                        .push_back(Pending::ready(true, false, After::Report));
+                }
             }
         }
+        Ok(Flow::Continue)
+    }
+
+    /// Parse, Bind, Describe, Execute, Close, Sync, Flush.
+    async fn extended(&mut self, m: Message) -> anyhow::Result<Flow> {
+        if self.group.is_none() {
+            self.request = Request::new();
+            self.group = Some(Group {
+                status: self.status,
+                owns: false,
+                executed: false,
+                failed: false,
+            });
+        }
+        let failed = self.group.as_ref().is_some_and(|g| g.failed);
+        if m.tag == b'S' {
+            return self.sync(m).await;
+        }
+        if failed {
+            // The upstream skips everything up to Sync and answers none of it.
+            self.out.extend_from_slice(&m.frame);
+            return Ok(Flow::Continue);
+        }
+        match m.tag {
+            b'P' => self.parse(m).await,
+            b'B' => self.bind(m).await,
+            b'E' => self.execute(m).await,
+            b'C' => self.close(m).await,
+            b'D' => {
+                let owns = self.group_owns();
+                self.pending.push_back(Pending::new(Unit::Describe, owns));
+                self.out.extend_from_slice(&m.frame);
+                Ok(Flow::Continue)
+            }
+            // Flush: answered by nothing.
+            _ => {
+                self.out.extend_from_slice(&m.frame);
+                Ok(Flow::Continue)
+            }
+        }
+    }
+
+    fn group_owns(&self) -> bool {
+        self.group.as_ref().is_some_and(|g| g.owns)
+    }
+
+    /// Checks a statement or portal name against [`MAX_NAME_BYTES`].
+    fn check_name(name: &str, what: &str) -> Result<(), ProxyError> {
+        if name.len() > MAX_NAME_BYTES {
+            return Err(ProxyError::error(
+                error::LIMIT_EXCEEDED,
+                format!(
+                    "{what} name of {} bytes exceeds the limit of {MAX_NAME_BYTES} bytes",
+                    name.len()
+                ),
+            ));
+        }
+        Ok(())
     }
 
     async fn parse(&mut self, m: Message) -> anyhow::Result<Flow> {
         let mut body = m.body();
         let name = codec::read_cstr(&mut body).unwrap_or_default();
-        let text = codec::read_cstr(&mut body).unwrap_or_default();
-        let mut kind = sql::classify_statement(&text);
-        let refusal = match &kind {
-            Kind::FenceLocal => Some(ProxyError::error(
-                error::NOT_SUPPORTED,
-                "SET LOCAL lockd.fence is not supported: the fence is a session setting",
-            )),
-            Kind::FenceSet(Some(v)) if v.is_empty() => Some(ProxyError::error(
-                error::BAD_FENCE,
-                format!("cannot read a single lockd.fence value from {text:?}"),
-            )),
-            Kind::FenceSet(Some(v)) => fence_value::parse(v).err(),
-            _ => None,
-        };
-        let forwarded = match refusal {
-            // The refusal must arrive in the upstream's response order, so the statement is
-            // replaced by one that raises the proxy's error when executed.
-            Some(e) => {
-                kind = Kind::Session;
-                let mut buf = BytesMut::new();
-                frontend::parse(
-                    &name,
-                    &fence_sql::raise_sql(e.code, &e.message),
-                    std::iter::empty(),
-                    &mut buf,
-                )?;
-                Message {
-                    tag: b'P',
-                    frame: buf.freeze(),
-                }
-            }
-            None => m,
-        };
-        if let Some(reply) = track(&mut self.statements, name, kind) {
-            return self.refuse_in_group(reply).await;
+        let raw = codec::read_cbytes(&mut body).unwrap_or_default();
+        if let Err(e) = Self::check_name(&name, "prepared statement") {
+            return self.refuse_in_group(e).await;
         }
-        self.pending.push_back(Pending::new(Unit::Parse));
-        self.send_upstream(&forwarded).await?;
+        let (kind, refusal) = match self.sql_text(raw).and_then(|text| self.read_sql(&text)) {
+            // One statement: its kind. Several: the upstream refuses the Parse anyway.
+            Ok(stmts) if stmts.len() == 1 => (stmts[0].kind.clone(), None),
+            Ok(_) => (StatementKind::Other, None),
+            Err(e) => (StatementKind::Other, Some(e)),
+        };
+        if kind != StatementKind::Other && self.statements.full_for(&name) {
+            return self
+                .refuse_in_group(ProxyError::error(
+                    error::LIMIT_EXCEEDED,
+                    format!(
+                        "more than {MAX_TRACKED_NAMES} prepared transaction-control or setting statements in one session (at {name:?})"
+                    ),
+                ))
+                .await;
+        }
+        let owns = self.group_owns();
+        let mut p = Pending::new(Unit::Parse, owns);
+        self.project(&mut p, Track::Statement(name.clone(), kind));
+        if let Some(e) = refusal {
+            // Replaced by a statement that fails at Parse, so the refusal keeps the upstream's
+            // response order and the upstream skips to Sync.
+            frontend::parse(&name, REFUSED_PARSE_SQL, std::iter::empty(), &mut self.out)?;
+            p.refusal = Some(e);
+        } else {
+            self.out.extend_from_slice(&m.frame);
+        }
+        self.pending.push_back(p);
         Ok(Flow::Continue)
     }
 
@@ -591,130 +902,217 @@ impl Session {
         let mut body = m.body();
         let portal = codec::read_cstr(&mut body).unwrap_or_default();
         let statement = codec::read_cstr(&mut body).unwrap_or_default();
-        let kind = self
-            .statements
-            .get(&statement)
-            .cloned()
-            .unwrap_or(Kind::Data);
-        if let Some(reply) = track(&mut self.portals, portal, kind) {
-            return self.refuse_in_group(reply).await;
+        if let Err(e) = Self::check_name(&portal, "portal") {
+            return self.refuse_in_group(e).await;
         }
-        self.pending.push_back(Pending::new(Unit::Bind));
-        self.send_upstream(&m).await?;
+        let kind = self.statements.get(&statement);
+        if kind != StatementKind::Other && self.portals.full_for(&portal) {
+            return self
+                .refuse_in_group(ProxyError::error(
+                    error::LIMIT_EXCEEDED,
+                    format!(
+                        "more than {MAX_TRACKED_NAMES} transaction-control portals in one session"
+                    ),
+                ))
+                .await;
+        }
+        let owns = self.group_owns();
+        let mut p = Pending::new(Unit::Bind, owns);
+        self.project(&mut p, Track::Portal(portal, kind));
+        self.pending.push_back(p);
+        self.out.extend_from_slice(&m.frame);
         Ok(Flow::Continue)
+    }
+
+    async fn close(&mut self, m: Message) -> anyhow::Result<Flow> {
+        let mut body = m.body();
+        let owns = self.group_owns();
+        let mut p = Pending::new(Unit::Close, owns);
+        if let Some((&variant, rest)) = body.split_first() {
+            body = rest;
+            if let Some(name) = codec::read_cstr(&mut body) {
+                // Only names the maps hold need remembering; the others are ordinary anyway.
+                let track = match variant {
+                    b'S' if self.statements.kinds.contains_key(&name) => {
+                        Track::CloseStatement(name)
+                    }
+                    b'P' if self.portals.kinds.contains_key(&name) => Track::ClosePortal(name),
+                    _ => Track::Nothing,
+                };
+                self.project(&mut p, track);
+            }
+        }
+        self.pending.push_back(p);
+        self.out.extend_from_slice(&m.frame);
+        Ok(Flow::Continue)
+    }
+
+    /// Parse/Bind/Execute of one statement of the proxy's own under its internal names, closed
+    /// right after, so a second one in the same block never finds the portal in use and a
+    /// client's DEALLOCATE ALL cannot break the next. The first Close clears a statement left
+    /// over when an earlier one failed before its final Close ran (closing a missing statement is
+    /// not an error). `owns_before`/`owns_after`: ownership of the block before and after it runs.
+    fn put_internal(
+        &mut self,
+        sql: &str,
+        owns_before: bool,
+        owns_after: bool,
+    ) -> anyhow::Result<()> {
+        frontend::close(b'S', INTERNAL_STATEMENT, &mut self.out)?;
+        frontend::parse(INTERNAL_STATEMENT, sql, std::iter::empty(), &mut self.out)?;
+        frontend::bind(
+            INTERNAL_PORTAL,
+            INTERNAL_STATEMENT,
+            std::iter::empty(),
+            std::iter::empty::<()>(),
+            |(), _| Ok(postgres_protocol::IsNull::No),
+            std::iter::empty(),
+            &mut self.out,
+        )
+        .map_err(|_| anyhow::anyhow!("encoding the proxy's Bind message"))?;
+        frontend::execute(INTERNAL_PORTAL, 0, &mut self.out)?;
+        frontend::close(b'P', INTERNAL_PORTAL, &mut self.out)?;
+        frontend::close(b'S', INTERNAL_STATEMENT, &mut self.out)?;
+        for (unit, owns) in [
+            (Unit::Close, owns_before),
+            (Unit::Parse, owns_before),
+            (Unit::Bind, owns_before),
+            (Unit::Execute, owns_after),
+            (Unit::Close, owns_after),
+            (Unit::Close, owns_after),
+        ] {
+            self.pending.push_back(Pending::internal(unit, owns));
+        }
+        Ok(())
     }
 
     async fn execute(&mut self, m: Message) -> anyhow::Result<Flow> {
         let mut body = m.body();
         let portal = codec::read_cstr(&mut body).unwrap_or_default();
-        let kind = self.portals.get(&portal).cloned().unwrap_or(Kind::Data);
-        let mut pending = Pending::new(Unit::Execute);
-        match kind {
-            Kind::Data if self.guarded() && !self.recorded && !self.group_failed => {
-                self.inject_guard().await?;
-                self.recorded = true;
-            }
-            Kind::TxnEnd | Kind::RollbackTo => self.recorded = false,
-            Kind::FenceSet(value) => {
-                // Validated at Parse; a failure there replaced the statement.
-                let fence = value.and_then(|v| fence_value::parse(&v).ok());
-                self.fence = fence.clone();
-                self.recorded = false;
-                pending.fence_change = Some(fence);
-            }
-            Kind::ResetAll => {
-                self.fence = None;
-                self.recorded = false;
-                pending.fence_change = Some(None);
-            }
-            _ => {}
+        let kind = self.portals.get(&portal);
+        let guard = self.guard_sql();
+        let Some(mut g) = self.group.take() else {
+            anyhow::bail!("Execute outside a group");
+        };
+        let mut suppress = false;
+        // Whatever the projected kind says, no client Execute is forwarded outside a block the
+        // proxy opened: a kind that is wrong (a name redefined by SQL PREPARE/DEALLOCATE the
+        // proxy does not track) then only costs compatibility, never an implicit transaction
+        // that commits on its own. A believed BEGIN gets its options on the proxy's BEGIN.
+        if g.status == b'I' {
+            let begin = match &kind {
+                StatementKind::Begin(sql) => sql.clone(),
+                _ => fence_sql::BEGIN_SQL.to_owned(),
+            };
+            self.put_internal(&begin, false, true)?;
+            g.owns = true;
+            g.status = b'T';
+            self.guarded = false;
         }
-        self.pending.push_back(pending);
-        self.send_upstream(&m).await?;
+        match &kind {
+            StatementKind::Begin(_) => {
+                if g.owns {
+                    // The client turns the proxy's block into its own, as BEGIN turns an
+                    // implicit transaction into a block; the 25001 warning the proxy's BEGIN
+                    // causes is the proxy's, not the client's.
+                    g.owns = false;
+                    suppress = true;
+                }
+            }
+            StatementKind::Commit { chain } => {
+                let skip_guard = g.status == b'E' && !g.executed;
+                if !skip_guard {
+                    // If the guard fails, the upstream skips this COMMIT; the proxy then rolls
+                    // the block back at Sync, so the client ends at `I` as after any failed
+                    // COMMIT.
+                    self.put_internal(&guard, true, g.owns)?;
+                }
+                g.owns = false;
+                g.status = if *chain { b'T' } else { b'I' };
+                self.guarded = false;
+            }
+            StatementKind::Rollback { chain } => {
+                g.owns = false;
+                g.status = if *chain { b'T' } else { b'I' };
+                self.guarded = false;
+            }
+            StatementKind::RollbackTo => {
+                if g.status == b'E' {
+                    g.status = b'T';
+                }
+                self.guarded = false;
+            }
+            StatementKind::Setting => {}
+            StatementKind::CopyIn | StatementKind::Other => {
+                if g.status == b'T' && !self.guarded {
+                    self.put_internal(&guard, g.owns, g.owns)?;
+                    self.guarded = true;
+                }
+            }
+        }
+        let starts_copy = kind == StatementKind::CopyIn;
+        if starts_copy {
+            // The server reads CopyData right after this Execute: nothing of the proxy's own may
+            // follow it, so the client's next messages wait for CopyInResponse (or an error, or
+            // CommandComplete if the kind was wrong).
+            self.copy = Copy::Starting;
+        }
+        g.executed = true;
+        let mut p = Pending::new(Unit::Execute, g.owns);
+        p.starts_copy = starts_copy;
+        p.suppress_begin_warning = suppress;
+        self.pending.push_back(p);
+        self.group = Some(g);
+        self.out.extend_from_slice(&m.frame);
         Ok(Flow::Continue)
     }
 
-    /// Sends the guard statement as Close/Parse/Bind/Execute/Close under the proxy's own name, so
-    /// the client's unnamed statement and portal stay intact. The first Close clears a statement
-    /// left over when an earlier guard failed before its final Close ran.
-    async fn inject_guard(&mut self) -> anyhow::Result<()> {
-        let sql_text = self.guard_sql();
-        let mut buf = BytesMut::new();
-        frontend::close(b'S', INTERNAL_NAME, &mut buf)?;
-        frontend::parse(INTERNAL_NAME, &sql_text, std::iter::empty(), &mut buf)?;
-        frontend::bind(
-            INTERNAL_NAME,
-            INTERNAL_NAME,
-            std::iter::empty(),
-            std::iter::empty::<()>(),
-            |(), _| Ok(postgres_protocol::IsNull::No),
-            std::iter::empty(),
-            &mut buf,
-        )
-        .map_err(|_| anyhow::anyhow!("encoding the fence Bind message"))?;
-        frontend::execute(INTERNAL_NAME, 0, &mut buf)?;
-        frontend::close(b'S', INTERNAL_NAME, &mut buf)?;
-        for unit in [
-            Unit::Close,
-            Unit::Parse,
-            Unit::Bind,
-            Unit::Execute,
-            Unit::Close,
-        ] {
-            self.pending.push_back(Pending::internal(unit));
+    async fn sync(&mut self, m: Message) -> anyhow::Result<Flow> {
+        let Some(g) = self.group.take() else {
+            anyhow::bail!("Sync outside a group");
+        };
+        if g.owns && !g.failed {
+            let guard = self.guard_sql();
+            self.put_internal(&guard, true, true)?;
+            self.put_internal(fence_sql::COMMIT_SQL, true, false)?;
+            self.guarded = false;
         }
-        self.up_tx.write_all(&buf).await?;
-        Ok(())
+        self.pending
+            .push_back(Pending::ready(false, false, After::SyncEnd));
+        self.out.extend_from_slice(&m.frame);
+        self.awaiting_ready = true;
+        Ok(Flow::Continue)
     }
 
-    /// A limit hit in the middle of an extended-protocol group: the session cannot keep its
-    /// response order, so it ends with a FATAL error.
-    async fn refuse_in_group(&mut self, e: ProxyError) -> anyhow::Result<Flow> {
-        let e = ProxyError { fatal: true, ..e };
-        self.send_client(&e.to_message()).await?;
-        record_request(RequestResult::Rejected, None);
-        Ok(Flow::Close)
-    }
+    // ----- upstream side -----------------------------------------------------------------------
 
     async fn on_upstream(&mut self, m: Message) -> anyhow::Result<Flow> {
         tracing::trace!(tag = %(m.tag as char), len = m.frame.len(), pending = self.pending.len(), "upstream message");
         match m.tag {
             b'Z' => return self.on_ready(m).await,
-            b'E' => {
-                let internal = self.pending.front().is_some_and(|p| p.internal);
-                let code = error::error_code(m.body());
-                let result = if internal && code.as_deref() == Some(error::STALE_TOKEN) {
-                    RequestResult::Stale
-                } else {
-                    RequestResult::Error
-                };
-                if self.request_result == RequestResult::Ok {
-                    self.request_result = result;
-                }
-                // The upstream skips everything up to the next Sync; so do the expectations.
-                while self.pending.front().is_some_and(|p| p.unit != Unit::Ready) {
-                    self.pending.pop_front();
-                }
-                self.group_failed = true;
-                self.copy_in = false;
-                self.fence = self.confirmed_fence.clone();
-                self.send_client(&m).await?;
-            }
+            b'E' => self.on_error(m).await?,
             b'N' => {
-                let suppress = self
-                    .pending
-                    .front()
-                    .is_some_and(|p| p.suppress_begin_warning)
-                    && error::error_code(m.body()).as_deref() == Some(ACTIVE_SQL_TRANSACTION);
+                let suppress = self.pending.front().is_some_and(|p| {
+                    p.internal
+                        || (p.suppress_begin_warning
+                            && error::error_code(m.body()).as_deref()
+                                == Some(ACTIVE_SQL_TRANSACTION))
+                });
                 if !suppress {
                     self.send_client(&m).await?;
                 }
             }
-            b'S' | b'A' => self.send_client(&m).await?,
-            b'G' | b'W' => {
-                self.copy_in = true;
+            b'S' => {
+                if let Some((name, value)) = parameter_status(m.body()) {
+                    match name.as_str() {
+                        "standard_conforming_strings" => self.standard_strings_off = value != "on",
+                        "client_encoding" => self.client_encoding = Some(value),
+                        _ => {}
+                    }
+                }
                 self.send_client(&m).await?;
             }
+            b'A' => self.send_client(&m).await?,
             tag => {
                 let front = self.pending.front();
                 let internal = front.is_some_and(|p| p.internal);
@@ -722,14 +1120,17 @@ impl Session {
                     && front.unit.completed_by(tag)
                 {
                     let done = self.pending.pop_front().expect("front exists");
-                    if let Some(change) = done.fence_change {
-                        self.confirmed_fence = change;
+                    self.request.owns = done.owns_after;
+                    if done.starts_copy && self.copy == Copy::Starting {
+                        // A statement the proxy took for COPY FROM STDIN completed without
+                        // entering copy mode (a wrong kind): nothing to wait for.
+                        self.copy = Copy::Off;
                     }
                 }
-                if tag == b'C' {
-                    self.copy_in = false;
+                if matches!(tag, b'G' | b'W') {
+                    self.copy = Copy::In;
                 }
-                if !internal {
+                if !internal && !self.request.internal_failed {
                     self.send_client(&m).await?;
                 }
             }
@@ -737,8 +1138,139 @@ impl Session {
         Ok(Flow::Continue)
     }
 
+    /// Applies what `track` does to the name maps as the message is sent, so the messages
+    /// behind it in the same group (a Bind right after its Parse, an Execute right after its
+    /// Bind) see the kind they will find upstream, and keeps the undo for [`Self::on_error`].
+    /// Projecting along the path where every message succeeds is exact: an error makes the
+    /// upstream skip everything up to Sync, and the skipped units are undone.
+    fn project(&mut self, p: &mut Pending, track: Track) {
+        let (portal, name, new) = match &track {
+            Track::Nothing => return,
+            Track::Statement(n, k) => (false, n.clone(), Some(k.clone())),
+            Track::Portal(n, k) => (true, n.clone(), Some(k.clone())),
+            Track::CloseStatement(n) => (false, n.clone(), None),
+            Track::ClosePortal(n) => (true, n.clone(), None),
+        };
+        let map = if portal {
+            &mut self.portals
+        } else {
+            &mut self.statements
+        };
+        p.undo = Some((portal, name.clone(), map.kinds.get(&name).cloned()));
+        match new {
+            Some(kind) => map.set(name, kind),
+            None => {
+                map.kinds.remove(&name);
+            }
+        }
+        p.track = track;
+    }
+
+    fn undo(&mut self, undo: (bool, String, Option<StatementKind>)) {
+        let (portal, name, prev) = undo;
+        let map = if portal {
+            &mut self.portals
+        } else {
+            &mut self.statements
+        };
+        match prev {
+            Some(kind) => map.set(name, kind),
+            None => {
+                map.kinds.remove(&name);
+            }
+        }
+    }
+
+    async fn on_error(&mut self, m: Message) -> anyhow::Result<()> {
+        let code = error::error_code(m.body());
+        let (internal, refusal, unnamed_parse) = match self.pending.front_mut() {
+            Some(p) => (
+                p.internal,
+                p.refusal.take(),
+                matches!((p.unit, &p.track), (Unit::Parse, Track::Statement(name, _)) if name.is_empty()),
+            ),
+            None => (false, None, false),
+        };
+        // The upstream skips everything up to the next Sync; so do the expectations, and the
+        // projected name kinds of the failed and skipped messages are undone, newest first.
+        let mut skipped = Vec::new();
+        while self.pending.front().is_some_and(|p| p.unit != Unit::Ready) {
+            skipped.extend(self.pending.pop_front().and_then(|p| p.undo));
+        }
+        for undo in skipped.into_iter().rev() {
+            self.undo(undo);
+        }
+        // A failed Parse of the unnamed statement leaves none; a named one keeps its old
+        // statement (restored above).
+        if unnamed_parse {
+            self.statements.kinds.remove("");
+        }
+        if let Some(g) = self.group.as_mut() {
+            g.failed = true;
+        }
+        self.copy = Copy::Off;
+        let result = if code.as_deref() == Some(error::STALE_TOKEN) {
+            RequestResult::Stale
+        } else {
+            RequestResult::Error
+        };
+        if self.request.result == RequestResult::Ok {
+            self.request.result = result;
+        }
+        let forward = if internal {
+            self.request.internal_failed = true;
+            !self.request.error_sent
+        } else {
+            self.request.client_failed = true;
+            !self.request.internal_failed
+        };
+        if forward {
+            self.request.error_sent = true;
+            match refusal {
+                Some(e) => self.send_client(&e.to_message()).await?,
+                None if internal => {
+                    let rewritten = self.explain_internal_error(code.as_deref());
+                    match rewritten {
+                        Some(e) => self.send_client(&e.to_message()).await?,
+                        None => self.send_client(&m).await?,
+                    }
+                }
+                None => self.send_client(&m).await?,
+            }
+        }
+        Ok(())
+    }
+
+    /// A clear error for the guard's setup problems: the function missing in this database (a
+    /// session in another database than the one `init` ran in) or not granted to the role.
+    fn explain_internal_error(&self, code: Option<&str>) -> Option<ProxyError> {
+        let f = self.cfg.fence_table.guard_signature();
+        match code {
+            Some("42883") | Some("3F000") => Some(
+                ProxyError::error(
+                    error::GUARD_MISSING,
+                    format!(
+                        "the guard function {f} does not exist in this database, so no transaction can be fenced here"
+                    ),
+                )
+                .with_hint(
+                    "run `fence-proxy postgres init --upstream postgres://.../<this database>` once per database",
+                ),
+            ),
+            Some("42501") => Some(
+                ProxyError::error(
+                    error::INSUFFICIENT_PRIVILEGE,
+                    format!("this role may not execute the guard function {f}"),
+                )
+                .with_hint("run `fence-proxy postgres init --grant-to <role>` for the application role"),
+            ),
+            _ => None,
+        }
+    }
+
     async fn on_ready(&mut self, m: Message) -> anyhow::Result<Flow> {
-        let mut status = m.body().first().copied().unwrap_or(b'I');
+        let status = m.body().first().copied().unwrap_or(b'I');
+        self.status = status;
         // Everything before the Ready unit was skipped by an error or answered already.
         let mut ready = None;
         while let Some(p) = self.pending.pop_front() {
@@ -747,52 +1279,111 @@ impl Session {
                 break;
             }
         }
-        self.copy_in = false;
-        self.group_failed = false;
-        self.fence = self.confirmed_fence.clone();
-        if ready.as_ref().is_some_and(|r| r.auto_end) && status != b'I' {
-            let end = if status == b'T' { "COMMIT" } else { "ROLLBACK" };
-            let outcome = self.run_internal(end).await?;
-            if let Some(err) = outcome.error {
-                if self.request_result == RequestResult::Ok {
-                    self.request_result = RequestResult::Error;
-                }
-                self.send_client(&err).await?;
-            }
-            status = outcome.status;
-        }
+        self.copy = Copy::Off;
         if status == b'I' {
-            self.recorded = false;
-            self.portals.clear();
+            self.guarded = false;
+            // Portals live until their transaction ends.
+            self.portals.kinds.clear();
         }
-        self.status = status;
+        let Some(ready) = ready else {
+            // A ReadyForQuery nobody asked for: pass it on.
+            self.send_client(&m).await?;
+            return Ok(Flow::Continue);
+        };
+        let failed = self.request.client_failed || self.request.internal_failed;
+        match ready.after {
+            After::Continue => Ok(Flow::Continue),
+            After::Report => self.report(status).await,
+            After::CommitPart { sql, owns } => {
+                if failed {
+                    if owns && status == b'E' {
+                        self.end_with(fence_sql::ROLLBACK_SQL);
+                        Ok(Flow::Continue)
+                    } else {
+                        self.report(status).await
+                    }
+                } else {
+                    let guard = self.guard_sql();
+                    if status == b'T' {
+                        self.put_query(&guard)?;
+                        self.pending
+                            .push_back(Pending::ready(true, owns, After::Continue));
+                    }
+                    self.put_query(&sql)?;
+                    self.pending
+                        .push_back(Pending::ready(false, false, After::Report));
+                    self.guarded = false;
+                    Ok(Flow::Continue)
+                }
+            }
+            After::EndBlock => match status {
+                b'T' => {
+                    let guard = self.guard_sql();
+                    self.put_query(&guard)?;
+                    self.pending
+                        .push_back(Pending::ready(true, true, After::Continue));
+                    self.end_with(fence_sql::COMMIT_SQL);
+                    Ok(Flow::Continue)
+                }
+                b'E' => {
+                    self.end_with(fence_sql::ROLLBACK_SQL);
+                    Ok(Flow::Continue)
+                }
+                _ => self.report(status).await,
+            },
+            After::SyncEnd => {
+                self.group = None;
+                if self.request.owns && status == b'E' {
+                    self.end_with(fence_sql::ROLLBACK_SQL);
+                    Ok(Flow::Continue)
+                } else {
+                    self.report(status).await
+                }
+            }
+        }
+    }
+
+    /// Queues the proxy's own COMMIT or ROLLBACK as the request's last unit.
+    fn end_with(&mut self, sql: &str) {
+        let _ = frontend::query(sql, &mut self.out);
+        self.pending
+            .push_back(Pending::ready(true, false, After::Report));
+        self.guarded = false;
+    }
+
+    /// Ends the request: the client gets the final status.
+    async fn report(&mut self, status: u8) -> anyhow::Result<Flow> {
         self.send_client(&ready_for_query(status)).await?;
-        if ready.is_some() {
-            self.awaiting_ready = false;
-            record_request(
-                self.request_result,
-                self.request_started.take().map(|t| t.elapsed()),
-            );
-        }
+        self.awaiting_ready = false;
+        self.group = None;
+        record_request(
+            self.request.result,
+            self.request.started.take().map(|t| t.elapsed()),
+        );
         Ok(Flow::Continue)
     }
 }
 
-/// Remembers the kind of a statement or portal name; data statements are the default and are not
-/// stored. Returns an error when the map is full.
-fn track(map: &mut HashMap<String, Kind>, name: String, kind: Kind) -> Option<ProxyError> {
-    if kind == Kind::Data {
-        map.remove(&name);
-        return None;
+/// The client's part of a simple-protocol request.
+enum ClientOp {
+    /// A Query message and its text.
+    Query(String, Message),
+    /// Another message answered by ReadyForQuery (FunctionCall).
+    Message(Message),
+}
+
+impl ClientOp {
+    fn frame(&self) -> bytes::Bytes {
+        match self {
+            ClientOp::Query(_, m) | ClientOp::Message(m) => m.frame.clone(),
+        }
     }
-    if map.len() >= MAX_TRACKED_STATEMENTS && !map.contains_key(&name) {
-        return Some(ProxyError::error(
-            error::LIMIT_EXCEEDED,
-            format!(
-                "more than {MAX_TRACKED_STATEMENTS} prepared transaction-control or session statements in one session (at {name:?})"
-            ),
-        ));
-    }
-    map.insert(name, kind);
-    None
+}
+
+/// Name and value of a ParameterStatus body.
+fn parameter_status(body: &[u8]) -> Option<(String, String)> {
+    let mut rest = body;
+    let name = codec::read_cstr(&mut rest)?;
+    let value = codec::read_cstr(&mut rest)?;
+    Some((name, value))
 }

@@ -1,5 +1,6 @@
 //! The startup phase of a client connection: encryption requests, cancel requests, the startup
-//! packet with its fence option, and authentication relayed to the upstream untouched.
+//! packet (whose `lockd.fence` option is checked early for a clear FATAL error), and
+//! authentication relayed to the upstream untouched.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -102,10 +103,16 @@ pub async fn handshake(mut client: TcpStream, cfg: Arc<Config>) -> anyhow::Resul
     let mut client_tx = BufWriter::new(client_write);
 
     // The startup packet goes upstream unchanged: lockd.fence is a valid placeholder setting for
-    // Postgres, so `SHOW lockd.fence` answers truthfully.
+    // Postgres, and the guard reads it from there. The proxy only checked it above for a friendly
+    // early FATAL; safety does not depend on that check.
     up_tx.write_all(&packet).await?;
     up_tx.flush().await?;
 
+    // Tracked from ParameterStatus: the session must know how the server lexes strings.
+    let mut standard_strings_off = false;
+    // The server converts client SQL from client_encoding; the proxy reads UTF-8 only, so it must
+    // know the encoding (GUC_REPORT: the server reports it during startup).
+    let mut client_encoding: Option<String> = None;
     // Authentication is the upstream's business: relay its requests and the client's answers
     // (cleartext, md5, SASL/SCRAM) byte for byte until the first ReadyForQuery.
     let status = loop {
@@ -132,6 +139,16 @@ pub async fn handshake(mut client: TcpStream, cfg: Arc<Config>) -> anyhow::Resul
             }
         };
         client_tx.write_all(&msg.frame).await?;
+        if msg.tag == b'S' {
+            let mut body = msg.body();
+            match codec::read_cstr(&mut body).as_deref() {
+                Some("standard_conforming_strings") => {
+                    standard_strings_off = codec::read_cstr(&mut body).as_deref() != Some("on");
+                }
+                Some("client_encoding") => client_encoding = codec::read_cstr(&mut body),
+                _ => {}
+            }
+        }
         match msg.tag {
             b'Z' => break msg.body().first().copied().unwrap_or(b'I'),
             b'E' => {
@@ -171,7 +188,16 @@ pub async fn handshake(mut client: TcpStream, cfg: Arc<Config>) -> anyhow::Resul
         "session authenticated"
     );
     Ok(Startup::Session(Box::new(Session::new(
-        cfg, client_rx, client_tx, up_rx, up_tx, status, fence,
+        cfg,
+        client_rx,
+        client_tx,
+        up_rx,
+        up_tx,
+        crate::session::Reported {
+            status,
+            standard_strings_off,
+            client_encoding,
+        },
     ))))
 }
 

@@ -1,0 +1,296 @@
+//! What the proxy needs to know about client SQL, read by Postgres's own grammar.
+//!
+//! The proxy no longer lexes SQL itself: [`classify`] hands the text to `pg_query`, which embeds
+//! the server's parser, and sorts each top-level statement into the few kinds the fencing design
+//! needs: transaction control (with BEGIN's options), settings (which need no opening guard), COPY
+//! FROM STDIN (which the proxy must not pipeline past), and everything else. Text the parser
+//! rejects is refused by the caller; nothing is guessed.
+//!
+//! The lexer differs from the server's in one respect the proxy cannot see from the text alone:
+//! with `standard_conforming_strings = off`, a backslash inside `'...'` escapes the next
+//! character. Without any backslash the two lexers agree, so the session refuses only text that
+//! contains a backslash while the setting is off ([`needs_standard_strings`]).
+
+use pg_query::NodeEnum;
+use pg_query::protobuf::{TransactionStmtKind, a_const};
+
+use crate::limits::{CLASSIFY_STACK_BYTES, MAX_CLASSIFIED_SQL_BYTES, MAX_STATEMENTS_PER_QUERY};
+
+/// What one top-level statement means for the fence.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StatementKind {
+    /// `BEGIN` / `START TRANSACTION`, with its options rebuilt as SQL the proxy may send itself
+    /// (`BEGIN ISOLATION LEVEL SERIALIZABLE READ ONLY`); never the client's text.
+    Begin(String),
+    /// `COMMIT`, `END`, `PREPARE TRANSACTION`, and `COMMIT AND CHAIN` (`chain`): a commit point,
+    /// so the proxy runs the guard right before it.
+    Commit { chain: bool },
+    /// `ROLLBACK`, `ABORT`, `ROLLBACK AND CHAIN`.
+    Rollback { chain: bool },
+    /// `ROLLBACK TO SAVEPOINT`: may undo the guard's row lock or read-only setting, so the next
+    /// statement is guarded again.
+    RollbackTo,
+    /// `SAVEPOINT`, `RELEASE`, `SET`, `RESET`, `SET TRANSACTION`, `SHOW`: touch no table, so they
+    /// need no opening guard (and `SET TRANSACTION` must come before any snapshot is taken).
+    Setting,
+    /// `COPY ... FROM STDIN`: the upstream reads CopyData next, so nothing may be pipelined
+    /// behind the query.
+    CopyIn,
+    /// Everything else: may read or write table data.
+    Other,
+}
+
+impl StatementKind {
+    /// Whether the statement ends the transaction (commit or rollback, with or without chain).
+    pub fn ends_transaction(&self) -> bool {
+        matches!(
+            self,
+            StatementKind::Commit { .. } | StatementKind::Rollback { .. }
+        )
+    }
+
+    /// Whether the statement can run before the opening guard: it touches no table data.
+    pub fn guard_free(&self) -> bool {
+        matches!(
+            self,
+            StatementKind::Begin(_)
+                | StatementKind::Setting
+                | StatementKind::RollbackTo
+                | StatementKind::Commit { .. }
+                | StatementKind::Rollback { .. }
+        )
+    }
+}
+
+/// One top-level statement: its kind and where it starts in the text (a byte offset).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Statement {
+    pub kind: StatementKind,
+    pub start: usize,
+}
+
+/// Why a text was not classified.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ClassifyError {
+    #[error("the Postgres parser rejects this query: {0}")]
+    Syntax(String),
+    #[error("query has more than {MAX_STATEMENTS_PER_QUERY} statements")]
+    TooManyStatements,
+    #[error("unsupported BEGIN option {0}")]
+    BeginOption(String),
+    #[error(
+        "query text of {0} bytes exceeds the {MAX_CLASSIFIED_SQL_BYTES} bytes the proxy parses; pass large values as parameters or load data with COPY"
+    )]
+    TooLong(usize),
+    #[error("the proxy could not run its SQL parser: {0}")]
+    Parser(String),
+}
+
+/// Whether `sql` may only be read with `standard_conforming_strings = on`: it contains a
+/// backslash, the one character the two settings lex differently.
+pub fn needs_standard_strings(sql: &str) -> bool {
+    sql.contains('\\')
+}
+
+/// Splits `sql` into its top-level statements with Postgres's parser and classifies each. Empty
+/// statements do not appear. Pure: no I/O, safe on any input (a fuzzer calls it).
+pub fn classify(sql: &str) -> Result<Vec<Statement>, ClassifyError> {
+    if sql.contains('\0') {
+        return Err(ClassifyError::Syntax("NUL byte in query text".to_owned()));
+    }
+    if sql.len() > MAX_CLASSIFIED_SQL_BYTES {
+        return Err(ClassifyError::TooLong(sql.len()));
+    }
+    // pg_query's protobuf output recurses once per tree level without a stack-depth check: on a
+    // runtime worker's 2 MiB stack a 10,000-term `1+1+...` aborts the process. A thread of its
+    // own with a stack sized for the deepest tree the length bound allows cannot overflow.
+    let parsed = std::thread::scope(|scope| {
+        std::thread::Builder::new()
+            .name("fence-proxy-classify".to_owned())
+            .stack_size(CLASSIFY_STACK_BYTES)
+            .spawn_scoped(scope, || pg_query::parse(sql))
+            .map_err(|e| ClassifyError::Parser(e.to_string()))?
+            .join()
+            .map_err(|_| ClassifyError::Parser("the parser thread panicked".to_owned()))
+    })?
+    .map_err(|e| ClassifyError::Syntax(e.to_string()))?;
+    let stmts = &parsed.protobuf.stmts;
+    if stmts.len() > MAX_STATEMENTS_PER_QUERY {
+        return Err(ClassifyError::TooManyStatements);
+    }
+    stmts
+        .iter()
+        .map(|raw| {
+            let kind = match raw.stmt.as_ref().and_then(|n| n.node.as_ref()) {
+                Some(node) => kind_of(node)?,
+                None => StatementKind::Other,
+            };
+            Ok(Statement {
+                kind,
+                start: usize::try_from(raw.stmt_location)
+                    .unwrap_or(0)
+                    .min(sql.len()),
+            })
+        })
+        .collect()
+}
+
+fn kind_of(node: &NodeEnum) -> Result<StatementKind, ClassifyError> {
+    Ok(match node {
+        NodeEnum::TransactionStmt(t) => match t.kind() {
+            TransactionStmtKind::TransStmtBegin | TransactionStmtKind::TransStmtStart => {
+                StatementKind::Begin(begin_sql(&t.options)?)
+            }
+            TransactionStmtKind::TransStmtCommit => StatementKind::Commit { chain: t.chain },
+            TransactionStmtKind::TransStmtPrepare => StatementKind::Commit { chain: false },
+            TransactionStmtKind::TransStmtRollback => StatementKind::Rollback { chain: t.chain },
+            TransactionStmtKind::TransStmtRollbackTo => StatementKind::RollbackTo,
+            TransactionStmtKind::TransStmtSavepoint | TransactionStmtKind::TransStmtRelease => {
+                StatementKind::Setting
+            }
+            // COMMIT PREPARED / ROLLBACK PREPARED cannot run inside a block, where the proxy runs
+            // every statement; the upstream refuses them.
+            _ => StatementKind::Other,
+        },
+        NodeEnum::VariableSetStmt(_) | NodeEnum::VariableShowStmt(_) => StatementKind::Setting,
+        NodeEnum::CopyStmt(c) if c.is_from && !c.is_program && c.filename.is_empty() => {
+            StatementKind::CopyIn
+        }
+        _ => StatementKind::Other,
+    })
+}
+
+/// Rebuilds `BEGIN` with the client's transaction modes from the parse tree.
+fn begin_sql(options: &[pg_query::protobuf::Node]) -> Result<String, ClassifyError> {
+    let mut sql = String::from("BEGIN");
+    for option in options {
+        let Some(NodeEnum::DefElem(d)) = option.node.as_ref() else {
+            return Err(ClassifyError::BeginOption(format!("{option:?}")));
+        };
+        let value = d
+            .arg
+            .as_ref()
+            .and_then(|a| a.node.as_ref())
+            .and_then(|n| match n {
+                NodeEnum::AConst(c) => c.val.clone(),
+                _ => None,
+            });
+        let flag = |v: &Option<a_const::Val>| match v {
+            Some(a_const::Val::Ival(i)) => Some(i.ival != 0),
+            Some(a_const::Val::Boolval(b)) => Some(b.boolval),
+            _ => None,
+        };
+        let piece = match (d.defname.as_str(), &value) {
+            ("transaction_isolation", Some(a_const::Val::Sval(s))) => match s.sval.as_str() {
+                level @ ("serializable" | "repeatable read" | "read committed"
+                | "read uncommitted") => format!(" ISOLATION LEVEL {}", level.to_uppercase()),
+                other => return Err(ClassifyError::BeginOption(format!("isolation {other:?}"))),
+            },
+            ("transaction_read_only", v) => match flag(v) {
+                Some(true) => " READ ONLY".to_owned(),
+                Some(false) => " READ WRITE".to_owned(),
+                None => return Err(ClassifyError::BeginOption(d.defname.clone())),
+            },
+            ("transaction_deferrable", v) => match flag(v) {
+                Some(true) => " DEFERRABLE".to_owned(),
+                Some(false) => " NOT DEFERRABLE".to_owned(),
+                None => return Err(ClassifyError::BeginOption(d.defname.clone())),
+            },
+            (name, _) => return Err(ClassifyError::BeginOption(name.to_owned())),
+        };
+        sql.push_str(&piece);
+    }
+    Ok(sql)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use StatementKind::*;
+
+    fn kinds(sql: &str) -> Vec<StatementKind> {
+        classify(sql).unwrap().into_iter().map(|s| s.kind).collect()
+    }
+
+    #[test]
+    fn transaction_control_and_settings() {
+        assert_eq!(
+            kinds("begin; insert into t values (';'); -- c;\n /* a /* ; */ */ COMMIT; ;"),
+            vec![Begin("BEGIN".into()), Other, Commit { chain: false }]
+        );
+        assert_eq!(
+            kinds("rollback to savepoint a; release a; savepoint b; end; abort"),
+            vec![
+                RollbackTo,
+                Setting,
+                Setting,
+                Commit { chain: false },
+                Rollback { chain: false }
+            ]
+        );
+        assert_eq!(
+            kinds("commit and chain; rollback and chain; prepare transaction 'x'"),
+            vec![
+                Commit { chain: true },
+                Rollback { chain: true },
+                Commit { chain: false }
+            ]
+        );
+        assert_eq!(
+            kinds("SET \"lockd\".\"fence\" = 'a:1'; show x; reset all; set transaction read only"),
+            vec![Setting, Setting, Setting, Setting]
+        );
+        assert_eq!(
+            kinds("copy t from stdin; copy t to stdout; copy t from '/x'"),
+            vec![CopyIn, Other, Other]
+        );
+        assert!(kinds("  ").is_empty());
+    }
+
+    #[test]
+    fn begin_options_are_rebuilt_from_the_tree() {
+        assert_eq!(
+            kinds("start transaction isolation level repeatable read, read only, deferrable"),
+            vec![Begin(
+                "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY DEFERRABLE".into()
+            )]
+        );
+        assert_eq!(
+            kinds("BEGIN READ WRITE NOT DEFERRABLE"),
+            vec![Begin("BEGIN READ WRITE NOT DEFERRABLE".into())]
+        );
+    }
+
+    /// Issue 13, bypass 5: dollar tags of any bytes >= 0x80 are tags, as in Postgres.
+    #[test]
+    fn issue13_bypass5_dollar_tags_with_any_bytes() {
+        assert_eq!(
+            kinds("SELECT $€$ $$ $€$; COMMIT; INSERT INTO t VALUES (1); SELECT $€$ $$ $€$"),
+            vec![Other, Commit { chain: false }, Other, Other]
+        );
+        let stmts = classify("SELECT 1; COMMIT").unwrap();
+        assert_eq!(stmts[1].start, "SELECT 1;".len());
+    }
+
+    #[test]
+    fn unparsable_text_is_an_error() {
+        assert!(matches!(classify("SELEC 1"), Err(ClassifyError::Syntax(_))));
+        assert!(matches!(
+            classify("SELECT '"),
+            Err(ClassifyError::Syntax(_))
+        ));
+        assert!(needs_standard_strings("SELECT '\\''"));
+    }
+
+    /// Review 13: the deepest tree the length bound allows is classified (or refused) without
+    /// overflowing a stack, and longer text is refused before parsing.
+    #[test]
+    fn review13_deep_expressions_and_long_text_do_not_crash() {
+        let terms = (MAX_CLASSIFIED_SQL_BYTES - "SELECT 1".len()) / 2;
+        let deep = format!("SELECT 1{}", "+1".repeat(terms));
+        assert!(deep.len() <= MAX_CLASSIFIED_SQL_BYTES);
+        let _ = classify(&deep);
+        let long = format!("SELECT 1{}", ",1".repeat(terms + 1));
+        assert_eq!(classify(&long), Err(ClassifyError::TooLong(long.len())));
+    }
+}
