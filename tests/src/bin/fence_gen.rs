@@ -8,7 +8,8 @@
 //!
 //! Flags: `--seed N` (default random, printed), `--sessions N` (1000), `--jobs J` (4),
 //! `--require-fence` / `--no-require-fence` (default: half the cases each), `--fence-table NAME`
-//! (`lockd_fence`), `--init` (run `fence-proxy postgres init` first), `--case N` (replay one
+//! (`public.lockd_fence`), `--no-init` (skip `fence-proxy postgres init`, which runs first by
+//! default), `--case N` (replay one
 //! case), `--direct` (attackers bypass the proxy: an oracle self-test), `--verbose`.
 //! Exits 0 without violations, 1 with, 2 on bad flags or a harness error.
 
@@ -31,6 +32,7 @@ fn parse() -> Result<Config, String> {
             "--no-require-fence" => c.mode = FenceMode::Plain,
             "--fence-table" => c.fence_table = value()?,
             "--init" => c.init = true,
+            "--no-init" => c.init = false,
             "--case" => c.only_case = Some(value()?.parse().map_err(|e| format!("--case: {e}"))?),
             "--direct" => c.attack_directly = true,
             "--verbose" => c.verbose = true,

@@ -76,8 +76,8 @@ impl Config {
             sessions,
             jobs: 4,
             mode: FenceMode::Both,
-            fence_table: "lockd_fence".to_owned(),
-            init: false,
+            fence_table: "public.lockd_fence".to_owned(),
+            init: true,
             only_case: None,
             attack_directly: false,
             verbose: false,
@@ -273,7 +273,16 @@ async fn run_cases(
         let db = db.clone();
         tasks.push(tokio::spawn(async move {
             let _permit = permit;
-            run_case(&cfg, &run_id, &objects, &db, case_id, require_fence, proxy_addr).await
+            run_case(
+                &cfg,
+                &run_id,
+                &objects,
+                &db,
+                case_id,
+                require_fence,
+                proxy_addr,
+            )
+            .await
         }));
     }
     let mut summary = Summary::default();
