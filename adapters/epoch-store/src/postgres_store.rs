@@ -26,8 +26,10 @@ pub const TOKEN_MAX: u64 = i64::MAX as u64;
 
 /// SQLSTATE `lock_not_available`: `lock_timeout` expired while waiting for the advisory lock.
 const SQLSTATE_LOCK_NOT_AVAILABLE: &str = "55P03";
-/// SQLSTATEs two replicas can get when they create the table at the same moment.
-const SQLSTATE_ALREADY_CREATED: [&str; 2] = ["42P07", "23505"];
+/// SQLSTATEs two replicas can get when they create the table at the same moment:
+/// `duplicate_table`, `unique_violation` (on `pg_type`) and `duplicate_object` ("type ... already
+/// exists", for the table's row type).
+const SQLSTATE_ALREADY_CREATED: [&str; 3] = ["42P07", "23505", "42710"];
 
 /// The statements of one table, built once because the table name is part of them.
 struct Statements {
@@ -170,12 +172,16 @@ impl PostgresStore {
         self.schema_ready
             .get_or_try_init(|| async {
                 let what = "creating the table";
-                let create = sqlx::query(AssertSqlSafe(self.sql.create.clone()));
-                match timeout(self.timing.store_timeout, create.execute(&self.pool)).await {
+                let create = || sqlx::query(AssertSqlSafe(self.sql.create.clone()));
+                match timeout(self.timing.store_timeout, create().execute(&self.pool)).await {
                     Ok(Ok(_)) => Ok(()),
-                    // Another replica created it at the same moment: it exists, which is all
-                    // this step needs.
-                    Ok(Err(e)) if is_already_created(&e) => Ok(()),
+                    // Another replica was creating it at the same moment. Run the statement
+                    // again: once that creation has committed it is a no-op, and anything else
+                    // under the name (a stray type, say) keeps failing and is reported.
+                    Ok(Err(e)) if is_already_created(&e) => {
+                        self.bounded(what, create().execute(&self.pool)).await?;
+                        Ok(())
+                    }
                     Ok(Err(e)) => Err(self.unavailable(what, e)),
                     Err(_) => Err(self.no_answer(what)),
                 }

@@ -234,3 +234,25 @@ async fn issue13_store_forces_synchronous_commit_on() {
         "the store wrote with synchronous_commit {seen:?}"
     );
 }
+
+/// Goal: replicas that start at the same moment on a table nobody has created yet all get to
+/// work. Concurrent `CREATE TABLE IF NOT EXISTS` can fail with "type ... already exists"
+/// (42710) or a unique violation on `pg_type`; a replica must not fail closed for that.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn replicas_creating_the_table_at_once_all_succeed() {
+    require_postgres().await;
+    for round in 0..30 {
+        let table = unique_table(&format!("race{round}"));
+        drop_table(&table).await;
+        let replicas: Vec<PostgresStore> = (0..16).map(|_| replica(&table, 300, 300)).collect();
+        let results = futures::future::join_all(replicas.iter().map(|r| r.highest("r"))).await;
+        for (i, res) in results.into_iter().enumerate() {
+            assert!(
+                res.is_ok(),
+                "round {round}: replica {i} failed: {}",
+                res.unwrap_err()
+            );
+        }
+        drop_table(&table).await;
+    }
+}
