@@ -29,6 +29,8 @@ pub struct ClusterOptions {
     /// Each node writes its audit log to `<data dir>.audit.log` (see [`Cluster::audit_path`]).
     pub audit: bool,
     pub extra_args: Vec<String>,
+    /// Wall-clock offset of node i+1 in ms (`LOCKD_TEST_CLOCK_OFFSET_MS`); missing = 0.
+    pub clock_offsets_ms: Vec<i64>,
 }
 
 impl Default for ClusterOptions {
@@ -41,6 +43,7 @@ impl Default for ClusterOptions {
             logs_kept_after_snapshot: 1_000,
             audit: false,
             extra_args: Vec::new(),
+            clock_offsets_ms: Vec::new(),
         }
     }
 }
@@ -125,6 +128,9 @@ impl Cluster {
             cmd.arg("--audit-log").arg(self.audit_path(id));
         }
         cmd.args(&o.extra_args);
+        if let Some(offset) = o.clock_offsets_ms.get(id as usize - 1) {
+            cmd.env("LOCKD_TEST_CLOCK_OFFSET_MS", offset.to_string());
+        }
         if std::env::var_os("RUST_LOG").is_none() {
             cmd.env("RUST_LOG", "warn,openraft=off");
         }

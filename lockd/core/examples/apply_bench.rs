@@ -10,7 +10,7 @@
 
 use std::time::{Duration, Instant};
 
-use lockd_core::{Batch, Command, LeaseId, LockTable, Outcome, Policy, ResourceName};
+use lockd_core::{Batch, Command, LeaseId, LockTable, Outcome, Policy, ResourceName, Stamp};
 
 fn main() {
     let acquires: u64 = std::env::args()
@@ -46,6 +46,12 @@ fn main() {
         now_ms += 6;
         let batch = Batch {
             now_ms,
+            // One leader for the whole run: its monotonic clock drives the table.
+            stamp: Some(Stamp {
+                term: 1,
+                session: 1,
+                mono_ms: now_ms as u64,
+            }),
             policy: Policy::default(),
             commands,
         };

@@ -8,13 +8,102 @@ use crate::types::{LeaseId, RequestKey, ResourceName};
 
 /// One Raft entry: many client commands committed together (group commit), stamped once by the
 /// leader with its clock and its policy. Apply takes time and bounds only from here.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+///
+/// Encoding: a stamped batch is written as `(STAMPED_MARKER, now_ms, stamp, policy, commands)`;
+/// a batch without a stamp (every batch lockd wrote before the monotonic table clock) as
+/// `(now_ms, policy, commands)`, which is how those batches sit in existing logs. The marker is
+/// `i64::MIN`, which no wall-clock stamp ever was, so the first field tells the two apart.
+#[derive(Clone, Debug, PartialEq)]
 pub struct Batch {
-    /// The leader's wall-clock time in Unix ms, advanced by its monotonic clock. The table clamps
-    /// it so its own clock never goes backwards.
+    /// The leader's wall-clock time in Unix ms. With a [`Stamp`] it only sets the first time of
+    /// an empty table (so `expires_at_ms` is roughly a Unix time); without one (legacy entries)
+    /// it is the clock itself, clamped so the table's clock never goes backwards.
     pub now_ms: i64,
+    /// Who stamped the batch and when by its monotonic clock; `None` only in legacy entries.
+    pub stamp: Option<Stamp>,
     pub policy: Policy,
     pub commands: Vec<Command>,
+}
+
+/// The stamping leader's monotonic time, which advances the table's clock (see
+/// [`crate::LockTable`]'s clock rule): only differences of two stamps of the same `session` are
+/// ever used, so the offset of any node's wall clock does not matter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Stamp {
+    /// The Raft term the leader believed it led when it stamped.
+    pub term: u64,
+    /// Random per process start: two stamps with the same session were read from one monotonic
+    /// clock.
+    pub session: u64,
+    /// Milliseconds of that process's monotonic clock (since it started).
+    pub mono_ms: u64,
+}
+
+/// First field of a stamped batch's encoding (see [`Batch`]).
+const STAMPED_MARKER: i64 = i64::MIN;
+
+impl Serialize for Batch {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeTuple;
+        match &self.stamp {
+            Some(stamp) => {
+                let mut t = serializer.serialize_tuple(5)?;
+                t.serialize_element(&STAMPED_MARKER)?;
+                t.serialize_element(&self.now_ms)?;
+                t.serialize_element(stamp)?;
+                t.serialize_element(&self.policy)?;
+                t.serialize_element(&self.commands)?;
+                t.end()
+            }
+            None => {
+                let mut t = serializer.serialize_tuple(3)?;
+                t.serialize_element(&self.now_ms)?;
+                t.serialize_element(&self.policy)?;
+                t.serialize_element(&self.commands)?;
+                t.end()
+            }
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Batch {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct BatchVisitor;
+        impl<'de> serde::de::Visitor<'de> for BatchVisitor {
+            type Value = Batch;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a lockd command batch")
+            }
+
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<Batch, A::Error> {
+                use serde::de::Error;
+                let missing = |what: &str| A::Error::custom(format!("lockd: batch without {what}"));
+                let first: i64 = seq.next_element()?.ok_or_else(|| missing("a clock"))?;
+                let (now_ms, stamp) = if first == STAMPED_MARKER {
+                    let now_ms = seq.next_element()?.ok_or_else(|| missing("now_ms"))?;
+                    let stamp: Stamp = seq.next_element()?.ok_or_else(|| missing("a stamp"))?;
+                    (now_ms, Some(stamp))
+                } else {
+                    (first, None)
+                };
+                let policy = seq.next_element()?.ok_or_else(|| missing("a policy"))?;
+                let commands = seq.next_element()?.ok_or_else(|| missing("commands"))?;
+                Ok(Batch {
+                    now_ms,
+                    stamp,
+                    policy,
+                    commands,
+                })
+            }
+        }
+        // Postcard reads the elements one by one and stops where the visitor stops, so the
+        // shorter legacy layout decodes through the same call.
+        deserializer.deserialize_tuple(5, BatchVisitor)
+    }
 }
 
 /// A state change a client (or the leader's reaper) asked for.

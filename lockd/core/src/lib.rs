@@ -1,8 +1,8 @@
 //! The lock table that every lockd replica holds: leases, fencing tokens, FIFO waiters and the
 //! request-id dedup records, changed only by applying committed command batches.
 //!
-//! It does no I/O, starts no tasks and never reads a clock: time enters only as the `now_ms` the
-//! leader stamped on each [`Batch`], so every replica that applies the same log holds the same
+//! It does no I/O, starts no tasks and never reads a clock: time enters only as the [`Stamp`]
+//! the leader put on each [`Batch`], so every replica that applies the same log holds the same
 //! table and returns the same outcomes. Replication, persistence and RPC live in `lockd-server`.
 //!
 //! # Layout
@@ -25,7 +25,8 @@
 //! | `INV-DEDUP` | an Acquire retried with the same request_id returns the original outcome |
 //! | `INV-QUEUE-ONCE` | a request_id is queued at most once, and only while its resource is held |
 //! | `INV-TIME-MONOTONIC` | the table's clock never goes backwards, whatever the stamps |
-//! | `INV-CONSERVATIVE-FAILOVER` | a new term never expires a lease earlier than its first stamp plus the lease's ttl |
+//! | `INV-CLOCK-MONOTONIC-DELTA` | the table's clock advances only by one leader process's monotonic deltas and pauses over a change of leader process, so it never runs ahead of real time and no wall-clock offset moves it |
+//! | `INV-CONSERVATIVE-FAILOVER` | (legacy unstamped entries only) a new term never expires a lease earlier than its first stamp plus the lease's ttl |
 
 pub mod command;
 pub mod limits;
@@ -33,8 +34,8 @@ pub mod table;
 pub mod types;
 pub mod validate;
 
-pub use command::{Batch, Command, EndWaitReason, Event, EventKind, Grant, Outcome};
+pub use command::{Batch, Command, EndWaitReason, Event, EventKind, Grant, Outcome, Stamp};
 pub use limits::Policy;
 pub use lockd_fence::FencingToken;
-pub use table::{LockTable, ResourceView, SnapshotCopy, SnapshotError, TableStats};
+pub use table::{ClockAnchor, LockTable, ResourceView, SnapshotCopy, SnapshotError, TableStats};
 pub use types::{LeaseId, RequestKey, ResourceName};

@@ -7,7 +7,7 @@ use imbl::{OrdMap, OrdSet};
 use serde::{Deserialize, Serialize};
 
 use crate::FencingToken;
-use crate::command::{Batch, Command, EndWaitReason, Event, EventKind, Grant, Outcome};
+use crate::command::{Batch, Command, EndWaitReason, Event, EventKind, Grant, Outcome, Stamp};
 use crate::limits::{ACTIVE_RESOURCES_MAX, DEDUP_RECORDS_MAX, Policy};
 use crate::types::{LeaseId, RequestKey, ResourceName};
 
@@ -35,14 +35,38 @@ pub struct LockTable {
     /// The last fencing token issued. Tokens come from this counter only, and the counter is
     /// part of the replicated state and the snapshots, so it never repeats or goes back.
     last_token: u64,
-    /// The table's clock: the largest batch stamp applied so far (Unix ms).
+    /// The table's clock, in ms (see the clock rule on [`LockTable::apply`]). Roughly Unix ms:
+    /// it starts at the first leader's wall clock and then lags real time by the failover
+    /// pauses, so times derived from it (`expires_at_ms`) are informative only.
     now_ms: i64,
     /// The Raft term of the last batch applied; a larger one starts a new term (see
     /// `begin_term`).
     term: u64,
+    /// Which leader process's monotonic clock drives `now_ms`, and where the two clocks were
+    /// lined up. `None` until the first stamped batch.
+    anchor: Option<ClockAnchor>,
     /// Number of held leases and of queued waiters, kept so Status is O(1).
     held: u64,
     waiting: u64,
+}
+
+/// The table's clock was at `table_ms` when the process `session` (stamping in `term`) read
+/// `mono_ms` on its monotonic clock.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClockAnchor {
+    pub term: u64,
+    pub session: u64,
+    pub mono_ms: u64,
+    pub table_ms: i64,
+}
+
+impl ClockAnchor {
+    /// The table time `mono_ms` of the anchored session corresponds to (never before the
+    /// anchor).
+    fn table_time(&self, mono_ms: u64) -> i64 {
+        let delta = mono_ms.saturating_sub(self.mono_ms).min(i64::MAX as u64) as i64;
+        self.table_ms.saturating_add(delta)
+    }
 }
 
 /// One resource's holder and queue.
@@ -103,11 +127,35 @@ impl LockTable {
 
     /// Applies one committed batch from a Raft entry of `term`, returning one outcome per command
     /// in order and appending the resulting state changes to `events`.
+    ///
+    /// Clock rule (INV-CLOCK-MONOTONIC-DELTA): the table's clock advances only by differences
+    /// of two monotonic readings of one leader process, so it never runs faster than real time
+    /// and no wall-clock offset, of any size, moves it:
+    /// - a stamp of the anchored session moves the clock to `anchor.table_ms + (mono_ms -
+    ///   anchor.mono_ms)` if that is later;
+    /// - a stamp of another session (a new leader, or the same node restarted, possibly in the
+    ///   same term) with a term at least the anchor's re-anchors at the current table time: the
+    ///   clock pauses over the failover, so leases only end later in real time, never earlier;
+    /// - a stamp of an older term than the anchor's (stamped before a leadership change, committed
+    ///   after it) never moves the clock;
+    /// - the very first stamp of an empty table sets the clock to the leader's wall clock.
+    ///
+    /// The stamp's term is capped at the entry's term, so a bad stamp cannot claim a future term
+    /// and freeze the clock for the real leaders that follow.
     pub fn apply(&mut self, term: u64, batch: &Batch, events: &mut Vec<Event>) -> Vec<Outcome> {
-        // INV-TIME-MONOTONIC: a new leader whose clock is behind cannot move time back.
-        self.now_ms = self.now_ms.max(batch.now_ms);
-        if term > self.term {
-            self.begin_term(term);
+        match batch.stamp {
+            Some(stamp) => {
+                self.advance_clock(term, batch.now_ms, stamp);
+                self.term = self.term.max(term);
+            }
+            None => {
+                // Legacy entry (written before stamps): its wall-clock stamp is the clock.
+                // INV-TIME-MONOTONIC: a new leader whose clock is behind cannot move time back.
+                self.now_ms = self.now_ms.max(batch.now_ms);
+                if term > self.term {
+                    self.begin_term(term);
+                }
+            }
         }
         self.prune_dedup(&batch.policy);
         batch
@@ -117,12 +165,38 @@ impl LockTable {
             .collect()
     }
 
-    /// INV-CONSERVATIVE-FAILOVER: the first batch of a new term extends every lease to at least
-    /// (its stamp + the lease's ttl). The previous leader stamped every committed grant and renewal
-    /// before this term's election in real time, and this stamp comes after it, so no lease ends
-    /// earlier than its holder's own deadline, whatever the offset between the two leaders'
-    /// clocks. The price: after a failover a lease of a dead holder is reclaimed up to one ttl
-    /// later than it would have been.
+    /// See the clock rule on [`LockTable::apply`].
+    fn advance_clock(&mut self, entry_term: u64, wall_ms: i64, stamp: Stamp) {
+        let term = stamp.term.min(entry_term);
+        let fresh = |table_ms| ClockAnchor {
+            term,
+            session: stamp.session,
+            mono_ms: stamp.mono_ms,
+            table_ms,
+        };
+        match self.anchor {
+            None if self.now_ms == 0 && self.last_token == 0 && self.resources.is_empty() => {
+                // An empty table: start near Unix time so expiry times read as dates.
+                self.now_ms = wall_ms.max(0);
+                self.anchor = Some(fresh(self.now_ms));
+            }
+            None => self.anchor = Some(fresh(self.now_ms)),
+            Some(anchor) if term < anchor.term => {}
+            Some(mut anchor) if anchor.session == stamp.session => {
+                self.now_ms = self.now_ms.max(anchor.table_time(stamp.mono_ms));
+                anchor.term = term;
+                self.anchor = Some(anchor);
+            }
+            Some(_) => self.anchor = Some(fresh(self.now_ms)),
+        }
+    }
+
+    /// INV-CONSERVATIVE-FAILOVER, for legacy (unstamped) entries only: the first such batch of
+    /// a new term extends every lease to at least (its stamp + the lease's ttl). Those stamps
+    /// are wall clocks of different nodes, so a new leader ahead of the old one would otherwise
+    /// expire leases early. Stamped batches need no extension: their clock never runs faster
+    /// than real time (see [`LockTable::apply`]) and pauses over a failover, which already
+    /// keeps every lease at least as long as its holder counts.
     fn begin_term(&mut self, term: u64) {
         self.term = term;
         let now = self.now_ms;
@@ -652,6 +726,20 @@ impl LockTable {
             now_ms: self.now_ms,
             term: self.term,
         }
+    }
+
+    /// The table time now, as the leader process `session` computes it from its monotonic clock
+    /// reading `mono_ms`: `None` while the table's clock is not anchored to that process (a new
+    /// leader must first commit a stamped batch, e.g. an empty one, before it can tell what is
+    /// due).
+    pub fn clock_now(&self, session: u64, mono_ms: u64) -> Option<i64> {
+        let anchor = self.anchor.filter(|a| a.session == session)?;
+        Some(self.now_ms.max(anchor.table_time(mono_ms)))
+    }
+
+    /// The clock anchor (for tests and diagnostics).
+    pub fn clock_anchor(&self) -> Option<ClockAnchor> {
+        self.anchor
     }
 
     /// Up to `max` resources with a lease or a waiter due at `now_ms`, earliest first: what the

@@ -4,20 +4,26 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-/// Wall-clock Unix ms read once at start, then advanced by the monotonic clock: a wall-clock
-/// step (NTP, an operator) during the process's life cannot shorten a lease. The lock table
-/// additionally never lets its own clock go back, and extends leases at each new term.
+use lockd_core::Stamp;
+use rand::RngExt;
+
+/// This process's clocks as the lock table uses them. The table's clock advances by differences
+/// of `mono_ms` within one `session` (see `lockd_core::LockTable::apply`), so the wall clock
+/// matters only for the first time of an empty table: a node whose wall clock is off by hours
+/// neither expires leases early nor freezes expiry.
 #[derive(Clone)]
 pub struct Clock {
     base_unix_ms: i64,
     base: Instant,
-    /// Test-only shift (fault injection of a clock jump); 0 in production.
+    /// Random per process start: two stamps of one session come from the same `base`.
+    session: u64,
+    /// Test-only shift of the wall clock (fault injection of a wrong clock); 0 in production.
     offset_ms: Arc<AtomicI64>,
 }
 
 impl Clock {
-    /// `LOCKD_TEST_CLOCK_OFFSET_MS` (test-only, for fault injection) shifts this node's stamps, as
-    /// if its wall clock were that far off when the process started.
+    /// `LOCKD_TEST_CLOCK_OFFSET_MS` (test-only, for fault injection) shifts this node's wall
+    /// clock, as if it were that far off when the process started.
     pub fn new() -> Self {
         let offset = std::env::var("LOCKD_TEST_CLOCK_OFFSET_MS")
             .ok()
@@ -30,14 +36,37 @@ impl Clock {
         Clock {
             base_unix_ms: unix,
             base: Instant::now(),
+            session: rand::rng().random::<u64>(),
             offset_ms: Arc::new(AtomicI64::new(offset)),
         }
     }
 
+    /// Wall-clock Unix ms (read once at start, then advanced by the monotonic clock).
     pub fn now_ms(&self) -> i64 {
-        self.base_unix_ms
-            + self.base.elapsed().as_millis() as i64
-            + self.offset_ms.load(Ordering::Relaxed)
+        self.base_unix_ms + self.mono_ms() as i64 + self.offset_ms.load(Ordering::Relaxed)
+    }
+
+    /// Milliseconds of the monotonic clock since this process started.
+    pub fn mono_ms(&self) -> u64 {
+        self.base.elapsed().as_millis() as u64
+    }
+
+    pub fn session(&self) -> u64 {
+        self.session
+    }
+
+    /// The stamp of a batch proposed now by the leader of `term`, with the wall clock.
+    pub fn stamp(&self, term: u64) -> (i64, Stamp) {
+        let mono_ms = self.mono_ms();
+        let wall = self.base_unix_ms + mono_ms as i64 + self.offset_ms.load(Ordering::Relaxed);
+        (
+            wall,
+            Stamp {
+                term,
+                session: self.session,
+                mono_ms,
+            },
+        )
     }
 
     pub fn set_offset_ms(&self, offset: i64) {

@@ -388,8 +388,11 @@ async fn watch_leadership(
 }
 
 /// On the leader, proposes `Reap` for every resource whose lease or waiter is due by the
-/// leader's clock. Expiry is thus decided by the leader and committed through the log; apply
-/// checks the time again against the batch stamp.
+/// table's clock as this leader computes it (the anchor plus its own monotonic time since). Expiry
+/// is thus decided by the leader and committed through the log; apply checks the time again
+/// against the batch stamp. A leader whose stamps do not drive the table's clock yet (just
+/// elected, or restarted in the same term) first commits an empty batch, so expiry never waits for
+/// client traffic.
 async fn reap(ctx: Arc<NodeCtx>, shutdown: CancellationToken) {
     let mut ticker = tokio::time::interval(REAP_INTERVAL);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -401,12 +404,18 @@ async fn reap(ctx: Arc<NodeCtx>, shutdown: CancellationToken) {
         if ctx.raft.metrics().borrow().state != ServerState::Leader {
             continue;
         }
-        let due = ctx
-            .sm
-            .read()
-            .expect("state lock")
-            .table
-            .due(ctx.clock.now_ms(), REAP_BATCH_MAX);
+        let due = {
+            let sm = ctx.sm.read().expect("state lock");
+            sm.table
+                .clock_now(ctx.clock.session(), ctx.clock.mono_ms())
+                .map(|now| sm.table.due(now, REAP_BATCH_MAX))
+        };
+        let Some(due) = due else {
+            if let Err(e) = ctx.proposer.anchor_clock().await {
+                tracing::debug!(error = %e, "clock anchor proposal failed");
+            }
+            continue;
+        };
         if due.is_empty() {
             continue;
         }

@@ -46,13 +46,36 @@ struct Pending {
 #[derive(Clone)]
 pub struct Proposer {
     tx: mpsc::Sender<Pending>,
+    raft: Raft,
+    clock: Clock,
+    policy: Policy,
 }
 
 impl Proposer {
     pub fn start(raft: Raft, clock: Clock, policy: Policy, metrics: Arc<NodeMetrics>) -> Self {
         let (tx, rx) = mpsc::channel(PROPOSE_QUEUE_MAX);
-        tokio::spawn(run(raft, clock, policy, metrics, rx));
-        Proposer { tx }
+        tokio::spawn(run(raft.clone(), clock.clone(), policy, metrics, rx));
+        Proposer {
+            tx,
+            raft,
+            clock,
+            policy,
+        }
+    }
+
+    /// Commits an empty stamped batch, so the table's clock is anchored to this process: a new
+    /// leader cannot tell which leases are due (and the table's clock does not advance) until
+    /// one of its stamps is applied.
+    pub async fn anchor_clock(&self) -> Result<(), ProposeError> {
+        let batch = stamped(&self.raft, &self.clock, self.policy, Vec::new());
+        match tokio::time::timeout(COMMIT_TIMEOUT, self.raft.client_write(batch)).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(ProposeError::Unknown(format!("lockd: clock anchor: {e}"))),
+            Err(_) => Err(ProposeError::Unknown(format!(
+                "lockd: clock anchor not committed within {} ms",
+                COMMIT_TIMEOUT.as_millis()
+            ))),
+        }
     }
 
     pub async fn propose(&self, command: Command) -> Result<Outcome, ProposeError> {
@@ -68,6 +91,18 @@ impl Proposer {
                 COMMIT_TIMEOUT.as_millis()
             ))),
         }
+    }
+}
+
+/// A batch stamped now with this leader's clock and its current term.
+fn stamped(raft: &Raft, clock: &Clock, policy: Policy, commands: Vec<Command>) -> Batch {
+    let term = raft.metrics().borrow().current_term;
+    let (now_ms, stamp) = clock.stamp(term);
+    Batch {
+        now_ms,
+        stamp: Some(stamp),
+        policy,
+        commands,
     }
 }
 
@@ -98,11 +133,7 @@ async fn run(
         }
         let (commands, replies): (Vec<_>, Vec<_>) =
             pending.into_iter().map(|p| (p.command, p.reply)).unzip();
-        let batch = Batch {
-            now_ms: clock.now_ms(),
-            policy,
-            commands,
-        };
+        let batch = stamped(&raft, &clock, policy, commands);
         let raft = raft.clone();
         let metrics = metrics.clone();
         tokio::spawn(async move {

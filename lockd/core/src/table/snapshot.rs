@@ -1,10 +1,11 @@
 //! The snapshot encoding of a [`LockTable`]: what a replica persists and what a lagging follower
 //! receives from the leader.
 //!
-//! Format 2 is a magic prefix followed by the postcard encoding of the table. Format 1 (lockd
+//! Format 3 is a magic prefix followed by the postcard encoding of the table. Format 2 (lockd
+//! before the monotonic table clock) had another prefix and no clock anchor. Format 1 (lockd
 //! before the compact dedup window) had no prefix and kept the dedup records in an ordered map
-//! plus a separate time-order list; it is still read, so data dirs and snapshots from a leader
-//! still on the old version load.
+//! plus a separate time-order list. Both are still read, so data dirs and snapshots from a
+//! leader still on an old version load.
 
 use imbl::{OrdMap, OrdSet, Vector};
 use serde::{Deserialize, Serialize};
@@ -13,8 +14,10 @@ use super::dedup::{DedupState, DedupWindow};
 use super::{LockTable, ResourceState};
 use crate::types::{RequestKey, ResourceName};
 
-/// Starts every format-2 snapshot. Ten 0xFF bytes are not a valid postcard varint, so no
+/// Starts every format-3 snapshot. Ten 0xFF bytes are not a valid postcard varint, so no
 /// format-1 snapshot (which starts with the varint count of active resources) begins this way.
+const MAGIC_V3: &[u8] = b"\xff\xff\xff\xff\xff\xff\xff\xff\xff\xfflockd-table-3";
+/// Starts every format-2 snapshot.
 const MAGIC_V2: &[u8] = b"\xff\xff\xff\xff\xff\xff\xff\xff\xff\xfflockd-table-2";
 
 #[derive(Debug, thiserror::Error)]
@@ -31,24 +34,24 @@ pub enum SnapshotError {
 pub struct SnapshotCopy(LockTable);
 
 impl SnapshotCopy {
-    /// The snapshot bytes (format 2).
+    /// The snapshot bytes (format 3).
     pub fn encode(&self) -> Vec<u8> {
         self.0.encode_snapshot()
     }
 
-    /// Writes the snapshot bytes (format 2) to `out` as they are encoded, without holding them
+    /// Writes the snapshot bytes (format 3) to `out` as they are encoded, without holding them
     /// all in memory.
     pub fn encode_to<W: std::io::Write>(&self, mut out: W) -> std::io::Result<()> {
-        out.write_all(MAGIC_V2)?;
+        out.write_all(MAGIC_V3)?;
         postcard::to_io(&self.0, out).map_err(std::io::Error::other)?;
         Ok(())
     }
 }
 
 impl LockTable {
-    /// The snapshot bytes of this table (format 2).
+    /// The snapshot bytes of this table (format 3).
     pub fn encode_snapshot(&self) -> Vec<u8> {
-        let mut out = MAGIC_V2.to_vec();
+        let mut out = MAGIC_V3.to_vec();
         postcard::to_io(self, &mut out).expect("encoding into a Vec cannot fail");
         out
     }
@@ -64,6 +67,7 @@ impl LockTable {
             last_token: self.last_token,
             now_ms: self.now_ms,
             term: self.term,
+            anchor: self.anchor,
             held: self.held,
             waiting: self.waiting,
         })
@@ -72,8 +76,11 @@ impl LockTable {
     /// Reads snapshot bytes of either format. Does not check consistency: see
     /// [`LockTable::check_consistency`].
     pub fn decode_snapshot(bytes: &[u8]) -> Result<LockTable, SnapshotError> {
+        if let Some(body) = bytes.strip_prefix(MAGIC_V3) {
+            return decode_all::<LockTable>(3, body);
+        }
         match bytes.strip_prefix(MAGIC_V2) {
-            Some(body) => decode_all::<LockTable>(2, body),
+            Some(body) => decode_all::<TableV2>(2, body).map(LockTable::from),
             None => decode_all::<TableV1>(1, bytes).map(LockTable::from),
         }
     }
@@ -92,6 +99,41 @@ fn decode_all<T: serde::de::DeserializeOwned>(
         });
     }
     Ok(value)
+}
+
+/// The table as format 2 laid it out, field for field.
+#[derive(Serialize, Deserialize)]
+struct TableV2 {
+    resources: OrdMap<ResourceName, ResourceState>,
+    expiries: OrdSet<(i64, ResourceName)>,
+    wait_deadlines: OrdSet<(i64, ResourceName, RequestKey)>,
+    dedup: DedupWindow,
+    tenant_waiters: OrdMap<String, u32>,
+    last_token: u64,
+    now_ms: i64,
+    term: u64,
+    held: u64,
+    waiting: u64,
+}
+
+/// A format-2 table has no clock anchor: the first stamped batch after loading anchors at its
+/// clock.
+impl From<TableV2> for LockTable {
+    fn from(v2: TableV2) -> Self {
+        LockTable {
+            resources: v2.resources,
+            expiries: v2.expiries,
+            wait_deadlines: v2.wait_deadlines,
+            dedup: v2.dedup,
+            tenant_waiters: v2.tenant_waiters,
+            last_token: v2.last_token,
+            now_ms: v2.now_ms,
+            term: v2.term,
+            anchor: None,
+            held: v2.held,
+            waiting: v2.waiting,
+        }
+    }
 }
 
 /// The table as format 1 laid it out, field for field.
@@ -140,6 +182,7 @@ impl From<TableV1> for LockTable {
             last_token: v1.last_token,
             now_ms: v1.now_ms,
             term: v1.term,
+            anchor: None,
             held: v1.held,
             waiting: v1.waiting,
         }
@@ -169,6 +212,11 @@ mod tests {
         let mut table = LockTable::new();
         let batch = Batch {
             now_ms: 1_000,
+            stamp: Some(crate::command::Stamp {
+                term: 1,
+                session: 7,
+                mono_ms: 5,
+            }),
             policy: Policy::default(),
             commands: vec![
                 acquire("a", "r1", 0, 1),
@@ -181,14 +229,38 @@ mod tests {
     }
 
     #[test]
-    fn format_2_round_trips() {
+    fn format_3_round_trips() {
         let table = sample();
         let bytes = table.encode_snapshot();
-        assert!(bytes.starts_with(MAGIC_V2));
+        assert!(bytes.starts_with(MAGIC_V3));
+        assert!(table.anchor.is_some());
         let copy = LockTable::decode_snapshot(&bytes).unwrap();
         copy.check_consistency().unwrap();
         assert_eq!(copy.encode_snapshot(), bytes);
         assert_eq!(copy.stats(), table.stats());
+    }
+
+    #[test]
+    fn format_2_snapshots_still_load_without_an_anchor() {
+        let table = sample();
+        let v2 = TableV2 {
+            resources: table.resources.clone(),
+            expiries: table.expiries.clone(),
+            wait_deadlines: table.wait_deadlines.clone(),
+            dedup: table.dedup.clone(),
+            tenant_waiters: table.tenant_waiters.clone(),
+            last_token: table.last_token,
+            now_ms: table.now_ms,
+            term: table.term,
+            held: table.held,
+            waiting: table.waiting,
+        };
+        let mut bytes = MAGIC_V2.to_vec();
+        bytes.extend(postcard::to_allocvec(&v2).unwrap());
+        let loaded = LockTable::decode_snapshot(&bytes).unwrap();
+        loaded.check_consistency().unwrap();
+        assert_eq!(loaded.anchor, None);
+        assert_eq!(loaded.stats(), table.stats());
     }
 
     #[test]
@@ -228,14 +300,17 @@ mod tests {
         };
         let loaded = LockTable::decode_snapshot(&postcard::to_allocvec(&v1).unwrap()).unwrap();
         loaded.check_consistency().unwrap();
-        assert_eq!(loaded.encode_snapshot(), table.encode_snapshot());
+        // Format 1 had no clock anchor.
+        let mut expected = table.clone();
+        expected.anchor = None;
+        assert_eq!(loaded.encode_snapshot(), expected.encode_snapshot());
     }
 
     #[test]
     fn garbage_is_an_error_not_a_table() {
         let bytes = sample().encode_snapshot();
         let truncated = LockTable::decode_snapshot(&bytes[..bytes.len() - 1]).unwrap_err();
-        assert!(truncated.to_string().contains("format 2"), "{truncated}");
+        assert!(truncated.to_string().contains("format 3"), "{truncated}");
         let mut longer = bytes.clone();
         longer.push(0);
         let trailing = LockTable::decode_snapshot(&longer).unwrap_err();

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use proptest::prelude::*;
 
 use super::*;
-use crate::command::{Batch, Command, EndWaitReason};
+use crate::command::{Batch, Command, EndWaitReason, Stamp};
 use crate::validate;
 
 fn res(name: &str) -> ResourceName {
@@ -16,10 +16,15 @@ fn policy() -> Policy {
     Policy::default()
 }
 
+/// Drives one table. By default one leader process (session 1) stamps every batch with
+/// `mono_ms = now`, so the table's clock follows `now`; `legacy` sends unstamped batches as lockd
+/// wrote them before stamps.
 struct Harness {
     table: LockTable,
     now: i64,
     term: u64,
+    session: u64,
+    legacy: bool,
     next_lease: u128,
     events: Vec<Event>,
 }
@@ -30,14 +35,32 @@ impl Harness {
             table: LockTable::new(),
             now: 1_000_000,
             term: 1,
+            session: 1,
+            legacy: false,
             next_lease: 1,
             events: Vec::new(),
         }
     }
 
+    fn legacy() -> Self {
+        Harness {
+            legacy: true,
+            ..Harness::new()
+        }
+    }
+
+    fn stamp(&self) -> Option<Stamp> {
+        (!self.legacy).then_some(Stamp {
+            term: self.term,
+            session: self.session,
+            mono_ms: self.now as u64,
+        })
+    }
+
     fn run(&mut self, cmd: Command) -> Outcome {
         let batch = Batch {
             now_ms: self.now,
+            stamp: self.stamp(),
             policy: policy(),
             commands: vec![cmd],
         };
@@ -234,6 +257,7 @@ fn waiter_deadline_and_limits() {
     let acquire = |h: &mut Harness, r: &str, req: &str| {
         let batch = Batch {
             now_ms: h.now,
+            stamp: h.stamp(),
             policy: tight,
             commands: vec![Command::Acquire {
                 resource: res(r),
@@ -273,8 +297,8 @@ fn waiter_deadline_and_limits() {
 }
 
 #[test]
-fn new_term_never_expires_a_lease_before_stamp_plus_ttl() {
-    let mut h = Harness::new();
+fn legacy_new_term_never_expires_a_lease_before_stamp_plus_ttl() {
+    let mut h = Harness::legacy();
     let g = h.granted("r", "a");
     assert_eq!(g.expires_at_ms, h.now + 10_000);
     // The next leader's clock is 8 s ahead: without the rule it would expire the lease at once
@@ -293,14 +317,261 @@ fn new_term_never_expires_a_lease_before_stamp_plus_ttl() {
     assert!(!h.table.describe(&res("r")).held);
 }
 
+/// Applies one stamped batch of `cmds` from leader `session` in entry term `term`.
+fn stamped(
+    table: &mut LockTable,
+    term: u64,
+    session: u64,
+    wall_ms: i64,
+    mono_ms: u64,
+    cmds: Vec<Command>,
+) -> Vec<Outcome> {
+    let batch = Batch {
+        now_ms: wall_ms,
+        stamp: Some(Stamp {
+            term,
+            session,
+            mono_ms,
+        }),
+        policy: policy(),
+        commands: cmds,
+    };
+    let out = table.apply(term, &batch, &mut Vec::new());
+    table.check_consistency().unwrap();
+    out
+}
+
+fn acquire_cmd(r: &str, req: &str, ttl: u64, wait: u64, id: u128) -> Command {
+    Command::Acquire {
+        resource: res(r),
+        request_id: req.into(),
+        lease_ttl_ms: ttl,
+        wait_timeout_ms: wait,
+        holder: format!("holder-{req}"),
+        lease_id: LeaseId(id),
+    }
+}
+
+fn reap_cmd(r: &str) -> Command {
+    Command::Reap { resource: res(r) }
+}
+
+/// Finding 0's schedule (chaos seed 20261130, log indexes 1542..1550): a lease of ttl 2 s is
+/// granted by leader 3; node 3 restarts as leader of the SAME term (openraft 0.9 does this) with
+/// its clock 2.4 s ahead, and its first batch arrives 100 ms later. Main took the max of the
+/// stamps and, the term being unchanged, skipped the new-term floor: the table jumped 2.5 s and
+/// expired the lease 1.9 s before its holder's deadline. Now the restarted process is a new
+/// session: the clock re-anchors (pauses) and then advances by that process's monotonic time.
+#[test]
+fn issue14_finding0_leader_restarted_in_the_same_term_with_a_fast_clock_keeps_the_lease() {
+    let wall = 1_764_540_000_000i64;
+    let mut t = LockTable::new();
+    // Node 3, session 30, has run for 50 s; real time r = 0 at the grant.
+    stamped(
+        &mut t,
+        7,
+        30,
+        wall,
+        50_000,
+        vec![acquire_cmd("r1", "a", 2_000, 0, 1)],
+    );
+    let granted_at = t.stats().now_ms;
+    // The restart: session 31, same term 7, monotonic clock from 0, wall clock +2,400 ms.
+    let restarted = |r: i64| (wall + r + 2_400, (r - 60) as u64);
+    for r in (100..2_000).step_by(50) {
+        let (w, m) = restarted(r);
+        stamped(&mut t, 7, 31, w, m, vec![reap_cmd("r1")]);
+        assert!(
+            t.describe(&res("r1")).held,
+            "lease of ttl 2000 ms expired {r} ms after its grant"
+        );
+        assert!(t.stats().now_ms - granted_at <= r);
+    }
+    // Not frozen either: expired once ttl plus the 100 ms failover pause have passed.
+    let (w, m) = restarted(2_100);
+    stamped(&mut t, 7, 31, w, m, vec![reap_cmd("r1")]);
+    assert!(!t.describe(&res("r1")).held);
+}
+
+/// Finding 2: leaders whose wall clocks are off by an hour either way change nothing: a lease
+/// lasts its ttl plus the failover pause in real time, waits and dedup retention likewise.
+#[test]
+fn issue14_finding2_leaders_an_hour_apart_neither_expire_early_nor_freeze() {
+    const HOUR: i64 = 3_600_000;
+    let real0 = 1_764_540_000_000i64;
+    // (entry term, session, wall offset, mono at real 0) of three leaders in turn.
+    let leaders = [
+        (1, 100, HOUR, 7_000u64),
+        (2, 200, -HOUR, 90),
+        (3, 300, 0, 12_345),
+    ];
+    for order in [[0, 1, 2], [1, 0, 2], [2, 1, 0]] {
+        let mut t = LockTable::new();
+        let stamp_at = |t: &mut LockTable, leader: usize, r: i64, cmds: Vec<Command>| {
+            let (_, session, offset, mono0) = leaders[order[leader]];
+            // Terms follow the order of leadership.
+            let term = leader as u64 + 1;
+            stamped(t, term, session, real0 + r + offset, mono0 + r as u64, cmds)
+        };
+        stamp_at(&mut t, 0, 0, vec![acquire_cmd("x", "a", 10_000, 0, 1)]);
+        stamp_at(&mut t, 0, 0, vec![acquire_cmd("x", "w", 5_000, 8_000, 2)]);
+        for r in (100..=3_000).step_by(100) {
+            stamp_at(&mut t, 0, r, vec![reap_cmd("x")]);
+        }
+        // Failover to leader 1, which first commits at r = 3.5 s: a 500 ms pause.
+        for r in (3_500..10_500).step_by(100) {
+            stamp_at(&mut t, 1, r, vec![reap_cmd("x")]);
+            assert!(t.describe(&res("x")).held, "expired at {r}");
+            // The waiter's 8 s end 500 ms late, at 8.5 s.
+            let waiters = if r < 8_500 { 1 } else { 0 };
+            assert_eq!(t.describe(&res("x")).waiters, waiters, "at {r}");
+        }
+        // The lease's 10 s end at 10.5 s.
+        stamp_at(&mut t, 1, 10_500, vec![reap_cmd("x")]);
+        assert!(!t.describe(&res("x")).held);
+        // Another failover, to leader 2, with a 1 s pause. The dedup record of "a" (10 minutes
+        // of table time) is still there 600 s after it was made in real time.
+        stamp_at(&mut t, 2, 11_500, vec![acquire_cmd("y", "b", 2_000, 0, 3)]);
+        let retained = stamp_at(
+            &mut t,
+            2,
+            600_000,
+            vec![acquire_cmd("x", "a", 10_000, 0, 9)],
+        );
+        assert!(
+            matches!(retained[0], Outcome::Granted(g) if g.lease_id == LeaseId(1)),
+            "dedup record of \"a\" pruned early: {retained:?}"
+        );
+        let stats = t.stats();
+        // The table clock lagged real time by the two pauses, whatever the wall clocks said.
+        let first = leaders[order[0]].2;
+        assert_eq!(stats.now_ms, real0 + first + 600_000 - 1_500);
+    }
+}
+
+/// Finding 8b: a batch stamped by the leader of an older term, committed after a newer leader
+/// anchored the clock, never moves the clock; a stamp claiming a term above its entry's cannot
+/// freeze the clock for later leaders.
+#[test]
+fn issue14_finding8b_stale_stamps_never_move_the_clock() {
+    let mut t = LockTable::new();
+    stamped(
+        &mut t,
+        1,
+        10,
+        1_000_000,
+        0,
+        vec![acquire_cmd("x", "a", 5_000, 0, 1)],
+    );
+    stamped(&mut t, 2, 20, 1_000_000, 0, vec![reap_cmd("x")]);
+    stamped(&mut t, 2, 20, 1_000_000, 1_000, vec![reap_cmd("x")]);
+    assert_eq!(t.stats().now_ms, 1_001_000);
+    // Session 10's stamp of term 1, an hour later on its clock, in an entry of term 3.
+    let stale = Batch {
+        now_ms: 1_000_000,
+        stamp: Some(Stamp {
+            term: 1,
+            session: 10,
+            mono_ms: 3_600_000,
+        }),
+        policy: policy(),
+        commands: vec![reap_cmd("x")],
+    };
+    t.apply(3, &stale, &mut Vec::new());
+    assert_eq!(t.stats().now_ms, 1_001_000);
+    assert!(t.describe(&res("x")).held);
+    // A stamp of term 99 in an entry of term 3 counts as term 3: leader 4 still moves the clock.
+    let inflated = Batch {
+        stamp: Some(Stamp {
+            term: 99,
+            session: 30,
+            mono_ms: 0,
+        }),
+        ..stale.clone()
+    };
+    t.apply(3, &inflated, &mut Vec::new());
+    stamped(&mut t, 4, 40, 0, 0, vec![reap_cmd("x")]);
+    stamped(&mut t, 4, 40, 0, 4_000, vec![reap_cmd("x")]);
+    assert_eq!(t.stats().now_ms, 1_005_000);
+    assert!(!t.describe(&res("x")).held);
+}
+
+/// The reaper's view: a leader knows the table time only once the clock is anchored to it.
+#[test]
+fn clock_now_is_known_only_to_the_anchored_session() {
+    let mut t = LockTable::new();
+    assert_eq!(t.clock_now(1, 0), None);
+    stamped(&mut t, 1, 1, 5_000, 100, vec![]);
+    assert_eq!(t.clock_now(1, 100), Some(5_000));
+    assert_eq!(t.clock_now(1, 2_600), Some(7_500));
+    // Before the anchor (a reading older than the stamp) it is the table's clock.
+    assert_eq!(t.clock_now(1, 50), Some(5_000));
+    assert_eq!(t.clock_now(2, 2_600), None);
+    stamped(&mut t, 2, 2, 99_999_999, 10, vec![]);
+    assert_eq!(t.clock_now(1, 2_600), None);
+    assert_eq!(t.clock_now(2, 1_010), Some(6_000));
+}
+
+/// Entries in existing logs were encoded before the stamp existed; they still decode, followed
+/// by whatever comes after them in the entry, and a stamped batch round-trips.
+#[test]
+fn legacy_batches_still_decode() {
+    #[derive(serde::Serialize)]
+    struct LegacyBatch {
+        now_ms: i64,
+        policy: Policy,
+        commands: Vec<Command>,
+    }
+    let cmds = vec![acquire_cmd("x", "a", 5_000, 0, 1), reap_cmd("y")];
+    let old = postcard::to_allocvec(&(
+        LegacyBatch {
+            now_ms: 1_764_540_000_000,
+            policy: policy(),
+            commands: cmds.clone(),
+        },
+        42u64,
+    ))
+    .unwrap();
+    let (batch, after): (Batch, u64) = postcard::from_bytes(&old).unwrap();
+    assert_eq!(
+        batch,
+        Batch {
+            now_ms: 1_764_540_000_000,
+            stamp: None,
+            policy: policy(),
+            commands: cmds.clone(),
+        }
+    );
+    assert_eq!(after, 42);
+    // Re-encoding an unstamped batch gives the old bytes.
+    assert_eq!(postcard::to_allocvec(&(batch, 42u64)).unwrap(), old);
+
+    let new = Batch {
+        now_ms: -5,
+        stamp: Some(Stamp {
+            term: 3,
+            session: u64::MAX,
+            mono_ms: 17,
+        }),
+        policy: policy(),
+        commands: cmds,
+    };
+    let bytes = postcard::to_allocvec(&(new.clone(), 7u8)).unwrap();
+    assert_eq!(
+        postcard::from_bytes::<(Batch, u8)>(&bytes).unwrap(),
+        (new, 7)
+    );
+}
+
 #[test]
 fn clock_never_goes_back() {
-    let mut h = Harness::new();
-    h.granted("r", "a");
-    let before = h.table.stats().now_ms;
-    h.now -= 50_000;
-    h.run(Command::Reap { resource: res("r") });
-    assert_eq!(h.table.stats().now_ms, before);
+    for mut h in [Harness::new(), Harness::legacy()] {
+        h.granted("r", "a");
+        let before = h.table.stats().now_ms;
+        h.now -= 50_000;
+        h.run(Command::Reap { resource: res("r") });
+        assert_eq!(h.table.stats().now_ms, before);
+    }
 }
 
 #[test]
@@ -648,7 +919,8 @@ proptest! {
 
         let mut flush = |pending: &mut Vec<Command>, now: i64, term: u64, table: &mut LockTable, model: &mut Model, leases: &mut Vec<LeaseId>, last_token: &mut u64| -> Result<(), TestCaseError> {
             if pending.is_empty() { return Ok(()); }
-            let batch = Batch { now_ms: now, policy: pol, commands: std::mem::take(pending) };
+            // Legacy (unstamped) batches: the model keeps the wall-clock rule of those entries.
+            let batch = Batch { now_ms: now, stamp: None, policy: pol, commands: std::mem::take(pending) };
             events.clear();
             let outs = table.apply(term, &batch, &mut events);
             for (cmd, out) in batch.commands.iter().zip(&outs) {

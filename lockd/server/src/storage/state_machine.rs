@@ -309,6 +309,7 @@ mod tests {
         let mut table = LockTable::default();
         let batch = Batch {
             now_ms: 1_000,
+            stamp: None,
             policy: Policy::default(),
             commands: vec![Command::Acquire {
                 resource: ResourceName::new_unchecked("jobs/a".into()),
