@@ -51,6 +51,7 @@ fn main() {
                 term: 1,
                 session: 1,
                 mono_ms: now_ms as u64,
+                key_seed: 0x5eed,
             }),
             policy: Policy::default(),
             commands,

@@ -37,6 +37,9 @@ pub struct Stamp {
     pub session: u64,
     /// Milliseconds of that process's monotonic clock (since it started).
     pub mono_ms: u64,
+    /// Random per process start, secret: the first stamped batch a table applies makes it the
+    /// key of the table's keyed digests (request keys, argument digests, tenant tags).
+    pub key_seed: u128,
 }
 
 /// First field of a stamped batch's encoding (see [`Batch`]).

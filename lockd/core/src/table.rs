@@ -45,6 +45,11 @@ pub struct LockTable {
     /// Which leader process's monotonic clock drives `now_ms`, and where the two clocks were
     /// lined up. `None` until the first stamped batch.
     anchor: Option<ClockAnchor>,
+    /// Key of the keyed digests (request keys, argument digests, tenant tags): the
+    /// `Stamp::key_seed` of the first stamped batch this table applied, so every replica has
+    /// the same key and no client knows it. `None` before (legacy entries only), when the
+    /// unkeyed hashes of older lockd are used.
+    secret: Option<u128>,
     /// Number of held leases and of queued waiters, kept so Status is O(1).
     held: u64,
     waiting: u64,
@@ -145,6 +150,9 @@ impl LockTable {
     pub fn apply(&mut self, term: u64, batch: &Batch, events: &mut Vec<Event>) -> Vec<Outcome> {
         match batch.stamp {
             Some(stamp) => {
+                if self.secret.is_none() {
+                    self.secret = Some(stamp.key_seed);
+                }
                 self.advance_clock(term, batch.now_ms, stamp);
                 self.term = self.term.max(term);
             }
@@ -272,13 +280,20 @@ impl LockTable {
         policy: &Policy,
         events: &mut Vec<Event>,
     ) -> Outcome {
-        let key = RequestKey::of(request_id);
-        let args = args_hash(resource, lease_ttl_ms, wait_timeout_ms, holder);
+        let ident = self.ident(request_id, resource, lease_ttl_ms, wait_timeout_ms, holder);
+        let key = ident.key;
         self.settle(resource, events);
 
         // INV-DEDUP: a retry answers from the record, never acts again.
-        if let Some((recorded_args, state)) = self.dedup.get(key) {
-            if recorded_args != args {
+        if let Some((recorded, state)) = self.lookup(request_id) {
+            if !self.same_args(
+                &recorded,
+                &ident,
+                resource,
+                lease_ttl_ms,
+                wait_timeout_ms,
+                holder,
+            ) {
                 return Outcome::InvalidArgument(format!(
                     "invalid request_id: {request_id:?} was already used with other arguments \
                      (resource, lease_ttl_ms, wait_timeout_ms or holder); use a new request_id \
@@ -288,10 +303,14 @@ impl LockTable {
             return match state {
                 DedupState::Granted(grant) => Outcome::Granted(self.refresh(resource, grant)),
                 DedupState::TimedOut => Outcome::WaitTimedOut,
-                DedupState::Waiting => Outcome::Queued {
-                    position: self.position(resource, key).unwrap_or_else(|| {
-                        panic!("INV-QUEUE-ONCE: request {request_id:?} is Waiting but not queued on {resource}")
-                    }),
+                DedupState::Waiting => match self.position(resource, recorded.key, request_id) {
+                    Some(position) => Outcome::Queued { position },
+                    // Only a digest collision with a request queued elsewhere gets here: answer
+                    // the client, never stop the replica (INV-NO-CLIENT-PANIC).
+                    None => Outcome::InvalidArgument(format!(
+                        "invalid request_id: {request_id:?} matches a request queued on another \
+                         resource than {resource:?}; use a new request_id"
+                    )),
                 },
             };
         }
@@ -331,7 +350,7 @@ impl LockTable {
                     None,
                     events,
                 );
-                self.dedup_put(key, args, DedupState::Granted(grant));
+                self.dedup_put(ident, DedupState::Granted(grant));
                 Outcome::Granted(grant)
             }
             Some(lease) if wait_timeout_ms == 0 => Outcome::Held {
@@ -348,7 +367,7 @@ impl LockTable {
                     lease_ttl_ms,
                     deadline_ms: self.now_ms.saturating_add(wait_timeout_ms as i64),
                 },
-                args,
+                ident,
                 policy,
                 events,
             ),
@@ -362,7 +381,7 @@ impl LockTable {
         resource: &ResourceName,
         state: &mut ResourceState,
         waiter: Waiter,
-        args: u64,
+        ident: Ident,
         policy: &Policy,
         events: &mut Vec<Event>,
     ) -> Outcome {
@@ -385,7 +404,7 @@ impl LockTable {
         self.waiting += 1;
         self.wait_deadlines
             .insert((waiter.deadline_ms, resource.clone(), waiter.key));
-        self.dedup_put(waiter.key, args, DedupState::Waiting);
+        self.dedup_put(ident, DedupState::Waiting);
         events.push(Event {
             kind: EventKind::Queued,
             resource: resource.clone(),
@@ -468,12 +487,16 @@ impl LockTable {
         reason: EndWaitReason,
         events: &mut Vec<Event>,
     ) -> Outcome {
-        let key = RequestKey::of(request_id);
         self.settle(resource, events);
         if let Some(mut state) = self.resources.remove(resource) {
-            let found = state.waiters.iter().position(|w| w.key == key);
+            // By the request_id itself, so a digest collision can never remove another request.
+            let found = state
+                .waiters
+                .iter()
+                .position(|w| w.request_id == request_id);
             if let Some(index) = found {
                 let waiter = state.waiters.remove(index).expect("index from position");
+                let key = waiter.key;
                 self.forget_waiter(resource, &waiter);
                 let kind = match reason {
                     EndWaitReason::TimedOut => {
@@ -498,7 +521,7 @@ impl LockTable {
         }
         // Not queued (any more): the log already decided. A grant that won the race is returned,
         // so the caller learns of the lease instead of leaving it to expire unseen.
-        match self.dedup.get(key).map(|(_, state)| state) {
+        match self.lookup(request_id).map(|(_, state)| state) {
             Some(DedupState::Granted(grant)) => Outcome::Granted(self.refresh(resource, grant)),
             _ => match reason {
                 EndWaitReason::TimedOut => Outcome::WaitTimedOut,
@@ -673,17 +696,103 @@ impl LockTable {
         }
     }
 
-    fn position(&self, resource: &ResourceName, key: RequestKey) -> Option<u32> {
+    fn position(&self, resource: &ResourceName, key: RequestKey, request_id: &str) -> Option<u32> {
         self.resources
             .get(resource)?
             .waiters
             .iter()
-            .position(|w| w.key == key)
+            .position(|w| w.key == key && w.request_id == request_id)
             .map(|i| i as u32 + 1)
     }
 
-    fn dedup_put(&mut self, key: RequestKey, args_hash: u64, state: DedupState) {
-        self.dedup.insert(key, args_hash, self.now_ms, state);
+    fn dedup_put(&mut self, ident: Ident, state: DedupState) {
+        self.dedup.insert(ident, self.now_ms, state);
+    }
+
+    /// What identifies an Acquire in the dedup window, keyed with the table's secret (the
+    /// unkeyed hashes of older lockd while the table has none). Keyed, a client cannot
+    /// construct two request_ids with one key or two argument lists with one digest, so a
+    /// retry matches only its own record.
+    fn ident(
+        &self,
+        request_id: &str,
+        resource: &ResourceName,
+        ttl: u64,
+        wait: u64,
+        holder: &str,
+    ) -> Ident {
+        match self.secret {
+            Some(secret) => Ident {
+                key: RequestKey(keyed(secret, b'k', &[request_id.as_bytes()])),
+                args: keyed(
+                    secret,
+                    b'a',
+                    &[
+                        resource.as_str().as_bytes(),
+                        &ttl.to_le_bytes(),
+                        &wait.to_le_bytes(),
+                        holder.as_bytes(),
+                    ],
+                ),
+                // Never 0, which marks records whose tenant is not counted.
+                tenant: self.tenant_tag(resource.tenant()),
+                legacy: false,
+            },
+            None => Ident {
+                key: RequestKey::of(request_id),
+                args: u128::from(legacy_args_hash(resource, ttl, wait, holder)),
+                tenant: 0,
+                legacy: true,
+            },
+        }
+    }
+
+    /// The keyed 64-bit tag of a tenant (never 0); 0 while the table has no secret.
+    fn tenant_tag(&self, tenant: &str) -> u64 {
+        match self.secret {
+            Some(secret) => (keyed(secret, b't', &[tenant.as_bytes()]) as u64) | 1,
+            None => 0,
+        }
+    }
+
+    /// The dedup record of `request_id`: under its keyed key, or, for records made before the
+    /// table had a secret (at most one retention window after an upgrade), its legacy key.
+    fn lookup(&self, request_id: &str) -> Option<(Ident, DedupState)> {
+        let key = self.ident_key(request_id);
+        if let Some(found) = self.dedup.get(key) {
+            return Some(found);
+        }
+        if self.secret.is_some() {
+            return self
+                .dedup
+                .get(RequestKey::of(request_id))
+                .filter(|(ident, _)| ident.legacy);
+        }
+        None
+    }
+
+    fn ident_key(&self, request_id: &str) -> RequestKey {
+        match self.secret {
+            Some(secret) => RequestKey(keyed(secret, b'k', &[request_id.as_bytes()])),
+            None => RequestKey::of(request_id),
+        }
+    }
+
+    /// Whether a recorded Acquire had these arguments.
+    fn same_args(
+        &self,
+        recorded: &Ident,
+        now: &Ident,
+        resource: &ResourceName,
+        ttl: u64,
+        wait: u64,
+        holder: &str,
+    ) -> bool {
+        if recorded.legacy {
+            recorded.args == u128::from(legacy_args_hash(resource, ttl, wait, holder))
+        } else {
+            !now.legacy && recorded.args == now.args
+        }
     }
 
     fn dedup_set(&mut self, key: RequestKey, state: DedupState) {
@@ -694,7 +803,7 @@ impl LockTable {
     /// [`DedupWindow::prune`]).
     fn prune_dedup(&mut self, policy: &Policy) {
         let horizon = self.now_ms.saturating_sub(policy.dedup_retention_ms as i64);
-        self.dedup.prune(horizon, self.now_ms);
+        self.dedup.prune(horizon, self.now_ms, |_| {});
     }
 
     // ---- reads ----
@@ -869,8 +978,26 @@ fn waiter_event(kind: EventKind, resource: &ResourceName, waiter: &Waiter) -> Ev
     }
 }
 
-/// Stable hash of an Acquire's arguments, length-prefixed so fields cannot run into each other.
-fn args_hash(resource: &ResourceName, ttl: u64, wait: u64, holder: &str) -> u64 {
+/// A keyed 128-bit digest (SipHash-1-3) of length-prefixed `parts` in `domain`, so fields cannot
+/// run into each other and digests of different kinds never coincide by construction.
+fn keyed(secret: u128, domain: u8, parts: &[&[u8]]) -> u128 {
+    use siphasher::sip128::Hasher128;
+    use std::hash::Hasher;
+    let mut h = siphasher::sip128::SipHasher13::new_with_keys(secret as u64, (secret >> 64) as u64);
+    h.write_u8(domain);
+    for part in parts {
+        h.write(&(part.len() as u64).to_le_bytes());
+        h.write(part);
+    }
+    let digest = h.finish128().as_u128();
+    #[cfg(test)]
+    let digest = tests::collide(digest);
+    digest
+}
+
+/// The unkeyed hash of an Acquire's arguments of lockd before the table had a secret
+/// (length-prefixed so fields cannot run into each other); kept to match records made then.
+fn legacy_args_hash(resource: &ResourceName, ttl: u64, wait: u64, holder: &str) -> u64 {
     let mut buf = Vec::with_capacity(resource.as_str().len() + holder.len() + 32);
     buf.extend_from_slice(&(resource.as_str().len() as u64).to_le_bytes());
     buf.extend_from_slice(resource.as_str().as_bytes());
@@ -886,5 +1013,5 @@ mod snapshot;
 #[cfg(test)]
 mod tests;
 
-use dedup::{DedupState, DedupWindow};
+use dedup::{DedupState, DedupWindow, Ident};
 pub use snapshot::{SnapshotCopy, SnapshotError};

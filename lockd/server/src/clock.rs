@@ -17,6 +17,8 @@ pub struct Clock {
     base: Instant,
     /// Random per process start: two stamps of one session come from the same `base`.
     session: u64,
+    /// Random per process start, secret (see `Stamp::key_seed`).
+    key_seed: u128,
     /// Test-only shift of the wall clock (fault injection of a wrong clock); 0 in production.
     offset_ms: Arc<AtomicI64>,
 }
@@ -37,6 +39,7 @@ impl Clock {
             base_unix_ms: unix,
             base: Instant::now(),
             session: rand::rng().random::<u64>(),
+            key_seed: rand::rng().random::<u128>(),
             offset_ms: Arc::new(AtomicI64::new(offset)),
         }
     }
@@ -65,6 +68,7 @@ impl Clock {
                 term,
                 session: self.session,
                 mono_ms,
+                key_seed: self.key_seed,
             },
         )
     }

@@ -136,10 +136,10 @@ impl AppliedSink for Hub {
         for e in events {
             match e.kind {
                 EventKind::Granted {
-                    to_waiter: Some(key),
+                    to_waiter: Some(_),
                     grant,
-                } => self.waits.notify(key, WaitEnd::Granted(grant)),
-                EventKind::TimedOut { waiter } => self.waits.notify(waiter, WaitEnd::TimedOut),
+                } => self.waits.notify(&e.request_id, WaitEnd::Granted(grant)),
+                EventKind::TimedOut { .. } => self.waits.notify(&e.request_id, WaitEnd::TimedOut),
                 EventKind::Expired => self
                     .metrics
                     .with(|| metrics::counter!("lockd_lease_expirations_total").increment(1)),

@@ -36,16 +36,22 @@ pub(super) enum DedupState {
 }
 
 /// One Acquire's record. Keys and lease ids are byte arrays rather than `u128`, whose 16-byte
-/// alignment would pad the record from 72 to 96 bytes (and whose varint encoding takes up to
+/// alignment would pad the record from 88 to 96 bytes (and whose varint encoding takes up to
 /// 19 bytes in a snapshot instead of 16).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub(super) struct Record {
     key: [u8; 16],
-    /// Hash of the Acquire's arguments: a retry must match it.
-    args_hash: u64,
-    /// Table clock when the record was created (or last carried over while still waiting).
+    /// Keyed 128-bit digest of the Acquire's arguments: a retry must match it.
+    args: [u8; 16],
+    /// Keyed 64-bit tag of the resource's tenant, for the per-tenant record quota; 0 = not
+    /// counted (records made before tenants were counted).
+    tenant: u64,
+    /// Table clock when the record was created, granted, or last carried over while waiting.
     created_ms: i64,
     status: Status,
+    /// Keyed with the unkeyed hashes of lockd before the table had a secret (see
+    /// `LockTable::lookup`).
+    legacy: bool,
     // The grant, meaningful when `status` is `Granted`.
     lease_id: [u8; 16],
     fencing_token: u64,
@@ -63,13 +69,25 @@ enum Status {
     Forgotten,
 }
 
+/// What identifies one Acquire in the window: its key, the digest of its arguments, its
+/// tenant's tag, and whether the key and digest are of the legacy (unkeyed) kind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Ident {
+    pub key: RequestKey,
+    pub args: u128,
+    pub tenant: u64,
+    pub legacy: bool,
+}
+
 impl Record {
-    fn new(key: RequestKey, args_hash: u64, created_ms: i64, state: DedupState) -> Self {
+    fn new(ident: Ident, created_ms: i64, state: DedupState) -> Self {
         let mut record = Record {
-            key: key.0.to_le_bytes(),
-            args_hash,
+            key: ident.key.0.to_le_bytes(),
+            args: ident.args.to_le_bytes(),
+            tenant: ident.tenant,
             created_ms,
             status: Status::Waiting,
+            legacy: ident.legacy,
             lease_id: [0; 16],
             fencing_token: 0,
             expires_at_ms: 0,
@@ -109,6 +127,45 @@ impl Record {
 
     fn is_live(&self) -> bool {
         self.status != Status::Forgotten
+    }
+
+    fn ident(&self) -> Ident {
+        Ident {
+            key: RequestKey(u128::from_le_bytes(self.key)),
+            args: u128::from_le_bytes(self.args),
+            tenant: self.tenant,
+            legacy: self.legacy,
+        }
+    }
+}
+
+/// A record as format 2 of the snapshot wrote it (before keyed digests and tenant tags).
+#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
+pub(super) struct RecordV2 {
+    key: [u8; 16],
+    args_hash: u64,
+    created_ms: i64,
+    status: Status,
+    lease_id: [u8; 16],
+    fencing_token: u64,
+    expires_at_ms: i64,
+    lease_ttl_ms: u32,
+}
+
+impl From<RecordV2> for Record {
+    fn from(v2: RecordV2) -> Self {
+        Record {
+            key: v2.key,
+            args: u128::from(v2.args_hash).to_le_bytes(),
+            tenant: 0,
+            created_ms: v2.created_ms,
+            status: v2.status,
+            legacy: true,
+            lease_id: v2.lease_id,
+            fencing_token: v2.fencing_token,
+            expires_at_ms: v2.expires_at_ms,
+            lease_ttl_ms: v2.lease_ttl_ms,
+        }
     }
 }
 
@@ -190,22 +247,28 @@ impl DedupWindow {
             .map(|slot| slot.seq)
     }
 
-    /// The record of `key`: the arguments' hash and the state.
-    pub(super) fn get(&self, key: RequestKey) -> Option<(u64, DedupState)> {
+    /// The record of `key`: what identifies it, and the state.
+    pub(super) fn get(&self, key: RequestKey) -> Option<(Ident, DedupState)> {
         let record = self.records.get(self.position(self.find(key)?))?;
-        Some((record.args_hash, record.state()?))
+        Some((record.ident(), record.state()?))
     }
 
-    /// Adds a record for a key that has none.
-    pub(super) fn insert(
-        &mut self,
-        key: RequestKey,
-        args_hash: u64,
-        created_ms: i64,
-        state: DedupState,
-    ) {
-        debug_assert!(!self.contains(key), "dedup key inserted twice");
-        self.push(Record::new(key, args_hash, created_ms, state));
+    /// Adds a record for a key that has none (a key that has one is left as it is).
+    pub(super) fn insert(&mut self, ident: Ident, created_ms: i64, state: DedupState) {
+        if self.contains(ident.key) {
+            return;
+        }
+        self.push(Record::new(ident, created_ms, state));
+    }
+
+    /// Moves `key`'s record to the back with state `state`, created at `now_ms`: a grant to a
+    /// waiter is remembered for the full retention after the grant, not after the enqueue.
+    pub(super) fn renew(&mut self, key: RequestKey, now_ms: i64, state: DedupState) {
+        let Some((ident, _)) = self.get(key) else {
+            return;
+        };
+        self.remove(key);
+        self.push(Record::new(ident, now_ms, state));
     }
 
     pub(super) fn contains(&self, key: RequestKey) -> bool {
@@ -234,16 +297,57 @@ impl DedupWindow {
         }
     }
 
-    /// Forgets `key`'s record: a later Acquire with the same request_id starts afresh.
-    pub(super) fn remove(&mut self, key: RequestKey) {
-        let Some(seq) = self.find(key) else {
-            return;
-        };
+    /// Forgets `key`'s record: a later Acquire with the same request_id starts afresh. Returns
+    /// the forgotten record's tenant tag.
+    pub(super) fn remove(&mut self, key: RequestKey) -> Option<u64> {
+        let seq = self.find(key)?;
         self.unindex(&key.0.to_le_bytes(), seq);
         let at = self.position(seq);
-        if let Some(record) = self.records.get_mut(at) {
-            record.status = Status::Forgotten;
+        let record = self.records.get_mut(at)?;
+        record.status = Status::Forgotten;
+        Some(record.tenant)
+    }
+
+    /// The live records in the layout of format 2 (to test loading it).
+    #[cfg(test)]
+    pub(super) fn to_v2(&self) -> Vec<RecordV2> {
+        self.records
+            .iter()
+            .filter(|r| r.is_live())
+            .map(|r| RecordV2 {
+                key: r.key,
+                args_hash: u128::from_le_bytes(r.args) as u64,
+                created_ms: r.created_ms,
+                status: r.status,
+                lease_id: r.lease_id,
+                fencing_token: r.fencing_token,
+                expires_at_ms: r.expires_at_ms,
+                lease_ttl_ms: r.lease_ttl_ms,
+            })
+            .collect()
+    }
+
+    /// Tenant tags of the live records (for consistency checks).
+    pub(super) fn tenants(&self) -> impl Iterator<Item = u64> + '_ {
+        self.records
+            .iter()
+            .filter(|r| r.is_live())
+            .map(|r| r.tenant)
+    }
+
+    /// Appends records of an older format (live ones only), oldest first.
+    pub(super) fn extend_legacy(&mut self, records: Vec<RecordV2>) -> Result<(), String> {
+        for record in records {
+            let record = Record::from(record);
+            if !record.is_live() {
+                return Err("a snapshot holds live dedup records only".into());
+            }
+            if self.contains(RequestKey(u128::from_le_bytes(record.key))) {
+                return Err("a dedup key appears twice".into());
+            }
+            self.push(record);
         }
+        Ok(())
     }
 
     /// Drops the index entry of a live record, which stops counting as live.
@@ -255,9 +359,10 @@ impl DedupWindow {
         }
     }
 
-    /// Forgets records created at or before `horizon_ms`. A record whose request is still queued
-    /// is carried over to the back, stamped `now_ms`: forgetting it would let a retry queue twice.
-    pub(super) fn prune(&mut self, horizon_ms: i64, now_ms: i64) {
+    /// Forgets records created at or before `horizon_ms`, calling `forgot` with each forgotten
+    /// record's tenant tag. A record whose request is still queued is carried over to the back,
+    /// stamped `now_ms`: forgetting it would let a retry queue twice.
+    pub(super) fn prune(&mut self, horizon_ms: i64, now_ms: i64, mut forgot: impl FnMut(u64)) {
         // Bounded by the length on entry, so records carried over are not visited again even if
         // `now_ms` is itself past the horizon.
         for _ in 0..self.records.len() {
@@ -277,7 +382,10 @@ impl DedupWindow {
                         ..record
                     });
                 }
-                Status::Granted | Status::TimedOut => self.unindex(&record.key, seq),
+                Status::Granted | Status::TimedOut => {
+                    self.unindex(&record.key, seq);
+                    forgot(record.tenant);
+                }
             }
         }
     }
@@ -374,9 +482,23 @@ mod tests {
         }
     }
 
+    fn id(key: RequestKey, args: u64) -> Ident {
+        Ident {
+            key,
+            args: u128::from(args),
+            tenant: 1,
+            legacy: false,
+        }
+    }
+
+    /// The record's argument digest (as the u64 the tests use) and state.
+    fn get(w: &DedupWindow, key: RequestKey) -> Option<(u64, DedupState)> {
+        w.get(key).map(|(ident, state)| (ident.args as u64, state))
+    }
+
     #[test]
-    fn a_record_is_72_bytes() {
-        assert_eq!(std::mem::size_of::<Record>(), 72);
+    fn a_record_is_88_bytes() {
+        assert_eq!(std::mem::size_of::<Record>(), 88);
     }
 
     #[test]
@@ -387,24 +509,24 @@ mod tests {
             RequestKey::of("b"),
             RequestKey::of("c"),
         );
-        w.insert(a, 1, 10, DedupState::Granted(grant(7)));
-        w.insert(b, 2, 11, DedupState::Waiting);
-        w.insert(c, 3, 12, DedupState::TimedOut);
-        assert_eq!(w.get(a), Some((1, DedupState::Granted(grant(7)))));
-        assert_eq!(w.get(b), Some((2, DedupState::Waiting)));
-        assert_eq!(w.get(c), Some((3, DedupState::TimedOut)));
-        assert_eq!(w.get(RequestKey::of("d")), None);
+        w.insert(id(a, 1), 10, DedupState::Granted(grant(7)));
+        w.insert(id(b, 2), 11, DedupState::Waiting);
+        w.insert(id(c, 3), 12, DedupState::TimedOut);
+        assert_eq!(get(&w, a), Some((1, DedupState::Granted(grant(7)))));
+        assert_eq!(get(&w, b), Some((2, DedupState::Waiting)));
+        assert_eq!(get(&w, c), Some((3, DedupState::TimedOut)));
+        assert_eq!(get(&w, RequestKey::of("d")), None);
 
         w.set_state(b, DedupState::Granted(grant(8)));
         w.remove(c);
-        assert_eq!(w.get(b), Some((2, DedupState::Granted(grant(8)))));
-        assert_eq!(w.get(c), None);
+        assert_eq!(get(&w, b), Some((2, DedupState::Granted(grant(8)))));
+        assert_eq!(get(&w, c), None);
         assert_eq!(w.len(), 2);
         w.check().unwrap();
 
         // A forgotten key can be used again.
-        w.insert(c, 4, 13, DedupState::Waiting);
-        assert_eq!(w.get(c), Some((4, DedupState::Waiting)));
+        w.insert(id(c, 4), 13, DedupState::Waiting);
+        assert_eq!(get(&w, c), Some((4, DedupState::Waiting)));
         w.check().unwrap();
     }
 
@@ -417,24 +539,27 @@ mod tests {
             } else {
                 DedupState::TimedOut
             };
-            w.insert(RequestKey::of(&i.to_string()), i, i as i64, state);
+            w.insert(id(RequestKey::of(&i.to_string()), i), i as i64, state);
         }
-        w.prune(49, 500);
+        w.prune(49, 500, |_| {});
         w.check().unwrap();
         // 50..100 stay; of 0..50, the five waiting ones are carried over.
         assert_eq!(w.len(), 55);
-        assert_eq!(w.get(RequestKey::of("10")), Some((10, DedupState::Waiting)));
-        assert_eq!(w.get(RequestKey::of("11")), None);
         assert_eq!(
-            w.get(RequestKey::of("51")),
+            get(&w, RequestKey::of("10")),
+            Some((10, DedupState::Waiting))
+        );
+        assert_eq!(get(&w, RequestKey::of("11")), None);
+        assert_eq!(
+            get(&w, RequestKey::of("51")),
             Some((51, DedupState::TimedOut))
         );
 
         // Everything is past the horizon, and so is the carry-over stamp: prune still ends.
-        w.prune(1_000, 1_000);
+        w.prune(1_000, 1_000, |_| {});
         w.check().unwrap();
         assert_eq!(w.len(), 10);
-        w.prune(1_000, 2_000);
+        w.prune(1_000, 2_000, |_| {});
         assert_eq!(w.len(), 10);
     }
 
@@ -443,8 +568,7 @@ mod tests {
         let mut w = DedupWindow::default();
         for i in 0..1_000u64 {
             w.insert(
-                RequestKey::of(&i.to_string()),
-                i,
+                id(RequestKey::of(&i.to_string()), i),
                 i as i64,
                 DedupState::Granted(grant(i)),
             );
@@ -452,13 +576,13 @@ mod tests {
         for i in (0..1_000u64).step_by(3) {
             w.remove(RequestKey::of(&i.to_string()));
         }
-        w.prune(99, 1_000);
+        w.prune(99, 1_000, |_| {});
         let copy: DedupWindow = postcard::from_bytes(&postcard::to_allocvec(&w).unwrap()).unwrap();
         copy.check().unwrap();
         assert_eq!(copy.len(), w.len());
         for i in 0..1_000u64 {
             let key = RequestKey::of(&i.to_string());
-            assert_eq!(copy.get(key), w.get(key), "record {i}");
+            assert_eq!(get(&copy, key), get(&w, key), "record {i}");
         }
         assert!(copy.records.iter().all(Record::is_live));
     }
@@ -471,17 +595,16 @@ mod tests {
         };
         for i in 0..20u64 {
             w.insert(
-                RequestKey::of(&i.to_string()),
-                i,
+                id(RequestKey::of(&i.to_string()), i),
                 i as i64,
                 DedupState::TimedOut,
             );
         }
-        w.prune(9, 20);
+        w.prune(9, 20, |_| {});
         w.check().unwrap();
         assert_eq!(w.len(), 10);
         assert_eq!(
-            w.get(RequestKey::of("15")),
+            get(&w, RequestKey::of("15")),
             Some((15, DedupState::TimedOut))
         );
     }

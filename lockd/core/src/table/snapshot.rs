@@ -10,7 +10,7 @@
 use imbl::{OrdMap, OrdSet, Vector};
 use serde::{Deserialize, Serialize};
 
-use super::dedup::{DedupState, DedupWindow};
+use super::dedup::{DedupState, DedupWindow, Ident, RecordV2};
 use super::{LockTable, ResourceState};
 use crate::types::{RequestKey, ResourceName};
 
@@ -26,6 +26,8 @@ pub enum SnapshotError {
     Decode { format: u8, source: postcard::Error },
     #[error("lock table snapshot (format {format}) has {count} bytes after the table")]
     TrailingBytes { format: u8, count: usize },
+    #[error("lock table snapshot (format {format}) is invalid: {reason}")]
+    Invalid { format: u8, reason: String },
 }
 
 /// A copy of the table taken for a snapshot, to encode off the apply path. Taking it is O(1)
@@ -68,6 +70,7 @@ impl LockTable {
             now_ms: self.now_ms,
             term: self.term,
             anchor: self.anchor,
+            secret: self.secret,
             held: self.held,
             waiting: self.waiting,
         })
@@ -80,7 +83,14 @@ impl LockTable {
             return decode_all::<LockTable>(3, body);
         }
         match bytes.strip_prefix(MAGIC_V2) {
-            Some(body) => decode_all::<TableV2>(2, body).map(LockTable::from),
+            Some(body) => {
+                decode_all::<TableV2>(2, body)?
+                    .try_into()
+                    .map_err(|e| SnapshotError::Invalid {
+                        format: 2,
+                        reason: e,
+                    })
+            }
             None => decode_all::<TableV1>(1, bytes).map(LockTable::from),
         }
     }
@@ -107,7 +117,8 @@ struct TableV2 {
     resources: OrdMap<ResourceName, ResourceState>,
     expiries: OrdSet<(i64, ResourceName)>,
     wait_deadlines: OrdSet<(i64, ResourceName, RequestKey)>,
-    dedup: DedupWindow,
+    /// Live records, oldest first, in the record layout of format 2.
+    dedup: Vec<RecordV2>,
     tenant_waiters: OrdMap<String, u32>,
     last_token: u64,
     now_ms: i64,
@@ -116,23 +127,29 @@ struct TableV2 {
     waiting: u64,
 }
 
-/// A format-2 table has no clock anchor: the first stamped batch after loading anchors at its
-/// clock.
-impl From<TableV2> for LockTable {
-    fn from(v2: TableV2) -> Self {
-        LockTable {
+/// A format-2 table has no clock anchor and no secret: the first stamped batch after loading
+/// anchors the clock at the table's time and brings the secret; its dedup records keep their
+/// unkeyed (legacy) keys until they are pruned.
+impl TryFrom<TableV2> for LockTable {
+    type Error = String;
+
+    fn try_from(v2: TableV2) -> Result<Self, String> {
+        let mut dedup = DedupWindow::default();
+        dedup.extend_legacy(v2.dedup)?;
+        Ok(LockTable {
             resources: v2.resources,
             expiries: v2.expiries,
             wait_deadlines: v2.wait_deadlines,
-            dedup: v2.dedup,
+            dedup,
             tenant_waiters: v2.tenant_waiters,
             last_token: v2.last_token,
             now_ms: v2.now_ms,
             term: v2.term,
             anchor: None,
+            secret: None,
             held: v2.held,
             waiting: v2.waiting,
-        }
+        })
     }
 }
 
@@ -170,7 +187,13 @@ impl From<TableV1> for LockTable {
             // A repeated order entry would insert the key twice; check_consistency would then
             // reject the table, but the first one is the record.
             if let Some(record) = current.filter(|_| !dedup.contains(*key)) {
-                dedup.insert(*key, record.args_hash, *created_ms, record.state);
+                let ident = Ident {
+                    key: *key,
+                    args: u128::from(record.args_hash),
+                    tenant: 0,
+                    legacy: true,
+                };
+                dedup.insert(ident, *created_ms, record.state);
             }
         }
         LockTable {
@@ -183,6 +206,7 @@ impl From<TableV1> for LockTable {
             now_ms: v1.now_ms,
             term: v1.term,
             anchor: None,
+            secret: None,
             held: v1.held,
             waiting: v1.waiting,
         }
@@ -207,16 +231,30 @@ mod tests {
         }
     }
 
+    fn stamp() -> Option<crate::command::Stamp> {
+        Some(crate::command::Stamp {
+            term: 1,
+            session: 7,
+            mono_ms: 5,
+            key_seed: 0x5eed,
+        })
+    }
+
     /// A table with a holder, a waiter, and granted and waiting dedup records.
     fn sample() -> LockTable {
+        sample_stamped(stamp())
+    }
+
+    /// The same table as lockd made it before stamps (unkeyed dedup records).
+    fn legacy_sample() -> LockTable {
+        sample_stamped(None)
+    }
+
+    fn sample_stamped(stamp: Option<crate::command::Stamp>) -> LockTable {
         let mut table = LockTable::new();
         let batch = Batch {
             now_ms: 1_000,
-            stamp: Some(crate::command::Stamp {
-                term: 1,
-                session: 7,
-                mono_ms: 5,
-            }),
+            stamp,
             policy: Policy::default(),
             commands: vec![
                 acquire("a", "r1", 0, 1),
@@ -241,13 +279,13 @@ mod tests {
     }
 
     #[test]
-    fn format_2_snapshots_still_load_without_an_anchor() {
-        let table = sample();
+    fn format_2_snapshots_still_load_and_answer_retries() {
+        let table = legacy_sample();
         let v2 = TableV2 {
             resources: table.resources.clone(),
             expiries: table.expiries.clone(),
             wait_deadlines: table.wait_deadlines.clone(),
-            dedup: table.dedup.clone(),
+            dedup: table.dedup.to_v2(),
             tenant_waiters: table.tenant_waiters.clone(),
             last_token: table.last_token,
             now_ms: table.now_ms,
@@ -257,25 +295,50 @@ mod tests {
         };
         let mut bytes = MAGIC_V2.to_vec();
         bytes.extend(postcard::to_allocvec(&v2).unwrap());
-        let loaded = LockTable::decode_snapshot(&bytes).unwrap();
+        let mut loaded = LockTable::decode_snapshot(&bytes).unwrap();
         loaded.check_consistency().unwrap();
         assert_eq!(loaded.anchor, None);
         assert_eq!(loaded.stats(), table.stats());
+        assert_eq!(loaded.encode_snapshot(), table.encode_snapshot());
+        // The first stamped batch brings the secret; the records made before still answer
+        // their retries (under their legacy keys), a changed argument is still refused, and
+        // the queued request keeps its single place.
+        let retries = Batch {
+            now_ms: 2_000,
+            stamp: stamp(),
+            policy: Policy::default(),
+            commands: vec![
+                acquire("a", "r1", 0, 11),
+                acquire("a", "r2", 60_000, 12),
+                acquire("c", "r3", 0, 13),
+            ],
+        };
+        let outcomes = loaded.apply(2, &retries, &mut Vec::new());
+        assert!(loaded.secret.is_some());
+        assert!(
+            matches!(outcomes[0], crate::command::Outcome::Granted(g) if g.lease_id == LeaseId(1))
+        );
+        assert_eq!(outcomes[1], crate::command::Outcome::Queued { position: 1 });
+        assert!(matches!(
+            outcomes[2],
+            crate::command::Outcome::InvalidArgument(_)
+        ));
+        loaded.check_consistency().unwrap();
     }
 
     #[test]
     fn format_1_snapshots_still_load() {
-        let table = sample();
+        let table = legacy_sample();
         // The same table as format 1 wrote it.
         let mut dedup = OrdMap::new();
         let mut dedup_order = Vector::new();
         for (seq, request_id) in ["r1", "r2", "r3"].into_iter().enumerate() {
             let key = RequestKey::of(request_id);
-            let (args_hash, state) = table.dedup.get(key).unwrap();
+            let (ident, state) = table.dedup.get(key).unwrap();
             dedup.insert(
                 key,
                 DedupRecordV1 {
-                    args_hash,
+                    args_hash: ident.args as u64,
                     seq: seq as u64 + 1,
                     state,
                 },
@@ -300,10 +363,7 @@ mod tests {
         };
         let loaded = LockTable::decode_snapshot(&postcard::to_allocvec(&v1).unwrap()).unwrap();
         loaded.check_consistency().unwrap();
-        // Format 1 had no clock anchor.
-        let mut expected = table.clone();
-        expected.anchor = None;
-        assert_eq!(loaded.encode_snapshot(), expected.encode_snapshot());
+        assert_eq!(loaded.encode_snapshot(), table.encode_snapshot());
     }
 
     #[test]

@@ -8,6 +8,30 @@ use super::*;
 use crate::command::{Batch, Command, EndWaitReason, Stamp};
 use crate::validate;
 
+thread_local! {
+    /// Test hook: while set, every keyed digest of this thread's tables is 0, so all request
+    /// keys, argument digests and tenant tags collide (what a client who could construct
+    /// collisions would get).
+    static COLLIDE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+pub(super) fn collide(digest: u128) -> u128 {
+    if COLLIDE.with(|c| c.get()) { 0 } else { digest }
+}
+
+/// Runs `f` with every keyed digest colliding.
+fn with_collisions<T>(f: impl FnOnce() -> T) -> T {
+    struct Reset;
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            COLLIDE.with(|c| c.set(false));
+        }
+    }
+    COLLIDE.with(|c| c.set(true));
+    let _reset = Reset;
+    f()
+}
+
 fn res(name: &str) -> ResourceName {
     validate::resource(name).unwrap()
 }
@@ -54,6 +78,7 @@ impl Harness {
             term: self.term,
             session: self.session,
             mono_ms: self.now as u64,
+            key_seed: 0x5eed,
         })
     }
 
@@ -178,6 +203,67 @@ fn retry_returns_original_grant_and_rejects_other_arguments() {
     assert!(!h.table.describe(&res("r")).held);
 }
 
+/// Finding 1: on main, `Acquire(B, "x")` whose argument hash collides with the queued
+/// `Acquire(A, "x")` found A's Waiting record, did not find itself in B's queue and hit the
+/// INV-QUEUE-ONCE panic on every replica (and again at every restart: the entry is committed).
+/// With every digest forced to collide, the same commands are answered with an error.
+#[test]
+fn issue14_finding1_colliding_digests_are_an_error_not_a_panic() {
+    let mut h = Harness::new();
+    h.granted("a/x", "holder");
+    with_collisions(|| {
+        assert_eq!(
+            h.acquire("a/x", "x", 10_000, 60_000),
+            Outcome::Queued { position: 1 }
+        );
+        match h.acquire("b/y", "x", 10_000, 60_000) {
+            Outcome::InvalidArgument(msg) => assert!(msg.contains("\"x\""), "{msg}"),
+            other => panic!("{other:?}"),
+        }
+        // Another request_id with the same (colliding) key is answered too, and cancelling it
+        // never removes the queued request it collides with (waiters are matched by id).
+        h.acquire("b/y", "z", 10_000, 60_000);
+        h.run(Command::EndWait {
+            resource: res("a/x"),
+            request_id: "z".into(),
+            reason: EndWaitReason::Cancelled,
+        });
+        assert_eq!(h.table.describe(&res("a/x")).waiters, 1);
+        assert_eq!(
+            h.acquire("a/x", "x", 10_000, 60_000),
+            Outcome::Queued { position: 1 }
+        );
+    });
+}
+
+/// Finding 1: request keys and argument digests are keyed with the table's replicated secret,
+/// so the same request_id has unrelated keys in two clusters and a client cannot precompute
+/// collisions.
+#[test]
+fn issue14_finding1_request_keys_are_keyed_with_the_table_secret() {
+    let key_with = |seed: u128| {
+        let mut t = LockTable::new();
+        let batch = Batch {
+            now_ms: 1,
+            stamp: Some(Stamp {
+                term: 1,
+                session: 1,
+                mono_ms: 1,
+                key_seed: seed,
+            }),
+            policy: policy(),
+            commands: vec![],
+        };
+        t.apply(1, &batch, &mut Vec::new());
+        let r = res("r");
+        (t.ident_key("id-1"), t.ident("id-1", &r, 1_000, 0, "h").args)
+    };
+    let (a, b) = (key_with(1), key_with(2));
+    assert_ne!(a.0, b.0);
+    assert_ne!(a.1, b.1);
+    assert_ne!(a.0, RequestKey::of("id-1"));
+}
+
 #[test]
 fn fifo_handoff_wakes_only_the_head() {
     let mut h = Harness::new();
@@ -208,7 +294,7 @@ fn fifo_handoff_wakes_only_the_head() {
         })
         .collect();
     assert_eq!(woken.len(), 1);
-    assert_eq!(woken[0].0, RequestKey::of("w1"));
+    assert_eq!(woken[0].0, h.table.ident_key("w1"));
     assert!(woken[0].1.fencing_token > first.fencing_token);
     // A retry of w2 keeps its place (now first in line).
     assert_eq!(
@@ -332,6 +418,7 @@ fn stamped(
             term,
             session,
             mono_ms,
+            key_seed: 0x5eed,
         }),
         policy: policy(),
         commands: cmds,
@@ -473,6 +560,7 @@ fn issue14_finding8b_stale_stamps_never_move_the_clock() {
             term: 1,
             session: 10,
             mono_ms: 3_600_000,
+            key_seed: 0x5eed,
         }),
         policy: policy(),
         commands: vec![reap_cmd("x")],
@@ -486,6 +574,7 @@ fn issue14_finding8b_stale_stamps_never_move_the_clock() {
             term: 99,
             session: 30,
             mono_ms: 0,
+            key_seed: 0x5eed,
         }),
         ..stale.clone()
     };
@@ -552,6 +641,7 @@ fn legacy_batches_still_decode() {
             term: 3,
             session: u64::MAX,
             mono_ms: 17,
+            key_seed: 0x5eed,
         }),
         policy: policy(),
         commands: cmds,

@@ -15,9 +15,7 @@ use lockd_api::v1::{
     AcquireRequest, AcquireResponse, DescribeRequest, DescribeResponse, ReleaseRequest,
     ReleaseResponse, RenewRequest, RenewResponse,
 };
-use lockd_core::{
-    Command, EndWaitReason, Grant, LeaseId, Outcome, RequestKey, ResourceName, validate,
-};
+use lockd_core::{Command, EndWaitReason, Grant, LeaseId, Outcome, ResourceName, validate};
 use openraft::ServerState;
 use rand::RngExt;
 use tonic::transport::Channel;
@@ -154,14 +152,12 @@ impl LockService {
         let wait = validate::wait_timeout_ms(req.wait_timeout_ms).map_err(errors::invalid)?;
         validate::holder(&req.holder).map_err(errors::invalid)?;
 
-        let key = RequestKey::of(&req.request_id);
         // Registered before proposing, so a grant that applies at once is not missed.
-        let registration = (wait > 0).then(|| self.ctx.waits.register(key));
+        let registration = (wait > 0).then(|| self.ctx.waits.register(&req.request_id));
         let mut guard = WaitGuard {
             ctx: self.ctx.clone(),
             resource: resource.clone(),
             request_id: req.request_id.clone(),
-            key,
             registration: registration.as_ref().map(|(id, _)| *id),
             armed: false,
         };
@@ -296,7 +292,6 @@ struct WaitGuard {
     ctx: Arc<NodeCtx>,
     resource: ResourceName,
     request_id: String,
-    key: RequestKey,
     registration: Option<u64>,
     armed: bool,
 }
@@ -304,7 +299,7 @@ struct WaitGuard {
 impl Drop for WaitGuard {
     fn drop(&mut self) {
         if let Some(id) = self.registration {
-            self.ctx.waits.unregister(self.key, id);
+            self.ctx.waits.unregister(&self.request_id, id);
         }
         if self.armed {
             let ctx = self.ctx.clone();
