@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::FencingToken;
-use crate::limits::Policy;
+use crate::limits::{LegacyPolicy, Policy};
 use crate::types::{LeaseId, RequestKey, ResourceName};
 
 /// One Raft entry: many client commands committed together (group commit), stamped once by the
@@ -61,7 +61,7 @@ impl Serialize for Batch {
             None => {
                 let mut t = serializer.serialize_tuple(3)?;
                 t.serialize_element(&self.now_ms)?;
-                t.serialize_element(&self.policy)?;
+                t.serialize_element(&LegacyPolicy::from(self.policy))?;
                 t.serialize_element(&self.commands)?;
                 t.end()
             }
@@ -86,14 +86,16 @@ impl<'de> Deserialize<'de> for Batch {
                 use serde::de::Error;
                 let missing = |what: &str| A::Error::custom(format!("lockd: batch without {what}"));
                 let first: i64 = seq.next_element()?.ok_or_else(|| missing("a clock"))?;
-                let (now_ms, stamp) = if first == STAMPED_MARKER {
+                let (now_ms, stamp, policy) = if first == STAMPED_MARKER {
                     let now_ms = seq.next_element()?.ok_or_else(|| missing("now_ms"))?;
                     let stamp: Stamp = seq.next_element()?.ok_or_else(|| missing("a stamp"))?;
-                    (now_ms, Some(stamp))
+                    let policy: Policy = seq.next_element()?.ok_or_else(|| missing("a policy"))?;
+                    (now_ms, Some(stamp), policy)
                 } else {
-                    (first, None)
+                    let policy: LegacyPolicy =
+                        seq.next_element()?.ok_or_else(|| missing("a policy"))?;
+                    (first, None, Policy::from(policy))
                 };
-                let policy = seq.next_element()?.ok_or_else(|| missing("a policy"))?;
                 let commands = seq.next_element()?.ok_or_else(|| missing("commands"))?;
                 Ok(Batch {
                     now_ms,
@@ -135,11 +137,22 @@ pub enum Command {
     /// Proposed by the leader's reaper: expire the lease and time out waiters of this resource
     /// whose time has passed by this batch's clock. Harmless when nothing is due.
     Reap { resource: ResourceName },
-    /// A waiter leaves the queue: its wait timed out or its caller went away.
+    /// A waiter leaves the queue: its wait timed out or its caller went away. Kept for entries
+    /// written before `EndWaitAttempt`; applies to whichever attempt is current.
     EndWait {
         resource: ResourceName,
         request_id: String,
         reason: EndWaitReason,
+    },
+    /// Like `EndWait`, for one attempt of the request: `attempt` is the lease id drawn for the
+    /// call that ends. A newer attempt (a retry with the same request_id) has replaced it if the
+    /// ids differ, and then nothing happens: a cancel never removes a newer registration.
+    /// (Appended last: variants are encoded by index, so older entries still decode.)
+    EndWaitAttempt {
+        resource: ResourceName,
+        request_id: String,
+        reason: EndWaitReason,
+        attempt: LeaseId,
     },
 }
 
@@ -185,8 +198,33 @@ pub enum Outcome {
     Reaped,
     /// The same request_id came with different arguments.
     InvalidArgument(String),
-    /// A waiter or table limit; the message names it.
-    Exhausted(String),
+    /// A waiter, table or tenant limit; the message names it.
+    Exhausted(Limit, String),
+}
+
+/// The bound an `Exhausted` outcome hit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Limit {
+    WaitersPerResource,
+    WaitersPerTenant,
+    DedupRecords,
+    ActiveResources,
+    DedupRecordsPerTenant,
+    ActiveResourcesPerTenant,
+}
+
+impl Limit {
+    /// Stable name for metrics (the flag or constant that sets the bound).
+    pub fn name(&self) -> &'static str {
+        match self {
+            Limit::WaitersPerResource => "waiters_per_resource_max",
+            Limit::WaitersPerTenant => "waiters_per_tenant_max",
+            Limit::DedupRecords => "dedup_records_max",
+            Limit::ActiveResources => "active_resources_max",
+            Limit::DedupRecordsPerTenant => "dedup_records_per_tenant_max",
+            Limit::ActiveResourcesPerTenant => "active_resources_per_tenant_max",
+        }
+    }
 }
 
 /// A state change, emitted by apply in log order for wake-ups, metrics and the audit log.

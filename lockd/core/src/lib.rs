@@ -34,7 +34,7 @@ pub mod table;
 pub mod types;
 pub mod validate;
 
-pub use command::{Batch, Command, EndWaitReason, Event, EventKind, Grant, Outcome, Stamp};
+pub use command::{Batch, Command, EndWaitReason, Event, EventKind, Grant, Limit, Outcome, Stamp};
 pub use limits::Policy;
 pub use lockd_fence::FencingToken;
 pub use table::{ClockAnchor, LockTable, ResourceView, SnapshotCopy, SnapshotError, TableStats};

@@ -33,12 +33,24 @@ pub const DEDUP_RECORDS_MAX: usize = 2_000_000;
 /// with 20,000 held); past it new grants are refused rather than growing without limit.
 pub const ACTIVE_RESOURCES_MAX: usize = 1_000_000;
 
+/// Default bound on one tenant's dedup records (its acquires within the retention window): the
+/// design load (2,000 acquires/s for 10 minutes, 1.2 million records) fits in one tenant with
+/// 25% to spare, and a tenant at its bound still leaves 500,000 of the table-wide 2 million to
+/// the others.
+pub const DEDUP_RECORDS_PER_TENANT_DEFAULT: u32 = 1_500_000;
+/// Default bound on one tenant's active resources (held or with waiters): the design target
+/// (100,000 resources, 20,000 held) fits in one tenant with room, and a tenant at its bound
+/// leaves 750,000 of the table-wide million to the others.
+pub const ACTIVE_RESOURCES_PER_TENANT_DEFAULT: u32 = 250_000;
+
 /// The bounds that shape replicated state, stamped by the leader on every batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Policy {
     pub waiters_per_resource_max: u32,
     pub waiters_per_tenant_max: u32,
     pub dedup_retention_ms: u64,
+    pub dedup_records_per_tenant_max: u32,
+    pub active_resources_per_tenant_max: u32,
 }
 
 impl Default for Policy {
@@ -47,6 +59,39 @@ impl Default for Policy {
             waiters_per_resource_max: WAITERS_PER_RESOURCE_DEFAULT,
             waiters_per_tenant_max: WAITERS_PER_TENANT_DEFAULT,
             dedup_retention_ms: DEDUP_RETENTION_DEFAULT_MS,
+            dedup_records_per_tenant_max: DEDUP_RECORDS_PER_TENANT_DEFAULT,
+            active_resources_per_tenant_max: ACTIVE_RESOURCES_PER_TENANT_DEFAULT,
+        }
+    }
+}
+
+/// The policy as unstamped (legacy) batches carry it, before per-tenant quotas.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct LegacyPolicy {
+    pub waiters_per_resource_max: u32,
+    pub waiters_per_tenant_max: u32,
+    pub dedup_retention_ms: u64,
+}
+
+impl From<LegacyPolicy> for Policy {
+    /// No per-tenant quotas: those entries applied without them.
+    fn from(p: LegacyPolicy) -> Self {
+        Policy {
+            waiters_per_resource_max: p.waiters_per_resource_max,
+            waiters_per_tenant_max: p.waiters_per_tenant_max,
+            dedup_retention_ms: p.dedup_retention_ms,
+            dedup_records_per_tenant_max: u32::MAX,
+            active_resources_per_tenant_max: u32::MAX,
+        }
+    }
+}
+
+impl From<Policy> for LegacyPolicy {
+    fn from(p: Policy) -> Self {
+        LegacyPolicy {
+            waiters_per_resource_max: p.waiters_per_resource_max,
+            waiters_per_tenant_max: p.waiters_per_tenant_max,
+            dedup_retention_ms: p.dedup_retention_ms,
         }
     }
 }

@@ -7,7 +7,9 @@ use imbl::{OrdMap, OrdSet};
 use serde::{Deserialize, Serialize};
 
 use crate::FencingToken;
-use crate::command::{Batch, Command, EndWaitReason, Event, EventKind, Grant, Outcome, Stamp};
+use crate::command::{
+    Batch, Command, EndWaitReason, Event, EventKind, Grant, Limit, Outcome, Stamp,
+};
 use crate::limits::{ACTIVE_RESOURCES_MAX, DEDUP_RECORDS_MAX, Policy};
 use crate::types::{LeaseId, RequestKey, ResourceName};
 
@@ -32,6 +34,11 @@ pub struct LockTable {
     dedup: DedupWindow,
     /// Waiters queued per tenant (the resource name before its first `/`).
     tenant_waiters: OrdMap<String, u32>,
+    /// Active resources (entries of `resources`) per tenant, for the per-tenant quota.
+    tenant_resources: OrdMap<String, u32>,
+    /// Live dedup records per tenant tag (records with tag 0, made before tags, are not
+    /// counted), for the per-tenant quota.
+    tenant_records: OrdMap<u64, u32>,
     /// The last fencing token issued. Tokens come from this counter only, and the counter is
     /// part of the replicated state and the snapshots, so it never repeats or goes back.
     last_token: u64,
@@ -50,6 +57,10 @@ pub struct LockTable {
     /// the same key and no client knows it. `None` before (legacy entries only), when the
     /// unkeyed hashes of older lockd are used.
     secret: Option<u128>,
+    /// Queued requests whose call was cancelled: they keep their place, so a retry of the same
+    /// request_id takes it back, but are never granted (hand-off skips and drops them) and are
+    /// not counted in positions or `Describe`. Dropped at their deadline too.
+    abandoned: OrdSet<RequestKey>,
     /// Number of held leases and of queued waiters, kept so Status is O(1).
     held: u64,
     waiting: u64,
@@ -264,7 +275,13 @@ impl LockTable {
                 resource,
                 request_id,
                 reason,
-            } => self.end_wait(resource, request_id, *reason, events),
+            } => self.end_wait(resource, request_id, *reason, None, events),
+            Command::EndWaitAttempt {
+                resource,
+                request_id,
+                reason,
+                attempt,
+            } => self.end_wait(resource, request_id, *reason, Some(*attempt), events),
         }
     }
 
@@ -303,30 +320,68 @@ impl LockTable {
             return match state {
                 DedupState::Granted(grant) => Outcome::Granted(self.refresh(resource, grant)),
                 DedupState::TimedOut => Outcome::WaitTimedOut,
-                DedupState::Waiting => match self.position(resource, recorded.key, request_id) {
-                    Some(position) => Outcome::Queued { position },
-                    // Only a digest collision with a request queued elsewhere gets here: answer
-                    // the client, never stop the replica (INV-NO-CLIENT-PANIC).
-                    None => Outcome::InvalidArgument(format!(
-                        "invalid request_id: {request_id:?} matches a request queued on another \
+                DedupState::Waiting => {
+                    match self.reattach(resource, recorded.key, request_id, lease_id) {
+                        Some(position) => Outcome::Queued { position },
+                        // Only a digest collision with a request queued elsewhere gets here: answer
+                        // the client, never stop the replica (INV-NO-CLIENT-PANIC).
+                        None => Outcome::InvalidArgument(format!(
+                            "invalid request_id: {request_id:?} matches a request queued on another \
                          resource than {resource:?}; use a new request_id"
-                    )),
-                },
+                        )),
+                    }
+                }
             };
         }
 
         if self.dedup.len() >= DEDUP_RECORDS_MAX {
-            return Outcome::Exhausted(format!(
-                "request dedup table is full ({DEDUP_RECORDS_MAX} records within the retention \
+            return Outcome::Exhausted(
+                Limit::DedupRecords,
+                format!(
+                    "request dedup table is full ({DEDUP_RECORDS_MAX} records within the retention \
                  window): too many acquires"
-            ));
+                ),
+            );
         }
-        let mut state = match self.resources.remove(resource) {
+        // Per-tenant quotas (INV-TENANT-QUOTA): one tenant's flood cannot use up the
+        // table-wide bounds above for everybody else.
+        let records = self.tenant_records.get(&ident.tenant).copied().unwrap_or(0);
+        if ident.tenant != 0 && records >= policy.dedup_records_per_tenant_max {
+            return Outcome::Exhausted(
+                Limit::DedupRecordsPerTenant,
+                format!(
+                    "tenant {:?} has {records} acquires within the request_id retention window: \
+                 limit dedup_records_per_tenant_max is {}",
+                    resource.tenant(),
+                    policy.dedup_records_per_tenant_max
+                ),
+            );
+        }
+        let tenant_active = self
+            .tenant_resources
+            .get(resource.tenant())
+            .copied()
+            .unwrap_or(0);
+        let mut state = match self.take(resource) {
             Some(state) => state,
             None if self.resources.len() >= ACTIVE_RESOURCES_MAX => {
-                return Outcome::Exhausted(format!(
-                    "too many active resources ({ACTIVE_RESOURCES_MAX}): cannot lock {resource:?}"
-                ));
+                return Outcome::Exhausted(
+                    Limit::ActiveResources,
+                    format!(
+                        "too many active resources ({ACTIVE_RESOURCES_MAX}): cannot lock {resource:?}"
+                    ),
+                );
+            }
+            None if tenant_active >= policy.active_resources_per_tenant_max => {
+                return Outcome::Exhausted(
+                    Limit::ActiveResourcesPerTenant,
+                    format!(
+                        "tenant {:?} has {tenant_active} active resources: limit \
+                     active_resources_per_tenant_max is {}; cannot lock {resource:?}",
+                        resource.tenant(),
+                        policy.active_resources_per_tenant_max
+                    ),
+                );
             }
             None => ResourceState::default(),
         };
@@ -387,18 +442,24 @@ impl LockTable {
     ) -> Outcome {
         let queued = state.waiters.len() as u32;
         if queued >= policy.waiters_per_resource_max {
-            return Outcome::Exhausted(format!(
-                "resource {resource:?} has {queued} waiters: limit waiters_per_resource_max is {}",
-                policy.waiters_per_resource_max
-            ));
+            return Outcome::Exhausted(
+                Limit::WaitersPerResource,
+                format!(
+                    "resource {resource:?} has {queued} waiters: limit waiters_per_resource_max is {}",
+                    policy.waiters_per_resource_max
+                ),
+            );
         }
         let tenant = resource.tenant();
         let tenant_count = self.tenant_waiters.get(tenant).copied().unwrap_or(0);
         if tenant_count >= policy.waiters_per_tenant_max {
-            return Outcome::Exhausted(format!(
-                "tenant {tenant:?} has {tenant_count} waiters: limit waiters_per_tenant_max is {}",
-                policy.waiters_per_tenant_max
-            ));
+            return Outcome::Exhausted(
+                Limit::WaitersPerTenant,
+                format!(
+                    "tenant {tenant:?} has {tenant_count} waiters: limit waiters_per_tenant_max is {}",
+                    policy.waiters_per_tenant_max
+                ),
+            );
         }
         *self.tenant_waiters.entry(tenant.to_owned()).or_insert(0) += 1;
         self.waiting += 1;
@@ -412,9 +473,14 @@ impl LockTable {
             holder: waiter.holder.clone(),
             request_id: waiter.request_id.clone(),
         });
+        let ahead = state
+            .waiters
+            .iter()
+            .filter(|w| !self.abandoned.contains(&w.key))
+            .count() as u32;
         state.waiters.push_back(waiter);
         Outcome::Queued {
-            position: queued + 1,
+            position: ahead + 1,
         }
     }
 
@@ -467,7 +533,7 @@ impl LockTable {
         events: &mut Vec<Event>,
     ) -> Outcome {
         self.settle(resource, events);
-        let Some(mut state) = self.resources.remove(resource) else {
+        let Some(mut state) = self.take(resource) else {
             return Outcome::Released(false);
         };
         // INV-CURRENT-LEASE-ONLY: a superseded lease id never touches the new holder.
@@ -485,37 +551,55 @@ impl LockTable {
         resource: &ResourceName,
         request_id: &str,
         reason: EndWaitReason,
+        attempt: Option<LeaseId>,
         events: &mut Vec<Event>,
     ) -> Outcome {
+        let ended = match reason {
+            EndWaitReason::TimedOut => Outcome::WaitTimedOut,
+            EndWaitReason::Cancelled => Outcome::WaitCancelled,
+        };
         self.settle(resource, events);
-        if let Some(mut state) = self.resources.remove(resource) {
+        if let Some(mut state) = self.take(resource) {
             // By the request_id itself, so a digest collision can never remove another request.
             let found = state
                 .waiters
                 .iter()
                 .position(|w| w.request_id == request_id);
             if let Some(index) = found {
-                let waiter = state.waiters.remove(index).expect("index from position");
-                let key = waiter.key;
-                self.forget_waiter(resource, &waiter);
-                let kind = match reason {
+                let current = attempt.is_none_or(|a| state.waiters[index].lease_id == a);
+                if !current {
+                    // A retry replaced that call: its registration stays (finding 4).
+                    self.put_back(resource, state);
+                    return ended;
+                }
+                let key = state.waiters[index].key;
+                match reason {
                     EndWaitReason::TimedOut => {
+                        let waiter = state.waiters.remove(index).expect("index from position");
+                        self.forget_waiter(resource, &waiter);
+                        self.abandoned.remove(&key);
                         self.dedup_set(key, DedupState::TimedOut);
-                        EventKind::TimedOut { waiter: key }
+                        events.push(waiter_event(
+                            EventKind::TimedOut { waiter: key },
+                            resource,
+                            &waiter,
+                        ));
                     }
                     EndWaitReason::Cancelled => {
-                        // A caller that went away may come back with the same request_id; it
-                        // then queues again, at the end.
-                        self.dedup.remove(key);
-                        EventKind::Cancelled { waiter: key }
+                        // The place is kept for a retry of the same request_id (the caller may
+                        // have lost its connection and be calling again); until then the
+                        // waiter is skipped.
+                        if self.abandoned.insert(key).is_none() {
+                            events.push(waiter_event(
+                                EventKind::Cancelled { waiter: key },
+                                resource,
+                                &state.waiters[index],
+                            ));
+                        }
                     }
-                };
-                events.push(waiter_event(kind, resource, &waiter));
+                }
                 self.put_back(resource, state);
-                return match reason {
-                    EndWaitReason::TimedOut => Outcome::WaitTimedOut,
-                    EndWaitReason::Cancelled => Outcome::WaitCancelled,
-                };
+                return ended;
             }
             self.put_back(resource, state);
         }
@@ -523,11 +607,29 @@ impl LockTable {
         // so the caller learns of the lease instead of leaving it to expire unseen.
         match self.lookup(request_id).map(|(_, state)| state) {
             Some(DedupState::Granted(grant)) => Outcome::Granted(self.refresh(resource, grant)),
-            _ => match reason {
-                EndWaitReason::TimedOut => Outcome::WaitTimedOut,
-                EndWaitReason::Cancelled => Outcome::WaitCancelled,
-            },
+            _ => ended,
         }
+    }
+
+    /// A retry of a queued request: it becomes the current attempt (its lease id is the one a
+    /// grant will carry, and only a cancel of this attempt ends the wait) and takes back its
+    /// place if its earlier call was cancelled. Returns its position, or `None` if the request
+    /// is not queued on `resource`.
+    fn reattach(
+        &mut self,
+        resource: &ResourceName,
+        key: RequestKey,
+        request_id: &str,
+        attempt: LeaseId,
+    ) -> Option<u32> {
+        let state = self.resources.get_mut(resource)?;
+        let waiter = state
+            .waiters
+            .iter_mut()
+            .find(|w| w.key == key && w.request_id == request_id)?;
+        waiter.lease_id = attempt;
+        self.abandoned.remove(&key);
+        self.position(resource, key, request_id)
     }
 
     /// Brings one resource up to the table's clock: expires its lease if due, times out waiters
@@ -535,7 +637,7 @@ impl LockTable {
     /// Every command on a resource settles it first, so a due lease never blocks anybody even
     /// before the reaper's command arrives.
     fn settle(&mut self, resource: &ResourceName, events: &mut Vec<Event>) {
-        let Some(mut state) = self.resources.remove(resource) else {
+        let Some(mut state) = self.take(resource) else {
             return;
         };
         let now = self.now_ms;
@@ -548,6 +650,11 @@ impl LockTable {
             state.waiters = kept;
             for waiter in expired {
                 self.forget_waiter(resource, &waiter);
+                if self.abandoned.remove(&waiter.key).is_some() {
+                    // Its Cancelled event was emitted when its call went away.
+                    self.dedup_forget(waiter.key);
+                    continue;
+                }
                 self.dedup_set(waiter.key, DedupState::TimedOut);
                 events.push(waiter_event(
                     EventKind::TimedOut { waiter: waiter.key },
@@ -574,8 +681,14 @@ impl LockTable {
             state.lease.is_none(),
             "hand_off on held resource {resource}"
         );
-        if let Some(waiter) = state.waiters.pop_front() {
+        while let Some(waiter) = state.waiters.pop_front() {
             self.forget_waiter(resource, &waiter);
+            if self.abandoned.remove(&waiter.key).is_some() {
+                // Cancelled and not retried: nobody would receive the lease. A later retry
+                // starts afresh, as after any cancel.
+                self.dedup_forget(waiter.key);
+                continue;
+            }
             let grant = self.grant(
                 resource,
                 state,
@@ -588,7 +701,11 @@ impl LockTable {
                 Some(waiter.key),
                 events,
             );
-            self.dedup_set(waiter.key, DedupState::Granted(grant));
+            // Finding 8d: remembered for the full retention after the grant, not after the
+            // enqueue.
+            self.dedup
+                .renew(waiter.key, self.now_ms, DedupState::Granted(grant));
+            return;
         }
     }
 
@@ -675,8 +792,26 @@ impl LockTable {
     /// tokens come from the global counter, so deleting them never lets a token repeat.
     fn put_back(&mut self, resource: &ResourceName, state: ResourceState) {
         if state.lease.is_some() || !state.waiters.is_empty() {
-            self.resources.insert(resource.clone(), state);
+            if self.resources.insert(resource.clone(), state).is_none() {
+                *self
+                    .tenant_resources
+                    .entry(resource.tenant().to_owned())
+                    .or_insert(0) += 1;
+            }
         }
+    }
+
+    /// Removes a resource's state to change it; [`LockTable::put_back`] returns it.
+    fn take(&mut self, resource: &ResourceName) -> Option<ResourceState> {
+        let state = self.resources.remove(resource)?;
+        let tenant = resource.tenant();
+        if let Some(count) = self.tenant_resources.get_mut(tenant) {
+            *count -= 1;
+            if *count == 0 {
+                self.tenant_resources.remove(tenant);
+            }
+        }
+        Some(state)
     }
 
     /// A grant as a retry should see it: with the current expiry while the lease is still current.
@@ -696,17 +831,31 @@ impl LockTable {
         }
     }
 
+    /// 1-based place in the queue of `resource`, not counting abandoned waiters ahead.
     fn position(&self, resource: &ResourceName, key: RequestKey, request_id: &str) -> Option<u32> {
-        self.resources
-            .get(resource)?
-            .waiters
-            .iter()
-            .position(|w| w.key == key && w.request_id == request_id)
-            .map(|i| i as u32 + 1)
+        let mut ahead = 0;
+        for w in &self.resources.get(resource)?.waiters {
+            if w.key == key && w.request_id == request_id {
+                return Some(ahead + 1);
+            }
+            if !self.abandoned.contains(&w.key) {
+                ahead += 1;
+            }
+        }
+        None
     }
 
     fn dedup_put(&mut self, ident: Ident, state: DedupState) {
-        self.dedup.insert(ident, self.now_ms, state);
+        if self.dedup.insert(ident, self.now_ms, state) && ident.tenant != 0 {
+            *self.tenant_records.entry(ident.tenant).or_insert(0) += 1;
+        }
+    }
+
+    /// Forgets a record: a later Acquire with its request_id starts afresh.
+    fn dedup_forget(&mut self, key: RequestKey) {
+        if let Some(tenant) = self.dedup.remove(key) {
+            forgot_record(&mut self.tenant_records, tenant);
+        }
     }
 
     /// What identifies an Acquire in the dedup window, keyed with the table's secret (the
@@ -803,7 +952,9 @@ impl LockTable {
     /// [`DedupWindow::prune`]).
     fn prune_dedup(&mut self, policy: &Policy) {
         let horizon = self.now_ms.saturating_sub(policy.dedup_retention_ms as i64);
-        self.dedup.prune(horizon, self.now_ms, |_| {});
+        let counts = &mut self.tenant_records;
+        self.dedup
+            .prune(horizon, self.now_ms, |tenant| forgot_record(counts, tenant));
     }
 
     // ---- reads ----
@@ -813,7 +964,11 @@ impl LockTable {
             return ResourceView::default();
         };
         let mut view = ResourceView {
-            waiters: state.waiters.len() as u32,
+            waiters: state
+                .waiters
+                .iter()
+                .filter(|w| !self.abandoned.contains(&w.key))
+                .count() as u32,
             ..ResourceView::default()
         };
         if let Some(lease) = &state.lease {
@@ -956,7 +1111,34 @@ impl LockTable {
         {
             return Err("an index disagrees with the records".into());
         }
+        if let Some(key) = self.abandoned.iter().find(|k| !keys.contains(*k)) {
+            return Err(format!("abandoned waiter {key:?} is not queued"));
+        }
+        let mut active: OrdMap<String, u32> = OrdMap::new();
+        for name in self.resources.keys() {
+            *active.entry(name.tenant().to_owned()).or_default() += 1;
+        }
+        if active != self.tenant_resources {
+            return Err("active resources per tenant disagree with the records".into());
+        }
+        let mut records: OrdMap<u64, u32> = OrdMap::new();
+        for tag in self.dedup.tenants().filter(|t| *t != 0) {
+            *records.entry(tag).or_default() += 1;
+        }
+        if records != self.tenant_records {
+            return Err("dedup records per tenant disagree with the records".into());
+        }
         Ok(())
+    }
+}
+
+/// Counts one record of `tenant` less.
+fn forgot_record(counts: &mut OrdMap<u64, u32>, tenant: u64) {
+    if let Some(count) = counts.get_mut(&tenant) {
+        *count -= 1;
+        if *count == 0 {
+            counts.remove(&tenant);
+        }
     }
 }
 

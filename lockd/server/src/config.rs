@@ -7,6 +7,7 @@ use std::path::PathBuf;
 
 use lockd_core::Policy;
 use lockd_core::limits::{
+    ACTIVE_RESOURCES_PER_TENANT_DEFAULT, DEDUP_RECORDS_PER_TENANT_DEFAULT,
     DEDUP_RETENTION_DEFAULT_MS, WAITERS_PER_RESOURCE_DEFAULT, WAITERS_PER_TENANT_DEFAULT,
 };
 
@@ -71,6 +72,13 @@ pub struct Tuning {
     /// Waiters allowed on all resources of one tenant (the name before its first `/`).
     #[arg(long, env = "LOCKD_WAITERS_PER_TENANT_MAX", default_value_t = WAITERS_PER_TENANT_DEFAULT)]
     pub waiters_per_tenant_max: u32,
+    /// Acquires one tenant may have within the 10-minute request_id retention window (each
+    /// keeps a dedup record); past it the tenant's new acquires get RESOURCE_EXHAUSTED.
+    #[arg(long, env = "LOCKD_DEDUP_RECORDS_PER_TENANT_MAX", default_value_t = DEDUP_RECORDS_PER_TENANT_DEFAULT)]
+    pub dedup_records_per_tenant_max: u32,
+    /// Resources one tenant may have held or with waiters at once.
+    #[arg(long, env = "LOCKD_ACTIVE_RESOURCES_PER_TENANT_MAX", default_value_t = ACTIVE_RESOURCES_PER_TENANT_DEFAULT)]
+    pub active_resources_per_tenant_max: u32,
     /// Audit log: a file path, or `-` for stdout. One JSON line per state change.
     #[arg(long, env = "LOCKD_AUDIT_LOG")]
     pub audit_log: Option<PathBuf>,
@@ -88,6 +96,8 @@ impl Tuning {
             waiters_per_resource_max: self.waiters_per_resource_max,
             waiters_per_tenant_max: self.waiters_per_tenant_max,
             dedup_retention_ms: DEDUP_RETENTION_DEFAULT_MS,
+            dedup_records_per_tenant_max: self.dedup_records_per_tenant_max,
+            active_resources_per_tenant_max: self.active_resources_per_tenant_max,
         }
     }
 

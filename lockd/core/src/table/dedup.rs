@@ -253,12 +253,14 @@ impl DedupWindow {
         Some((record.ident(), record.state()?))
     }
 
-    /// Adds a record for a key that has none (a key that has one is left as it is).
-    pub(super) fn insert(&mut self, ident: Ident, created_ms: i64, state: DedupState) {
+    /// Adds a record for a key that has none (a key that has one is left as it is); returns
+    /// whether it did.
+    pub(super) fn insert(&mut self, ident: Ident, created_ms: i64, state: DedupState) -> bool {
         if self.contains(ident.key) {
-            return;
+            return false;
         }
         self.push(Record::new(ident, created_ms, state));
+        true
     }
 
     /// Moves `key`'s record to the back with state `state`, created at `now_ms`: a grant to a

@@ -71,6 +71,9 @@ impl LockTable {
             term: self.term,
             anchor: self.anchor,
             secret: self.secret,
+            abandoned: self.abandoned.clone(),
+            tenant_resources: self.tenant_resources.clone(),
+            tenant_records: self.tenant_records.clone(),
             held: self.held,
             waiting: self.waiting,
         })
@@ -111,6 +114,15 @@ fn decode_all<T: serde::de::DeserializeOwned>(
     Ok(value)
 }
 
+/// Active resources per tenant, which formats 1 and 2 did not keep.
+fn active_per_tenant(resources: &OrdMap<ResourceName, ResourceState>) -> OrdMap<String, u32> {
+    let mut counts = OrdMap::new();
+    for name in resources.keys() {
+        *counts.entry(name.tenant().to_owned()).or_insert(0) += 1;
+    }
+    counts
+}
+
 /// The table as format 2 laid it out, field for field.
 #[derive(Serialize, Deserialize)]
 struct TableV2 {
@@ -137,6 +149,9 @@ impl TryFrom<TableV2> for LockTable {
         let mut dedup = DedupWindow::default();
         dedup.extend_legacy(v2.dedup)?;
         Ok(LockTable {
+            tenant_resources: active_per_tenant(&v2.resources),
+            tenant_records: OrdMap::new(),
+            abandoned: OrdSet::new(),
             resources: v2.resources,
             expiries: v2.expiries,
             wait_deadlines: v2.wait_deadlines,
@@ -197,6 +212,9 @@ impl From<TableV1> for LockTable {
             }
         }
         LockTable {
+            tenant_resources: active_per_tenant(&v1.resources),
+            tenant_records: OrdMap::new(),
+            abandoned: OrdSet::new(),
             resources: v1.resources,
             expiries: v1.expiries,
             wait_deadlines: v1.wait_deadlines,

@@ -49,6 +49,7 @@ struct Harness {
     term: u64,
     session: u64,
     legacy: bool,
+    pol: Policy,
     next_lease: u128,
     events: Vec<Event>,
 }
@@ -61,6 +62,7 @@ impl Harness {
             term: 1,
             session: 1,
             legacy: false,
+            pol: policy(),
             next_lease: 1,
             events: Vec::new(),
         }
@@ -86,7 +88,7 @@ impl Harness {
         let batch = Batch {
             now_ms: self.now,
             stamp: self.stamp(),
-            policy: policy(),
+            policy: self.pol,
             commands: vec![cmd],
         };
         let out = self
@@ -264,6 +266,243 @@ fn issue14_finding1_request_keys_are_keyed_with_the_table_secret() {
     assert_ne!(a.0, RequestKey::of("id-1"));
 }
 
+fn cancel_attempt(r: &str, req: &str, attempt: LeaseId) -> Command {
+    Command::EndWaitAttempt {
+        resource: res(r),
+        request_id: req.into(),
+        reason: EndWaitReason::Cancelled,
+        attempt,
+    }
+}
+
+/// The lease id of the grant that woke a waiter, if a grant did.
+fn woken(events: &[Event], request_id: &str) -> Option<LeaseId> {
+    events.iter().find_map(|e| match e.kind {
+        EventKind::Granted {
+            to_waiter: Some(_),
+            grant,
+        } if e.request_id == request_id => Some(grant.lease_id),
+        _ => None,
+    })
+}
+
+/// Finding 4, first order: the retry of a waiting acquire commits, then the cancel its dropped
+/// first call proposed lands. On main the cancel removed the waiter and its record, and the
+/// parked retry slept until its timeout although the lock was freed. The cancel names the
+/// attempt it ends, and a retry has replaced that attempt: nothing happens.
+#[test]
+fn issue14_finding4_a_late_cancel_never_removes_the_retry() {
+    let mut h = Harness::new();
+    let g = h.granted("r", "holder");
+    assert_eq!(
+        h.acquire("r", "w1", 10_000, 60_000),
+        Outcome::Queued { position: 1 }
+    );
+    let first_attempt = LeaseId(h.next_lease);
+    assert_eq!(
+        h.acquire("r", "w2", 10_000, 60_000),
+        Outcome::Queued { position: 2 }
+    );
+    // The retry of w1 (a new call, a new attempt).
+    assert_eq!(
+        h.acquire("r", "w1", 10_000, 60_000),
+        Outcome::Queued { position: 1 }
+    );
+    let retry_attempt = LeaseId(h.next_lease);
+    assert_eq!(
+        h.run(cancel_attempt("r", "w1", first_attempt)),
+        Outcome::WaitCancelled
+    );
+    assert_eq!(h.table.describe(&res("r")).waiters, 2);
+    h.events.clear();
+    h.run(Command::Release {
+        resource: res("r"),
+        lease_id: g.lease_id,
+    });
+    assert_eq!(
+        woken(&h.events, "w1"),
+        Some(retry_attempt),
+        "{:?}",
+        h.events
+    );
+}
+
+/// Finding 4, second order: the cancel lands first, then the retry. On main the retry went to
+/// the back of the queue; it takes back its place.
+#[test]
+fn issue14_finding4_a_retry_after_its_cancel_takes_back_its_place() {
+    let mut h = Harness::new();
+    let g = h.granted("r", "holder");
+    assert_eq!(
+        h.acquire("r", "w1", 10_000, 60_000),
+        Outcome::Queued { position: 1 }
+    );
+    let first_attempt = LeaseId(h.next_lease);
+    assert_eq!(
+        h.acquire("r", "w2", 10_000, 60_000),
+        Outcome::Queued { position: 2 }
+    );
+    assert_eq!(
+        h.run(cancel_attempt("r", "w1", first_attempt)),
+        Outcome::WaitCancelled
+    );
+    // While cancelled it is not counted.
+    assert_eq!(h.table.describe(&res("r")).waiters, 1);
+    assert_eq!(
+        h.acquire("r", "w2", 10_000, 60_000),
+        Outcome::Queued { position: 1 }
+    );
+    assert_eq!(
+        h.acquire("r", "w1", 10_000, 60_000),
+        Outcome::Queued { position: 1 }
+    );
+    let retry_attempt = LeaseId(h.next_lease);
+    assert_eq!(
+        h.acquire("r", "w2", 10_000, 60_000),
+        Outcome::Queued { position: 2 }
+    );
+    h.events.clear();
+    h.run(Command::Release {
+        resource: res("r"),
+        lease_id: g.lease_id,
+    });
+    assert_eq!(
+        woken(&h.events, "w1"),
+        Some(retry_attempt),
+        "{:?}",
+        h.events
+    );
+}
+
+/// A cancelled waiter that is not retried is never granted: the hand-off passes it by, and its
+/// request_id then starts afresh.
+#[test]
+fn a_cancelled_waiter_is_passed_over() {
+    let mut h = Harness::new();
+    let g = h.granted("r", "holder");
+    h.acquire("r", "w1", 10_000, 60_000);
+    let attempt = LeaseId(h.next_lease);
+    h.acquire("r", "w2", 10_000, 60_000);
+    h.run(cancel_attempt("r", "w1", attempt));
+    h.events.clear();
+    h.run(Command::Release {
+        resource: res("r"),
+        lease_id: g.lease_id,
+    });
+    assert!(woken(&h.events, "w1").is_none());
+    assert!(woken(&h.events, "w2").is_some());
+    assert_eq!(h.table.describe(&res("r")).waiters, 0);
+    assert_eq!(
+        h.acquire("r", "w1", 10_000, 60_000),
+        Outcome::Queued { position: 1 }
+    );
+}
+
+/// Finding 8d: a waiter granted after a long wait must find its grant on retry for the full
+/// retention after the grant. On main the record kept its enqueue time: granted after 288 s, it
+/// was forgotten 312 s later and a retry 360 s after the grant was a new request.
+#[test]
+fn issue14_finding8d_a_waiters_grant_is_remembered_for_the_retention_after_the_grant() {
+    let mut h = Harness::new();
+    let g = h.granted("r", "holder");
+    h.acquire("r", "w", 10_000, 300_000);
+    for _ in 0..32 {
+        h.now += 9_000;
+        h.run(Command::Renew {
+            resource: res("r"),
+            lease_id: g.lease_id,
+            lease_ttl_ms: 0,
+        });
+    }
+    h.events.clear();
+    h.run(Command::Release {
+        resource: res("r"),
+        lease_id: g.lease_id,
+    });
+    let granted = woken(&h.events, "w").expect("w granted");
+    h.now += 360_000;
+    match h.acquire("r", "w", 10_000, 300_000) {
+        Outcome::Granted(again) => assert_eq!(again.lease_id, granted),
+        other => panic!("{other:?}"),
+    }
+    // And forgotten once the retention after the grant has passed.
+    h.now += 240_001;
+    h.run(Command::Reap { resource: res("r") });
+    assert!(!matches!(
+        h.acquire("r", "w", 10_000, 300_000),
+        Outcome::Granted(again) if again.lease_id == granted
+    ));
+}
+
+/// Finding 5: one tenant's acquire/release loop with fresh request_ids, or its many held
+/// resources, exhausts its own quota and not the others': tenant B is still served.
+#[test]
+fn issue14_finding5_a_tenant_flood_leaves_other_tenants_served() {
+    let mut h = Harness::new();
+    h.pol = Policy {
+        dedup_records_per_tenant_max: 50,
+        active_resources_per_tenant_max: 10,
+        ..policy()
+    };
+    let mut refused = None;
+    for i in 0..100 {
+        match h.acquire("a/loop", &format!("a-{i}"), 10_000, 0) {
+            Outcome::Granted(g) => {
+                h.run(Command::Release {
+                    resource: res("a/loop"),
+                    lease_id: g.lease_id,
+                });
+            }
+            Outcome::Exhausted(_, msg) => {
+                refused = Some((i, msg));
+                break;
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    let (i, msg) = refused.expect("the flood is refused");
+    assert_eq!(i, 50);
+    assert!(
+        msg.contains("dedup_records_per_tenant_max") && msg.contains("\"a\""),
+        "{msg}"
+    );
+    assert!(matches!(
+        h.acquire("b/x", "b-1", 10_000, 0),
+        Outcome::Granted(_)
+    ));
+    // A retry of a recorded request is still answered (it makes no new record).
+    assert!(matches!(
+        h.acquire("a/loop", "a-3", 10_000, 0),
+        Outcome::Granted(_)
+    ));
+
+    for i in 0..10 {
+        assert!(matches!(
+            h.acquire(&format!("c/{i}"), &format!("c-{i}"), 10_000, 0),
+            Outcome::Granted(_)
+        ));
+    }
+    match h.acquire("c/10", "c-10", 10_000, 0) {
+        Outcome::Exhausted(_, msg) => {
+            assert!(msg.contains("active_resources_per_tenant_max"), "{msg}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(
+        h.acquire("d/0", "d-0", 10_000, 0),
+        Outcome::Granted(_)
+    ));
+    // Records are forgotten after the retention; then the tenant acquires again.
+    h.now += 600_001;
+    h.run(Command::Reap {
+        resource: res("c/0"),
+    });
+    assert!(matches!(
+        h.acquire("a/loop", "a-new", 10_000, 0),
+        Outcome::Granted(_)
+    ));
+}
+
 #[test]
 fn fifo_handoff_wakes_only_the_head() {
     let mut h = Harness::new();
@@ -361,7 +600,7 @@ fn waiter_deadline_and_limits() {
         Outcome::Queued { position: 1 }
     );
     match acquire(&mut h, "t/r", "q2") {
-        Outcome::Exhausted(msg) => assert!(msg.contains("waiters_per_resource_max"), "{msg}"),
+        Outcome::Exhausted(_, msg) => assert!(msg.contains("waiters_per_resource_max"), "{msg}"),
         other => panic!("{other:?}"),
     }
     h.granted("t/s", "holder-s");
@@ -371,7 +610,7 @@ fn waiter_deadline_and_limits() {
     );
     h.granted("t/u", "holder-u");
     match acquire(&mut h, "t/u", "q4") {
-        Outcome::Exhausted(msg) => assert!(msg.contains("waiters_per_tenant_max"), "{msg}"),
+        Outcome::Exhausted(_, msg) => assert!(msg.contains("waiters_per_tenant_max"), "{msg}"),
         other => panic!("{other:?}"),
     }
     h.table.check_consistency().unwrap();
@@ -608,14 +847,26 @@ fn legacy_batches_still_decode() {
     #[derive(serde::Serialize)]
     struct LegacyBatch {
         now_ms: i64,
-        policy: Policy,
+        policy: OldPolicy,
         commands: Vec<Command>,
     }
+    /// The policy before per-tenant quotas.
+    #[derive(serde::Serialize)]
+    struct OldPolicy {
+        waiters_per_resource_max: u32,
+        waiters_per_tenant_max: u32,
+        dedup_retention_ms: u64,
+    }
+    let p = policy();
     let cmds = vec![acquire_cmd("x", "a", 5_000, 0, 1), reap_cmd("y")];
     let old = postcard::to_allocvec(&(
         LegacyBatch {
             now_ms: 1_764_540_000_000,
-            policy: policy(),
+            policy: OldPolicy {
+                waiters_per_resource_max: p.waiters_per_resource_max,
+                waiters_per_tenant_max: p.waiters_per_tenant_max,
+                dedup_retention_ms: p.dedup_retention_ms,
+            },
             commands: cmds.clone(),
         },
         42u64,
@@ -627,7 +878,12 @@ fn legacy_batches_still_decode() {
         Batch {
             now_ms: 1_764_540_000_000,
             stamp: None,
-            policy: policy(),
+            // Entries of then applied without per-tenant quotas.
+            policy: Policy {
+                dedup_records_per_tenant_max: u32::MAX,
+                active_resources_per_tenant_max: u32::MAX,
+                ..p
+            },
             commands: cmds.clone(),
         }
     );
@@ -719,7 +975,7 @@ struct Model {
 #[derive(Default, Clone)]
 struct ModelRes {
     lease: Option<(LeaseId, u64, i64, u64, String, String)>, // id, token, expires, ttl, holder, req
-    queue: Vec<(String, LeaseId, u64, i64, String)>,         // req, id, ttl, deadline, holder
+    queue: Vec<(String, LeaseId, u64, i64, String, bool)>, // req, id, ttl, deadline, holder, cancelled
 }
 
 #[derive(Clone, Copy, PartialEq, Debug)]
@@ -739,12 +995,23 @@ impl Model {
         let (gone, kept): (Vec<_>, Vec<_>) = state.queue.into_iter().partition(|w| w.3 <= now);
         state.queue = kept;
         for w in gone {
-            self.dedup.get_mut(&w.0).unwrap().2 = ModelDedup::TimedOut;
+            if w.5 {
+                self.dedup.remove(&w.0);
+            } else {
+                self.dedup.get_mut(&w.0).unwrap().2 = ModelDedup::TimedOut;
+            }
         }
-        if state.lease.is_none() && !state.queue.is_empty() {
+        while state.lease.is_none() && !state.queue.is_empty() {
             let w = state.queue.remove(0);
+            if w.5 {
+                self.dedup.remove(&w.0);
+                continue;
+            }
             let g = self.grant(&mut state, w.1, w.2, &w.4, &w.0);
-            self.dedup.get_mut(&w.0).unwrap().2 = ModelDedup::Granted(g);
+            let now = self.now;
+            let record = self.dedup.get_mut(&w.0).unwrap();
+            record.1 = now;
+            record.2 = ModelDedup::Granted(g);
         }
         self.res.insert(r.to_owned(), state);
     }
@@ -824,14 +1091,15 @@ impl Model {
                     return match st {
                         ModelDedup::Granted(g) => Outcome::Granted(self.current(r, g)),
                         ModelDedup::TimedOut => Outcome::WaitTimedOut,
-                        ModelDedup::Waiting => Outcome::Queued {
-                            position: self.res[r]
-                                .queue
-                                .iter()
-                                .position(|w| &w.0 == request_id)
-                                .unwrap() as u32
-                                + 1,
-                        },
+                        ModelDedup::Waiting => {
+                            let q = &mut self.res.get_mut(r).unwrap().queue;
+                            let i = q.iter().position(|w| &w.0 == request_id).unwrap();
+                            q[i].1 = *lease_id;
+                            q[i].5 = false;
+                            Outcome::Queued {
+                                position: q[..i].iter().filter(|w| !w.5).count() as u32 + 1,
+                            }
+                        }
                     };
                 }
                 let mut s = self.res.remove(r).unwrap_or_default();
@@ -851,11 +1119,12 @@ impl Model {
                         *lease_ttl_ms,
                         self.now + *wait_timeout_ms as i64,
                         holder.clone(),
+                        false,
                     ));
                     self.dedup
                         .insert(request_id.clone(), (args, self.now, ModelDedup::Waiting));
                     Outcome::Queued {
-                        position: s.queue.len() as u32,
+                        position: s.queue.iter().filter(|w| !w.5).count() as u32,
                     }
                 };
                 self.res.insert(r.to_owned(), s);
@@ -904,6 +1173,9 @@ impl Model {
                 self.settle(resource.as_str());
                 Outcome::Reaped
             }
+            Command::EndWaitAttempt { .. } => {
+                unreachable!("the reference model is driven with EndWait, which ends any attempt")
+            }
             Command::EndWait {
                 resource,
                 request_id,
@@ -913,14 +1185,15 @@ impl Model {
                 self.settle(r);
                 let s = self.res.get_mut(r).unwrap();
                 if let Some(i) = s.queue.iter().position(|w| &w.0 == request_id) {
-                    s.queue.remove(i);
                     return match reason {
                         EndWaitReason::TimedOut => {
+                            s.queue.remove(i);
                             self.dedup.get_mut(request_id).unwrap().2 = ModelDedup::TimedOut;
                             Outcome::WaitTimedOut
                         }
                         EndWaitReason::Cancelled => {
-                            self.dedup.remove(request_id);
+                            // Keeps its place for a retry; never granted meanwhile.
+                            s.queue[i].5 = true;
                             Outcome::WaitCancelled
                         }
                     };
@@ -1033,7 +1306,7 @@ proptest! {
                 let view = table.describe(&res(r));
                 let m = model.res.get(r).cloned().unwrap_or_default();
                 prop_assert_eq!(view.held, m.lease.is_some());
-                prop_assert_eq!(view.waiters as usize, m.queue.len());
+                prop_assert_eq!(view.waiters as usize, m.queue.iter().filter(|w| !w.5).count());
             }
             Ok(())
         };
@@ -1063,5 +1336,351 @@ proptest! {
         prop_assert_eq!(copy.stats(), table.stats());
         prop_assert!(copy.encode_snapshot() == bytes, "a decoded snapshot encodes differently");
         prop_assert!(copy.check_consistency().is_ok());
+    }
+}
+
+// ---- property test: stamped batches from several leaders, adversarial commands ----
+
+/// One step of the adversarial schedule.
+#[derive(Debug, Clone)]
+enum Adv {
+    Acquire {
+        r: usize,
+        req: usize,
+        ttl: u64,
+        wait: u64,
+        holder: usize,
+    },
+    Renew {
+        r: usize,
+        lease: usize,
+    },
+    Release {
+        r: usize,
+        lease: usize,
+    },
+    Reap {
+        r: usize,
+    },
+    /// `attempt`: an index into the lease ids drawn so far (or a junk id).
+    EndWait {
+        r: usize,
+        req: usize,
+        cancel: bool,
+        attempt: Option<usize>,
+    },
+    /// Real time passes.
+    Step {
+        ms: u64,
+    },
+    /// A new leader (new term, new process) whose wall clock is off by `offset_ms`.
+    Failover {
+        offset_ms: i64,
+        mono_base: u64,
+    },
+    /// The leader process restarts in the same term (openraft 0.9 does this).
+    Restart {
+        offset_ms: i64,
+    },
+    /// The next batch carries an old stamp (stamped before a leadership change, or reordered
+    /// in flight within one process).
+    Stale {
+        back: usize,
+    },
+    /// Flush the pending commands as one batch.
+    Flush,
+    /// Toggle the digest-collision hook for the following batches.
+    Collide,
+}
+
+fn adv() -> impl Strategy<Value = Adv> {
+    const HOUR: i64 = 3_600_000;
+    prop_oneof![
+        6 => (0..4usize, 0..10usize, prop_oneof![Just(1_000u64), Just(2_500), Just(60_000)],
+              prop_oneof![Just(0u64), Just(1_500), Just(4_000)], 0..2usize)
+            .prop_map(|(r, req, ttl, wait, holder)| Adv::Acquire { r, req, ttl, wait, holder }),
+        2 => (0..4usize, 0..16usize).prop_map(|(r, lease)| Adv::Renew { r, lease }),
+        2 => (0..4usize, 0..16usize).prop_map(|(r, lease)| Adv::Release { r, lease }),
+        1 => (0..4usize).prop_map(|r| Adv::Reap { r }),
+        2 => (0..4usize, 0..10usize, any::<bool>(), proptest::option::of(0..16usize))
+            .prop_map(|(r, req, cancel, attempt)| Adv::EndWait { r, req, cancel, attempt }),
+        4 => (0..2_000u64).prop_map(|ms| Adv::Step { ms }),
+        1 => (-2 * HOUR..2 * HOUR, 0..10_000_000u64)
+            .prop_map(|(offset_ms, mono_base)| Adv::Failover { offset_ms, mono_base }),
+        1 => (-2 * HOUR..2 * HOUR).prop_map(|offset_ms| Adv::Restart { offset_ms }),
+        1 => (0..8usize).prop_map(|back| Adv::Stale { back }),
+        3 => Just(Adv::Flush),
+        1 => Just(Adv::Collide),
+    ]
+}
+
+/// The leader process stamping batches.
+struct Leader {
+    term: u64,
+    session: u64,
+    offset_ms: i64,
+    /// Its monotonic clock read `mono_base` at real time `real_base`.
+    mono_base: u64,
+    real_base: i64,
+}
+
+/// A lease's holder deadline: the real time of the stamp of the batch that granted or last
+/// renewed it, plus its ttl. No lease may expire earlier in real time.
+#[derive(Clone, Copy, Debug)]
+struct Deadline {
+    token: u64,
+    ttl_ms: i64,
+    real_ms: i64,
+}
+
+/// Checks the invariant catalogue on one replica's applied batch.
+struct Checker {
+    last_token: u64,
+    /// Per resource: the current lease's token and holder deadline.
+    deadlines: BTreeMap<String, Deadline>,
+}
+
+impl Checker {
+    fn check(
+        &mut self,
+        table: &LockTable,
+        before: &LockTable,
+        batch: &Batch,
+        stamp_real: i64,
+        apply_real: i64,
+        events: &[Event],
+        single_command: bool,
+    ) -> Result<(), TestCaseError> {
+        prop_assert!(
+            table.check_consistency().is_ok(),
+            "{:?}",
+            table.check_consistency()
+        );
+        prop_assert!(
+            table.stats().now_ms >= before.stats().now_ms,
+            "INV-TIME-MONOTONIC"
+        );
+        for e in events {
+            let r = e.resource.as_str().to_owned();
+            match e.kind {
+                EventKind::Granted { grant, to_waiter } => {
+                    // INV-TOKEN-MONOTONIC and INV-SINGLE-HOLDER (a grant only to a free resource).
+                    prop_assert!(grant.fencing_token.0 > self.last_token);
+                    self.last_token = grant.fencing_token.0;
+                    prop_assert!(!self.deadlines.contains_key(&r), "{r} granted while held");
+                    self.deadlines.insert(
+                        r.clone(),
+                        Deadline {
+                            token: grant.fencing_token.0,
+                            ttl_ms: grant.lease_ttl_ms as i64,
+                            real_ms: stamp_real + grant.lease_ttl_ms as i64,
+                        },
+                    );
+                    if let (Some(_), true) = (to_waiter, single_command) {
+                        // FIFO: nobody still queued and not cancelled was ahead of it.
+                        let queue = &before.resources[&e.resource].waiters;
+                        let at = queue.iter().position(|w| w.request_id == e.request_id);
+                        prop_assert!(at.is_some(), "granted a waiter that was not queued");
+                        let after = table.resources.get(&e.resource);
+                        for w in queue.iter().take(at.unwrap_or(0)) {
+                            let still = after.is_some_and(|s| {
+                                s.waiters.iter().any(|x| x.request_id == w.request_id)
+                            });
+                            prop_assert!(
+                                !still || table.abandoned.contains(&w.key),
+                                "{:?} granted before {:?} on {r}",
+                                e.request_id,
+                                w.request_id
+                            );
+                        }
+                    }
+                }
+                EventKind::Renewed => {
+                    // Renewals here keep the lease's ttl.
+                    let d = self.deadlines.get_mut(&r);
+                    prop_assert!(d.is_some(), "renewed a lease the checker does not know");
+                    let d = d.unwrap();
+                    d.real_ms = d.real_ms.max(stamp_real + d.ttl_ms);
+                }
+                EventKind::Released => {
+                    self.deadlines.remove(&r);
+                }
+                EventKind::Expired => {
+                    let d = self.deadlines.remove(&r);
+                    prop_assert!(d.is_some_and(|d| d.token == e.fencing_token.0));
+                    let d = d.unwrap();
+                    prop_assert!(
+                        apply_real >= d.real_ms,
+                        "lease {} on {r} expired at real {apply_real}, before its holder's \
+                         deadline {}",
+                        d.token,
+                        d.real_ms
+                    );
+                }
+                _ => {}
+            }
+        }
+        let _ = batch;
+        Ok(())
+    }
+}
+
+/// Cases per run: a few seconds in the normal suite; `LOCKD_PROPTEST_CASES` for longer runs
+/// (with a random seed unless `LOCKD_PROPTEST_SEED` is set too).
+fn adversarial_config() -> ProptestConfig {
+    let cases = std::env::var("LOCKD_PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok());
+    let seed = std::env::var("LOCKD_PROPTEST_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok());
+    ProptestConfig {
+        cases: cases.unwrap_or(200),
+        rng_seed: match (seed, cases) {
+            (Some(seed), _) => proptest::test_runner::RngSeed::Fixed(seed),
+            (None, Some(_)) => proptest::test_runner::RngSeed::Random,
+            (None, None) => proptest::test_runner::RngSeed::Fixed(20_261_201),
+        },
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    }
+}
+
+proptest! {
+    #![proptest_config(adversarial_config())]
+
+    /// Goal: whatever the commands (including request_ids reused across resources, stale and
+    /// foreign attempts, digests forced to collide) and whatever the stamps (leaders hours
+    /// apart, restarts in the same term, stale and reordered stamps), apply never panics, the
+    /// invariant catalogue holds, and every replica computes the same outcomes and table.
+    /// Method: three replicas apply the same batches; replica 2 goes through a snapshot
+    /// round-trip at a random point; a checker follows replica 0's events against the real
+    /// time of each stamp.
+    #[test]
+    fn adversarial_schedules_keep_the_invariants_on_every_replica(
+        ops in proptest::collection::vec(adv(), 1..160),
+        snapshot_at in 0..160usize,
+    ) {
+        let names = ["a/x", "a/y", "b/x", "c"];
+        let mut replicas = [LockTable::new(), LockTable::new(), LockTable::new()];
+        let mut checker = Checker { last_token: 0, deadlines: BTreeMap::new() };
+        let mut real: i64 = 1_764_540_000_000;
+        let mut leader = Leader { term: 1, session: 1, offset_ms: 0, mono_base: 0, real_base: real };
+        let mut sessions = 1u64;
+        // Stamps used so far, with the real time they were read at.
+        let mut stamps: Vec<(Stamp, i64, i64)> = Vec::new();
+        let mut stale: Option<usize> = None;
+        let mut leases: Vec<LeaseId> = Vec::new();
+        let mut next_id = 1u128;
+        let mut pending: Vec<Command> = Vec::new();
+        let mut collide_on = false;
+
+        let stamp_now = |leader: &Leader, real: i64| -> (Stamp, i64) {
+            let mono = leader.mono_base + (real - leader.real_base) as u64;
+            (Stamp { term: leader.term, session: leader.session, mono_ms: mono, key_seed: 0x5eed }, real + leader.offset_ms)
+        };
+
+        for (i, op) in ops.into_iter().enumerate() {
+            let flush = matches!(op, Adv::Flush | Adv::Step { .. } | Adv::Failover { .. } | Adv::Restart { .. } | Adv::Collide) || pending.len() >= 3;
+            match op {
+                Adv::Acquire { r, req, ttl, wait, holder } => {
+                    next_id += 1;
+                    leases.push(LeaseId(next_id));
+                    pending.push(Command::Acquire {
+                        resource: res(names[r]),
+                        request_id: format!("req{req}"),
+                        lease_ttl_ms: ttl,
+                        wait_timeout_ms: wait,
+                        holder: format!("h{holder}"),
+                        lease_id: LeaseId(next_id),
+                    });
+                }
+                Adv::Renew { r, lease } => pending.push(Command::Renew {
+                    resource: res(names[r]),
+                    lease_id: leases.get(lease).copied().unwrap_or(LeaseId(1)),
+                    lease_ttl_ms: 0,
+                }),
+                Adv::Release { r, lease } => pending.push(Command::Release {
+                    resource: res(names[r]),
+                    lease_id: leases.get(lease).copied().unwrap_or(LeaseId(1)),
+                }),
+                Adv::Reap { r } => pending.push(Command::Reap { resource: res(names[r]) }),
+                Adv::EndWait { r, req, cancel, attempt } => {
+                    let reason = if cancel { EndWaitReason::Cancelled } else { EndWaitReason::TimedOut };
+                    let (resource, request_id) = (res(names[r]), format!("req{req}"));
+                    pending.push(match attempt {
+                        None => Command::EndWait { resource, request_id, reason },
+                        Some(a) => Command::EndWaitAttempt {
+                            resource,
+                            request_id,
+                            reason,
+                            attempt: leases.get(a).copied().unwrap_or(LeaseId(3)),
+                        },
+                    });
+                }
+                Adv::Stale { back } => stale = Some(back),
+                Adv::Step { .. } | Adv::Failover { .. } | Adv::Restart { .. } | Adv::Collide | Adv::Flush => {}
+            }
+            if flush && !pending.is_empty() {
+                // A stale stamp is one the log can really hold: of this leader process (batches
+                // reordered in flight) or of an older term (stamped before a leadership change).
+                // A dead process's entries all precede its successor's in the log.
+                let possible: Vec<_> = stamps
+                    .iter()
+                    .filter(|(s, _, _)| s.session == leader.session || s.term < leader.term)
+                    .copied()
+                    .collect();
+                let (stamp, wall, stamp_real) = match stale.take().filter(|_| !possible.is_empty()) {
+                    Some(back) => possible[possible.len() - 1 - back.min(possible.len() - 1)],
+                    None => {
+                        let (s, w) = stamp_now(&leader, real);
+                        (s, w, real)
+                    }
+                };
+                stamps.push((stamp, wall, stamp_real));
+                let batch = Batch { now_ms: wall, stamp: Some(stamp), policy: policy(), commands: std::mem::take(&mut pending) };
+                let single = batch.commands.len() == 1;
+                let before = replicas[0].clone();
+                let mut outcomes = Vec::new();
+                let mut events0 = Vec::new();
+                for (n, table) in replicas.iter_mut().enumerate() {
+                    let mut events = Vec::new();
+                    let out = if collide_on {
+                        with_collisions(|| table.apply(leader.term, &batch, &mut events))
+                    } else {
+                        table.apply(leader.term, &batch, &mut events)
+                    };
+                    outcomes.push(out);
+                    if n == 0 {
+                        events0 = events;
+                    }
+                }
+                prop_assert_eq!(&outcomes[0], &outcomes[1]);
+                prop_assert_eq!(&outcomes[0], &outcomes[2]);
+                // Expiry in a stale batch happens now, in real time.
+                checker.check(&replicas[0], &before, &batch, stamp_real, real, &events0, single)?;
+            }
+            match op {
+                Adv::Step { ms } => real += ms as i64,
+                Adv::Failover { offset_ms, mono_base } => {
+                    sessions += 1;
+                    leader = Leader { term: leader.term + 1, session: sessions, offset_ms, mono_base, real_base: real };
+                }
+                Adv::Restart { offset_ms } => {
+                    sessions += 1;
+                    leader = Leader { term: leader.term, session: sessions, offset_ms, mono_base: 0, real_base: real };
+                }
+                Adv::Collide => collide_on = !collide_on,
+                _ => {}
+            }
+            if i == snapshot_at {
+                let bytes = replicas[2].encode_snapshot();
+                replicas[2] = LockTable::decode_snapshot(&bytes).unwrap();
+                prop_assert!(replicas[2].check_consistency().is_ok());
+            }
+        }
+        let bytes = replicas[0].encode_snapshot();
+        prop_assert!(replicas[1].encode_snapshot() == bytes, "replica 1 differs");
+        prop_assert!(replicas[2].encode_snapshot() == bytes, "replica 2 (snapshot round-trip) differs");
     }
 }

@@ -154,14 +154,15 @@ impl LockService {
 
         // Registered before proposing, so a grant that applies at once is not missed.
         let registration = (wait > 0).then(|| self.ctx.waits.register(&req.request_id));
+        let lease_id = LeaseId(rand::rng().random::<u128>());
         let mut guard = WaitGuard {
             ctx: self.ctx.clone(),
             resource: resource.clone(),
             request_id: req.request_id.clone(),
+            attempt: lease_id,
             registration: registration.as_ref().map(|(id, _)| *id),
             armed: false,
         };
-        let lease_id = LeaseId(rand::rng().random::<u128>());
         let outcome = self
             .propose(Command::Acquire {
                 resource: resource.clone(),
@@ -177,7 +178,13 @@ impl LockService {
             Outcome::Held { holder } => Err(errors::held(resource.as_str(), &holder)),
             Outcome::WaitTimedOut => Err(errors::wait_timed_out(resource.as_str(), wait)),
             Outcome::InvalidArgument(msg) => Err(errors::invalid(msg)),
-            Outcome::Exhausted(msg) => Err(errors::exhausted(msg)),
+            Outcome::Exhausted(limit, msg) => {
+                self.ctx.metrics.with(|| {
+                    metrics::counter!("lockd_acquire_refusals_total", "limit" => limit.name())
+                        .increment(1)
+                });
+                Err(errors::exhausted(msg))
+            }
             Outcome::Queued { .. } => {
                 let (_, rx) = registration.expect("queued only when waiting");
                 guard.armed = true;
@@ -217,10 +224,11 @@ impl LockService {
                 }
                 _ = &mut backstop => {
                     guard.armed = false;
-                    let outcome = self.propose(Command::EndWait {
+                    let outcome = self.propose(Command::EndWaitAttempt {
                         resource: guard.resource.clone(),
                         request_id: guard.request_id.clone(),
                         reason: EndWaitReason::TimedOut,
+                        attempt: guard.attempt,
                     }).await?;
                     return match outcome {
                         Outcome::Granted(g) => Ok(grant_reply(g)),
@@ -292,6 +300,9 @@ struct WaitGuard {
     ctx: Arc<NodeCtx>,
     resource: ResourceName,
     request_id: String,
+    /// The lease id drawn for this call: its EndWait applies only while this call's attempt is
+    /// the current one (a retry with the same request_id replaces it).
+    attempt: LeaseId,
     registration: Option<u64>,
     armed: bool,
 }
@@ -303,10 +314,11 @@ impl Drop for WaitGuard {
         }
         if self.armed {
             let ctx = self.ctx.clone();
-            let cmd = Command::EndWait {
+            let cmd = Command::EndWaitAttempt {
                 resource: self.resource.clone(),
                 request_id: self.request_id.clone(),
                 reason: EndWaitReason::Cancelled,
+                attempt: self.attempt,
             };
             tokio::spawn(async move {
                 if let Err(e) = ctx.proposer.propose(cmd).await {
