@@ -292,3 +292,100 @@ async fn waiters_survive_leader_change_in_order_without_duplicates() {
     }
     assert!(release(&mut c, "fail/r", &last).await);
 }
+
+/// Goal (issue 14, finding 4): a waiting Acquire whose call was dropped and is retried with the
+/// same request_id takes back its place, whether the retry or the dropped call's cancel commits
+/// first. On main the cancel removed the waiter and the retry queued at the back (or, in the
+/// other order, the late cancel removed the retry's registration). Method: holder, waiters w1
+/// and w2; drop w1's call; retry w1; release: the retry of w1 gets the lock, not w2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue14_finding4_a_retried_waiter_keeps_its_place() {
+    let cluster = Cluster::start_default().await.unwrap();
+    let mut c = cluster.lock_client(1).await.unwrap();
+    let held = c
+        .acquire(req("retry/r", "holder", 0))
+        .await
+        .unwrap()
+        .into_inner();
+    let w1 = enqueue(&cluster, 1, "retry/r", "w1", 60_000, 1).await;
+    let w2 = enqueue(&cluster, 2, "retry/r", "w2", 60_000, 2).await;
+    w1.abort();
+    // The cancel lands: w1 is passed over (not counted) but keeps its place.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while describe(&mut c, "retry/r").await.waiters != 1 {
+        assert!(Instant::now() < deadline, "cancelled waiter still counted");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let retry = enqueue(&cluster, 3, "retry/r", "w1", 60_000, 2).await;
+    assert!(release(&mut c, "retry/r", &held).await);
+    let g1 = tokio::time::timeout(Duration::from_secs(5), retry)
+        .await
+        .expect("the retry of w1 was woken")
+        .unwrap()
+        .unwrap();
+    assert_eq!(describe(&mut c, "retry/r").await.holder, "w1");
+    assert!(!w2.is_finished(), "w2 was served before w1");
+    assert!(release(&mut c, "retry/r", &g1).await);
+    let g2 = tokio::time::timeout(Duration::from_secs(5), w2)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert!(g2.fencing_token > g1.fencing_token);
+}
+
+/// Goal (issue 14, finding 5): per-tenant quotas refuse one tenant's flood with
+/// RESOURCE_EXHAUSTED naming the limit, count the refusal per limit, and leave other tenants
+/// served. Method: a cluster with 20 records and 5 active resources per tenant.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue14_finding5_tenant_quotas_leave_other_tenants_served() {
+    let options = ClusterOptions {
+        extra_args: vec![
+            "--dedup-records-per-tenant-max".into(),
+            "20".into(),
+            "--active-resources-per-tenant-max".into(),
+            "5".into(),
+        ],
+        ..ClusterOptions::default()
+    };
+    let mut cluster = Cluster::start(options).await.unwrap();
+    let leader = cluster.leader().await.unwrap();
+    let mut c = cluster.lock_client(leader).await.unwrap();
+    for i in 0..5 {
+        c.acquire(req(&format!("held/{i}"), &format!("held-{i}"), 0))
+            .await
+            .unwrap();
+    }
+    let err = c.acquire(req("held/5", "held-5", 0)).await.unwrap_err();
+    assert_eq!(err.code(), Code::ResourceExhausted, "{err:?}");
+    assert!(
+        err.message().contains("active_resources_per_tenant_max"),
+        "{}",
+        err.message()
+    );
+    let mut refused = None;
+    for i in 0..40 {
+        match c.acquire(req("flood/r", &format!("flood-{i}"), 0)).await {
+            Ok(lease) => assert!(release(&mut c, "flood/r", &lease.into_inner()).await),
+            Err(e) => {
+                refused = Some((i, e));
+                break;
+            }
+        }
+    }
+    let (i, err) = refused.expect("the flood was refused");
+    assert_eq!(i, 20);
+    assert_eq!(err.code(), Code::ResourceExhausted, "{err:?}");
+    assert!(
+        err.message().contains("dedup_records_per_tenant_max"),
+        "{}",
+        err.message()
+    );
+    // Another tenant is served.
+    c.acquire(req("other/r", "other-1", 0)).await.unwrap();
+    let metrics = cluster.metrics_text(leader).await.unwrap();
+    assert!(
+        metrics.contains("lockd_acquire_refusals_total{limit=\"dedup_records_per_tenant_max\"} 1"),
+        "{metrics}"
+    );
+}

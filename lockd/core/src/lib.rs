@@ -23,7 +23,9 @@
 //! | `INV-TOKEN-MONOTONIC` | every grant's fencing token is larger than every token issued before |
 //! | `INV-CURRENT-LEASE-ONLY` | only the current lease id renews or releases; others never touch the holder |
 //! | `INV-DEDUP` | an Acquire retried with the same request_id returns the original outcome |
-//! | `INV-QUEUE-ONCE` | a request_id is queued at most once, and only while its resource is held |
+//! | `INV-QUEUE-ONCE` | a request_id is queued at most once, and only while its resource is held; a retry takes back its place |
+//! | `INV-NO-CLIENT-PANIC` | nothing a client sends reaches an assert: digests are keyed with a replicated secret, and a record that does not fit is an error answer |
+//! | `INV-TENANT-QUOTA` | one tenant's dedup records and active resources stay within its quotas (policy of the batch) |
 //! | `INV-TIME-MONOTONIC` | the table's clock never goes backwards, whatever the stamps |
 //! | `INV-CLOCK-MONOTONIC-DELTA` | the table's clock advances only by one leader process's monotonic deltas and pauses over a change of leader process, so it never runs ahead of real time and no wall-clock offset moves it |
 //! | `INV-CONSERVATIVE-FAILOVER` | (legacy unstamped entries only) a new term never expires a lease earlier than its first stamp plus the lease's ttl |
