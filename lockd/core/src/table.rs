@@ -791,13 +791,12 @@ impl LockTable {
     /// Re-inserts a resource's state, or drops it when idle: idle records cost nothing, and
     /// tokens come from the global counter, so deleting them never lets a token repeat.
     fn put_back(&mut self, resource: &ResourceName, state: ResourceState) {
-        if state.lease.is_some() || !state.waiters.is_empty() {
-            if self.resources.insert(resource.clone(), state).is_none() {
-                *self
-                    .tenant_resources
-                    .entry(resource.tenant().to_owned())
-                    .or_insert(0) += 1;
-            }
+        let active = state.lease.is_some() || !state.waiters.is_empty();
+        if active && self.resources.insert(resource.clone(), state).is_none() {
+            *self
+                .tenant_resources
+                .entry(resource.tenant().to_owned())
+                .or_insert(0) += 1;
         }
     }
 

@@ -1445,7 +1445,6 @@ impl Checker {
         &mut self,
         table: &LockTable,
         before: &LockTable,
-        batch: &Batch,
         stamp_real: i64,
         apply_real: i64,
         events: &[Event],
@@ -1520,7 +1519,6 @@ impl Checker {
                 _ => {}
             }
         }
-        let _ = batch;
         Ok(())
     }
 }
@@ -1658,7 +1656,7 @@ proptest! {
                 prop_assert_eq!(&outcomes[0], &outcomes[1]);
                 prop_assert_eq!(&outcomes[0], &outcomes[2]);
                 // Expiry in a stale batch happens now, in real time.
-                checker.check(&replicas[0], &before, &batch, stamp_real, real, &events0, single)?;
+                checker.check(&replicas[0], &before, stamp_real, real, &events0, single)?;
             }
             match op {
                 Adv::Step { ms } => real += ms as i64,
