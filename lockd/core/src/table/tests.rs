@@ -1382,6 +1382,9 @@ enum Adv {
     Restart {
         offset_ms: i64,
     },
+    /// The same leader process wins a later term (its batches stamped in the older term may
+    /// still be appended in the new one).
+    Reelect,
     /// The next batch carries an old stamp (stamped before a leadership change, or reordered
     /// in flight within one process).
     Stale {
@@ -1408,6 +1411,7 @@ fn adv() -> impl Strategy<Value = Adv> {
         1 => (-2 * HOUR..2 * HOUR, 0..10_000_000u64)
             .prop_map(|(offset_ms, mono_base)| Adv::Failover { offset_ms, mono_base }),
         1 => (-2 * HOUR..2 * HOUR).prop_map(|offset_ms| Adv::Restart { offset_ms }),
+        1 => Just(Adv::Reelect),
         1 => (0..8usize).prop_map(|back| Adv::Stale { back }),
         3 => Just(Adv::Flush),
         1 => Just(Adv::Collide),
@@ -1579,7 +1583,7 @@ proptest! {
         };
 
         for (i, op) in ops.into_iter().enumerate() {
-            let flush = matches!(op, Adv::Flush | Adv::Step { .. } | Adv::Failover { .. } | Adv::Restart { .. } | Adv::Collide) || pending.len() >= 3;
+            let flush = matches!(op, Adv::Flush | Adv::Step { .. } | Adv::Failover { .. } | Adv::Restart { .. } | Adv::Reelect | Adv::Collide) || pending.len() >= 3;
             match op {
                 Adv::Acquire { r, req, ttl, wait, holder } => {
                     next_id += 1;
@@ -1617,15 +1621,16 @@ proptest! {
                     });
                 }
                 Adv::Stale { back } => stale = Some(back),
-                Adv::Step { .. } | Adv::Failover { .. } | Adv::Restart { .. } | Adv::Collide | Adv::Flush => {}
+                Adv::Step { .. } | Adv::Failover { .. } | Adv::Restart { .. } | Adv::Reelect | Adv::Collide | Adv::Flush => {}
             }
             if flush && !pending.is_empty() {
-                // A stale stamp is one the log can really hold: of this leader process (batches
-                // reordered in flight) or of an older term (stamped before a leadership change).
-                // A dead process's entries all precede its successor's in the log.
+                // A stale stamp is one the log can really hold: an entry is appended by the
+                // process that stamped it, so only this leader process's own older stamps
+                // (reordered in flight, or stamped in a term it led before). Other processes'
+                // entries, committed or not, all precede this leader's in the log.
                 let possible: Vec<_> = stamps
                     .iter()
-                    .filter(|(s, _, _)| s.session == leader.session || s.term < leader.term)
+                    .filter(|(s, _, _)| s.session == leader.session)
                     .copied()
                     .collect();
                 let (stamp, wall, stamp_real) = match stale.take().filter(|_| !possible.is_empty()) {
@@ -1668,6 +1673,7 @@ proptest! {
                     sessions += 1;
                     leader = Leader { term: leader.term, session: sessions, offset_ms, mono_base: 0, real_base: real };
                 }
+                Adv::Reelect => leader.term += 1,
                 Adv::Collide => collide_on = !collide_on,
                 _ => {}
             }
