@@ -43,12 +43,20 @@ fuzz_target!(|data: &[u8]| {
         let prefix = &sql[..last.start];
         assert_eq!(reclassify(prefix, "prefix", sql), kinds(earlier), "{sql:?}");
         let tail = &sql[last.start..];
-        assert_eq!(reclassify(tail, "tail", sql), vec![last.kind.clone()], "{sql:?}");
+        assert_eq!(
+            reclassify(tail, "tail", sql),
+            vec![last.kind.clone()],
+            "{sql:?}"
+        );
     }
     for (i, s) in stmts.iter().enumerate() {
         let end = stmts.get(i + 1).map_or(sql.len(), |n| n.start);
         let own = &sql[s.start..end];
-        assert_eq!(reclassify(own, "statement", sql), vec![s.kind.clone()], "{sql:?}");
+        assert_eq!(
+            reclassify(own, "statement", sql),
+            vec![s.kind.clone()],
+            "{sql:?}"
+        );
         if let StatementKind::Begin(rebuilt) = &s.kind {
             assert_eq!(
                 reclassify(rebuilt, "rebuilt BEGIN", sql),

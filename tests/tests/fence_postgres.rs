@@ -942,7 +942,6 @@ async fn zombie_holder_is_fenced_with_lockd_tokens() {
 
 use lockd_tests::pg::{Attack, RawConn, wire};
 
-
 /// Goal (issue 13, bypass 1): a failed transaction must not let a statement after ROLLBACK or
 /// ROLLBACK TO SAVEPOINT in the same query run without the fence.
 /// Method: BEGIN; SELECT 1/0; then `ROLLBACK; INSERT` in one query; and `ROLLBACK TO SAVEPOINT s;

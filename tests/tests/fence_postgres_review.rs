@@ -11,7 +11,6 @@ use std::time::Duration;
 use bytes::{BufMut, BytesMut};
 use lockd_tests::pg::{self, Attack, wire};
 
-
 /// A simple Query message with arbitrary (not necessarily UTF-8) text bytes.
 fn raw_query(text: &[u8]) -> BytesMut {
     let mut out = BytesMut::new();
