@@ -439,6 +439,95 @@ fn field(body: &[u8], wanted: u8) -> String {
 }
 
 /// Encoders for extended-protocol messages with no parameters, for [`RawConn::send`].
+/// One attack's world for the raw-wire tests of the Postgres front end: a proxy, a table of
+/// rows that carry the writer's token, and a resource whose holder recorded token 42 and wrote
+/// one row. The oracle is the table: an attacker row is one whose token is not 42.
+pub struct Attack {
+    pub proxy: PgProxy,
+    pub direct: tokio_postgres::Client,
+    pub resource: String,
+    pub tbl: String,
+}
+
+impl Attack {
+    /// `prefix` names the resource and the table (unique per call).
+    pub async fn new(require_fence: bool, prefix: &str) -> Attack {
+        require_postgres();
+        let proxy = PgProxy::start(require_fence);
+        let direct = connect(&direct_url().parse().unwrap()).await;
+        let resource = unique_name(prefix);
+        let tbl = unique_name(prefix);
+        direct
+            .batch_execute(&format!(
+                "CREATE TABLE {tbl} (id bigserial PRIMARY KEY, token bigint NOT NULL)"
+            ))
+            .await
+            .unwrap();
+        let holder = connect(&proxy.config(Some(&format!("{resource}:42")))).await;
+        holder
+            .execute(&format!("INSERT INTO {tbl} (token) VALUES (42)"), &[])
+            .await
+            .expect("the holder of 42 writes");
+        Attack {
+            proxy,
+            direct,
+            resource,
+            tbl,
+        }
+    }
+
+    /// A raw session fenced with `<resource>:<token>` at startup, or unfenced with `None`.
+    pub async fn attacker(&self, token: Option<u64>) -> RawConn {
+        let options = token.map(|t| format!("-c lockd.fence={}:{t}", self.resource));
+        RawConn::connect(self.proxy.addr, PG_USER, options.as_deref()).await
+    }
+
+    /// A raw session with startup `options` `-c lockd.fence=<fence>` verbatim, or none.
+    pub async fn session(&self, fence: Option<&str>) -> RawConn {
+        let options = fence.map(|f| format!("-c lockd.fence={f}"));
+        RawConn::connect(self.proxy.addr, PG_USER, options.as_deref()).await
+    }
+
+    /// A raw session with these startup `options` verbatim.
+    pub async fn session_with(&self, options: &str) -> RawConn {
+        RawConn::connect(self.proxy.addr, PG_USER, Some(options)).await
+    }
+
+    /// An INSERT carrying `token`.
+    pub fn insert(&self, token: i64) -> String {
+        format!("INSERT INTO {} (token) VALUES ({token})", self.tbl)
+    }
+
+    /// Rows committed with a token other than 42 (the attacker's).
+    pub async fn attacker_rows(&self) -> i64 {
+        self.direct
+            .query_one(
+                &format!("SELECT count(*) FROM {} WHERE token <> 42", self.tbl),
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0)
+    }
+
+    pub async fn assert_nothing_committed(&self, what: &str) {
+        assert_eq!(
+            self.attacker_rows().await,
+            0,
+            "{what}: a row of the attacker committed"
+        );
+    }
+
+    /// Records `what` in `broken` when an attacker row committed, so that every variant of a
+    /// test runs before the test fails.
+    pub async fn check(&self, what: &str, broken: &mut Vec<String>) {
+        let n = self.attacker_rows().await;
+        if n != 0 {
+            broken.push(format!("{what}: {n} row(s) of the attacker committed"));
+        }
+    }
+}
+
 pub mod wire {
     use bytes::BytesMut;
     use postgres_protocol::message::frontend;

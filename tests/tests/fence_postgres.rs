@@ -940,73 +940,7 @@ async fn zombie_holder_is_fenced_with_lockd_tokens() {
 // table itself: no row written by the attacker committed.
 // ---------------------------------------------------------------------------------------------
 
-use lockd_tests::pg::{RawConn, wire};
-
-/// One attack's world: proxy, table, resource with 42 recorded.
-struct Attack {
-    proxy: PgProxy,
-    direct: tokio_postgres::Client,
-    resource: String,
-    tbl: String,
-}
-
-impl Attack {
-    async fn new(require_fence: bool) -> Attack {
-        pg::require_postgres();
-        let proxy = PgProxy::start(require_fence);
-        let direct = pg::connect(&pg::direct_url().parse().unwrap()).await;
-        let resource = pg::unique_name("attack");
-        let tbl = pg::unique_name("attack");
-        direct
-            .batch_execute(&format!(
-                "CREATE TABLE {tbl} (id bigserial PRIMARY KEY, token bigint NOT NULL)"
-            ))
-            .await
-            .unwrap();
-        let holder = pg::connect(&proxy.config(Some(&format!("{resource}:42")))).await;
-        holder
-            .execute(&format!("INSERT INTO {tbl} (token) VALUES (42)"), &[])
-            .await
-            .expect("the holder of 42 writes");
-        Attack {
-            proxy,
-            direct,
-            resource,
-            tbl,
-        }
-    }
-
-    /// A raw session fenced with `resource:41` at startup (or unfenced with `None`).
-    async fn attacker(&self, token: Option<u64>) -> RawConn {
-        let options = token.map(|t| format!("-c lockd.fence={}:{t}", self.resource));
-        RawConn::connect(self.proxy.addr, pg::PG_USER, options.as_deref()).await
-    }
-
-    /// An INSERT carrying `token`.
-    fn insert(&self, token: i64) -> String {
-        format!("INSERT INTO {} (token) VALUES ({token})", self.tbl)
-    }
-
-    /// Rows committed with a token other than 42 (the attacker's).
-    async fn attacker_rows(&self) -> i64 {
-        self.direct
-            .query_one(
-                &format!("SELECT count(*) FROM {} WHERE token <> 42", self.tbl),
-                &[],
-            )
-            .await
-            .unwrap()
-            .get(0)
-    }
-
-    async fn assert_nothing_committed(&self, what: &str) {
-        assert_eq!(
-            self.attacker_rows().await,
-            0,
-            "{what}: a row of the attacker committed"
-        );
-    }
-}
+use lockd_tests::pg::{Attack, RawConn, wire};
 
 /// Goal (issue 13, bypass 1): a failed transaction must not let a statement after ROLLBACK or
 /// ROLLBACK TO SAVEPOINT in the same query run without the fence.
@@ -1015,7 +949,7 @@ impl Attack {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn issue13_bypass1_failed_transaction_skips_the_guard() {
     for require_fence in [false, true] {
-        let a = Attack::new(require_fence).await;
+        let a = Attack::new(require_fence, "attack").await;
         let token = (!require_fence).then_some(41);
         let mut c = a.attacker(token).await;
         c.query("BEGIN").await;
@@ -1044,7 +978,7 @@ async fn issue13_bypass1_failed_transaction_skips_the_guard() {
 /// (b) Parse s2 = INSERT, Sync; Parse s2 = SHOW (the upstream answers 42P05); Bind/Execute s2.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn issue13_bypass2_statement_kinds_go_stale() {
-    let a = Attack::new(false).await;
+    let a = Attack::new(false, "attack").await;
     let mut c = a.attacker(Some(41)).await;
     let mut out = bytes::BytesMut::new();
     wire::parse("s1", "SHOW work_mem", &mut out);
@@ -1087,7 +1021,7 @@ async fn issue13_bypass2_statement_kinds_go_stale() {
 /// inside a block, must not unfence the write.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn issue13_bypass3_reset_all_and_discard_all() {
-    let a = Attack::new(false).await;
+    let a = Attack::new(false, "attack").await;
     let mut c = a.attacker(Some(41)).await;
     let r = c.query(&format!("{}; RESET ALL", a.insert(41))).await;
     eprintln!("INSERT; RESET ALL -> {:?}", r.errors);
@@ -1163,7 +1097,7 @@ async fn issue13_bypass4_commit_inside_do_block() {
         .get(0);
     assert_eq!(late, 0, "a row of 41 committed after 42's");
 
-    let a = Attack::new(true).await;
+    let a = Attack::new(true, "attack").await;
     let mut c = a.attacker(None).await;
     let mut out = bytes::BytesMut::new();
     wire::run(
@@ -1186,7 +1120,7 @@ async fn issue13_bypass4_commit_inside_do_block() {
 /// `COMMIT; INSERT`; and `standard_conforming_strings = off` with `'\''` doing the same.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn issue13_bypass5_splitter_disagrees_with_postgres() {
-    let a = Attack::new(true).await;
+    let a = Attack::new(true, "attack").await;
     let mut c = a.attacker(None).await;
     let r = c
         .query(&format!(
@@ -1220,7 +1154,7 @@ async fn issue13_bypass5_splitter_disagrees_with_postgres() {
 /// of one block. A role whose ALTER ROLE ... SET gives the fence writes in autocommit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn issue13_bypass6_spellings_of_the_setting() {
-    let a = Attack::new(false).await;
+    let a = Attack::new(false, "attack").await;
     let r = &a.resource;
     for set in [
         format!("SET \"lockd\".\"fence\" = '{r}:41'"),
@@ -1268,7 +1202,7 @@ async fn issue13_bypass6_spellings_of_the_setting() {
 /// search_path without public.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn issue13_bypass7_fence_table_shadowed() {
-    let a = Attack::new(false).await;
+    let a = Attack::new(false, "attack").await;
     let mut c = a.attacker(Some(41)).await;
     let r = c
         .query(
@@ -1304,7 +1238,7 @@ async fn issue13_bypass7_fence_table_shadowed() {
 /// after use), as pgjdbc's autosave needs: a savepoint rolled back, then more writes, then COMMIT.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn issue13_robustness_second_guard_in_one_block() {
-    let a = Attack::new(false).await;
+    let a = Attack::new(false, "attack").await;
     let mut client = pg::connect(&a.proxy.config(Some(&format!("{}:42", a.resource)))).await;
     let mut tx = client.transaction().await.unwrap();
     tx.execute(&a.insert(42), &[]).await.unwrap();
@@ -1332,7 +1266,7 @@ async fn issue13_robustness_second_guard_in_one_block() {
 /// can neither lower nor delete fence rows, directly or through the proxy.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn issue13_robustness_app_role_grants() {
-    let a = Attack::new(false).await;
+    let a = Attack::new(false, "attack").await;
     let role = pg::unique_name("app_role");
     a.direct
         .batch_execute(&format!(
@@ -1407,7 +1341,7 @@ async fn issue13_robustness_unbounded_statement_names() {
 /// COMMIT as Parse/Bind/Execute/Sync.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn issue13_fence_lowered_inside_the_transaction_fails_the_commit() {
-    let a = Attack::new(false).await;
+    let a = Attack::new(false, "attack").await;
     let mut c = a.attacker(Some(42)).await;
     assert!(c.query("BEGIN").await.errors.is_empty());
     let w = c.query(&a.insert(41)).await;

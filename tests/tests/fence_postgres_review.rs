@@ -9,88 +9,7 @@
 use std::time::Duration;
 
 use bytes::{BufMut, BytesMut};
-use lockd_tests::pg::{self, PgProxy, RawConn, wire};
-
-/// One attack's world: proxy, table, resource with 42 recorded.
-struct Attack {
-    proxy: PgProxy,
-    direct: tokio_postgres::Client,
-    resource: String,
-    tbl: String,
-}
-
-impl Attack {
-    async fn new(require_fence: bool) -> Attack {
-        pg::require_postgres();
-        let proxy = PgProxy::start(require_fence);
-        let direct = pg::connect(&pg::direct_url().parse().unwrap()).await;
-        let resource = pg::unique_name("review");
-        let tbl = pg::unique_name("review");
-        direct
-            .batch_execute(&format!(
-                "CREATE TABLE {tbl} (id bigserial PRIMARY KEY, token bigint NOT NULL)"
-            ))
-            .await
-            .unwrap();
-        let holder = pg::connect(&proxy.config(Some(&format!("{resource}:42")))).await;
-        holder
-            .execute(&format!("INSERT INTO {tbl} (token) VALUES (42)"), &[])
-            .await
-            .expect("the holder of 42 writes");
-        Attack {
-            proxy,
-            direct,
-            resource,
-            tbl,
-        }
-    }
-
-    /// A raw session with startup `options` (`-c lockd.fence=...`), or none.
-    async fn session(&self, fence: Option<&str>) -> RawConn {
-        let options = fence.map(|f| format!("-c lockd.fence={f}"));
-        RawConn::connect(self.proxy.addr, pg::PG_USER, options.as_deref()).await
-    }
-
-    /// A raw session with these startup `options` verbatim.
-    async fn session_with(&self, options: &str) -> RawConn {
-        RawConn::connect(self.proxy.addr, pg::PG_USER, Some(options)).await
-    }
-
-    /// An INSERT carrying `token`.
-    fn insert(&self, token: i64) -> String {
-        format!("INSERT INTO {} (token) VALUES ({token})", self.tbl)
-    }
-
-    /// Rows committed with a token other than 42 (the attacker's).
-    async fn attacker_rows(&self) -> i64 {
-        self.direct
-            .query_one(
-                &format!("SELECT count(*) FROM {} WHERE token <> 42", self.tbl),
-                &[],
-            )
-            .await
-            .unwrap()
-            .get(0)
-    }
-
-    /// Records `what` in `broken` when an attacker row committed (so every variant of a test
-    /// runs before the test fails).
-    async fn check(&self, what: &str, broken: &mut Vec<String>) {
-        let n = self.attacker_rows().await;
-        if n != 0 {
-            broken.push(format!("{what}: {n} row(s) of the attacker committed"));
-        }
-    }
-
-    #[allow(dead_code)]
-    async fn assert_nothing_committed(&self, what: &str) {
-        assert_eq!(
-            self.attacker_rows().await,
-            0,
-            "{what}: a row of the attacker committed"
-        );
-    }
-}
+use lockd_tests::pg::{self, Attack, wire};
 
 /// A simple Query message with arbitrary (not necessarily UTF-8) text bytes.
 fn raw_query(text: &[u8]) -> BytesMut {
@@ -117,7 +36,7 @@ fn raw_query(text: &[u8]) -> BytesMut {
 async fn review13_sjis_client_encoding_hides_commit_inside_a_string() {
     let mut broken = Vec::new();
     for require_fence in [false, true] {
-        let a = Attack::new(require_fence).await;
+        let a = Attack::new(require_fence, "review").await;
         let options = if require_fence {
             "-c client_encoding=SJIS".to_owned()
         } else {
@@ -156,7 +75,7 @@ async fn review13_sql_deallocate_leaves_a_commit_kind_for_an_insert() {
     let mut broken = Vec::new();
     for require_fence in [true, false] {
         for control in ["COMMIT", "ROLLBACK", "BEGIN", "ROLLBACK TO SAVEPOINT x"] {
-            let a = Attack::new(require_fence).await;
+            let a = Attack::new(require_fence, "review").await;
             let mut c = a.session(None).await;
             let mut out = BytesMut::new();
             wire::parse("s1", control, &mut out);
@@ -214,7 +133,7 @@ async fn review13_sql_deallocate_leaves_a_commit_kind_for_an_insert() {
 async fn review13_pipelined_bind_execute_of_prepared_commit_skips_the_guard() {
     let mut broken = Vec::new();
     for require_fence in [false, true] {
-        let a = Attack::new(require_fence).await;
+        let a = Attack::new(require_fence, "review").await;
         let own = format!("{}_own:1", a.resource);
         let mut c = a.session(Some(&own)).await;
         let mut out = BytesMut::new();
@@ -271,7 +190,7 @@ async fn review13_pipelined_bind_execute_of_prepared_commit_skips_the_guard() {
 async fn review13_sync_during_copy_in_desynchronises_the_response_stream() {
     let mut broken = Vec::new();
     for require_fence in [false, true] {
-        let a = Attack::new(require_fence).await;
+        let a = Attack::new(require_fence, "review").await;
         let scratch = format!("{}_scratch", a.tbl);
         a.direct
             .batch_execute(&format!("CREATE TABLE {scratch} (v bigint)"))
@@ -351,7 +270,7 @@ async fn review13_pipelined_unnamed_commit_or_rollback_is_taken_for_ordinary() {
                 // that the INSERT after the ROLLBACK is guarded (read-only).
                 continue;
             }
-            let a = Attack::new(require_fence).await;
+            let a = Attack::new(require_fence, "review").await;
             // Under --require-fence the session is unfenced from the start; without it, it
             // holds a fence on a fresh resource of its own so its first guard passes.
             let own = format!("{}_own:1", a.resource);
@@ -417,7 +336,7 @@ async fn review13_pipelined_unnamed_commit_or_rollback_is_taken_for_ordinary() {
 async fn review13_deeply_nested_expression_crashes_the_proxy() {
     const CHILD: &str = "REVIEW13_CRASH_CHILD";
     if std::env::var_os(CHILD).is_some() {
-        let a = Attack::new(false).await;
+        let a = Attack::new(false, "review").await;
         for depth in [1_000usize, 10_000, 100_000] {
             let mut c = a.session(None).await;
             let sql = format!("SELECT 1{}", "+1".repeat(depth));
@@ -472,7 +391,7 @@ async fn review13_deeply_nested_expression_crashes_the_proxy() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn review13_extended_protocol_copy_in_fails_through_the_proxy() {
     use futures::SinkExt;
-    let a = Attack::new(false).await;
+    let a = Attack::new(false, "review").await;
     let scratch = format!("{}_copy", a.tbl);
     a.direct
         .batch_execute(&format!("CREATE TABLE {scratch} (v bigint)"))
@@ -700,7 +619,7 @@ fn high_water_kib() -> u64 {
 /// under 16 GiB).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn review13_one_query_costs_hundreds_of_times_its_size_in_memory() {
-    let a = Attack::new(false).await;
+    let a = Attack::new(false, "review").await;
     let mut c = a.session(None).await;
     let before = high_water_kib();
     let sql = format!("SELECT 1{}", ",1".repeat(500_000));
@@ -734,7 +653,7 @@ async fn review13_one_query_costs_hundreds_of_times_its_size_in_memory() {
 /// row must not exist.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn review13_pipelined_client_begin_is_committed_by_the_proxy_at_sync() {
-    let a = Attack::new(false).await;
+    let a = Attack::new(false, "review").await;
     let own = format!("{}_own:1", a.resource);
     let mut c = a.session(Some(&own)).await;
     let mut out = BytesMut::new();

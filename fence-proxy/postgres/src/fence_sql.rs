@@ -201,8 +201,17 @@ BEGIN
   -- then deadlock upgrading it.
   SELECT f.token INTO v_highest FROM {t} AS f WHERE f.resource = v_resource;
   IF FOUND AND v_highest = v_token THEN
-    -- Same holder: a shared row lock, so its transactions do not serialize on the row, while a
-    -- newer holder's raise waits for all of them to end.
+    -- Same holder. A transaction that has written nothing yet (the guard before its first data
+    -- statement, or before a read-only COMMIT) has nothing to protect: the unlocked read is the
+    -- early refusal, and the guard before COMMIT, which runs after every write, takes the lock.
+    -- Skipping the lock here halves the row locks per transaction (each one a tuple write,
+    -- and a MultiXact while other sessions of the holder hold it too).
+    IF pg_catalog.pg_current_xact_id_if_assigned() IS NULL THEN
+      RETURN;
+    END IF;
+    -- It wrote: a shared row lock, held to the end of the transaction, so the holder's
+    -- transactions do not serialize on the row while a newer holder's raise waits for all of
+    -- them to end.
     SELECT f.token INTO v_highest FROM {t} AS f WHERE f.resource = v_resource FOR SHARE;
     IF v_highest = v_token THEN
       RETURN;

@@ -1,0 +1,1 @@
+CALL p(); COMMIT AND CHAIN

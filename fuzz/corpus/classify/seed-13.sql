@@ -1,0 +1,1 @@
+SET lockd.fence = 'r:41'; SELECT set_config('lockd.fence', 'r:43', false)

@@ -1,0 +1,1 @@
+SELECT 'a;b'; SELECT $t$;$t$; SELECT "x;"

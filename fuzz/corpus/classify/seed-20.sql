@@ -1,0 +1,1 @@
+SHOW work_mem; SET LOCAL work_mem = '1MB'
