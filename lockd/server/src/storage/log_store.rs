@@ -22,7 +22,7 @@ use redb::{Database, ReadableDatabase, ReadableTable};
 use tokio::sync::oneshot;
 use tokio::sync::watch;
 
-use super::{KEY_COMMITTED, KEY_LAST_PURGED, KEY_VOTE, LOG, META, blocking};
+use super::{KEY_COMMITTED, KEY_LAST_PURGED, KEY_REJOINING, KEY_VOTE, LOG, META, blocking};
 use crate::raft::{LogId, NodeId, StorageError, TypeConfig};
 
 /// Log storage handle. Cloning shares the database, the overlay and the writer.
@@ -88,6 +88,24 @@ impl LogStore {
 
     fn read_meta<T: serde::de::DeserializeOwned>(&self, key: &str) -> anyhow::Result<Option<T>> {
         read_meta(&self.db, key)
+    }
+
+    /// Whether this node is rejoining after starting with an empty data dir and has not caught
+    /// up yet (see [`crate::raft::vote_gate`]). Absent in older data dirs: not rejoining.
+    pub fn rejoining(&self) -> anyhow::Result<bool> {
+        Ok(self.read_meta::<bool>(KEY_REJOINING)?.unwrap_or(false))
+    }
+
+    /// Records durably whether this node is rejoining, so a crash while catching up does not
+    /// let it vote on a partial log after the restart.
+    pub async fn set_rejoining(&self, rejoining: bool) -> Result<(), std::io::Error> {
+        let value = encode(&rejoining).map_err(io)?;
+        self.submit(|done| WriteOp::Meta {
+            key: KEY_REJOINING,
+            value,
+            done: Some(done),
+        })
+        .await
     }
 
     /// Queues an operation and waits for its durable commit.
