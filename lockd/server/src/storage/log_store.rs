@@ -1,12 +1,16 @@
-//! The Raft log and vote in redb, written by one writer thread with group commit.
+//! The Raft log and vote in redb, written by one writer thread.
 //!
-//! openraft's core awaits `append` inline, so an fsync inside `append` would stall heartbeats and
-//! replication responses for its whole duration. Instead `append` hands the encoded entries to the
-//! writer thread and returns; the thread commits everything queued in one durable redb
-//! transaction and only then fires each append's flush callback (openraft counts an entry towards
-//! the quorum only after its callback). Until then the entries are served from an in-memory
-//! overlay, so replication can read them at once. Vote, truncate and purge go through the same
-//! queue, in order, and their callers wait for the durable commit.
+//! `append` hands the encoded entries to the writer thread and returns, so the fsync never blocks
+//! a tokio worker; the thread commits everything queued in one durable redb transaction and only
+//! then fires each append's flush callback (openraft counts an entry towards the quorum only
+//! after its callback). Until then the entries are served from an in-memory overlay, so
+//! replication can read them at once. Vote, truncate and purge go through the same queue, in
+//! order, and their callers wait for the durable commit.
+//!
+//! openraft 0.9 awaits each append's callback before its core goes on
+//! (`RaftCore::append_to_log`), so a round never holds two appends: every append is one fsync,
+//! joined only by the committed index and purge steps queued meanwhile. Commands are batched
+//! before they reach the log (the proposer's `Batch`, AppendEntries of up to 16 entries).
 
 use std::collections::BTreeMap;
 use std::fmt::Debug;
