@@ -125,7 +125,10 @@ impl Cluster {
             cmd.arg("--peer").arg(format!("{peer}={}", self.addr(peer)));
         }
         if o.audit {
-            cmd.arg("--audit-log").arg(self.audit_path(id));
+            cmd.arg("--audit-log")
+                .arg(self.audit_path(id))
+                .arg("--audit-key-file")
+                .arg(crate::audit::write_key_file(self.dir.path())?);
         }
         cmd.args(&o.extra_args);
         if let Some(offset) = o.clock_offsets_ms.get(id as usize - 1) {

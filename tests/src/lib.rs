@@ -4,6 +4,7 @@
 //! It deliberately contains no assertions about lockd's behaviour; the suites do.
 //!
 //! # Layout
+//! - [`audit`]: the audit key test clusters use and the request digests it yields.
 //! - [`chaos`]: fault-injection runs (relays, nemesis, workload, history checker).
 //! - [`cluster`]: a real multi-process lockd cluster that tests can kill, pause and wipe.
 //! - [`process`]: locating built binaries and owning child processes.
@@ -13,6 +14,7 @@
 //! - [`pg`]: the local Postgres, an in-process fence-proxy Postgres front end, psql, a private
 //!   password-protected cluster.
 
+pub mod audit;
 pub mod chaos;
 pub mod cluster;
 pub mod fence_proxy;

@@ -437,3 +437,82 @@ async fn futures_join(cluster: &Cluster) -> Vec<lockd_api::v1::StatusResponse> {
     }
     out
 }
+
+/// Goal (issue 14, finding 7): a node that lost its disk does not help elect a leader that lacks
+/// entries committed while it held them; tokens never repeat. Method: the issue's schedule. X
+/// leads; Y is stopped while grants commit on {X, W}; then X dies and W is wiped; W and Y start.
+/// No leader may appear among them (on main, W votes with its empty log after its four election
+/// timeouts and Y wins). X returns; the grants are still held and the next token is larger.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue14_finding7_wiped_node_does_not_elect_a_leader_without_committed_entries() {
+    let mut cluster = Cluster::start_default().await.unwrap();
+    let x = cluster.leader().await.unwrap();
+    let (w, y) = (others(x)[0], others(x)[1]);
+    let mut c = cluster.lock_client(x).await.unwrap();
+    for i in 0..5 {
+        acquire(
+            &mut c,
+            &format!("f7/all{i}"),
+            &format!("f7-all-{i}"),
+            120_000,
+        )
+        .await
+        .unwrap();
+    }
+    let applied = cluster.status(x).await.unwrap().applied_index;
+    cluster
+        .wait_applied(applied, Duration::from_secs(10))
+        .await
+        .unwrap();
+
+    // Phase 1: Y lags; grants commit on {X, W} only.
+    cluster.kill(y);
+    let mut held = Vec::new();
+    for i in 0..20 {
+        let r = format!("f7/xw{i}");
+        let g = acquire(&mut c, &r, &format!("f7-xw-{i}"), 120_000)
+            .await
+            .unwrap();
+        held.push((r, g.fencing_token));
+    }
+    let max_token = held.iter().map(|(_, t)| *t).max().unwrap();
+
+    // Phase 2: X dies, W loses its disk; W and Y come back.
+    cluster.kill(x);
+    cluster.wipe(w).unwrap();
+    cluster.start_node(w).unwrap();
+    cluster.start_node(y).unwrap();
+    let window = Duration::from_millis(12 * cluster.options.election_timeout_ms);
+    let until = Instant::now() + window;
+    while Instant::now() < until {
+        for id in [w, y] {
+            if let Ok(s) = cluster.status(id).await {
+                assert!(
+                    s.role != "leader",
+                    "node {id} became leader of term {} without the entries committed on \
+                     {{{x}, {w}}} (its applied index {})",
+                    s.term,
+                    s.applied_index
+                );
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // Phase 3: X returns; nothing committed is lost and tokens keep growing.
+    cluster.start_node(x).unwrap();
+    cluster
+        .wait_for_leader(Duration::from_secs(30))
+        .await
+        .unwrap();
+    let g = acquire_retrying(&cluster, &[x, w, y], "f7/after", "f7-after", 120_000).await;
+    assert!(
+        g.fencing_token > max_token,
+        "token {} repeats: {max_token} was issued before",
+        g.fencing_token
+    );
+    for (r, token) in &held {
+        let d = describe(&cluster, y, r).await;
+        assert!(d.held && d.fencing_token == *token, "{r}: {d:?}");
+    }
+}

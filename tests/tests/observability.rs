@@ -132,7 +132,7 @@ struct AuditKey {
     outcome: String,
     resource: String,
     fencing_token: u64,
-    request_id: String,
+    request_digest: String,
 }
 
 fn read_audit(path: &std::path::Path) -> Vec<(AuditKey, serde_json::Value)> {
@@ -147,7 +147,7 @@ fn read_audit(path: &std::path::Path) -> Vec<(AuditKey, serde_json::Value)> {
                 outcome: v["outcome"].as_str().unwrap().into(),
                 resource: v["resource"].as_str().unwrap_or("").into(),
                 fencing_token: v["fencing_token"].as_u64().unwrap_or(0),
-                request_id: v["request_id"].as_str().unwrap_or("").into(),
+                request_digest: v["request_digest"].as_str().unwrap_or("").into(),
             };
             (key, v)
         })
@@ -361,5 +361,52 @@ async fn lockctl_status_shows_each_node_and_hot_resources() {
     assert_eq!(hot[0]["waiters"], 2);
     for w in waiting {
         w.abort();
+    }
+}
+
+/// Goal (issue 14, finding 3): no audit log carries a request id in clear, since a retry with it
+/// returns the lease id. Method: acquire with a known id through a follower (forwarded) and the
+/// leader, read every replica's audit file, look for the ids and for their keyed digests.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue14_finding3_audit_log_never_shows_request_ids() {
+    let mut cluster = Cluster::start(ClusterOptions {
+        audit: true,
+        ..ClusterOptions::default()
+    })
+    .await
+    .unwrap();
+    let leader = cluster.leader().await.unwrap();
+    let follower = (1..=3).find(|i| *i != leader).unwrap();
+    let ids = [
+        "f3-bearer-0f1e2d3c4b5a69788796a5b4",
+        "f3-bearer-waiter-1234",
+    ];
+    let mut c = cluster.lock_client(follower).await.unwrap();
+    c.acquire(req("f3/r", ids[0], 60_000, 0)).await.unwrap();
+    let mut c = cluster.lock_client(leader).await.unwrap();
+    let err = c
+        .acquire(req("f3/r", ids[1], 60_000, 300))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::DeadlineExceeded);
+    let target = cluster.status(leader).await.unwrap().applied_index;
+    cluster
+        .wait_applied(target, Duration::from_secs(10))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await; // the writer thread flushes
+    for id in 1..=3 {
+        let text = std::fs::read_to_string(cluster.audit_path(id)).unwrap();
+        for rid in ids {
+            assert!(
+                !text.contains(rid),
+                "node {id}: request id {rid} in clear:\n{text}"
+            );
+            let digest = lockd_tests::audit::request_digest(rid);
+            assert!(
+                text.contains(&digest),
+                "node {id}: no digest of {rid}:\n{text}"
+            );
+        }
     }
 }

@@ -6,7 +6,9 @@
 #   measure.sh NAME [--kill-follower] [--lockd "LOCKD FLAGS"] -- LOCKD-BENCH ARGS...
 #
 # Environment: NICE (niceness of cluster and bench, default 0), OUT (default /tmp/benchres),
-# BENCH_BIN (default target/release/lockd-bench), plus cluster3.sh's.
+# BENCH_BIN (default target/release/lockd-bench), STATUS_LOOPS (default 0: that many shell loops
+# calling `lockctl status` against all nodes during the run; CTL_BIN, default
+# target/release/lockctl), plus cluster3.sh's.
 set -euo pipefail
 here=$(dirname "$0")
 S="$here/cluster3.sh"
@@ -49,10 +51,19 @@ if [ "$kill_follower" = 1 ]; then
 fi
 echo "load before: $(cut -d' ' -f1-3 /proc/loadavg)" >>"$info"
 "$S" cpu | sed 's/^/cpu before: /' >>"$info"
+status_pids=()
+for _ in $(seq 1 "${STATUS_LOOPS:-0}"); do
+    ctl=${CTL_BIN:-target/release/lockctl}
+    eps=$("$S" endpoints)
+    (while :; do "$ctl" --endpoints "$eps" status >/dev/null 2>&1 || true; done) &
+    status_pids+=($!)
+done
+echo "status loops: ${#status_pids[@]}" >>"$info"
 start=$(date +%s.%N)
 nice -n "$NICE" /usr/bin/time -f "bench cpu: user %U s sys %S s maxrss %M KiB" \
     "$B" --endpoints "$("$S" endpoints)" --no-progress "$@" >"$OUT/$name.json" 2>"$OUT/$name.err"
 end=$(date +%s.%N)
+for p in "${status_pids[@]}"; do kill "$p" 2>/dev/null || true; done
 echo "wall: $(echo "$end - $start" | bc) s" >>"$info"
 echo "load after: $(cut -d' ' -f1-3 /proc/loadavg)" >>"$info"
 "$S" cpu | sed 's/^/cpu after: /' >>"$info"

@@ -85,6 +85,11 @@ pub struct Tuning {
     /// Rotate the audit log file when it would grow past this many bytes.
     #[arg(long, env = "LOCKD_AUDIT_LOG_MAX_BYTES", default_value_t = 100 * 1024 * 1024)]
     pub audit_log_max_bytes: u64,
+    /// Key (hex, at least 16 bytes) of the request digests in the audit log, the same on every
+    /// node so that digests match across replicas. Default: a random key per node, kept in
+    /// `audit.key` in the data dir.
+    #[arg(long, env = "LOCKD_AUDIT_KEY_FILE")]
+    pub audit_key_file: Option<PathBuf>,
     /// Log format on stderr.
     #[arg(long, env = "LOCKD_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,

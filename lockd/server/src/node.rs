@@ -8,17 +8,19 @@ use std::time::Duration;
 use lockd_api::v1::cluster_server::ClusterServer;
 use lockd_api::v1::lock_client::LockClient;
 use lockd_api::v1::lock_server::LockServer;
-use lockd_core::{Command, Event, EventKind};
+use lockd_core::{Command, Event, EventKind, ResourceName};
 use openraft::{BasicNode, ServerState};
 use tokio_util::sync::CancellationToken;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::clock::Clock;
 use crate::config::NodeConfig;
-use crate::observe::audit::AuditLog;
+use crate::observe::audit::{AuditKey, AuditLog};
+use crate::observe::hot::{HotEvent, HotTracker};
 use crate::observe::metrics::NodeMetrics;
 use crate::proposer::Proposer;
 use crate::raft::network::Network;
+use crate::raft::vote_gate::VoteGate;
 use crate::raft::{NodeId, Raft};
 use crate::service::cluster::ClusterService;
 use crate::service::lock::LockService;
@@ -95,29 +97,17 @@ impl NodeCtx {
     }
 }
 
-/// Acquire counts tracked per resource for Status's hot list; past this many resources new ones
-/// are not tracked, so the map cannot grow without bound.
-const HOT_TRACKED_MAX: usize = 100_000;
-
-/// Wakes waiting calls, counts state changes and writes the audit log as entries apply.
+/// Wakes waiting calls, counts state changes, writes the audit log and feeds the hot lists as
+/// entries apply.
 pub struct Hub {
     waits: Arc<WaitRegistry>,
     metrics: Arc<NodeMetrics>,
     audit: Option<AuditLog>,
-    /// Grants and queued waiters per resource since this node started.
-    acquires: std::sync::Mutex<std::collections::HashMap<String, u64>>,
+    /// Hot resources for Status, kept off the apply path (see `observe::hot`).
+    pub hot: HotTracker,
 }
 
 impl Hub {
-    /// The `n` resources with the most acquires (grants and queued waiters) seen by this node.
-    pub fn top_by_acquires(&self, n: usize) -> Vec<(String, u64)> {
-        let map = self.acquires.lock().expect("hub lock");
-        let mut all: Vec<(String, u64)> = map.iter().map(|(k, v)| (k.clone(), *v)).collect();
-        all.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
-        all.truncate(n);
-        all
-    }
-
     pub fn flush_audit(&self) {
         if let Some(a) = &self.audit {
             a.flush();
@@ -126,14 +116,20 @@ impl Hub {
 }
 
 impl AppliedSink for Hub {
-    fn on_applied(&self, log_index: u64, unix_ms: i64, events: &[Event]) {
+    fn on_applied(
+        &self,
+        log_index: u64,
+        unix_ms: i64,
+        events: &[Event],
+        queue_lens: &[Option<u32>],
+    ) {
         if events.is_empty() {
             return;
         }
         if let Some(audit) = &self.audit {
             audit.record(log_index, unix_ms, events);
         }
-        for e in events {
+        for (e, queue_len) in events.iter().zip(queue_lens) {
             match e.kind {
                 EventKind::Granted {
                     to_waiter: Some(_),
@@ -152,17 +148,21 @@ impl AppliedSink for Hub {
                     ..
                 } | EventKind::Queued
             ) {
-                let mut map = self.acquires.lock().expect("hub lock");
-                let len = map.len();
-                match map.get_mut(e.resource.as_str()) {
-                    Some(n) => *n += 1,
-                    None if len < HOT_TRACKED_MAX => {
-                        map.insert(e.resource.to_string(), 1);
-                    }
-                    None => {}
-                }
+                self.hot.report(HotEvent::Acquire(e.resource.to_string()));
+            }
+            if let Some(n) = queue_len {
+                self.hot.report(HotEvent::Queue(e.resource.to_string(), *n));
             }
         }
+    }
+
+    fn on_table_replaced(&self, longest_queues: Vec<(ResourceName, u32)>) {
+        self.hot.report(HotEvent::ResetQueues(
+            longest_queues
+                .into_iter()
+                .map(|(r, n)| (r.to_string(), n))
+                .collect(),
+        ));
     }
 
     fn on_snapshot_installed(&self, log_index: u64, unix_ms: i64) {
@@ -210,19 +210,38 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
     };
     let refuse_votes_until = started_empty
         .then(|| std::time::Instant::now() + Duration::from_millis(4 * t.election_timeout_ms));
+    // Recorded before Raft starts, so a crash while catching up keeps the node from voting on a
+    // partial log after its restart (see raft::vote_gate).
+    if started_empty {
+        log_store.set_rejoining(true).await.map_err(|e| {
+            anyhow::anyhow!(
+                "lockd: recording the rejoining flag in {}: {e}",
+                config.data_dir.display()
+            )
+        })?;
+    }
+    let vote_gate = Arc::new(if log_store.rejoining()? {
+        VoteGate::rejoining(log_store.clone())
+    } else {
+        VoteGate::open()
+    });
     let committed = log_store.committed_index();
     let waits = Arc::new(WaitRegistry::default());
     let metrics = Arc::new(NodeMetrics::new());
     tokio::spawn(metrics.clone().upkeep(shutdown.clone()));
     let audit = match &config.audit {
-        Some(target) => Some(AuditLog::open(target.clone(), config.id)?),
+        Some(target) => Some(AuditLog::open(
+            target.clone(),
+            config.id,
+            AuditKey::load(config.tuning.audit_key_file.as_deref(), &config.data_dir)?,
+        )?),
         None => None,
     };
     let hub = Arc::new(Hub {
         waits: waits.clone(),
         metrics: metrics.clone(),
         audit,
-        acquires: Default::default(),
+        hot: HotTracker::start(),
     });
     let sink: Arc<dyn AppliedSink> = hub.clone();
     let state_machine = StateMachine::open(dbs, sink).await?;
@@ -294,6 +313,10 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
         shutdown.clone(),
     ));
     tokio::spawn(reap(ctx.clone(), shutdown.clone()));
+    if !vote_gate.is_open() {
+        let (gate, r, s) = (vote_gate.clone(), raft.clone(), shutdown.clone());
+        tokio::spawn(async move { gate.watch(r, s).await });
+    }
     if let Some(addr) = config.metrics_listen {
         let std_listener = std::net::TcpListener::bind(addr)
             .map_err(|e| anyhow::anyhow!("binding --metrics-listen {addr}: {e}"))?;
@@ -316,7 +339,11 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
                 .max_decoding_message_size(CLIENT_MESSAGE_MAX_BYTES),
         )
         .add_service(ClusterServer::new(ClusterService::new(ctx.clone())))
-        .add_service(RaftService::server(raft.clone(), refuse_votes_until))
+        .add_service(RaftService::server(
+            raft.clone(),
+            refuse_votes_until,
+            vote_gate.clone(),
+        ))
         .serve_with_incoming_shutdown(incoming, shutdown.clone().cancelled_owned());
     tracing::info!(id = config.id, listen = %config.listen, data_dir = %config.data_dir.display(), "lockd node started");
     let done = tokio::spawn(async move {

@@ -36,8 +36,12 @@ pub struct AuditLine {
     pub fencing_token: u64,
     #[serde(default)]
     pub holder: String,
+    /// The request id, recovered by the run from `request_digest` (lockd never writes the id).
     #[serde(default)]
     pub request_id: String,
+    /// What lockd writes: a keyed digest of the request id (see `crate::audit`).
+    #[serde(default)]
+    pub request_digest: String,
 }
 
 /// A write the protected target applied, in the target's own order.

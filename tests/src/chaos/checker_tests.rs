@@ -23,6 +23,7 @@ fn audit(
         fencing_token: token,
         holder: String::new(),
         request_id: rid.into(),
+        request_digest: String::new(),
     }
 }
 

@@ -148,7 +148,9 @@ impl ChaosCluster {
             .arg("--audit-log")
             .arg(self.audit_path(id))
             .arg("--audit-log-max-bytes")
-            .arg(AUDIT_MAX_BYTES.to_string());
+            .arg(AUDIT_MAX_BYTES.to_string())
+            .arg("--audit-key-file")
+            .arg(crate::audit::write_key_file(&self.dir)?);
         for peer in 1..=NODES {
             cmd.arg("--peer")
                 .arg(format!("{peer}={}", self.peer_addr(peer)));

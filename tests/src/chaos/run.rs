@@ -262,6 +262,20 @@ pub async fn run(config: RunConfig) -> anyhow::Result<RunReport> {
     drop(pg_proxy);
 
     let ops = history.snapshot();
+    // The audit log names requests by digest only: map them back to the ids the workers sent.
+    let ids: std::collections::HashMap<String, String> = ops
+        .iter()
+        .filter_map(|o| match &o.kind {
+            OpKind::Acquire { request_id, .. } => Some(request_id.clone()),
+            _ => None,
+        })
+        .map(|id| (crate::audit::request_digest(&id), id))
+        .collect();
+    for line in &mut audit {
+        if let Some(id) = ids.get(&line.request_digest) {
+            line.request_id = id.clone();
+        }
+    }
     let input = CheckInput {
         ops: ops.clone(),
         audit,

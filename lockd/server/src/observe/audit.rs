@@ -6,7 +6,9 @@
 //! snapshot; lines up to the last index already in the file are skipped, so replay writes nothing
 //! twice. A node that catches up by installing a snapshot never sees the entries it covers: it
 //! writes one `snapshot_installed` line naming the gap instead of pretending. Payloads (lease ids)
-//! are never written.
+//! are never written, and neither are request ids: a retry with a request id returns its lease
+//! id, so an id is a bearer credential (issue 14, finding 3). A line carries `request_digest`, a
+//! keyed digest of the id (see [`AuditKey`]), enough to correlate the attempts of one request.
 
 use std::fs::{File, OpenOptions};
 use std::io::{BufRead, BufReader, BufWriter, Seek, SeekFrom, Write};
@@ -42,7 +44,7 @@ struct Line<'a> {
     resource: &'a str,
     fencing_token: u64,
     holder: &'a str,
-    request_id: &'a str,
+    request_digest: String,
 }
 
 enum Msg {
@@ -50,16 +52,129 @@ enum Msg {
     Flush(std::sync::mpsc::Sender<()>),
 }
 
+/// Key of the request digests in audit lines: HMAC-SHA256 keyed, so a reader of the log can
+/// neither recover an id nor test guesses of a weak caller-chosen one without the key.
+///
+/// With `--audit-key-file` every replica uses the operator's key: a request has the same digest
+/// in all audit logs, and whoever holds the key can compute the digest of an id they know. Without
+/// it each node creates a random key once, in `audit.key` in its data dir (so digests stay stable
+/// across restarts); lines of different replicas then still line up by `log_index`.
+#[derive(Clone)]
+pub struct AuditKey(Vec<u8>);
+
+/// Shortest key accepted from `--audit-key-file`: 128 bits.
+pub const AUDIT_KEY_MIN_BYTES: usize = 16;
+/// Length of the key a node creates for itself.
+const AUDIT_KEY_CREATED_BYTES: usize = 32;
+/// Digest bytes written (hex-encoded): 128 bits keep chance collisions out of reach.
+const AUDIT_DIGEST_BYTES: usize = 16;
+
+impl AuditKey {
+    /// The key from `file` (hex, at least [`AUDIT_KEY_MIN_BYTES`] bytes) or, without one, the
+    /// node's own key in `data_dir/audit.key`, created on first use.
+    pub fn load(file: Option<&Path>, data_dir: &Path) -> anyhow::Result<Self> {
+        if let Some(path) = file {
+            let text = std::fs::read_to_string(path).map_err(|e| {
+                anyhow::anyhow!("lockd: reading --audit-key-file {}: {e}", path.display())
+            })?;
+            return Self::from_hex(text.trim())
+                .map_err(|e| anyhow::anyhow!("lockd: --audit-key-file {}: {e}", path.display()));
+        }
+        let path = data_dir.join("audit.key");
+        match std::fs::read_to_string(&path) {
+            Ok(text) => Self::from_hex(text.trim())
+                .map_err(|e| anyhow::anyhow!("lockd: {}: {e}", path.display())),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                let key: [u8; AUDIT_KEY_CREATED_BYTES] = rand::random();
+                write_private(&path, &to_hex(&key))?;
+                Ok(AuditKey(key.to_vec()))
+            }
+            Err(e) => Err(anyhow::anyhow!("lockd: reading {}: {e}", path.display())),
+        }
+    }
+
+    pub fn from_hex(text: &str) -> Result<Self, String> {
+        let bytes = from_hex(text)?;
+        if bytes.len() < AUDIT_KEY_MIN_BYTES {
+            return Err(format!(
+                "the key has {} bytes, at least {AUDIT_KEY_MIN_BYTES} are needed",
+                bytes.len()
+            ));
+        }
+        Ok(AuditKey(bytes))
+    }
+
+    /// Hex of the first [`AUDIT_DIGEST_BYTES`] bytes of HMAC-SHA256(key, request_id).
+    pub fn digest(&self, request_id: &str) -> String {
+        use hmac::{KeyInit, Mac};
+        let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(&self.0)
+            .expect("HMAC takes keys of any length");
+        mac.update(request_id.as_bytes());
+        to_hex(&mac.finalize().into_bytes()[..AUDIT_DIGEST_BYTES])
+    }
+}
+
+/// Never prints the key.
+impl std::fmt::Debug for AuditKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "AuditKey({} bytes)", self.0.len())
+    }
+}
+
+fn to_hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn from_hex(text: &str) -> Result<Vec<u8>, String> {
+    if text.len() % 2 != 0 || !text.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(format!(
+            "the key must be hex digits in pairs, got {} characters",
+            text.len()
+        ));
+    }
+    Ok((0..text.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&text[i..i + 2], 16).expect("checked hex"))
+        .collect())
+}
+
+/// Writes a file readable by its owner only, durably, replacing it atomically.
+fn write_private(path: &Path, text: &str) -> anyhow::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let tmp = path.with_extension("key.tmp");
+    let mut f = OpenOptions::new()
+        .create(true)
+        .write(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)
+        .map_err(|e| anyhow::anyhow!("lockd: creating {}: {e}", tmp.display()))?;
+    f.write_all(text.as_bytes())?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, path).map_err(|e| {
+        anyhow::anyhow!(
+            "lockd: renaming {} to {}: {e}",
+            tmp.display(),
+            path.display()
+        )
+    })?;
+    if let Some(dir) = path.parent() {
+        File::open(dir)?.sync_all()?;
+    }
+    Ok(())
+}
+
 /// Handle to the writer thread.
 pub struct AuditLog {
     tx: SyncSender<Msg>,
     node: u64,
+    key: AuditKey,
     /// Highest log index already written (from the file at start, then from apply).
     written_up_to: std::sync::atomic::AtomicU64,
 }
 
 impl AuditLog {
-    pub fn open(target: AuditTarget, node: u64) -> anyhow::Result<Self> {
+    pub fn open(target: AuditTarget, node: u64, key: AuditKey) -> anyhow::Result<Self> {
         let (tx, rx) = sync_channel(AUDIT_QUEUE_MAX);
         let last = match &target {
             AuditTarget::Stdout => 0,
@@ -75,6 +190,7 @@ impl AuditLog {
         Ok(AuditLog {
             tx,
             node,
+            key,
             written_up_to: std::sync::atomic::AtomicU64::new(last),
         })
     }
@@ -112,7 +228,7 @@ impl AuditLog {
                 resource: e.resource.as_str(),
                 fencing_token: e.fencing_token.0,
                 holder: &e.holder,
-                request_id: &e.request_id,
+                request_digest: self.key.digest(&e.request_id),
             };
             let text = serde_json::to_string(&line).expect("audit line serialises");
             let _ = self.tx.send(Msg::Line(text));
@@ -280,6 +396,61 @@ mod tests {
         );
     }
 
+    /// Goal (issue 14, finding 3): an audit line never carries the request id in clear, only its
+    /// keyed digest. Method: record a grant, read the file, look for the id.
+    #[test]
+    fn issue14_finding3_audit_lines_carry_a_keyed_digest_not_the_request_id() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("audit.log");
+        let key = AuditKey::from_hex(&"ab".repeat(16)).unwrap();
+        let log = AuditLog::open(
+            AuditTarget::File {
+                path: path.clone(),
+                max_bytes: 1 << 20,
+            },
+            1,
+            key.clone(),
+        )
+        .unwrap();
+        let id = "secret-request-id-0123456789";
+        log.record(
+            1,
+            1_000,
+            &[Event {
+                kind: EventKind::Queued,
+                resource: lockd_core::validate::resource("r").unwrap(),
+                fencing_token: lockd_core::FencingToken(1),
+                holder: "h".into(),
+                request_id: id.into(),
+            }],
+        );
+        log.flush();
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(!text.contains(id), "request id in clear: {text}");
+        let line: serde_json::Value = serde_json::from_str(text.trim()).unwrap();
+        assert_eq!(line["request_digest"], key.digest(id), "{text}");
+        assert_eq!(key.digest(id).len(), 2 * AUDIT_DIGEST_BYTES);
+        // Another key gives another digest: a reader without the key cannot test guesses.
+        let other = AuditKey::from_hex(&"cd".repeat(16)).unwrap();
+        assert_ne!(other.digest(id), key.digest(id));
+    }
+
+    #[test]
+    fn audit_keys_are_checked_and_a_node_key_is_kept() {
+        assert!(AuditKey::from_hex("abcd").unwrap_err().contains("2 bytes"));
+        assert!(AuditKey::from_hex("zz").is_err());
+        let dir = tempfile::tempdir().unwrap();
+        let a = AuditKey::load(None, dir.path()).unwrap();
+        let b = AuditKey::load(None, dir.path()).unwrap();
+        assert_eq!(a.digest("x"), b.digest("x"), "the created key is reused");
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(dir.path().join("audit.key"))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o077, 0, "readable by others: {mode:o}");
+    }
+
     #[test]
     fn rotates_by_size_and_resumes_after_the_last_index() {
         let dir = tempfile::tempdir().unwrap();
@@ -297,6 +468,7 @@ mod tests {
                 max_bytes: 600,
             },
             1,
+            AuditKey::load(None, dir.path()).unwrap(),
         )
         .unwrap();
         for i in 1..=10 {
@@ -312,6 +484,7 @@ mod tests {
                 max_bytes: 600,
             },
             1,
+            AuditKey::load(None, dir.path()).unwrap(),
         )
         .unwrap();
         log.record(10, 1_000, &[ev(10)]);

@@ -1,6 +1,8 @@
-//! openraft type configuration and the network between nodes.
+//! openraft type configuration, the network between nodes and the vote gate of a node that
+//! rejoins with an empty data dir.
 
 pub mod network;
+pub mod vote_gate;
 
 use std::io::Cursor;
 

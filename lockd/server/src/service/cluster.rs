@@ -30,13 +30,10 @@ impl Cluster for ClusterService {
         _req: Request<StatusRequest>,
     ) -> Result<Response<StatusResponse>, Status> {
         let m = self.ctx.raft.metrics().borrow().clone();
-        let (stats, hot_waiters) = {
-            let s = self.ctx.sm.read().expect("state lock");
-            (
-                s.table.stats(),
-                s.table.top_by_waiters(HOT_RESOURCES_LISTED),
-            )
-        };
+        // Only O(1) counters under the state lock; the hot lists come from their own tracker,
+        // O(k), so Status never scans the table or holds a lock that apply waits for.
+        let stats = self.ctx.sm.read().expect("state lock").table.stats();
+        let hot = &self.ctx.hub.hot;
         let applied = m.last_applied.map(|l| l.index).unwrap_or(0);
         let commit = self.ctx.committed.load(Ordering::Relaxed).max(applied);
         let members = m
@@ -66,31 +63,22 @@ impl Cluster for ClusterService {
             waiters: stats.waiters,
             role: role.into(),
             lag: commit.saturating_sub(applied),
-            hot_by_acquires: self
-                .ctx
-                .hub
+            hot_by_acquires: hot
                 .top_by_acquires(HOT_RESOURCES_LISTED)
                 .into_iter()
-                .map(|(resource, acquires)| {
-                    let waiters = {
-                        let s = self.ctx.sm.read().expect("state lock");
-                        lockd_core::validate::resource(&resource)
-                            .map(|r| s.table.describe(&r).waiters)
-                            .unwrap_or(0)
-                    };
-                    HotResource {
-                        resource,
-                        acquires,
-                        waiters,
-                    }
+                .map(|(resource, acquires, waiters)| HotResource {
+                    resource,
+                    acquires,
+                    waiters,
                 })
                 .collect(),
-            hot_by_waiters: hot_waiters
+            hot_by_waiters: hot
+                .top_by_waiters(HOT_RESOURCES_LISTED)
                 .into_iter()
-                .map(|(r, n)| HotResource {
-                    resource: r.to_string(),
+                .map(|(resource, waiters)| HotResource {
+                    resource,
                     acquires: 0,
-                    waiters: n,
+                    waiters,
                 })
                 .collect(),
         }))

@@ -4,7 +4,10 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tonic::{Request, Response, Status};
 
-use crate::raft::Raft;
+use std::sync::Arc;
+
+use crate::raft::vote_gate::VoteGate;
+use crate::raft::{Raft, TypeConfig};
 
 pub mod pb {
     tonic::include_proto!("lockd.raft.v1");
@@ -19,13 +22,20 @@ pub struct RaftService {
     /// before its disk was lost, so it grants no vote until every election of that term has
     /// ended (two maximum election timeouts). Otherwise it could vote twice in one term.
     refuse_votes_until: Option<std::time::Instant>,
+    /// Closed while this node rejoins with an empty data dir and has not caught up.
+    gate: Arc<VoteGate>,
 }
 
 impl RaftService {
-    pub fn server(raft: Raft, refuse_votes_until: Option<std::time::Instant>) -> RaftServer<Self> {
+    pub fn server(
+        raft: Raft,
+        refuse_votes_until: Option<std::time::Instant>,
+        gate: Arc<VoteGate>,
+    ) -> RaftServer<Self> {
         RaftServer::new(RaftService {
             raft,
             refuse_votes_until,
+            gate,
         })
         .max_decoding_message_size(crate::raft::network::RAFT_MESSAGE_MAX_BYTES)
         .max_encoding_message_size(crate::raft::network::RAFT_MESSAGE_MAX_BYTES)
@@ -49,8 +59,17 @@ impl pb::raft_server::Raft for RaftService {
         &self,
         req: Request<RaftMessage>,
     ) -> Result<Response<RaftMessage>, Status> {
-        let rpc = decode(req)?;
-        encode(&self.raft.append_entries(rpc).await)
+        let rpc: openraft::raft::AppendEntriesRequest<TypeConfig> = decode(req)?;
+        let (term, commit) = (rpc.vote.leader_id.term, rpc.leader_commit);
+        let reply = self.raft.append_entries(rpc).await;
+        if matches!(
+            reply,
+            Ok(openraft::raft::AppendEntriesResponse::Success
+                | openraft::raft::AppendEntriesResponse::PartialSuccess(_))
+        ) {
+            self.gate.observe_append(term, commit);
+        }
+        encode(&reply)
     }
 
     async fn vote(&self, req: Request<RaftMessage>) -> Result<Response<RaftMessage>, Status> {
@@ -62,7 +81,10 @@ impl pb::raft_server::Raft for RaftService {
                 "lockd: node started with an empty data dir; not voting yet",
             ));
         }
-        let rpc = decode(req)?;
+        let rpc: openraft::raft::VoteRequest<u64> = decode(req)?;
+        self.gate
+            .admits(rpc.last_log_id)
+            .map_err(Status::unavailable)?;
         encode(&self.raft.vote(rpc).await)
     }
 

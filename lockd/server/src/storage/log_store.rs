@@ -1,12 +1,16 @@
-//! The Raft log and vote in redb, written by one writer thread with group commit.
+//! The Raft log and vote in redb, written by one writer thread.
 //!
-//! openraft's core awaits `append` inline, so an fsync inside `append` would stall heartbeats and
-//! replication responses for its whole duration. Instead `append` hands the encoded entries to the
-//! writer thread and returns; the thread commits everything queued in one durable redb
-//! transaction and only then fires each append's flush callback (openraft counts an entry towards
-//! the quorum only after its callback). Until then the entries are served from an in-memory
-//! overlay, so replication can read them at once. Vote, truncate and purge go through the same
-//! queue, in order, and their callers wait for the durable commit.
+//! `append` hands the encoded entries to the writer thread and returns, so the fsync never blocks
+//! a tokio worker; the thread commits everything queued in one durable redb transaction and only
+//! then fires each append's flush callback (openraft counts an entry towards the quorum only
+//! after its callback). Until then the entries are served from an in-memory overlay, so
+//! replication can read them at once. Vote, truncate and purge go through the same queue, in
+//! order, and their callers wait for the durable commit.
+//!
+//! openraft 0.9 awaits each append's callback before its core goes on
+//! (`RaftCore::append_to_log`), so a round never holds two appends: every append is one fsync,
+//! joined only by the committed index and purge steps queued meanwhile. Commands are batched
+//! before they reach the log (the proposer's `Batch`, AppendEntries of up to 16 entries).
 
 use std::collections::BTreeMap;
 use std::fmt::Debug;
@@ -22,7 +26,7 @@ use redb::{Database, ReadableDatabase, ReadableTable};
 use tokio::sync::oneshot;
 use tokio::sync::watch;
 
-use super::{KEY_COMMITTED, KEY_LAST_PURGED, KEY_VOTE, LOG, META, blocking};
+use super::{KEY_COMMITTED, KEY_LAST_PURGED, KEY_REJOINING, KEY_VOTE, LOG, META, blocking};
 use crate::raft::{LogId, NodeId, StorageError, TypeConfig};
 
 /// Log storage handle. Cloning shares the database, the overlay and the writer.
@@ -88,6 +92,24 @@ impl LogStore {
 
     fn read_meta<T: serde::de::DeserializeOwned>(&self, key: &str) -> anyhow::Result<Option<T>> {
         read_meta(&self.db, key)
+    }
+
+    /// Whether this node is rejoining after starting with an empty data dir and has not caught
+    /// up yet (see [`crate::raft::vote_gate`]). Absent in older data dirs: not rejoining.
+    pub fn rejoining(&self) -> anyhow::Result<bool> {
+        Ok(self.read_meta::<bool>(KEY_REJOINING)?.unwrap_or(false))
+    }
+
+    /// Records durably whether this node is rejoining, so a crash while catching up does not
+    /// let it vote on a partial log after the restart.
+    pub async fn set_rejoining(&self, rejoining: bool) -> Result<(), std::io::Error> {
+        let value = encode(&rejoining).map_err(io)?;
+        self.submit(|done| WriteOp::Meta {
+            key: KEY_REJOINING,
+            value,
+            done: Some(done),
+        })
+        .await
     }
 
     /// Queues an operation and waits for its durable commit.

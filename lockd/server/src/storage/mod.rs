@@ -24,7 +24,7 @@ use snapshot_file::SnapshotFile;
 
 /// Log entries by index, each a postcard-encoded `openraft::Entry`.
 pub(crate) const LOG: TableDefinition<u64, &[u8]> = TableDefinition::new("raft_log");
-/// Small records by name: `vote`, `committed`, `last_purged` (and `snapshot` in data dirs written
+/// Small records by name: `vote`, `committed`, `last_purged`, `rejoining` (and `snapshot` in data dirs written
 /// before snapshots moved out of the log database).
 pub(crate) const META: TableDefinition<&str, &[u8]> = TableDefinition::new("raft_meta");
 /// In `snapshot.redb`, where snapshots were kept before `snapshot.bin`: the latest snapshot's
@@ -37,6 +37,8 @@ pub(crate) const KEY_VOTE: &str = "vote";
 pub(crate) const KEY_COMMITTED: &str = "committed";
 pub(crate) const KEY_LAST_PURGED: &str = "last_purged";
 pub(crate) const KEY_SNAPSHOT: &str = "snapshot";
+/// `true` while a node that started with an empty data dir has not caught up with a leader.
+pub(crate) const KEY_REJOINING: &str = "rejoining";
 
 /// A node's persistent state.
 pub struct Databases {

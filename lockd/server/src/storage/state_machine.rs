@@ -6,7 +6,7 @@ use std::sync::{Arc, RwLock};
 
 use anyhow::Context;
 
-use lockd_core::{Event, LockTable};
+use lockd_core::{Event, EventKind, LockTable, ResourceName};
 use openraft::storage::RaftStateMachine;
 use openraft::{
     BasicNode, EntryPayload, RaftSnapshotBuilder, Snapshot, SnapshotMeta, StorageIOError,
@@ -26,9 +26,39 @@ use crate::raft::{BatchResponse, LogId, NodeId, StorageError, TypeConfig};
 /// counts metrics and writes the audit log. Called while apply runs, so it must be quick.
 pub trait AppliedSink: Send + Sync + 'static {
     /// `unix_ms` is the table's clock after the entry (the leader's stamp, clamped).
-    fn on_applied(&self, log_index: u64, unix_ms: i64, events: &[Event]);
+    /// `queue_lens[i]` is the queue length of `events[i].resource` after the entry, for the
+    /// events that change a queue (queued, handed off, cancelled, timed out); `None` otherwise.
+    fn on_applied(
+        &self,
+        log_index: u64,
+        unix_ms: i64,
+        events: &[Event],
+        queue_lens: &[Option<u32>],
+    );
     /// A snapshot from the leader replaced the table up to `log_index`.
     fn on_snapshot_installed(&self, log_index: u64, unix_ms: i64);
+    /// The table was loaded or replaced: its longest queues, for Status.
+    fn on_table_replaced(&self, longest_queues: Vec<(ResourceName, u32)>);
+}
+
+/// Queues reported to the sink when a table is loaded or replaced; Status lists the top 10.
+const LONGEST_QUEUES_REPORTED: usize = 64;
+
+/// The queue length after the entry of each event's resource, for the events that change one.
+/// Looked up only for those (a minority of events), so grants cost nothing extra.
+fn queue_lens(table: &LockTable, events: &[Event]) -> Vec<Option<u32>> {
+    events
+        .iter()
+        .map(|e| match e.kind {
+            EventKind::Queued
+            | EventKind::Granted {
+                to_waiter: Some(_), ..
+            }
+            | EventKind::Cancelled { .. }
+            | EventKind::TimedOut { .. } => Some(table.describe(&e.resource).waiters),
+            _ => None,
+        })
+        .collect()
 }
 
 /// The in-memory state machine, shared read-only with the RPC layer.
@@ -68,6 +98,7 @@ impl StateMachine {
             state.last_applied = stored.meta.last_log_id;
             state.membership = stored.meta.last_membership.clone();
         }
+        sink.on_table_replaced(state.table.top_by_waiters(LONGEST_QUEUES_REPORTED));
         Ok(StateMachine {
             state: Arc::new(RwLock::new(state)),
             snapshots: dbs.snapshots,
@@ -156,7 +187,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
         let mut events = Vec::new();
         for entry in entries {
             events.clear();
-            let (response, now_ms) = {
+            let (response, now_ms, lens) = {
                 let mut s = self.state.write().expect("state lock");
                 s.last_applied = Some(entry.log_id);
                 let response = match entry.payload {
@@ -171,9 +202,14 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
                         BatchResponse::default()
                     }
                 };
-                (response, s.table.stats().now_ms)
+                (
+                    response,
+                    s.table.stats().now_ms,
+                    queue_lens(&s.table, &events),
+                )
             };
-            self.sink.on_applied(entry.log_id.index, now_ms, &events);
+            self.sink
+                .on_applied(entry.log_id.index, now_ms, &events, &lens);
             responses.push(response);
         }
         Ok(responses)
@@ -217,6 +253,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
             .await
             .map_err(|e| StorageIOError::write_snapshot(Some(meta.signature()), &e))?;
         let now_ms = table.stats().now_ms;
+        let longest = table.top_by_waiters(LONGEST_QUEUES_REPORTED);
         {
             let mut s = self.state.write().expect("state lock");
             s.table = table;
@@ -225,6 +262,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
         }
         self.sink
             .on_snapshot_installed(meta.last_log_id.map(|l| l.index).unwrap_or(0), now_ms);
+        self.sink.on_table_replaced(longest);
         Ok(())
     }
 
@@ -301,8 +339,9 @@ mod tests {
 
     struct NoSink;
     impl AppliedSink for NoSink {
-        fn on_applied(&self, _: u64, _: i64, _: &[Event]) {}
+        fn on_applied(&self, _: u64, _: i64, _: &[Event], _: &[Option<u32>]) {}
         fn on_snapshot_installed(&self, _: u64, _: i64) {}
+        fn on_table_replaced(&self, _: Vec<(ResourceName, u32)>) {}
     }
 
     fn sample() -> (LockTable, StoredSnapshot) {
