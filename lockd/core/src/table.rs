@@ -440,6 +440,9 @@ impl LockTable {
         policy: &Policy,
         events: &mut Vec<Event>,
     ) -> Outcome {
+        if state.waiters.len() as u32 >= policy.waiters_per_resource_max {
+            self.drop_oldest_abandoned(resource, state);
+        }
         let queued = state.waiters.len() as u32;
         if queued >= policy.waiters_per_resource_max {
             return Outcome::Exhausted(
@@ -773,6 +776,24 @@ impl LockTable {
             holder: lease.holder,
             request_id: lease.request_id,
         });
+    }
+
+    /// A cancelled waiter keeps its place for a retry of its own call, but never at the cost of
+    /// a live caller: when a resource's queue is full, its oldest cancelled waiter leaves, as it
+    /// would on reaching the head (a later retry starts afresh). O(queue length), which the
+    /// per-resource limit bounds.
+    fn drop_oldest_abandoned(&mut self, resource: &ResourceName, state: &mut ResourceState) {
+        let Some(index) = state
+            .waiters
+            .iter()
+            .position(|w| self.abandoned.contains(&w.key))
+        else {
+            return;
+        };
+        let waiter = state.waiters.remove(index).expect("index from position");
+        self.forget_waiter(resource, &waiter);
+        self.abandoned.remove(&waiter.key);
+        self.dedup_forget(waiter.key);
     }
 
     fn forget_waiter(&mut self, resource: &ResourceName, waiter: &Waiter) {

@@ -1688,3 +1688,38 @@ proptest! {
         prop_assert!(replicas[2].encode_snapshot() == bytes, "replica 2 (snapshot round-trip) differs");
     }
 }
+
+/// Review of issue 14 (finding 4 as first landed): a cancelled waiter keeps its place for a retry
+/// of its own call, and it used to count against waiters_per_resource_max until its deadline
+/// (up to 5 minutes), so callers that queue and disconnect filled a queue with nobody and a live
+/// caller was refused. Now a full queue drops its oldest cancelled waiter for a live caller.
+/// (Per tenant, cancelled waiters still count until their deadline: open.)
+#[test]
+fn review14_a_queue_full_of_cancelled_waiters_admits_a_live_caller() {
+    let mut h = Harness::new();
+    h.pol = Policy {
+        waiters_per_resource_max: 3,
+        ..policy()
+    };
+    assert!(matches!(
+        h.acquire("t/r", "holder", 300_000, 0),
+        Outcome::Granted(_)
+    ));
+    for w in ["gone-1", "gone-2", "gone-3"] {
+        assert!(matches!(
+            h.acquire("t/r", w, 10_000, 300_000),
+            Outcome::Queued { .. }
+        ));
+        let attempt = LeaseId(h.next_lease);
+        h.run(cancel_attempt("t/r", w, attempt));
+    }
+    // Nobody is waiting any more (Describe agrees)...
+    assert_eq!(h.table.describe(&res("t/r")).waiters, 0);
+    // ...yet a live caller, 200 s later (the lease still held), is refused.
+    h.now += 200_000;
+    let out = h.acquire("t/r", "live", 10_000, 60_000);
+    assert!(
+        matches!(out, Outcome::Queued { position: 1 }),
+        "a live waiter was refused by a queue of cancelled ones: {out:?}"
+    );
+}
