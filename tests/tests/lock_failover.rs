@@ -516,3 +516,123 @@ async fn issue14_finding7_wiped_node_does_not_elect_a_leader_without_committed_e
         assert!(d.held && d.fencing_token == *token, "{r}: {d:?}");
     }
 }
+
+/// Polls `nodes` until one of them reports itself leader in a term above `above`.
+async fn leader_among(
+    cluster: &Cluster,
+    nodes: &[u64],
+    above: u64,
+    within: Duration,
+) -> (u64, u64) {
+    let deadline = Instant::now() + within;
+    loop {
+        for id in nodes {
+            if let Ok(s) = cluster.status(*id).await
+                && s.role == "leader"
+                && s.term > above
+            {
+                return (*id, s.term);
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no leader among {nodes:?} in a term above {above} within {within:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Goal (review of issue 14, finding 7: a wiped node forgets its term): a deposed leader of an
+/// older term cannot commit through a node that lost its disk. Method: A leads in term t and is
+/// paused; B and C elect a leader in a newer term that grants on {B, C}; C loses its disk and
+/// restarts, the new leader dies, and A resumes believing it still leads in term t. On main, C
+/// (back at term 1) followed A, and A granted the held resources again with repeating tokens.
+/// Now C refuses every message until peers that must include a member of the newer term's
+/// majority have told it that term; once the new leader returns, nothing committed is lost and
+/// tokens keep growing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review14_a_wiped_node_does_not_follow_a_deposed_leader_of_an_older_term() {
+    let mut cluster = Cluster::start_default().await.unwrap();
+    // A few leader changes, so A's term is well above the term a restarted empty node begins at.
+    for _ in 0..3 {
+        let l = cluster.leader().await.unwrap();
+        cluster.kill(l);
+        cluster
+            .wait_for_leader(Duration::from_secs(20))
+            .await
+            .unwrap();
+        cluster.start_node(l).unwrap();
+    }
+    let a = cluster.leader().await.unwrap();
+    let t = cluster.status(a).await.unwrap().term;
+    let applied = cluster.status(a).await.unwrap().applied_index;
+    cluster
+        .wait_applied(applied, Duration::from_secs(10))
+        .await
+        .unwrap();
+
+    // A is paused; B and C elect a newer leader, which grants on {B, C}.
+    cluster.pause(a);
+    let (l2, t2) = leader_among(&cluster, &others(a), t, Duration::from_secs(20)).await;
+    let c = others(a).into_iter().find(|id| *id != l2).unwrap();
+    let mut client = cluster.lock_client(l2).await.unwrap();
+    let mut held = Vec::new();
+    for i in 0..10 {
+        let r = format!("r14/held{i}");
+        let g = acquire(&mut client, &r, &format!("r14-held-{i}"), 120_000)
+            .await
+            .unwrap();
+        held.push((r, g.fencing_token));
+    }
+    let max_token = held.iter().map(|(_, t)| *t).max().unwrap();
+    let applied = cluster.status(l2).await.unwrap().applied_index;
+    let until = Instant::now() + Duration::from_secs(10);
+    while cluster.status(c).await.unwrap().applied_index < applied {
+        assert!(Instant::now() < until, "node {c} did not apply {applied}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // C loses its disk, the new leader dies, A wakes up still leading in term t.
+    cluster.wipe(c).unwrap();
+    cluster.start_node(c).unwrap();
+    cluster.kill(l2);
+    cluster.resume(a);
+    let until = Instant::now() + Duration::from_millis(8 * cluster.options.election_timeout_ms);
+    let mut attempt = 0;
+    while Instant::now() < until {
+        attempt += 1;
+        let (r, _) = &held[attempt % held.len()];
+        for node in [a, c] {
+            let Ok(mut cl) = cluster.lock_client(node).await else {
+                continue;
+            };
+            let id = format!("r14-stale-{node}-{attempt}");
+            let call = acquire(&mut cl, r, &id, 120_000);
+            if let Ok(Ok(g)) = tokio::time::timeout(Duration::from_secs(1), call).await {
+                panic!(
+                    "node {node} granted {r}, held since term {t2}, with token {} (highest \
+                     token issued: {max_token}); A's term was {t}",
+                    g.fencing_token
+                );
+            }
+        }
+    }
+
+    // The newer leader's node returns: what it committed is all there, tokens keep growing.
+    cluster.start_node(l2).unwrap();
+    cluster
+        .wait_for_leader(Duration::from_secs(30))
+        .await
+        .unwrap();
+    let leader = cluster.leader().await.unwrap();
+    for (r, token) in &held {
+        let d = describe(&cluster, leader, r).await;
+        assert!(d.held && d.fencing_token == *token, "{r}: {d:?}");
+    }
+    let g = acquire_retrying(&cluster, &[a, l2, c], "r14/after", "r14-after", 120_000).await;
+    assert!(
+        g.fencing_token > max_token,
+        "token {} repeats: {max_token} was issued before",
+        g.fencing_token
+    );
+}

@@ -316,6 +316,17 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
     if !vote_gate.is_open() {
         let (gate, r, s) = (vote_gate.clone(), raft.clone(), shutdown.clone());
         tokio::spawn(async move { gate.watch(r, s).await });
+        let mut raft_peers = Vec::new();
+        for (id, addr) in config.peers.iter().filter(|(id, _)| **id != config.id) {
+            let client = crate::raft::network::raft_client(addr, source_ip(&config))
+                .map_err(|e| anyhow::anyhow!("lockd: --peer {id}={addr}: {e}"))?;
+            raft_peers.push((*id, client));
+        }
+        let (gate, s, size) = (vote_gate.clone(), shutdown.clone(), config.peers.len());
+        tokio::spawn(async move {
+            let ask = || crate::raft::network::ask_votes(&raft_peers);
+            gate.learn_term(size, ask, s).await
+        });
     }
     if let Some(addr) = config.metrics_listen {
         let std_listener = std::net::TcpListener::bind(addr)

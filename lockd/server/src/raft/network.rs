@@ -13,6 +13,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tonic::transport::{Channel, Endpoint};
 
+use super::vote_gate::VoteReport;
 use super::{NodeId, TypeConfig};
 use crate::service::raft::pb::{RaftMessage, raft_client::RaftClient};
 
@@ -21,6 +22,8 @@ use crate::service::raft::pb::{RaftMessage, raft_client::RaftClient};
 pub const RAFT_MESSAGE_MAX_BYTES: usize = 64 * 1024 * 1024;
 /// How long a connection attempt to a peer may take before openraft counts it unreachable.
 const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
+/// How long a rejoining node waits for one peer's `CurrentVote` answer.
+const VOTE_ASK_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// Creates one lazily connecting channel per peer.
 #[derive(Clone, Default)]
@@ -34,24 +37,60 @@ impl RaftNetworkFactory<TypeConfig> for Network {
     type Network = PeerClient;
 
     async fn new_client(&mut self, target: NodeId, node: &BasicNode) -> PeerClient {
-        let channel = Endpoint::from_shared(format!("http://{}", node.addr))
-            .map(|e| {
-                e.connect_timeout(CONNECT_TIMEOUT)
-                    .local_address(self.local_ip)
-                    .tcp_nodelay(true)
-                    .http2_keep_alive_interval(Duration::from_secs(5))
-                    .connect_lazy()
-            })
-            .map_err(|e| format!("peer {target} address {:?}: {e}", node.addr));
         PeerClient {
             target,
-            client: channel.map(|c| {
-                RaftClient::new(c)
-                    .max_decoding_message_size(RAFT_MESSAGE_MAX_BYTES)
-                    .max_encoding_message_size(RAFT_MESSAGE_MAX_BYTES)
-            }),
+            client: raft_client(&node.addr, self.local_ip)
+                .map_err(|e| format!("peer {target} address {:?}: {e}", node.addr)),
         }
     }
+}
+
+/// A lazily connecting client of the Raft service at `addr`, calling from `local_ip`.
+pub fn raft_client(
+    addr: &str,
+    local_ip: Option<std::net::IpAddr>,
+) -> Result<RaftClient<Channel>, tonic::transport::Error> {
+    let channel = Endpoint::from_shared(format!("http://{addr}"))?
+        .connect_timeout(CONNECT_TIMEOUT)
+        .local_address(local_ip)
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(Duration::from_secs(5))
+        .connect_lazy();
+    Ok(RaftClient::new(channel)
+        .max_decoding_message_size(RAFT_MESSAGE_MAX_BYTES)
+        .max_encoding_message_size(RAFT_MESSAGE_MAX_BYTES))
+}
+
+/// Asks every peer at once for its current vote; returns the answers that came within
+/// [`VOTE_ASK_TIMEOUT`]. Used by a node that rejoins with an empty data dir (see `vote_gate`).
+pub async fn ask_votes(peers: &[(NodeId, RaftClient<Channel>)]) -> Vec<VoteReport> {
+    let asks = peers.iter().map(|(id, client)| {
+        let mut client = client.clone();
+        async move {
+            let mut request = tonic::Request::new(RaftMessage { data: Vec::new() });
+            request.set_timeout(VOTE_ASK_TIMEOUT);
+            let reply = tokio::time::timeout(VOTE_ASK_TIMEOUT, client.current_vote(request)).await;
+            match reply {
+                Ok(Ok(r)) => match postcard::from_bytes::<VoteReport>(&r.into_inner().data) {
+                    Ok(report) => Some(report),
+                    Err(e) => {
+                        tracing::warn!(peer = id, error = %e, "undecodable CurrentVote reply");
+                        None
+                    }
+                },
+                Ok(Err(status)) => {
+                    tracing::debug!(peer = id, %status, "CurrentVote failed");
+                    None
+                }
+                Err(_) => None,
+            }
+        }
+    });
+    futures::future::join_all(asks)
+        .await
+        .into_iter()
+        .flatten()
+        .collect()
 }
 
 pub struct PeerClient {

@@ -6,7 +6,7 @@ use tonic::{Request, Response, Status};
 
 use std::sync::Arc;
 
-use crate::raft::vote_gate::VoteGate;
+use crate::raft::vote_gate::{VoteGate, VoteReport};
 use crate::raft::{Raft, TypeConfig};
 
 pub mod pb {
@@ -61,6 +61,9 @@ impl pb::raft_server::Raft for RaftService {
     ) -> Result<Response<RaftMessage>, Status> {
         let rpc: openraft::raft::AppendEntriesRequest<TypeConfig> = decode(req)?;
         let (term, commit) = (rpc.vote.leader_id.term, rpc.leader_commit);
+        self.gate
+            .admits_leader(term, &self.raft)
+            .map_err(Status::unavailable)?;
         let reply = self.raft.append_entries(rpc).await;
         if matches!(
             reply,
@@ -83,7 +86,7 @@ impl pb::raft_server::Raft for RaftService {
         }
         let rpc: openraft::raft::VoteRequest<u64> = decode(req)?;
         self.gate
-            .admits(rpc.last_log_id)
+            .admits_candidate(rpc.vote.leader_id.term, rpc.last_log_id)
             .map_err(Status::unavailable)?;
         encode(&self.raft.vote(rpc).await)
     }
@@ -92,7 +95,26 @@ impl pb::raft_server::Raft for RaftService {
         &self,
         req: Request<RaftMessage>,
     ) -> Result<Response<RaftMessage>, Status> {
-        let rpc = decode(req)?;
+        let rpc: openraft::raft::InstallSnapshotRequest<TypeConfig> = decode(req)?;
+        self.gate
+            .admits_leader(rpc.vote.leader_id.term, &self.raft)
+            .map_err(Status::unavailable)?;
         encode(&self.raft.install_snapshot(rpc).await)
+    }
+
+    /// Read-only: what a peer that rejoins with an empty data dir needs to relearn the term.
+    async fn current_vote(
+        &self,
+        _req: Request<RaftMessage>,
+    ) -> Result<Response<RaftMessage>, Status> {
+        let report = {
+            let m = self.raft.metrics();
+            let m = m.borrow();
+            VoteReport {
+                vote: m.vote,
+                last_log_index: m.last_log_index,
+            }
+        };
+        encode(&report)
     }
 }
