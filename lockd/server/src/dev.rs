@@ -69,10 +69,10 @@ pub async fn run(
 /// (`PATH.1`, `PATH.2`, `PATH.3`); stdout is shared, and each line names its node.
 fn per_node(tuning: &Tuning, id: u64) -> Tuning {
     let mut t = tuning.clone();
-    if let Some(path) = &tuning.audit_log {
-        if path.as_os_str() != "-" {
-            t.audit_log = Some(PathBuf::from(format!("{}.{id}", path.display())));
-        }
+    if let Some(path) = &tuning.audit_log
+        && path.as_os_str() != "-"
+    {
+        t.audit_log = Some(PathBuf::from(format!("{}.{id}", path.display())));
     }
     t
 }

@@ -126,7 +126,7 @@ fn to_hex(bytes: &[u8]) -> String {
 }
 
 fn from_hex(text: &str) -> Result<Vec<u8>, String> {
-    if text.len() % 2 != 0 || !text.bytes().all(|b| b.is_ascii_hexdigit()) {
+    if !text.len().is_multiple_of(2) || !text.bytes().all(|b| b.is_ascii_hexdigit()) {
         return Err(format!(
             "the key must be hex digits in pairs, got {} characters",
             text.len()
@@ -288,10 +288,10 @@ fn last_index_in(path: &Path) -> anyhow::Result<u64> {
     let mut last = 0;
     for line in BufReader::new(f).lines() {
         let Ok(line) = line else { continue };
-        if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) {
-            if let Some(i) = v.get("log_index").and_then(|i| i.as_u64()) {
-                last = last.max(i);
-            }
+        if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line)
+            && let Some(i) = v.get("log_index").and_then(|i| i.as_u64())
+        {
+            last = last.max(i);
         }
     }
     Ok(last)
@@ -314,17 +314,18 @@ fn write_loop(rx: Receiver<Msg>, writer: Box<dyn Write + Send>, target: AuditTar
         for m in pending {
             match m {
                 Msg::Line(text) => {
-                    if let AuditTarget::File { path, max_bytes } = &target {
-                        if size > 0 && size + text.len() as u64 + 1 > *max_bytes {
-                            let _ = out.flush();
-                            match rotate(path) {
-                                Ok(f) => {
-                                    out = BufWriter::new(Box::new(f));
-                                    size = 0;
-                                }
-                                Err(e) => {
-                                    tracing::error!(error = %e, "audit log rotation failed; appending to the current file")
-                                }
+                    if let AuditTarget::File { path, max_bytes } = &target
+                        && size > 0
+                        && size + text.len() as u64 + 1 > *max_bytes
+                    {
+                        let _ = out.flush();
+                        match rotate(path) {
+                            Ok(f) => {
+                                out = BufWriter::new(Box::new(f));
+                                size = 0;
+                            }
+                            Err(e) => {
+                                tracing::error!(error = %e, "audit log rotation failed; appending to the current file")
                             }
                         }
                     }

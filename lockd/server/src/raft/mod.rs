@@ -4,8 +4,6 @@
 pub mod network;
 pub mod vote_gate;
 
-use std::io::Cursor;
-
 use lockd_core::{Batch, Outcome};
 use serde::{Deserialize, Serialize};
 
@@ -21,7 +19,9 @@ openraft::declare_raft_types!(
         NodeId = u64,
         Node = openraft::BasicNode,
         Entry = openraft::Entry<TypeConfig>,
-        SnapshotData = Cursor<Vec<u8>>,
+        // A file, not a buffer: a snapshot is sent and received in chunks without holding it
+        // in memory (see storage/snapshot_data.rs).
+        SnapshotData = crate::storage::snapshot_data::SnapshotData,
         AsyncRuntime = openraft::TokioRuntime,
 );
 

@@ -12,6 +12,7 @@
 //! is durable was fsynced first.
 
 pub mod log_store;
+pub mod snapshot_data;
 pub mod snapshot_file;
 pub mod state_machine;
 

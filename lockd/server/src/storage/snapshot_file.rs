@@ -2,8 +2,15 @@
 //!
 //! Layout: the magic `LKDSNAP1`, the length of the meta (u32, little endian), openraft's meta
 //! (postcard), then the encoded table (the bytes a lagging follower receives). A new snapshot is
-//! written to `snapshot.bin.tmp`, synced, and renamed over the old one, so a crash leaves either
-//! the old or the new snapshot whole.
+//! written to a temporary file `snapshot.bin.tmp.<n>`, synced, and renamed over the old one, so a
+//! crash leaves either the old or the new snapshot whole.
+//!
+//! Only a restart reads the file whole ([`SnapshotFile::read`]). To send the snapshot to a
+//! follower, [`SnapshotFile::open_latest`] reads the header and meta and leaves the file open
+//! at the table, which the sender then reads chunk by chunk
+//! ([`super::snapshot_data::SnapshotData`]). A snapshot received from the leader arrives in a
+//! temporary file of its own ([`SnapshotFile::create_receive_file`]) and is published by
+//! [`SnapshotFile::write`] like any other.
 //!
 //! The write is synced every [`SYNC_EVERY`] bytes rather than once at the end. An fsync on ext4
 //! commits the journal together with every block allocated since the last commit: one fsync of a
@@ -25,13 +32,23 @@ use crate::raft::{LogId, NodeId};
 
 const MAGIC: &[u8; 8] = b"LKDSNAP1";
 const FILE_NAME: &str = "snapshot.bin";
-const TMP_PREFIX: &str = "snapshot.bin.tmp.";
+pub(crate) const TMP_PREFIX: &str = "snapshot.bin.tmp.";
 const SYNC_EVERY: usize = 2 * 1024 * 1024;
 
 /// A snapshot: openraft's meta, and the encoded table.
 pub(crate) struct StoredSnapshot {
     pub meta: SnapshotMeta<NodeId, BasicNode>,
     pub table: Vec<u8>,
+}
+
+/// The latest snapshot, open: its meta, and the file positioned at the first table byte.
+pub(crate) struct OpenSnapshot {
+    pub meta: SnapshotMeta<NodeId, BasicNode>,
+    pub file: File,
+    /// The offset of the first table byte in `file` (the header and meta come before it).
+    pub table_start: u64,
+    /// The number of table bytes, from `table_start` to the end of the file.
+    pub table_len: u64,
 }
 
 /// Where a node's latest snapshot lives. Clones share the state below.
@@ -95,8 +112,26 @@ impl SnapshotFile {
         }
     }
 
-    /// The latest snapshot, or `None` if this node has none yet.
+    /// The latest snapshot, read whole, or `None` if this node has none yet.
     pub(crate) fn read(&self) -> anyhow::Result<Option<StoredSnapshot>> {
+        let Some(OpenSnapshot {
+            meta,
+            mut file,
+            table_len,
+            ..
+        }) = self.open_latest()?
+        else {
+            return Ok(None);
+        };
+        let mut table = Vec::with_capacity(table_len as usize);
+        file.read_to_end(&mut table)
+            .with_context(|| format!("reading {}", self.path.display()))?;
+        Ok(Some(StoredSnapshot { meta, table }))
+    }
+
+    /// The latest snapshot with only its header and meta read, or `None` if this node has none
+    /// yet. Blocking, but reads only a few hundred bytes whatever the size of the table.
+    pub(crate) fn open_latest(&self) -> anyhow::Result<Option<OpenSnapshot>> {
         let path = &self.path;
         let mut file = match File::open(path) {
             Ok(f) => f,
@@ -111,27 +146,53 @@ impl SnapshotFile {
         if &head[..8] != MAGIC {
             return Err(bad("wrong magic"));
         }
-        let meta_len = u32::from_le_bytes(head[8..].try_into().expect("4 bytes")) as usize;
+        let meta_len = u32::from_le_bytes(head[8..].try_into().expect("4 bytes")) as u64;
+        // The size of the file this handle has open, which stays the same if a newer snapshot
+        // is renamed over the path meanwhile.
         let total = file
             .metadata()
             .with_context(|| format!("reading {}", path.display()))?
-            .len() as usize;
-        if meta_len > total.saturating_sub(head.len()) {
+            .len();
+        let table_start = head.len() as u64 + meta_len;
+        if table_start > total {
             return Err(bad(&format!(
                 "meta length {meta_len} past the end of the file"
             )));
         }
-        let mut meta = vec![0u8; meta_len];
+        let mut meta = vec![0u8; meta_len as usize];
         file.read_exact(&mut meta)
             .with_context(|| format!("reading {}", path.display()))?;
         let meta: SnapshotMeta<NodeId, BasicNode> =
             postcard::from_bytes(&meta).map_err(|e| bad(&format!("meta: {e}")))?;
-        let mut table = Vec::with_capacity(total - head.len() - meta_len);
-        file.read_to_end(&mut table)
-            .with_context(|| format!("reading {}", path.display()))?;
         let mut published = self.published.lock().expect("snapshot lock");
         self.publish(&mut published, meta.last_log_id);
-        Ok(Some(StoredSnapshot { meta, table }))
+        Ok(Some(OpenSnapshot {
+            meta,
+            file,
+            table_start,
+            table_len: total - table_start,
+        }))
+    }
+
+    /// Creates an empty temporary file to receive a snapshot from the leader into, and returns
+    /// it with its path. Its name starts like every temporary file here, so if a crash
+    /// interrupts the transfer, [`SnapshotFile::remove_leftovers`] deletes it on the next start.
+    pub(crate) fn create_receive_file(&self) -> anyhow::Result<(File, PathBuf)> {
+        let path = self.tmp_path();
+        let file = File::options()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .with_context(|| format!("creating {}", path.display()))?;
+        Ok((file, path))
+    }
+
+    /// A fresh temporary path in the data dir. Each write and each transfer has its own, so
+    /// overlapping ones never share a file.
+    fn tmp_path(&self) -> PathBuf {
+        let seq = self.tmp_seq.fetch_add(1, Ordering::Relaxed);
+        self.dir().join(format!("{TMP_PREFIX}{seq}"))
     }
 
     /// Replaces the latest snapshot durably: when this returns, a restart finds `stored` (or a
@@ -148,8 +209,7 @@ impl SnapshotFile {
         meta: &SnapshotMeta<NodeId, BasicNode>,
         table: impl FnOnce(&mut dyn Write) -> anyhow::Result<()>,
     ) -> anyhow::Result<u64> {
-        let seq = self.tmp_seq.fetch_add(1, Ordering::Relaxed);
-        let tmp = self.dir().join(format!("{TMP_PREFIX}{seq}"));
+        let tmp = self.tmp_path();
         let result = self.write_tmp(&tmp, meta, table).and_then(|bytes| {
             let mut published = self.published.lock().expect("snapshot lock");
             if meta.last_log_id <= *published && published.is_some() {

@@ -1,6 +1,6 @@
 //! The lock table as openraft's state machine, with snapshots persisted in `snapshot.bin`.
 
-use std::io::Cursor;
+use std::io::{Read, Seek, SeekFrom};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
@@ -15,6 +15,7 @@ use openraft::{
 use redb::{Database, ReadableDatabase};
 use serde::{Deserialize, Serialize};
 
+use super::snapshot_data::SnapshotData;
 use super::snapshot_file::{SnapshotFile, StoredSnapshot};
 use super::{
     Databases, KEY_SNAPSHOT, KEY_SNAPSHOT_META, KEY_SNAPSHOT_TABLE, META, SNAPSHOTS, background,
@@ -223,27 +224,52 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
         }
     }
 
-    async fn begin_receiving_snapshot(&mut self) -> Result<Box<Cursor<Vec<u8>>>, StorageError> {
-        Ok(Box::new(Cursor::new(Vec::new())))
+    /// A temporary file in the data dir to receive the leader's snapshot into, so a transfer
+    /// of tens of megabytes does not sit in memory.
+    async fn begin_receiving_snapshot(&mut self) -> Result<Box<SnapshotData>, StorageError> {
+        let file = self.snapshots.clone();
+        let (received, path) = blocking(move || file.create_receive_file())
+            .await
+            .map_err(|e| StorageIOError::write_snapshot(None, &e))?;
+        Ok(Box::new(SnapshotData::receiving(received, path)))
     }
 
     /// Replaces the table with a snapshot from the leader and persists it, so a restart starts
     /// from it.
+    ///
+    /// The received table is read into memory once, to decode it, and written from there into
+    /// `snapshot.bin` with its meta (synced in steps, renamed under the lock that keeps an
+    /// older snapshot from replacing a newer one). Then the received file is deleted.
     async fn install_snapshot(
         &mut self,
         meta: &SnapshotMeta<NodeId, BasicNode>,
-        snapshot: Box<Cursor<Vec<u8>>>,
+        snapshot: Box<SnapshotData>,
     ) -> Result<(), StorageError> {
-        let bytes = snapshot.into_inner();
-        let table = LockTable::decode_snapshot(&bytes)
-            .map_err(|e| StorageIOError::read_snapshot(Some(meta.signature()), &e))?;
-        if let Err(e) = table.check_consistency() {
-            return Err(StorageIOError::read_snapshot(
-                Some(meta.signature()),
-                &std::io::Error::other(format!("inconsistent snapshot: {e}")),
-            )
+        let read_err =
+            |e: &std::io::Error| StorageIOError::read_snapshot(Some(meta.signature()), e);
+        let Some((mut received, _remove_when_done)) =
+            snapshot.into_received().await.map_err(|e| read_err(&e))?
+        else {
+            return Err(read_err(&std::io::Error::other(format!(
+                "lockd: snapshot {} to install was not received by this node",
+                meta.snapshot_id
+            )))
             .into());
-        }
+        };
+        let snapshot_id = meta.snapshot_id.clone();
+        // Reading and decoding tens of megabytes: off the async workers.
+        let (table, bytes) = blocking(move || {
+            received.seek(SeekFrom::Start(0))?;
+            let mut bytes = Vec::with_capacity(received.metadata()?.len() as usize);
+            received.read_to_end(&mut bytes)?;
+            let table = LockTable::decode_snapshot(&bytes)?;
+            table.check_consistency().map_err(|e| {
+                anyhow::anyhow!("lockd: snapshot {snapshot_id} is inconsistent: {e}")
+            })?;
+            Ok((table, bytes))
+        })
+        .await
+        .map_err(|e| read_err(&e))?;
         let stored = StoredSnapshot {
             meta: meta.clone(),
             table: bytes,
@@ -266,14 +292,23 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
         Ok(())
     }
 
+    /// The latest snapshot, for a follower that needs it. Only its header and meta are read
+    /// here (off the async workers); the table is read from the open file as openraft sends it,
+    /// on the replication task, so apply never waits for a read of the whole file.
     async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot<TypeConfig>>, StorageError> {
         let file = self.snapshots.clone();
-        let raw = blocking(move || file.read())
+        let open = blocking(move || file.open_latest())
             .await
             .map_err(|e| StorageIOError::read_snapshot(None, &e))?;
-        Ok(raw.map(|stored| Snapshot {
-            meta: stored.meta,
-            snapshot: Box::new(Cursor::new(stored.table)),
+        let Some(open) = open else {
+            return Ok(None);
+        };
+        let data = SnapshotData::sending(open.file, open.table_start)
+            .await
+            .map_err(|e| StorageIOError::read_snapshot(Some(open.meta.signature()), &e))?;
+        Ok(Some(Snapshot {
+            meta: open.meta,
+            snapshot: Box::new(data),
         }))
     }
 }
@@ -325,7 +360,7 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
         // not returned here: holding them would cost a second copy of the table in memory.
         Ok(Snapshot {
             meta,
-            snapshot: Box::new(Cursor::new(Vec::new())),
+            snapshot: Box::new(SnapshotData::empty()),
         })
     }
 }
@@ -334,8 +369,10 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
 mod tests {
     use lockd_core::{Batch, Command, Event, LeaseId, Policy, ResourceName};
     use openraft::CommittedLeaderId;
+    use tokio::io::{AsyncReadExt, AsyncSeekExt, AsyncWriteExt};
 
     use super::*;
+    use crate::storage::snapshot_file::TMP_PREFIX;
 
     struct NoSink;
     impl AppliedSink for NoSink {
@@ -443,5 +480,230 @@ mod tests {
             txn.commit().unwrap();
         }
         assert_starts_from(dir.path(), &table).await;
+    }
+
+    /// openraft's chunk size for sending snapshots (`snapshot_max_chunk_size` in node.rs).
+    const CHUNK: usize = 4 * 1024 * 1024;
+
+    /// A state machine on `dir` with no snapshot yet.
+    async fn empty_sm(dir: &std::path::Path) -> StateMachine {
+        let dbs = crate::storage::open(dir).unwrap();
+        StateMachine::open(dbs, Arc::new(NoSink)).await.unwrap()
+    }
+
+    /// Meta of a snapshot up to log index `index`.
+    fn meta_at(index: u64) -> SnapshotMeta<NodeId, BasicNode> {
+        SnapshotMeta {
+            last_log_id: Some(LogId::new(CommittedLeaderId::new(1, 1), index)),
+            last_membership: StoredMembership::default(),
+            snapshot_id: format!("1-{index}-0"),
+        }
+    }
+
+    /// Reads a snapshot's data the way openraft's chunked sender does (network/
+    /// snapshot_transport.rs): the end from `SeekFrom::End(0)`, then for each chunk a seek to
+    /// its offset and reads until the chunk is full or the data ends.
+    async fn read_like_the_sender(data: &mut SnapshotData) -> Vec<u8> {
+        let end = data.seek(SeekFrom::End(0)).await.unwrap();
+        let mut all = Vec::new();
+        let mut offset = 0;
+        loop {
+            assert_eq!(data.seek(SeekFrom::Start(offset)).await.unwrap(), offset);
+            let mut buf = Vec::with_capacity(CHUNK);
+            while buf.capacity() > buf.len() {
+                if data.read_buf(&mut buf).await.unwrap() == 0 {
+                    break;
+                }
+            }
+            offset += buf.len() as u64;
+            all.extend_from_slice(&buf);
+            if offset == end {
+                return all;
+            }
+            assert!(!buf.is_empty(), "data ended at {offset}, before {end}");
+        }
+    }
+
+    /// Receives `bytes` the way openraft's receiver does (Streaming::receive): a seek to each
+    /// chunk's offset, a write, and a shutdown at the end. The second half arrives first, so
+    /// the seeks matter.
+    async fn receive(sm: &mut StateMachine, bytes: &[u8]) -> Box<SnapshotData> {
+        let mut data = sm.begin_receiving_snapshot().await.unwrap();
+        let half = bytes.len() / 2;
+        for (offset, chunk) in [(half, &bytes[half..]), (0, &bytes[..half])] {
+            data.seek(SeekFrom::Start(offset as u64)).await.unwrap();
+            data.write_all(chunk).await.unwrap();
+        }
+        data.shutdown().await.unwrap();
+        data
+    }
+
+    /// The names of the temporary snapshot files in `dir`.
+    fn tmp_files(dir: &std::path::Path) -> Vec<String> {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .filter(|n| n.starts_with(TMP_PREFIX))
+            .collect()
+    }
+
+    /// Goal: the data get_current_snapshot returns are exactly the table bytes of
+    /// `snapshot.bin`, read in chunks from non-zero offsets as openraft sends them; and a newer
+    /// snapshot renamed over the file during the transfer does not change what is sent (it
+    /// would no longer match the meta sent with it).
+    #[tokio::test]
+    async fn issue14_finding8a_current_snapshot_reads_the_table_bytes_in_chunks() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut sm = empty_sm(dir.path()).await;
+        assert!(sm.get_current_snapshot().await.unwrap().is_none());
+
+        // More than two chunks, not a multiple of one; the data are opaque here.
+        let table: Vec<u8> = (0..2 * CHUNK + 12_345).map(|i| (i % 251) as u8).collect();
+        sm.snapshots
+            .write(&StoredSnapshot {
+                meta: meta_at(7),
+                table: table.clone(),
+            })
+            .unwrap();
+
+        let mut snap = sm.get_current_snapshot().await.unwrap().unwrap();
+        assert_eq!(snap.meta.snapshot_id, "1-7-0");
+        // Offsets count from the first table byte, not from the file's header.
+        snap.snapshot.seek(SeekFrom::Start(1_000)).await.unwrap();
+        let mut some = [0u8; 100];
+        snap.snapshot.read_exact(&mut some).await.unwrap();
+        assert_eq!(some[..], table[1_000..1_100]);
+        assert_eq!(
+            snap.snapshot.seek(SeekFrom::Current(-100)).await.unwrap(),
+            1_000
+        );
+
+        // Phase 2: a newer snapshot replaces the file before the transfer.
+        sm.snapshots
+            .write(&StoredSnapshot {
+                meta: meta_at(9),
+                table: b"newer".to_vec(),
+            })
+            .unwrap();
+        let sent = read_like_the_sender(&mut snap.snapshot).await;
+        assert!(sent == table, "sent {} bytes, not the table", sent.len());
+
+        // Phase 3: the next request gets the newer one.
+        let mut snap = sm.get_current_snapshot().await.unwrap().unwrap();
+        assert_eq!(snap.meta.snapshot_id, "1-9-0");
+        assert_eq!(read_like_the_sender(&mut snap.snapshot).await, b"newer");
+    }
+
+    /// Goal: get_current_snapshot does not read the table on the state machine task (apply
+    /// waits for that task): the table is read only as the sender reads the returned data.
+    /// Method: after get_current_snapshot returns, overwrite the table bytes in place in
+    /// `snapshot.bin`; the data then read must be the new bytes. Code that read the file whole
+    /// into memory before returning (as before this fix) sends the old bytes and fails.
+    #[tokio::test]
+    async fn issue14_finding8a_current_snapshot_does_not_read_the_table_up_front() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut sm = empty_sm(dir.path()).await;
+        let len = 3 * CHUNK / 2;
+        sm.snapshots
+            .write(&StoredSnapshot {
+                meta: meta_at(7),
+                table: vec![0xaa; len],
+            })
+            .unwrap();
+
+        let mut snap = sm.get_current_snapshot().await.unwrap().unwrap();
+
+        // The table is the last `len` bytes of the file.
+        let path = dir.path().join("snapshot.bin");
+        let mut file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        let file_len = file.metadata().unwrap().len();
+        file.seek(SeekFrom::Start(file_len - len as u64)).unwrap();
+        std::io::Write::write_all(&mut file, &vec![0xbb; len]).unwrap();
+        drop(file);
+
+        let sent = read_like_the_sender(&mut snap.snapshot).await;
+        assert_eq!(sent.len(), len);
+        assert!(
+            sent.iter().all(|b| *b == 0xbb),
+            "the table was read before get_current_snapshot returned"
+        );
+    }
+
+    /// Goal: a snapshot received from the leader in chunks installs, replaces the table, is in
+    /// `snapshot.bin` for a restart, and leaves no temporary file; a transfer given up removes
+    /// its file at once, and one a crash interrupted is removed on the next start.
+    #[tokio::test]
+    async fn issue14_finding8a_a_received_snapshot_installs_and_survives_a_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        let (table, stored) = sample();
+        {
+            let mut sm = empty_sm(dir.path()).await;
+            let data = receive(&mut sm, &stored.table).await;
+            assert_eq!(
+                tmp_files(dir.path()).len(),
+                1,
+                "receives into a temporary file"
+            );
+            sm.install_snapshot(&stored.meta, data).await.unwrap();
+            {
+                let s = sm.state.read().unwrap();
+                assert_eq!(s.table.stats(), table.stats());
+                assert_eq!(s.last_applied, stored.meta.last_log_id);
+            }
+            assert_eq!(tmp_files(dir.path()), Vec::<String>::new());
+
+            // Phase 2: openraft drops the data of a transfer it gives up.
+            let given_up = receive(&mut sm, b"half a snapshot").await;
+            assert_eq!(tmp_files(dir.path()).len(), 1);
+            drop(given_up);
+            assert_eq!(tmp_files(dir.path()), Vec::<String>::new());
+
+            // Phase 3: a crash in the middle of a transfer (no drop runs).
+            std::mem::forget(receive(&mut sm, b"half a snapshot").await);
+            assert_eq!(tmp_files(dir.path()).len(), 1);
+        }
+        // Phase 4: the restart starts from the installed snapshot (and opening the storage
+        // removes the leftover).
+        assert_starts_from(dir.path(), &table).await;
+        assert_eq!(tmp_files(dir.path()), Vec::<String>::new());
+    }
+
+    /// Goal: installing a snapshot older than the one already in `snapshot.bin` (a build that
+    /// finished first) leaves the newer one in place, and no temporary file.
+    #[tokio::test]
+    async fn issue14_finding8a_an_older_received_snapshot_does_not_replace_a_newer_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let (_, stored) = sample();
+        let mut sm = empty_sm(dir.path()).await;
+        sm.snapshots
+            .write(&StoredSnapshot {
+                meta: meta_at(9),
+                table: stored.table.clone(),
+            })
+            .unwrap();
+
+        let data = receive(&mut sm, &stored.table).await;
+        sm.install_snapshot(&stored.meta, data).await.unwrap();
+
+        let on_disk = SnapshotFile::new(dir.path()).read().unwrap().unwrap();
+        assert_eq!(on_disk.meta.snapshot_id, "1-9-0");
+        assert_eq!(tmp_files(dir.path()), Vec::<String>::new());
+    }
+
+    /// Goal: a received snapshot that does not decode is refused with an error naming it, and
+    /// its file is removed.
+    #[tokio::test]
+    async fn a_received_snapshot_that_does_not_decode_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut sm = empty_sm(dir.path()).await;
+        let data = receive(&mut sm, b"not a table").await;
+        let e = sm
+            .install_snapshot(&meta_at(7), data)
+            .await
+            .expect_err("an error")
+            .to_string();
+        assert!(e.contains("1-7-0"), "{e}");
+        assert!(!dir.path().join("snapshot.bin").exists());
+        assert_eq!(tmp_files(dir.path()), Vec::<String>::new());
     }
 }
