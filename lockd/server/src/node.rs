@@ -246,6 +246,12 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
     let sink: Arc<dyn AppliedSink> = hub.clone();
     let state_machine = StateMachine::open(dbs, sink).await?;
     let sm = state_machine.shared();
+    let raft_log = log_store.clone();
+    // A rejoining node starts with elections off; VoteGate::rejoin turns them on (rule 2).
+    let raft_config = openraft::Config {
+        enable_elect: vote_gate.is_open(),
+        ..raft_config
+    };
     let raft = Raft::new(
         config.id,
         Arc::new(raft_config),
@@ -260,15 +266,17 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
 
     // Nodes started with the same --peer list form the cluster with no separate init step: each
     // proposes the same initial membership, which openraft accepts once and ignores afterwards.
-    if !raft.is_initialized().await? {
-        let members: BTreeMap<NodeId, BasicNode> = config
-            .peers
-            .iter()
-            .map(|(id, addr)| (*id, BasicNode { addr: addr.clone() }))
-            .collect();
-        if let Err(e) = raft.initialize(members).await {
-            tracing::info!(error = %e, "initialize skipped");
-        }
+    // A node that started empty does so only once its peers show the cluster is new (vote_gate).
+    let members: BTreeMap<NodeId, BasicNode> = config
+        .peers
+        .iter()
+        .map(|(id, addr)| (*id, BasicNode { addr: addr.clone() }))
+        .collect();
+    if vote_gate.is_open()
+        && !raft.is_initialized().await?
+        && let Err(e) = raft.initialize(members.clone()).await
+    {
+        tracing::info!(error = %e, "initialize skipped");
     }
 
     let clock = Clock::new();
@@ -314,18 +322,16 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
     ));
     tokio::spawn(reap(ctx.clone(), shutdown.clone()));
     if !vote_gate.is_open() {
-        let (gate, r, s) = (vote_gate.clone(), raft.clone(), shutdown.clone());
-        tokio::spawn(async move { gate.watch(r, s).await });
         let mut raft_peers = Vec::new();
         for (id, addr) in config.peers.iter().filter(|(id, _)| **id != config.id) {
             let client = crate::raft::network::raft_client(addr, source_ip(&config))
                 .map_err(|e| anyhow::anyhow!("lockd: --peer {id}={addr}: {e}"))?;
             raft_peers.push((*id, client));
         }
-        let (gate, s, size) = (vote_gate.clone(), shutdown.clone(), config.peers.len());
+        let (gate, r, s) = (vote_gate.clone(), raft.clone(), shutdown.clone());
         tokio::spawn(async move {
             let ask = || crate::raft::network::ask_votes(&raft_peers);
-            gate.learn_term(size, ask, s).await
+            gate.rejoin(r, members, ask, s).await
         });
     }
     if let Some(addr) = config.metrics_listen {
@@ -354,6 +360,7 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
             raft.clone(),
             refuse_votes_until,
             vote_gate.clone(),
+            raft_log,
         ))
         .serve_with_incoming_shutdown(incoming, shutdown.clone().cancelled_owned());
     tracing::info!(id = config.id, listen = %config.listen, data_dir = %config.data_dir.display(), "lockd node started");

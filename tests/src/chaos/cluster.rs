@@ -165,6 +165,18 @@ impl ChaosCluster {
         Ok(())
     }
 
+    /// Kills node `id` and deletes its data dir (its audit log, outside it, stays for the
+    /// checker): the next start is empty, as after a lost disk.
+    pub fn wipe(&mut self, id: u64) -> anyhow::Result<()> {
+        self.kill(id);
+        let dir = self.dir.join(format!("node{id}"));
+        if dir.exists() {
+            std::fs::remove_dir_all(&dir)
+                .map_err(|e| anyhow::anyhow!("wiping {}: {e}", dir.display()))?;
+        }
+        Ok(())
+    }
+
     /// kill -9.
     pub fn kill(&mut self, id: u64) {
         if let Some(mut n) = self.nodes[id as usize - 1].take() {

@@ -1,5 +1,5 @@
 //! The nemesis: a seeded schedule of faults, one at a time, each held for a while and then lifted.
-//! Every kind comes once per round of eight, in a seeded order. The same seed gives the same
+//! Every kind comes once per round of nine, in a seeded order. The same seed gives the same
 //! sequence of fault kinds, targets (by role) and durations; the
 //! interleaving with client operations still depends on timing.
 
@@ -34,9 +34,12 @@ pub enum Fault {
     ClockJump,
     /// A client stalls past its lease, then writes with its old token.
     PauseClient,
+    /// A node loses its disk: killed, data dir deleted, restarted empty. It must catch up
+    /// before it votes, campaigns or follows an older term (lockd's vote gate).
+    WipeNode,
 }
 
-pub const ALL: [Fault; 8] = [
+pub const ALL: [Fault; 9] = [
     Fault::KillLeader,
     Fault::KillFollower,
     Fault::PauseNode,
@@ -45,6 +48,7 @@ pub const ALL: [Fault; 8] = [
     Fault::DropReplies,
     Fault::ClockJump,
     Fault::PauseClient,
+    Fault::WipeNode,
 ];
 
 pub struct Nemesis {
@@ -205,6 +209,24 @@ impl Nemesis {
                 cluster.kill(id);
                 cluster.start_node(id, offset)?;
                 self.sleep_ms(1_000, 3_000).await;
+            }
+            Fault::WipeNode => {
+                let leader = self.leader(cluster).await;
+                let id = if self.rng.random_bool(0.5) {
+                    leader
+                } else {
+                    self.other(leader)
+                };
+                self.note(format!(
+                    "kill -9 node {id} (leader was {leader}) and delete its data dir"
+                ));
+                cluster.wipe(id)?;
+                self.sleep_ms(500, 3_000).await;
+                self.note(format!("restart node {id} empty"));
+                let offset = cluster.clock_offsets_ms[id as usize - 1];
+                cluster.start_node(id, offset)?;
+                // Catching up from the snapshot takes longer than a plain restart.
+                self.sleep_ms(2_000, 4_000).await;
             }
             Fault::PauseClient => {
                 let w = self.rng.random_range(0..self.client_pauses.len());

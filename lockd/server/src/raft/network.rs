@@ -78,6 +78,14 @@ pub async fn ask_votes(peers: &[(NodeId, RaftClient<Channel>)]) -> Vec<VoteRepor
                         None
                     }
                 },
+                Ok(Err(status)) if status.code() == tonic::Code::Unimplemented => {
+                    tracing::warn!(
+                        peer = id,
+                        "peer runs a lockd without CurrentVote: upgrade every node before a node \
+                         rejoins with an empty data dir"
+                    );
+                    None
+                }
                 Ok(Err(status)) => {
                     tracing::debug!(peer = id, %status, "CurrentVote failed");
                     None

@@ -8,6 +8,8 @@ use std::sync::Arc;
 
 use crate::raft::vote_gate::{VoteGate, VoteReport};
 use crate::raft::{Raft, TypeConfig};
+use crate::storage::log_store::LogStore;
+use openraft::storage::RaftLogStorage;
 
 pub mod pb {
     tonic::include_proto!("lockd.raft.v1");
@@ -24,6 +26,8 @@ pub struct RaftService {
     refuse_votes_until: Option<std::time::Instant>,
     /// Closed while this node rejoins with an empty data dir and has not caught up.
     gate: Arc<VoteGate>,
+    /// This node's log, for `CurrentVote`.
+    log: LogStore,
 }
 
 impl RaftService {
@@ -31,11 +35,13 @@ impl RaftService {
         raft: Raft,
         refuse_votes_until: Option<std::time::Instant>,
         gate: Arc<VoteGate>,
+        log: LogStore,
     ) -> RaftServer<Self> {
         RaftServer::new(RaftService {
             raft,
             refuse_votes_until,
             gate,
+            log,
         })
         .max_decoding_message_size(crate::raft::network::RAFT_MESSAGE_MAX_BYTES)
         .max_encoding_message_size(crate::raft::network::RAFT_MESSAGE_MAX_BYTES)
@@ -61,9 +67,7 @@ impl pb::raft_server::Raft for RaftService {
     ) -> Result<Response<RaftMessage>, Status> {
         let rpc: openraft::raft::AppendEntriesRequest<TypeConfig> = decode(req)?;
         let (term, commit) = (rpc.vote.leader_id.term, rpc.leader_commit);
-        self.gate
-            .admits_leader(term, &self.raft)
-            .map_err(Status::unavailable)?;
+        self.gate.admits_leader(term).map_err(Status::unavailable)?;
         let reply = self.raft.append_entries(rpc).await;
         if matches!(
             reply,
@@ -97,7 +101,7 @@ impl pb::raft_server::Raft for RaftService {
     ) -> Result<Response<RaftMessage>, Status> {
         let rpc: openraft::raft::InstallSnapshotRequest<TypeConfig> = decode(req)?;
         self.gate
-            .admits_leader(rpc.vote.leader_id.term, &self.raft)
+            .admits_leader(rpc.vote.leader_id.term)
             .map_err(Status::unavailable)?;
         encode(&self.raft.install_snapshot(rpc).await)
     }
@@ -107,14 +111,16 @@ impl pb::raft_server::Raft for RaftService {
         &self,
         _req: Request<RaftMessage>,
     ) -> Result<Response<RaftMessage>, Status> {
-        let report = {
-            let m = self.raft.metrics();
-            let m = m.borrow();
-            VoteReport {
-                vote: m.vote,
-                last_log_index: m.last_log_index,
-            }
-        };
+        let vote = self.raft.metrics().borrow().vote;
+        // The log id, not only the index: a rejoining peer compares candidates' logs with it.
+        let last_log_id = self
+            .log
+            .clone()
+            .get_log_state()
+            .await
+            .map_err(|e| Status::unavailable(format!("lockd: reading the log state: {e}")))?
+            .last_log_id;
+        let report = VoteReport { vote, last_log_id };
         encode(&report)
     }
 }
