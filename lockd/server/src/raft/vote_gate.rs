@@ -31,6 +31,11 @@
 //! (for three nodes: all three, once), and with one node wiped and another lost the wiped node
 //! accepts nothing until a node that holds the log returns, which is the Raft answer to two
 //! failures out of three.
+//!
+//! Known limit: the proof's term is the highest any peer reports, which can be a failed
+//! candidate's. If a one-way partition lets a candidate's term climb past the live leader's, the
+//! wiped node refuses that leader until the partition heals (safe, but with a second fault the
+//! cluster waits).
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
