@@ -31,6 +31,16 @@ pub struct ClusterOptions {
     pub extra_args: Vec<String>,
     /// Wall-clock offset of node i+1 in ms (`LOCKD_TEST_CLOCK_OFFSET_MS`); missing = 0.
     pub clock_offsets_ms: Vec<i64>,
+    /// Run the nodes with TLS: certificates made by [`Cluster::start`] under a peer CA.
+    pub tls: bool,
+}
+
+/// The certificates of a TLS test cluster (see [`ClusterOptions::tls`]).
+pub struct ClusterTls {
+    pub cluster_id: String,
+    pub peer_ca: crate::tls::TestCa,
+    /// Node i+1's certificate.
+    pub nodes: Vec<crate::tls::Issued>,
 }
 
 impl Default for ClusterOptions {
@@ -44,6 +54,7 @@ impl Default for ClusterOptions {
             audit: false,
             extra_args: Vec::new(),
             clock_offsets_ms: Vec::new(),
+            tls: false,
         }
     }
 }
@@ -53,6 +64,8 @@ pub struct Cluster {
     pub options: ClusterOptions,
     dir: tempfile::TempDir,
     nodes: Vec<Option<ChildGuard>>,
+    /// Set when the options ask for TLS.
+    pub tls: Option<ClusterTls>,
 }
 
 impl Cluster {
@@ -63,7 +76,20 @@ impl Cluster {
             options,
             dir: tempfile::tempdir()?,
             nodes: Vec::new(),
+            tls: None,
         };
+        if cluster.options.tls {
+            let cluster_id = "test".to_owned();
+            let peer_ca = crate::tls::TestCa::new(cluster.dir.path(), "peer")?;
+            let nodes = (1..=cluster.options.nodes)
+                .map(|id| peer_ca.issue_node(&cluster_id, id, cluster.ip.into()))
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            cluster.tls = Some(ClusterTls {
+                cluster_id,
+                peer_ca,
+                nodes,
+            });
+        }
         for id in 1..=cluster.options.nodes {
             cluster.nodes.push(None);
             cluster.start_node(id)?;
@@ -130,6 +156,17 @@ impl Cluster {
                 .arg("--audit-key-file")
                 .arg(crate::audit::write_key_file(self.dir.path())?);
         }
+        if let Some(tls) = &self.tls {
+            let node = &tls.nodes[id as usize - 1];
+            cmd.arg("--cluster-id")
+                .arg(&tls.cluster_id)
+                .arg("--cert")
+                .arg(&node.cert)
+                .arg("--key")
+                .arg(&node.key)
+                .arg("--peer-ca")
+                .arg(&tls.peer_ca.cert_path);
+        }
         cmd.args(&o.extra_args);
         if let Some(offset) = o.clock_offsets_ms.get(id as usize - 1) {
             cmd.env("LOCKD_TEST_CLOCK_OFFSET_MS", offset.to_string());
@@ -181,8 +218,20 @@ impl Cluster {
             .is_some_and(|n| n.is_running())
     }
 
+    /// A client channel to node `id`; over TLS (trusting the peer CA, no client certificate)
+    /// when the cluster runs with it.
     pub async fn channel(&self, id: u64) -> anyhow::Result<Channel> {
-        Ok(Channel::from_shared(format!("http://{}", self.addr(id)))?
+        let Some(tls) = &self.tls else {
+            return Ok(Channel::from_shared(format!("http://{}", self.addr(id)))?
+                .connect_timeout(Duration::from_secs(1))
+                .connect_lazy());
+        };
+        let ca = std::fs::read(&tls.peer_ca.cert_path)?;
+        Ok(Channel::from_shared(format!("https://{}", self.addr(id)))?
+            .tls_config(
+                tonic::transport::ClientTlsConfig::new()
+                    .ca_certificate(tonic::transport::Certificate::from_pem(ca)),
+            )?
             .connect_timeout(Duration::from_secs(1))
             .connect_lazy())
     }
@@ -213,10 +262,11 @@ impl Cluster {
                     continue;
                 }
                 running += 1;
-                if let Ok(s) = self.status(id).await {
-                    if s.leader_id != 0 && (s.role == "leader") == (s.leader_id == id) {
-                        leaders.push(s.leader_id);
-                    }
+                if let Ok(s) = self.status(id).await
+                    && s.leader_id != 0
+                    && (s.role == "leader") == (s.leader_id == id)
+                {
+                    leaders.push(s.leader_id);
                 }
             }
             let agreed =

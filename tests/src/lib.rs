@@ -22,3 +22,4 @@ pub mod fencegen;
 pub mod http_upstream;
 pub mod pg;
 pub mod process;
+pub mod tls;

@@ -314,8 +314,7 @@ async fn full_restart_keeps_leases_tokens_and_dedup() {
         );
     }
     // Some released, so the table holds both live and gone leases.
-    for i in 0..5 {
-        let g = &grants[i];
+    for (i, g) in grants.iter().enumerate().take(5) {
         c.release(ReleaseRequest {
             resource: format!("restart/{i}"),
             lease_id: g.lease_id.clone(),

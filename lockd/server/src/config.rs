@@ -139,6 +139,10 @@ pub struct NodeConfig {
     pub metrics_listen: Option<SocketAddr>,
     pub audit: Option<crate::observe::audit::AuditTarget>,
     pub tuning: Tuning,
+    /// Names this cluster on every Raft message and in node certificate names.
+    pub cluster_id: String,
+    /// Certificates; `None` runs without TLS (replication unauthenticated).
+    pub tls: Option<crate::tls::TlsFiles>,
 }
 
 impl NodeConfig {
@@ -188,7 +192,50 @@ impl NodeConfig {
             metrics_listen,
             audit,
             tuning,
+            cluster_id: crate::tls::DEFAULT_CLUSTER_ID.to_owned(),
+            tls: None,
         })
+    }
+
+    /// Sets the cluster id and the certificates (`--cluster-id`, `--cert`, `--key`,
+    /// `--peer-ca`, `--client-ca`); checks that they go together.
+    pub fn with_security(
+        mut self,
+        cluster_id: String,
+        cert: Option<PathBuf>,
+        key: Option<PathBuf>,
+        peer_ca: Option<PathBuf>,
+        client_ca: Option<PathBuf>,
+    ) -> Result<Self, String> {
+        crate::tls::validate_cluster_id(&cluster_id)?;
+        self.cluster_id = cluster_id;
+        self.tls = match (cert, key, peer_ca) {
+            (Some(cert), Some(key), Some(peer_ca)) => Some(crate::tls::TlsFiles {
+                cert,
+                key,
+                peer_ca,
+                client_ca,
+            }),
+            (None, None, None) if client_ca.is_none() => None,
+            (None, None, None) => {
+                return Err("--client-ca needs --cert, --key and --peer-ca".to_owned());
+            }
+            (c, k, p) => {
+                let missing: Vec<&str> = [
+                    ("--cert", c.is_none()),
+                    ("--key", k.is_none()),
+                    ("--peer-ca", p.is_none()),
+                ]
+                .into_iter()
+                .filter_map(|(f, m)| m.then_some(f))
+                .collect();
+                return Err(format!(
+                    "TLS needs --cert, --key and --peer-ca together; missing {}",
+                    missing.join(", ")
+                ));
+            }
+        };
+        Ok(self)
     }
 }
 

@@ -25,6 +25,7 @@ pub mod proposer;
 pub mod raft;
 pub mod service;
 pub mod storage;
+pub mod tls;
 pub mod waiters;
 
 use config::LogFormat;

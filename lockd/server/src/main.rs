@@ -31,6 +31,25 @@ struct Cli {
     /// Serve /metrics, /healthz and /readyz here.
     #[arg(long, env = "LOCKD_METRICS_LISTEN")]
     metrics_listen: Option<SocketAddr>,
+    /// Names the cluster: sent on every replication message (two clusters never mix) and part
+    /// of the node certificates' names, `node-<id>.<cluster-id>.lockd`.
+    #[arg(long, env = "LOCKD_CLUSTER_ID", default_value = lockd_server::tls::DEFAULT_CLUSTER_ID)]
+    cluster_id: String,
+    /// This node's certificate (PEM): served to clients and peers, presented to peers. Must name
+    /// `node-<id>.<cluster-id>.lockd` and the address clients dial. Turns TLS on, with --key
+    /// and --peer-ca.
+    #[arg(long, env = "LOCKD_CERT")]
+    cert: Option<PathBuf>,
+    /// This node's private key (PEM).
+    #[arg(long, env = "LOCKD_KEY")]
+    key: Option<PathBuf>,
+    /// The CA (PEM) that issues node certificates: replication is accepted only from callers
+    /// with a certificate from it that names the node they claim to be.
+    #[arg(long, env = "LOCKD_PEER_CA")]
+    peer_ca: Option<PathBuf>,
+    /// A CA (PEM) whose client certificates the port also accepts (identities for clients).
+    #[arg(long, env = "LOCKD_CLIENT_CA")]
+    client_ca: Option<PathBuf>,
     #[command(flatten)]
     tuning: Tuning,
 }
@@ -124,6 +143,15 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 cli.metrics_listen,
                 cli.tuning,
             )
+            .and_then(|c| {
+                c.with_security(
+                    cli.cluster_id,
+                    cli.cert,
+                    cli.key,
+                    cli.peer_ca,
+                    cli.client_ca,
+                )
+            })
             .map_err(|e| anyhow::anyhow!(e))?;
             lockd_server::init_tracing(config.tuning.log_format, "info,openraft=warn");
             let node = lockd_server::node::start(config, shutdown).await?;

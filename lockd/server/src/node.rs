@@ -11,7 +11,7 @@ use lockd_api::v1::lock_server::LockServer;
 use lockd_core::{Command, Event, EventKind, ResourceName};
 use openraft::{BasicNode, ServerState};
 use tokio_util::sync::CancellationToken;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 use crate::clock::Clock;
 use crate::config::NodeConfig;
@@ -20,6 +20,7 @@ use crate::observe::hot::{HotEvent, HotTracker};
 use crate::observe::metrics::NodeMetrics;
 use crate::proposer::Proposer;
 use crate::raft::network::Network;
+use crate::raft::network::PeerDial;
 use crate::raft::vote_gate::VoteGate;
 use crate::raft::{NodeId, Raft};
 use crate::service::cluster::ClusterService;
@@ -246,6 +247,22 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
     let sink: Arc<dyn AppliedSink> = hub.clone();
     let state_machine = StateMachine::open(dbs, sink).await?;
     let sm = state_machine.shared();
+    let tls = match &config.tls {
+        Some(files) => Some(crate::tls::NodeTls::load(
+            files,
+            config.id,
+            &config.cluster_id,
+        )?),
+        None => {
+            tracing::warn!(
+                "lockd: TLS is off (no --cert, --key, --peer-ca): replication is unauthenticated, \
+                 and anyone who reaches --listen can send Raft messages; use only on a trusted \
+                 network"
+            );
+            None
+        }
+    };
+    let dial = PeerDial::new(source_ip(&config), tls.clone(), &config.cluster_id)?;
     let raft_log = log_store.clone();
     // A rejoining node starts with elections off; VoteGate::rejoin turns them on (rule 2).
     let raft_config = openraft::Config {
@@ -255,9 +272,7 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
     let raft = Raft::new(
         config.id,
         Arc::new(raft_config),
-        Network {
-            local_ip: source_ip(&config),
-        },
+        Network { dial: dial.clone() },
         log_store,
         state_machine,
     )
@@ -286,12 +301,7 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
         if *id == config.id {
             continue;
         }
-        let channel = Endpoint::from_shared(format!("http://{addr}"))?
-            .connect_timeout(Duration::from_millis(500))
-            .local_address(source_ip(&config))
-            .tcp_nodelay(true)
-            .connect_lazy();
-        let client = LockClient::new(channel)
+        let client = LockClient::new(dial.channel(*id, addr)?)
             .max_decoding_message_size(CLIENT_MESSAGE_MAX_BYTES)
             .max_encoding_message_size(CLIENT_MESSAGE_MAX_BYTES);
         peers.insert(*id, (addr.clone(), client));
@@ -324,13 +334,19 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
     if !vote_gate.is_open() {
         let mut raft_peers = Vec::new();
         for (id, addr) in config.peers.iter().filter(|(id, _)| **id != config.id) {
-            let client = crate::raft::network::raft_client(addr, source_ip(&config))
+            let client = dial
+                .raft_client(*id, addr)
                 .map_err(|e| anyhow::anyhow!("lockd: --peer {id}={addr}: {e}"))?;
             raft_peers.push((*id, client));
         }
-        let (gate, r, s) = (vote_gate.clone(), raft.clone(), shutdown.clone());
+        let (gate, r, s, d) = (
+            vote_gate.clone(),
+            raft.clone(),
+            shutdown.clone(),
+            dial.clone(),
+        );
         tokio::spawn(async move {
-            let ask = || crate::raft::network::ask_votes(&raft_peers);
+            let ask = || crate::raft::network::ask_votes(&d, &raft_peers);
             gate.rejoin(r, members, ask, s).await
         });
     }
@@ -349,7 +365,13 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
     // The builder's tcp_nodelay does not reach sockets accepted from our own listener, so the
     // listener sets it: with Nagle on, a small reply waits for the peer's delayed ACK (40 ms).
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
-    let server = tonic::transport::Server::builder()
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = &tls {
+        builder = builder
+            .tls_config(tls.server_config())
+            .map_err(|e| anyhow::anyhow!("lockd: TLS configuration: {e}"))?;
+    }
+    let server = builder
         .add_service(health_service)
         .add_service(
             LockServer::new(LockService::new(ctx.clone()))
@@ -361,6 +383,7 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
             refuse_votes_until,
             vote_gate.clone(),
             raft_log,
+            crate::service::raft::PeerAuth::new(&config, tls.clone()),
         ))
         .serve_with_incoming_shutdown(incoming, shutdown.clone().cancelled_owned());
     tracing::info!(id = config.id, listen = %config.listen, data_dir = %config.data_dir.display(), "lockd node started");

@@ -228,9 +228,10 @@ pub fn check_audit_single_holder(
                         });
                         continue;
                     };
-                    if e.outcome == "expired" {
-                        if let Some(d) = o.deadline_ms.filter(|d| clock < *d) {
-                            v.push(Violation {
+                    if e.outcome == "expired"
+                        && let Some(d) = o.deadline_ms.filter(|d| clock < *d)
+                    {
+                        v.push(Violation {
                                 check: "single-holder",
                                 detail: format!(
                                     "log index {index}: token {} on {:?} expired at table time {clock}, before its deadline {d} ({} ms early)",
@@ -239,7 +240,6 @@ pub fn check_audit_single_holder(
                                     d - clock
                                 ),
                             });
-                        }
                     }
                     if e.outcome == "renewed" {
                         let o = open.get_mut(&e.resource).unwrap();
@@ -352,9 +352,10 @@ pub fn check_client_single_holder(ops: &[Op]) -> Vec<Violation> {
         ls.sort_by_key(|l| l.token);
         let mut latest_end: Option<&KnownLease> = None;
         for l in ls {
-            if let Some(prev) = latest_end {
-                if l.granted_seen_ms < prev.end_ms {
-                    v.push(Violation {
+            if let Some(prev) = latest_end
+                && l.granted_seen_ms < prev.end_ms
+            {
+                v.push(Violation {
                         check: "single-holder",
                         detail: format!(
                             "{resource:?}: token {} (request {}) was acknowledged at {} ms, while token {} (request {}, sent at {} ms) was still held by its holder's own deadline until {} ms",
@@ -367,7 +368,6 @@ pub fn check_client_single_holder(ops: &[Op]) -> Vec<Violation> {
                             prev.end_ms
                         ),
                     });
-                }
             }
             if latest_end.is_none_or(|p| l.end_ms > p.end_ms) {
                 latest_end = Some(l);
@@ -384,16 +384,16 @@ pub fn check_token_monotonic(merged: &BTreeMap<u64, Vec<AuditLine>>, ops: &[Op])
     let mut last: Option<(u64, u64, &str)> = None;
     for (index, events) in merged {
         for e in events.iter().filter(|e| e.outcome == "granted") {
-            if let Some((li, lt, lr)) = last {
-                if e.fencing_token <= lt {
-                    v.push(Violation {
+            if let Some((li, lt, lr)) = last
+                && e.fencing_token <= lt
+            {
+                v.push(Violation {
                         check: "token-monotonic",
                         detail: format!(
                             "log index {index}: token {} granted to request {} on {:?} after token {lt} (log index {li}, {lr:?})",
                             e.fencing_token, e.request_id, e.resource
                         ),
                     });
-                }
             }
             last = Some((*index, e.fencing_token, &e.resource));
         }
@@ -456,16 +456,16 @@ pub fn check_no_lost_write(target: Target, ops: &[Op], applied: &[Applied]) -> V
             },
             Some(Outcome::Done { .. }),
         ) = (&op.kind, &op.outcome)
+            && *t == target
+            && !present.contains(&(resource.as_str(), *token, value.as_str()))
         {
-            if *t == target && !present.contains(&(resource.as_str(), *token, value.as_str())) {
-                v.push(Violation {
+            v.push(Violation {
                     check: "no-lost-write",
                     detail: format!(
                         "{target:?} write {value:?} to {resource:?} with token {token} was acknowledged at {} ms but is not in the target",
                         op.complete_ms.unwrap_or(0)
                     ),
                 });
-            }
         }
     }
     v
@@ -529,15 +529,15 @@ pub fn check_request_id_once(merged: &BTreeMap<u64, Vec<AuditLine>>, ops: &[Op])
                 ),
             });
         }
-        if let Some((_, token)) = granted.get(rid) {
-            if grants.iter().all(|(_, t)| t != token) {
-                v.push(Violation {
-                    check: "request-id-once",
-                    detail: format!(
-                        "request {rid}: the client was told token {token}, the log granted {grants:?}"
-                    ),
-                });
-            }
+        if let Some((_, token)) = granted.get(rid)
+            && grants.iter().all(|(_, t)| t != token)
+        {
+            v.push(Violation {
+                check: "request-id-once",
+                detail: format!(
+                    "request {rid}: the client was told token {token}, the log granted {grants:?}"
+                ),
+            });
         }
         if let Some(reason) = refused.get(rid) {
             v.push(Violation {

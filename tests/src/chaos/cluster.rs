@@ -253,10 +253,11 @@ impl ChaosCluster {
             if !self.is_up(id) || self.paused[id as usize - 1] {
                 continue;
             }
-            if let Ok(s) = self.status(id).await {
-                if s.role == "leader" && s.leader_id == id {
-                    return Some(id);
-                }
+            if let Ok(s) = self.status(id).await
+                && s.role == "leader"
+                && s.leader_id == id
+            {
+                return Some(id);
             }
         }
         None

@@ -1103,15 +1103,15 @@ impl Model {
                     };
                 }
                 let mut s = self.res.remove(r).unwrap_or_default();
-                let out = if s.lease.is_none() {
+                let out = if let Some(lease) = s.lease.as_ref().filter(|_| *wait_timeout_ms == 0) {
+                    Outcome::Held {
+                        holder: lease.4.clone(),
+                    }
+                } else if s.lease.is_none() {
                     let g = self.grant(&mut s, *lease_id, *lease_ttl_ms, holder, request_id);
                     self.dedup
                         .insert(request_id.clone(), (args, self.now, ModelDedup::Granted(g)));
                     Outcome::Granted(g)
-                } else if *wait_timeout_ms == 0 {
-                    Outcome::Held {
-                        holder: s.lease.as_ref().unwrap().4.clone(),
-                    }
                 } else {
                     s.queue.push((
                         request_id.clone(),

@@ -13,9 +13,14 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tonic::transport::{Channel, Endpoint};
 
+use std::sync::Arc;
+
+use tonic::metadata::{Ascii, MetadataValue};
+
 use super::vote_gate::VoteReport;
 use super::{NodeId, TypeConfig};
 use crate::service::raft::pb::{RaftMessage, raft_client::RaftClient};
+use crate::tls::{CLUSTER_ID_HEADER, NodeTls};
 
 /// Largest replication message either side accepts: appends carry up to `max_payload_entries`
 /// batches and snapshots come in chunks of `snapshot_max_chunk_size`.
@@ -26,11 +31,72 @@ const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
 const VOTE_ASK_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// Creates one lazily connecting channel per peer.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct Network {
+    pub dial: PeerDial,
+}
+
+/// How this node dials its peers: from which address, over TLS or not, for which cluster.
+#[derive(Clone)]
+pub struct PeerDial {
     /// Source address of connections to peers: the node's listen IP, so peers (and fault-injection
     /// relays in tests) see which node is calling. `None` when listening on a wildcard address.
     pub local_ip: Option<std::net::IpAddr>,
+    /// Mutual TLS with the peers; `None` dials plaintext.
+    pub tls: Option<Arc<NodeTls>>,
+    /// Sent on every Raft message ([`CLUSTER_ID_HEADER`]).
+    pub cluster_id: MetadataValue<Ascii>,
+}
+
+impl PeerDial {
+    pub fn new(
+        local_ip: Option<std::net::IpAddr>,
+        tls: Option<Arc<NodeTls>>,
+        cluster_id: &str,
+    ) -> anyhow::Result<Self> {
+        Ok(PeerDial {
+            local_ip,
+            tls,
+            cluster_id: cluster_id
+                .parse()
+                .map_err(|e| anyhow::anyhow!("cluster id {cluster_id:?}: {e}"))?,
+        })
+    }
+
+    /// A lazily connecting channel to peer `target` at `addr`: TLS with the peer's node name
+    /// checked when this node has certificates.
+    pub fn channel(&self, target: NodeId, addr: &str) -> Result<Channel, tonic::transport::Error> {
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        let mut endpoint = Endpoint::from_shared(format!("{scheme}://{addr}"))?
+            .connect_timeout(CONNECT_TIMEOUT)
+            .local_address(self.local_ip)
+            .tcp_nodelay(true)
+            .http2_keep_alive_interval(Duration::from_secs(5));
+        if let Some(tls) = &self.tls {
+            endpoint = endpoint.tls_config(tls.client_config(target))?;
+        }
+        Ok(endpoint.connect_lazy())
+    }
+
+    /// A Raft client of peer `target`.
+    pub fn raft_client(
+        &self,
+        target: NodeId,
+        addr: &str,
+    ) -> Result<RaftClient<Channel>, tonic::transport::Error> {
+        Ok(RaftClient::new(self.channel(target, addr)?)
+            .max_decoding_message_size(RAFT_MESSAGE_MAX_BYTES)
+            .max_encoding_message_size(RAFT_MESSAGE_MAX_BYTES))
+    }
+
+    /// Wraps a Raft message for sending: with the cluster id.
+    fn request(&self, data: Vec<u8>) -> tonic::Request<RaftMessage> {
+        let mut request = tonic::Request::new(RaftMessage { data });
+        request
+            .metadata_mut()
+            .insert(CLUSTER_ID_HEADER, self.cluster_id.clone());
+        request
+    }
 }
 
 impl RaftNetworkFactory<TypeConfig> for Network {
@@ -39,35 +105,25 @@ impl RaftNetworkFactory<TypeConfig> for Network {
     async fn new_client(&mut self, target: NodeId, node: &BasicNode) -> PeerClient {
         PeerClient {
             target,
-            client: raft_client(&node.addr, self.local_ip)
+            client: self
+                .dial
+                .raft_client(target, &node.addr)
                 .map_err(|e| format!("peer {target} address {:?}: {e}", node.addr)),
+            dial: self.dial.clone(),
         }
     }
 }
 
-/// A lazily connecting client of the Raft service at `addr`, calling from `local_ip`.
-pub fn raft_client(
-    addr: &str,
-    local_ip: Option<std::net::IpAddr>,
-) -> Result<RaftClient<Channel>, tonic::transport::Error> {
-    let channel = Endpoint::from_shared(format!("http://{addr}"))?
-        .connect_timeout(CONNECT_TIMEOUT)
-        .local_address(local_ip)
-        .tcp_nodelay(true)
-        .http2_keep_alive_interval(Duration::from_secs(5))
-        .connect_lazy();
-    Ok(RaftClient::new(channel)
-        .max_decoding_message_size(RAFT_MESSAGE_MAX_BYTES)
-        .max_encoding_message_size(RAFT_MESSAGE_MAX_BYTES))
-}
-
 /// Asks every peer at once for its current vote; returns the answers that came within
 /// [`VOTE_ASK_TIMEOUT`]. Used by a node that rejoins with an empty data dir (see `vote_gate`).
-pub async fn ask_votes(peers: &[(NodeId, RaftClient<Channel>)]) -> Vec<VoteReport> {
+pub async fn ask_votes(
+    dial: &PeerDial,
+    peers: &[(NodeId, RaftClient<Channel>)],
+) -> Vec<VoteReport> {
     let asks = peers.iter().map(|(id, client)| {
         let mut client = client.clone();
         async move {
-            let mut request = tonic::Request::new(RaftMessage { data: Vec::new() });
+            let mut request = dial.request(Vec::new());
             request.set_timeout(VOTE_ASK_TIMEOUT);
             let reply = tokio::time::timeout(VOTE_ASK_TIMEOUT, client.current_vote(request)).await;
             match reply {
@@ -104,6 +160,7 @@ pub async fn ask_votes(peers: &[(NodeId, RaftClient<Channel>)]) -> Vec<VoteRepor
 pub struct PeerClient {
     target: NodeId,
     client: Result<RaftClient<Channel>, String>,
+    dial: PeerDial,
 }
 
 type RpcErr<E> = RPCError<NodeId, BasicNode, RaftError<NodeId, E>>;
@@ -130,7 +187,7 @@ impl PeerClient {
         };
         let data =
             postcard::to_allocvec(req).map_err(|e| RPCError::Network(NetworkError::new(&e)))?;
-        let mut request = tonic::Request::new(RaftMessage { data });
+        let mut request = self.dial.request(data);
         request.set_timeout(option.hard_ttl());
         let result = match method {
             Method::Append => client.append_entries(request).await,

@@ -1,0 +1,208 @@
+//! Mutual TLS between nodes, and TLS for clients, on the node's one gRPC port.
+//!
+//! Replication and clients share the port (CONTRACT: one port per node), so the listener asks
+//! every caller for a certificate but does not require one: clients may come without. A Raft
+//! message is accepted only from a caller whose certificate chains to the **peer CA** (not merely
+//! to any CA the listener trusts for clients) and names the node the message claims to come from:
+//! `node-<id>.<cluster-id>.lockd` as a DNS subject alternative name. So a client certificate, a
+//! certificate of another cluster, or one node impersonating another gets UNAUTHENTICATED, and the
+//! message never reaches openraft. The cluster id is also sent on every Raft message
+//! ([`CLUSTER_ID_HEADER`]), so two clusters never mix even where TLS is off.
+//!
+//! A node's certificate serves three purposes: its server certificate on the port (so it must
+//! also name the address clients dial: a DNS or IP SAN), its client certificate towards peers,
+//! and its identity in forwarded client calls.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use rustls_pki_types::{CertificateDer, ServerName, UnixTime};
+use tonic::transport::{Certificate, ClientTlsConfig, Identity, ServerTlsConfig};
+
+use crate::raft::NodeId;
+
+/// gRPC metadata carrying the sender's cluster id on every Raft message.
+pub const CLUSTER_ID_HEADER: &str = "lockd-cluster-id";
+
+/// The cluster id when `--cluster-id` is not given.
+pub const DEFAULT_CLUSTER_ID: &str = "lockd";
+
+/// The DNS name a node's certificate must carry: `node-<id>.<cluster_id>.lockd`.
+pub fn node_name(id: NodeId, cluster_id: &str) -> String {
+    format!("node-{id}.{cluster_id}.lockd")
+}
+
+/// Checks `--cluster-id`: it becomes a DNS label in certificate names.
+pub fn validate_cluster_id(id: &str) -> Result<(), String> {
+    let ok = !id.is_empty()
+        && id.len() <= 63
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !id.starts_with('-')
+        && !id.ends_with('-');
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "--cluster-id {id:?} must be 1-63 characters of a-z, 0-9 and '-', not starting or \
+             ending with '-' (it is part of the node certificates' DNS names)"
+        ))
+    }
+}
+
+/// The certificate files of `--cert`, `--key`, `--peer-ca` and `--client-ca`.
+#[derive(Clone, Debug)]
+pub struct TlsFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub peer_ca: PathBuf,
+    pub client_ca: Option<PathBuf>,
+}
+
+/// A node's TLS material, loaded and checked at start.
+pub struct NodeTls {
+    cluster_id: String,
+    cert_pem: Vec<u8>,
+    key_pem: Vec<u8>,
+    peer_ca_pem: Vec<u8>,
+    client_ca_pem: Option<Vec<u8>>,
+    /// The peer CA as a webpki trust anchor, for the check of every Raft caller.
+    peer_anchors: Vec<rustls_pki_types::TrustAnchor<'static>>,
+}
+
+fn read(path: &Path, flag: &str) -> anyhow::Result<Vec<u8>> {
+    std::fs::read(path).map_err(|e| anyhow::anyhow!("{flag} {}: {e}", path.display()))
+}
+
+fn certs_in(pem: &[u8], what: &str) -> anyhow::Result<Vec<CertificateDer<'static>>> {
+    use rustls_pki_types::pem::PemObject;
+    let certs: Vec<_> = CertificateDer::pem_slice_iter(pem)
+        .collect::<Result<_, _>>()
+        .map_err(|e| anyhow::anyhow!("{what}: not PEM certificates: {e}"))?;
+    if certs.is_empty() {
+        anyhow::bail!("{what}: no certificate in it");
+    }
+    Ok(certs)
+}
+
+impl NodeTls {
+    /// Loads the files and checks that this node's own certificate passes the check its peers
+    /// will make, so a wrong certificate fails at start with a clear error.
+    pub fn load(files: &TlsFiles, id: NodeId, cluster_id: &str) -> anyhow::Result<Arc<NodeTls>> {
+        let cert_pem = read(&files.cert, "--cert")?;
+        let key_pem = read(&files.key, "--key")?;
+        let peer_ca_pem = read(&files.peer_ca, "--peer-ca")?;
+        let client_ca_pem = match &files.client_ca {
+            Some(p) => Some(read(p, "--client-ca")?),
+            None => None,
+        };
+        let peer_anchors = certs_in(
+            &peer_ca_pem,
+            &format!("--peer-ca {}", files.peer_ca.display()),
+        )?
+        .iter()
+        .map(|c| {
+            webpki::anchor_from_trusted_cert(c)
+                .map(|a| a.to_owned())
+                .map_err(|e| {
+                    anyhow::anyhow!(
+                        "--peer-ca {}: not a CA certificate: {e}",
+                        files.peer_ca.display()
+                    )
+                })
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+        if let Some(pem) = &client_ca_pem {
+            certs_in(pem, "--client-ca")?;
+        }
+        let tls = NodeTls {
+            cluster_id: cluster_id.to_owned(),
+            cert_pem,
+            key_pem,
+            peer_ca_pem,
+            client_ca_pem,
+            peer_anchors,
+        };
+        let own = certs_in(&tls.cert_pem, &format!("--cert {}", files.cert.display()))?;
+        tls.verify_peer(&own, id).map_err(|e| {
+            anyhow::anyhow!(
+                "--cert {}: its own peers would refuse it: {e}",
+                files.cert.display()
+            )
+        })?;
+        Ok(Arc::new(tls))
+    }
+
+    pub fn cluster_id(&self) -> &str {
+        &self.cluster_id
+    }
+
+    /// The listener's TLS: this node's certificate, and a certificate asked of every caller,
+    /// checked against the peer CA and the client CA but not required (clients may have none).
+    pub fn server_config(&self) -> ServerTlsConfig {
+        let mut roots = self.peer_ca_pem.clone();
+        if let Some(client) = &self.client_ca_pem {
+            roots.push(b'\n');
+            roots.extend_from_slice(client);
+        }
+        ServerTlsConfig::new()
+            .identity(Identity::from_pem(&self.cert_pem, &self.key_pem))
+            .client_ca_root(Certificate::from_pem(roots))
+            .client_auth_optional(true)
+    }
+
+    /// TLS towards peer `target`: its certificate must carry its node name, and this node
+    /// presents its own.
+    pub fn client_config(&self, target: NodeId) -> ClientTlsConfig {
+        ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(&self.peer_ca_pem))
+            .identity(Identity::from_pem(&self.cert_pem, &self.key_pem))
+            .domain_name(node_name(target, &self.cluster_id))
+    }
+
+    /// Whether `chain` (leaf first, as the caller presented it) is a node certificate of this
+    /// cluster for node `claimed`: issued under the peer CA, valid now, for client
+    /// authentication, with the node's name. The error says which part failed.
+    pub fn verify_peer(
+        &self,
+        chain: &[CertificateDer<'static>],
+        claimed: NodeId,
+    ) -> Result<(), String> {
+        let (leaf, intermediates) = chain
+            .split_first()
+            .ok_or_else(|| "no client certificate".to_owned())?;
+        let cert = webpki::EndEntityCert::try_from(leaf)
+            .map_err(|e| format!("unreadable certificate: {e}"))?;
+        cert.verify_for_usage(
+            webpki::ALL_VERIFICATION_ALGS,
+            &self.peer_anchors,
+            intermediates,
+            UnixTime::now(),
+            webpki::KeyUsage::client_auth(),
+            None,
+            None,
+        )
+        .map_err(|e| format!("not a node certificate of this cluster's peer CA: {e}"))?;
+        let name = node_name(claimed, &self.cluster_id);
+        let server_name =
+            ServerName::try_from(name.as_str()).map_err(|e| format!("node name {name:?}: {e}"))?;
+        cert.verify_is_valid_for_subject_name(&server_name)
+            .map_err(|_| format!("the certificate does not name {name}"))?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cluster_ids_must_be_dns_labels() {
+        assert!(validate_cluster_id("prod-eu1").is_ok());
+        for bad in ["", "Prod", "a.b", "-a", "a-", "a_b", &"x".repeat(64)] {
+            let e = validate_cluster_id(bad).unwrap_err();
+            assert!(e.contains("--cluster-id"), "{e}");
+        }
+    }
+}
