@@ -128,7 +128,11 @@ impl Client {
     }
 
     pub fn with_config(config: ClientConfig) -> Result<Self, Error> {
-        let endpoints = Endpoints::parse(&config.endpoints, config.connect_timeout)?;
+        let endpoints = Endpoints::parse(
+            &config.endpoints,
+            config.connect_timeout,
+            config.tls.as_ref(),
+        )?;
         Ok(Client {
             inner: Arc::new(Inner { endpoints, config }),
         })

@@ -50,6 +50,46 @@ pub struct ClientConfig {
     /// Free text sent as `holder` with every `Acquire` that does not set its own, shown by
     /// `Describe` so that operators can tell who holds a lock.
     pub holder: String,
+    /// TLS towards the nodes; `None` speaks plaintext gRPC.
+    pub tls: Option<ClientTls>,
+}
+
+/// TLS towards lockd: the CA that issued the nodes' certificates and, for a client-certificate
+/// identity, this client's certificate and key (all PEM), as etcdctl's `--cacert`, `--cert`,
+/// `--key`.
+#[derive(Clone, Debug)]
+pub struct ClientTls {
+    pub ca_pem: Vec<u8>,
+    /// Certificate and key.
+    pub identity: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+impl ClientTls {
+    /// Reads the files; a missing or unreadable one is named in the error.
+    pub fn from_files(
+        ca: &std::path::Path,
+        cert: Option<&std::path::Path>,
+        key: Option<&std::path::Path>,
+    ) -> Result<Self, crate::Error> {
+        let read = |flag: &str, path: &std::path::Path| {
+            std::fs::read(path).map_err(|e| crate::Error::BadTls {
+                reason: format!("{flag} {}: {e}", path.display()),
+            })
+        };
+        let identity = match (cert, key) {
+            (Some(c), Some(k)) => Some((read("--cert", c)?, read("--key", k)?)),
+            (None, None) => None,
+            _ => {
+                return Err(crate::Error::BadTls {
+                    reason: "--cert and --key go together".to_owned(),
+                });
+            }
+        };
+        Ok(ClientTls {
+            ca_pem: read("--cacert", ca)?,
+            identity,
+        })
+    }
 }
 
 impl ClientConfig {
@@ -65,6 +105,7 @@ impl ClientConfig {
             call_timeout: CALL_TIMEOUT,
             safety_margin: None,
             holder: default_holder(),
+            tls: None,
         }
     }
 }

@@ -9,7 +9,9 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
+
+use crate::config::ClientTls;
 
 use crate::error::Error;
 
@@ -35,8 +37,13 @@ pub struct Endpoints {
 }
 
 impl Endpoints {
-    /// Parses `host:port` or `http://host:port` entries; nothing is connected yet.
-    pub fn parse<I, S>(endpoints: I, connect_timeout: Duration) -> Result<Self, Error>
+    /// Parses `host:port`, `http://host:port` or (with `tls`) `https://host:port` entries;
+    /// nothing is connected yet.
+    pub fn parse<I, S>(
+        endpoints: I,
+        connect_timeout: Duration,
+        tls: Option<&ClientTls>,
+    ) -> Result<Self, Error>
     where
         I: IntoIterator<Item = S>,
         S: AsRef<str>,
@@ -44,11 +51,21 @@ impl Endpoints {
         let mut slots = Vec::new();
         for raw in endpoints {
             let raw = raw.as_ref().trim();
-            let uri = normalize(raw)?;
-            let endpoint = Endpoint::from_shared(uri)
+            let uri = normalize(raw, tls.is_some())?;
+            let mut endpoint = Endpoint::from_shared(uri)
                 .map_err(|e| bad(raw, &e.to_string()))?
                 .connect_timeout(connect_timeout)
                 .tcp_nodelay(true);
+            if let Some(tls) = tls {
+                let mut config =
+                    ClientTlsConfig::new().ca_certificate(Certificate::from_pem(&tls.ca_pem));
+                if let Some((cert, key)) = &tls.identity {
+                    config = config.identity(Identity::from_pem(cert, key));
+                }
+                endpoint = endpoint.tls_config(config).map_err(|e| Error::BadTls {
+                    reason: format!("endpoint {raw:?}: {e}"),
+                })?;
+            }
             slots.push(Slot {
                 name: raw.to_owned(),
                 endpoint,
@@ -113,21 +130,33 @@ impl Endpoints {
     }
 }
 
-/// Turns `host:port` into `http://host:port`, rejecting anything that is not a plain address.
-fn normalize(raw: &str) -> Result<String, Error> {
+/// Turns `host:port` into `http://host:port` (`https://` with TLS), rejecting anything that is
+/// not a plain address or whose scheme does not match the TLS setting.
+fn normalize(raw: &str, tls: bool) -> Result<String, Error> {
     if raw.is_empty() {
         return Err(bad(raw, "empty endpoint"));
     }
+    let scheme = if tls { "https" } else { "http" };
     let uri = if raw.contains("://") {
         raw.to_owned()
     } else {
-        format!("http://{raw}")
+        format!("{scheme}://{raw}")
     };
     let parsed: tonic::codegen::http::Uri = uri
         .parse()
         .map_err(|e: tonic::codegen::http::uri::InvalidUri| bad(raw, &e.to_string()))?;
-    if parsed.scheme_str() != Some("http") {
-        return Err(bad(raw, "only http:// (plaintext gRPC) is supported"));
+    match (parsed.scheme_str(), tls) {
+        (Some("http"), false) | (Some("https"), true) => {}
+        (Some("https"), false) => {
+            return Err(bad(raw, "https:// needs TLS settings (--cacert)"));
+        }
+        (Some("http"), true) => {
+            return Err(bad(
+                raw,
+                "http:// is plaintext, but TLS is configured: use https://",
+            ));
+        }
+        _ => return Err(bad(raw, "only http:// and https:// are supported")),
     }
     if parsed.host().is_none_or(str::is_empty) {
         return Err(bad(raw, "missing host"));
@@ -159,10 +188,26 @@ mod tests {
         let e = Endpoints::parse(
             ["127.0.0.1:7001", "http://localhost:7002", " [::1]:7003 "],
             T,
+            None,
         )
         .unwrap();
         assert_eq!(e.len(), 3);
         assert_eq!(e.name(2), "[::1]:7003");
+    }
+
+    #[test]
+    fn the_scheme_must_match_the_tls_setting() {
+        let tls = ClientTls {
+            ca_pem: Vec::new(),
+            identity: None,
+        };
+        assert!(Endpoints::parse(["a:1", "https://b:2"], T, Some(&tls)).is_ok());
+        let err = Endpoints::parse(["http://a:1"], T, Some(&tls))
+            .err()
+            .unwrap();
+        assert!(err.to_string().contains("use https://"), "{err}");
+        let err = Endpoints::parse(["https://a:1"], T, None).err().unwrap();
+        assert!(err.to_string().contains("--cacert"), "{err}");
     }
 
     #[test]
@@ -176,7 +221,7 @@ mod tests {
             "http://a:1/x",
             ":7001",
         ] {
-            let err = Endpoints::parse([bad], T)
+            let err = Endpoints::parse([bad], T, None)
                 .err()
                 .unwrap_or_else(|| panic!("{bad:?} accepted"));
             assert!(
@@ -184,12 +229,12 @@ mod tests {
                 "{bad:?}: {err}"
             );
         }
-        assert!(Endpoints::parse(Vec::<String>::new(), T).is_err());
+        assert!(Endpoints::parse(Vec::<String>::new(), T, None).is_err());
     }
 
     #[test]
     fn rotation_moves_once_per_failure() {
-        let e = Endpoints::parse(["a:1", "b:2", "c:3"], T).unwrap();
+        let e = Endpoints::parse(["a:1", "b:2", "c:3"], T, None).unwrap();
         assert_eq!(e.current(), 0);
         e.rotate_from(0);
         // A second caller that also failed on endpoint 0 does not skip endpoint 1.

@@ -126,6 +126,11 @@ pub enum Error {
     #[error("bad endpoint {endpoint:?}: {reason}")]
     BadEndpoint { endpoint: String, reason: String },
 
+    /// TLS settings that cannot be used (a file that cannot be read, a certificate without
+    /// its key).
+    #[error("TLS: {reason}")]
+    BadTls { reason: String },
+
     /// A status the contract does not give for this RPC (e.g. `INTERNAL`, `UNIMPLEMENTED`).
     #[error("{op}: unexpected reply {code:?} from lockd: {message}")]
     Protocol {

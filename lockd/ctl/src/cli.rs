@@ -21,6 +21,18 @@ pub struct Cli {
     #[arg(long, global = true, env = "LOCKD_ENDPOINTS", value_delimiter = ',', default_value = DEFAULT_ENDPOINTS)]
     pub endpoints: Vec<String>,
 
+    /// CA certificate (PEM) that issued the nodes' certificates: turns TLS on (https).
+    #[arg(long, global = true, env = "LOCKD_CACERT")]
+    pub cacert: Option<std::path::PathBuf>,
+
+    /// Client certificate (PEM), for clusters that identify clients by certificate.
+    #[arg(long, global = true, env = "LOCKD_CERT", requires = "cacert")]
+    pub cert: Option<std::path::PathBuf>,
+
+    /// Private key (PEM) of --cert.
+    #[arg(long, global = true, env = "LOCKD_KEY", requires = "cert")]
+    pub key: Option<std::path::PathBuf>,
+
     /// Print one JSON object instead of text.
     #[arg(long, global = true)]
     pub json: bool,

@@ -2,7 +2,7 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use lockd_client::{AcquireOptions, Client, ClientConfig, LeaseId, RequestId};
+use lockd_client::{AcquireOptions, Client, ClientConfig, ClientTls, LeaseId, RequestId};
 use serde_json::json;
 
 use crate::cli::{Cli, Command};
@@ -13,6 +13,13 @@ use crate::hold;
 pub async fn run(cli: Cli) -> Result<u8, Failure> {
     let mut config = ClientConfig::new(cli.endpoints.iter().map(String::as_str));
     config.call_timeout = cli.timeout;
+    if let Some(ca) = &cli.cacert {
+        config.tls = Some(ClientTls::from_files(
+            ca,
+            cli.cert.as_deref(),
+            cli.key.as_deref(),
+        )?);
+    }
     let client = Client::with_config(config)?;
     let json = cli.json;
     match cli.command {
@@ -122,7 +129,7 @@ pub async fn run(cli: Cli) -> Result<u8, Failure> {
         }
         Command::Status => {
             let s = client.status().await?;
-            let nodes = node_statuses(&s.members).await;
+            let nodes = node_statuses(&s.members, client.config().tls.as_ref()).await;
             let members: Vec<_> = s
                 .members
                 .iter()
@@ -229,11 +236,27 @@ const NODE_STATUS_TIMEOUT: Duration = Duration::from_secs(2);
 type NodeStatus = (u64, String, Result<lockd_api::v1::StatusResponse, String>);
 
 /// Asks every member for its own view (role, term, indexes, lag), in parallel.
-async fn node_statuses(members: &[lockd_api::v1::Member]) -> Vec<NodeStatus> {
+async fn node_statuses(
+    members: &[lockd_api::v1::Member],
+    tls: Option<&ClientTls>,
+) -> Vec<NodeStatus> {
     let asks = members.iter().map(|m| async move {
         let result = async {
-            let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", m.address))
-                .map_err(|e| format!("bad address: {e}"))?
+            let scheme = if tls.is_some() { "https" } else { "http" };
+            let mut endpoint =
+                tonic::transport::Endpoint::from_shared(format!("{scheme}://{}", m.address))
+                    .map_err(|e| format!("bad address: {e}"))?;
+            if let Some(tls) = tls {
+                let mut config = tonic::transport::ClientTlsConfig::new()
+                    .ca_certificate(tonic::transport::Certificate::from_pem(&tls.ca_pem));
+                if let Some((cert, key)) = &tls.identity {
+                    config = config.identity(tonic::transport::Identity::from_pem(cert, key));
+                }
+                endpoint = endpoint
+                    .tls_config(config)
+                    .map_err(|e| format!("TLS: {e}"))?;
+            }
+            let channel = endpoint
                 .connect_timeout(NODE_STATUS_TIMEOUT)
                 .connect()
                 .await

@@ -74,6 +74,7 @@ impl From<Error> for Failure {
             Error::OutcomeUnknown { .. } => (OUTCOME_UNKNOWN, "outcome_unknown"),
             Error::Unavailable { .. } => (UNAVAILABLE, "unavailable"),
             Error::BadEndpoint { .. } => (USAGE, "bad_endpoint"),
+            Error::BadTls { .. } => (USAGE, "bad_tls"),
             _ => (INTERNAL, "protocol"),
         };
         Failure::new(code, kind, e.to_string())
