@@ -16,8 +16,14 @@ pub async fn run(
     data_dir: PathBuf,
     host: std::net::Ipv4Addr,
     tuning: Tuning,
+    tls: bool,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
+    let certs = if tls {
+        Some(crate::tls::dev::make(&data_dir.join("tls"), host, 3)?)
+    } else {
+        None
+    };
     let peers: Vec<crate::config::Peer> = DEV_LOCK_PORTS
         .iter()
         .enumerate()
@@ -36,6 +42,19 @@ pub async fn run(
             Some(format!("{host}:{}", DEV_METRICS_PORTS[i]).parse()?),
             per_node(&tuning, peer.id),
         )
+        .and_then(|c| match &certs {
+            Some(certs) => {
+                let (cert, key) = certs.node(peer.id);
+                c.with_security(
+                    crate::tls::DEFAULT_CLUSTER_ID.to_owned(),
+                    Some(cert),
+                    Some(key),
+                    Some(certs.ca.clone()),
+                    None,
+                )
+            }
+            None => Ok(c),
+        })
         .map_err(|e| anyhow::anyhow!(e))?;
         nodes.push(node::start(config, shutdown.clone()).await?);
     }
@@ -50,9 +69,13 @@ pub async fn run(
         "lockd dev: 3 replicas running, data in {dir}\n  \
          gRPC endpoints:  {endpoints}\n  \
          metrics:         http://{host}:9101/metrics (9102, 9103)\n  \
-         try:             lockctl --endpoints {endpoints} acquire demo/job --ttl 30s\n  \
+         try:             lockctl --endpoints {endpoints}{cacert} acquire demo/job --ttl 30s\n  \
          stop with Ctrl-C\n",
-        dir = data_dir.display()
+        dir = data_dir.display(),
+        cacert = certs
+            .as_ref()
+            .map(|c| format!(" --cacert {}", c.ca.display()))
+            .unwrap_or_default(),
     );
     {
         use std::io::Write;

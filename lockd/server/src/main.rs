@@ -64,6 +64,10 @@ enum Cmd {
         /// Loopback address to bind (any 127.x.y.z), so several dev clusters can run side by side.
         #[arg(long, default_value = "127.0.0.1")]
         host: std::net::Ipv4Addr,
+        /// TLS with a throwaway CA and node certificates made in DATA_DIR/tls (ca.pem is what
+        /// lockctl needs as --cacert).
+        #[arg(long)]
+        tls: bool,
         #[command(flatten)]
         tuning: Tuning,
     },
@@ -120,13 +124,14 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Some(Cmd::Dev {
             data_dir,
             host,
+            tls,
             tuning,
         }) => {
             tuning.validate().map_err(|e| anyhow::anyhow!(e))?;
             // In one process the nodes start one after another, and openraft logs every refused
             // connection of that moment as an error: quiet it unless RUST_LOG asks.
             lockd_server::init_tracing(tuning.log_format, "info,openraft=off");
-            lockd_server::dev::run(data_dir, host, tuning, shutdown).await
+            lockd_server::dev::run(data_dir, host, tuning, tls, shutdown).await
         }
         None => {
             let missing = |flag: &str| {

@@ -193,9 +193,113 @@ impl NodeTls {
     }
 }
 
+/// Throwaway certificates for `lockd dev --tls`.
+pub mod dev {
+    use std::net::{IpAddr, Ipv4Addr};
+    use std::path::{Path, PathBuf};
+
+    use rcgen::{
+        BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose,
+        IsCa, KeyPair, KeyUsagePurpose, SanType,
+    };
+
+    /// Where the files are: the CA certificate, and `node<id>.pem` / `node<id>-key.pem`.
+    pub struct DevCerts {
+        pub ca: PathBuf,
+        dir: PathBuf,
+    }
+
+    impl DevCerts {
+        /// Node `id`'s certificate and key.
+        pub fn node(&self, id: u64) -> (PathBuf, PathBuf) {
+            (
+                self.dir.join(format!("node{id}.pem")),
+                self.dir.join(format!("node{id}-key.pem")),
+            )
+        }
+    }
+
+    /// A new CA and `nodes` node certificates in `dir` (replacing what is there), each naming
+    /// `node-<id>.<DEFAULT_CLUSTER_ID>.lockd`, `localhost` and `host`.
+    pub fn make(dir: &Path, host: Ipv4Addr, nodes: u64) -> anyhow::Result<DevCerts> {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| anyhow::anyhow!("creating {}: {e}", dir.display()))?;
+        let write = |name: String, text: String| {
+            let path = dir.join(&name);
+            std::fs::write(&path, text)
+                .map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))
+        };
+        let mut params = CertificateParams::new(Vec::<String>::new())?;
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params
+            .distinguished_name
+            .push(DnType::CommonName, "lockd dev CA (throwaway)");
+        params.key_usages = vec![
+            KeyUsagePurpose::KeyCertSign,
+            KeyUsagePurpose::DigitalSignature,
+        ];
+        let ca = CertifiedIssuer::self_signed(params, KeyPair::generate()?)?;
+        write("ca.pem".into(), ca.pem())?;
+        for id in 1..=nodes {
+            let mut params = CertificateParams::new(vec![
+                super::node_name(id, super::DEFAULT_CLUSTER_ID),
+                "localhost".to_owned(),
+            ])?;
+            params
+                .subject_alt_names
+                .push(SanType::IpAddress(IpAddr::V4(host)));
+            params
+                .distinguished_name
+                .push(DnType::CommonName, format!("lockd dev node {id}"));
+            params.extended_key_usages = vec![
+                ExtendedKeyUsagePurpose::ServerAuth,
+                ExtendedKeyUsagePurpose::ClientAuth,
+            ];
+            let key = KeyPair::generate()?;
+            let cert = params.signed_by(&key, &ca)?;
+            write(format!("node{id}.pem"), cert.pem())?;
+            write(format!("node{id}-key.pem"), key.serialize_pem())?;
+        }
+        Ok(DevCerts {
+            ca: dir.join("ca.pem"),
+            dir: dir.to_path_buf(),
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The certificates `lockd dev --tls` makes pass the check peers make, each only for its
+    /// own node.
+    #[test]
+    fn dev_certificates_pass_the_peer_check_for_their_own_node_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let certs = dev::make(dir.path(), std::net::Ipv4Addr::LOCALHOST, 3).unwrap();
+        let (cert, key) = certs.node(1);
+        let files = TlsFiles {
+            cert,
+            key,
+            peer_ca: certs.ca.clone(),
+            client_ca: None,
+        };
+        let tls = NodeTls::load(&files, 1, DEFAULT_CLUSTER_ID).unwrap();
+        let chain2 = certs_in(&std::fs::read(certs.node(2).0).unwrap(), "node 2").unwrap();
+        assert!(tls.verify_peer(&chain2, 2).is_ok());
+        let e = tls.verify_peer(&chain2, 1).unwrap_err();
+        assert!(e.contains("node-1.lockd.lockd"), "{e}");
+        // Loading node 1's files as node 3 fails at start, naming the file.
+        let e = NodeTls::load(&files, 3, DEFAULT_CLUSTER_ID)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            e.contains("--cert") && e.contains("node-3.lockd.lockd"),
+            "{e}"
+        );
+        assert!(tls.verify_peer(&[], 1).is_err());
+    }
 
     #[test]
     fn cluster_ids_must_be_dns_labels() {

@@ -76,11 +76,49 @@ fn bad_flags_fail_with_one_line() {
 /// address, read the endpoints it prints, wait for a leader, take a lock.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lockd_dev_serves_three_replicas() {
+    dev_serves_three_replicas(false, 9).await;
+}
+
+/// Goal (issue 15): `lockd dev --tls` is TLS in one command. Method: as above, over TLS with
+/// the CA it prints for --cacert.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lockd_dev_tls_serves_three_replicas_over_tls() {
+    dev_serves_three_replicas(true, 10).await;
+}
+
+async fn channel(tls: Option<&std::path::Path>, addr: &str) -> tonic::transport::Channel {
+    let Some(ca) = tls else {
+        return tonic::transport::Channel::from_shared(format!("http://{addr}"))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+    };
+    let ca = tonic::transport::Certificate::from_pem(std::fs::read(ca).unwrap());
+    tonic::transport::Channel::from_shared(format!("https://{addr}"))
+        .unwrap()
+        .tls_config(tonic::transport::ClientTlsConfig::new().ca_certificate(ca))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap()
+}
+
+async fn dev_serves_three_replicas(tls: bool, last_octet: u8) {
     let dir = tempfile::tempdir().unwrap();
-    let host = format!("127.{}.{}.{}", std::process::id() % 200 + 20, 77, 9);
-    let mut child = lockd()
-        .args(["dev", "--host", &host, "--data-dir"])
-        .arg(dir.path())
+    let host = format!(
+        "127.{}.{}.{}",
+        std::process::id() % 200 + 20,
+        77,
+        last_octet
+    );
+    let mut cmd = lockd();
+    cmd.args(["dev", "--host", &host, "--data-dir"])
+        .arg(dir.path());
+    if tls {
+        cmd.arg("--tls");
+    }
+    let mut child = cmd
         .env("RUST_LOG", "warn,openraft=off")
         .stdout(Stdio::piped())
         .spawn()
@@ -97,16 +135,22 @@ async fn lockd_dev_serves_three_replicas() {
     // Read the banner, then keep draining stdout so the server never writes into a closed pipe.
     let mut lines = BufReader::new(stdout).lines();
     let mut printed = String::new();
-    for line in lines.by_ref().take(3) {
+    for line in lines.by_ref().take(4) {
         printed.push_str(&line.unwrap());
         printed.push('\n');
     }
     std::thread::spawn(move || lines.for_each(drop));
     let endpoint = format!("{host}:7001");
     assert!(printed.contains(&endpoint), "{printed}");
-    let mut status = ClusterClient::connect(format!("http://{endpoint}"))
-        .await
-        .unwrap();
+    let ca = dir.path().join("tls").join("ca.pem");
+    let ca = tls.then_some(ca.as_path());
+    if let Some(ca) = ca {
+        assert!(
+            printed.contains(&format!("--cacert {}", ca.display())),
+            "{printed}"
+        );
+    }
+    let mut status = ClusterClient::new(channel(ca, &endpoint).await);
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         let s = status
@@ -121,9 +165,7 @@ async fn lockd_dev_serves_three_replicas() {
         assert!(Instant::now() < deadline, "no leader: {s:?}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let mut lock = LockClient::connect(format!("http://{host}:7002"))
-        .await
-        .unwrap();
+    let mut lock = LockClient::new(channel(ca, &format!("{host}:7002")).await);
     let lease = lock
         .acquire(AcquireRequest {
             resource: "dev/smoke".into(),
