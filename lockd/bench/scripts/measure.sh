@@ -9,6 +9,11 @@
 # BENCH_BIN (default target/release/lockd-bench), STATUS_LOOPS (default 0: that many shell loops
 # calling `lockctl status` against all nodes during the run; CTL_BIN, default
 # target/release/lockctl), plus cluster3.sh's.
+#
+# STATUS_LOOPS starts a lockctl process per call, so on a small machine it measures process
+# spawning as much as lockd. To load the nodes with Status calls alone, pass the bench's own
+# option instead: `-- mixed --status-callers 8 ...` runs 8 Status loops inside lockd-bench, each
+# on its own connections, and reports their calls, rate and latency apart (JSON key "status").
 set -euo pipefail
 here=$(dirname "$0")
 S="$here/cluster3.sh"

@@ -95,6 +95,10 @@ pub struct MixedArgs {
     /// Resource names are PREFIX/N.
     #[arg(long, default_value = "bench-mixed")]
     pub prefix: String,
+    /// Tasks in the bench that each call `Cluster.Status` back to back, on connections of their
+    /// own, against the endpoints in turn, for the whole run; their calls are reported apart.
+    #[arg(long, default_value_t = 0)]
+    pub status_callers: usize,
     /// Leave the held leases at the end (they expire after --ttl) instead of releasing them,
     /// e.g. to read the replicas' memory with the table full.
     #[arg(long)]

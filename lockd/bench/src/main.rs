@@ -11,6 +11,7 @@
 //! - [`stats`]: HDR histograms and error counts per op; the table and the JSON.
 //! - [`progress`]: the progress bar on stderr.
 //! - [`mixed`]: open loop at a target rate, latency from the intended send time.
+//! - [`status_load`]: `Cluster.Status` loops running beside `mixed` (`--status-callers`).
 //! - [`max`]: closed loop, throughput.
 //! - [`handoff`]: release-to-next-grant latency on contended resources.
 
@@ -22,6 +23,7 @@ mod mixed;
 mod pool;
 mod progress;
 mod stats;
+mod status_load;
 
 use std::process::ExitCode;
 

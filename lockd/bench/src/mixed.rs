@@ -27,6 +27,7 @@ use crate::cli::{Cli, MixedArgs};
 use crate::pool::Pool;
 use crate::progress::Progress;
 use crate::stats::{NOT_RELEASED, Recorder, fmt_us};
+use crate::status_load::{STATUS_CALLERS_MAX, STATUS_OP, StatusLoad};
 
 const OPS: [&str; 3] = ["acquire", "renew", "release"];
 /// Calls outstanding at once. An open loop must not wait for replies, but a dead cluster must
@@ -339,6 +340,12 @@ pub async fn run(cli: &Cli, args: &MixedArgs) -> anyhow::Result<()> {
             args.renew_every
         );
     }
+    if args.status_callers > STATUS_CALLERS_MAX {
+        anyhow::bail!(
+            "--status-callers {} must be at most {STATUS_CALLERS_MAX}",
+            args.status_callers
+        );
+    }
     let ttl_ms = args.ttl.as_millis();
     if !(1_000..=300_000).contains(&ttl_ms) {
         anyhow::bail!("--ttl {:?} must be between 1s and 300s", args.ttl);
@@ -367,6 +374,13 @@ pub async fn run(cli: &Cli, args: &MixedArgs) -> anyhow::Result<()> {
     let start = Instant::now() + Duration::from_millis(50);
     let measure_start = start + warmup;
     let end = measure_start + duration;
+    let status_load = StatusLoad::start(
+        pool.endpoints(),
+        args.status_callers,
+        measure_start,
+        end,
+        cli.request_timeout,
+    )?;
     let ctx = Arc::new(Ctx {
         pool,
         table: Mutex::new(Table::new(resources)),
@@ -483,6 +497,17 @@ pub async fn run(cli: &Cli, args: &MixedArgs) -> anyhow::Result<()> {
         fmt_us(dispatch_lag.max()),
     );
     eprint!("{}", report.table());
+    let status_callers = status_load.callers();
+    let status = status_load.finish(duration).await;
+    let status_rate = status.ok_rate();
+    if status_callers > 0 {
+        eprintln!(
+            "status callers: {status_callers}, {} calls ({status_rate:.0}/s), {} errors",
+            status.ok_total(),
+            status.error_total()
+        );
+        eprint!("{}", status.table());
+    }
     let worst: Vec<f64> = ctx
         .worst_by_second
         .iter()
@@ -511,6 +536,9 @@ pub async fn run(cli: &Cli, args: &MixedArgs) -> anyhow::Result<()> {
         "warmup_errors": warm.error_total(),
         "ops": report.ops_json(),
         "worst_ms_by_second": worst,
+        "status_callers": status_callers,
+        "status_calls_per_s": (status_rate * 10.0).round() / 10.0,
+        "status": status.ops_json()[STATUS_OP],
     });
 
     if !args.keep_held {

@@ -53,14 +53,10 @@ impl Pool {
         }
         let mut channels = Vec::new();
         for addr in endpoints {
-            let endpoint = Endpoint::from_shared(format!("http://{addr}"))
-                .with_context(|| format!("endpoint {addr:?} is not host:port"))?
-                .connect_timeout(CONNECT_TIMEOUT)
-                .tcp_nodelay(true);
             channels.push(
                 (0..connections)
-                    .map(|_| endpoint.connect_lazy())
-                    .collect::<Vec<_>>(),
+                    .map(|_| lazy_channel(addr))
+                    .collect::<anyhow::Result<Vec<_>>>()?,
             );
         }
         let pool = Arc::new(Pool {
@@ -134,6 +130,11 @@ impl Pool {
         Err(last_err.unwrap_or_else(|| anyhow::anyhow!("no endpoints")))
     }
 
+    /// The endpoints as given, in order.
+    pub fn endpoints(&self) -> &[String] {
+        &self.endpoints
+    }
+
     /// The leader's address as last seen, for the report.
     pub fn leader_endpoint(&self) -> Option<&str> {
         let i = self.leader.load(Ordering::Relaxed);
@@ -153,4 +154,14 @@ impl Pool {
         };
         LockClient::new(channel.clone())
     }
+}
+
+/// One HTTP/2 connection to `addr`, opened on first use: a node that is down does not stop the
+/// run.
+pub fn lazy_channel(addr: &str) -> anyhow::Result<Channel> {
+    Ok(Endpoint::from_shared(format!("http://{addr}"))
+        .with_context(|| format!("endpoint {addr:?} is not host:port"))?
+        .connect_timeout(CONNECT_TIMEOUT)
+        .tcp_nodelay(true)
+        .connect_lazy())
 }

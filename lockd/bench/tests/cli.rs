@@ -51,6 +51,20 @@ fn inconsistent_held_is_named_before_connecting() {
 }
 
 #[test]
+fn bad_status_callers_is_named() {
+    assert_one_line_error(&bench(&["mixed", "--status-callers", "many"]), 2, &["many"]);
+}
+
+#[test]
+fn too_many_status_callers_is_named_before_connecting() {
+    assert_one_line_error(
+        &bench(&["mixed", "--status-callers", "100000"]),
+        1,
+        &["--status-callers 100000", "256"],
+    );
+}
+
+#[test]
 fn unreachable_cluster_is_one_line() {
     // A bound-then-released local port: nothing listens there.
     let port = std::net::TcpListener::bind("127.0.0.1:0")
