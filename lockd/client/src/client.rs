@@ -381,6 +381,9 @@ impl Client {
         let mut attempts = 0u32;
         let mut first_sent: Option<Instant> = None;
         let mut last_error = String::from("the deadline passed before any attempt");
+        // Endpoints in a row whose TLS handshake refused this client's trust settings: once every
+        // endpoint has, retrying until the deadline cannot help.
+        let mut tls_refusals = 0usize;
         while Instant::now() < ctx.deadline {
             attempts += 1;
             let index = endpoints.current();
@@ -398,7 +401,13 @@ impl Client {
                     humanize(connect_limit)
                 )),
                 Ok(Err(e)) => {
-                    AttemptFailure::NotSent(format!("{name}: cannot connect: {}", error_chain(&e)))
+                    let chain = error_chain(&e);
+                    if is_certificate_refusal(&chain) {
+                        tls_refusals += 1;
+                    } else {
+                        tls_refusals = 0;
+                    }
+                    AttemptFailure::NotSent(format!("{name}: cannot connect: {chain}"))
                 }
                 Ok(Ok(channel)) => {
                     let sent = Instant::now();
@@ -435,6 +444,9 @@ impl Client {
                     last_error = message;
                     endpoints.invalidate(index);
                     endpoints.rotate_from(index);
+                    if tls_refusals >= endpoints.len() {
+                        break;
+                    }
                 }
             }
             match next_delay(&mut delays, Instant::now(), ctx.deadline) {
@@ -510,6 +522,16 @@ fn granted_ttl(reply_ms: u64, requested: Option<Duration>) -> Duration {
 }
 
 /// `outer: inner: innermost`, since tonic's transport errors hide the cause in their sources.
+/// Whether a connect error is a TLS handshake refused on certificates (rustls: the server's
+/// certificate is not trusted or does not name the endpoint, or the server refused ours): the
+/// same settings will fail the same way on a retry.
+fn is_certificate_refusal(chain: &str) -> bool {
+    chain.contains("invalid peer certificate")
+        || chain.contains("received fatal alert: BadCertificate")
+        || chain.contains("received fatal alert: UnknownCA")
+        || chain.contains("received fatal alert: CertificateRequired")
+}
+
 fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
     let mut out = e.to_string();
     let mut source = e.source();
