@@ -76,3 +76,28 @@ async fn broken_mode_writes_around_the_fence_and_the_checker_fails() {
         report.summary()
     );
 }
+
+/// Goal (issue 15, test 7): with TLS on every node and client, the same invariants hold under
+/// faults that cut and restart TLS connections (kills, pauses, partitions, a wiped node).
+/// Method: a 20 s seeded run with `tls`, the faults that exercise connections.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_run_keeps_every_invariant() {
+    let _serial = SERIAL.lock().await;
+    let mut config = RunConfig::short(env_u64("CHAOS_SEED").unwrap_or(SHORT_RUN_SEED));
+    config.duration = Duration::from_secs(20);
+    config.tls = true;
+    config.faults = vec![
+        Fault::KillLeader,
+        Fault::IsolateLeader,
+        Fault::PauseNode,
+        Fault::WipeNode,
+    ];
+    let report = run(config).await.expect("chaos harness");
+    println!("{}", report.summary());
+    assert!(report.grants > 5, "the workload barely ran: {}", report.summary());
+    assert!(
+        report.violations.is_empty(),
+        "invariants violated:\n{}",
+        report.summary()
+    );
+}

@@ -51,6 +51,7 @@ fn parse() -> Result<RunConfig, String> {
                 c.resources = value()?.parse().map_err(|e| format!("--resources: {e}"))?
             }
             "--no-postgres" => c.postgres = false,
+            "--tls" => c.tls = true,
             "--broken" => match value()?.as_str() {
                 "bypass-fence" => c.mode = Mode::PausedClientsBypassFence,
                 other => return Err(format!("unknown --broken mode {other:?}")),
@@ -63,7 +64,7 @@ fn parse() -> Result<RunConfig, String> {
                     .collect::<Result<_, _>>()?
             }
             "--help" | "-h" => {
-                return Err("usage: chaos [--seed N] [--duration 10m] [--workers N] [--resources N] [--no-postgres] [--broken bypass-fence] [--first-fault NAME] [--faults NAME,NAME]".into());
+                return Err("usage: chaos [--seed N] [--duration 10m] [--workers N] [--resources N] [--no-postgres] [--tls] [--broken bypass-fence] [--first-fault NAME] [--faults NAME,NAME]".into());
             }
             other => return Err(format!("unknown flag {other:?}")),
         }

@@ -63,15 +63,41 @@ pub struct ChaosCluster {
     paused: Vec<bool>,
     peer_relays: Vec<Relay>,
     client_relays: Vec<Relay>,
+    /// With `--tls`: the peer CA (PEM) clients trust, and each node's certificate files.
+    tls: Option<(Vec<u8>, PathBuf, Vec<crate::tls::Issued>)>,
 }
+
+/// A lazily connecting client channel: plaintext, or TLS trusting `ca` (PEM).
+pub fn client_channel(addr: SocketAddr, ca: Option<&[u8]>) -> Channel {
+    let Some(ca) = ca else {
+        return Channel::from_shared(format!("http://{addr}"))
+            .expect("valid uri")
+            .connect_timeout(Duration::from_millis(500))
+            .connect_lazy();
+    };
+    Channel::from_shared(format!("https://{addr}"))
+        .expect("valid uri")
+        .tls_config(
+            tonic::transport::ClientTlsConfig::new()
+                .ca_certificate(tonic::transport::Certificate::from_pem(ca)),
+        )
+        .expect("TLS settings")
+        .connect_timeout(Duration::from_millis(500))
+        .connect_lazy()
+}
+
+/// The `--cluster-id` of TLS runs (also in the node certificates' names).
+const TLS_CLUSTER_ID: &str = "chaos";
 
 fn ip(net: [u8; 3], last: u8) -> Ipv4Addr {
     Ipv4Addr::new(net[0], net[1], net[2], last)
 }
 
 impl ChaosCluster {
-    /// Starts relays and nodes in `dir` (kept by the caller) and waits for a leader.
-    pub async fn start(dir: PathBuf, timings: Timings) -> anyhow::Result<ChaosCluster> {
+    /// Starts relays and nodes in `dir` (kept by the caller) and waits for a leader; with `tls`,
+    /// the nodes run with certificates of a CA made for the run (naming each node's own, peer
+    /// relay and client relay addresses).
+    pub async fn start(dir: PathBuf, timings: Timings, tls: bool) -> anyhow::Result<ChaosCluster> {
         let base = random_loopback_ip().octets();
         let net = [127, base[1], base[2]];
         let mut c = ChaosCluster {
@@ -83,7 +109,21 @@ impl ChaosCluster {
             paused: vec![false; NODES as usize],
             peer_relays: Vec::new(),
             client_relays: Vec::new(),
+            tls: None,
         };
+        if tls {
+            let ca = crate::tls::TestCa::new(&c.dir, "peer")?;
+            let mut nodes = Vec::new();
+            for id in 1..=NODES {
+                let ips = [c.addr(id).ip(), c.peer_addr(id).ip(), c.client_relay_addr(id).ip()];
+                nodes.push(ca.issue(
+                    &format!("node{id}"),
+                    &[format!("node-{id}.{TLS_CLUSTER_ID}.lockd")],
+                    &ips,
+                )?);
+            }
+            c.tls = Some((std::fs::read(&ca.cert_path)?, ca.cert_path.clone(), nodes));
+        }
         for id in 1..=NODES {
             c.peer_relays
                 .push(Relay::start(c.peer_addr(id), c.addr(id)).await?);
@@ -154,6 +194,17 @@ impl ChaosCluster {
         for peer in 1..=NODES {
             cmd.arg("--peer")
                 .arg(format!("{peer}={}", self.peer_addr(peer)));
+        }
+        if let Some((_, ca, nodes)) = &self.tls {
+            let node = &nodes[id as usize - 1];
+            cmd.arg("--cluster-id")
+                .arg(TLS_CLUSTER_ID)
+                .arg("--cert")
+                .arg(&node.cert)
+                .arg("--key")
+                .arg(&node.key)
+                .arg("--peer-ca")
+                .arg(ca);
         }
         cmd.env("LOCKD_TEST_CLOCK_OFFSET_MS", clock_offset_ms.to_string());
         if std::env::var_os("RUST_LOG").is_none() {
@@ -238,10 +289,13 @@ impl ChaosCluster {
         Ok(())
     }
 
+    /// The CA clients trust, with `--tls`.
+    pub fn client_ca(&self) -> Option<Vec<u8>> {
+        self.tls.as_ref().map(|(pem, _, _)| pem.clone())
+    }
+
     pub async fn status(&self, id: u64) -> anyhow::Result<lockd_api::v1::StatusResponse> {
-        let ch = Channel::from_shared(format!("http://{}", self.addr(id)))?
-            .connect_timeout(Duration::from_millis(500))
-            .connect_lazy();
+        let ch = client_channel(self.addr(id), self.tls.as_ref().map(|(pem, _, _)| pem.as_slice()));
         let mut c = ClusterClient::new(ch);
         let r = tokio::time::timeout(Duration::from_secs(1), c.status(StatusRequest {})).await??;
         Ok(r.into_inner())

@@ -9,10 +9,9 @@ use std::time::{Duration, Instant};
 use lockd_api::v1::lock_client::LockClient;
 use lockd_api::v1::{AcquireRequest, ReleaseRequest};
 use tokio_util::sync::CancellationToken;
-use tonic::transport::Channel;
 
 use super::checker::{self, Applied, AuditLine, CheckInput, Liveness, Violation};
-use super::cluster::{ChaosCluster, NODES, Timings, start_http_proxy};
+use super::cluster::{ChaosCluster, NODES, Timings, client_channel, start_http_proxy};
 use super::history::{History, OpKind, Outcome};
 use super::nemesis::{ALL, Fault, MAX_CLOCK_OFFSET_MS, Nemesis};
 use super::register::Register;
@@ -43,6 +42,8 @@ pub struct RunConfig {
     pub first_fault: Option<Fault>,
     /// The fault kinds the nemesis draws from.
     pub faults: Vec<Fault>,
+    /// The nodes run with TLS (certificates of a CA made for the run) and clients use it.
+    pub tls: bool,
 }
 
 impl RunConfig {
@@ -56,6 +57,7 @@ impl RunConfig {
             postgres: true,
             first_fault: None,
             faults: ALL.to_vec(),
+            tls: false,
         }
     }
 
@@ -80,6 +82,9 @@ impl RunConfig {
         }
         if let Some(f) = self.first_fault {
             c.push_str(&format!(" --first-fault {f:?}"));
+        }
+        if self.tls {
+            c.push_str(" --tls");
         }
         c
     }
@@ -145,7 +150,7 @@ pub async fn run(config: RunConfig) -> anyhow::Result<RunReport> {
         .keep();
     let run_id = format!("c{:x}", config.seed);
     let unique = crate::pg::unique_name("chaos");
-    let mut cluster = ChaosCluster::start(artifacts.clone(), Timings::default()).await?;
+    let mut cluster = ChaosCluster::start(artifacts.clone(), Timings::default(), config.tls).await?;
     let register = Register::start(cluster.harness_ip()).await?;
     let proxy_addr = std::net::SocketAddr::new(cluster.harness_ip(), 8080);
     let _http_proxy = start_http_proxy(proxy_addr, register.addr, &artifacts)?;
@@ -174,6 +179,7 @@ pub async fn run(config: RunConfig) -> anyhow::Result<RunReport> {
         http_proxy: proxy_addr,
         register: register.addr,
         pg: pg_target,
+        ca_pem: cluster.client_ca(),
     };
     // Resource names are unique per run: the Postgres fence table is shared with other suites.
     let resources: Vec<String> = (0..config.resources)
@@ -221,6 +227,7 @@ pub async fn run(config: RunConfig) -> anyhow::Result<RunReport> {
         probe_liveness(
             r.clone(),
             endpoints.nodes.clone(),
+            endpoints.ca_pem.clone(),
             history.clone(),
             quiet,
             run_id.clone(),
@@ -355,6 +362,7 @@ async fn workload_connect(
 async fn probe_liveness(
     resource: String,
     nodes: Vec<std::net::SocketAddr>,
+    ca_pem: Option<Vec<u8>>,
     history: History,
     since: Instant,
     run_id: String,
@@ -365,10 +373,7 @@ async fn probe_liveness(
     while since.elapsed() < bound {
         attempt += 1;
         let node = nodes[attempt as usize % nodes.len()];
-        let ch = Channel::from_shared(format!("http://{node}"))
-            .expect("uri")
-            .connect_timeout(Duration::from_millis(500))
-            .connect_lazy();
+        let ch = client_channel(node, ca_pem.as_deref());
         let wait_ms = 2_000;
         let op = history.invoke(
             "liveness",

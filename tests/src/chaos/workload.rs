@@ -18,6 +18,7 @@ use rand::{RngExt, SeedableRng};
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
 
+use super::cluster::client_channel;
 use super::history::{History, OpKind, Outcome, Target};
 use super::register::{WriteResult, put};
 
@@ -47,6 +48,8 @@ pub struct Endpoints {
     pub register: SocketAddr,
     /// `fence-proxy postgres` and the table, when the run has a Postgres target.
     pub pg: Option<PgTarget>,
+    /// The CA (PEM) of the nodes' certificates when the run uses TLS.
+    pub ca_pem: Option<Vec<u8>>,
 }
 
 #[derive(Clone, Debug)]
@@ -80,13 +83,6 @@ pub struct Worker {
     relay_channels: Vec<Channel>,
     pg: Option<tokio_postgres::Client>,
     n: u64,
-}
-
-fn channel(addr: SocketAddr) -> Channel {
-    Channel::from_shared(format!("http://{addr}"))
-        .expect("valid uri")
-        .connect_timeout(Duration::from_millis(500))
-        .connect_lazy()
 }
 
 /// What a gRPC status means for the caller: `Fail` only when lockd itself gave a final answer.
@@ -130,8 +126,16 @@ impl Worker {
             id,
             run,
             resources,
-            node_channels: endpoints.nodes.iter().map(|a| channel(*a)).collect(),
-            relay_channels: endpoints.relays.iter().map(|a| channel(*a)).collect(),
+            node_channels: endpoints
+                .nodes
+                .iter()
+                .map(|a| client_channel(*a, endpoints.ca_pem.as_deref()))
+                .collect(),
+            relay_channels: endpoints
+                .relays
+                .iter()
+                .map(|a| client_channel(*a, endpoints.ca_pem.as_deref()))
+                .collect(),
             endpoints,
             history,
             mode,
