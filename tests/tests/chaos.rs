@@ -94,7 +94,11 @@ async fn tls_run_keeps_every_invariant() {
     ];
     let report = run(config).await.expect("chaos harness");
     println!("{}", report.summary());
-    assert!(report.grants > 5, "the workload barely ran: {}", report.summary());
+    assert!(
+        report.grants > 5,
+        "the workload barely ran: {}",
+        report.summary()
+    );
     assert!(
         report.violations.is_empty(),
         "invariants violated:\n{}",

@@ -57,11 +57,24 @@ pub struct ClientConfig {
 /// TLS towards lockd: the CA that issued the nodes' certificates and, for a client-certificate
 /// identity, this client's certificate and key (all PEM), as etcdctl's `--cacert`, `--cert`,
 /// `--key`.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct ClientTls {
     pub ca_pem: Vec<u8>,
     /// Certificate and key.
     pub identity: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+/// Never prints the private key (a `?config` in a log line must not leak it).
+impl std::fmt::Debug for ClientTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClientTls")
+            .field("ca_pem_bytes", &self.ca_pem.len())
+            .field(
+                "identity",
+                &self.identity.as_ref().map(|_| "<certificate and key>"),
+            )
+            .finish()
+    }
 }
 
 impl ClientTls {

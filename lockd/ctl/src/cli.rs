@@ -22,15 +22,15 @@ pub struct Cli {
     pub endpoints: Vec<String>,
 
     /// CA certificate (PEM) that issued the nodes' certificates: turns TLS on (https).
-    #[arg(long, global = true, env = "LOCKD_CACERT")]
+    #[arg(long, global = true, env = "LOCKCTL_CACERT")]
     pub cacert: Option<std::path::PathBuf>,
 
     /// Client certificate (PEM), for clusters that identify clients by certificate.
-    #[arg(long, global = true, env = "LOCKD_CERT", requires = "cacert")]
+    #[arg(long, global = true, env = "LOCKCTL_CERT", requires = "cacert")]
     pub cert: Option<std::path::PathBuf>,
 
     /// Private key (PEM) of --cert.
-    #[arg(long, global = true, env = "LOCKD_KEY", requires = "cert")]
+    #[arg(long, global = true, env = "LOCKCTL_KEY", requires = "cert")]
     pub key: Option<std::path::PathBuf>,
 
     /// Print one JSON object instead of text.

@@ -206,6 +206,7 @@ impl NodeConfig {
         key: Option<PathBuf>,
         peer_ca: Option<PathBuf>,
         client_ca: Option<PathBuf>,
+        insecure_plaintext: bool,
     ) -> Result<Self, String> {
         crate::tls::validate_cluster_id(&cluster_id)?;
         self.cluster_id = cluster_id;
@@ -216,7 +217,19 @@ impl NodeConfig {
                 peer_ca,
                 client_ca,
             }),
-            (None, None, None) if client_ca.is_none() => None,
+            (None, None, None) if client_ca.is_none() => {
+                // Fail closed: without TLS anyone who reaches the port can forge replication,
+                // acceptable on loopback (tests, `lockd dev`) and otherwise only when asked for.
+                if !self.listen.ip().is_loopback() && !insecure_plaintext {
+                    return Err(format!(
+                        "--listen {} is not a loopback address and TLS is off: anyone who \
+                         reaches it could forge replication messages; give --cert, --key and \
+                         --peer-ca, or --insecure-plaintext on a network you trust",
+                        self.listen
+                    ));
+                }
+                None
+            }
             (None, None, None) => {
                 return Err("--client-ca needs --cert, --key and --peer-ca".to_owned());
             }

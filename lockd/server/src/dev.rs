@@ -51,6 +51,7 @@ pub async fn run(
                     Some(key),
                     Some(certs.ca.clone()),
                     None,
+                    false,
                 )
             }
             None => Ok(c),

@@ -50,6 +50,10 @@ struct Cli {
     /// A CA (PEM) whose client certificates the port also accepts (identities for clients).
     #[arg(long, env = "LOCKD_CLIENT_CA")]
     client_ca: Option<PathBuf>,
+    /// Run without TLS on a non-loopback --listen: anyone who reaches the port can then send
+    /// replication messages. Only for a network you trust.
+    #[arg(long, env = "LOCKD_INSECURE_PLAINTEXT")]
+    insecure_plaintext: bool,
     #[command(flatten)]
     tuning: Tuning,
 }
@@ -155,6 +159,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     cli.key,
                     cli.peer_ca,
                     cli.client_ca,
+                    cli.insecure_plaintext,
                 )
             })
             .map_err(|e| anyhow::anyhow!(e))?;

@@ -125,7 +125,7 @@ impl NodeTls {
             peer_anchors,
         };
         let own = certs_in(&tls.cert_pem, &format!("--cert {}", files.cert.display()))?;
-        tls.verify_peer(&own, id).map_err(|e| {
+        tls.verify_own(&own, id).map_err(|e| {
             anyhow::anyhow!(
                 "--cert {}: its own peers would refuse it: {e}",
                 files.cert.display()
@@ -150,6 +150,8 @@ impl NodeTls {
             .identity(Identity::from_pem(&self.cert_pem, &self.key_pem))
             .client_ca_root(Certificate::from_pem(roots))
             .client_auth_optional(true)
+            // A handshake that does not finish holds a task and a descriptor; bound it.
+            .timeout(std::time::Duration::from_secs(5))
     }
 
     /// TLS towards peer `target`: its certificate must carry its node name, and this node
@@ -161,36 +163,86 @@ impl NodeTls {
             .domain_name(node_name(target, &self.cluster_id))
     }
 
-    /// Whether `chain` (leaf first, as the caller presented it) is a node certificate of this
-    /// cluster for node `claimed`: issued under the peer CA, valid now, for client
-    /// authentication, with the node's name. The error says which part failed.
-    pub fn verify_peer(
+    /// The member that `chain` (leaf first, as the caller presented it) authenticates: the
+    /// leaf must be issued directly by the peer CA (intermediates the caller sends are not
+    /// trusted), be valid now for client authentication, and name exactly one of `members` as
+    /// `node-<id>.<cluster-id>.lockd` (a wildcard or a certificate naming several nodes is
+    /// refused). The chain is checked once, whatever the number of members. The error says
+    /// which part failed, for the server's log.
+    pub fn identify_member(
         &self,
         chain: &[CertificateDer<'static>],
-        claimed: NodeId,
-    ) -> Result<(), String> {
-        let (leaf, intermediates) = chain
-            .split_first()
+        members: &[NodeId],
+    ) -> Result<NodeId, String> {
+        let cert = self.verify_chain(chain, webpki::KeyUsage::client_auth())?;
+        let named: Vec<NodeId> = members
+            .iter()
+            .copied()
+            .filter(|id| self.names(&cert, *id))
+            .collect();
+        match named.as_slice() {
+            [id] => Ok(*id),
+            [] => Err(format!(
+                "the certificate names no member as node-<id>.{}.lockd (members {members:?})",
+                self.cluster_id
+            )),
+            several => Err(format!(
+                "the certificate names several members {several:?} (a wildcard?); a node \
+                 certificate names one node"
+            )),
+        }
+    }
+
+    /// Checks the leaf of `chain` against the peer CA alone, for `usage`.
+    fn verify_chain<'a>(
+        &self,
+        chain: &'a [CertificateDer<'static>],
+        usage: webpki::KeyUsage,
+    ) -> Result<webpki::EndEntityCert<'a>, String> {
+        let leaf = chain
+            .first()
             .ok_or_else(|| "no client certificate".to_owned())?;
         let cert = webpki::EndEntityCert::try_from(leaf)
             .map_err(|e| format!("unreadable certificate: {e}"))?;
         cert.verify_for_usage(
             webpki::ALL_VERIFICATION_ALGS,
             &self.peer_anchors,
-            intermediates,
+            &[],
             UnixTime::now(),
-            webpki::KeyUsage::client_auth(),
+            usage,
             None,
             None,
         )
-        .map_err(|e| format!("not a node certificate of this cluster's peer CA: {e}"))?;
-        let name = node_name(claimed, &self.cluster_id);
-        let server_name =
-            ServerName::try_from(name.as_str()).map_err(|e| format!("node name {name:?}: {e}"))?;
-        cert.verify_is_valid_for_subject_name(&server_name)
-            .map_err(|_| format!("the certificate does not name {name}"))?;
-        Ok(())
+        .map_err(|e| format!("not a node certificate issued by the peer CA: {e}"))?;
+        Ok(cert)
     }
+
+    fn names(&self, cert: &webpki::EndEntityCert<'_>, id: NodeId) -> bool {
+        names_dns(cert, &node_name(id, &self.cluster_id))
+    }
+
+    /// Whether `chain` is this cluster's node certificate for node `id`, good for both the
+    /// client and the server side (a node's certificate is both), naming that node alone.
+    pub fn verify_own(&self, chain: &[CertificateDer<'static>], id: NodeId) -> Result<(), String> {
+        let server = self.verify_chain(chain, webpki::KeyUsage::server_auth())?;
+        if !self.names(&server, id) {
+            return Err(format!(
+                "the certificate does not name {}",
+                node_name(id, &self.cluster_id)
+            ));
+        }
+        // A name no node has: a certificate valid for it is a wildcard.
+        if names_dns(&server, &format!("not-a-node.{}.lockd", self.cluster_id)) {
+            return Err(
+                "the certificate is a wildcard; a node certificate names one node".to_owned(),
+            );
+        }
+        self.identify_member(chain, &[id]).map(|_| ())
+    }
+}
+
+fn names_dns(cert: &webpki::EndEntityCert<'_>, name: &str) -> bool {
+    ServerName::try_from(name).is_ok_and(|n| cert.verify_is_valid_for_subject_name(&n).is_ok())
 }
 
 /// Throwaway certificates for `lockd dev --tls`.
@@ -286,9 +338,9 @@ mod tests {
         };
         let tls = NodeTls::load(&files, 1, DEFAULT_CLUSTER_ID).unwrap();
         let chain2 = certs_in(&std::fs::read(certs.node(2).0).unwrap(), "node 2").unwrap();
-        assert!(tls.verify_peer(&chain2, 2).is_ok());
-        let e = tls.verify_peer(&chain2, 1).unwrap_err();
-        assert!(e.contains("node-1.lockd.lockd"), "{e}");
+        assert_eq!(tls.identify_member(&chain2, &[1, 2, 3]), Ok(2));
+        let e = tls.identify_member(&chain2, &[1, 3]).unwrap_err();
+        assert!(e.contains("names no member"), "{e}");
         // Loading node 1's files as node 3 fails at start, naming the file.
         let e = NodeTls::load(&files, 3, DEFAULT_CLUSTER_ID)
             .err()
@@ -298,7 +350,7 @@ mod tests {
             e.contains("--cert") && e.contains("node-3.lockd.lockd"),
             "{e}"
         );
-        assert!(tls.verify_peer(&[], 1).is_err());
+        assert!(tls.identify_member(&[], &[1]).is_err());
     }
 
     #[test]

@@ -115,7 +115,11 @@ impl ChaosCluster {
             let ca = crate::tls::TestCa::new(&c.dir, "peer")?;
             let mut nodes = Vec::new();
             for id in 1..=NODES {
-                let ips = [c.addr(id).ip(), c.peer_addr(id).ip(), c.client_relay_addr(id).ip()];
+                let ips = [
+                    c.addr(id).ip(),
+                    c.peer_addr(id).ip(),
+                    c.client_relay_addr(id).ip(),
+                ];
                 nodes.push(ca.issue(
                     &format!("node{id}"),
                     &[format!("node-{id}.{TLS_CLUSTER_ID}.lockd")],
@@ -295,7 +299,10 @@ impl ChaosCluster {
     }
 
     pub async fn status(&self, id: u64) -> anyhow::Result<lockd_api::v1::StatusResponse> {
-        let ch = client_channel(self.addr(id), self.tls.as_ref().map(|(pem, _, _)| pem.as_slice()));
+        let ch = client_channel(
+            self.addr(id),
+            self.tls.as_ref().map(|(pem, _, _)| pem.as_slice()),
+        );
         let mut c = ClusterClient::new(ch);
         let r = tokio::time::timeout(Duration::from_secs(1), c.status(StatusRequest {})).await??;
         Ok(r.into_inner())

@@ -150,7 +150,8 @@ pub async fn run(config: RunConfig) -> anyhow::Result<RunReport> {
         .keep();
     let run_id = format!("c{:x}", config.seed);
     let unique = crate::pg::unique_name("chaos");
-    let mut cluster = ChaosCluster::start(artifacts.clone(), Timings::default(), config.tls).await?;
+    let mut cluster =
+        ChaosCluster::start(artifacts.clone(), Timings::default(), config.tls).await?;
     let register = Register::start(cluster.harness_ip()).await?;
     let proxy_addr = std::net::SocketAddr::new(cluster.harness_ip(), 8080);
     let _http_proxy = start_http_proxy(proxy_addr, register.addr, &artifacts)?;

@@ -15,7 +15,9 @@ use openraft::storage::RaftLogStorage;
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
+use tonic::service::interceptor::InterceptedService;
 
 pub mod pb {
     tonic::include_proto!("lockd.raft.v1");
@@ -34,82 +36,130 @@ pub struct RaftService {
     gate: Arc<VoteGate>,
     /// This node's log, for `CurrentVote`.
     log: LogStore,
-    /// Who may send Raft messages.
-    auth: PeerAuth,
 }
 
-/// Decides whether a Raft message comes from a member of this cluster (see `crate::tls`).
+/// Decides whether a Raft message comes from a member of this cluster (see `crate::tls`). It
+/// runs as an interceptor, on the request's headers, before tonic reads the body: an
+/// unauthenticated caller cannot make the node buffer a 64 MiB message.
 pub struct PeerAuth {
     cluster_id: String,
+    /// The other members: a message never comes from this node itself.
     members: Vec<NodeId>,
     tls: Option<Arc<NodeTls>>,
-    /// Node certificates already verified, by SHA-256 of the leaf: the node they name and when
-    /// verified. A connection presents the same certificate on every message, and a chain check
-    /// per AppendEntries would cost a signature verification each.
-    verified: Mutex<HashMap<[u8; 32], (NodeId, Instant)>>,
+    /// Outcomes of certificate checks, by SHA-256 of the leaf, with when they were made. A
+    /// connection presents the same certificate on every message, so a peer's messages cost one
+    /// hash, and a refused caller's too (failures are remembered as well).
+    checked: Mutex<HashMap<[u8; 32], CheckedCert>>,
+    /// When a refusal was last logged (ms since `started`), to log at most one per interval.
+    last_logged_ms: AtomicU64,
+    started: Instant,
 }
 
-/// How long a verified certificate is trusted without checking it again (expiry, mostly).
-const VERIFIED_FOR: Duration = Duration::from_secs(60);
-/// Verified certificates remembered at most; the cache is cleared when full.
-const VERIFIED_MAX: usize = 256;
+/// A certificate check's outcome (the member, or why not) and when it was made.
+type CheckedCert = (Result<NodeId, String>, Instant);
+
+/// The node a request's certificate authenticates (`None` without TLS), put in the request's
+/// extensions by [`PeerAuth::intercept`].
+#[derive(Clone, Copy)]
+struct Caller(Option<NodeId>);
+
+/// How long a certificate check is trusted without checking again (expiry, mostly).
+const CHECKED_FOR: Duration = Duration::from_secs(60);
+/// Checks remembered at most; the cache is cleared when full.
+const CHECKED_MAX: usize = 256;
+/// At most one refusal per this interval reaches the log.
+const REFUSAL_LOG_EVERY_MS: u64 = 10_000;
+
+/// What an unauthenticated caller is told; the reason goes to this node's log only.
+fn refused() -> Status {
+    Status::unauthenticated(
+        "lockd: raft message refused: the caller is not authenticated as a member of this cluster",
+    )
+}
 
 impl PeerAuth {
-    pub fn new(config: &crate::config::NodeConfig, tls: Option<Arc<NodeTls>>) -> Self {
-        PeerAuth {
+    pub fn new(config: &crate::config::NodeConfig, tls: Option<Arc<NodeTls>>) -> Arc<Self> {
+        Arc::new(PeerAuth {
             cluster_id: config.cluster_id.clone(),
-            members: config.peers.keys().copied().collect(),
+            members: config
+                .peers
+                .keys()
+                .copied()
+                .filter(|id| *id != config.id)
+                .collect(),
             tls,
-            verified: Mutex::new(HashMap::new()),
+            checked: Mutex::new(HashMap::new()),
+            last_logged_ms: AtomicU64::new(0),
+            started: Instant::now(),
+        })
+    }
+
+    /// The interceptor: authenticates the caller and records who it is, or refuses.
+    pub fn intercept(&self, mut req: Request<()>) -> Result<Request<()>, Status> {
+        match self.identify(&req) {
+            Ok(caller) => {
+                req.extensions_mut().insert(Caller(caller));
+                Ok(req)
+            }
+            Err(why) => {
+                self.log_refusal(&req, &why);
+                Err(refused())
+            }
         }
     }
 
-    /// The node that sent `req`: its cluster id must be this one's, and with TLS its certificate
-    /// must be a node certificate of the peer CA naming a member. `None` without TLS (the
-    /// sender is unknown). Every refusal is UNAUTHENTICATED and says why.
-    fn identify<T>(&self, req: &Request<T>) -> Result<Option<NodeId>, Status> {
-        let refuse =
-            |why: String| Status::unauthenticated(format!("lockd: raft message refused: {why}"));
+    fn log_refusal(&self, req: &Request<()>, why: &str) {
+        let now = self.started.elapsed().as_millis() as u64;
+        let last = self.last_logged_ms.load(Ordering::Relaxed);
+        if (last == 0 || now.saturating_sub(last) >= REFUSAL_LOG_EVERY_MS)
+            && self
+                .last_logged_ms
+                .compare_exchange(last, now.max(1), Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            tracing::warn!(
+                remote = ?req.remote_addr(),
+                reason = why,
+                "lockd: refused a raft message (further refusals in the next 10 s are not logged)"
+            );
+        }
+    }
+
+    /// The node that sent `req`: its cluster id must be this one's, and with TLS its
+    /// certificate must be a node certificate of the peer CA naming one other member. `None`
+    /// without TLS (the sender is unknown). The error is the reason, for the log.
+    fn identify<T>(&self, req: &Request<T>) -> Result<Option<NodeId>, String> {
         match req.metadata().get(CLUSTER_ID_HEADER).map(|v| v.to_str()) {
             Some(Ok(id)) if id == self.cluster_id => {}
-            Some(Ok(id)) => {
-                return Err(refuse(format!(
-                    "it is for cluster {id:?}, this node is in cluster {:?}",
-                    self.cluster_id
-                )));
-            }
-            _ => return Err(refuse(format!("no {CLUSTER_ID_HEADER} header"))),
+            Some(Ok(id)) => return Err(format!("it is for cluster {id:?}")),
+            _ => return Err(format!("no {CLUSTER_ID_HEADER} header")),
         }
         let Some(tls) = &self.tls else {
             return Ok(None);
         };
-        let chain = req.peer_certs().ok_or_else(|| {
-            refuse("replication needs a node certificate; the caller sent none".into())
-        })?;
+        let chain = req
+            .peer_certs()
+            .ok_or_else(|| "the caller sent no certificate".to_owned())?;
         let leaf = chain
             .first()
-            .ok_or_else(|| refuse("the caller sent an empty certificate chain".into()))?;
+            .ok_or_else(|| "the caller sent an empty certificate chain".to_owned())?;
         let key: [u8; 32] = Sha256::digest(leaf.as_ref()).into();
-        let mut verified = self.verified.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((id, at)) = verified.get(&key)
-            && at.elapsed() < VERIFIED_FOR
         {
-            return Ok(Some(*id));
-        }
-        let mut last_err = String::new();
-        for id in &self.members {
-            match tls.verify_peer(&chain, *id) {
-                Ok(()) => {
-                    if verified.len() >= VERIFIED_MAX {
-                        verified.clear();
-                    }
-                    verified.insert(key, (*id, Instant::now()));
-                    return Ok(Some(*id));
-                }
-                Err(e) => last_err = e,
+            let checked = self.checked.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some((outcome, at)) = checked.get(&key)
+                && at.elapsed() < CHECKED_FOR
+            {
+                return outcome.clone().map(Some);
             }
         }
-        Err(refuse(format!("caller certificate: {last_err}")))
+        // Outside the lock: one chain check, however many members.
+        let outcome = tls.identify_member(&chain, &self.members);
+        let mut checked = self.checked.lock().unwrap_or_else(|e| e.into_inner());
+        if checked.len() >= CHECKED_MAX {
+            checked.clear();
+        }
+        checked.insert(key, (outcome.clone(), Instant::now()));
+        outcome.map(Some)
     }
 
     /// With TLS, the message must claim to come from the node the certificate names.
@@ -135,7 +185,8 @@ impl RaftService {
         req: Request<RaftMessage>,
         claimed: impl FnOnce(&T) -> Option<NodeId>,
     ) -> Result<T, Status> {
-        let cert = self.auth.identify(&req)?;
+        // Set by the interceptor; missing only if the service was built without it: refuse.
+        let Caller(cert) = *req.extensions().get::<Caller>().ok_or_else(refused)?;
         let rpc: T = decode(req)?;
         PeerAuth::matches(cert, claimed(&rpc))?;
         Ok(rpc)
@@ -148,17 +199,17 @@ impl RaftService {
         refuse_votes_until: Option<std::time::Instant>,
         gate: Arc<VoteGate>,
         log: LogStore,
-        auth: PeerAuth,
-    ) -> RaftServer<Self> {
-        RaftServer::new(RaftService {
+        auth: Arc<PeerAuth>,
+    ) -> InterceptedService<RaftServer<Self>, impl tonic::service::Interceptor + Clone> {
+        let server = RaftServer::new(RaftService {
             raft,
             refuse_votes_until,
             gate,
             log,
-            auth,
         })
         .max_decoding_message_size(crate::raft::network::RAFT_MESSAGE_MAX_BYTES)
-        .max_encoding_message_size(crate::raft::network::RAFT_MESSAGE_MAX_BYTES)
+        .max_encoding_message_size(crate::raft::network::RAFT_MESSAGE_MAX_BYTES);
+        InterceptedService::new(server, move |req| auth.intercept(req))
     }
 }
 
@@ -233,7 +284,7 @@ impl pb::raft_server::Raft for RaftService {
         &self,
         req: Request<RaftMessage>,
     ) -> Result<Response<RaftMessage>, Status> {
-        self.auth.identify(&req)?;
+        req.extensions().get::<Caller>().ok_or_else(refused)?;
         let vote = self.raft.metrics().borrow().vote;
         // The log id, not only the index: a rejoining peer compares candidates' logs with it.
         let last_log_id = self
