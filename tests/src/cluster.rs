@@ -160,9 +160,9 @@ impl Cluster {
             let node = &tls.nodes[id as usize - 1];
             cmd.arg("--cluster-id")
                 .arg(&tls.cluster_id)
-                .arg("--cert")
+                .arg("--tls-cert")
                 .arg(&node.cert)
-                .arg("--key")
+                .arg("--tls-key")
                 .arg(&node.key)
                 .arg("--peer-ca")
                 .arg(&tls.peer_ca.cert_path);

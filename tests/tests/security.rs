@@ -114,7 +114,7 @@ async fn issue15_forged_raft_messages_are_refused_and_change_nothing() {
     let mut cluster = Cluster::start(ClusterOptions {
         tls: true,
         extra_args: vec![
-            "--client-ca".into(),
+            "--tls-client-ca".into(),
             client_ca.cert_path.display().to_string(),
         ],
         ..Default::default()

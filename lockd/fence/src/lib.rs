@@ -7,6 +7,9 @@
 //! - [`FencingToken`]: the strictly increasing number lockd attaches to every grant.
 //! - [`Fence`]: a resource name together with a token, as carried by `SET lockd.fence`.
 //! - header names of the HTTP front end.
+//! - [`sequencer`]: tokens signed by the cluster's Ed25519 key, verified offline by a store.
+
+pub mod sequencer;
 
 use std::fmt;
 use std::str::FromStr;
@@ -15,6 +18,8 @@ use std::str::FromStr;
 pub const LOCK_RESOURCE_HEADER: &str = "Lock-Resource";
 /// HTTP header carrying the decimal fencing token of a write.
 pub const FENCING_TOKEN_HEADER: &str = "Fencing-Token";
+/// HTTP header carrying a signed sequencer in base64 ([`sequencer`]).
+pub const LOCK_SEQUENCER_HEADER: &str = "Lock-Sequencer";
 /// HTTP header that marks a response made by fence-proxy itself, with the reason.
 pub const FENCE_PROXY_ERROR_HEADER: &str = "Fence-Proxy-Error";
 

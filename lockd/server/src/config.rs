@@ -197,8 +197,8 @@ impl NodeConfig {
         })
     }
 
-    /// Sets the cluster id and the certificates (`--cluster-id`, `--cert`, `--key`,
-    /// `--peer-ca`, `--client-ca`); checks that they go together.
+    /// Sets the cluster id and the certificates (`--cluster-id`, `--tls-cert`, `--tls-key`,
+    /// `--peer-ca`, `--tls-client-ca`); checks that they go together.
     pub fn with_security(
         mut self,
         cluster_id: String,
@@ -223,7 +223,7 @@ impl NodeConfig {
                 if !self.listen.ip().is_loopback() && !insecure_plaintext {
                     return Err(format!(
                         "--listen {} is not a loopback address and TLS is off: anyone who \
-                         reaches it could forge replication messages; give --cert, --key and \
+                         reaches it could forge replication messages; give --tls-cert, --tls-key and \
                          --peer-ca, or --insecure-plaintext on a network you trust",
                         self.listen
                     ));
@@ -231,19 +231,19 @@ impl NodeConfig {
                 None
             }
             (None, None, None) => {
-                return Err("--client-ca needs --cert, --key and --peer-ca".to_owned());
+                return Err("--tls-client-ca needs --tls-cert, --tls-key and --peer-ca".to_owned());
             }
             (c, k, p) => {
                 let missing: Vec<&str> = [
-                    ("--cert", c.is_none()),
-                    ("--key", k.is_none()),
+                    ("--tls-cert", c.is_none()),
+                    ("--tls-key", k.is_none()),
                     ("--peer-ca", p.is_none()),
                 ]
                 .into_iter()
                 .filter_map(|(f, m)| m.then_some(f))
                 .collect();
                 return Err(format!(
-                    "TLS needs --cert, --key and --peer-ca together; missing {}",
+                    "TLS needs --tls-cert, --tls-key and --peer-ca together; missing {}",
                     missing.join(", ")
                 ));
             }

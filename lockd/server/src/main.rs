@@ -36,19 +36,19 @@ struct Cli {
     #[arg(long, env = "LOCKD_CLUSTER_ID", default_value = lockd_server::tls::DEFAULT_CLUSTER_ID)]
     cluster_id: String,
     /// This node's certificate (PEM): served to clients and peers, presented to peers. Must name
-    /// `node-<id>.<cluster-id>.lockd` and the address clients dial. Turns TLS on, with --key
-    /// and --peer-ca.
-    #[arg(long, env = "LOCKD_CERT")]
+    /// `node-<id>.<cluster-id>.lockd` and the address clients dial. Turns TLS on, with
+    /// --tls-key and --peer-ca.
+    #[arg(long = "tls-cert", env = "LOCKD_TLS_CERT")]
     cert: Option<PathBuf>,
     /// This node's private key (PEM).
-    #[arg(long, env = "LOCKD_KEY")]
+    #[arg(long = "tls-key", env = "LOCKD_TLS_KEY")]
     key: Option<PathBuf>,
     /// The CA (PEM) that issues node certificates: replication is accepted only from callers
     /// with a certificate from it that names the node they claim to be.
     #[arg(long, env = "LOCKD_PEER_CA")]
     peer_ca: Option<PathBuf>,
     /// A CA (PEM) whose client certificates the port also accepts (identities for clients).
-    #[arg(long, env = "LOCKD_CLIENT_CA")]
+    #[arg(long = "tls-client-ca", env = "LOCKD_TLS_CLIENT_CA")]
     client_ca: Option<PathBuf>,
     /// Run without TLS on a non-loopback --listen: anyone who reaches the port can then send
     /// replication messages. Only for a network you trust.

@@ -255,7 +255,7 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
         )?),
         None => {
             tracing::warn!(
-                "lockd: TLS is off (no --cert, --key, --peer-ca): replication is unauthenticated, \
+                "lockd: TLS is off (no --tls-cert, --tls-key, --peer-ca): replication is unauthenticated, \
                  and anyone who reaches --listen can send Raft messages; use only on a trusted \
                  network"
             );

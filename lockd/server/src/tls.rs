@@ -51,7 +51,7 @@ pub fn validate_cluster_id(id: &str) -> Result<(), String> {
     }
 }
 
-/// The certificate files of `--cert`, `--key`, `--peer-ca` and `--client-ca`.
+/// The certificate files of `--tls-cert`, `--tls-key`, `--peer-ca` and `--tls-client-ca`.
 #[derive(Clone, Debug)]
 pub struct TlsFiles {
     pub cert: PathBuf,
@@ -90,11 +90,11 @@ impl NodeTls {
     /// Loads the files and checks that this node's own certificate passes the check its peers
     /// will make, so a wrong certificate fails at start with a clear error.
     pub fn load(files: &TlsFiles, id: NodeId, cluster_id: &str) -> anyhow::Result<Arc<NodeTls>> {
-        let cert_pem = read(&files.cert, "--cert")?;
-        let key_pem = read(&files.key, "--key")?;
+        let cert_pem = read(&files.cert, "--tls-cert")?;
+        let key_pem = read(&files.key, "--tls-key")?;
         let peer_ca_pem = read(&files.peer_ca, "--peer-ca")?;
         let client_ca_pem = match &files.client_ca {
-            Some(p) => Some(read(p, "--client-ca")?),
+            Some(p) => Some(read(p, "--tls-client-ca")?),
             None => None,
         };
         let peer_anchors = certs_in(
@@ -114,7 +114,7 @@ impl NodeTls {
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
         if let Some(pem) = &client_ca_pem {
-            certs_in(pem, "--client-ca")?;
+            certs_in(pem, "--tls-client-ca")?;
         }
         let tls = NodeTls {
             cluster_id: cluster_id.to_owned(),
@@ -124,10 +124,10 @@ impl NodeTls {
             client_ca_pem,
             peer_anchors,
         };
-        let own = certs_in(&tls.cert_pem, &format!("--cert {}", files.cert.display()))?;
+        let own = certs_in(&tls.cert_pem, &format!("--tls-cert {}", files.cert.display()))?;
         tls.verify_own(&own, id).map_err(|e| {
             anyhow::anyhow!(
-                "--cert {}: its own peers would refuse it: {e}",
+                "--tls-cert {}: its own peers would refuse it: {e}",
                 files.cert.display()
             )
         })?;
@@ -347,7 +347,7 @@ mod tests {
             .unwrap()
             .to_string();
         assert!(
-            e.contains("--cert") && e.contains("node-3.lockd.lockd"),
+            e.contains("--tls-cert") && e.contains("node-3.lockd.lockd"),
             "{e}"
         );
         assert!(tls.identify_member(&[], &[1]).is_err());

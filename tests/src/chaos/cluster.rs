@@ -203,9 +203,9 @@ impl ChaosCluster {
             let node = &nodes[id as usize - 1];
             cmd.arg("--cluster-id")
                 .arg(TLS_CLUSTER_ID)
-                .arg("--cert")
+                .arg("--tls-cert")
                 .arg(&node.cert)
-                .arg("--key")
+                .arg("--tls-key")
                 .arg(&node.key)
                 .arg("--peer-ca")
                 .arg(ca);
