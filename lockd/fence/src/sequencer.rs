@@ -180,7 +180,10 @@ impl SigningKey {
     /// Signs a grant. Ed25519 is deterministic: the same grant always gives the same bytes, so a
     /// retried `Acquire` returns an identical sequencer.
     pub fn sign(&self, resource: &str, token: FencingToken, expires_at_unix_ms: i64) -> Vec<u8> {
-        debug_assert!(validate_resource(resource).is_ok(), "lockd signs only valid resources");
+        debug_assert!(
+            validate_resource(resource).is_ok(),
+            "lockd signs only valid resources"
+        );
         let mut out = Vec::with_capacity(HEADER_LEN + resource.len() + SIGNATURE_LEN);
         out.extend_from_slice(MAGIC);
         out.extend_from_slice(&self.key_id.0);
@@ -423,7 +426,10 @@ mod tests {
         assert_eq!(seq.token, FencingToken(7));
         assert_eq!(seq.expires_at_unix_ms, 1_700_000_000_000);
         assert_eq!(seq.key_id, k.key_id());
-        assert_eq!(bytes, k.sign("orders/42", FencingToken(7), 1_700_000_000_000));
+        assert_eq!(
+            bytes,
+            k.sign("orders/42", FencingToken(7), 1_700_000_000_000)
+        );
         let text = encode_text(&bytes);
         assert!(!text.contains(':'));
         assert!(text.len() <= SEQUENCER_MAX_TEXT);
@@ -441,7 +447,10 @@ mod tests {
             assert!(v.verify(&b).is_err(), "bit {i} flipped still verified");
         }
         for len in 0..bytes.len() {
-            assert!(v.verify(&bytes[..len]).is_err(), "truncated to {len} verified");
+            assert!(
+                v.verify(&bytes[..len]).is_err(),
+                "truncated to {len} verified"
+            );
         }
         let mut longer = bytes.clone();
         longer.push(0);

@@ -124,7 +124,10 @@ impl NodeTls {
             client_ca_pem,
             peer_anchors,
         };
-        let own = certs_in(&tls.cert_pem, &format!("--tls-cert {}", files.cert.display()))?;
+        let own = certs_in(
+            &tls.cert_pem,
+            &format!("--tls-cert {}", files.cert.display()),
+        )?;
         tls.verify_own(&own, id).map_err(|e| {
             anyhow::anyhow!(
                 "--tls-cert {}: its own peers would refuse it: {e}",
