@@ -23,6 +23,10 @@ pub struct Cli {
     #[arg(long, global = true, env = "LOCKD_ENDPOINTS", value_delimiter = ',', default_value = DEFAULT_ENDPOINTS)]
     pub endpoints: Vec<String>,
 
+    /// TLS towards the nodes, trusting this CA (PEM), as lockctl's --cacert.
+    #[arg(long, global = true, env = "LOCKD_BENCH_CACERT")]
+    pub cacert: Option<std::path::PathBuf>,
+
     /// HTTP/2 connections opened to each endpoint; calls are spread over them round-robin.
     #[arg(long, global = true, default_value_t = 4)]
     pub connections: usize,
@@ -148,6 +152,16 @@ pub struct HandoffArgs {
     /// Resource names are PREFIX/N.
     #[arg(long, default_value = "bench-handoff")]
     pub prefix: String,
+}
+
+impl Cli {
+    /// The TLS settings of `--cacert`, if given.
+    pub fn tls(&self) -> anyhow::Result<Option<tonic::transport::ClientTlsConfig>> {
+        self.cacert
+            .as_deref()
+            .map(crate::pool::client_tls)
+            .transpose()
+    }
 }
 
 /// `30s`, `1m30s`, `500ms`.

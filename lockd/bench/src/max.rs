@@ -42,7 +42,7 @@ pub async fn run(cli: &Cli, args: &MaxArgs) -> anyhow::Result<()> {
     if duration.is_zero() {
         anyhow::bail!("--duration {duration:?} must be positive");
     }
-    let pool = Pool::connect(&cli.endpoints, cli.connections, cli.target).await?;
+    let pool = Pool::connect(&cli.endpoints, cli.connections, cli.target, cli.tls()?).await?;
     let leader = pool.leader_endpoint().unwrap_or("unknown").to_owned();
     eprintln!(
         "lockd-bench max: {workers} workers for {duration:?} after {warmup:?} warmup, \

@@ -363,7 +363,7 @@ pub async fn run(cli: &Cli, args: &MixedArgs) -> anyhow::Result<()> {
     let fill = Duration::from_secs_f64(held_target as f64 / rate as f64 + 1.0);
     let warmup = warmup.max(fill);
 
-    let pool = Pool::connect(&cli.endpoints, cli.connections, cli.target).await?;
+    let pool = Pool::connect(&cli.endpoints, cli.connections, cli.target, cli.tls()?).await?;
     let leader = pool.leader_endpoint().unwrap_or("unknown").to_owned();
     eprintln!(
         "lockd-bench mixed: {rate} ops/s for {duration:?} after {warmup:?} warmup, {resources} \
@@ -375,7 +375,7 @@ pub async fn run(cli: &Cli, args: &MixedArgs) -> anyhow::Result<()> {
     let measure_start = start + warmup;
     let end = measure_start + duration;
     let status_load = StatusLoad::start(
-        pool.endpoints(),
+        &pool,
         args.status_callers,
         measure_start,
         end,

@@ -12,7 +12,7 @@ use anyhow::Context;
 use lockd_api::v1::StatusRequest;
 use lockd_api::v1::cluster_client::ClusterClient;
 use lockd_api::v1::lock_client::LockClient;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 
 use crate::cli::Target;
 
@@ -30,6 +30,8 @@ pub struct Pool {
     endpoints: Vec<String>,
     /// `channels[e]` are the connections to `endpoints[e]`; each is one HTTP/2 connection.
     channels: Vec<Vec<Channel>>,
+    /// TLS towards the nodes (`--cacert`); `None` speaks plaintext.
+    tls: Option<ClientTlsConfig>,
     target: Target,
     /// Index into `endpoints` of the leader, or `NO_LEADER`.
     leader: AtomicUsize,
@@ -44,6 +46,7 @@ impl Pool {
         endpoints: &[String],
         connections: usize,
         target: Target,
+        tls: Option<ClientTlsConfig>,
     ) -> anyhow::Result<Arc<Pool>> {
         if endpoints.is_empty() || endpoints.iter().any(|e| e.trim().is_empty()) {
             anyhow::bail!("--endpoints {:?} must list host:port values", endpoints);
@@ -55,13 +58,14 @@ impl Pool {
         for addr in endpoints {
             channels.push(
                 (0..connections)
-                    .map(|_| lazy_channel(addr))
+                    .map(|_| lazy_channel(addr, tls.as_ref()))
                     .collect::<anyhow::Result<Vec<_>>>()?,
             );
         }
         let pool = Arc::new(Pool {
             endpoints: endpoints.to_vec(),
             channels,
+            tls,
             target,
             leader: AtomicUsize::new(NO_LEADER),
             next: AtomicUsize::new(0),
@@ -130,6 +134,11 @@ impl Pool {
         Err(last_err.unwrap_or_else(|| anyhow::anyhow!("no endpoints")))
     }
 
+    /// A new lazily opened connection to `addr`, with the pool's TLS settings.
+    pub fn channel_to(&self, addr: &str) -> anyhow::Result<Channel> {
+        lazy_channel(addr, self.tls.as_ref())
+    }
+
     /// The endpoints as given, in order.
     pub fn endpoints(&self) -> &[String] {
         &self.endpoints
@@ -158,10 +167,20 @@ impl Pool {
 
 /// One HTTP/2 connection to `addr`, opened on first use: a node that is down does not stop the
 /// run.
-pub fn lazy_channel(addr: &str) -> anyhow::Result<Channel> {
-    Ok(Endpoint::from_shared(format!("http://{addr}"))
+pub fn lazy_channel(addr: &str, tls: Option<&ClientTlsConfig>) -> anyhow::Result<Channel> {
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let mut endpoint = Endpoint::from_shared(format!("{scheme}://{addr}"))
         .with_context(|| format!("endpoint {addr:?} is not host:port"))?
         .connect_timeout(CONNECT_TIMEOUT)
-        .tcp_nodelay(true)
-        .connect_lazy())
+        .tcp_nodelay(true);
+    if let Some(tls) = tls {
+        endpoint = endpoint.tls_config(tls.clone())?;
+    }
+    Ok(endpoint.connect_lazy())
+}
+
+/// TLS that trusts the CA in `cacert` (PEM), as lockctl's `--cacert`.
+pub fn client_tls(cacert: &std::path::Path) -> anyhow::Result<ClientTlsConfig> {
+    let pem = std::fs::read(cacert).with_context(|| format!("--cacert {}", cacert.display()))?;
+    Ok(ClientTlsConfig::new().ca_certificate(Certificate::from_pem(pem)))
 }

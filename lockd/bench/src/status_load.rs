@@ -13,7 +13,7 @@ use lockd_api::v1::cluster_client::ClusterClient;
 use tokio::task::JoinSet;
 
 use crate::call::call;
-use crate::pool::lazy_channel;
+use crate::pool::Pool;
 use crate::stats::{Recorder, Report};
 
 /// The op name in the report.
@@ -34,7 +34,7 @@ impl StatusLoad {
     /// run until `end`, counting calls sent in `[measure_start, end)`. Caller `c` starts at
     /// endpoint `c`, so that the calls are spread over the nodes.
     pub fn start(
-        endpoints: &[String],
+        pool: &Pool,
         callers: usize,
         measure_start: Instant,
         end: Instant,
@@ -43,9 +43,10 @@ impl StatusLoad {
         let recorder = Arc::new(Recorder::new(&[STATUS_OP]));
         let mut tasks = JoinSet::new();
         for c in 0..callers {
-            let clients = endpoints
+            let clients = pool
+                .endpoints()
                 .iter()
-                .map(|addr| lazy_channel(addr).map(ClusterClient::new))
+                .map(|addr| pool.channel_to(addr).map(ClusterClient::new))
                 .collect::<anyhow::Result<Vec<_>>>()?;
             let recorder = recorder.clone();
             tasks.spawn(async move {

@@ -248,7 +248,7 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
     let state_machine = StateMachine::open(dbs, sink).await?;
     let sm = state_machine.shared();
     let tls = match &config.tls {
-        Some(files) => Some(crate::tls::NodeTls::load(
+        Some(files) => Some(crate::tls::TlsHandle::load(
             files,
             config.id,
             &config.cluster_id,
@@ -354,24 +354,20 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
         let std_listener = std::net::TcpListener::bind(addr)
             .map_err(|e| anyhow::anyhow!("binding --metrics-listen {addr}: {e}"))?;
         drop(std_listener);
-        let (c, s) = (ctx.clone(), shutdown.clone());
+        let (c, t, s) = (ctx.clone(), tls.clone(), shutdown.clone());
         tokio::spawn(async move {
-            if let Err(e) = crate::observe::http::serve(c, addr, s).await {
+            if let Err(e) = crate::observe::http::serve(c, addr, t, s).await {
                 tracing::error!(error = %e, "metrics listener stopped");
             }
         });
     }
 
-    // The builder's tcp_nodelay does not reach sockets accepted from our own listener, so the
-    // listener sets it: with Nagle on, a small reply waits for the peer's delayed ACK (40 ms).
-    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
-    let mut builder = tonic::transport::Server::builder();
     if let Some(tls) = &tls {
-        builder = builder
-            .tls_config(tls.server_config())
-            .map_err(|e| anyhow::anyhow!("lockd: TLS configuration: {e}"))?;
+        tokio::spawn(reload_on_sighup(config.id, tls.clone(), shutdown.clone()));
     }
-    let server = builder
+    let router = tonic::transport::Server::builder()
+        // Bounds what one connection can make this node hold at once.
+        .max_concurrent_streams(STREAMS_PER_CONNECTION_MAX)
         .add_service(health_service)
         .add_service(
             LockServer::new(LockService::new(ctx.clone()))
@@ -385,7 +381,24 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
             raft_log,
             crate::service::raft::PeerAuth::new(&config, tls.clone()),
         ))
-        .serve_with_incoming_shutdown(incoming, shutdown.clone().cancelled_owned());
+        ;
+    let stop = shutdown.clone().cancelled_owned();
+    let server: futures::future::BoxFuture<'static, Result<(), tonic::transport::Error>> =
+        match &tls {
+            // Our own accept loop rather than tonic's TLS: it takes the certificates current at
+            // each accept, so a reload on SIGHUP needs no restart.
+            Some(tls) => Box::pin(router.serve_with_incoming_shutdown(
+                crate::tls::incoming(listener, tls.clone(), shutdown.clone()),
+                stop,
+            )),
+            // The builder's tcp_nodelay does not reach sockets accepted from our own listener,
+            // so the listener sets it: with Nagle on, a small reply waits for the peer's delayed
+            // ACK (40 ms).
+            None => Box::pin(router.serve_with_incoming_shutdown(
+                tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+                stop,
+            )),
+        };
     tracing::info!(id = config.id, listen = %config.listen, data_dir = %config.data_dir.display(), "lockd node started");
     let done = tokio::spawn(async move {
         let result = server.await;
@@ -393,6 +406,37 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
         result.map_err(|e| anyhow::anyhow!("grpc server: {e}"))
     });
     Ok(RunningNode { ctx, done })
+}
+
+/// Concurrent gRPC calls one connection may have open (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS).
+/// A client needs a few hundred at most (lockd-bench uses 256 per connection); without a bound
+/// one connection could open streams until the node runs out of memory.
+const STREAMS_PER_CONNECTION_MAX: u32 = 1024;
+
+/// Loads the certificates again on every SIGHUP (see `TlsHandle`). lockd dev's three nodes in one
+/// process each reload their own.
+async fn reload_on_sighup(
+    id: NodeId,
+    tls: Arc<crate::tls::TlsHandle>,
+    shutdown: CancellationToken,
+) {
+    let mut hup = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(error = %e, "lockd: cannot listen for SIGHUP; certificates will not reload");
+            return;
+        }
+    };
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            got = hup.recv() => if got.is_none() { return },
+        }
+        match tls.reload() {
+            Ok(()) => tracing::info!(id, "lockd: certificates reloaded (SIGHUP); new connections use them"),
+            Err(e) => tracing::error!(id, error = %e, "lockd: certificate reload failed; the previous certificates stay in use"),
+        }
+    }
 }
 
 /// Replicas that snapshot at the same log index encode and write at the same moment, and the

@@ -17,7 +17,6 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use rustls_pki_types::{CertificateDer, ServerName, UnixTime};
-use tonic::transport::{Certificate, ClientTlsConfig, Identity, ServerTlsConfig};
 
 use crate::raft::NodeId;
 
@@ -60,13 +59,15 @@ pub struct TlsFiles {
     pub client_ca: Option<PathBuf>,
 }
 
-/// A node's TLS material, loaded and checked at start.
+/// A node's TLS material, loaded and checked at start and again on every SIGHUP.
 pub struct NodeTls {
     cluster_id: String,
-    cert_pem: Vec<u8>,
-    key_pem: Vec<u8>,
-    peer_ca_pem: Vec<u8>,
-    client_ca_pem: Option<Vec<u8>>,
+    /// The listener's rustls configuration: this node's certificate, and a certificate asked of
+    /// every caller, checked against the peer CA and the client CA but not required (clients may
+    /// have none).
+    server: Arc<rustls::ServerConfig>,
+    /// Towards peers: the peer CA as roots, this node's certificate as client identity.
+    client: Arc<rustls::ClientConfig>,
     /// The peer CA as a webpki trust anchor, for the check of every Raft caller.
     peer_anchors: Vec<rustls_pki_types::TrustAnchor<'static>>,
 }
@@ -86,84 +87,95 @@ fn certs_in(pem: &[u8], what: &str) -> anyhow::Result<Vec<CertificateDer<'static
     Ok(certs)
 }
 
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+fn roots(certs: &[CertificateDer<'static>], what: &str) -> anyhow::Result<rustls::RootCertStore> {
+    let mut roots = rustls::RootCertStore::empty();
+    for c in certs {
+        roots
+            .add(c.clone())
+            .map_err(|e| anyhow::anyhow!("{what}: not a CA certificate: {e}"))?;
+    }
+    Ok(roots)
+}
+
 impl NodeTls {
     /// Loads the files and checks that this node's own certificate passes the check its peers
-    /// will make, so a wrong certificate fails at start with a clear error.
+    /// will make, so a wrong certificate fails at start (or a reload fails) with a clear error.
     pub fn load(files: &TlsFiles, id: NodeId, cluster_id: &str) -> anyhow::Result<Arc<NodeTls>> {
-        let cert_pem = read(&files.cert, "--tls-cert")?;
-        let key_pem = read(&files.key, "--tls-key")?;
-        let peer_ca_pem = read(&files.peer_ca, "--peer-ca")?;
-        let client_ca_pem = match &files.client_ca {
-            Some(p) => Some(read(p, "--tls-client-ca")?),
-            None => None,
+        use rustls_pki_types::PrivateKeyDer;
+        use rustls_pki_types::pem::PemObject;
+        let cert_what = format!("--tls-cert {}", files.cert.display());
+        let key_what = format!("--tls-key {}", files.key.display());
+        let peer_what = format!("--peer-ca {}", files.peer_ca.display());
+        let own = certs_in(&read(&files.cert, "--tls-cert")?, &cert_what)?;
+        let key = PrivateKeyDer::from_pem_slice(&read(&files.key, "--tls-key")?)
+            .map_err(|e| anyhow::anyhow!("{key_what}: no PEM private key in it: {e}"))?;
+        let peer_ca = certs_in(&read(&files.peer_ca, "--peer-ca")?, &peer_what)?;
+        let client_ca = match &files.client_ca {
+            Some(p) => certs_in(
+                &read(p, "--tls-client-ca")?,
+                &format!("--tls-client-ca {}", p.display()),
+            )?,
+            None => Vec::new(),
         };
-        let peer_anchors = certs_in(
-            &peer_ca_pem,
-            &format!("--peer-ca {}", files.peer_ca.display()),
-        )?
-        .iter()
-        .map(|c| {
-            webpki::anchor_from_trusted_cert(c)
-                .map(|a| a.to_owned())
-                .map_err(|e| {
-                    anyhow::anyhow!(
-                        "--peer-ca {}: not a CA certificate: {e}",
-                        files.peer_ca.display()
-                    )
-                })
-        })
-        .collect::<anyhow::Result<Vec<_>>>()?;
-        if let Some(pem) = &client_ca_pem {
-            certs_in(pem, "--tls-client-ca")?;
+        let peer_anchors = peer_ca
+            .iter()
+            .map(|c| {
+                webpki::anchor_from_trusted_cert(c)
+                    .map(|a| a.to_owned())
+                    .map_err(|e| anyhow::anyhow!("{peer_what}: not a CA certificate: {e}"))
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+
+        // A client CA that is also the peer CA would let every client certificate stand next to
+        // the node certificates; the two roles need two CAs.
+        if client_ca.iter().any(|c| peer_ca.contains(c)) {
+            anyhow::bail!(
+                "--tls-client-ca and {peer_what} share a certificate: use a CA of its own for \
+                 client certificates"
+            );
         }
+        let mut callers = roots(&peer_ca, &peer_what)?;
+        for c in &client_ca {
+            callers
+                .add(c.clone())
+                .map_err(|e| anyhow::anyhow!("--tls-client-ca: not a CA certificate: {e}"))?;
+        }
+        let verifier =
+            rustls::server::WebPkiClientVerifier::builder_with_provider(callers.into(), provider())
+                .allow_unauthenticated()
+                .build()
+                .map_err(|e| anyhow::anyhow!("{peer_what}: {e}"))?;
+        let mut server = rustls::ServerConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()?
+            .with_client_cert_verifier(verifier)
+            .with_single_cert(own.clone(), key.clone_key())
+            .map_err(|e| anyhow::anyhow!("{cert_what} with {key_what}: {e}"))?;
+        // gRPC is HTTP/2; clients that use ALPN (most) must be offered h2.
+        server.alpn_protocols = vec![b"h2".to_vec()];
+        let mut client = rustls::ClientConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()?
+            .with_root_certificates(roots(&peer_ca, &peer_what)?)
+            .with_client_auth_cert(own.clone(), key)
+            .map_err(|e| anyhow::anyhow!("{cert_what} with {key_what}: {e}"))?;
+        client.alpn_protocols = vec![b"h2".to_vec()];
+
         let tls = NodeTls {
             cluster_id: cluster_id.to_owned(),
-            cert_pem,
-            key_pem,
-            peer_ca_pem,
-            client_ca_pem,
+            server: Arc::new(server),
+            client: Arc::new(client),
             peer_anchors,
         };
-        let own = certs_in(
-            &tls.cert_pem,
-            &format!("--tls-cert {}", files.cert.display()),
-        )?;
-        tls.verify_own(&own, id).map_err(|e| {
-            anyhow::anyhow!(
-                "--tls-cert {}: its own peers would refuse it: {e}",
-                files.cert.display()
-            )
-        })?;
+        tls.verify_own(&own, id)
+            .map_err(|e| anyhow::anyhow!("{cert_what}: its own peers would refuse it: {e}"))?;
         Ok(Arc::new(tls))
     }
 
     pub fn cluster_id(&self) -> &str {
         &self.cluster_id
-    }
-
-    /// The listener's TLS: this node's certificate, and a certificate asked of every caller,
-    /// checked against the peer CA and the client CA but not required (clients may have none).
-    pub fn server_config(&self) -> ServerTlsConfig {
-        let mut roots = self.peer_ca_pem.clone();
-        if let Some(client) = &self.client_ca_pem {
-            roots.push(b'\n');
-            roots.extend_from_slice(client);
-        }
-        ServerTlsConfig::new()
-            .identity(Identity::from_pem(&self.cert_pem, &self.key_pem))
-            .client_ca_root(Certificate::from_pem(roots))
-            .client_auth_optional(true)
-            // A handshake that does not finish holds a task and a descriptor; bound it.
-            .timeout(std::time::Duration::from_secs(5))
-    }
-
-    /// TLS towards peer `target`: its certificate must carry its node name, and this node
-    /// presents its own.
-    pub fn client_config(&self, target: NodeId) -> ClientTlsConfig {
-        ClientTlsConfig::new()
-            .ca_certificate(Certificate::from_pem(&self.peer_ca_pem))
-            .identity(Identity::from_pem(&self.cert_pem, &self.key_pem))
-            .domain_name(node_name(target, &self.cluster_id))
     }
 
     /// The member that `chain` (leaf first, as the caller presented it) authenticates: the
@@ -242,6 +254,149 @@ impl NodeTls {
         }
         self.identify_member(chain, &[id]).map(|_| ())
     }
+}
+
+/// The node's current TLS material. SIGHUP loads the files again and, if they pass the start-up
+/// checks, swaps them in: new connections (inbound and to peers) use the new certificates,
+/// established ones keep theirs, so a rotation drops no call. A reload that fails leaves the
+/// previous material in place and says why in the log.
+pub struct TlsHandle {
+    files: TlsFiles,
+    id: NodeId,
+    cluster_id: String,
+    current: std::sync::RwLock<Arc<NodeTls>>,
+    /// Bumped on every successful reload, so caches of certificate checks start again.
+    generation: std::sync::atomic::AtomicU64,
+}
+
+impl TlsHandle {
+    pub fn load(files: &TlsFiles, id: NodeId, cluster_id: &str) -> anyhow::Result<Arc<TlsHandle>> {
+        Ok(Arc::new(TlsHandle {
+            current: std::sync::RwLock::new(NodeTls::load(files, id, cluster_id)?),
+            files: files.clone(),
+            id,
+            cluster_id: cluster_id.to_owned(),
+            generation: std::sync::atomic::AtomicU64::new(0),
+        }))
+    }
+
+    pub fn current(&self) -> Arc<NodeTls> {
+        self.current
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    pub fn generation(&self) -> u64 {
+        self.generation.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Reads the files again; on success the new material serves every new connection.
+    pub fn reload(&self) -> anyhow::Result<()> {
+        let fresh = NodeTls::load(&self.files, self.id, &self.cluster_id)?;
+        *self.current.write().unwrap_or_else(|e| e.into_inner()) = fresh;
+        self.generation
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        Ok(())
+    }
+}
+
+/// Handshakes in progress at most; further connections wait in the listen backlog.
+const HANDSHAKES_MAX: usize = 256;
+/// A handshake that does not finish holds a task and a descriptor; bound it.
+const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Accepts connections on `listener` and completes their TLS handshakes with the material
+/// current at accept time, several at once, so a slow or silent client holds up no one else.
+/// Failed handshakes are dropped (logged at debug): they never reach the gRPC server.
+pub fn incoming(
+    listener: tokio::net::TcpListener,
+    tls: Arc<TlsHandle>,
+    shutdown: tokio_util::sync::CancellationToken,
+) -> impl futures::Stream<Item = std::io::Result<tokio_rustls::server::TlsStream<tokio::net::TcpStream>>>
+{
+    let (tx, rx) = tokio::sync::mpsc::channel(HANDSHAKES_MAX);
+    let slots = Arc::new(tokio::sync::Semaphore::new(HANDSHAKES_MAX));
+    tokio::spawn(async move {
+        loop {
+            let Ok(permit) = slots.clone().acquire_owned().await else {
+                return;
+            };
+            let (stream, remote) = tokio::select! {
+                _ = shutdown.cancelled() => return,
+                accepted = listener.accept() => match accepted {
+                    Ok(a) => a,
+                    Err(e) => {
+                        // Out of descriptors, mostly: back off instead of spinning.
+                        tracing::warn!(error = %e, "lockd: accept failed");
+                        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                        continue;
+                    }
+                },
+            };
+            // With Nagle on, a small reply waits for the peer's delayed ACK (40 ms).
+            let _ = stream.set_nodelay(true);
+            let acceptor = tokio_rustls::TlsAcceptor::from(tls.current().server.clone());
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                let _permit = permit;
+                match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
+                    Ok(Ok(tls_stream)) => {
+                        let _ = tx.send(Ok(tls_stream)).await;
+                    }
+                    Ok(Err(e)) => tracing::debug!(%remote, error = %e, "TLS handshake failed"),
+                    Err(_) => tracing::debug!(%remote, "TLS handshake timed out"),
+                }
+            });
+        }
+    });
+    tokio_stream::wrappers::ReceiverStream::new(rx)
+}
+
+/// Dials peer `target` over TLS with the material current at connect time, checking that its
+/// certificate names `node-<target>.<cluster>.lockd`, from `local_ip` when given.
+pub fn peer_connector(
+    tls: Arc<TlsHandle>,
+    target: NodeId,
+    local_ip: Option<std::net::IpAddr>,
+) -> impl tower::Service<
+    http::Uri,
+    Response = hyper_util::rt::TokioIo<tokio_rustls::client::TlsStream<tokio::net::TcpStream>>,
+    Error = std::io::Error,
+    Future = impl Send,
+> + Clone
++ Send
++ 'static {
+    tower::service_fn(move |uri: http::Uri| {
+        let tls = tls.clone();
+        async move {
+            let bad = |what: &str| {
+                std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("{what}: {uri}"))
+            };
+            let host = uri.host().ok_or_else(|| bad("no host in peer address"))?;
+            let port = uri.port_u16().ok_or_else(|| bad("no port in peer address"))?;
+            let addr = tokio::net::lookup_host((host.trim_matches(['[', ']']), port))
+                .await?
+                .next()
+                .ok_or_else(|| bad("peer address resolves to nothing"))?;
+            let socket = if addr.is_ipv4() {
+                tokio::net::TcpSocket::new_v4()?
+            } else {
+                tokio::net::TcpSocket::new_v6()?
+            };
+            if let Some(ip) = local_ip {
+                socket.bind(std::net::SocketAddr::new(ip, 0))?;
+            }
+            let stream = socket.connect(addr).await?;
+            stream.set_nodelay(true)?;
+            let node = tls.current();
+            let name = ServerName::try_from(node_name(target, &node.cluster_id))
+                .map_err(|e| bad(&format!("node name: {e}")))?;
+            let connector = tokio_rustls::TlsConnector::from(node.client.clone());
+            let stream = connector.connect(name, stream).await?;
+            Ok(hyper_util::rt::TokioIo::new(stream))
+        }
+    })
 }
 
 fn names_dns(cert: &webpki::EndEntityCert<'_>, name: &str) -> bool {
@@ -340,6 +495,7 @@ mod tests {
             client_ca: None,
         };
         let tls = NodeTls::load(&files, 1, DEFAULT_CLUSTER_ID).unwrap();
+        assert_eq!(tls.cluster_id(), DEFAULT_CLUSTER_ID);
         let chain2 = certs_in(&std::fs::read(certs.node(2).0).unwrap(), "node 2").unwrap();
         assert_eq!(tls.identify_member(&chain2, &[1, 2, 3]), Ok(2));
         let e = tls.identify_member(&chain2, &[1, 3]).unwrap_err();

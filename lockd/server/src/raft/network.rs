@@ -20,7 +20,7 @@ use tonic::metadata::{Ascii, MetadataValue};
 use super::vote_gate::VoteReport;
 use super::{NodeId, TypeConfig};
 use crate::service::raft::pb::{RaftMessage, raft_client::RaftClient};
-use crate::tls::{CLUSTER_ID_HEADER, NodeTls};
+use crate::tls::{CLUSTER_ID_HEADER, TlsHandle};
 
 /// Largest replication message either side accepts: appends carry up to `max_payload_entries`
 /// batches and snapshots come in chunks of `snapshot_max_chunk_size`.
@@ -43,7 +43,7 @@ pub struct PeerDial {
     /// relays in tests) see which node is calling. `None` when listening on a wildcard address.
     pub local_ip: Option<std::net::IpAddr>,
     /// Mutual TLS with the peers; `None` dials plaintext.
-    pub tls: Option<Arc<NodeTls>>,
+    pub tls: Option<Arc<TlsHandle>>,
     /// Sent on every Raft message ([`CLUSTER_ID_HEADER`]).
     pub cluster_id: MetadataValue<Ascii>,
 }
@@ -51,7 +51,7 @@ pub struct PeerDial {
 impl PeerDial {
     pub fn new(
         local_ip: Option<std::net::IpAddr>,
-        tls: Option<Arc<NodeTls>>,
+        tls: Option<Arc<TlsHandle>>,
         cluster_id: &str,
     ) -> anyhow::Result<Self> {
         Ok(PeerDial {
@@ -66,16 +66,21 @@ impl PeerDial {
     /// A lazily connecting channel to peer `target` at `addr`: TLS with the peer's node name
     /// checked when this node has certificates.
     pub fn channel(&self, target: NodeId, addr: &str) -> Result<Channel, tonic::transport::Error> {
-        let scheme = if self.tls.is_some() { "https" } else { "http" };
-        let mut endpoint = Endpoint::from_shared(format!("{scheme}://{addr}"))?
+        let endpoint = Endpoint::from_shared(format!("http://{addr}"))?
             .connect_timeout(CONNECT_TIMEOUT)
             .local_address(self.local_ip)
             .tcp_nodelay(true)
             .http2_keep_alive_interval(Duration::from_secs(5));
-        if let Some(tls) = &self.tls {
-            endpoint = endpoint.tls_config(tls.client_config(target))?;
-        }
-        Ok(endpoint.connect_lazy())
+        Ok(match &self.tls {
+            // Our own connector rather than tonic's TLS: it takes the certificates current at
+            // each connect, so a reload on SIGHUP reaches the peers' next connections.
+            Some(tls) => endpoint.connect_with_connector_lazy(crate::tls::peer_connector(
+                tls.clone(),
+                target,
+                self.local_ip,
+            )),
+            None => endpoint.connect_lazy(),
+        })
     }
 
     /// A Raft client of peer `target`.

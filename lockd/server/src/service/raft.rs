@@ -10,7 +10,7 @@ use crate::raft::NodeId;
 use crate::raft::vote_gate::{VoteGate, VoteReport};
 use crate::raft::{Raft, TypeConfig};
 use crate::storage::log_store::LogStore;
-use crate::tls::{CLUSTER_ID_HEADER, NodeTls};
+use crate::tls::{CLUSTER_ID_HEADER, TlsHandle};
 use openraft::storage::RaftLogStorage;
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
@@ -45,7 +45,7 @@ pub struct PeerAuth {
     cluster_id: String,
     /// The other members: a message never comes from this node itself.
     members: Vec<NodeId>,
-    tls: Option<Arc<NodeTls>>,
+    tls: Option<Arc<TlsHandle>>,
     /// Outcomes of certificate checks, by SHA-256 of the leaf, with when they were made. A
     /// connection presents the same certificate on every message, so a peer's messages cost one
     /// hash, and a refused caller's too (failures are remembered as well).
@@ -55,8 +55,9 @@ pub struct PeerAuth {
     started: Instant,
 }
 
-/// A certificate check's outcome (the member, or why not) and when it was made.
-type CheckedCert = (Result<NodeId, String>, Instant);
+/// A certificate check's outcome (the member, or why not), when it was made, and the TLS
+/// generation it was made with (a reload on SIGHUP may change the peer CA).
+type CheckedCert = (Result<NodeId, String>, Instant, u64);
 
 /// The node a request's certificate authenticates (`None` without TLS), put in the request's
 /// extensions by [`PeerAuth::intercept`].
@@ -78,7 +79,7 @@ fn refused() -> Status {
 }
 
 impl PeerAuth {
-    pub fn new(config: &crate::config::NodeConfig, tls: Option<Arc<NodeTls>>) -> Arc<Self> {
+    pub fn new(config: &crate::config::NodeConfig, tls: Option<Arc<TlsHandle>>) -> Arc<Self> {
         Arc::new(PeerAuth {
             cluster_id: config.cluster_id.clone(),
             members: config
@@ -144,21 +145,23 @@ impl PeerAuth {
             .first()
             .ok_or_else(|| "the caller sent an empty certificate chain".to_owned())?;
         let key: [u8; 32] = Sha256::digest(leaf.as_ref()).into();
+        let generation = tls.generation();
         {
             let checked = self.checked.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some((outcome, at)) = checked.get(&key)
+            if let Some((outcome, at, made_with)) = checked.get(&key)
                 && at.elapsed() < CHECKED_FOR
+                && *made_with == generation
             {
                 return outcome.clone().map(Some);
             }
         }
         // Outside the lock: one chain check, however many members.
-        let outcome = tls.identify_member(&chain, &self.members);
+        let outcome = tls.current().identify_member(&chain, &self.members);
         let mut checked = self.checked.lock().unwrap_or_else(|e| e.into_inner());
         if checked.len() >= CHECKED_MAX {
             checked.clear();
         }
-        checked.insert(key, (outcome.clone(), Instant::now()));
+        checked.insert(key, (outcome.clone(), Instant::now(), generation));
         outcome.map(Some)
     }
 
