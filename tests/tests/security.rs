@@ -376,7 +376,10 @@ async fn served_certificate(addr: &str, ca: &std::path::Path) -> Vec<u8> {
     let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
     let ip: std::net::SocketAddr = addr.parse().unwrap();
     let tls = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
-        .connect(rustls::pki_types::ServerName::IpAddress(ip.ip().into()), tcp)
+        .connect(
+            rustls::pki_types::ServerName::IpAddress(ip.ip().into()),
+            tcp,
+        )
         .await
         .unwrap();
     tls.get_ref().1.peer_certificates().unwrap()[0].to_vec()
@@ -451,19 +454,18 @@ async fn issue15_certificates_reload_on_sighup_under_load_without_a_failed_call(
     {
         // New connections all the time: each call makes its handshake with whatever
         // certificates the node has at that moment.
-        let (stop, ok, failures, config) = (
-            stop.clone(),
-            ok.clone(),
-            failures.clone(),
-            client_config(),
-        );
+        let (stop, ok, failures, config) =
+            (stop.clone(), ok.clone(), failures.clone(), client_config());
         workers.push(tokio::spawn(async move {
             while !stop.load(Ordering::Relaxed) {
                 let client = lockd_client::Client::with_config(config.clone()).unwrap();
                 match client.status().await {
                     Ok(_) => ok.fetch_add(1, Ordering::Relaxed),
                     Err(e) => {
-                        failures.lock().unwrap().push(format!("new connection: {e}"));
+                        failures
+                            .lock()
+                            .unwrap()
+                            .push(format!("new connection: {e}"));
                         0
                     }
                 };
@@ -543,7 +545,10 @@ async fn issue15_certificates_reload_on_sighup_under_load_without_a_failed_call(
             .acquire("reload/after", lockd_client::AcquireOptions::default())
             .await
             .unwrap();
-        client.release("reload/after", &lease.lease_id).await.unwrap();
+        client
+            .release("reload/after", &lease.lease_id)
+            .await
+            .unwrap();
         let (f, l) = (cluster.status(follower).await, cluster.status(leader).await);
         if let (Ok(f), Ok(l)) = (f, l)
             && f.leader_id == leader

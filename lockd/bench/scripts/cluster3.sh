@@ -10,15 +10,39 @@
 #   cluster3.sh cpu                      utime+stime seconds of each running node (from /proc)
 #   cluster3.sh endpoints                the --endpoints value for lockd-bench
 #
+#   cluster3.sh cacert                   the CA file to trust (BENCH_TLS=1), for lockd-bench --cacert
+#
 # Environment: LOCKD_BIN (default target/release/lockd), BENCH_IP (127.0.0.50),
-# BENCH_DIR (/tmp/lockd-bench-cluster), RUST_LOG (default warn).
+# BENCH_DIR (/tmp/lockd-bench-cluster), RUST_LOG (default warn), BENCH_TLS (1 = a CA and node
+# certificates made with openssl in $BENCH_DIR/tls, and TLS on every node and on the metrics).
 set -euo pipefail
 
 BIN=${LOCKD_BIN:-target/release/lockd}
 IP=${BENCH_IP:-127.0.0.50}
 DIR=${BENCH_DIR:-/tmp/lockd-bench-cluster}
-cmd=${1:?usage: cluster3.sh start|stop|kill ID|leader|rss|cpu|endpoints}
+cmd=${1:?usage: cluster3.sh start|stop|kill ID|leader|rss|cpu|endpoints|cacert}
 shift
+
+TLS=${BENCH_TLS:-0}
+CA="$DIR/tls/ca.pem"
+scheme() { if [ "$TLS" = 1 ]; then echo https; else echo http; fi; }
+curl_tls() { if [ "$TLS" = 1 ]; then curl --cacert "$CA" "$@"; else curl "$@"; fi; }
+
+# A throwaway CA and one certificate per node, as the README's openssl recipe.
+make_certs() {
+    local t="$DIR/tls"
+    mkdir -p "$t"
+    openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 2 \
+        -subj "/CN=lockd bench CA" -keyout "$t/ca-key.pem" -out "$t/ca.pem" 2>/dev/null
+    for i in 1 2 3; do
+        openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -subj "/CN=lockd node $i" \
+            -keyout "$t/node$i-key.pem" -out "$t/node$i.csr" 2>/dev/null
+        printf "subjectAltName=DNS:node-%s.lockd.lockd,IP:%s\nextendedKeyUsage=serverAuth,clientAuth\n" \
+            "$i" "$IP" >"$t/node$i.ext"
+        openssl x509 -req -in "$t/node$i.csr" -CA "$t/ca.pem" -CAkey "$t/ca-key.pem" -days 2 \
+            -out "$t/node$i.pem" -extfile "$t/node$i.ext" 2>/dev/null
+    done
+}
 
 pid_of() { cat "$DIR/node$1.pid" 2>/dev/null || true; }
 running() { local p; p=$(pid_of "$1"); [ -n "$p" ] && kill -0 "$p" 2>/dev/null; }
@@ -30,10 +54,15 @@ start)
     done
     rm -rf "$DIR"
     mkdir -p "$DIR"
+    if [ "$TLS" = 1 ]; then make_certs; fi
     for i in 1 2 3; do
+        tls_flags=()
+        if [ "$TLS" = 1 ]; then
+            tls_flags=(--tls-cert "$DIR/tls/node$i.pem" --tls-key "$DIR/tls/node$i-key.pem" --peer-ca "$CA")
+        fi
         RUST_LOG=${RUST_LOG:-warn} "$BIN" --id "$i" --listen "$IP:700$i" \
             --peer "1=$IP:7001" --peer "2=$IP:7002" --peer "3=$IP:7003" \
-            --data-dir "$DIR/node$i" --metrics-listen "$IP:910$i" "$@" \
+            --data-dir "$DIR/node$i" --metrics-listen "$IP:910$i" "${tls_flags[@]}" "$@" \
             >"$DIR/node$i.log" 2>&1 &
         echo $! >"$DIR/node$i.pid"
     done
@@ -62,7 +91,7 @@ kill)
 leader)
     for i in 1 2 3; do
         running "$i" || continue
-        if curl -s --max-time 1 "http://$IP:910$i/metrics" | grep -q '^lockd_is_leader 1'; then
+        if curl_tls -s --max-time 1 "$(scheme)://$IP:910$i/metrics" | grep -q '^lockd_is_leader 1'; then
             echo "$i"
             exit 0
         fi
@@ -84,6 +113,9 @@ cpu)
     ;;
 endpoints)
     echo "$IP:7001,$IP:7002,$IP:7003"
+    ;;
+cacert)
+    echo "$CA"
     ;;
 *)
     echo "cluster3.sh: unknown command $cmd" >&2

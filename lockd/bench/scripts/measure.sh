@@ -5,7 +5,7 @@
 #
 #   measure.sh NAME [--kill-follower] [--lockd "LOCKD FLAGS"] -- LOCKD-BENCH ARGS...
 #
-# Environment: NICE (niceness of cluster and bench, default 0), OUT (default /tmp/benchres),
+# Environment: BENCH_TLS (1 = the cluster and the bench over TLS, see cluster3.sh), NICE (niceness of cluster and bench, default 0), OUT (default /tmp/benchres),
 # BENCH_BIN (default target/release/lockd-bench), STATUS_LOOPS (default 0: that many shell loops
 # calling `lockctl status` against all nodes during the run; CTL_BIN, default
 # target/release/lockctl), plus cluster3.sh's.
@@ -65,8 +65,10 @@ for _ in $(seq 1 "${STATUS_LOOPS:-0}"); do
 done
 echo "status loops: ${#status_pids[@]}" >>"$info"
 start=$(date +%s.%N)
+tls_args=()
+if [ "${BENCH_TLS:-0}" = 1 ]; then tls_args=(--cacert "$("$S" cacert)"); fi
 nice -n "$NICE" /usr/bin/time -f "bench cpu: user %U s sys %S s maxrss %M KiB" \
-    "$B" --endpoints "$("$S" endpoints)" --no-progress "$@" >"$OUT/$name.json" 2>"$OUT/$name.err"
+    "$B" "${tls_args[@]}" --endpoints "$("$S" endpoints)" --no-progress "$@" >"$OUT/$name.json" 2>"$OUT/$name.err"
 end=$(date +%s.%N)
 for p in "${status_pids[@]}"; do kill "$p" 2>/dev/null || true; done
 echo "wall: $(echo "$end - $start" | bc) s" >>"$info"
@@ -83,7 +85,12 @@ for i in 1 2 3; do
 done
 ip=${BENCH_IP:-127.0.0.50}
 for i in 1 2 3; do
-    curl -s --max-time 2 "http://$ip:910$i/metrics" 2>/dev/null |
+    if [ "${BENCH_TLS:-0}" = 1 ]; then
+        m=(curl --cacert "$("$S" cacert)" -s --max-time 2 "https://$ip:910$i/metrics")
+    else
+        m=(curl -s --max-time 2 "http://$ip:910$i/metrics")
+    fi
+    "${m[@]}" 2>/dev/null |
         grep -E '^lockd_(active_locks|leader_changes_total|raft_commit_index|raft_commit_duration_seconds_(sum|count)) ' |
         sed "s/^/node $i metric: /" >>"$info" || true
 done

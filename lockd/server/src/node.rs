@@ -380,8 +380,7 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
             vote_gate.clone(),
             raft_log,
             crate::service::raft::PeerAuth::new(&config, tls.clone()),
-        ))
-        ;
+        ));
     let stop = shutdown.clone().cancelled_owned();
     let server: futures::future::BoxFuture<'static, Result<(), tonic::transport::Error>> =
         match &tls {
@@ -433,8 +432,13 @@ async fn reload_on_sighup(
             got = hup.recv() => if got.is_none() { return },
         }
         match tls.reload() {
-            Ok(()) => tracing::info!(id, "lockd: certificates reloaded (SIGHUP); new connections use them"),
-            Err(e) => tracing::error!(id, error = %e, "lockd: certificate reload failed; the previous certificates stay in use"),
+            Ok(()) => tracing::info!(
+                id,
+                "lockd: certificates reloaded (SIGHUP); new connections use them"
+            ),
+            Err(e) => {
+                tracing::error!(id, error = %e, "lockd: certificate reload failed; the previous certificates stay in use")
+            }
         }
     }
 }

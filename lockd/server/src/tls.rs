@@ -374,7 +374,9 @@ pub fn peer_connector(
                 std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("{what}: {uri}"))
             };
             let host = uri.host().ok_or_else(|| bad("no host in peer address"))?;
-            let port = uri.port_u16().ok_or_else(|| bad("no port in peer address"))?;
+            let port = uri
+                .port_u16()
+                .ok_or_else(|| bad("no port in peer address"))?;
             let addr = tokio::net::lookup_host((host.trim_matches(['[', ']']), port))
                 .await?
                 .next()
