@@ -130,12 +130,20 @@ async fn sequencers_verify_with_the_exported_keys() {
     assert!(!first.sequencer.is_empty(), "a grant without a sequencer");
     let keys = exported_keys(&cluster, dir.path()).await;
     let seq = keys
-        .verify_for(&first.sequencer, "seq/a", Some(FencingToken(first.fencing_token)))
+        .verify_for(
+            &first.sequencer,
+            "seq/a",
+            Some(FencingToken(first.fencing_token)),
+        )
         .unwrap();
     check_names_grant(&seq, "seq/a", &first);
     let listed = signing_keys(&cluster, follower).await;
     assert_eq!(seq.key_id.to_string(), active_key(&listed));
-    assert!(listed[0].public_key_pem.starts_with("-----BEGIN PUBLIC KEY-----"));
+    assert!(
+        listed[0]
+            .public_key_pem
+            .starts_with("-----BEGIN PUBLIC KEY-----")
+    );
 
     // Phase 2: the same request_id, through the leader: the same bytes.
     let retry = acquire(&cluster, &[leader], req("seq/a", "seq-a-1", 0)).await;
@@ -191,7 +199,12 @@ async fn the_key_survives_failover_snapshots_and_restarts() {
     let key = key_of(&first);
     // Enough entries that every node snapshots (with the key) and compacts its log.
     for i in 0..60 {
-        acquire(&cluster, &all, req(&format!("fail/n{i}"), &format!("fill-{i}"), 0)).await;
+        acquire(
+            &cluster,
+            &all,
+            req(&format!("fail/n{i}"), &format!("fill-{i}"), 0),
+        )
+        .await;
     }
 
     // Phase 1: leader kill.
@@ -201,14 +214,23 @@ async fn the_key_survives_failover_snapshots_and_restarts() {
     let after_kill = acquire(&cluster, &survivors, req("fail/b", "fail-2", 0)).await;
     let new_leader = cluster.leader().await.unwrap();
     assert_ne!(new_leader, old_leader);
-    assert_eq!(key_of(&after_kill), key, "the new leader signs with another key");
+    assert_eq!(
+        key_of(&after_kill),
+        key,
+        "the new leader signs with another key"
+    );
 
     // Phase 2: the killed node comes back wiped and catches up by snapshot (its log was
     // compacted on the others), then serves as leader.
     cluster.wipe(old_leader).unwrap();
     cluster.start_node(old_leader).unwrap();
     for i in 0..30 {
-        acquire(&cluster, &survivors, req(&format!("fail/m{i}"), &format!("more-{i}"), 0)).await;
+        acquire(
+            &cluster,
+            &survivors,
+            req(&format!("fail/m{i}"), &format!("more-{i}"), 0),
+        )
+        .await;
     }
     let index = cluster.status(new_leader).await.unwrap().applied_index;
     cluster
@@ -279,7 +301,9 @@ async fn rotation_keeps_old_sequencers_verifiable() {
         Err(lockd_fence::sequencer::SequencerError::UnknownKey(_))
     ));
     // ...but the old sequencer still verifies with it, and with a fresh export of both keys.
-    old_keys.verify_for(&before.sequencer, "rot/a", None).unwrap();
+    old_keys
+        .verify_for(&before.sequencer, "rot/a", None)
+        .unwrap();
     let both = exported_keys(&cluster, dir.path()).await;
     both.verify_for(&before.sequencer, "rot/a", None).unwrap();
     let seq = both.verify_for(&after.sequencer, "rot/b", None).unwrap();
@@ -352,7 +376,11 @@ async fn hold_exports_the_sequencer() {
         .output()
         .await
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let stdout = String::from_utf8(out.stdout).unwrap();
     let (token, sequencer) = stdout.trim().split_once(' ').unwrap();
     let keys = exported_keys(&cluster, dir.path()).await;

@@ -413,7 +413,11 @@ impl Client {
         };
         self.call(&ctx, |channel| {
             let request = request.clone();
-            async move { ClusterClient::new(channel).rotate_signing_key(request).await }
+            async move {
+                ClusterClient::new(channel)
+                    .rotate_signing_key(request)
+                    .await
+            }
         })
         .await
         .map(|a| a.value)

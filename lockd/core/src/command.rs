@@ -209,7 +209,9 @@ pub enum Outcome {
     /// A waiter, table or tenant limit; the message names it.
     Exhausted(Limit, String),
     /// InstallSigningKey made this key the active one.
-    SigningKeyInstalled { key_id: [u8; 8] },
+    SigningKeyInstalled {
+        key_id: [u8; 8],
+    },
     /// InstallSigningKey changed nothing; the message says why (another key is active, the key
     /// bound is reached, the key does not parse).
     SigningKeyRefused(String),

@@ -149,7 +149,8 @@ fn one_line(e: &clap::Error) -> String {
     if e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
         || e.kind() == ErrorKind::MissingSubcommand
     {
-        return "a command is required: acquire, renew, release, describe, status, keys or hold".into();
+        return "a command is required: acquire, renew, release, describe, status, keys or hold"
+            .into();
     }
     first
 }

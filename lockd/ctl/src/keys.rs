@@ -30,14 +30,21 @@ pub async fn run(client: &Client, command: KeysCommand, json: bool) -> Result<u8
                     .collect();
                 println!("{}", json!({ "keys": listed }));
             } else {
-                println!("{:<16}  {:<7}  {:>15}  {:>15}", "key_id", "state", "created_ms", "retired_ms");
+                println!(
+                    "{:<16}  {:<7}  {:>15}  {:>15}",
+                    "key_id", "state", "created_ms", "retired_ms"
+                );
                 for k in &keys {
                     println!(
                         "{:<16}  {:<7}  {:>15}  {:>15}",
                         k.key_id,
                         if k.active { "active" } else { "retired" },
                         k.created_unix_ms,
-                        if k.active { "-".to_owned() } else { k.retired_unix_ms.to_string() }
+                        if k.active {
+                            "-".to_owned()
+                        } else {
+                            k.retired_unix_ms.to_string()
+                        }
                     );
                 }
             }
@@ -54,7 +61,10 @@ pub async fn run(client: &Client, command: KeysCommand, json: bool) -> Result<u8
                 written.push(path.display().to_string());
             }
             if json {
-                println!("{}", json!({ "dir": dir.display().to_string(), "files": written }));
+                println!(
+                    "{}",
+                    json!({ "dir": dir.display().to_string(), "files": written })
+                );
             } else {
                 for f in &written {
                     println!("{f}");
@@ -73,7 +83,11 @@ pub async fn run(client: &Client, command: KeysCommand, json: bool) -> Result<u8
                 println!("key_id          {}", rotated.key_id);
                 println!(
                     "retired_key_id  {}",
-                    if rotated.retired_key_id.is_empty() { "-" } else { &rotated.retired_key_id }
+                    if rotated.retired_key_id.is_empty() {
+                        "-"
+                    } else {
+                        &rotated.retired_key_id
+                    }
                 );
             }
             Ok(exit::OK)

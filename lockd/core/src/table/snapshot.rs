@@ -303,7 +303,11 @@ mod tests {
     /// A sample table with an active and a retired signing key.
     fn sample_with_keys() -> LockTable {
         let mut table = sample();
-        let key = |_| lockd_fence::sequencer::SigningKey::generate().pkcs8_der().to_vec();
+        let key = |_| {
+            lockd_fence::sequencer::SigningKey::generate()
+                .pkcs8_der()
+                .to_vec()
+        };
         let first = match table.apply(2, &install(key(0), None), &mut Vec::new())[0] {
             crate::command::Outcome::SigningKeyInstalled { key_id } => key_id,
             ref other => panic!("{other:?}"),

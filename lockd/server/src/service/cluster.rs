@@ -66,7 +66,11 @@ impl ClusterService {
                 Some(l) if l == self.ctx.id && state == ServerState::Leader => {
                     return Ok(Route::Local);
                 }
-                Some(l) if l != self.ctx.id && !forwarded && self.ctx.cluster_peers.contains_key(&l) => {
+                Some(l)
+                    if l != self.ctx.id
+                        && !forwarded
+                        && self.ctx.cluster_peers.contains_key(&l) =>
+                {
                     return Ok(Route::Forward(l));
                 }
                 Some(l) if l != self.ctx.id && forwarded => {
@@ -77,7 +81,10 @@ impl ClusterService {
                 }
                 _ => {}
             }
-            if tokio::time::timeout_at(deadline, rx.changed()).await.is_err() {
+            if tokio::time::timeout_at(deadline, rx.changed())
+                .await
+                .is_err()
+            {
                 return Err(errors::unavailable(format!(
                     "node {} knows no leader after {} ms (term {term}): no quorum; nothing was done, retry",
                     self.ctx.id,
@@ -117,8 +124,7 @@ impl ClusterService {
 
     async fn signing_keys_local(&self) -> Result<SigningKeysResponse, Status> {
         // Linearizable, so a listing right after a rotation shows the new key.
-        match tokio::time::timeout(ADMIN_READ_TIMEOUT, self.ctx.raft.ensure_linearizable()).await
-        {
+        match tokio::time::timeout(ADMIN_READ_TIMEOUT, self.ctx.raft.ensure_linearizable()).await {
             Ok(Ok(_)) => {}
             Ok(Err(e)) => {
                 return Err(errors::unavailable(format!(
