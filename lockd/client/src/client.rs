@@ -8,8 +8,9 @@ use std::time::Duration;
 use lockd_api::v1::cluster_client::ClusterClient;
 use lockd_api::v1::lock_client::LockClient;
 use lockd_api::v1::{
-    AcquireRequest, DescribeRequest, DescribeResponse, ReleaseRequest, RenewRequest, StatusRequest,
-    StatusResponse,
+    AcquireRequest, DescribeRequest, DescribeResponse, ReleaseRequest, RenewRequest,
+    RotateSigningKeyRequest, RotateSigningKeyResponse, SigningKeyInfo, SigningKeysRequest,
+    StatusRequest, StatusResponse,
 };
 use lockd_fence::FencingToken;
 use tokio::time::{Instant, sleep, timeout};
@@ -197,6 +198,7 @@ impl Client {
             request_id,
             sent_at: answered.first_sent,
             expires_at_unix_ms: reply.expires_at_unix_ms,
+            sequencer: reply.sequencer,
         })
     }
 
@@ -362,6 +364,60 @@ impl Client {
         };
         self.call(&ctx, |channel| async move {
             ClusterClient::new(channel).status(StatusRequest {}).await
+        })
+        .await
+        .map(|a| a.value)
+        .map_err(|f| self.failed(f, &ctx, None, Duration::ZERO))
+    }
+
+    /// Admin: the public keys that verify sequencers (active and retired), oldest first, as the
+    /// leader knows them after a linearizable read.
+    pub async fn signing_keys(&self) -> Result<Vec<SigningKeyInfo>, Error> {
+        let ctx = CallCtx {
+            op: Op::SigningKeys,
+            resource: None,
+            request_id: None,
+            deadline: Instant::now() + self.inner.config.call_timeout,
+            attempt_timeout: self.inner.config.attempt_timeout,
+        };
+        self.call(&ctx, |channel| async move {
+            ClusterClient::new(channel)
+                .signing_keys(SigningKeysRequest {})
+                .await
+        })
+        .await
+        .map(|a| a.value.keys)
+        .map_err(|f| self.failed(f, &ctx, None, Duration::ZERO))
+    }
+
+    /// Admin: makes the leader commit a new signing key; the previous one is retired but still
+    /// listed. Retry-safe: it names the key it saw active (from [`Client::signing_keys`]), so a
+    /// retry of a rotation that applied returns that rotation instead of rotating twice.
+    pub async fn rotate_signing_key(&self) -> Result<RotateSigningKeyResponse, Error> {
+        let active = self
+            .signing_keys()
+            .await?
+            .into_iter()
+            .find(|k| k.active)
+            .map(|k| k.key_id)
+            .unwrap_or_default();
+        let ctx = CallCtx {
+            op: Op::RotateSigningKey,
+            resource: None,
+            request_id: None,
+            deadline: Instant::now() + self.inner.config.call_timeout,
+            attempt_timeout: self.inner.config.attempt_timeout,
+        };
+        let request = RotateSigningKeyRequest {
+            replaces_key_id: active,
+        };
+        self.call(&ctx, |channel| {
+            let request = request.clone();
+            async move {
+                ClusterClient::new(channel)
+                    .rotate_signing_key(request)
+                    .await
+            }
         })
         .await
         .map(|a| a.value)

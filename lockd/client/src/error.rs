@@ -24,12 +24,19 @@ pub enum Op {
     Release,
     Describe,
     Status,
+    /// Admin: list the sequencer signing keys.
+    SigningKeys,
+    /// Admin: rotate the sequencer signing key.
+    RotateSigningKey,
 }
 
 impl Op {
     /// Whether the RPC changes state, so that an unanswered attempt leaves its outcome unknown.
     pub fn mutates(self) -> bool {
-        matches!(self, Op::Acquire | Op::Renew | Op::Release)
+        matches!(
+            self,
+            Op::Acquire | Op::Renew | Op::Release | Op::RotateSigningKey
+        )
     }
 }
 
@@ -41,6 +48,8 @@ impl fmt::Display for Op {
             Op::Release => "release",
             Op::Describe => "describe",
             Op::Status => "status",
+            Op::SigningKeys => "signing keys",
+            Op::RotateSigningKey => "rotate signing key",
         })
     }
 }

@@ -201,6 +201,11 @@ impl LeaseGuard {
         &self.lease.lease_id
     }
 
+    /// The signed sequencer of the grant (see [`crate::Lease::sequencer`]). A renewal keeps it.
+    pub fn sequencer(&self) -> &[u8] {
+        &self.lease.sequencer
+    }
+
     pub fn request_id(&self) -> &RequestId {
         &self.lease.request_id
     }
@@ -434,6 +439,7 @@ mod tests {
             request_id: RequestId::random(),
             sent_at: sent,
             expires_at_unix_ms: 0,
+            sequencer: Vec::new(),
         };
         let guard = LeaseGuard::start(client, lease, sent, ttl, margin);
         let lost = guard.lost();

@@ -81,6 +81,10 @@ pub struct Lease {
     pub sent_at: Instant,
     /// The leader's wall-clock estimate of expiry. Informative only: never used for timing.
     pub expires_at_unix_ms: i64,
+    /// The grant signed by the cluster's key (lockd-fence sequencer bytes): send it to stores
+    /// that verify sequencers (`Lock-Sequencer` header in base64, `lockd.fence`). Empty only
+    /// from a lockd without signed sequencers.
+    pub sequencer: Vec<u8>,
 }
 
 impl Lease {

@@ -154,6 +154,14 @@ pub enum Command {
         reason: EndWaitReason,
         attempt: LeaseId,
     },
+    /// Proposed by the leader: makes `pkcs8` (an Ed25519 private key, PKCS#8 DER, made by the
+    /// leader's CSPRNG) the key that signs sequencers, if the active key is `replaces` (`None`: no
+    /// key yet). The previous active key is retired but kept (see [`crate::keys`]).
+    /// (Appended last: variants are encoded by index, so older entries still decode.)
+    InstallSigningKey {
+        pkcs8: Vec<u8>,
+        replaces: Option<[u8; 8]>,
+    },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -200,6 +208,13 @@ pub enum Outcome {
     InvalidArgument(String),
     /// A waiter, table or tenant limit; the message names it.
     Exhausted(Limit, String),
+    /// InstallSigningKey made this key the active one.
+    SigningKeyInstalled {
+        key_id: [u8; 8],
+    },
+    /// InstallSigningKey changed nothing; the message says why (another key is active, the key
+    /// bound is reached, the key does not parse).
+    SigningKeyRefused(String),
 }
 
 /// The bound an `Exhausted` outcome hit.

@@ -10,6 +10,7 @@
 //! - [`limits`]: every bound of the table, with its reason, and the per-batch [`Policy`].
 //! - [`validate`]: checks of client input at the edge, with messages naming the value.
 //! - [`command`]: commands, batches, outcomes and the events apply emits.
+//! - [`keys`]: the replicated sequencer signing keys ([`SigningKeys`]).
 //! - [`table`]: [`LockTable`], the deterministic state machine.
 //!
 //! # Invariants
@@ -31,12 +32,14 @@
 //! | `INV-CONSERVATIVE-FAILOVER` | (legacy unstamped entries only) a new term never expires a lease earlier than its first stamp plus the lease's ttl |
 
 pub mod command;
+pub mod keys;
 pub mod limits;
 pub mod table;
 pub mod types;
 pub mod validate;
 
 pub use command::{Batch, Command, EndWaitReason, Event, EventKind, Grant, Limit, Outcome, Stamp};
+pub use keys::{KeyRecord, SigningKeys};
 pub use limits::Policy;
 pub use lockd_fence::FencingToken;
 pub use table::{ClockAnchor, LockTable, ResourceView, SnapshotCopy, SnapshotError, TableStats};

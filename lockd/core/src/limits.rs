@@ -33,6 +33,14 @@ pub const DEDUP_RECORDS_MAX: usize = 2_000_000;
 /// with 20,000 held); past it new grants are refused rather than growing without limit.
 pub const ACTIVE_RESOURCES_MAX: usize = 1_000_000;
 
+/// Signing keys kept (the active one and the retired ones): enough for several rotations within
+/// the longest lease, small enough to list and to export as files.
+pub const SIGNING_KEYS_MAX: usize = 8;
+/// A retired signing key is kept at least this long after its retirement: every sequencer it
+/// signed names a lease that has expired by then (a lease's ttl is at most [`LEASE_TTL_MAX_MS`]),
+/// so stores that verify with the exported keys never refuse a current holder's sequencer.
+pub const RETIRED_KEY_KEEP_MS: u64 = LEASE_TTL_MAX_MS;
+
 /// Default bound on one tenant's dedup records (its acquires within the retention window): the
 /// design load (2,000 acquires/s for 10 minutes, 1.2 million records) fits in one tenant with
 /// 25% to spare, and a tenant at its bound still leaves 500,000 of the table-wide 2 million to

@@ -10,6 +10,7 @@ use crate::FencingToken;
 use crate::command::{
     Batch, Command, EndWaitReason, Event, EventKind, Grant, Limit, Outcome, Stamp,
 };
+use crate::keys::SigningKeys;
 use crate::limits::{ACTIVE_RESOURCES_MAX, DEDUP_RECORDS_MAX, Policy};
 use crate::types::{LeaseId, RequestKey, ResourceName};
 
@@ -64,6 +65,10 @@ pub struct LockTable {
     /// Number of held leases and of queued waiters, kept so Status is O(1).
     held: u64,
     waiting: u64,
+    /// The sequencer signing keys (see [`crate::keys`]). Not part of the table's own encoding:
+    /// snapshot format 4 appends them after it, so format-3 tables still decode (with no keys).
+    #[serde(skip)]
+    keys: SigningKeys,
 }
 
 /// The table's clock was at `table_ms` when the process `session` (stamping in `term`) read
@@ -282,6 +287,12 @@ impl LockTable {
                 reason,
                 attempt,
             } => self.end_wait(resource, request_id, *reason, Some(*attempt), events),
+            Command::InstallSigningKey { pkcs8, replaces } => {
+                match self.keys.install(pkcs8, *replaces, self.now_ms) {
+                    Ok(id) => Outcome::SigningKeyInstalled { key_id: id.0 },
+                    Err(why) => Outcome::SigningKeyRefused(why),
+                }
+            }
         }
     }
 
@@ -1000,6 +1011,11 @@ impl LockTable {
         view
     }
 
+    /// The sequencer signing keys: the active one signs, all of them verify.
+    pub fn signing_keys(&self) -> &SigningKeys {
+        &self.keys
+    }
+
     pub fn stats(&self) -> TableStats {
         TableStats {
             active_locks: self.held,
@@ -1148,6 +1164,7 @@ impl LockTable {
         if records != self.tenant_records {
             return Err("dedup records per tenant disagree with the records".into());
         }
+        self.keys.check()?;
         Ok(())
     }
 }

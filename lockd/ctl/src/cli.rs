@@ -47,7 +47,7 @@ pub struct Cli {
 
 #[derive(Subcommand, Debug)]
 pub enum Command {
-    /// Take a lease; prints lease_id, fencing_token and ttl.
+    /// Take a lease; prints lease_id, fencing_token, ttl and the signed sequencer (base64).
     Acquire {
         resource: String,
         #[command(flatten)]
@@ -70,6 +70,11 @@ pub enum Command {
     Describe { resource: String },
     /// Show the state of the node that answers.
     Status,
+    /// Sequencer signing keys (admin): list, export the public keys, rotate.
+    Keys {
+        #[command(subcommand)]
+        command: KeysCommand,
+    },
     /// Run COMMAND while holding the lease; stop it if the lease is lost.
     Hold {
         resource: String,
@@ -79,6 +84,18 @@ pub enum Command {
         #[arg(required = true, last = true, value_name = "COMMAND")]
         command: Vec<String>,
     },
+}
+
+/// `lockctl keys ...`: admin operations on the sequencer signing keys.
+#[derive(Subcommand, Debug)]
+pub enum KeysCommand {
+    /// List the keys: id, active or retired, when created and retired.
+    List,
+    /// Write one `<keyid>.pub.pem` per listed key into DIR (created if missing), the files
+    /// fence-proxy takes with `--verify-key FILE`.
+    Export { dir: std::path::PathBuf },
+    /// Make the leader commit a new signing key; the previous one is retired but stays listed.
+    Rotate,
 }
 
 /// Flags shared by `acquire` and `hold`.
@@ -132,7 +149,8 @@ fn one_line(e: &clap::Error) -> String {
     if e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
         || e.kind() == ErrorKind::MissingSubcommand
     {
-        return "a command is required: acquire, renew, release, describe, status or hold".into();
+        return "a command is required: acquire, renew, release, describe, status, keys or hold"
+            .into();
     }
     first
 }

@@ -1,8 +1,10 @@
-//! acquire, renew, release, describe and status, with text and JSON output.
+//! acquire, renew, release, describe and status, with text and JSON output; keys and hold are
+//! dispatched to their modules.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use lockd_client::{AcquireOptions, Client, ClientConfig, ClientTls, LeaseId, RequestId};
+use lockd_fence::sequencer::encode_text;
 use serde_json::json;
 
 use crate::cli::{Cli, Command};
@@ -46,11 +48,13 @@ pub async fn run(cli: Cli) -> Result<u8, Failure> {
                     "lease_ttl_ms": millis(granted.ttl),
                     "expires_at_unix_ms": granted.expires_at_unix_ms,
                     "request_id": granted.request_id.as_str(),
+                    "sequencer": encode_text(&granted.sequencer),
                 }),
                 &[
                     ("lease_id", granted.lease_id.as_str().to_owned()),
                     ("fencing_token", granted.fencing_token.to_string()),
                     ("ttl", humantime::format_duration(granted.ttl).to_string()),
+                    ("sequencer", encode_text(&granted.sequencer)),
                 ],
             );
             Ok(exit::OK)
@@ -219,6 +223,7 @@ pub async fn run(cli: Cli) -> Result<u8, Failure> {
             }
             Ok(exit::OK)
         }
+        Command::Keys { command } => crate::keys::run(&client, command, json).await,
         Command::Hold {
             resource,
             lease,

@@ -26,6 +26,9 @@ use crate::exit::{self, Failure};
 pub const ENV_RESOURCE: &str = "LOCKD_RESOURCE";
 /// Environment variable carrying the decimal fencing token for COMMAND.
 pub const ENV_FENCING_TOKEN: &str = "LOCKD_FENCING_TOKEN";
+/// Environment variable carrying the signed sequencer (base64) for COMMAND, for stores that
+/// verify sequencers (fence-proxy's `Lock-Sequencer` header, `lockd.fence`).
+pub const ENV_SEQUENCER: &str = "LOCKD_SEQUENCER";
 
 /// Shortest grace between SIGTERM and SIGKILL, for tiny margins: a process needs a moment to run
 /// its signal handler at all.
@@ -125,6 +128,10 @@ fn spawn(command: &[String], resource: &str, guard: &LeaseGuard) -> io::Result<C
     cmd.args(&command[1..])
         .env(ENV_RESOURCE, resource)
         .env(ENV_FENCING_TOKEN, guard.fencing_token().to_string())
+        .env(
+            ENV_SEQUENCER,
+            lockd_fence::sequencer::encode_text(guard.sequencer()),
+        )
         .kill_on_drop(true);
     // If lockctl itself dies (SIGKILL, OOM), nobody renews the lease any more: the kernel kills
     // COMMAND too instead of leaving it to run without a lock.

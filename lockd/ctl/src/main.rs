@@ -1,4 +1,4 @@
-//! `lockctl`: the command-line client of lockd (acquire, renew, release, describe, status, hold).
+//! `lockctl`: the command-line client of lockd (acquire, renew, release, describe, status, keys, hold).
 //!
 //! It holds no lock logic of its own: every command is a thin layer over `lockd-client`, plus, for
 //! `hold`, supervision of a child process.
@@ -8,11 +8,13 @@
 //! - [`exit`]: the exit-code table and the one-line error type.
 //! - [`commands`]: acquire, renew, release, describe, status and their text/JSON output.
 //! - [`hold`]: `hold -- COMMAND`: run a command under a lease, stop it when the lease is lost.
+//! - [`keys`]: `keys list | export DIR | rotate`, the sequencer signing keys (admin).
 
 mod cli;
 mod commands;
 mod exit;
 mod hold;
+mod keys;
 
 use std::process::ExitCode;
 

@@ -11,6 +11,7 @@
 //! - [`storage`]: the redb log store and the state machine with its snapshots.
 //! - [`proposer`]: group commit of client commands into Raft entries.
 //! - [`waiters`]: calls parked until the log grants them.
+//! - [`signing`]: signing grants with the replicated sequencer key, and installing it.
 //! - [`service`]: the gRPC services and the status-code table.
 //! - [`observe`]: metrics and health endpoints.
 //! - [`clock`]: the leader's stamp clock.
@@ -24,6 +25,7 @@ pub mod observe;
 pub mod proposer;
 pub mod raft;
 pub mod service;
+pub mod signing;
 pub mod storage;
 pub mod tls;
 pub mod waiters;

@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
+use lockd_api::v1::cluster_client::ClusterClient;
 use lockd_api::v1::cluster_server::ClusterServer;
 use lockd_api::v1::lock_client::LockClient;
 use lockd_api::v1::lock_server::LockServer;
@@ -53,6 +54,10 @@ pub struct NodeCtx {
     pub hub: Arc<Hub>,
     /// True while this node is the leader; changes only on a change of role.
     pub is_leader: tokio::sync::watch::Sender<bool>,
+    /// The replicated sequencer key, parsed, for signing grants.
+    pub signer: crate::signing::Signer,
+    /// Cluster-service channels to the other nodes, for forwarding admin calls to the leader.
+    pub cluster_peers: BTreeMap<NodeId, (String, ClusterClient<Channel>)>,
 }
 
 impl NodeCtx {
@@ -297,14 +302,17 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
     let clock = Clock::new();
     let proposer = Proposer::start(raft.clone(), clock.clone(), t.policy(), metrics.clone());
     let mut peers = BTreeMap::new();
+    let mut cluster_peers = BTreeMap::new();
     for (id, addr) in &config.peers {
         if *id == config.id {
             continue;
         }
-        let client = LockClient::new(dial.channel(*id, addr)?)
+        let channel = dial.channel(*id, addr)?;
+        let client = LockClient::new(channel.clone())
             .max_decoding_message_size(CLIENT_MESSAGE_MAX_BYTES)
             .max_encoding_message_size(CLIENT_MESSAGE_MAX_BYTES);
         peers.insert(*id, (addr.clone(), client));
+        cluster_peers.insert(*id, (addr.clone(), ClusterClient::new(channel)));
     }
     let ctx = Arc::new(NodeCtx {
         id: config.id,
@@ -319,6 +327,8 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
         election_timeout_max_ms: t.election_timeout_ms * 2,
         hub,
         is_leader: tokio::sync::watch::Sender::new(false),
+        signer: Default::default(),
+        cluster_peers,
     });
 
     let listener = tokio::net::TcpListener::bind(config.listen)
@@ -503,7 +513,7 @@ async fn watch_leadership(
     }
 }
 
-/// On the leader, proposes `Reap` for every resource whose lease or waiter is due by the
+/// On the leader, commits the sequencer signing key if the cluster has none, and proposes `Reap` for every resource whose lease or waiter is due by the
 /// table's clock as this leader computes it (the anchor plus its own monotonic time since). Expiry
 /// is thus decided by the leader and committed through the log; apply checks the time again
 /// against the batch stamp. A leader whose stamps do not drive the table's clock yet (just
@@ -532,6 +542,11 @@ async fn reap(ctx: Arc<NodeCtx>, shutdown: CancellationToken) {
             }
             continue;
         };
+        // Right after the clock anchor, a leader of a cluster without a sequencer key commits
+        // one (see `signing`); Acquires granted meanwhile wait for it.
+        if let Err(e) = crate::signing::ensure_key(&ctx.sm, &ctx.proposer).await {
+            tracing::debug!(error = %e, "signing key proposal failed");
+        }
         if due.is_empty() {
             continue;
         }

@@ -1,7 +1,9 @@
 //! The snapshot encoding of a [`LockTable`]: what a replica persists and what a lagging follower
 //! receives from the leader.
 //!
-//! Format 3 is a magic prefix followed by the postcard encoding of the table. Format 2 (lockd
+//! Format 4 is a magic prefix, the postcard encoding of the table, then the postcard encoding of
+//! the signing keys ([`crate::keys`]). Format 3 (lockd before signed sequencers) is the same
+//! without the keys: it loads with none, and the next leader installs one. Format 2 (lockd
 //! before the monotonic table clock) had another prefix and no clock anchor. Format 1 (lockd
 //! before the compact dedup window) had no prefix and kept the dedup records in an ordered map
 //! plus a separate time-order list. Both are still read, so data dirs and snapshots from a
@@ -12,8 +14,11 @@ use serde::{Deserialize, Serialize};
 
 use super::dedup::{DedupState, DedupWindow, Ident, RecordV2};
 use super::{LockTable, ResourceState};
+use crate::keys::SigningKeys;
 use crate::types::{RequestKey, ResourceName};
 
+/// Starts every format-4 snapshot (see [`MAGIC_V3`] for why the 0xFF bytes).
+const MAGIC_V4: &[u8] = b"\xff\xff\xff\xff\xff\xff\xff\xff\xff\xfflockd-table-4";
 /// Starts every format-3 snapshot. Ten 0xFF bytes are not a valid postcard varint, so no
 /// format-1 snapshot (which starts with the varint count of active resources) begins this way.
 const MAGIC_V3: &[u8] = b"\xff\xff\xff\xff\xff\xff\xff\xff\xff\xfflockd-table-3";
@@ -36,25 +41,27 @@ pub enum SnapshotError {
 pub struct SnapshotCopy(LockTable);
 
 impl SnapshotCopy {
-    /// The snapshot bytes (format 3).
+    /// The snapshot bytes (format 4).
     pub fn encode(&self) -> Vec<u8> {
         self.0.encode_snapshot()
     }
 
-    /// Writes the snapshot bytes (format 3) to `out` as they are encoded, without holding them
+    /// Writes the snapshot bytes (format 4) to `out` as they are encoded, without holding them
     /// all in memory.
     pub fn encode_to<W: std::io::Write>(&self, mut out: W) -> std::io::Result<()> {
-        out.write_all(MAGIC_V3)?;
-        postcard::to_io(&self.0, out).map_err(std::io::Error::other)?;
+        out.write_all(MAGIC_V4)?;
+        let out = postcard::to_io(&self.0, out).map_err(std::io::Error::other)?;
+        postcard::to_io(&self.0.keys, out).map_err(std::io::Error::other)?;
         Ok(())
     }
 }
 
 impl LockTable {
-    /// The snapshot bytes of this table (format 3).
+    /// The snapshot bytes of this table (format 4).
     pub fn encode_snapshot(&self) -> Vec<u8> {
-        let mut out = MAGIC_V3.to_vec();
+        let mut out = MAGIC_V4.to_vec();
         postcard::to_io(self, &mut out).expect("encoding into a Vec cannot fail");
+        postcard::to_io(&self.keys, &mut out).expect("encoding into a Vec cannot fail");
         out
     }
 
@@ -76,12 +83,19 @@ impl LockTable {
             tenant_records: self.tenant_records.clone(),
             held: self.held,
             waiting: self.waiting,
+            keys: self.keys.clone(),
         })
     }
 
     /// Reads snapshot bytes of either format. Does not check consistency: see
     /// [`LockTable::check_consistency`].
     pub fn decode_snapshot(bytes: &[u8]) -> Result<LockTable, SnapshotError> {
+        if let Some(body) = bytes.strip_prefix(MAGIC_V4) {
+            let (mut table, rest) = postcard::take_from_bytes::<LockTable>(body)
+                .map_err(|source| SnapshotError::Decode { format: 4, source })?;
+            table.keys = decode_all(4, rest)?;
+            return Ok(table);
+        }
         if let Some(body) = bytes.strip_prefix(MAGIC_V3) {
             return decode_all::<LockTable>(3, body);
         }
@@ -164,6 +178,7 @@ impl TryFrom<TableV2> for LockTable {
             secret: None,
             held: v2.held,
             waiting: v2.waiting,
+            keys: SigningKeys::default(),
         })
     }
 }
@@ -227,6 +242,7 @@ impl From<TableV1> for LockTable {
             secret: None,
             held: v1.held,
             waiting: v1.waiting,
+            keys: SigningKeys::default(),
         }
     }
 }
@@ -284,11 +300,84 @@ mod tests {
         table
     }
 
+    /// A sample table with an active and a retired signing key.
+    fn sample_with_keys() -> LockTable {
+        let mut table = sample();
+        let key = |_| {
+            lockd_fence::sequencer::SigningKey::generate()
+                .pkcs8_der()
+                .to_vec()
+        };
+        let first = match table.apply(2, &install(key(0), None), &mut Vec::new())[0] {
+            crate::command::Outcome::SigningKeyInstalled { key_id } => key_id,
+            ref other => panic!("{other:?}"),
+        };
+        table.apply(3, &install(key(1), Some(first)), &mut Vec::new());
+        assert_eq!(table.signing_keys().all().len(), 2);
+        table
+    }
+
+    fn install(pkcs8: Vec<u8>, replaces: Option<[u8; 8]>) -> Batch {
+        Batch {
+            now_ms: 1_000,
+            stamp: stamp(),
+            policy: Policy::default(),
+            commands: vec![Command::InstallSigningKey { pkcs8, replaces }],
+        }
+    }
+
     #[test]
-    fn format_3_round_trips() {
+    fn format_4_round_trips_with_the_signing_keys() {
+        let table = sample_with_keys();
+        let bytes = table.encode_snapshot();
+        assert!(bytes.starts_with(MAGIC_V4));
+        let copy = LockTable::decode_snapshot(&bytes).unwrap();
+        copy.check_consistency().unwrap();
+        assert_eq!(copy.signing_keys(), table.signing_keys());
+        assert_eq!(copy.encode_snapshot(), bytes);
+        assert_eq!(copy.stats(), table.stats());
+    }
+
+    /// Goal: data dirs and leaders from before signed sequencers still load. Method: write the
+    /// table as format 3 did (no keys) and load it: same table, no keys.
+    #[test]
+    fn format_3_snapshots_still_load_without_keys() {
+        let table = sample_with_keys();
+        let mut v3 = MAGIC_V3.to_vec();
+        postcard::to_io(&table, &mut v3).unwrap();
+        let loaded = LockTable::decode_snapshot(&v3).unwrap();
+        loaded.check_consistency().unwrap();
+        assert!(loaded.signing_keys().is_empty());
+        assert_eq!(loaded.stats(), table.stats());
+        // Re-encoded: format 4, the same table, an empty key list.
+        let mut expected = MAGIC_V4.to_vec();
+        expected.extend_from_slice(&v3[MAGIC_V3.len()..]);
+        expected.push(0);
+        assert_eq!(loaded.encode_snapshot(), expected);
+    }
+
+    #[test]
+    fn a_snapshot_with_a_key_that_does_not_match_is_inconsistent() {
+        let table = sample_with_keys();
+        let mut bytes = table.encode_snapshot();
+        // The last key's created/retired fields end the encoding; the public key sits before
+        // the pkcs8 bytes: flip a byte of the first record's public key.
+        let keys = table.signing_keys().clone();
+        let encoded_keys = postcard::to_allocvec(&keys).unwrap();
+        let at = bytes.len() - encoded_keys.len();
+        assert_eq!(&bytes[at..], &encoded_keys[..]);
+        bytes[at + 1 + 8] ^= 1;
+        let loaded = LockTable::decode_snapshot(&bytes).unwrap();
+        let err = loaded.check_consistency().unwrap_err();
+        assert!(err.contains("does not match"), "{err}");
+        keys.check().unwrap();
+    }
+
+    #[test]
+    fn format_4_round_trips_without_keys() {
         let table = sample();
         let bytes = table.encode_snapshot();
-        assert!(bytes.starts_with(MAGIC_V3));
+        assert!(bytes.starts_with(MAGIC_V4));
         assert!(table.anchor.is_some());
         let copy = LockTable::decode_snapshot(&bytes).unwrap();
         copy.check_consistency().unwrap();
@@ -388,7 +477,7 @@ mod tests {
     fn garbage_is_an_error_not_a_table() {
         let bytes = sample().encode_snapshot();
         let truncated = LockTable::decode_snapshot(&bytes[..bytes.len() - 1]).unwrap_err();
-        assert!(truncated.to_string().contains("format 3"), "{truncated}");
+        assert!(truncated.to_string().contains("format 4"), "{truncated}");
         let mut longer = bytes.clone();
         longer.push(0);
         let trailing = LockTable::decode_snapshot(&longer).unwrap_err();

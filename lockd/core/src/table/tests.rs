@@ -909,6 +909,56 @@ fn legacy_batches_still_decode() {
     );
 }
 
+/// Goal: logs written before signed sequencers still decode, and the key command is replicated
+/// like any other. Method: the new variant encodes with the next index (postcard encodes a
+/// variant by its index, so appending keeps every older entry's meaning); applied in a batch
+/// next to an Acquire, it installs the key on every replica identically and leaves the locks
+/// alone.
+#[test]
+fn install_signing_key_is_appended_and_applies_deterministically() {
+    let end_wait_attempt = Command::EndWaitAttempt {
+        resource: ResourceName::new_unchecked("r".into()),
+        request_id: "a".into(),
+        reason: EndWaitReason::Cancelled,
+        attempt: LeaseId(1),
+    };
+    assert_eq!(postcard::to_allocvec(&end_wait_attempt).unwrap()[0], 5);
+    let pkcs8 = lockd_fence::sequencer::SigningKey::generate()
+        .pkcs8_der()
+        .to_vec();
+    let install = Command::InstallSigningKey {
+        pkcs8: pkcs8.clone(),
+        replaces: None,
+    };
+    let bytes = postcard::to_allocvec(&install).unwrap();
+    assert_eq!(bytes[0], 6);
+    assert_eq!(postcard::from_bytes::<Command>(&bytes).unwrap(), install);
+
+    let batch = Batch {
+        now_ms: 1_000,
+        stamp: Some(Stamp {
+            term: 1,
+            session: 1,
+            mono_ms: 0,
+            key_seed: 9,
+        }),
+        policy: policy(),
+        commands: vec![acquire_cmd("x", "a", 5_000, 0, 1), install.clone(), install],
+    };
+    let mut replicas = [LockTable::new(), LockTable::new()];
+    for t in &mut replicas {
+        let outcomes = t.apply(1, &batch, &mut Vec::new());
+        assert!(matches!(outcomes[0], Outcome::Granted(_)));
+        assert!(matches!(outcomes[1], Outcome::SigningKeyInstalled { .. }));
+        // The same key again: the compare-and-set on "no active key" refuses it.
+        assert!(matches!(outcomes[2], Outcome::SigningKeyRefused(_)));
+        t.check_consistency().unwrap();
+    }
+    assert_eq!(replicas[0].signing_keys(), replicas[1].signing_keys());
+    assert_eq!(replicas[0].signing_keys().active().unwrap().pkcs8, pkcs8);
+    assert_eq!(replicas[0].stats().active_locks, 1);
+}
+
 #[test]
 fn clock_never_goes_back() {
     for mut h in [Harness::new(), Harness::legacy()] {
@@ -1175,6 +1225,9 @@ impl Model {
             }
             Command::EndWaitAttempt { .. } => {
                 unreachable!("the reference model is driven with EndWait, which ends any attempt")
+            }
+            Command::InstallSigningKey { .. } => {
+                unreachable!("the reference model holds no signing keys")
             }
             Command::EndWait {
                 resource,

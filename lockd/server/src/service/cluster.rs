@@ -1,14 +1,36 @@
-//! `lockd.v1.Cluster`: this node's view of the cluster. Answered locally, never forwarded, so
-//! an operator can ask every node what it sees.
+//! `lockd.v1.Cluster`: this node's view of the cluster (`Status`, answered locally, never
+//! forwarded, so an operator can ask every node what it sees), and the admin calls on the
+//! sequencer signing keys (`SigningKeys`, `RotateSigningKey`), which the leader answers.
+//!
+//! The signing-key calls are admin operations: an authorization policy must allow them only to
+//! operators (issue 15's "admin" operation), never to every client.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use lockd_api::v1::{HotResource, Member, StatusRequest, StatusResponse, cluster_server::Cluster};
+use std::time::Duration;
+
+use lockd_api::FORWARDED_HEADER;
+use lockd_api::v1::{
+    HotResource, Member, RotateSigningKeyRequest, RotateSigningKeyResponse, SigningKeyInfo,
+    SigningKeysRequest, SigningKeysResponse, StatusRequest, StatusResponse,
+    cluster_server::Cluster,
+};
+use lockd_core::Outcome;
+use lockd_fence::sequencer::KeyId;
 use openraft::ServerState;
 use tonic::{Request, Response, Status};
 
+use super::errors;
 use crate::node::NodeCtx;
+use crate::raft::NodeId;
+
+/// How long an admin call waits for a leader to be known, as Lock calls do.
+const ADMIN_LEADER_WAIT: Duration = Duration::from_secs(2);
+/// Budget of an admin call forwarded to the leader (CONTRACT's 5 s, less room for the network).
+const ADMIN_FORWARD_TIMEOUT: Duration = Duration::from_millis(4_000);
+/// Deadline of the linearizable read behind SigningKeys.
+const ADMIN_READ_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// Hot resources listed by Status: enough to spot a hot spot, bounded so the reply stays small.
 pub const HOT_RESOURCES_LISTED: usize = 10;
@@ -23,8 +45,222 @@ impl ClusterService {
     }
 }
 
+/// Where an admin call is served.
+enum Route {
+    Local,
+    Forward(NodeId),
+}
+
+impl ClusterService {
+    /// The leader, waiting up to [`ADMIN_LEADER_WAIT`]; a forwarded call is never forwarded again.
+    async fn route<T>(&self, req: &Request<T>) -> Result<Route, Status> {
+        let forwarded = req.metadata().contains_key(FORWARDED_HEADER);
+        let deadline = tokio::time::Instant::now() + ADMIN_LEADER_WAIT;
+        let mut rx = self.ctx.raft.metrics();
+        loop {
+            let (state, leader, term) = {
+                let m = rx.borrow_and_update();
+                (m.state, m.current_leader, m.current_term)
+            };
+            match leader {
+                Some(l) if l == self.ctx.id && state == ServerState::Leader => {
+                    return Ok(Route::Local);
+                }
+                Some(l)
+                    if l != self.ctx.id
+                        && !forwarded
+                        && self.ctx.cluster_peers.contains_key(&l) =>
+                {
+                    return Ok(Route::Forward(l));
+                }
+                Some(l) if l != self.ctx.id && forwarded => {
+                    return Err(errors::unavailable(format!(
+                        "node {} received a forwarded call but the leader is node {l} (term {term}); retry",
+                        self.ctx.id
+                    )));
+                }
+                _ => {}
+            }
+            if tokio::time::timeout_at(deadline, rx.changed())
+                .await
+                .is_err()
+            {
+                return Err(errors::unavailable(format!(
+                    "node {} knows no leader after {} ms (term {term}): no quorum; nothing was done, retry",
+                    self.ctx.id,
+                    ADMIN_LEADER_WAIT.as_millis()
+                )));
+            }
+        }
+    }
+
+    fn forward_request<T>(&self, msg: T) -> Request<T> {
+        let mut req = Request::new(msg);
+        req.metadata_mut().insert(
+            FORWARDED_HEADER,
+            self.ctx
+                .id
+                .to_string()
+                .parse()
+                .expect("digits are valid metadata"),
+        );
+        req.set_timeout(ADMIN_FORWARD_TIMEOUT);
+        req
+    }
+
+    fn forward_error(&self, leader: NodeId, status: Status) -> Status {
+        // Statuses from the leader are its answer; transport failures are not.
+        if status.message().starts_with("lockd: ") {
+            return status;
+        }
+        let addr = &self.ctx.cluster_peers[&leader].0;
+        errors::unavailable(format!(
+            "forwarding from node {} to leader {leader} at {addr} failed ({}: {}); outcome unknown, retry",
+            self.ctx.id,
+            status.code(),
+            status.message()
+        ))
+    }
+
+    async fn signing_keys_local(&self) -> Result<SigningKeysResponse, Status> {
+        // Linearizable, so a listing right after a rotation shows the new key.
+        match tokio::time::timeout(ADMIN_READ_TIMEOUT, self.ctx.raft.ensure_linearizable()).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => {
+                return Err(errors::unavailable(format!(
+                    "node {} cannot serve a linearizable read: {e}",
+                    self.ctx.id
+                )));
+            }
+            Err(_) => {
+                return Err(errors::unavailable(format!(
+                    "node {} could not confirm leadership with a quorum within {} ms",
+                    self.ctx.id,
+                    ADMIN_READ_TIMEOUT.as_millis()
+                )));
+            }
+        }
+        let sm = self.ctx.sm.read().expect("state lock");
+        let keys = sm
+            .table
+            .signing_keys()
+            .all()
+            .iter()
+            .map(|k| SigningKeyInfo {
+                key_id: k.id().to_string(),
+                public_key_pem: k.public().to_pem(),
+                active: k.is_active(),
+                created_unix_ms: k.created_ms,
+                retired_unix_ms: k.retired_ms.unwrap_or(0),
+            })
+            .collect();
+        Ok(SigningKeysResponse { keys })
+    }
+
+    async fn rotate_local(
+        &self,
+        req: RotateSigningKeyRequest,
+    ) -> Result<RotateSigningKeyResponse, Status> {
+        let wanted = match req.replaces_key_id.as_str() {
+            "" => None,
+            hex => Some(parse_key_id(hex)?),
+        };
+        let (active, known) = {
+            let sm = self.ctx.sm.read().expect("state lock");
+            let keys = sm.table.signing_keys();
+            let known = wanted.is_some_and(|w| keys.all().iter().any(|k| k.key_id == w));
+            (keys.active().map(|k| k.key_id), known)
+        };
+        if let Some(w) = wanted
+            && Some(w) != active
+        {
+            // Already rotated (e.g. this is a retry of a rotation that applied): say what is
+            // active now instead of rotating again.
+            return match (known, active) {
+                (true, Some(now)) => Ok(RotateSigningKeyResponse {
+                    key_id: KeyId(now).to_string(),
+                    retired_key_id: KeyId(w).to_string(),
+                }),
+                _ => Err(errors::invalid(format!(
+                    "replaces_key_id {:?} is not a signing key of this cluster",
+                    req.replaces_key_id
+                ))),
+            };
+        }
+        let outcome = crate::signing::install(&self.ctx.proposer, active)
+            .await
+            .map_err(|e| errors::propose_failed(self.ctx.id, e))?;
+        match outcome {
+            Outcome::SigningKeyInstalled { key_id } => {
+                tracing::info!(
+                    key_id = %KeyId(key_id),
+                    retired = %active.map(|a| KeyId(a).to_string()).unwrap_or_default(),
+                    "lockd: rotated the sequencer signing key"
+                );
+                Ok(RotateSigningKeyResponse {
+                    key_id: KeyId(key_id).to_string(),
+                    retired_key_id: active.map(|a| KeyId(a).to_string()).unwrap_or_default(),
+                })
+            }
+            Outcome::SigningKeyRefused(why) => {
+                Err(Status::failed_precondition(format!("lockd: {why}")))
+            }
+            other => Err(Status::internal(format!(
+                "lockd: unexpected outcome {other:?} for RotateSigningKey"
+            ))),
+        }
+    }
+}
+
+/// A key id as SigningKeys lists it: 16 hex digits.
+fn parse_key_id(hex: &str) -> Result<[u8; 8], Status> {
+    let bad = || errors::invalid(format!("key id {hex:?} is not 16 hex digits"));
+    if hex.len() != 16 || !hex.is_ascii() {
+        return Err(bad());
+    }
+    let mut id = [0u8; 8];
+    for (i, b) in id.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).map_err(|_| bad())?;
+    }
+    Ok(id)
+}
+
 #[tonic::async_trait]
 impl Cluster for ClusterService {
+    // Admin operation (key material): keep behind the authorization policy's "admin".
+    async fn signing_keys(
+        &self,
+        req: Request<SigningKeysRequest>,
+    ) -> Result<Response<SigningKeysResponse>, Status> {
+        match self.route(&req).await? {
+            Route::Local => self.signing_keys_local().await.map(Response::new),
+            Route::Forward(leader) => {
+                let mut client = self.ctx.cluster_peers[&leader].1.clone();
+                client
+                    .signing_keys(self.forward_request(req.into_inner()))
+                    .await
+                    .map_err(|s| self.forward_error(leader, s))
+            }
+        }
+    }
+
+    // Admin operation: keep behind the authorization policy's "admin".
+    async fn rotate_signing_key(
+        &self,
+        req: Request<RotateSigningKeyRequest>,
+    ) -> Result<Response<RotateSigningKeyResponse>, Status> {
+        match self.route(&req).await? {
+            Route::Local => self.rotate_local(req.into_inner()).await.map(Response::new),
+            Route::Forward(leader) => {
+                let mut client = self.ctx.cluster_peers[&leader].1.clone();
+                client
+                    .rotate_signing_key(self.forward_request(req.into_inner()))
+                    .await
+                    .map_err(|s| self.forward_error(leader, s))
+            }
+        }
+    }
+
     async fn status(
         &self,
         _req: Request<StatusRequest>,

@@ -182,7 +182,7 @@ impl LockService {
             })
             .await?;
         match outcome {
-            Outcome::Granted(g) => Ok(grant_reply(g)),
+            Outcome::Granted(g) => self.signed_reply(&resource, g).await,
             Outcome::Held { holder } => Err(errors::held(resource.as_str(), &holder)),
             Outcome::WaitTimedOut => Err(errors::wait_timed_out(resource.as_str(), wait)),
             Outcome::InvalidArgument(msg) => Err(errors::invalid(msg)),
@@ -222,7 +222,7 @@ impl LockService {
                 end = &mut rx => {
                     guard.armed = false;
                     return match end {
-                        Ok(WaitEnd::Granted(g)) => Ok(grant_reply(g)),
+                        Ok(WaitEnd::Granted(g)) => self.signed_reply(&guard.resource, g).await,
                         Ok(WaitEnd::TimedOut) => Err(errors::wait_timed_out(guard.resource.as_str(), wait_ms)),
                         // A retry of the same request took over the registration.
                         Err(_) => Err(errors::unavailable(format!(
@@ -239,7 +239,7 @@ impl LockService {
                         attempt: guard.attempt,
                     }).await?;
                     return match outcome {
-                        Outcome::Granted(g) => Ok(grant_reply(g)),
+                        Outcome::Granted(g) => self.signed_reply(&guard.resource, g).await,
                         _ => Err(errors::wait_timed_out(guard.resource.as_str(), wait_ms)),
                     };
                 }
@@ -256,6 +256,26 @@ impl LockService {
                 }
             }
         }
+    }
+
+    /// The reply to a grant, with its sequencer signed by the cluster's active key. A grant is
+    /// never answered unsigned: without a key (a new cluster's first moments) the call says the
+    /// outcome is known to the log and asks for a retry with the same request_id.
+    async fn signed_reply(
+        &self,
+        resource: &ResourceName,
+        g: Grant,
+    ) -> Result<AcquireResponse, Status> {
+        let Some(key) = self.ctx.signer.active_or_wait(&self.ctx.sm).await else {
+            return Err(errors::unavailable(format!(
+                "node {}: {resource:?} was granted but the cluster has no sequencer signing key                  committed yet (waited {} ms); retry with the same request_id",
+                self.ctx.id,
+                crate::signing::KEY_WAIT.as_millis()
+            )));
+        };
+        let mut reply = grant_reply(g);
+        reply.sequencer = key.sign(resource.as_str(), g.fencing_token, g.expires_at_ms);
+        Ok(reply)
     }
 
     async fn describe_local(&self, req: DescribeRequest) -> Result<DescribeResponse, Status> {
@@ -305,6 +325,7 @@ fn grant_reply(g: Grant) -> AcquireResponse {
         fencing_token: g.fencing_token.0,
         expires_at_unix_ms: g.expires_at_ms,
         lease_ttl_ms: g.lease_ttl_ms,
+        sequencer: Vec::new(),
     }
 }
 
