@@ -364,9 +364,9 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
         let std_listener = std::net::TcpListener::bind(addr)
             .map_err(|e| anyhow::anyhow!("binding --metrics-listen {addr}: {e}"))?;
         drop(std_listener);
-        let (c, t, s) = (ctx.clone(), tls.clone(), shutdown.clone());
+        let (c, t, s, p) = (ctx.clone(), tls.clone(), shutdown.clone(), peer_ips(&config));
         tokio::spawn(async move {
-            if let Err(e) = crate::observe::http::serve(c, addr, t, s).await {
+            if let Err(e) = crate::observe::http::serve(c, addr, t, p, s).await {
                 tracing::error!(error = %e, "metrics listener stopped");
             }
         });
@@ -397,7 +397,13 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
             // Our own accept loop rather than tonic's TLS: it takes the certificates current at
             // each accept, so a reload on SIGHUP needs no restart.
             Some(tls) => Box::pin(router.serve_with_incoming_shutdown(
-                crate::tls::incoming(listener, tls.clone(), shutdown.clone()),
+                crate::tls::incoming(
+                    listener,
+                    tls.clone(),
+                    crate::tls::NodeTls::grpc_server,
+                    peer_ips(&config),
+                    shutdown.clone(),
+                ),
                 stop,
             )),
             // The builder's tcp_nodelay does not reach sockets accepted from our own listener,
@@ -458,6 +464,17 @@ async fn reload_on_sighup(
 /// interval longer, so their snapshots drift apart.
 fn staggered_snapshot_every(every: u64, id: NodeId) -> u64 {
     every + every * ((id.saturating_sub(1)) % 8) / 8
+}
+
+/// The members' IP addresses (of `--peer` values that are IP:port), which the TLS accept loop
+/// never turns away for their number of handshakes in progress.
+fn peer_ips(config: &NodeConfig) -> Vec<std::net::IpAddr> {
+    config
+        .peers
+        .values()
+        .filter_map(|a| a.parse::<std::net::SocketAddr>().ok())
+        .map(|a| a.ip())
+        .collect()
 }
 
 /// The listen IP as the source of connections to peers, unless it is a wildcard.

@@ -66,6 +66,8 @@ pub struct NodeTls {
     /// every caller, checked against the peer CA and the client CA but not required (clients may
     /// have none).
     server: Arc<rustls::ServerConfig>,
+    /// The metrics listener's: the same certificate, HTTP/1.1, no client certificate asked.
+    metrics: Arc<rustls::ServerConfig>,
     /// Towards peers: the peer CA as roots, this node's certificate as client identity.
     client: Arc<rustls::ClientConfig>,
     /// The peer CA as a webpki trust anchor, for the check of every Raft caller.
@@ -156,6 +158,12 @@ impl NodeTls {
             .map_err(|e| anyhow::anyhow!("{cert_what} with {key_what}: {e}"))?;
         // gRPC is HTTP/2; clients that use ALPN (most) must be offered h2.
         server.alpn_protocols = vec![b"h2".to_vec()];
+        let mut metrics = rustls::ServerConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()?
+            .with_no_client_auth()
+            .with_single_cert(own.clone(), key.clone_key())
+            .map_err(|e| anyhow::anyhow!("{cert_what} with {key_what}: {e}"))?;
+        metrics.alpn_protocols = vec![b"http/1.1".to_vec()];
         let mut client = rustls::ClientConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()?
             .with_root_certificates(roots(&peer_ca, &peer_what)?)
@@ -166,6 +174,7 @@ impl NodeTls {
         let tls = NodeTls {
             cluster_id: cluster_id.to_owned(),
             server: Arc::new(server),
+            metrics: Arc::new(metrics),
             client: Arc::new(client),
             peer_anchors,
         };
@@ -176,6 +185,16 @@ impl NodeTls {
 
     pub fn cluster_id(&self) -> &str {
         &self.cluster_id
+    }
+
+    /// The gRPC port's TLS configuration.
+    pub fn grpc_server(&self) -> Arc<rustls::ServerConfig> {
+        self.server.clone()
+    }
+
+    /// The metrics listener's TLS configuration.
+    pub fn metrics_server(&self) -> Arc<rustls::ServerConfig> {
+        self.metrics.clone()
     }
 
     /// The member that `chain` (leaf first, as the caller presented it) authenticates: the
@@ -301,27 +320,81 @@ impl TlsHandle {
     }
 }
 
-/// Handshakes in progress at most; further connections wait in the listen backlog.
-const HANDSHAKES_MAX: usize = 256;
+/// Handshakes in progress at most, in all and from one source address. A connection over either
+/// bound is closed at once instead of waiting: waiting would let a client that opens sockets and
+/// sends nothing hold up everyone behind it in the listen backlog (peers included, whose connect
+/// timeout is short). Peers' addresses are exempt from the per-source bound.
+const HANDSHAKES_MAX: usize = 1024;
+const HANDSHAKES_PER_SOURCE_MAX: usize = 32;
 /// A handshake that does not finish holds a task and a descriptor; bound it.
 const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
+/// Handshakes in progress, in all and by source address.
+#[derive(Default)]
+struct Handshakes {
+    total: usize,
+    by_source: std::collections::HashMap<std::net::IpAddr, usize>,
+}
+
+/// Releases a handshake's place when the handshake ends, however it ends.
+struct HandshakeSlot {
+    table: Arc<std::sync::Mutex<Handshakes>>,
+    source: std::net::IpAddr,
+}
+
+impl Drop for HandshakeSlot {
+    fn drop(&mut self) {
+        let mut t = self.table.lock().unwrap_or_else(|e| e.into_inner());
+        t.total -= 1;
+        if let std::collections::hash_map::Entry::Occupied(mut e) = t.by_source.entry(self.source)
+        {
+            *e.get_mut() -= 1;
+            if *e.get() == 0 {
+                e.remove();
+            }
+        }
+    }
+}
+
+impl Handshakes {
+    fn admit(
+        table: &Arc<std::sync::Mutex<Handshakes>>,
+        source: std::net::IpAddr,
+        peer_ips: &[std::net::IpAddr],
+    ) -> Option<HandshakeSlot> {
+        let mut t = table.lock().unwrap_or_else(|e| e.into_inner());
+        let from_source = t.by_source.get(&source).copied().unwrap_or(0);
+        if t.total >= HANDSHAKES_MAX
+            || (from_source >= HANDSHAKES_PER_SOURCE_MAX && !peer_ips.contains(&source))
+        {
+            return None;
+        }
+        t.total += 1;
+        *t.by_source.entry(source).or_insert(0) += 1;
+        Some(HandshakeSlot {
+            table: table.clone(),
+            source,
+        })
+    }
+}
+
 /// Accepts connections on `listener` and completes their TLS handshakes with the material
 /// current at accept time, several at once, so a slow or silent client holds up no one else.
-/// Failed handshakes are dropped (logged at debug): they never reach the gRPC server.
+/// Failed handshakes are dropped (logged at debug): they never reach the server. `peer_ips`
+/// are the members' addresses, never refused for their number of handshakes.
 pub fn incoming(
     listener: tokio::net::TcpListener,
     tls: Arc<TlsHandle>,
+    server: fn(&NodeTls) -> Arc<rustls::ServerConfig>,
+    peer_ips: Vec<std::net::IpAddr>,
     shutdown: tokio_util::sync::CancellationToken,
 ) -> impl futures::Stream<Item = std::io::Result<tokio_rustls::server::TlsStream<tokio::net::TcpStream>>>
 {
-    let (tx, rx) = tokio::sync::mpsc::channel(HANDSHAKES_MAX);
-    let slots = Arc::new(tokio::sync::Semaphore::new(HANDSHAKES_MAX));
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    let table = Arc::new(std::sync::Mutex::new(Handshakes::default()));
+    let mut refusals_logged_at: Option<std::time::Instant> = None;
     tokio::spawn(async move {
         loop {
-            let Ok(permit) = slots.clone().acquire_owned().await else {
-                return;
-            };
             let (stream, remote) = tokio::select! {
                 _ = shutdown.cancelled() => return,
                 accepted = listener.accept() => match accepted {
@@ -334,13 +407,23 @@ pub fn incoming(
                     }
                 },
             };
+            let Some(slot) = Handshakes::admit(&table, remote.ip(), &peer_ips) else {
+                if refusals_logged_at.is_none_or(|t| t.elapsed().as_secs() >= 10) {
+                    refusals_logged_at = Some(std::time::Instant::now());
+                    tracing::warn!(%remote, "lockd: too many TLS handshakes in progress; closing new connections (logged once per 10 s)");
+                }
+                drop(stream);
+                continue;
+            };
             // With Nagle on, a small reply waits for the peer's delayed ACK (40 ms).
             let _ = stream.set_nodelay(true);
-            let acceptor = tokio_rustls::TlsAcceptor::from(tls.current().server.clone());
+            let acceptor = tokio_rustls::TlsAcceptor::from(server(&tls.current()));
             let tx = tx.clone();
             tokio::spawn(async move {
-                let _permit = permit;
-                match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
+                let handshake =
+                    tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await;
+                drop(slot);
+                match handshake {
                     Ok(Ok(tls_stream)) => {
                         let _ = tx.send(Ok(tls_stream)).await;
                     }

@@ -17,6 +17,7 @@ pub async fn serve(
     ctx: Arc<NodeCtx>,
     listen: SocketAddr,
     tls: Option<Arc<crate::tls::TlsHandle>>,
+    peer_ips: Vec<std::net::IpAddr>,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
     let app = Router::new()
@@ -32,7 +33,13 @@ pub async fn serve(
             let local = listener.local_addr()?;
             let tls_listener = TlsListener {
                 local,
-                incoming: Box::pin(crate::tls::incoming(listener, tls, shutdown.clone())),
+                incoming: Box::pin(crate::tls::incoming(
+                    listener,
+                    tls,
+                    crate::tls::NodeTls::metrics_server,
+                    peer_ips,
+                    shutdown.clone(),
+                )),
             };
             axum::serve(tls_listener, app)
                 .with_graceful_shutdown(shutdown.cancelled_owned())

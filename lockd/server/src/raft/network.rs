@@ -13,6 +13,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tonic::transport::{Channel, Endpoint};
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use tonic::metadata::{Ascii, MetadataValue};
@@ -46,6 +47,11 @@ pub struct PeerDial {
     pub tls: Option<Arc<TlsHandle>>,
     /// Sent on every Raft message ([`CLUSTER_ID_HEADER`]).
     pub cluster_id: MetadataValue<Ascii>,
+    /// One Raft channel per peer address, with the TLS generation it was made in. openraft asks
+    /// for a new client for every vote round and every linearizable read; without this each
+    /// would be a new TCP and TLS handshake (a client calling Describe in a loop could make the
+    /// leader run out of ephemeral ports).
+    raft_channels: Arc<std::sync::Mutex<HashMap<(NodeId, String), (u64, Channel)>>>,
 }
 
 impl PeerDial {
@@ -57,6 +63,7 @@ impl PeerDial {
         Ok(PeerDial {
             local_ip,
             tls,
+            raft_channels: Arc::default(),
             cluster_id: cluster_id
                 .parse()
                 .map_err(|e| anyhow::anyhow!("cluster id {cluster_id:?}: {e}"))?,
@@ -83,13 +90,40 @@ impl PeerDial {
         })
     }
 
-    /// A Raft client of peer `target`.
+    /// The TLS generation (see `TlsHandle`); 0 without TLS.
+    pub fn tls_generation(&self) -> u64 {
+        self.tls.as_ref().map_or(0, |t| t.generation())
+    }
+
+    /// A Raft client of peer `target`, on the channel shared by all its clients. After a
+    /// certificate reload a new channel is made, so that no connection keeps presenting a
+    /// certificate that may expire.
     pub fn raft_client(
         &self,
         target: NodeId,
         addr: &str,
     ) -> Result<RaftClient<Channel>, tonic::transport::Error> {
-        Ok(RaftClient::new(self.channel(target, addr)?)
+        let generation = self.tls_generation();
+        let key = (target, addr.to_owned());
+        let cached = {
+            let channels = self.raft_channels.lock().unwrap_or_else(|e| e.into_inner());
+            channels
+                .get(&key)
+                .filter(|(made_in, _)| *made_in == generation)
+                .map(|(_, c)| c.clone())
+        };
+        let channel = match cached {
+            Some(c) => c,
+            None => {
+                let c = self.channel(target, addr)?;
+                self.raft_channels
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(key, (generation, c.clone()));
+                c
+            }
+        };
+        Ok(RaftClient::new(channel)
             .max_decoding_message_size(RAFT_MESSAGE_MAX_BYTES)
             .max_encoding_message_size(RAFT_MESSAGE_MAX_BYTES))
     }
@@ -110,6 +144,8 @@ impl RaftNetworkFactory<TypeConfig> for Network {
     async fn new_client(&mut self, target: NodeId, node: &BasicNode) -> PeerClient {
         PeerClient {
             target,
+            addr: node.addr.clone(),
+            generation: self.dial.tls_generation(),
             client: self
                 .dial
                 .raft_client(target, &node.addr)
@@ -164,6 +200,9 @@ pub async fn ask_votes(
 
 pub struct PeerClient {
     target: NodeId,
+    addr: String,
+    /// The TLS generation `client` was made in; a reload makes the next call take a new one.
+    generation: u64,
     client: Result<RaftClient<Channel>, String>,
     dial: PeerDial,
 }
@@ -182,6 +221,14 @@ impl PeerClient {
         Resp: DeserializeOwned,
         E: std::error::Error + DeserializeOwned,
     {
+        let generation = self.dial.tls_generation();
+        if generation != self.generation {
+            self.generation = generation;
+            self.client = self
+                .dial
+                .raft_client(self.target, &self.addr)
+                .map_err(|e| format!("peer {} address {:?}: {e}", self.target, self.addr));
+        }
         let client = match &mut self.client {
             Ok(c) => c,
             Err(e) => {

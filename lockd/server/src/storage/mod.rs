@@ -51,8 +51,15 @@ pub struct Databases {
 
 /// Opens (or creates) the node's storage in `data_dir`.
 pub fn open(data_dir: &Path) -> anyhow::Result<Databases> {
-    std::fs::create_dir_all(data_dir)
+    // Owner only: the log and snapshots hold every lease id and the sequencer signing key.
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(data_dir)
         .map_err(|e| anyhow::anyhow!("creating data dir {}: {e}", data_dir.display()))?;
+    std::fs::set_permissions(data_dir, std::fs::Permissions::from_mode(0o700))
+        .map_err(|e| anyhow::anyhow!("restricting data dir {} to its owner: {e}", data_dir.display()))?;
     let log = create(&data_dir.join("lockd.redb"), LOG_CACHE_BYTES, |txn| {
         txn.open_table(LOG)?;
         txn.open_table(META)?;
