@@ -18,6 +18,7 @@ use crate::error::{self, ProxyError};
 use crate::fence_value;
 use crate::limits::MAX_ENCRYPTION_REQUESTS;
 use crate::session::Session;
+use crate::upstream::BoxIo;
 
 /// Request codes of the untyped startup packets.
 const SSL_REQUEST: i32 = 80_877_103;
@@ -33,8 +34,11 @@ pub enum Startup {
 }
 
 /// Runs the startup phase of one client connection.
-pub async fn handshake(mut client: TcpStream, cfg: Arc<Config>) -> anyhow::Result<Startup> {
+pub async fn handshake(tcp: TcpStream, cfg: Arc<Config>) -> anyhow::Result<Startup> {
     let mut encryption_requests = 0;
+    // Plain TCP until the client asks for TLS and the proxy has a certificate.
+    let mut client: BoxIo = Box::new(tcp);
+    let mut tls = false;
     let packet = loop {
         let packet = match codec::read_startup_packet(&mut client).await {
             Ok(p) => p,
@@ -50,14 +54,44 @@ pub async fn handshake(mut client: TcpStream, cfg: Arc<Config>) -> anyhow::Resul
         };
         let code = i32::from_be_bytes([packet[4], packet[5], packet[6], packet[7]]);
         match code {
+            SSL_REQUEST | GSSENC_REQUEST if tls => {
+                // Postgres, too, refuses a second negotiation inside an encrypted connection.
+                let e = ProxyError::fatal(
+                    error::PROTOCOL_VIOLATION,
+                    "encryption request on a connection that is already encrypted",
+                );
+                refuse(&mut client, e).await;
+                return Ok(Startup::Done);
+            }
+            SSL_REQUEST if cfg.client_tls.is_some() => {
+                let acceptor = cfg.client_tls.clone().expect("checked above");
+                client.write_all(b"S").await?;
+                client.flush().await?;
+                // The startup packet was read with exact reads, so nothing the client sent after
+                // the SSLRequest was consumed as plain text: it all goes to the TLS handshake.
+                let stream = acceptor
+                    .accept(client)
+                    .await
+                    .map_err(|e| anyhow::anyhow!("TLS handshake with the client failed: {e}"))?;
+                client = Box::new(stream);
+                tls = true;
+            }
             SSL_REQUEST | GSSENC_REQUEST if encryption_requests < MAX_ENCRYPTION_REQUESTS => {
                 encryption_requests += 1;
-                // 'N': this proxy speaks plain TCP only; libpq then continues unencrypted or
-                // gives up, as its sslmode says.
+                // 'N': no certificate (SSL) or no GSSAPI at all; libpq then continues
+                // unencrypted or gives up, as its sslmode says.
                 client.write_all(b"N").await?;
             }
             CANCEL_REQUEST => {
                 forward_cancel(&cfg, &packet).await;
+                return Ok(Startup::Done);
+            }
+            _ if (code >> 16) == 3 && cfg.require_tls && !tls => {
+                let e = ProxyError::fatal(
+                    error::INVALID_AUTHORIZATION,
+                    "fence-proxy requires TLS (--require-tls): connect with sslmode=require, verify-ca or verify-full",
+                );
+                refuse(&mut client, e).await;
                 return Ok(Startup::Done);
             }
             _ if (code >> 16) == 3 => break packet,
@@ -85,15 +119,15 @@ pub async fn handshake(mut client: TcpStream, cfg: Arc<Config>) -> anyhow::Resul
         }
     };
 
-    let upstream = match connect_upstream(&cfg).await {
+    let (upstream, upstream_tls) = match connect_upstream(&cfg).await {
         Ok(s) => s,
         Err(e) => {
             refuse(&mut client, e).await;
             return Ok(Startup::Done);
         }
     };
-    let (up_read, up_write) = upstream.into_split();
-    let (client_read, client_write) = client.into_split();
+    let (up_read, up_write) = tokio::io::split(upstream);
+    let (client_read, client_write) = tokio::io::split(client);
     let codec = || MessageCodec {
         max_body_bytes: cfg.max_message_bytes,
     };
@@ -173,6 +207,16 @@ pub async fn handshake(mut client: TcpStream, cfg: Arc<Config>) -> anyhow::Resul
                         }
                         None => anyhow::bail!("client went away during authentication"),
                     };
+                    if kind == AUTH_SASL
+                        && let Some(reason) = channel_binding_mismatch(&answer, tls, upstream_tls)
+                    {
+                        refuse_split(
+                            &mut client_tx,
+                            ProxyError::fatal(error::INVALID_AUTHORIZATION, reason),
+                        )
+                        .await;
+                        return Ok(Startup::Done);
+                    }
                     up_tx.write_all(&answer.frame).await?;
                     up_tx.flush().await?;
                 }
@@ -201,17 +245,23 @@ pub async fn handshake(mut client: TcpStream, cfg: Arc<Config>) -> anyhow::Resul
     ))))
 }
 
-async fn connect_upstream(cfg: &Config) -> Result<TcpStream, ProxyError> {
+/// Opens a connection to the upstream and negotiates TLS as `--upstream`'s sslmode says. Any
+/// failure is the client's FATAL 08006, naming the upstream and the reason.
+async fn connect_upstream(cfg: &Config) -> Result<(BoxIo, bool), ProxyError> {
     let addr = cfg.upstream_addr.as_str();
-    match tokio::time::timeout(cfg.connect_timeout, TcpStream::connect(addr)).await {
-        Ok(Ok(s)) => {
-            let _ = s.set_nodelay(true);
-            Ok(s)
-        }
-        Ok(Err(e)) => Err(ProxyError::fatal(
-            error::CONNECTION_FAILURE,
-            format!("cannot connect to upstream {addr}: {e}"),
-        )),
+    let connect = async {
+        let tcp = TcpStream::connect(addr)
+            .await
+            .map_err(|e| format!("cannot connect to upstream {addr}: {e}"))?;
+        let _ = tcp.set_nodelay(true);
+        cfg.upstream_tls
+            .negotiate(tcp)
+            .await
+            .map_err(|e| format!("upstream {addr}: {e}"))
+    };
+    match tokio::time::timeout(cfg.connect_timeout, connect).await {
+        Ok(Ok(s)) => Ok(s),
+        Ok(Err(message)) => Err(ProxyError::fatal(error::CONNECTION_FAILURE, message)),
         Err(_) => Err(ProxyError::fatal(
             error::CONNECTION_FAILURE,
             format!(
@@ -222,29 +272,61 @@ async fn connect_upstream(cfg: &Config) -> Result<TcpStream, ProxyError> {
     }
 }
 
+/// AuthenticationSASL: the server lists its SASL mechanisms; the client's next message picks one.
+const AUTH_SASL: i32 = 10;
+
+/// Why a client's SASLInitialResponse cannot succeed through the proxy, if it cannot. SCRAM
+/// channel binding ties the exchange to the TLS connection the client sees, which ends at the
+/// proxy: with TLS on both sides, `SCRAM-SHA-256-PLUS` binds to the proxy's certificate (the
+/// upstream's check fails), and the `y` flag ("I could bind, you did not offer it") makes a
+/// TLS upstream suspect a downgrade. Both would fail at the upstream with a less helpful message.
+fn channel_binding_mismatch(
+    answer: &crate::codec::Message,
+    client_tls: bool,
+    upstream_tls: bool,
+) -> Option<String> {
+    if !client_tls || !upstream_tls {
+        return None;
+    }
+    let mut body = answer.body();
+    let mechanism = codec::read_cstr(&mut body)?;
+    // Then an Int32 length and the client-first-message, which opens with the gs2 flag.
+    let flag = body.get(4).copied();
+    if mechanism.ends_with("-PLUS") || flag == Some(b'y') {
+        return Some(format!(
+            "fence-proxy: SCRAM channel binding cannot pass through the proxy (TLS ends at the proxy; mechanism {mechanism:?}): connect with channel_binding=disable, and verify the proxy with sslmode=verify-full"
+        ));
+    }
+    None
+}
+
 /// Relays a CancelRequest to the upstream as is: the client holds the upstream's own backend key,
 /// because the proxy passes BackendKeyData through.
 async fn forward_cancel(cfg: &Config, packet: &Bytes) {
     match connect_upstream(cfg).await {
-        Ok(mut s) => {
+        Ok((mut s, _)) => {
             if let Err(e) = s.write_all(packet).await {
                 tracing::warn!(upstream = %cfg.upstream_addr, "forwarding cancel request: {e}");
             }
+            let _ = s.flush().await;
         }
         Err(e) => tracing::warn!("forwarding cancel request: {}", e.message),
     }
 }
 
-async fn refuse(client: &mut TcpStream, e: ProxyError) {
+async fn refuse(client: &mut BoxIo, e: ProxyError) {
     tracing::info!(code = e.code, "refusing client: {}", e.message);
     let _ = client.write_all(&e.to_message().frame).await;
     let _ = client.flush().await;
+    // A TLS client needs the close_notify to read the error before the connection ends.
+    let _ = client.shutdown().await;
 }
 
-async fn refuse_split(client: &mut BufWriter<tokio::net::tcp::OwnedWriteHalf>, e: ProxyError) {
+async fn refuse_split(client: &mut crate::session::Tx, e: ProxyError) {
     tracing::info!(code = e.code, "refusing client: {}", e.message);
     let _ = client.write_all(&e.to_message().frame).await;
     let _ = client.flush().await;
+    let _ = client.shutdown().await;
 }
 
 /// The key/value pairs of a StartupMessage body (after the protocol version).
