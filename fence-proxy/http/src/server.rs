@@ -17,7 +17,6 @@ use tower::limit::ConcurrencyLimitLayer;
 use tower::{ServiceBuilder, ServiceExt};
 use tower_http::trace::TraceLayer;
 
-use crate::proxy::ProxyBody;
 use crate::tls::Access;
 use crate::{Args, Proxy, ProxyConfig};
 
@@ -27,7 +26,7 @@ use crate::{Args, Proxy, ProxyConfig};
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Serves one accepted connection (plain or TLS) until it ends or shutdown closes it.
-async fn serve_connection<I, S>(
+async fn serve_connection<I, S, B>(
     stream: I,
     peer: std::net::SocketAddr,
     service: S,
@@ -36,12 +35,15 @@ async fn serve_connection<I, S>(
     header_read_timeout: Duration,
 ) where
     I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
-    S: tower::Service<http::Request<hyper::body::Incoming>, Response = http::Response<ProxyBody>>
+    S: tower::Service<http::Request<hyper::body::Incoming>, Response = http::Response<B>>
         + Clone
         + Send
         + 'static,
     S::Future: Send + 'static,
     S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    B: http_body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     // hyper's header timer starts only once the protocol is known; until the first request
     // arrives this flag lets the watchdog below close a connection that never shows one

@@ -15,6 +15,7 @@ use ipnet::IpNet;
 use rustls::ClientConfig;
 use tokio::net::TcpStream;
 use tokio_rustls::TlsAcceptor;
+use tower::Service;
 
 use crate::exchange::BoxError;
 
@@ -136,7 +137,7 @@ impl tower::Service<http::Uri> for UpstreamConnector {
         let tls = self.tls.clone();
         Box::pin(async move {
             let host = uri.host().unwrap_or_default().to_owned();
-            let tcp = tower::Service::call(&mut http, uri).await?;
+            let tcp = http.call(uri).await?;
             let Some(config) = tls else {
                 return Ok(UpstreamConnection::Plain(tcp));
             };

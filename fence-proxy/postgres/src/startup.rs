@@ -89,7 +89,7 @@ pub async fn handshake(tcp: TcpStream, cfg: Arc<Config>) -> anyhow::Result<Start
             _ if (code >> 16) == 3 && cfg.require_tls && !tls => {
                 let e = ProxyError::fatal(
                     error::INVALID_AUTHORIZATION,
-                    "fence-proxy requires TLS (--require-tls): connect with sslmode=require, verify-ca or verify-full",
+                    "fence-proxy: this proxy requires TLS (--require-tls): connect with sslmode=require, verify-ca or verify-full",
                 );
                 refuse(&mut client, e).await;
                 return Ok(Startup::Done);
