@@ -163,7 +163,11 @@ impl FromStr for Upstream {
                     "upstream {s:?}: scheme {other:?} is not supported, only http:// and https://"
                 ));
             }
-            None => return Err(format!("upstream {s:?} needs http:// or https:// and a host")),
+            None => {
+                return Err(format!(
+                    "upstream {s:?} needs http:// or https:// and a host"
+                ));
+            }
         };
         let authority = uri
             .authority()

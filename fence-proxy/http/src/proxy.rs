@@ -21,8 +21,8 @@ use tokio_util::task::TaskTracker;
 
 use crate::exchange::{BodyEnd, BoxError, TrackedBody};
 use crate::fence::read_fence;
-use crate::tls::UpstreamConnector;
 use crate::metrics::{self as m, FRONTEND};
+use crate::tls::UpstreamConnector;
 use crate::{Refusal, Upstream};
 
 /// Body of every response the proxy sends: the upstream's, streamed, or the proxy's own JSON.

@@ -231,8 +231,15 @@ pub async fn serve_with_access(
             // and stalls in TLS holds its slot no longer than one that stalls in HTTP.
             match tokio::time::timeout(header_read_timeout, acceptor.accept(stream)).await {
                 Ok(Ok(tls_stream)) => {
-                    serve_connection(tls_stream, peer, service, builder, watcher, header_read_timeout)
-                        .await
+                    serve_connection(
+                        tls_stream,
+                        peer,
+                        service,
+                        builder,
+                        watcher,
+                        header_read_timeout,
+                    )
+                    .await
                 }
                 Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
                 Err(_) => tracing::debug!(%peer, "no TLS handshake within the header read timeout"),

@@ -24,13 +24,28 @@ use crate::exchange::BoxError;
 pub struct TlsArgs {
     /// PEM certificate chain to serve HTTPS with (HTTP/1.1 and HTTP/2 by ALPN); with
     /// --tls-key. Without it the listener speaks plain HTTP.
-    #[arg(long, value_name = "FILE", env = "FENCE_PROXY_TLS_CERT", requires = "tls_key")]
+    #[arg(
+        long,
+        value_name = "FILE",
+        env = "FENCE_PROXY_TLS_CERT",
+        requires = "tls_key"
+    )]
     pub tls_cert: Option<PathBuf>,
     /// PEM private key of --tls-cert.
-    #[arg(long, value_name = "FILE", env = "FENCE_PROXY_TLS_KEY", requires = "tls_cert")]
+    #[arg(
+        long,
+        value_name = "FILE",
+        env = "FENCE_PROXY_TLS_KEY",
+        requires = "tls_cert"
+    )]
     pub tls_key: Option<PathBuf>,
     /// Require of every client a certificate issued by this PEM CA (mutual TLS).
-    #[arg(long, value_name = "FILE", env = "FENCE_PROXY_TLS_CLIENT_CA", requires = "tls_cert")]
+    #[arg(
+        long,
+        value_name = "FILE",
+        env = "FENCE_PROXY_TLS_CLIENT_CA",
+        requires = "tls_cert"
+    )]
     pub tls_client_ca: Option<PathBuf>,
     /// PEM CA certificate(s) an https:// upstream's certificate must chain to; its name must
     /// match the upstream URL's host. Required for https:// upstreams: no platform or bundled
@@ -58,12 +73,14 @@ impl TlsArgs {
     /// The listener's access settings.
     pub fn access(&self) -> anyhow::Result<Access> {
         let tls = match (&self.tls_cert, &self.tls_key) {
-            (Some(cert), Some(key)) => Some(TlsAcceptor::from(fence_proxy_net::tls::server_config(
-                cert,
-                key,
-                self.tls_client_ca.as_deref(),
-                &[b"h2", b"http/1.1"],
-            )?)),
+            (Some(cert), Some(key)) => {
+                Some(TlsAcceptor::from(fence_proxy_net::tls::server_config(
+                    cert,
+                    key,
+                    self.tls_client_ca.as_deref(),
+                    &[b"h2", b"http/1.1"],
+                )?))
+            }
             _ => None,
         };
         Ok(Access {
@@ -74,7 +91,10 @@ impl TlsArgs {
 
     /// The client configuration for an https:// upstream: its certificate must chain to
     /// `--upstream-ca` and name the upstream's host (as libpq's verify-full).
-    pub fn upstream_tls(&self, upstream: &crate::Upstream) -> anyhow::Result<Option<Arc<ClientConfig>>> {
+    pub fn upstream_tls(
+        &self,
+        upstream: &crate::Upstream,
+    ) -> anyhow::Result<Option<Arc<ClientConfig>>> {
         if upstream.scheme != http::uri::Scheme::HTTPS {
             anyhow::ensure!(
                 self.upstream_ca.is_none(),

@@ -97,7 +97,10 @@ mod tests {
     #[test]
     fn bad_values_are_named() {
         let e = parse_cidr("10.0.0.1/8").unwrap_err();
-        assert!(e.contains("\"10.0.0.1/8\"") && e.contains("10.0.0.0/8"), "{e}");
+        assert!(
+            e.contains("\"10.0.0.1/8\"") && e.contains("10.0.0.0/8"),
+            "{e}"
+        );
         let e = parse_cidr("example.com").unwrap_err();
         assert!(e.contains("\"example.com\""), "{e}");
         assert!(parse_cidr("10.0.0.0/33").is_err());

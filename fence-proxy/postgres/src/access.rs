@@ -14,14 +14,29 @@ pub struct AccessArgs {
     /// PEM certificate chain the proxy presents to clients that send an SSLRequest (libpq's
     /// sslmode=prefer and stronger); with --tls-key. Without it the proxy answers `N` and speaks
     /// plain text only.
-    #[arg(long, value_name = "FILE", env = "FENCE_PROXY_PG_TLS_CERT", requires = "tls_key")]
+    #[arg(
+        long,
+        value_name = "FILE",
+        env = "FENCE_PROXY_PG_TLS_CERT",
+        requires = "tls_key"
+    )]
     pub tls_cert: Option<PathBuf>,
     /// PEM private key of --tls-cert.
-    #[arg(long, value_name = "FILE", env = "FENCE_PROXY_PG_TLS_KEY", requires = "tls_cert")]
+    #[arg(
+        long,
+        value_name = "FILE",
+        env = "FENCE_PROXY_PG_TLS_KEY",
+        requires = "tls_cert"
+    )]
     pub tls_key: Option<PathBuf>,
     /// Require of every TLS client a certificate issued by this PEM CA (mutual TLS). The
     /// upstream still authenticates the role as its pg_hba.conf says.
-    #[arg(long, value_name = "FILE", env = "FENCE_PROXY_PG_TLS_CLIENT_CA", requires = "tls_cert")]
+    #[arg(
+        long,
+        value_name = "FILE",
+        env = "FENCE_PROXY_PG_TLS_CLIENT_CA",
+        requires = "tls_cert"
+    )]
     pub tls_client_ca: Option<PathBuf>,
     /// Refuse (FATAL 28000) a client that starts a session without TLS. Needs --tls-cert.
     #[arg(long, env = "FENCE_PROXY_PG_REQUIRE_TLS", requires = "tls_cert")]

@@ -56,8 +56,8 @@ use crate::startup::Startup;
 pub use crate::access::AccessArgs;
 
 pub use crate::error::{
-    ADMIN_SHUTDOWN, BAD_FENCE, CONNECTION_FAILURE, INVALID_AUTHORIZATION, LIMIT_EXCEEDED, NOT_SUPPORTED,
-    PROTOCOL_VIOLATION, STALE_TOKEN, TOO_MANY_CONNECTIONS,
+    ADMIN_SHUTDOWN, BAD_FENCE, CONNECTION_FAILURE, INVALID_AUTHORIZATION, LIMIT_EXCEEDED,
+    NOT_SUPPORTED, PROTOCOL_VIOLATION, STALE_TOKEN, TOO_MANY_CONNECTIONS,
 };
 
 /// Flags of `fence-proxy postgres`.
@@ -141,7 +141,16 @@ pub async fn init(args: &InitArgs) -> anyhow::Result<String> {
         .config
         .connect(upstream.tls.connector())
         .await
-        .map_err(|e| anyhow::anyhow!("connecting to --upstream {:?}: {e}", args.upstream))?;
+        .map_err(|e| {
+            // tokio-postgres shows a server's refusal only as "db error": give its message.
+            let reason = match (e.as_db_error(), std::error::Error::source(&e)) {
+                (Some(d), _) => d.message().to_owned(),
+                // "error performing TLS handshake" says nothing of the certificate: add why.
+                (None, Some(source)) => format!("{e}: {source}"),
+                (None, None) => e.to_string(),
+            };
+            anyhow::anyhow!("connecting to --upstream {:?}: {reason}", args.upstream)
+        })?;
     let driver = tokio::spawn(connection);
     let mut sql = format!("BEGIN;\n{}", table.init_sql());
     for role in &args.grant_to {
@@ -244,21 +253,18 @@ pub async fn run(args: Args, shutdown: CancellationToken) -> anyhow::Result<()> 
             () = shutdown.cancelled() => break,
         };
         let _ = stream.set_nodelay(true);
-        // Before anything else, TLS and the startup packet included: a client from outside the
-        // allow-list never costs an upstream connection. libpq reads an error in place of the
-        // answer to its SSLRequest, so psql prints the reason.
+        // Before anything else: a client from outside the allow-list never costs a session slot,
+        // a TLS handshake or an upstream connection.
         if !allow.allows(peer.ip()) {
             let e = ProxyError::fatal(
                 error::INVALID_AUTHORIZATION,
                 format!(
-                    "fence-proxy: client address {} is not in --allow-client {allow}",
+                    "client address {} is not in --allow-client {allow}",
                     peer.ip()
                 ),
             );
             tracing::info!(%peer, "refusing a client outside --allow-client");
-            tracker.spawn(async move {
-                let _ = stream.write_all(&e.to_message().frame).await;
-            });
+            tracker.spawn(startup::refuse_outsider(stream, e));
             continue;
         }
         let Ok(permit) = sessions.clone().try_acquire_owned() else {

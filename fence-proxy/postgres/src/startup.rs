@@ -89,7 +89,7 @@ pub async fn handshake(tcp: TcpStream, cfg: Arc<Config>) -> anyhow::Result<Start
             _ if (code >> 16) == 3 && cfg.require_tls && !tls => {
                 let e = ProxyError::fatal(
                     error::INVALID_AUTHORIZATION,
-                    "fence-proxy: this proxy requires TLS (--require-tls): connect with sslmode=require, verify-ca or verify-full",
+                    "this proxy requires TLS (--require-tls): connect with sslmode=require, verify-ca or verify-full",
                 );
                 refuse(&mut client, e).await;
                 return Ok(Startup::Done);
@@ -172,7 +172,10 @@ pub async fn handshake(tcp: TcpStream, cfg: Arc<Config>) -> anyhow::Result<Start
                 return Ok(Startup::Done);
             }
         };
-        client_tx.write_all(&msg.frame).await?;
+        match without_plus_mechanisms(&msg, upstream_tls) {
+            Some(frame) => client_tx.write_all(&frame).await?,
+            None => client_tx.write_all(&msg.frame).await?,
+        }
         if msg.tag == b'S' {
             let mut body = msg.body();
             match codec::read_cstr(&mut body).as_deref() {
@@ -272,8 +275,65 @@ async fn connect_upstream(cfg: &Config) -> Result<(BoxIo, bool), ProxyError> {
     }
 }
 
+/// How long a client outside `--allow-client` may take to show its startup packet before the
+/// connection is closed without a word.
+const OUTSIDER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Refuses a client outside `--allow-client` with `e`, without TLS and without an upstream
+/// connection. libpq shows an error sent in place of the answer to its SSLRequest only as "server
+/// sent an error response during SSL exchange", so encryption requests are answered `N` and the
+/// error goes in reply to the startup message, where libpq prints it.
+pub async fn refuse_outsider(mut client: TcpStream, e: ProxyError) {
+    let _ = tokio::time::timeout(OUTSIDER_TIMEOUT, async {
+        for _ in 0..=MAX_ENCRYPTION_REQUESTS {
+            let Ok(packet) = codec::read_startup_packet(&mut client).await else {
+                break;
+            };
+            let code = i32::from_be_bytes([packet[4], packet[5], packet[6], packet[7]]);
+            if code != SSL_REQUEST && code != GSSENC_REQUEST {
+                break;
+            }
+            client.write_all(b"N").await?;
+        }
+        client.write_all(&e.to_message().frame).await?;
+        client.flush().await
+    })
+    .await;
+}
+
 /// AuthenticationSASL: the server lists its SASL mechanisms; the client's next message picks one.
 const AUTH_SASL: i32 = 10;
+
+/// AuthenticationSASL from a TLS upstream without its channel-binding (`-PLUS`) mechanisms, or
+/// `None` to relay the message as is. Binding cannot pass through the proxy, and libpq refuses
+/// a `-PLUS` offer outright on a plain-text connection ("server offered SCRAM-SHA-256-PLUS
+/// authentication over a non-SSL connection").
+fn without_plus_mechanisms(msg: &crate::codec::Message, upstream_tls: bool) -> Option<Vec<u8>> {
+    let body = msg.body();
+    if !upstream_tls || msg.tag != b'R' || body.get(..4) != Some(&AUTH_SASL.to_be_bytes()[..]) {
+        return None;
+    }
+    let mut rest = &body[4..];
+    let mut kept = Vec::new();
+    while let Some(mechanism) = codec::read_cstr(&mut rest) {
+        if mechanism.is_empty() {
+            break;
+        }
+        if !mechanism.ends_with("-PLUS") {
+            kept.push(mechanism);
+        }
+    }
+    let mut out_body = AUTH_SASL.to_be_bytes().to_vec();
+    for m in &kept {
+        out_body.extend_from_slice(m.as_bytes());
+        out_body.push(0);
+    }
+    out_body.push(0);
+    let mut frame = vec![b'R'];
+    frame.extend_from_slice(&(out_body.len() as i32 + 4).to_be_bytes());
+    frame.extend_from_slice(&out_body);
+    Some(frame)
+}
 
 /// Why a client's SASLInitialResponse cannot succeed through the proxy, if it cannot. SCRAM
 /// channel binding ties the exchange to the TLS connection the client sees, which ends at the
@@ -294,7 +354,7 @@ fn channel_binding_mismatch(
     let flag = body.get(4).copied();
     if mechanism.ends_with("-PLUS") || flag == Some(b'y') {
         return Some(format!(
-            "fence-proxy: SCRAM channel binding cannot pass through the proxy (TLS ends at the proxy; mechanism {mechanism:?}): connect with channel_binding=disable, and verify the proxy with sslmode=verify-full"
+            "SCRAM channel binding cannot pass through the proxy (TLS ends at the proxy; mechanism {mechanism:?}): connect with channel_binding=disable, and verify the proxy with sslmode=verify-full"
         ));
     }
     None

@@ -201,7 +201,10 @@ pub enum NegotiateError {
     #[error("the upstream answered the SSLRequest with {0:?}, not S or N")]
     BadAnswer(char),
     #[error("TLS handshake (sslmode={mode}): {error}")]
-    Handshake { mode: &'static str, error: io::Error },
+    Handshake {
+        mode: &'static str,
+        error: io::Error,
+    },
     #[error("{0}")]
     Io(#[from] io::Error),
 }
@@ -264,19 +267,18 @@ where
     type TlsConnect = RustlsConnect;
     type Error = io::Error;
 
+    /// Called for every connection, `disable` included (tokio-postgres then never starts TLS).
     fn make_tls_connect(&mut self, _domain: &str) -> Result<RustlsConnect, io::Error> {
-        let config = self.config.clone().ok_or_else(|| {
-            io::Error::other("TLS requested with sslmode=disable (a bug in fence-proxy)")
-        })?;
         Ok(RustlsConnect {
-            config,
+            config: self.config.clone(),
             name: self.name.clone(),
         })
     }
 }
 
 pub struct RustlsConnect {
-    config: Arc<ClientConfig>,
+    /// `None` under `disable`, where tokio-postgres never calls `connect`.
+    config: Option<Arc<ClientConfig>>,
     name: ServerName<'static>,
 }
 
@@ -290,7 +292,10 @@ where
 
     fn connect(self, stream: S) -> Self::Future {
         Box::pin(async move {
-            let s = tokio_rustls::TlsConnector::from(self.config)
+            let config = self.config.ok_or_else(|| {
+                io::Error::other("TLS started under sslmode=disable (a bug in fence-proxy)")
+            })?;
+            let s = tokio_rustls::TlsConnector::from(config)
                 .connect(self.name, stream)
                 .await?;
             Ok(RustlsStream(s))
@@ -345,7 +350,11 @@ mod tests {
     fn modes_and_errors() {
         let p = parse("postgres://u@db.internal:5433/app", "--upstream").unwrap();
         assert_eq!(p.tls.mode, SslMode::Prefer);
-        let p = parse("postgres://u@h/app?sslmode=disable&application_name=x", "--upstream").unwrap();
+        let p = parse(
+            "postgres://u@h/app?sslmode=disable&application_name=x",
+            "--upstream",
+        )
+        .unwrap();
         assert_eq!(p.tls.mode, SslMode::Disable);
         assert_eq!(p.config.get_application_name(), Some("x"));
         let e = parse("postgres://u@h/app?sslmode=verify-full", "--upstream")
@@ -358,10 +367,13 @@ mod tests {
             .unwrap()
             .to_string();
         assert!(e.contains("\"allow\""), "{e}");
-        let e = parse("postgres://u@h/app?sslmode=require&sslcert=/c.pem", "--upstream")
-            .err()
-            .unwrap()
-            .to_string();
+        let e = parse(
+            "postgres://u@h/app?sslmode=require&sslcert=/c.pem",
+            "--upstream",
+        )
+        .err()
+        .unwrap()
+        .to_string();
         assert!(e.contains("sslcert"), "{e}");
         let e = parse(
             "postgres://u@h/app?sslmode=verify-ca&sslrootcert=/nonexistent/ca.pem",
