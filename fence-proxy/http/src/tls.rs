@@ -15,7 +15,6 @@ use ipnet::IpNet;
 use rustls::ClientConfig;
 use tokio::net::TcpStream;
 use tokio_rustls::TlsAcceptor;
-use tower::Service;
 
 use crate::exchange::BoxError;
 
@@ -149,7 +148,7 @@ impl tower::Service<http::Uri> for UpstreamConnector {
     type Future = Pin<Box<dyn Future<Output = Result<UpstreamConnection, BoxError>> + Send>>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
-        self.http.poll_ready(cx).map_err(Into::into)
+        tower::Service::poll_ready(&mut self.http, cx).map_err(Into::into)
     }
 
     fn call(&mut self, uri: http::Uri) -> Self::Future {
@@ -157,7 +156,7 @@ impl tower::Service<http::Uri> for UpstreamConnector {
         let tls = self.tls.clone();
         Box::pin(async move {
             let host = uri.host().unwrap_or_default().to_owned();
-            let tcp = http.call(uri).await?;
+            let tcp = tower::Service::call(&mut http, uri).await?;
             let Some(config) = tls else {
                 return Ok(UpstreamConnection::Plain(tcp));
             };
