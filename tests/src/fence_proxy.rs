@@ -34,6 +34,17 @@ impl FenceProxy {
         let ip = random_loopback_ip();
         let addr = SocketAddr::new(ip.into(), PROXY_PORT);
         let metrics_addr = SocketAddr::new(ip.into(), PROXY_PORT + 1);
+        Self::start_at(addr, metrics_addr, upstream, store, extra).await
+    }
+
+    /// [`FenceProxy::start`] on addresses chosen by the caller (for a certificate naming them).
+    pub async fn start_at(
+        addr: SocketAddr,
+        metrics_addr: SocketAddr,
+        upstream: &str,
+        store: &str,
+        extra: &[&str],
+    ) -> anyhow::Result<FenceProxy> {
         let mut args: Vec<String> = vec![
             "http".into(),
             "--listen".into(),

@@ -79,9 +79,20 @@ impl PgProxy {
 
     /// Starts a proxy in front of `upstream`, after installing the guard there.
     pub fn start_with(upstream: String, require_fence: bool) -> PgProxy {
+        Self::start_with_access(upstream, require_fence, Default::default())
+            .unwrap_or_else(|e| panic!("fence-proxy postgres: {e:#}"))
+    }
+
+    /// [`PgProxy::start_with`] with TLS and allow-list flags; an error if the proxy does not
+    /// start (for example when it cannot reach the upstream as `sslmode` asks).
+    pub fn start_with_access(
+        upstream: String,
+        require_fence: bool,
+        access: fence_proxy_postgres::AccessArgs,
+    ) -> anyhow::Result<PgProxy> {
         let fence_table = fence_table();
         if upstream != direct_url() {
-            init_guard(&upstream, &fence_table);
+            try_init_guard(&upstream, &fence_table)?;
         }
         let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
         let args = fence_proxy_postgres::Args {
@@ -94,6 +105,7 @@ impl PgProxy {
             connect_timeout_ms: 5_000,
             startup_timeout_ms: 10_000,
             fence_table,
+            access,
         };
         let shutdown = CancellationToken::new();
         let token = shutdown.clone();
@@ -104,12 +116,27 @@ impl PgProxy {
                 .build()?
                 .block_on(fence_proxy_postgres::run(args, token))
         });
-        wait_accepting(addr, "fence-proxy postgres");
-        PgProxy {
+        // Accepting, or the run ended (a start-up error, returned here).
+        let deadline = Instant::now() + STARTUP_WAIT;
+        while TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_err() {
+            if thread.is_finished() {
+                return match thread.join() {
+                    Ok(Ok(())) => Err(anyhow::anyhow!("fence-proxy postgres ended at once")),
+                    Ok(Err(e)) => Err(e),
+                    Err(_) => Err(anyhow::anyhow!("fence-proxy postgres panicked")),
+                };
+            }
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "fence-proxy postgres did not accept on {addr} within {STARTUP_WAIT:?}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(PgProxy {
             addr,
             shutdown,
             thread: Some(thread),
-        }
+        })
     }
 
     /// URL of the shared database through this proxy.
@@ -216,6 +243,16 @@ impl PrivateCluster {
     /// Fails with the reason when the server binaries or the `postgres` OS user are
     /// missing.
     pub fn start() -> Result<PrivateCluster, String> {
+        Self::start_inner(None)
+    }
+
+    /// A private cluster that accepts only TLS (`ssl=on`, `hostssl` lines only) with this
+    /// certificate and key.
+    pub fn start_ssl(cert: &Path, key: &Path) -> Result<PrivateCluster, String> {
+        Self::start_inner(Some((cert, key)))
+    }
+
+    fn start_inner(ssl: Option<(&Path, &Path)>) -> Result<PrivateCluster, String> {
         let bin = std::fs::read_dir("/usr/lib/postgresql")
             .map_err(|e| format!("no /usr/lib/postgresql: {e}"))?
             .filter_map(|e| e.ok())
@@ -268,12 +305,36 @@ impl PrivateCluster {
                 String::from_utf8_lossy(&out.stderr)
             ));
         }
-        // md5 entries first for the md5 role, scram for everyone else.
+        // md5 entries first for the md5 role, scram for everyone else; with TLS, hostssl
+        // lines only, so a plain-text connection matches none and is refused.
+        let host = if ssl.is_some() { "hostssl" } else { "host" };
         std::fs::write(
             data.join("pg_hba.conf"),
-            "host all md5_user 127.0.0.1/32 md5\nhost all all 127.0.0.1/32 scram-sha-256\n",
+            format!(
+                "{host} all md5_user 127.0.0.1/32 md5\n{host} all all 127.0.0.1/32 scram-sha-256\n"
+            ),
         )
         .map_err(|e| e.to_string())?;
+        let mut ssl_settings = Vec::new();
+        if let Some((cert, key)) = ssl {
+            // Postgres wants its key owned by the server's user and unreadable by others.
+            let (cert_copy, key_copy) = (data.join("server.crt"), data.join("server.key"));
+            std::fs::copy(cert, &cert_copy).map_err(|e| e.to_string())?;
+            std::fs::copy(key, &key_copy).map_err(|e| e.to_string())?;
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&key_copy, std::fs::Permissions::from_mode(0o600))
+                .map_err(|e| e.to_string())?;
+            if let Some((uid, gid)) = ids {
+                for f in [&cert_copy, &key_copy] {
+                    std::os::unix::fs::chown(f, Some(uid), Some(gid)).map_err(|e| e.to_string())?;
+                }
+            }
+            ssl_settings = vec![
+                "ssl=on".to_owned(),
+                format!("ssl_cert_file={}", cert_copy.display()),
+                format!("ssl_key_file={}", key_copy.display()),
+            ];
+        }
         let port = free_port();
         let mut cmd = run_as_postgres(&bin.join("postgres"));
         cmd.arg("-D")
@@ -286,6 +347,9 @@ impl PrivateCluster {
             .arg(format!("unix_socket_directories={}", dir.display()))
             .arg("-c")
             .arg("fsync=off");
+        for setting in ssl_settings {
+            cmd.arg("-c").arg(setting);
+        }
         let server = ChildGuard::spawn("private postgres", cmd).map_err(|e| e.to_string())?;
         wait_accepting(
             format!("127.0.0.1:{port}").parse().unwrap(),
@@ -583,6 +647,11 @@ pub fn fence_table() -> String {
 /// Runs `fence-proxy postgres init` for `table` on `upstream` (on a thread of its own, so async
 /// tests may call it).
 pub fn init_guard(upstream: &str, table: &str) {
+    try_init_guard(upstream, table).unwrap_or_else(|e| panic!("fence-proxy postgres init: {e:#}"));
+}
+
+/// [`init_guard`], returning the error.
+pub fn try_init_guard(upstream: &str, table: &str) -> anyhow::Result<()> {
     let args = fence_proxy_postgres::InitArgs {
         upstream: upstream.to_owned(),
         fence_table: table.to_owned(),
@@ -597,7 +666,7 @@ pub fn init_guard(upstream: &str, table: &str) {
     })
     .join()
     .expect("init thread")
-    .unwrap_or_else(|e| panic!("fence-proxy postgres init: {e:#}"));
+    .map(drop)
 }
 
 /// SQL that lets `role` use this process's guard function, as `init --grant-to` does.

@@ -501,6 +501,7 @@ async fn review13_database_owner_replaces_the_guard_in_public() {
         connect_timeout_ms: 5_000,
         startup_timeout_ms: 10_000,
         fence_table: fence_proxy_postgres::DEFAULT_FENCE_TABLE.to_owned(),
+        access: Default::default(),
     };
     let shutdown = tokio_util::sync::CancellationToken::new();
     let token = shutdown.clone();

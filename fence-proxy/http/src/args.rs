@@ -28,7 +28,8 @@ pub struct Args {
     #[arg(long, env = "FENCE_PROXY_LISTEN", value_name = "ADDR")]
     pub listen: SocketAddr,
 
-    /// Base URL of the protected HTTP service (http:// only); the request path is appended.
+    /// Base URL of the protected HTTP service (http:// or https://, the latter with
+    /// --upstream-ca); the request path is appended.
     #[arg(long, env = "FENCE_PROXY_UPSTREAM", value_name = "URL")]
     pub upstream: Upstream,
 
@@ -87,6 +88,9 @@ pub struct Args {
     #[arg(long, env = "FENCE_PROXY_HEADER_READ_TIMEOUT", value_name = "DURATION",
           default_value = DEFAULT_HEADER_READ_TIMEOUT, value_parser = parse_positive_duration)]
     pub header_read_timeout: Duration,
+
+    #[command(flatten)]
+    pub tls: crate::tls::TlsArgs,
 }
 
 /// A duration greater than zero (a zero header timeout would close every connection at once).
@@ -123,14 +127,25 @@ impl Args {
     }
 }
 
-/// A validated upstream base URL: `http://host[:port][/prefix]`.
+/// A validated upstream base URL: `http(s)://host[:port][/prefix]`.
 #[derive(Clone, Debug)]
 pub struct Upstream {
-    /// `http`.
+    /// `http` or `https`.
     pub scheme: http::uri::Scheme,
     pub authority: http::uri::Authority,
     /// Path prefix without a trailing `/` (empty for none), put in front of every request path.
     pub path_prefix: String,
+    /// For `https`: how the upstream's certificate is checked (`--upstream-ca`, set by
+    /// [`Upstream::with_tls`]). An https upstream without it fails every connection.
+    pub tls: Option<std::sync::Arc<rustls::ClientConfig>>,
+}
+
+impl Upstream {
+    /// This upstream with its TLS client configuration.
+    pub fn with_tls(mut self, tls: Option<std::sync::Arc<rustls::ClientConfig>>) -> Upstream {
+        self.tls = tls;
+        self
+    }
 }
 
 impl FromStr for Upstream {
@@ -140,16 +155,20 @@ impl FromStr for Upstream {
         let uri: http::Uri = s
             .parse()
             .map_err(|e| format!("upstream {s:?} is not a URL: {e}"))?;
-        match uri.scheme_str() {
-            Some("http") => {}
+        let scheme = match uri.scheme_str() {
+            Some("http") => http::uri::Scheme::HTTP,
+            Some("https") => http::uri::Scheme::HTTPS,
             Some(other) => {
                 return Err(format!(
-                    "upstream {s:?}: scheme {other:?} is not supported, only http:// \
-                     (put TLS termination next to the upstream)"
+                    "upstream {s:?}: scheme {other:?} is not supported, only http:// and https://"
                 ));
             }
-            None => return Err(format!("upstream {s:?} needs http:// and a host")),
-        }
+            None => {
+                return Err(format!(
+                    "upstream {s:?} needs http:// or https:// and a host"
+                ));
+            }
+        };
         let authority = uri
             .authority()
             .cloned()
@@ -158,9 +177,10 @@ impl FromStr for Upstream {
             return Err(format!("upstream {s:?} must not have a query string"));
         }
         Ok(Upstream {
-            scheme: http::uri::Scheme::HTTP,
+            scheme,
             authority,
             path_prefix: uri.path().trim_end_matches('/').to_owned(),
+            tls: None,
         })
     }
 }
@@ -185,7 +205,9 @@ mod tests {
         assert_eq!(u.to_string(), "http://127.0.0.1:9000/base");
         let u: Upstream = "http://h".parse().unwrap();
         assert_eq!(u.path_prefix, "");
-        for bad in ["https://h", "h:80", "/x", "http://h/?q=1"] {
+        let u: Upstream = "https://h:8443".parse().unwrap();
+        assert_eq!(u.to_string(), "https://h:8443");
+        for bad in ["ftp://h", "h:80", "/x", "http://h/?q=1"] {
             let err = bad.parse::<Upstream>().unwrap_err();
             assert!(err.contains(&format!("{bad:?}")), "{err}");
         }

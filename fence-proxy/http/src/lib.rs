@@ -2,8 +2,8 @@
 //! when its fencing token is not lower than the highest accepted for its resource, and keeps the
 //! writes of one resource in token order at the upstream.
 //!
-//! It does not terminate TLS towards the upstream, speak HTTP upgrades (WebSocket), or decide
-//! anything about tokens itself: the epoch store (`fence-epoch-store`) decides and serialises.
+//! It does not speak HTTP upgrades (WebSocket) or decide anything about tokens itself: the epoch
+//! store (`fence-epoch-store`) decides and serialises.
 //!
 //! # Layout
 //! - [`args`]: [`Args`], the command-line flags of `fence-proxy http`.
@@ -14,6 +14,7 @@
 //! - [`fence`]: reading `Lock-Resource` and `Fencing-Token` from a request.
 //! - [`metrics`]: metric names shared with the Postgres front end.
 //! - [`server`]: accepting connections, graceful shutdown, [`serve`] and [`run`].
+//! - [`tls`]: TLS on the listener, the client allow-list, and the https upstream connector.
 
 pub mod args;
 pub mod exchange;
@@ -22,6 +23,7 @@ pub mod metrics;
 pub mod proxy;
 pub mod refusal;
 pub mod server;
+pub mod tls;
 
 pub use args::{Args, Upstream};
 pub use proxy::{Proxy, ProxyConfig};

@@ -13,7 +13,6 @@ use http_body_util::BodyExt;
 use http_body_util::combinators::BoxBody;
 use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use lockd_fence::Fence;
 use tokio::sync::oneshot;
@@ -23,6 +22,7 @@ use tokio_util::task::TaskTracker;
 use crate::exchange::{BodyEnd, BoxError, TrackedBody};
 use crate::fence::read_fence;
 use crate::metrics::{self as m, FRONTEND};
+use crate::tls::UpstreamConnector;
 use crate::{Refusal, Upstream};
 
 /// Body of every response the proxy sends: the upstream's, streamed, or the proxy's own JSON.
@@ -60,15 +60,14 @@ pub struct Proxy {
     store: Arc<dyn EpochStore>,
     /// Connection pool to the upstream. Request bodies are wrapped so that a write's permit is
     /// held until its body has been sent completely.
-    client: Client<HttpConnector, TrackedBody<Incoming>>,
+    client: Client<UpstreamConnector, TrackedBody<Incoming>>,
     /// Write tasks in flight, awaited on shutdown so that their permits are released.
     writes: TaskTracker,
 }
 
 impl Proxy {
     pub fn new(config: ProxyConfig, store: Arc<dyn EpochStore>) -> Arc<Self> {
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
+        let connector = UpstreamConnector::new(&config.upstream);
         let client = Client::builder(TokioExecutor::new()).build(connector);
         Arc::new(Proxy {
             config,

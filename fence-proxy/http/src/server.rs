@@ -8,7 +8,7 @@ use anyhow::Context;
 use fence_epoch_store::EpochStore;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::server::graceful::{GracefulShutdown, Watcher};
 use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
@@ -17,12 +17,65 @@ use tower::limit::ConcurrencyLimitLayer;
 use tower::{ServiceBuilder, ServiceExt};
 use tower_http::trace::TraceLayer;
 
+use crate::tls::Access;
 use crate::{Args, Proxy, ProxyConfig};
 
 /// How long shutdown waits for requests in flight: long enough for a forward that is already
 /// waiting on a slow upstream to end, after which the permits of the ones left are released as
 /// unknown (quarantine) by their drop.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Serves one accepted connection (plain or TLS) until it ends or shutdown closes it.
+async fn serve_connection<I, S, B>(
+    stream: I,
+    peer: std::net::SocketAddr,
+    service: S,
+    builder: auto::Builder<TokioExecutor>,
+    watcher: Watcher,
+    header_read_timeout: Duration,
+) where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    S: tower::Service<http::Request<hyper::body::Incoming>, Response = http::Response<B>>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    B: http_body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    // hyper's header timer starts only once the protocol is known; until the first request
+    // arrives this flag lets the watchdog below close a connection that never shows one
+    // (a client that sends nothing, or a few bytes of the HTTP/2 preface).
+    let first_request = Arc::new(AtomicBool::new(false));
+    let seen = first_request.clone();
+    let connection_service = service.map_request(move |request| {
+        seen.store(true, Ordering::Relaxed);
+        request
+    });
+    let connection = builder
+        .serve_connection(
+            TokioIo::new(stream),
+            TowerToHyperService::new(connection_service),
+        )
+        .into_owned();
+    let connection = watcher.watch(connection);
+    tokio::pin!(connection);
+    let ended = tokio::select! {
+        ended = &mut connection => ended,
+        _ = tokio::time::sleep(header_read_timeout) => {
+            if !first_request.load(Ordering::Relaxed) {
+                tracing::debug!(%peer, "no request within the header read timeout; closing");
+                return;
+            }
+            connection.await
+        }
+    };
+    if let Err(e) = ended {
+        tracing::debug!(%peer, error = %e, "connection ended with an error");
+    }
+}
 
 /// Pause after a failed `accept` (for example too many open files), so that the loop does not
 /// spin while the condition lasts.
@@ -60,6 +113,8 @@ pub async fn run(args: Args, shutdown: CancellationToken) -> anyhow::Result<()> 
         .store
         .open(&args.store_options())
         .with_context(|| format!("opening the epoch store {}", args.store))?;
+    let access = args.tls.access()?;
+    let upstream_tls = args.tls.upstream_tls(&args.upstream)?;
     let listener = TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("binding --listen {}", args.listen))?;
@@ -67,14 +122,17 @@ pub async fn run(args: Args, shutdown: CancellationToken) -> anyhow::Result<()> 
         listen = %args.listen,
         upstream = %args.upstream,
         store = %args.store,
+        tls = access.tls.is_some(),
+        client_ca = args.tls.tls_client_ca.is_some(),
+        allow_client = %access.allow,
         "fence-proxy http serving"
     );
     let limits = args.limits();
     let config = ProxyConfig {
-        upstream: args.upstream,
+        upstream: args.upstream.with_tls(upstream_tls),
         upstream_timeout: args.upstream_timeout,
     };
-    serve_with_limits(listener, store, config, limits, shutdown).await
+    serve_with_access(listener, store, config, limits, access, shutdown).await
 }
 
 /// Serves the proxy on `listener` with any [`EpochStore`] until `shutdown` is cancelled; this is
@@ -100,6 +158,18 @@ pub async fn serve_with_limits(
     store: Arc<dyn EpochStore>,
     config: ProxyConfig,
     limits: Limits,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    serve_with_access(listener, store, config, limits, Access::default(), shutdown).await
+}
+
+/// [`serve_with_limits`] with TLS on the listener and a client allow-list.
+pub async fn serve_with_access(
+    listener: TcpListener,
+    store: Arc<dyn EpochStore>,
+    config: ProxyConfig,
+    limits: Limits,
+    access: Access,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
     let proxy = Proxy::new(config, store);
@@ -136,40 +206,43 @@ pub async fn serve_with_limits(
                 }
             },
         };
+        // Before TLS or any byte of a request: a client from outside the allow-list costs
+        // nothing but this accept.
+        if !access.allow.allows(peer.ip()) {
+            tracing::info!(%peer, allow_client = %access.allow, "closing a client outside --allow-client");
+            drop(stream);
+            continue;
+        }
         let _ = stream.set_nodelay(true);
-        // hyper's header timer starts only once the protocol is known; until the first request
-        // arrives this flag lets the watchdog below close a connection that never shows one
-        // (a client that sends nothing, or a few bytes of the HTTP/2 preface).
-        let first_request = Arc::new(AtomicBool::new(false));
-        let seen = first_request.clone();
-        let connection_service = service.clone().map_request(move |request| {
-            seen.store(true, Ordering::Relaxed);
-            request
-        });
-        let connection = builder
-            .serve_connection(
-                TokioIo::new(stream),
-                TowerToHyperService::new(connection_service),
-            )
-            .into_owned();
-        let connection = graceful.watch(connection);
+        let service = service.clone();
+        let builder = builder.clone();
+        let watcher = graceful.watcher();
+        let tls = access.tls.clone();
         let header_read_timeout = limits.header_read_timeout;
         tokio::spawn(async move {
             // The slot is given back when this task ends, with the connection.
             let _slot = slot;
-            tokio::pin!(connection);
-            let ended = tokio::select! {
-                ended = &mut connection => ended,
-                _ = tokio::time::sleep(header_read_timeout) => {
-                    if !first_request.load(Ordering::Relaxed) {
-                        tracing::debug!(%peer, "no request within the header read timeout; closing");
-                        return;
-                    }
-                    connection.await
-                }
+            let Some(acceptor) = tls else {
+                serve_connection(stream, peer, service, builder, watcher, header_read_timeout)
+                    .await;
+                return;
             };
-            if let Err(e) = ended {
-                tracing::debug!(%peer, error = %e, "connection ended with an error");
+            // The handshake shares the header read timeout: a client that opens a connection
+            // and stalls in TLS holds its slot no longer than one that stalls in HTTP.
+            match tokio::time::timeout(header_read_timeout, acceptor.accept(stream)).await {
+                Ok(Ok(tls_stream)) => {
+                    serve_connection(
+                        tls_stream,
+                        peer,
+                        service,
+                        builder,
+                        watcher,
+                        header_read_timeout,
+                    )
+                    .await
+                }
+                Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
+                Err(_) => tracing::debug!(%peer, "no TLS handshake within the header read timeout"),
             }
         });
     }

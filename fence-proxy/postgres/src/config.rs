@@ -2,10 +2,13 @@
 
 use std::time::Duration;
 
+use tokio_rustls::TlsAcceptor;
+
 use crate::fence_sql::FenceTable;
+use crate::upstream::UpstreamTls;
 
 /// What a session needs to know about the proxy's configuration.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Config {
     /// `host:port` of the upstream Postgres, from `--upstream`.
     pub upstream_addr: String,
@@ -19,4 +22,10 @@ pub struct Config {
     pub connect_timeout: Duration,
     /// Bound on a client's startup and authentication.
     pub startup_timeout: Duration,
+    /// How upstream connections are encrypted and checked (`--upstream`'s sslmode).
+    pub upstream_tls: UpstreamTls,
+    /// TLS towards clients (`--tls-cert`); `None` answers SSLRequest with `N`.
+    pub client_tls: Option<TlsAcceptor>,
+    /// Whether a client must have started TLS before its startup message (`--require-tls`).
+    pub require_tls: bool,
 }

@@ -47,6 +47,9 @@ pub const CONNECTION_FAILURE: &str = "08006";
 pub const TOO_MANY_CONNECTIONS: &str = "53300";
 /// SQLSTATE of the proxy's shutdown.
 pub const ADMIN_SHUTDOWN: &str = "57P01";
+/// invalid_authorization_specification: a client outside `--allow-client`, or without TLS under
+/// `--require-tls` (what Postgres answers when no pg_hba.conf line matches).
+pub const INVALID_AUTHORIZATION: &str = "28000";
 /// The proxy could not run its own machinery (a thread that could not be started).
 pub const INTERNAL_ERROR: &str = "XX000";
 

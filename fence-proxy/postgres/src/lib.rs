@@ -5,12 +5,15 @@
 //! in the fence table, so a stale holder's transaction fails with SQLSTATE 55P03 instead of
 //! overwriting a newer holder's rows.
 //!
-//! It deliberately does not terminate TLS, authenticate clients or multiplex sessions onto shared
-//! upstream connections: authentication passes through to the upstream, so each client session
-//! owns one upstream connection for its lifetime (see `docs/fence-proxy-postgres.md`).
+//! It terminates TLS on both sides (rustls) and can restrict client networks, but it deliberately
+//! does not authenticate roles or multiplex sessions onto shared upstream connections:
+//! authentication passes through to the upstream, so each client session owns one upstream
+//! connection for its lifetime (see `docs/fence-proxy-postgres.md`).
 //!
 //! # Layout
 //! - [`Args`] and [`run`]: flags and the accept loop.
+//! - `access`: [`AccessArgs`], TLS towards clients and the client allow-list.
+//! - [`upstream`]: `sslmode`/`sslrootcert` of `--upstream`, TLS towards the upstream.
 //! - `config`: settings shared by sessions.
 //! - `limits`: every bound, with its reason.
 //! - `codec`: length-bounded message framing.
@@ -22,6 +25,7 @@
 //! - `error`: proxy-made errors and their SQLSTATE table.
 //! - `metrics_names`: metric names.
 
+mod access;
 pub mod classify;
 mod codec;
 mod config;
@@ -32,6 +36,7 @@ pub mod limits;
 mod metrics_names;
 mod session;
 mod startup;
+pub mod upstream;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -48,9 +53,11 @@ use crate::error::ProxyError;
 use crate::fence_sql::FenceTable;
 use crate::startup::Startup;
 
+pub use crate::access::AccessArgs;
+
 pub use crate::error::{
-    ADMIN_SHUTDOWN, BAD_FENCE, CONNECTION_FAILURE, LIMIT_EXCEEDED, NOT_SUPPORTED,
-    PROTOCOL_VIOLATION, STALE_TOKEN, TOO_MANY_CONNECTIONS,
+    ADMIN_SHUTDOWN, BAD_FENCE, CONNECTION_FAILURE, INVALID_AUTHORIZATION, LIMIT_EXCEEDED,
+    NOT_SUPPORTED, PROTOCOL_VIOLATION, STALE_TOKEN, TOO_MANY_CONNECTIONS,
 };
 
 /// Flags of `fence-proxy postgres`.
@@ -99,6 +106,8 @@ pub struct Args {
         env = "FENCE_PROXY_PG_FENCE_TABLE"
     )]
     pub fence_table: String,
+    #[command(flatten)]
+    pub access: AccessArgs,
 }
 
 /// The fence table when `--fence-table` is not given.
@@ -127,16 +136,21 @@ pub struct InitArgs {
 pub async fn init(args: &InitArgs) -> anyhow::Result<String> {
     let table =
         FenceTable::parse(&args.fence_table).map_err(|e| anyhow::anyhow!("--fence-table: {e}"))?;
-    let config: tokio_postgres::Config = args.upstream.parse().map_err(|e| {
-        anyhow::anyhow!(
-            "--upstream {:?} is not a postgres:// URL: {e}",
-            args.upstream
-        )
-    })?;
-    let (client, connection) = config
-        .connect(tokio_postgres::NoTls)
+    let upstream = upstream::parse(&args.upstream, "--upstream")?;
+    let (client, connection) = upstream
+        .config
+        .connect(upstream.tls.connector())
         .await
-        .map_err(|e| anyhow::anyhow!("connecting to --upstream {:?}: {e}", args.upstream))?;
+        .map_err(|e| {
+            // tokio-postgres shows a server's refusal only as "db error": give its message.
+            let reason = match (e.as_db_error(), std::error::Error::source(&e)) {
+                (Some(d), _) => d.message().to_owned(),
+                // "error performing TLS handshake" says nothing of the certificate: add why.
+                (None, Some(source)) => format!("{e}: {source}"),
+                (None, None) => e.to_string(),
+            };
+            anyhow::anyhow!("connecting to --upstream {:?}: {reason}", args.upstream)
+        })?;
     let driver = tokio::spawn(connection);
     let mut sql = format!("BEGIN;\n{}", table.init_sql());
     for role in &args.grant_to {
@@ -178,12 +192,8 @@ pub async fn init(args: &InitArgs) -> anyhow::Result<String> {
 /// Runs the proxy until `shutdown` is cancelled; open sessions then end with FATAL 57P01.
 pub async fn run(args: Args, shutdown: CancellationToken) -> anyhow::Result<()> {
     let fence_table = FenceTable::parse(&args.fence_table).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let pg_config: tokio_postgres::Config = args.upstream.parse().map_err(|e| {
-        anyhow::anyhow!(
-            "--upstream {:?} is not a postgres:// URL: {e}",
-            args.upstream
-        )
-    })?;
+    let upstream = upstream::parse(&args.upstream, "--upstream")?;
+    let pg_config = upstream.config;
     let host = match pg_config.get_hosts().first() {
         Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
         Some(_) => anyhow::bail!(
@@ -206,7 +216,11 @@ pub async fn run(args: Args, shutdown: CancellationToken) -> anyhow::Result<()> 
         max_message_bytes: args.max_message_bytes,
         connect_timeout: Duration::from_millis(args.connect_timeout_ms),
         startup_timeout: Duration::from_millis(args.startup_timeout_ms),
+        upstream_tls: upstream.tls,
+        client_tls: args.access.acceptor()?,
+        require_tls: args.access.require_tls,
     });
+    let allow = args.access.allow_list();
 
     check_guard(pg_config, &cfg, args.pool_size).await?;
 
@@ -217,6 +231,10 @@ pub async fn run(args: Args, shutdown: CancellationToken) -> anyhow::Result<()> 
         listen = %args.listen,
         upstream = %cfg.upstream_addr,
         require_fence = cfg.require_fence,
+        upstream_sslmode = cfg.upstream_tls.mode.as_str(),
+        client_tls = cfg.client_tls.is_some(),
+        require_tls = cfg.require_tls,
+        allow_client = %allow,
         "postgres front end listening"
     );
     let sessions = Arc::new(Semaphore::new(args.max_sessions));
@@ -235,6 +253,20 @@ pub async fn run(args: Args, shutdown: CancellationToken) -> anyhow::Result<()> 
             () = shutdown.cancelled() => break,
         };
         let _ = stream.set_nodelay(true);
+        // Before anything else: a client from outside the allow-list never costs a session slot,
+        // a TLS handshake or an upstream connection.
+        if !allow.allows(peer.ip()) {
+            let e = ProxyError::fatal(
+                error::INVALID_AUTHORIZATION,
+                format!(
+                    "client address {} is not in --allow-client {allow}",
+                    peer.ip()
+                ),
+            );
+            tracing::info!(%peer, "refusing a client outside --allow-client");
+            tracker.spawn(startup::refuse_outsider(stream, e));
+            continue;
+        }
         let Ok(permit) = sessions.clone().try_acquire_owned() else {
             let e = ProxyError::fatal(
                 error::TOO_MANY_CONNECTIONS,
@@ -287,7 +319,7 @@ async fn check_guard(
     cfg: &Config,
     pool_size: usize,
 ) -> anyhow::Result<()> {
-    let manager = deadpool_postgres::Manager::new(pg_config, tokio_postgres::NoTls);
+    let manager = deadpool_postgres::Manager::new(pg_config, cfg.upstream_tls.connector());
     let pool = deadpool_postgres::Pool::builder(manager)
         .max_size(pool_size)
         .wait_timeout(Some(cfg.connect_timeout))

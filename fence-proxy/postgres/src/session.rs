@@ -74,7 +74,7 @@ use bytes::BytesMut;
 use futures::StreamExt;
 use postgres_protocol::message::frontend;
 use tokio::io::{AsyncWriteExt, BufWriter};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::io::{ReadHalf, WriteHalf};
 use tokio_util::codec::FramedRead;
 use tokio_util::sync::CancellationToken;
 
@@ -308,8 +308,9 @@ enum Flow {
     Close,
 }
 
-type Rx = FramedRead<OwnedReadHalf, MessageCodec>;
-type Tx = BufWriter<OwnedWriteHalf>;
+/// Both ends may be TLS or plain TCP (`crate::upstream::BoxIo`).
+pub(crate) type Rx = FramedRead<ReadHalf<crate::upstream::BoxIo>, MessageCodec>;
+pub(crate) type Tx = BufWriter<WriteHalf<crate::upstream::BoxIo>>;
 
 /// State of one client session and its upstream connection.
 pub struct Session {

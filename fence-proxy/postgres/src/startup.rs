@@ -18,6 +18,7 @@ use crate::error::{self, ProxyError};
 use crate::fence_value;
 use crate::limits::MAX_ENCRYPTION_REQUESTS;
 use crate::session::Session;
+use crate::upstream::BoxIo;
 
 /// Request codes of the untyped startup packets.
 const SSL_REQUEST: i32 = 80_877_103;
@@ -33,8 +34,11 @@ pub enum Startup {
 }
 
 /// Runs the startup phase of one client connection.
-pub async fn handshake(mut client: TcpStream, cfg: Arc<Config>) -> anyhow::Result<Startup> {
+pub async fn handshake(tcp: TcpStream, cfg: Arc<Config>) -> anyhow::Result<Startup> {
     let mut encryption_requests = 0;
+    // Plain TCP until the client asks for TLS and the proxy has a certificate.
+    let mut client: BoxIo = Box::new(tcp);
+    let mut tls = false;
     let packet = loop {
         let packet = match codec::read_startup_packet(&mut client).await {
             Ok(p) => p,
@@ -50,14 +54,44 @@ pub async fn handshake(mut client: TcpStream, cfg: Arc<Config>) -> anyhow::Resul
         };
         let code = i32::from_be_bytes([packet[4], packet[5], packet[6], packet[7]]);
         match code {
+            SSL_REQUEST | GSSENC_REQUEST if tls => {
+                // Postgres, too, refuses a second negotiation inside an encrypted connection.
+                let e = ProxyError::fatal(
+                    error::PROTOCOL_VIOLATION,
+                    "encryption request on a connection that is already encrypted",
+                );
+                refuse(&mut client, e).await;
+                return Ok(Startup::Done);
+            }
+            SSL_REQUEST if cfg.client_tls.is_some() => {
+                let acceptor = cfg.client_tls.clone().expect("checked above");
+                client.write_all(b"S").await?;
+                client.flush().await?;
+                // The startup packet was read with exact reads, so nothing the client sent after
+                // the SSLRequest was consumed as plain text: it all goes to the TLS handshake.
+                let stream = acceptor
+                    .accept(client)
+                    .await
+                    .map_err(|e| anyhow::anyhow!("TLS handshake with the client failed: {e}"))?;
+                client = Box::new(stream);
+                tls = true;
+            }
             SSL_REQUEST | GSSENC_REQUEST if encryption_requests < MAX_ENCRYPTION_REQUESTS => {
                 encryption_requests += 1;
-                // 'N': this proxy speaks plain TCP only; libpq then continues unencrypted or
-                // gives up, as its sslmode says.
+                // 'N': no certificate (SSL) or no GSSAPI at all; libpq then continues
+                // unencrypted or gives up, as its sslmode says.
                 client.write_all(b"N").await?;
             }
             CANCEL_REQUEST => {
                 forward_cancel(&cfg, &packet).await;
+                return Ok(Startup::Done);
+            }
+            _ if (code >> 16) == 3 && cfg.require_tls && !tls => {
+                let e = ProxyError::fatal(
+                    error::INVALID_AUTHORIZATION,
+                    "this proxy requires TLS (--require-tls): connect with sslmode=require, verify-ca or verify-full",
+                );
+                refuse(&mut client, e).await;
                 return Ok(Startup::Done);
             }
             _ if (code >> 16) == 3 => break packet,
@@ -85,15 +119,15 @@ pub async fn handshake(mut client: TcpStream, cfg: Arc<Config>) -> anyhow::Resul
         }
     };
 
-    let upstream = match connect_upstream(&cfg).await {
+    let (upstream, upstream_tls) = match connect_upstream(&cfg).await {
         Ok(s) => s,
         Err(e) => {
             refuse(&mut client, e).await;
             return Ok(Startup::Done);
         }
     };
-    let (up_read, up_write) = upstream.into_split();
-    let (client_read, client_write) = client.into_split();
+    let (up_read, up_write) = tokio::io::split(upstream);
+    let (client_read, client_write) = tokio::io::split(client);
     let codec = || MessageCodec {
         max_body_bytes: cfg.max_message_bytes,
     };
@@ -138,7 +172,10 @@ pub async fn handshake(mut client: TcpStream, cfg: Arc<Config>) -> anyhow::Resul
                 return Ok(Startup::Done);
             }
         };
-        client_tx.write_all(&msg.frame).await?;
+        match without_plus_mechanisms(&msg, upstream_tls) {
+            Some(frame) => client_tx.write_all(&frame).await?,
+            None => client_tx.write_all(&msg.frame).await?,
+        }
         if msg.tag == b'S' {
             let mut body = msg.body();
             match codec::read_cstr(&mut body).as_deref() {
@@ -173,6 +210,16 @@ pub async fn handshake(mut client: TcpStream, cfg: Arc<Config>) -> anyhow::Resul
                         }
                         None => anyhow::bail!("client went away during authentication"),
                     };
+                    if kind == AUTH_SASL
+                        && let Some(reason) = channel_binding_mismatch(&answer, tls, upstream_tls)
+                    {
+                        refuse_split(
+                            &mut client_tx,
+                            ProxyError::fatal(error::INVALID_AUTHORIZATION, reason),
+                        )
+                        .await;
+                        return Ok(Startup::Done);
+                    }
                     up_tx.write_all(&answer.frame).await?;
                     up_tx.flush().await?;
                 }
@@ -201,17 +248,23 @@ pub async fn handshake(mut client: TcpStream, cfg: Arc<Config>) -> anyhow::Resul
     ))))
 }
 
-async fn connect_upstream(cfg: &Config) -> Result<TcpStream, ProxyError> {
+/// Opens a connection to the upstream and negotiates TLS as `--upstream`'s sslmode says. Any
+/// failure is the client's FATAL 08006, naming the upstream and the reason.
+async fn connect_upstream(cfg: &Config) -> Result<(BoxIo, bool), ProxyError> {
     let addr = cfg.upstream_addr.as_str();
-    match tokio::time::timeout(cfg.connect_timeout, TcpStream::connect(addr)).await {
-        Ok(Ok(s)) => {
-            let _ = s.set_nodelay(true);
-            Ok(s)
-        }
-        Ok(Err(e)) => Err(ProxyError::fatal(
-            error::CONNECTION_FAILURE,
-            format!("cannot connect to upstream {addr}: {e}"),
-        )),
+    let connect = async {
+        let tcp = TcpStream::connect(addr)
+            .await
+            .map_err(|e| format!("cannot connect to upstream {addr}: {e}"))?;
+        let _ = tcp.set_nodelay(true);
+        cfg.upstream_tls
+            .negotiate(tcp)
+            .await
+            .map_err(|e| format!("upstream {addr}: {e}"))
+    };
+    match tokio::time::timeout(cfg.connect_timeout, connect).await {
+        Ok(Ok(s)) => Ok(s),
+        Ok(Err(message)) => Err(ProxyError::fatal(error::CONNECTION_FAILURE, message)),
         Err(_) => Err(ProxyError::fatal(
             error::CONNECTION_FAILURE,
             format!(
@@ -222,29 +275,118 @@ async fn connect_upstream(cfg: &Config) -> Result<TcpStream, ProxyError> {
     }
 }
 
+/// How long a client outside `--allow-client` may take to show its startup packet before the
+/// connection is closed without a word.
+const OUTSIDER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Refuses a client outside `--allow-client` with `e`, without TLS and without an upstream
+/// connection. libpq shows an error sent in place of the answer to its SSLRequest only as "server
+/// sent an error response during SSL exchange", so encryption requests are answered `N` and the
+/// error goes in reply to the startup message, where libpq prints it.
+pub async fn refuse_outsider(mut client: TcpStream, e: ProxyError) {
+    let _ = tokio::time::timeout(OUTSIDER_TIMEOUT, async {
+        for _ in 0..=MAX_ENCRYPTION_REQUESTS {
+            let Ok(packet) = codec::read_startup_packet(&mut client).await else {
+                break;
+            };
+            let code = i32::from_be_bytes([packet[4], packet[5], packet[6], packet[7]]);
+            if code != SSL_REQUEST && code != GSSENC_REQUEST {
+                break;
+            }
+            client.write_all(b"N").await?;
+        }
+        client.write_all(&e.to_message().frame).await?;
+        client.flush().await
+    })
+    .await;
+}
+
+/// AuthenticationSASL: the server lists its SASL mechanisms; the client's next message picks one.
+const AUTH_SASL: i32 = 10;
+
+/// AuthenticationSASL from a TLS upstream without its channel-binding (`-PLUS`) mechanisms, or
+/// `None` to relay the message as is. Binding cannot pass through the proxy, and libpq refuses
+/// a `-PLUS` offer outright on a plain-text connection ("server offered SCRAM-SHA-256-PLUS
+/// authentication over a non-SSL connection").
+fn without_plus_mechanisms(msg: &crate::codec::Message, upstream_tls: bool) -> Option<Vec<u8>> {
+    let body = msg.body();
+    if !upstream_tls || msg.tag != b'R' || body.get(..4) != Some(&AUTH_SASL.to_be_bytes()[..]) {
+        return None;
+    }
+    let mut rest = &body[4..];
+    let mut kept = Vec::new();
+    while let Some(mechanism) = codec::read_cstr(&mut rest) {
+        if mechanism.is_empty() {
+            break;
+        }
+        if !mechanism.ends_with("-PLUS") {
+            kept.push(mechanism);
+        }
+    }
+    let mut out_body = AUTH_SASL.to_be_bytes().to_vec();
+    for m in &kept {
+        out_body.extend_from_slice(m.as_bytes());
+        out_body.push(0);
+    }
+    out_body.push(0);
+    let mut frame = vec![b'R'];
+    frame.extend_from_slice(&(out_body.len() as i32 + 4).to_be_bytes());
+    frame.extend_from_slice(&out_body);
+    Some(frame)
+}
+
+/// Why a client's SASLInitialResponse cannot succeed through the proxy, if it cannot. SCRAM
+/// channel binding ties the exchange to the TLS connection the client sees, which ends at the
+/// proxy: with TLS on both sides, `SCRAM-SHA-256-PLUS` binds to the proxy's certificate (the
+/// upstream's check fails), and the `y` flag ("I could bind, you did not offer it") makes a
+/// TLS upstream suspect a downgrade. Both would fail at the upstream with a less helpful message.
+fn channel_binding_mismatch(
+    answer: &crate::codec::Message,
+    client_tls: bool,
+    upstream_tls: bool,
+) -> Option<String> {
+    if !client_tls || !upstream_tls {
+        return None;
+    }
+    let mut body = answer.body();
+    let mechanism = codec::read_cstr(&mut body)?;
+    // Then an Int32 length and the client-first-message, which opens with the gs2 flag.
+    let flag = body.get(4).copied();
+    if mechanism.ends_with("-PLUS") || flag == Some(b'y') {
+        return Some(format!(
+            "SCRAM channel binding cannot pass through the proxy (TLS ends at the proxy; mechanism {mechanism:?}): connect with channel_binding=disable, and verify the proxy with sslmode=verify-full"
+        ));
+    }
+    None
+}
+
 /// Relays a CancelRequest to the upstream as is: the client holds the upstream's own backend key,
 /// because the proxy passes BackendKeyData through.
 async fn forward_cancel(cfg: &Config, packet: &Bytes) {
     match connect_upstream(cfg).await {
-        Ok(mut s) => {
+        Ok((mut s, _)) => {
             if let Err(e) = s.write_all(packet).await {
                 tracing::warn!(upstream = %cfg.upstream_addr, "forwarding cancel request: {e}");
             }
+            let _ = s.flush().await;
         }
         Err(e) => tracing::warn!("forwarding cancel request: {}", e.message),
     }
 }
 
-async fn refuse(client: &mut TcpStream, e: ProxyError) {
+async fn refuse(client: &mut BoxIo, e: ProxyError) {
     tracing::info!(code = e.code, "refusing client: {}", e.message);
     let _ = client.write_all(&e.to_message().frame).await;
     let _ = client.flush().await;
+    // A TLS client needs the close_notify to read the error before the connection ends.
+    let _ = client.shutdown().await;
 }
 
-async fn refuse_split(client: &mut BufWriter<tokio::net::tcp::OwnedWriteHalf>, e: ProxyError) {
+async fn refuse_split(client: &mut crate::session::Tx, e: ProxyError) {
     tracing::info!(code = e.code, "refusing client: {}", e.message);
     let _ = client.write_all(&e.to_message().frame).await;
     let _ = client.flush().await;
+    let _ = client.shutdown().await;
 }
 
 /// The key/value pairs of a StartupMessage body (after the protocol version).

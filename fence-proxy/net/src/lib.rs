@@ -1,0 +1,18 @@
+//! TLS settings (rustls with ring, no OpenSSL) and the client allow-list that fence-proxy's HTTP
+//! and Postgres front ends share, so both read certificates, verify servers and refuse clients
+//! the same way.
+//!
+//! It does not speak any protocol: each front end decides when to start TLS (HTTP at once,
+//! Postgres after an SSLRequest) and what to answer a refused client.
+//!
+//! # Layout
+//! - [`tls`]: PEM loading, the listener's [`rustls::ServerConfig`] (optionally requiring client
+//!   certificates), and the client side's [`tls::ServerCheck`] (libpq's `require`, `verify-ca`,
+//!   `verify-full`).
+//! - [`allow`]: [`AllowList`], the `--allow-client CIDR` networks.
+
+pub mod allow;
+pub mod tls;
+
+pub use allow::AllowList;
+pub use tls::ServerCheck;

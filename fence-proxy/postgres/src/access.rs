@@ -1,0 +1,70 @@
+//! Who may use the Postgres front end: TLS on the client side (`--tls-cert`, `--tls-key`,
+//! `--tls-client-ca`, `--require-tls`) and the client networks (`--allow-client`).
+
+use std::path::PathBuf;
+
+use fence_proxy_net::AllowList;
+use ipnet::IpNet;
+use tokio_rustls::TlsAcceptor;
+
+/// Flags of `fence-proxy postgres` about client access; `Default` is the open proxy of old:
+/// no TLS, any address.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct AccessArgs {
+    /// PEM certificate chain the proxy presents to clients that send an SSLRequest (libpq's
+    /// sslmode=prefer and stronger); with --tls-key. Without it the proxy answers `N` and speaks
+    /// plain text only.
+    #[arg(
+        long,
+        value_name = "FILE",
+        env = "FENCE_PROXY_PG_TLS_CERT",
+        requires = "tls_key"
+    )]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key of --tls-cert.
+    #[arg(
+        long,
+        value_name = "FILE",
+        env = "FENCE_PROXY_PG_TLS_KEY",
+        requires = "tls_cert"
+    )]
+    pub tls_key: Option<PathBuf>,
+    /// Require of every TLS client a certificate issued by this PEM CA (mutual TLS). The
+    /// upstream still authenticates the role as its pg_hba.conf says.
+    #[arg(
+        long,
+        value_name = "FILE",
+        env = "FENCE_PROXY_PG_TLS_CLIENT_CA",
+        requires = "tls_cert"
+    )]
+    pub tls_client_ca: Option<PathBuf>,
+    /// Refuse (FATAL 28000) a client that starts a session without TLS. Needs --tls-cert.
+    #[arg(long, env = "FENCE_PROXY_PG_REQUIRE_TLS", requires = "tls_cert")]
+    pub require_tls: bool,
+    /// Serve only clients from this network (CIDR such as 10.0.0.0/8, or one address);
+    /// repeatable. Others are refused (FATAL 28000) before any upstream connection. Default:
+    /// every address.
+    #[arg(long = "allow-client", value_name = "CIDR", env = "FENCE_PROXY_PG_ALLOW_CLIENT",
+          value_delimiter = ',', value_parser = fence_proxy_net::allow::parse_cidr)]
+    pub allow_client: Vec<IpNet>,
+}
+
+impl AccessArgs {
+    /// The TLS acceptor for clients, when a certificate is configured.
+    pub fn acceptor(&self) -> anyhow::Result<Option<TlsAcceptor>> {
+        let (Some(cert), Some(key)) = (&self.tls_cert, &self.tls_key) else {
+            anyhow::ensure!(
+                !self.require_tls,
+                "--require-tls needs --tls-cert and --tls-key"
+            );
+            return Ok(None);
+        };
+        let config =
+            fence_proxy_net::tls::server_config(cert, key, self.tls_client_ca.as_deref(), &[])?;
+        Ok(Some(TlsAcceptor::from(config)))
+    }
+
+    pub fn allow_list(&self) -> AllowList {
+        AllowList::new(self.allow_client.clone())
+    }
+}
