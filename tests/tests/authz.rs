@@ -426,7 +426,14 @@ async fn issue15_bearer_tokens_identify_and_wrong_tokens_are_unauthenticated() {
     let eps = s.cluster.endpoints();
     let run = |extra: &[&str]| {
         let out = lockd_tests::process::command("lockctl")
-            .args(["--endpoints", &eps, "--cacert", ca.to_str().unwrap(), "--timeout", "5s"])
+            .args([
+                "--endpoints",
+                eps.as_str(),
+                "--cacert",
+                ca.to_str().unwrap(),
+                "--timeout",
+                "5s",
+            ])
             .args(extra)
             .stdin(std::process::Stdio::null())
             .output()
@@ -457,7 +464,7 @@ async fn issue15_bearer_tokens_identify_and_wrong_tokens_are_unauthenticated() {
     assert!(err.contains("bearer token is not valid"), "{err}");
     // The environment variable works as the flag does.
     let out = lockd_tests::process::command("lockctl")
-        .args(["--endpoints", &eps, "--cacert", ca.to_str().unwrap()])
+        .args(["--endpoints", eps.as_str(), "--cacert", ca.to_str().unwrap()])
         .args(["describe", "tenant-b/ctl"])
         .env("LOCKCTL_AUTH_TOKEN_FILE", tf)
         .output()
@@ -639,8 +646,10 @@ fn issue15_bad_policies_fail_at_start_naming_the_problem() {
     ];
     for (i, (args, expect)) in cases.into_iter().enumerate() {
         let out = lockd_tests::process::command("lockd")
-            .args(["--id", "1", "--listen", &format!("127.0.0.1:{port}")])
-            .args(["--data-dir", &dir.path().join(format!("d{i}")).display().to_string()])
+            .args(["--id", "1", "--listen"])
+            .arg(format!("127.0.0.1:{port}"))
+            .arg("--data-dir")
+            .arg(dir.path().join(format!("d{i}")))
             .args(&args)
             .output()
             .unwrap();

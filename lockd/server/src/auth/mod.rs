@@ -239,7 +239,7 @@ impl Auth {
                     let (scheme, secret) = v.split_once(' ')?;
                     scheme
                         .eq_ignore_ascii_case("bearer")
-                        .then(|| secret.trim())
+                        .then_some(secret.trim())
                 })
                 .ok_or_else(|| {
                     Status::unauthenticated(

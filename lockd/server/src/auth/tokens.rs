@@ -93,7 +93,7 @@ impl Tokens {
         let digest: [u8; 32] = Sha256::digest(secret.as_bytes()).into();
         let mut found = None;
         for (name, expected) in &self.entries {
-            if ring::constant_time::verify_slices_are_equal(expected, &digest).is_ok() {
+            if bool::from(subtle::ConstantTimeEq::ct_eq(&expected[..], &digest[..])) {
                 found = Some(name.as_str());
             }
         }
