@@ -78,10 +78,7 @@ async fn setup() -> Setup {
     let tokens = dir.path().join("tokens");
     std::fs::write(
         &tokens,
-        format!(
-            "# name  sha256(secret)\nci {}\n",
-            sha256_hex(CI_SECRET)
-        ),
+        format!("# name  sha256(secret)\nci {}\n", sha256_hex(CI_SECRET)),
     )
     .unwrap();
     let cluster = Cluster::start(ClusterOptions {
@@ -255,9 +252,13 @@ async fn issue15_tenant_a_cannot_touch_tenant_b() {
             "\"tenant-ab/x\"",
         );
         // Control: A's own tenant.
-        let own = acquire(&mut alice, &format!("tenant-a/own-{node}"), &format!("own-{node}"))
-            .await
-            .unwrap();
+        let own = acquire(
+            &mut alice,
+            &format!("tenant-a/own-{node}"),
+            &format!("own-{node}"),
+        )
+        .await
+        .unwrap();
         assert!(own.fencing_token > held.fencing_token);
     }
     // B's lease is still B's: renewing it works, and it is still held.
@@ -285,20 +286,28 @@ async fn issue15_tenant_a_cannot_touch_tenant_b() {
     // Denials are counted per identity; identities outside the policy as "other".
     let mallory = s.client_ca.issue("mallory", &[], &[]).unwrap();
     assert_denied(
-        acquire(&mut lock(&s.cluster, leader, Some(&mallory)), "tenant-a/x", "m-1").await,
+        acquire(
+            &mut lock(&s.cluster, leader, Some(&mallory)),
+            "tenant-a/x",
+            "m-1",
+        )
+        .await,
         "cert:mallory (client)",
         "\"tenant-a/x\"",
     );
     let metrics = s.cluster.metrics_text(leader).await.unwrap();
     assert!(
-        metrics.lines().any(|l| l.starts_with("lockd_auth_denied_total")
-            && l.contains("identity=\"cert:alice (client)\"")
-            && l.contains("op=\"renew\"")),
+        metrics
+            .lines()
+            .any(|l| l.starts_with("lockd_auth_denied_total")
+                && l.contains("identity=\"cert:alice (client)\"")
+                && l.contains("op=\"renew\"")),
         "{metrics}"
     );
     assert!(
-        metrics.lines().any(|l| l.starts_with("lockd_auth_denied_total")
-            && l.contains("identity=\"other\"")),
+        metrics
+            .lines()
+            .any(|l| l.starts_with("lockd_auth_denied_total") && l.contains("identity=\"other\"")),
         "{metrics}"
     );
     assert!(!metrics.contains("mallory"), "unbounded label: {metrics}");
@@ -320,21 +329,31 @@ async fn issue15_a_request_id_replayed_by_another_identity_returns_nothing_of_th
     for node in [leader, follower] {
         let mut bob = lock(&s.cluster, node, Some(&s.bob));
         match acquire(&mut bob, "shared/r", "rid-1").await {
-            Ok(reply) => panic!("B replaying A's request id on node {node} got {reply:?} (A's: {a:?})"),
+            Ok(reply) => {
+                panic!("B replaying A's request id on node {node} got {reply:?} (A's: {a:?})")
+            }
             Err(st) => {
                 assert_eq!(st.code(), Code::Aborted, "{st:?}");
                 assert!(!st.message().contains(&a.lease_id), "{st:?}");
             }
         }
     }
-    let b = acquire(&mut lock(&s.cluster, leader, Some(&s.bob)), "shared/other", "rid-1")
-        .await
-        .unwrap();
+    let b = acquire(
+        &mut lock(&s.cluster, leader, Some(&s.bob)),
+        "shared/other",
+        "rid-1",
+    )
+    .await
+    .unwrap();
     assert_ne!(b.lease_id, a.lease_id);
     // A's retry, through the other node: A's original outcome.
-    let again = acquire(&mut lock(&s.cluster, leader, Some(&s.alice)), "shared/r", "rid-1")
-        .await
-        .unwrap();
+    let again = acquire(
+        &mut lock(&s.cluster, leader, Some(&s.alice)),
+        "shared/r",
+        "rid-1",
+    )
+    .await
+    .unwrap();
     assert_eq!(
         (again.lease_id.as_str(), again.fencing_token),
         (a.lease_id.as_str(), a.fencing_token)
@@ -464,7 +483,12 @@ async fn issue15_bearer_tokens_identify_and_wrong_tokens_are_unauthenticated() {
     assert!(err.contains("bearer token is not valid"), "{err}");
     // The environment variable works as the flag does.
     let out = lockd_tests::process::command("lockctl")
-        .args(["--endpoints", eps.as_str(), "--cacert", ca.to_str().unwrap()])
+        .args([
+            "--endpoints",
+            eps.as_str(),
+            "--cacert",
+            ca.to_str().unwrap(),
+        ])
         .args(["describe", "tenant-b/ctl"])
         .env("LOCKCTL_AUTH_TOKEN_FILE", tf)
         .output()
@@ -509,7 +533,10 @@ async fn issue15_clients_cannot_claim_forwarded_identities() {
             for headers in &header_sets {
                 let mut c = lock(&s.cluster, node, who);
                 let st = c
-                    .acquire(with_headers(acquire_req("tenant-b/forged", "forged"), headers))
+                    .acquire(with_headers(
+                        acquire_req("tenant-b/forged", "forged"),
+                        headers,
+                    ))
                     .await
                     .unwrap_err();
                 assert_eq!(st.code(), Code::Unauthenticated, "{headers:?}: {st:?}");
@@ -524,7 +551,12 @@ async fn issue15_clients_cannot_claim_forwarded_identities() {
     }
     // Control: without the headers, alice is alice.
     assert_denied(
-        acquire(&mut lock(&s.cluster, follower, Some(&s.alice)), "tenant-b/forged", "f2").await,
+        acquire(
+            &mut lock(&s.cluster, follower, Some(&s.alice)),
+            "tenant-b/forged",
+            "f2",
+        )
+        .await,
         ALICE,
         "\"tenant-b/forged\"",
     );
@@ -632,7 +664,11 @@ fn issue15_bad_policies_fail_at_start_naming_the_problem() {
             vec!["--auth-tokens", "line 1", "64 hex digits"],
         ),
         (
-            [tls.clone(), vec!["--auth-policy".into(), "/nonexistent/p.toml".into()]].concat(),
+            [
+                tls.clone(),
+                vec!["--auth-policy".into(), "/nonexistent/p.toml".into()],
+            ]
+            .concat(),
             vec!["--auth-policy", "/nonexistent/p.toml"],
         ),
         (
@@ -657,7 +693,10 @@ fn issue15_bad_policies_fail_at_start_naming_the_problem() {
         let last = err.trim_end().lines().last().unwrap_or_default().to_owned();
         assert!(!out.status.success(), "{args:?} started");
         for e in expect {
-            assert!(last.contains(e), "{args:?}: {e:?} not in {last:?} (stderr {err})");
+            assert!(
+                last.contains(e),
+                "{args:?}: {e:?} not in {last:?} (stderr {err})"
+            );
         }
         assert!(last.starts_with("lockd: "), "{err}");
     }

@@ -169,9 +169,8 @@ impl Auth {
                 Ok(req)
             }
             Err(status) => {
-                self.metrics.with(|| {
-                    metrics::counter!("lockd_auth_unauthenticated_total").increment(1)
-                });
+                self.metrics
+                    .with(|| metrics::counter!("lockd_auth_unauthenticated_total").increment(1));
                 self.log_refusal(&req, status.message());
                 Err(status)
             }

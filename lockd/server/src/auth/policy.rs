@@ -371,16 +371,56 @@ operations = ["describe"]
     #[test]
     fn bad_policies_name_the_line_and_the_value() {
         let cases = [
-            ("[[grant]]\nidentities = [\"alice\"]\noperations = [\"status\"]\n", "line 2", "\"alice\""),
-            ("[[grant]]\nidentities = [\"cert:a\"]\noperations = [\"aquire\"]\nresources = [\"*\"]\n", "line 3", "\"aquire\""),
-            ("[[grant]]\nidentities = [\"cert:a\"]\noperations = [\"acquire\"]\n", "line 3", "resources"),
-            ("[[grant]]\nidentities = [\"cert:a\"]\noperations = [\"status\"]\nresources = [\"a/\"]\n", "line 4", "remove it"),
-            ("[[grant]]\nidentities = [\"cert:a\"]\nresources = [\"a/*\"]\noperations = [\"acquire\"]\n", "line 3", "\"a/*\""),
-            ("[[grant]]\nidentities = [\"cert:a\"]\noperations = [\"status\"]\nextra = 1\n", "line 4", "\"extra\""),
-            ("[[grant]]\nidentities = [\"node:2\"]\noperations = [\"status\"]\n", "line 2", "node:2"),
-            ("[[grant]]\nidentities = []\noperations = [\"status\"]\n", "line 2", "empty"),
-            ("[[grant]]\nidentities = \"cert:a\"\noperations = [\"status\"]\n", "line 2", "array"),
-            ("[[grant]]\noperations = [\"status\"]\n", "line 1", "identities"),
+            (
+                "[[grant]]\nidentities = [\"alice\"]\noperations = [\"status\"]\n",
+                "line 2",
+                "\"alice\"",
+            ),
+            (
+                "[[grant]]\nidentities = [\"cert:a\"]\noperations = [\"aquire\"]\nresources = [\"*\"]\n",
+                "line 3",
+                "\"aquire\"",
+            ),
+            (
+                "[[grant]]\nidentities = [\"cert:a\"]\noperations = [\"acquire\"]\n",
+                "line 3",
+                "resources",
+            ),
+            (
+                "[[grant]]\nidentities = [\"cert:a\"]\noperations = [\"status\"]\nresources = [\"a/\"]\n",
+                "line 4",
+                "remove it",
+            ),
+            (
+                "[[grant]]\nidentities = [\"cert:a\"]\nresources = [\"a/*\"]\noperations = [\"acquire\"]\n",
+                "line 3",
+                "\"a/*\"",
+            ),
+            (
+                "[[grant]]\nidentities = [\"cert:a\"]\noperations = [\"status\"]\nextra = 1\n",
+                "line 4",
+                "\"extra\"",
+            ),
+            (
+                "[[grant]]\nidentities = [\"node:2\"]\noperations = [\"status\"]\n",
+                "line 2",
+                "node:2",
+            ),
+            (
+                "[[grant]]\nidentities = []\noperations = [\"status\"]\n",
+                "line 2",
+                "empty",
+            ),
+            (
+                "[[grant]]\nidentities = \"cert:a\"\noperations = [\"status\"]\n",
+                "line 2",
+                "array",
+            ),
+            (
+                "[[grant]]\noperations = [\"status\"]\n",
+                "line 1",
+                "identities",
+            ),
             ("allow = 1\n", "line 1", "\"allow\""),
             ("", "", "no [[grant]]"),
             ("[[grant]\n", "", "not valid TOML"),
