@@ -143,6 +143,15 @@ impl Client {
         &self.inner.config
     }
 
+    /// `msg` as a request carrying the configured bearer token, if any.
+    pub fn authed<T>(&self, msg: T) -> tonic::Request<T> {
+        let mut req = tonic::Request::new(msg);
+        if let Some(token) = &self.inner.config.bearer_token {
+            req.metadata_mut().insert("authorization", token.header());
+        }
+        req
+    }
+
     /// The margin subtracted from the deadline of a lease with this ttl: the configured one or
     /// [`default_safety_margin`], never more than half the ttl (so a renewal is always due before
     /// the deadline).
@@ -184,7 +193,7 @@ impl Client {
         };
         let answered = self
             .call(&ctx, |channel| {
-                let request = request.clone();
+                let request = self.authed(request.clone());
                 async move { LockClient::new(channel).acquire(request).await }
             })
             .await
@@ -293,7 +302,7 @@ impl Client {
         };
         let answered = self
             .call(&ctx, |channel| {
-                let request = request.clone();
+                let request = self.authed(request.clone());
                 async move { LockClient::new(channel).renew(request).await }
             })
             .await
@@ -323,7 +332,7 @@ impl Client {
         };
         let answered = self
             .call(&ctx, |channel| {
-                let request = request.clone();
+                let request = self.authed(request.clone());
                 async move { LockClient::new(channel).release(request).await }
             })
             .await
@@ -345,7 +354,7 @@ impl Client {
             attempt_timeout: self.inner.config.attempt_timeout,
         };
         self.call(&ctx, |channel| {
-            let request = request.clone();
+            let request = self.authed(request.clone());
             async move { LockClient::new(channel).describe(request).await }
         })
         .await
@@ -362,8 +371,9 @@ impl Client {
             deadline: Instant::now() + self.inner.config.call_timeout,
             attempt_timeout: self.inner.config.attempt_timeout,
         };
-        self.call(&ctx, |channel| async move {
-            ClusterClient::new(channel).status(StatusRequest {}).await
+        self.call(&ctx, |channel| {
+            let request = self.authed(StatusRequest {});
+            async move { ClusterClient::new(channel).status(request).await }
         })
         .await
         .map(|a| a.value)

@@ -52,6 +52,49 @@ pub struct ClientConfig {
     pub holder: String,
     /// TLS towards the nodes; `None` speaks plaintext gRPC.
     pub tls: Option<ClientTls>,
+    /// Sent as `authorization: Bearer <secret>` on every call, for clusters with an
+    /// authorization policy that identify this client by token (lockd `--auth-tokens`).
+    pub bearer_token: Option<BearerToken>,
+}
+
+/// A bearer token's secret. Never printed.
+#[derive(Clone)]
+pub struct BearerToken(String);
+
+impl std::fmt::Debug for BearerToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("BearerToken(<secret>)")
+    }
+}
+
+impl BearerToken {
+    /// A token from its secret; it must be visible ASCII without spaces (it travels in a header).
+    pub fn new(secret: impl Into<String>) -> Result<Self, crate::Error> {
+        let secret = secret.into();
+        if secret.is_empty() || !secret.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(crate::Error::BadToken {
+                reason: "a bearer token must be printable ASCII without spaces".to_owned(),
+            });
+        }
+        Ok(BearerToken(secret))
+    }
+
+    /// The token in `path` (surrounding white space, such as a final newline, is ignored).
+    pub fn from_file(path: &std::path::Path) -> Result<Self, crate::Error> {
+        let text = std::fs::read_to_string(path).map_err(|e| crate::Error::BadToken {
+            reason: format!("{}: {e}", path.display()),
+        })?;
+        Self::new(text.trim()).map_err(|e| crate::Error::BadToken {
+            reason: format!("{}: {e}", path.display()),
+        })
+    }
+
+    /// The `authorization` header value.
+    pub(crate) fn header(&self) -> tonic::metadata::MetadataValue<tonic::metadata::Ascii> {
+        format!("Bearer {}", self.0)
+            .parse()
+            .expect("checked to be visible ASCII")
+    }
 }
 
 /// TLS towards lockd: the CA that issued the nodes' certificates and, for a client-certificate
@@ -119,6 +162,7 @@ impl ClientConfig {
             safety_margin: None,
             holder: default_holder(),
             tls: None,
+            bearer_token: None,
         }
     }
 }

@@ -7,6 +7,8 @@
 //! | `RESOURCE_EXHAUSTED` | [`Error::LimitReached`] | same | same |
 //! | `INVALID_ARGUMENT` | [`Error::InvalidArgument`] | same | same |
 //! | `NOT_FOUND` | [`Error::NotFound`] | [`Error::NotFound`] | [`Error::NotFound`] |
+//! | `PERMISSION_DENIED` | [`Error::PermissionDenied`] | same | same |
+//! | `UNAUTHENTICATED` | [`Error::Unauthenticated`] | same | same |
 //! | `UNAVAILABLE`, transport error, no answer | retried, then [`Error::OutcomeUnknown`] | same | same (reads: [`Error::Unavailable`]) |
 //! | connection refused on every attempt | [`Error::Unavailable`] | same | same |
 //! | anything else | [`Error::Protocol`] | same | same |
@@ -140,6 +142,20 @@ pub enum Error {
     #[error("TLS: {reason}")]
     BadTls { reason: String },
 
+    /// `PERMISSION_DENIED`: the cluster's authorization policy does not let this client's
+    /// identity do this. Not done.
+    #[error("{op}: {message}")]
+    PermissionDenied { op: Op, message: String },
+
+    /// `UNAUTHENTICATED`: the cluster did not accept this client's credentials (a bearer token
+    /// it does not know, a certificate it does not trust). Not done.
+    #[error("{op}: {message}")]
+    Unauthenticated { op: Op, message: String },
+
+    /// A bearer token that cannot be used (a file that cannot be read, an empty token).
+    #[error("bearer token: {reason}")]
+    BadToken { reason: String },
+
     /// A status the contract does not give for this RPC (e.g. `INTERNAL`, `UNIMPLEMENTED`).
     #[error("{op}: unexpected reply {code:?} from lockd: {message}")]
     Protocol {
@@ -230,6 +246,8 @@ pub(crate) fn from_final_status(
         },
         Code::ResourceExhausted => Error::LimitReached { resource, message },
         Code::InvalidArgument => Error::InvalidArgument { message },
+        Code::PermissionDenied => Error::PermissionDenied { op, message },
+        Code::Unauthenticated => Error::Unauthenticated { op, message },
         Code::NotFound => Error::NotFound {
             resource,
             lease: lease.map(crate::lease::abbreviate).unwrap_or_default(),

@@ -47,7 +47,7 @@ pub mod request_id;
 pub mod retry;
 
 pub use client::{AcquireOptions, Client, Renewed};
-pub use config::{ClientConfig, ClientTls};
+pub use config::{BearerToken, ClientConfig, ClientTls};
 pub use error::{Error, Op, Outcome};
 pub use guard::{LeaseGuard, LossReason, LostSignal};
 pub use lease::{Lease, LeaseId, default_safety_margin};

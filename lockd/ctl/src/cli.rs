@@ -13,7 +13,8 @@ pub const DEFAULT_ENDPOINTS: &str = "127.0.0.1:7001,127.0.0.1:7002,127.0.0.1:700
 
 /// Command-line client of lockd. Exit codes: 0 ok, 1 internal, 2 usage, 3 held, 4 wait timed out,
 /// 5 lease not current, 6 waiter limit, 7 invalid argument, 8 outcome unknown, 9 unavailable,
-/// 10 hold: lease lost; hold otherwise exits with COMMAND's status.
+/// 10 hold: lease lost, 11 permission denied, 12 not authenticated; hold otherwise exits with
+/// COMMAND's status.
 #[derive(Parser, Debug)]
 #[command(name = "lockctl", version, about, long_about = None)]
 pub struct Cli {
@@ -32,6 +33,11 @@ pub struct Cli {
     /// Private key (PEM) of --cert.
     #[arg(long, global = true, env = "LOCKCTL_KEY", requires = "cert")]
     pub key: Option<std::path::PathBuf>,
+
+    /// File holding a bearer token, sent as `authorization: Bearer <token>` on every call, for
+    /// clusters that identify clients by token (lockd --auth-tokens).
+    #[arg(long, global = true, env = "LOCKCTL_AUTH_TOKEN_FILE")]
+    pub auth_token_file: Option<std::path::PathBuf>,
 
     /// Print one JSON object instead of text.
     #[arg(long, global = true)]

@@ -3,7 +3,9 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use lockd_client::{AcquireOptions, Client, ClientConfig, ClientTls, LeaseId, RequestId};
+use lockd_client::{
+    AcquireOptions, BearerToken, Client, ClientConfig, ClientTls, LeaseId, RequestId,
+};
 use lockd_fence::sequencer::encode_text;
 use serde_json::json;
 
@@ -21,6 +23,9 @@ pub async fn run(cli: Cli) -> Result<u8, Failure> {
             cli.cert.as_deref(),
             cli.key.as_deref(),
         )?);
+    }
+    if let Some(path) = &cli.auth_token_file {
+        config.bearer_token = Some(BearerToken::from_file(path)?);
     }
     let client = Client::with_config(config)?;
     let json = cli.json;
@@ -133,7 +138,7 @@ pub async fn run(cli: Cli) -> Result<u8, Failure> {
         }
         Command::Status => {
             let s = client.status().await?;
-            let nodes = node_statuses(&s.members, client.config().tls.as_ref()).await;
+            let nodes = node_statuses(&s.members, &client).await;
             let members: Vec<_> = s
                 .members
                 .iter()
@@ -241,10 +246,8 @@ const NODE_STATUS_TIMEOUT: Duration = Duration::from_secs(2);
 type NodeStatus = (u64, String, Result<lockd_api::v1::StatusResponse, String>);
 
 /// Asks every member for its own view (role, term, indexes, lag), in parallel.
-async fn node_statuses(
-    members: &[lockd_api::v1::Member],
-    tls: Option<&ClientTls>,
-) -> Vec<NodeStatus> {
+async fn node_statuses(members: &[lockd_api::v1::Member], client: &Client) -> Vec<NodeStatus> {
+    let tls = client.config().tls.as_ref();
     let asks = members.iter().map(|m| async move {
         let result = async {
             let scheme = if tls.is_some() { "https" } else { "http" };
@@ -266,7 +269,7 @@ async fn node_statuses(
                 .connect()
                 .await
                 .map_err(|e| format!("unreachable: {e}"))?;
-            let mut req = tonic::Request::new(lockd_api::v1::StatusRequest {});
+            let mut req = client.authed(lockd_api::v1::StatusRequest {});
             req.set_timeout(NODE_STATUS_TIMEOUT);
             lockd_api::v1::cluster_client::ClusterClient::new(channel)
                 .status(req)

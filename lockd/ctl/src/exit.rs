@@ -24,6 +24,10 @@ pub const OUTCOME_UNKNOWN: u8 = 8;
 pub const UNAVAILABLE: u8 = 9;
 /// `hold`: the lease was lost or became uncertain, and COMMAND was stopped.
 pub const LEASE_LOST: u8 = 10;
+/// The cluster's authorization policy refused the call (`PERMISSION_DENIED`).
+pub const PERMISSION_DENIED: u8 = 11;
+/// The cluster did not accept the credentials (`UNAUTHENTICATED`: token or certificate).
+pub const UNAUTHENTICATED: u8 = 12;
 /// `hold`: COMMAND exists but could not be executed (shell convention).
 pub const CANNOT_EXECUTE: u8 = 126;
 /// `hold`: COMMAND was not found (shell convention).
@@ -75,6 +79,9 @@ impl From<Error> for Failure {
             Error::Unavailable { .. } => (UNAVAILABLE, "unavailable"),
             Error::BadEndpoint { .. } => (USAGE, "bad_endpoint"),
             Error::BadTls { .. } => (USAGE, "bad_tls"),
+            Error::BadToken { .. } => (USAGE, "bad_token"),
+            Error::PermissionDenied { .. } => (PERMISSION_DENIED, "permission_denied"),
+            Error::Unauthenticated { .. } => (UNAUTHENTICATED, "unauthenticated"),
             _ => (INTERNAL, "protocol"),
         };
         Failure::new(code, kind, e.to_string())
@@ -109,6 +116,8 @@ mod tests {
             OUTCOME_UNKNOWN,
             UNAVAILABLE,
             LEASE_LOST,
+            PERMISSION_DENIED,
+            UNAUTHENTICATED,
             CANNOT_EXECUTE,
             COMMAND_NOT_FOUND,
         ];

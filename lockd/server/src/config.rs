@@ -143,6 +143,8 @@ pub struct NodeConfig {
     pub cluster_id: String,
     /// Certificates; `None` runs without TLS (replication unauthenticated).
     pub tls: Option<crate::tls::TlsFiles>,
+    /// `--auth-policy` and `--auth-tokens`; `None` runs open (see `crate::auth`).
+    pub auth: Option<crate::auth::AuthFiles>,
 }
 
 impl NodeConfig {
@@ -194,6 +196,7 @@ impl NodeConfig {
             tuning,
             cluster_id: crate::tls::DEFAULT_CLUSTER_ID.to_owned(),
             tls: None,
+            auth: None,
         })
     }
 
@@ -247,6 +250,34 @@ impl NodeConfig {
                     missing.join(", ")
                 ));
             }
+        };
+        Ok(self)
+    }
+
+    /// Sets `--auth-policy` and `--auth-tokens` (after [`NodeConfig::with_security`]). A policy
+    /// needs TLS: identities forwarded between nodes are trusted only from authenticated nodes,
+    /// and tokens must not cross the network in clear.
+    pub fn with_auth(
+        mut self,
+        policy: Option<PathBuf>,
+        tokens: Option<PathBuf>,
+    ) -> Result<Self, String> {
+        self.auth = match (policy, tokens) {
+            (None, None) => None,
+            (None, Some(t)) => {
+                return Err(format!(
+                    "--auth-tokens {} needs --auth-policy: without a policy nobody is identified",
+                    t.display()
+                ));
+            }
+            (Some(p), _) if self.tls.is_none() => {
+                return Err(format!(
+                    "--auth-policy {} needs TLS (--tls-cert, --tls-key and --peer-ca): \
+                     identities forwarded between nodes are trusted only from authenticated nodes",
+                    p.display()
+                ));
+            }
+            (Some(policy), tokens) => Some(crate::auth::AuthFiles { policy, tokens }),
         };
         Ok(self)
     }

@@ -5,6 +5,7 @@
 //! not define the wire format (that is `lockd-api`).
 //!
 //! # Layout
+//! - [`auth`]: who calls (certificate, token, forwarding node) and what the policy lets them do.
 //! - [`config`]: flags and tuning of a node.
 //! - [`node`]: wiring of one node and its background tasks (reaper, leadership watcher).
 //! - [`raft`]: openraft type configuration and the peer network.
@@ -17,6 +18,7 @@
 //! - [`clock`]: the leader's stamp clock.
 //! - [`dev`]: `lockd dev`, three nodes in one process.
 
+pub mod auth;
 pub mod clock;
 pub mod config;
 pub mod dev;

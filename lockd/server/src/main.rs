@@ -54,6 +54,14 @@ struct Cli {
     /// replication messages. Only for a network you trust.
     #[arg(long, env = "LOCKD_INSECURE_PLAINTEXT")]
     insecure_plaintext: bool,
+    /// Authorization policy (TOML): which identities may do which operations on which resource
+    /// prefixes. Needs TLS. Without it every caller may do everything.
+    #[arg(long, env = "LOCKD_AUTH_POLICY")]
+    auth_policy: Option<PathBuf>,
+    /// Bearer tokens: one `NAME SHA256-HEX-OF-SECRET` per line (`#` comments); a caller sending
+    /// `authorization: Bearer <secret>` is `token:NAME`. Needs --auth-policy.
+    #[arg(long, env = "LOCKD_AUTH_TOKENS")]
+    auth_tokens: Option<PathBuf>,
     #[command(flatten)]
     tuning: Tuning,
 }
@@ -162,6 +170,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     cli.insecure_plaintext,
                 )
             })
+            .and_then(|c| c.with_auth(cli.auth_policy, cli.auth_tokens))
             .map_err(|e| anyhow::anyhow!(e))?;
             lockd_server::init_tracing(config.tuning.log_format, "info,openraft=warn");
             let node = lockd_server::node::start(config, shutdown).await?;

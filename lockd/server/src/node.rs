@@ -12,6 +12,7 @@ use lockd_api::v1::lock_server::LockServer;
 use lockd_core::{Command, Event, EventKind, ResourceName};
 use openraft::{BasicNode, ServerState};
 use tokio_util::sync::CancellationToken;
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 
 use crate::clock::Clock;
@@ -58,6 +59,8 @@ pub struct NodeCtx {
     pub signer: crate::signing::Signer,
     /// Cluster-service channels to the other nodes, for forwarding admin calls to the leader.
     pub cluster_peers: BTreeMap<NodeId, (String, ClusterClient<Channel>)>,
+    /// Who calls and what they may do (`--auth-policy`).
+    pub auth: Arc<crate::auth::Auth>,
 }
 
 impl NodeCtx {
@@ -236,11 +239,15 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
     let metrics = Arc::new(NodeMetrics::new());
     tokio::spawn(metrics.clone().upkeep(shutdown.clone()));
     let audit = match &config.audit {
-        Some(target) => Some(AuditLog::open(
-            target.clone(),
-            config.id,
-            AuditKey::load(config.tuning.audit_key_file.as_deref(), &config.data_dir)?,
-        )?),
+        Some(target) => Some(
+            AuditLog::open(
+                target.clone(),
+                config.id,
+                AuditKey::load(config.tuning.audit_key_file.as_deref(), &config.data_dir)?,
+            )?
+            // With a policy every proposed request id carries its caller's identity.
+            .naming_identities(config.auth.is_some()),
+        ),
         None => None,
     };
     let hub = Arc::new(Hub {
@@ -267,6 +274,13 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
             None
         }
     };
+    let auth = crate::auth::Auth::load(
+        config.auth.as_ref(),
+        tls.clone(),
+        config.id,
+        config.peers.keys().copied(),
+        metrics.clone(),
+    )?;
     let dial = PeerDial::new(source_ip(&config), tls.clone(), &config.cluster_id)?;
     let raft_log = log_store.clone();
     // A rejoining node starts with elections off; VoteGate::rejoin turns them on (rule 2).
@@ -329,6 +343,7 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
         is_leader: tokio::sync::watch::Sender::new(false),
         signer: Default::default(),
         cluster_peers,
+        auth: auth.clone(),
     });
 
     let listener = tokio::net::TcpListener::bind(config.listen)
@@ -379,11 +394,21 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
         // Bounds what one connection can make this node hold at once.
         .max_concurrent_streams(STREAMS_PER_CONNECTION_MAX)
         .add_service(health_service)
-        .add_service(
-            LockServer::new(LockService::new(ctx.clone()))
-                .max_decoding_message_size(CLIENT_MESSAGE_MAX_BYTES),
-        )
-        .add_service(ClusterServer::new(ClusterService::new(ctx.clone())))
+        .add_service({
+            let auth = auth.clone();
+            InterceptedService::new(
+                LockServer::new(LockService::new(ctx.clone()))
+                    .max_decoding_message_size(CLIENT_MESSAGE_MAX_BYTES),
+                move |req| auth.intercept(req),
+            )
+        })
+        .add_service({
+            let auth = auth.clone();
+            InterceptedService::new(
+                ClusterServer::new(ClusterService::new(ctx.clone())),
+                move |req| auth.intercept(req),
+            )
+        })
         .add_service(RaftService::server(
             raft.clone(),
             refuse_votes_until,

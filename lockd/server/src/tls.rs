@@ -72,6 +72,8 @@ pub struct NodeTls {
     client: Arc<rustls::ClientConfig>,
     /// The peer CA as a webpki trust anchor, for the check of every Raft caller.
     peer_anchors: Vec<rustls_pki_types::TrustAnchor<'static>>,
+    /// `--tls-client-ca` as trust anchors, for client identities (`auth`); empty without it.
+    client_anchors: Vec<rustls_pki_types::TrustAnchor<'static>>,
 }
 
 fn read(path: &Path, flag: &str) -> anyhow::Result<Vec<u8>> {
@@ -131,6 +133,14 @@ impl NodeTls {
                     .map_err(|e| anyhow::anyhow!("{peer_what}: not a CA certificate: {e}"))
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
+        let client_anchors = client_ca
+            .iter()
+            .map(|c| {
+                webpki::anchor_from_trusted_cert(c)
+                    .map(|a| a.to_owned())
+                    .map_err(|e| anyhow::anyhow!("--tls-client-ca: not a CA certificate: {e}"))
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
 
         // A client CA that is also the peer CA would let every client certificate stand next to
         // the node certificates; the two roles need two CAs.
@@ -177,6 +187,7 @@ impl NodeTls {
             metrics: Arc::new(metrics),
             client: Arc::new(client),
             peer_anchors,
+            client_anchors,
         };
         tls.verify_own(&own, id)
             .map_err(|e| anyhow::anyhow!("{cert_what}: its own peers would refuse it: {e}"))?;
@@ -185,6 +196,11 @@ impl NodeTls {
 
     pub fn cluster_id(&self) -> &str {
         &self.cluster_id
+    }
+
+    /// `--tls-client-ca` as trust anchors (empty without it).
+    pub fn client_anchors(&self) -> &[rustls_pki_types::TrustAnchor<'static>] {
+        &self.client_anchors
     }
 
     /// The gRPC port's TLS configuration.

@@ -45,6 +45,9 @@ struct Line<'a> {
     fencing_token: u64,
     holder: &'a str,
     request_digest: String,
+    /// The caller whose Acquire made the lease or waiter (with `--auth-policy` only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    identity: Option<&'a str>,
 }
 
 enum Msg {
@@ -171,6 +174,10 @@ pub struct AuditLog {
     key: AuditKey,
     /// Highest log index already written (from the file at start, then from apply).
     written_up_to: std::sync::atomic::AtomicU64,
+    /// Whether request ids carry the caller's identity (`--auth-policy`; see
+    /// `crate::auth::Auth::scope_request_id`). Off in open mode, where a client's own id could
+    /// be made to look scoped.
+    identities: bool,
 }
 
 impl AuditLog {
@@ -192,7 +199,14 @@ impl AuditLog {
             node,
             key,
             written_up_to: std::sync::atomic::AtomicU64::new(last),
+            identities: false,
         })
+    }
+
+    /// Names the identity on every line, taken from the scoped request id.
+    pub fn naming_identities(mut self, on: bool) -> Self {
+        self.identities = on;
+        self
     }
 
     /// Records the events of one applied entry, unless the file already has that entry.
@@ -218,6 +232,11 @@ impl AuditLog {
                 EventKind::Cancelled { .. } => ("wait", "cancelled"),
                 EventKind::TimedOut { .. } => ("wait", "timed_out"),
             };
+            let (identity, request_id) = if self.identities {
+                crate::auth::split_request_id(&e.request_id)
+            } else {
+                (None, e.request_id.as_str())
+            };
             let line = Line {
                 time: time.clone(),
                 unix_ms,
@@ -228,7 +247,8 @@ impl AuditLog {
                 resource: e.resource.as_str(),
                 fencing_token: e.fencing_token.0,
                 holder: &e.holder,
-                request_digest: self.key.digest(&e.request_id),
+                request_digest: self.key.digest(request_id),
+                identity,
             };
             let text = serde_json::to_string(&line).expect("audit line serialises");
             let _ = self.tx.send(Msg::Line(text));

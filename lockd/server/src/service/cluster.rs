@@ -263,8 +263,11 @@ impl Cluster for ClusterService {
 
     async fn status(
         &self,
-        _req: Request<StatusRequest>,
+        req: Request<StatusRequest>,
     ) -> Result<Response<StatusResponse>, Status> {
+        self.ctx
+            .auth
+            .authorize(&req, crate::auth::Operation::Status, None)?;
         let m = self.ctx.raft.metrics().borrow().clone();
         // Only O(1) counters under the state lock; the hot lists come from their own tracker,
         // O(k), so Status never scans the table or holds a lock that apply waits for.

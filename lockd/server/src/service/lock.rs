@@ -8,7 +8,6 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use lockd_api::FORWARDED_HEADER;
 use lockd_api::v1::lock_client::LockClient;
 use lockd_api::v1::lock_server::Lock;
 use lockd_api::v1::{
@@ -22,6 +21,7 @@ use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
 use super::errors;
+use crate::auth::{self, Caller, Operation, Resourced};
 use crate::node::NodeCtx;
 use crate::observe::metrics::Op;
 use crate::raft::NodeId;
@@ -61,12 +61,11 @@ enum Route {
 impl LockService {
     /// Finds the leader, waiting up to [`LEADER_WAIT`] for one to be elected. A call that was
     /// already forwarded is never forwarded again.
-    async fn route<T>(
+    async fn route(
         &self,
-        req: &Request<T>,
+        forwarded: bool,
         call_deadline: tokio::time::Instant,
     ) -> Result<Route, Status> {
-        let forwarded = req.metadata().contains_key(FORWARDED_HEADER);
         let deadline = (tokio::time::Instant::now() + LEADER_WAIT).min(call_deadline);
         let mut rx = self.ctx.raft.metrics();
         loop {
@@ -107,16 +106,10 @@ impl LockService {
         (addr.clone(), client.clone())
     }
 
-    fn forward_request<T>(&self, msg: T, timeout: Duration) -> Request<T> {
+    /// The call as forwarded to the leader: marked with this node and the caller it acts for.
+    fn forward_request<T>(&self, msg: T, timeout: Duration, caller: &Caller) -> Request<T> {
         let mut req = Request::new(msg);
-        req.metadata_mut().insert(
-            FORWARDED_HEADER,
-            self.ctx
-                .id
-                .to_string()
-                .parse()
-                .expect("digits are valid metadata"),
-        );
+        self.ctx.auth.mark_forwarded(self.ctx.id, caller, &mut req);
         req.set_timeout(timeout);
         req
     }
@@ -153,9 +146,24 @@ impl LockService {
 
     // ---- Acquire ----
 
-    async fn acquire_local(&self, req: AcquireRequest) -> Result<AcquireResponse, Status> {
-        let resource = validate::resource(&req.resource).map_err(errors::invalid)?;
+    /// Acquire on the leader, with the request id scoped to the caller (see
+    /// [`auth::Auth::scope_request_id`]); messages name the client's own id.
+    async fn acquire_local(
+        &self,
+        mut req: AcquireRequest,
+        caller: Caller,
+    ) -> Result<AcquireResponse, Status> {
         validate::request_id(&req.request_id).map_err(errors::invalid)?;
+        let original = std::mem::take(&mut req.request_id);
+        req.request_id = self.ctx.auth.scope_request_id(&caller, &original);
+        let scoped = req.request_id.clone();
+        self.acquire_scoped(req)
+            .await
+            .map_err(|s| auth::unscope_status(s, &scoped, &original))
+    }
+
+    async fn acquire_scoped(&self, req: AcquireRequest) -> Result<AcquireResponse, Status> {
+        let resource = validate::resource(&req.resource).map_err(errors::invalid)?;
         let ttl = validate::lease_ttl_ms(req.lease_ttl_ms).map_err(errors::invalid)?;
         let wait = validate::wait_timeout_ms(req.wait_timeout_ms).map_err(errors::invalid)?;
         validate::holder(&req.holder).map_err(errors::invalid)?;
@@ -313,6 +321,16 @@ impl LockService {
     }
 }
 
+/// The operation the authorization policy knows `op` as.
+fn operation(op: Op) -> Operation {
+    match op {
+        Op::Acquire => Operation::Acquire,
+        Op::Renew => Operation::Renew,
+        Op::Release => Operation::Release,
+        Op::Describe => Operation::Describe,
+    }
+}
+
 /// What is left of the call's budget for a forward, if enough to start one.
 fn forward_timeout(deadline: tokio::time::Instant) -> Option<Duration> {
     Some(deadline.saturating_duration_since(tokio::time::Instant::now()))
@@ -409,24 +427,31 @@ impl LockService {
 
     /// The shape every Lock call shares: serve locally on the leader or forward once to it, all
     /// within `budget` from arrival, then count the answer once, on the node the client called.
+    /// The caller is authorized first, on this node (refusals are counted in
+    /// `lockd_auth_denied_total`, not as requests); a forwarded call again on the leader.
     async fn serve<Req, Resp, LocalFut, FwdFut>(
         &self,
         op: Op,
         req: Request<Req>,
         budget: Duration,
-        local: impl FnOnce(Req) -> LocalFut,
+        local: impl FnOnce(Req, Caller) -> LocalFut,
         forward: impl FnOnce(LockClient<Channel>, Request<Req>) -> FwdFut,
     ) -> Result<Response<Resp>, Status>
     where
+        Req: Resourced,
         LocalFut: Future<Output = Result<Resp, Status>>,
         FwdFut: Future<Output = Result<Response<Resp>, Status>>,
     {
         let started = Instant::now();
-        let forwarded = req.metadata().contains_key(FORWARDED_HEADER);
+        let caller =
+            self.ctx
+                .auth
+                .authorize(&req, operation(op), Some(req.get_ref().resource()))?;
+        let forwarded = caller.forwarded;
         let deadline = tokio::time::Instant::now() + budget;
-        let result = match self.route(&req, deadline).await {
+        let result = match self.route(forwarded, deadline).await {
             Ok(Route::Local) => {
-                match tokio::time::timeout_at(deadline, local(req.into_inner())).await {
+                match tokio::time::timeout_at(deadline, local(req.into_inner(), caller)).await {
                     Ok(r) => r,
                     Err(_) => Err(errors::unavailable(format!(
                         "node {} found no answer within {} ms; outcome unknown, retry with the same request_id",
@@ -438,7 +463,7 @@ impl LockService {
             Ok(Route::Forward(leader)) => match forward_timeout(deadline) {
                 Some(timeout) => {
                     let (addr, client) = self.peer(leader);
-                    let fwd = self.forward_request(req.into_inner(), timeout);
+                    let fwd = self.forward_request(req.into_inner(), timeout, &caller);
                     forward(client, fwd)
                         .await
                         .map(Response::into_inner)
@@ -473,7 +498,7 @@ impl Lock for LockService {
             Op::Acquire,
             req,
             CALL_BUDGET + wait + WAIT_BACKSTOP,
-            |r| self.acquire_local(r),
+            |r, c| self.acquire_local(r, c),
             |mut c, r| async move { c.acquire(r).await },
         )
         .await
@@ -484,7 +509,7 @@ impl Lock for LockService {
             Op::Renew,
             req,
             CALL_BUDGET,
-            |r| self.renew_local(r),
+            |r, _| self.renew_local(r),
             |mut c, r| async move { c.renew(r).await },
         )
         .await
@@ -498,7 +523,7 @@ impl Lock for LockService {
             Op::Release,
             req,
             CALL_BUDGET,
-            |r| self.release_local(r),
+            |r, _| self.release_local(r),
             |mut c, r| async move { c.release(r).await },
         )
         .await
@@ -512,7 +537,7 @@ impl Lock for LockService {
             Op::Describe,
             req,
             CALL_BUDGET,
-            |r| self.describe_local(r),
+            |r, _| self.describe_local(r),
             |mut c, r| async move { c.describe(r).await },
         )
         .await
