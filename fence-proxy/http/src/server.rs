@@ -56,6 +56,8 @@ impl Default for Limits {
 /// Opens the store, binds `--listen`, and serves until `shutdown` is cancelled.
 pub async fn run(args: Args, shutdown: CancellationToken) -> anyhow::Result<()> {
     crate::metrics::describe();
+    let verification =
+        crate::Verification::from_flags(&args.verify_key, args.allow_unsigned, "http")?;
     let store = args
         .store
         .open(&args.store_options())
@@ -73,6 +75,7 @@ pub async fn run(args: Args, shutdown: CancellationToken) -> anyhow::Result<()> 
     let config = ProxyConfig {
         upstream: args.upstream,
         upstream_timeout: args.upstream_timeout,
+        verification: verification.map(Arc::new),
     };
     serve_with_limits(listener, store, config, limits, shutdown).await
 }

@@ -19,4 +19,7 @@ pub struct Config {
     pub connect_timeout: Duration,
     /// Bound on a client's startup and authentication.
     pub startup_timeout: Duration,
+    /// With `--verify-key`: the keys, `--allow-unsigned` and the proof key shared with the
+    /// guard. `None`: plain tokens, not authenticated.
+    pub verification: Option<crate::verify::Verification>,
 }
