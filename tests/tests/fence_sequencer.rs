@@ -53,13 +53,20 @@ fn bad_sequencers(ours: &SigningKey, resource: &str) -> Vec<(&'static str, Strin
         ),
         ("unknown key", seq(&foreign, resource, POISON)),
         ("not base64", "!!!not-base64!!!".to_owned()),
-        ("base64 of garbage", encode_text(b"LKS1 definitely not a sequencer")),
+        (
+            "base64 of garbage",
+            encode_text(b"LKS1 definitely not a sequencer"),
+        ),
     ]
 }
 
 // ----- HTTP --------------------------------------------------------------------------------------
 
-async fn recorded_http(direct: &tokio_postgres::Client, table: &str, resource: &str) -> Option<i64> {
+async fn recorded_http(
+    direct: &tokio_postgres::Client,
+    table: &str,
+    resource: &str,
+) -> Option<i64> {
     direct
         .query_opt(
             &format!("SELECT token FROM {table} WHERE resource = $1"),
@@ -84,7 +91,10 @@ fn assert_refused(reply: &Reply, status: u16, reason: &str, what: &str) {
     let json = reply.json();
     assert_eq!(json["error"], reason, "{what}: {reply:?}");
     assert!(
-        json["message"].as_str().unwrap_or("").starts_with("fence-proxy: "),
+        json["message"]
+            .as_str()
+            .unwrap_or("")
+            .starts_with("fence-proxy: "),
         "{what}: {reply:?}"
     );
 }
@@ -104,7 +114,14 @@ async fn http_verifies_sequencers_offline() {
     let proxy = FenceProxy::start(
         &upstream.url(),
         &pg::direct_url(),
-        &["--store-table", &table, "--verify-key", &p1s, "--verify-key", &p2s],
+        &[
+            "--store-table",
+            &table,
+            "--verify-key",
+            &p1s,
+            "--verify-key",
+            &p2s,
+        ],
     )
     .await
     .unwrap();
@@ -117,7 +134,10 @@ async fn http_verifies_sequencers_offline() {
     let reply = put_signed(
         &proxy,
         &r,
-        &[("Lock-Sequencer", &seq(&k1, &r, 10)), ("Fencing-Token", "10")],
+        &[
+            ("Lock-Sequencer", &seq(&k1, &r, 10)),
+            ("Fencing-Token", "10"),
+        ],
     )
     .await;
     assert_eq!(reply.status, 200, "{reply:?}");
@@ -139,31 +159,54 @@ async fn http_verifies_sequencers_offline() {
         ],
     )
     .await;
-    assert_refused(&reply, 403, "bad-sequencer", "token disagreeing with the sequencer");
+    assert_refused(
+        &reply,
+        403,
+        "bad-sequencer",
+        "token disagreeing with the sequencer",
+    );
     // Plain tokens, the poisoning one included: 403 sequencer-required.
     for token in ["11", &POISON.to_string()] {
         let reply = put_signed(&proxy, &r, &[("Fencing-Token", token)]).await;
         assert_refused(&reply, 403, "sequencer-required", token);
-        assert!(reply.json()["message"].as_str().unwrap().contains(&r), "{reply:?}");
+        assert!(
+            reply.json()["message"].as_str().unwrap().contains(&r),
+            "{reply:?}"
+        );
     }
     // No fence at all is still 428.
     let reply = put_signed(&proxy, &r, &[]).await;
     assert_refused(&reply, 428, "fence-required", "no fence");
     assert_eq!(recorded_http(&direct, &table, &r).await, Some(10));
-    assert_eq!(upstream.writes().len(), writes, "a refused write was forwarded");
+    assert_eq!(
+        upstream.writes().len(),
+        writes,
+        "a refused write was forwarded"
+    );
 
     // Key rotation: sequencers of the second key verify too; the order of tokens still holds.
     let reply = put_signed(&proxy, &r, &[("Lock-Sequencer", &seq(&k2, &r, 12))]).await;
     assert_eq!(reply.status, 200, "{reply:?}");
     assert_eq!(recorded_http(&direct, &table, &r).await, Some(12));
     let reply = put_signed(&proxy, &r, &[("Lock-Sequencer", &seq(&k1, &r, 11))]).await;
-    assert_refused(&reply, 412, "stale-fencing-token", "older verified sequencer");
+    assert_refused(
+        &reply,
+        412,
+        "stale-fencing-token",
+        "older verified sequencer",
+    );
 
     // --allow-unsigned (migration): plain tokens pass, forgeries are still refused.
     let migrating = FenceProxy::start(
         &upstream.url(),
         &pg::direct_url(),
-        &["--store-table", &table, "--verify-key", &p1s, "--allow-unsigned"],
+        &[
+            "--store-table",
+            &table,
+            "--verify-key",
+            &p1s,
+            "--allow-unsigned",
+        ],
     )
     .await
     .unwrap();
@@ -296,7 +339,12 @@ async fn ok(conn: &mut RawConn, sql: &str) {
 
 async fn refused(conn: &mut RawConn, sql: &str, code: &str, what: &str) -> String {
     let reply = conn.query(sql).await;
-    assert_eq!(reply.first_error(), code, "{what}: {sql}: {:?}", reply.errors);
+    assert_eq!(
+        reply.first_error(),
+        code,
+        "{what}: {sql}: {:?}",
+        reply.errors
+    );
     reply.errors[0].1.clone()
 }
 
@@ -314,11 +362,19 @@ async fn postgres_verifies_sequencers_offline() {
     let mut s = w.session(Some(&w.fence(&seq(&k1, &r, 10)))).await;
     ok(&mut s, &w.insert(10)).await;
     assert_eq!(w.recorded().await, Some(10));
-    ok(&mut s, &format!("SET lockd.fence = '{}'", w.fence(&seq(&k1, &r, 11)))).await;
+    ok(
+        &mut s,
+        &format!("SET lockd.fence = '{}'", w.fence(&seq(&k1, &r, 11))),
+    )
+    .await;
     ok(&mut s, &w.insert(11)).await;
     assert_eq!(w.recorded().await, Some(11));
     // Key rotation: the second key's sequencers verify too.
-    ok(&mut s, &format!("SET lockd.fence = '{}'", w.fence(&seq(&k2, &r, 12)))).await;
+    ok(
+        &mut s,
+        &format!("SET lockd.fence = '{}'", w.fence(&seq(&k2, &r, 12))),
+    )
+    .await;
     ok(&mut s, &w.insert(12)).await;
     assert_eq!(w.recorded().await, Some(12));
     let rows = w.rows().await;
@@ -327,18 +383,36 @@ async fn postgres_verifies_sequencers_offline() {
     // statement does not run, so the session keeps its verified fence and writes with it.
     let mut a = w.session(None).await;
     for (what, bad) in bad_sequencers(&k1, &r) {
-        let msg = refused(&mut a, &format!("SET lockd.fence = '{}'", w.fence(&bad)), "42501", what).await;
-        assert!(msg.contains(&r), "{what}: the message names the resource: {msg}");
+        let msg = refused(
+            &mut a,
+            &format!("SET lockd.fence = '{}'", w.fence(&bad)),
+            "42501",
+            what,
+        )
+        .await;
+        assert!(
+            msg.contains(&r),
+            "{what}: the message names the resource: {msg}"
+        );
         assert_eq!(w.recorded().await, Some(12), "{what}");
     }
     for token in ["13", &POISON.to_string()] {
-        let msg = refused(&mut a, &format!("SET lockd.fence = '{r}:{token}'"), "28000", token).await;
+        let msg = refused(
+            &mut a,
+            &format!("SET lockd.fence = '{r}:{token}'"),
+            "28000",
+            token,
+        )
+        .await;
         assert!(msg.contains(&r), "{msg}");
     }
     // In one query with a write: nothing of it runs.
     refused(
         &mut a,
-        &format!("SET lockd.fence = '{r}:{POISON}'; {}", w.insert(POISON as i64)),
+        &format!(
+            "SET lockd.fence = '{r}:{POISON}'; {}",
+            w.insert(POISON as i64)
+        ),
         "28000",
         "SET and INSERT in one query",
     )
@@ -366,17 +440,28 @@ async fn postgres_verifies_sequencers_offline() {
         (w.fence(&bad_sequencers(&k1, &r)[0].1), "42501"),
     ] {
         let mut b = w.session(None).await;
-        ok(&mut b, &format!("SELECT set_config('lockd.fence', '{value}', false)")).await;
+        ok(
+            &mut b,
+            &format!("SELECT set_config('lockd.fence', '{value}', false)"),
+        )
+        .await;
         refused(&mut b, &w.insert(POISON as i64), code, "set_config").await;
         // A session with a verified fence switches to the unverified value after the proxy's
         // guard ran, and calls the guard itself with a made-up proof: the MAC does not match.
         let mut c = w.session(Some(&w.fence(&seq(&k1, &r, 12)))).await;
         ok(&mut c, "BEGIN").await;
         ok(&mut c, &format!("SELECT count(*) FROM {}", w.tbl)).await;
-        ok(&mut c, &format!("SELECT set_config('lockd.fence', '{value}', false)")).await;
+        ok(
+            &mut c,
+            &format!("SELECT set_config('lockd.fence', '{value}', false)"),
+        )
+        .await;
         refused(
             &mut c,
-            &format!("SELECT {guard}(false, ARRAY['{POISON}:{}'])", "0".repeat(64)),
+            &format!(
+                "SELECT {guard}(false, ARRAY['{POISON}:{}'])",
+                "0".repeat(64)
+            ),
             code,
             "direct guard call with a forged proof",
         )
@@ -429,9 +514,20 @@ async fn postgres_refused_set_keeps_the_old_fence_and_aborts_the_block() {
 
     ok(&mut s, "BEGIN").await;
     ok(&mut s, &w.insert(20)).await;
-    refused(&mut s, &format!("SET lockd.fence = '{r}:{POISON}'"), "28000", "in a block").await;
+    refused(
+        &mut s,
+        &format!("SET lockd.fence = '{r}:{POISON}'"),
+        "28000",
+        "in a block",
+    )
+    .await;
     let reply = s.query(&w.insert(20)).await;
-    assert_eq!(reply.first_error(), "25P02", "the block is aborted: {:?}", reply.errors);
+    assert_eq!(
+        reply.first_error(),
+        "25P02",
+        "the block is aborted: {:?}",
+        reply.errors
+    );
     assert_eq!(reply.status, b'E');
     ok(&mut s, "COMMIT").await;
     assert_eq!(w.rows().await, 0, "the aborted block committed");
@@ -439,7 +535,13 @@ async fn postgres_refused_set_keeps_the_old_fence_and_aborts_the_block() {
 
     // Outside a block: the old fence stays and still writes.
     let bad = w.fence(&bad_sequencers(&k, &r)[1].1);
-    refused(&mut s, &format!("SET lockd.fence = '{bad}'"), "42501", "outside a block").await;
+    refused(
+        &mut s,
+        &format!("SET lockd.fence = '{bad}'"),
+        "42501",
+        "outside a block",
+    )
+    .await;
     let reply = s
         .query(&format!(
             "DO $$ BEGIN IF current_setting('lockd.fence') <> '{good}' THEN RAISE EXCEPTION 'fence changed'; END IF; END $$"
@@ -461,15 +563,35 @@ async fn postgres_allow_unsigned_lets_plain_tokens_through() {
     let mut s = w.session(Some(&format!("{r}:30"))).await;
     ok(&mut s, &w.insert(30)).await;
     assert_eq!(w.recorded().await, Some(30));
-    ok(&mut s, &format!("SET lockd.fence = '{}'", w.fence(&seq(&k, &r, 31)))).await;
+    ok(
+        &mut s,
+        &format!("SET lockd.fence = '{}'", w.fence(&seq(&k, &r, 31))),
+    )
+    .await;
     ok(&mut s, &w.insert(31)).await;
     assert_eq!(w.recorded().await, Some(31));
     // Forgeries are still refused, and a plain value the proxy never saw has no proof.
     for (what, bad) in bad_sequencers(&k, &r) {
-        refused(&mut s, &format!("SET lockd.fence = '{}'", w.fence(&bad)), "42501", what).await;
+        refused(
+            &mut s,
+            &format!("SET lockd.fence = '{}'", w.fence(&bad)),
+            "42501",
+            what,
+        )
+        .await;
     }
-    ok(&mut s, &format!("SELECT set_config('lockd.fence', '{r}:{POISON}', false)")).await;
-    refused(&mut s, &w.insert(1), "28000", "plain value set by set_config").await;
+    ok(
+        &mut s,
+        &format!("SELECT set_config('lockd.fence', '{r}:{POISON}', false)"),
+    )
+    .await;
+    refused(
+        &mut s,
+        &w.insert(1),
+        "28000",
+        "plain value set by set_config",
+    )
+    .await;
     assert_eq!(w.recorded().await, Some(31));
 }
 

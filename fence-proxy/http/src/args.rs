@@ -90,8 +90,12 @@ pub struct Args {
 
     /// Public key (PEM, as `lockctl keys export` writes it) that verifies `Lock-Sequencer`;
     /// repeatable (key rotation). With one, every write needs a sequencer that verifies.
-    #[arg(long = "verify-key", env = "FENCE_PROXY_VERIFY_KEY", value_name = "FILE",
-          value_delimiter = ',')]
+    #[arg(
+        long = "verify-key",
+        env = "FENCE_PROXY_VERIFY_KEY",
+        value_name = "FILE",
+        value_delimiter = ','
+    )]
     pub verify_key: Vec<std::path::PathBuf>,
 
     /// With --verify-key: still accept writes with a plain Fencing-Token and no sequencer

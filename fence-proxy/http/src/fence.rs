@@ -223,8 +223,14 @@ mod tests {
                 ("lock-sequencer", seq.as_str()),
                 ("fencing-token", "43"),
             ],
-            vec![("lock-resource", "orders/2"), ("lock-sequencer", seq.as_str())],
-            vec![("lock-resource", "orders/1"), ("lock-sequencer", "bm90IGEgc2VxdWVuY2Vy")],
+            vec![
+                ("lock-resource", "orders/2"),
+                ("lock-sequencer", seq.as_str()),
+            ],
+            vec![
+                ("lock-resource", "orders/1"),
+                ("lock-sequencer", "bm90IGEgc2VxdWVuY2Vy"),
+            ],
             vec![("lock-resource", "orders/1"), ("lock-sequencer", "!!")],
         ] {
             let r = read_fence(&headers(&bad), Some(&v)).unwrap_err();

@@ -126,12 +126,16 @@ impl Refusal {
                 resource, detail, ..
             } => format!(
                 "fence-proxy: Lock-Sequencer refused for {}: {detail}; not forwarded",
-                resource.as_deref().map_or_else(|| "?".to_owned(), |r| format!("{r:?}"))
+                resource
+                    .as_deref()
+                    .map_or_else(|| "?".to_owned(), |r| format!("{r:?}"))
             ),
             Refusal::SequencerRequired { resource, token } => format!(
                 "fence-proxy: plain fencing token{} for {} without a Lock-Sequencer: this proxy accepts only tokens signed by lockd (--verify-key without --allow-unsigned); not forwarded",
                 token.map(|t| format!(" {t}")).unwrap_or_default(),
-                resource.as_deref().map_or_else(|| "?".to_owned(), |r| format!("{r:?}"))
+                resource
+                    .as_deref()
+                    .map_or_else(|| "?".to_owned(), |r| format!("{r:?}"))
             ),
             Refusal::BadFence { detail, .. } => {
                 format!("fence-proxy: bad fence: {detail}; not forwarded")

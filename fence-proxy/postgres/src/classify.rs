@@ -290,11 +290,15 @@ mod tests {
                 .collect()
         };
         assert_eq!(
-            sets("SET lockd.fence = 'a:1'; SET LOCAL \"LOCKD\".\"fence\" TO E'b:\\x32'; SET SESSION lockd.fence = 'c:3'"),
+            sets(
+                "SET lockd.fence = 'a:1'; SET LOCAL \"LOCKD\".\"fence\" TO E'b:\\x32'; SET SESSION lockd.fence = 'c:3'"
+            ),
             vec![Some("a:1".into()), Some("b:2".into()), Some("c:3".into())]
         );
         assert_eq!(
-            sets("RESET lockd.fence; SET lockd.fence TO DEFAULT; SET search_path = 'a:1'; SELECT 1"),
+            sets(
+                "RESET lockd.fence; SET lockd.fence TO DEFAULT; SET search_path = 'a:1'; SELECT 1"
+            ),
             vec![None, None, None, None]
         );
         assert_eq!(sets("SET lockd.fence = 7"), vec![Some("7".into())]);

@@ -293,7 +293,8 @@ REVOKE ALL ON FUNCTION {f}(boolean, text[]) FROM PUBLIC;
     /// `init --require-verified`: a proof key for this table, if it has none yet. 64 bytes each
     /// from SHA-256 of `gen_random_uuid()` (strong random, 122 bits a UUID).
     pub fn require_verified_sql(&self) -> String {
-        let r = "pg_catalog.sha256(pg_catalog.convert_to(pg_catalog.gen_random_uuid()::text, 'UTF8'))";
+        let r =
+            "pg_catalog.sha256(pg_catalog.convert_to(pg_catalog.gen_random_uuid()::text, 'UTF8'))";
         format!(
             "INSERT INTO {GUARD_SCHEMA}.proof_key (fence_table, kin, kout) VALUES ('{}', {r} || {r}, {r} || {r}) ON CONFLICT (fence_table) DO NOTHING;\n",
             self.qualified()

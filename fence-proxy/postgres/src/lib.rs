@@ -51,8 +51,8 @@ use crate::fence_sql::FenceTable;
 use crate::startup::Startup;
 
 pub use crate::error::{
-    ADMIN_SHUTDOWN, BAD_FENCE, BAD_SEQUENCER, CONNECTION_FAILURE, SEQUENCER_REQUIRED, LIMIT_EXCEEDED, NOT_SUPPORTED,
-    PROTOCOL_VIOLATION, STALE_TOKEN, TOO_MANY_CONNECTIONS,
+    ADMIN_SHUTDOWN, BAD_FENCE, BAD_SEQUENCER, CONNECTION_FAILURE, LIMIT_EXCEEDED, NOT_SUPPORTED,
+    PROTOCOL_VIOLATION, SEQUENCER_REQUIRED, STALE_TOKEN, TOO_MANY_CONNECTIONS,
 };
 
 /// Flags of `fence-proxy postgres`.
@@ -104,7 +104,12 @@ pub struct Args {
     /// Public key (PEM, as `lockctl keys export` writes it) that verifies sequencers in
     /// `lockd.fence`; repeatable (key rotation). With one, every fence must be a sequencer that
     /// verifies; needs `init --require-verified` on the database.
-    #[arg(long = "verify-key", env = "FENCE_PROXY_VERIFY_KEY", value_name = "FILE", value_delimiter = ',')]
+    #[arg(
+        long = "verify-key",
+        env = "FENCE_PROXY_VERIFY_KEY",
+        value_name = "FILE",
+        value_delimiter = ','
+    )]
     pub verify_key: Vec<std::path::PathBuf>,
     /// With --verify-key: still accept plain `<resource>:<token>` fences (migration). Without
     /// --verify-key it changes nothing.

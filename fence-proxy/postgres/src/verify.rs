@@ -253,8 +253,12 @@ mod tests {
             "28000"
         );
         assert_eq!(v.check(&format!("other:{seq}")).unwrap_err().code, "42501");
-        let foreign = sequencer::encode_text(&SigningKey::generate().sign("orders:eu", FencingToken(42), 0));
-        assert_eq!(v.check(&format!("orders:eu:{foreign}")).unwrap_err().code, "42501");
+        let foreign =
+            sequencer::encode_text(&SigningKey::generate().sign("orders:eu", FencingToken(42), 0));
+        assert_eq!(
+            v.check(&format!("orders:eu:{foreign}")).unwrap_err().code,
+            "42501"
+        );
         assert_eq!(v.check("orders:eu:AAAA").unwrap_err().code, "42501");
         assert_eq!(v.check("no-colon").unwrap_err().code, "22023");
         let v = verification(&k, true);
