@@ -440,12 +440,25 @@ async fn postgres_verifies_sequencers_offline() {
         (w.fence(&bad_sequencers(&k1, &r)[0].1), "42501"),
     ] {
         let mut b = w.session(None).await;
-        ok(
+        // On its own the set_config runs in the proxy's block, whose commit guard refuses it;
+        // in a client block the guard before COMMIT does.
+        refused(
             &mut b,
             &format!("SELECT set_config('lockd.fence', '{value}', false)"),
+            code,
+            "set_config",
         )
         .await;
-        refused(&mut b, &w.insert(POISON as i64), code, "set_config").await;
+        refused(
+            &mut b,
+            &format!(
+                "BEGIN; SELECT set_config('lockd.fence', '{value}', false); {}; COMMIT",
+                w.insert(POISON as i64)
+            ),
+            code,
+            "set_config and a write in a block",
+        )
+        .await;
         // A session with a verified fence switches to the unverified value after the proxy's
         // guard ran, and calls the guard itself with a made-up proof: the MAC does not match.
         let mut c = w.session(Some(&w.fence(&seq(&k1, &r, 12)))).await;
@@ -531,7 +544,8 @@ async fn postgres_refused_set_keeps_the_old_fence_and_aborts_the_block() {
     assert_eq!(reply.status, b'E');
     ok(&mut s, "COMMIT").await;
     assert_eq!(w.rows().await, 0, "the aborted block committed");
-    assert_eq!(w.recorded().await, None);
+    // The SET on its own ran in a guarded block of the proxy's, which recorded 20 already.
+    assert_eq!(w.recorded().await, Some(20));
 
     // Outside a block: the old fence stays and still writes.
     let bad = w.fence(&bad_sequencers(&k, &r)[1].1);
@@ -580,14 +594,12 @@ async fn postgres_allow_unsigned_lets_plain_tokens_through() {
         )
         .await;
     }
-    ok(
-        &mut s,
-        &format!("SELECT set_config('lockd.fence', '{r}:{POISON}', false)"),
-    )
-    .await;
     refused(
         &mut s,
-        &w.insert(1),
+        &format!(
+            "BEGIN; SELECT set_config('lockd.fence', '{r}:{POISON}', false); {}; COMMIT",
+            w.insert(1)
+        ),
         "28000",
         "plain value set by set_config",
     )
