@@ -113,6 +113,7 @@ async fn main() -> anyhow::Result<()> {
             .parse::<Upstream>()
             .map_err(anyhow::Error::msg)?,
         upstream_timeout: Duration::from_secs(5),
+        verification: None,
     };
     let store: Arc<dyn EpochStore> = Arc::new(MemoryStore::default());
     let server = tokio::spawn(fence_proxy_http::serve(

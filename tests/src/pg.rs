@@ -94,19 +94,19 @@ impl PgProxy {
         if upstream != direct_url() {
             try_init_guard(&upstream, &fence_table)?;
         }
-        let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-        let args = fence_proxy_postgres::Args {
-            listen: addr,
-            upstream,
-            require_fence,
-            pool_size: 1,
-            max_sessions: 64,
-            max_message_bytes: fence_proxy_postgres::limits::DEFAULT_MAX_MESSAGE_BYTES,
-            connect_timeout_ms: 5_000,
-            startup_timeout_ms: 10_000,
-            fence_table,
-            access,
-        };
+        let mut args = proxy_args(upstream, fence_table, require_fence);
+        args.access = access;
+        Self::try_start_args(args)
+    }
+
+    /// Starts a proxy with these arguments (see [`proxy_args`]) and waits until it accepts.
+    pub fn start_args(args: fence_proxy_postgres::Args) -> PgProxy {
+        Self::try_start_args(args).unwrap_or_else(|e| panic!("fence-proxy postgres: {e:#}"))
+    }
+
+    /// [`PgProxy::start_args`], returning a start-up error.
+    pub fn try_start_args(args: fence_proxy_postgres::Args) -> anyhow::Result<PgProxy> {
+        let addr = args.listen;
         let shutdown = CancellationToken::new();
         let token = shutdown.clone();
         let thread = std::thread::spawn(move || {
@@ -172,6 +172,28 @@ impl Drop for PgProxy {
                 Err(_) => eprintln!("fence-proxy postgres thread panicked"),
             }
         }
+    }
+}
+
+/// Arguments of a proxy on a free loopback port in front of `upstream`, without verify keys.
+pub fn proxy_args(
+    upstream: String,
+    fence_table: String,
+    require_fence: bool,
+) -> fence_proxy_postgres::Args {
+    fence_proxy_postgres::Args {
+        listen: format!("127.0.0.1:{}", free_port()).parse().unwrap(),
+        upstream,
+        require_fence,
+        pool_size: 1,
+        max_sessions: 64,
+        max_message_bytes: fence_proxy_postgres::limits::DEFAULT_MAX_MESSAGE_BYTES,
+        connect_timeout_ms: 5_000,
+        startup_timeout_ms: 10_000,
+        fence_table,
+        access: Default::default(),
+        verify_key: Vec::new(),
+        allow_unsigned: false,
     }
 }
 
@@ -647,15 +669,31 @@ pub fn fence_table() -> String {
 /// Runs `fence-proxy postgres init` for `table` on `upstream` (on a thread of its own, so async
 /// tests may call it).
 pub fn init_guard(upstream: &str, table: &str) {
-    try_init_guard(upstream, table).unwrap_or_else(|e| panic!("fence-proxy postgres init: {e:#}"));
+    init_guard_with(upstream, table, false);
+}
+
+/// [`init_guard`], with `--require-verified` when `require_verified`.
+pub fn init_guard_with(upstream: &str, table: &str, require_verified: bool) {
+    try_init_guard_with(upstream, table, require_verified)
+        .unwrap_or_else(|e| panic!("fence-proxy postgres init: {e:#}"));
 }
 
 /// [`init_guard`], returning the error.
 pub fn try_init_guard(upstream: &str, table: &str) -> anyhow::Result<()> {
+    try_init_guard_with(upstream, table, false)
+}
+
+/// [`init_guard_with`], returning the error.
+pub fn try_init_guard_with(
+    upstream: &str,
+    table: &str,
+    require_verified: bool,
+) -> anyhow::Result<()> {
     let args = fence_proxy_postgres::InitArgs {
         upstream: upstream.to_owned(),
         fence_table: table.to_owned(),
         grant_to: Vec::new(),
+        require_verified,
     };
     std::thread::spawn(move || {
         tokio::runtime::Builder::new_current_thread()

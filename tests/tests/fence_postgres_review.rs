@@ -478,6 +478,7 @@ async fn review13_database_owner_replaces_the_guard_in_public() {
         upstream: upstream.clone(),
         fence_table: fence_proxy_postgres::DEFAULT_FENCE_TABLE.to_owned(),
         grant_to: vec![role.clone()],
+        require_verified: false,
     };
     std::thread::spawn(move || {
         tokio::runtime::Builder::new_current_thread()
@@ -502,6 +503,8 @@ async fn review13_database_owner_replaces_the_guard_in_public() {
         startup_timeout_ms: 10_000,
         fence_table: fence_proxy_postgres::DEFAULT_FENCE_TABLE.to_owned(),
         access: Default::default(),
+        verify_key: Vec::new(),
+        allow_unsigned: false,
     };
     let shutdown = tokio_util::sync::CancellationToken::new();
     let token = shutdown.clone();

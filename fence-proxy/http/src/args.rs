@@ -91,6 +91,21 @@ pub struct Args {
 
     #[command(flatten)]
     pub tls: crate::tls::TlsArgs,
+
+    /// Public key (PEM, as `lockctl keys export` writes it) that verifies `Lock-Sequencer`;
+    /// repeatable (key rotation). With one, every write needs a sequencer that verifies.
+    #[arg(
+        long = "verify-key",
+        env = "FENCE_PROXY_VERIFY_KEY",
+        value_name = "FILE",
+        value_delimiter = ','
+    )]
+    pub verify_key: Vec<std::path::PathBuf>,
+
+    /// With --verify-key: still accept writes with a plain Fencing-Token and no sequencer
+    /// (migration). Without --verify-key it changes nothing.
+    #[arg(long, env = "FENCE_PROXY_ALLOW_UNSIGNED")]
+    pub allow_unsigned: bool,
 }
 
 /// A duration greater than zero (a zero header timeout would close every connection at once).

@@ -1,12 +1,92 @@
-//! Reading the fence of a write from its `Lock-Resource` and `Fencing-Token` headers.
+//! Reading the fence of a write from its `Lock-Resource`, `Fencing-Token` and `Lock-Sequencer`
+//! headers.
 
 use http::HeaderMap;
-use lockd_fence::{FENCING_TOKEN_HEADER, Fence, FencingToken, LOCK_RESOURCE_HEADER};
+use lockd_fence::{
+    FENCING_TOKEN_HEADER, Fence, FencingToken, LOCK_RESOURCE_HEADER, LOCK_SEQUENCER_HEADER,
+    sequencer,
+};
 
 use crate::Refusal;
+use crate::verify::Verification;
 
-/// Reads both headers. Either one missing: 428. Repeated, not UTF-8, or not valid: 400.
-pub fn read_fence(headers: &HeaderMap) -> Result<Fence, Refusal> {
+/// Reads the fence of a write. Without verify keys, `Lock-Resource` and `Fencing-Token` as before
+/// (`Lock-Sequencer` is not looked at). With them, a `Lock-Sequencer` that verifies for
+/// `Lock-Resource` gives the token (a `Fencing-Token` sent beside it must agree); a plain token
+/// alone passes only under `--allow-unsigned`. Missing headers: 428; repeated, not UTF-8 or not
+/// valid: 400; a sequencer that does not verify or a plain token where one is required: 403.
+pub fn read_fence(
+    headers: &HeaderMap,
+    verification: Option<&Verification>,
+) -> Result<Fence, Refusal> {
+    let Some(v) = verification else {
+        return read_plain(headers);
+    };
+    let Some(text) = single(headers, LOCK_SEQUENCER_HEADER)? else {
+        if v.allow_unsigned {
+            return read_plain(headers);
+        }
+        let resource = single(headers, LOCK_RESOURCE_HEADER)?;
+        return match single(headers, FENCING_TOKEN_HEADER)? {
+            Some(token) => Err(Refusal::SequencerRequired {
+                resource,
+                token: token.parse().ok(),
+            }),
+            None => Err(Refusal::FenceRequired {
+                missing: match &resource {
+                    None => format!("{LOCK_RESOURCE_HEADER} and {LOCK_SEQUENCER_HEADER}"),
+                    Some(_) => LOCK_SEQUENCER_HEADER.to_owned(),
+                },
+                resource,
+                token: None,
+            }),
+        };
+    };
+    let Some(resource) = single(headers, LOCK_RESOURCE_HEADER)? else {
+        return Err(Refusal::FenceRequired {
+            resource: None,
+            token: None,
+            missing: LOCK_RESOURCE_HEADER.to_owned(),
+        });
+    };
+    if let Err(e) = lockd_fence::validate_resource(&resource) {
+        return Err(Refusal::BadFence {
+            resource: None,
+            token: None,
+            detail: format!("{LOCK_RESOURCE_HEADER}: {e}"),
+        });
+    }
+    let claimed = match single(headers, FENCING_TOKEN_HEADER)? {
+        None => None,
+        Some(t) => match t.parse::<FencingToken>() {
+            Ok(t) => Some(t),
+            Err(e) => {
+                return Err(Refusal::BadFence {
+                    resource: Some(resource),
+                    token: None,
+                    detail: format!("{FENCING_TOKEN_HEADER}: {e}"),
+                });
+            }
+        },
+    };
+    let verified = sequencer::decode_text(&text)
+        .and_then(|bytes| v.keys.verify_for(&bytes, &resource, claimed));
+    match verified {
+        Ok(seq) => Ok(Fence {
+            resource,
+            token: seq.token,
+        }),
+        Err(e) => Err(Refusal::BadSequencer {
+            resource: Some(resource),
+            token: claimed,
+            detail: e.to_string(),
+        }),
+    }
+}
+
+/// `Lock-Resource` and `Fencing-Token`. Either one missing: 428. Repeated, not UTF-8, or not
+/// valid: 400.
+fn read_plain(headers: &HeaderMap) -> Result<Fence, Refusal> {
     let resource = single(headers, LOCK_RESOURCE_HEADER)?;
     let token = single(headers, FENCING_TOKEN_HEADER)?;
     let (resource, token) = match (resource, token) {
@@ -80,16 +160,16 @@ mod tests {
 
     #[test]
     fn reads_and_refuses() {
-        let f = read_fence(&headers(&[
-            ("lock-resource", "orders/1"),
-            ("fencing-token", "42"),
-        ]))
+        let f = read_fence(
+            &headers(&[("lock-resource", "orders/1"), ("fencing-token", "42")]),
+            None,
+        )
         .unwrap();
         assert_eq!((f.resource.as_str(), f.token.0), ("orders/1", 42));
 
-        let r = read_fence(&headers(&[])).unwrap_err();
+        let r = read_fence(&headers(&[]), None).unwrap_err();
         assert_eq!(r.reason(), "fence-required");
-        let r = read_fence(&headers(&[("lock-resource", "orders/1")])).unwrap_err();
+        let r = read_fence(&headers(&[("lock-resource", "orders/1")]), None).unwrap_err();
         assert_eq!(r.reason(), "fence-required");
         assert!(r.message().contains("Fencing-Token"), "{}", r.message());
 
@@ -103,8 +183,73 @@ mod tests {
                 ("fencing-token", "1"),
             ],
         ] {
-            let r = read_fence(&headers(&bad)).unwrap_err();
+            let r = read_fence(&headers(&bad), None).unwrap_err();
             assert_eq!(r.reason(), "bad-fence", "{bad:?}: {}", r.message());
         }
+    }
+
+    fn signed() -> (lockd_fence::sequencer::SigningKey, Verification) {
+        let k = lockd_fence::sequencer::SigningKey::generate();
+        let v = Verification {
+            keys: lockd_fence::sequencer::VerifyKeys::new([k.public_key()]),
+            allow_unsigned: false,
+        };
+        (k, v)
+    }
+
+    #[test]
+    fn sequencer_gives_the_token_and_must_agree_with_a_plain_one() {
+        let (k, v) = signed();
+        let seq = sequencer::encode_text(&k.sign("orders/1", FencingToken(42), 0));
+        let f = read_fence(
+            &headers(&[("lock-resource", "orders/1"), ("lock-sequencer", &seq)]),
+            Some(&v),
+        )
+        .unwrap();
+        assert_eq!((f.resource.as_str(), f.token.0), ("orders/1", 42));
+        let f = read_fence(
+            &headers(&[
+                ("lock-resource", "orders/1"),
+                ("lock-sequencer", &seq),
+                ("fencing-token", "42"),
+            ]),
+            Some(&v),
+        )
+        .unwrap();
+        assert_eq!(f.token.0, 42);
+        for bad in [
+            vec![
+                ("lock-resource", "orders/1"),
+                ("lock-sequencer", seq.as_str()),
+                ("fencing-token", "43"),
+            ],
+            vec![
+                ("lock-resource", "orders/2"),
+                ("lock-sequencer", seq.as_str()),
+            ],
+            vec![
+                ("lock-resource", "orders/1"),
+                ("lock-sequencer", "bm90IGEgc2VxdWVuY2Vy"),
+            ],
+            vec![("lock-resource", "orders/1"), ("lock-sequencer", "!!")],
+        ] {
+            let r = read_fence(&headers(&bad), Some(&v)).unwrap_err();
+            assert_eq!(r.reason(), "bad-sequencer", "{bad:?}: {}", r.message());
+            assert_eq!(r.status(), 403);
+        }
+    }
+
+    #[test]
+    fn plain_tokens_need_allow_unsigned_once_keys_are_given() {
+        let (_, mut v) = signed();
+        let plain = headers(&[("lock-resource", "orders/1"), ("fencing-token", "42")]);
+        let r = read_fence(&plain, Some(&v)).unwrap_err();
+        assert_eq!(r.reason(), "sequencer-required");
+        assert_eq!(r.status(), 403);
+        let r = read_fence(&headers(&[("lock-resource", "orders/1")]), Some(&v)).unwrap_err();
+        assert_eq!(r.reason(), "fence-required");
+        assert!(r.message().contains("Lock-Sequencer"), "{}", r.message());
+        v.allow_unsigned = true;
+        assert_eq!(read_fence(&plain, Some(&v)).unwrap().token.0, 42);
     }
 }

@@ -11,7 +11,8 @@
 //! - [`exchange`]: [`exchange::TrackedBody`], following a write's bodies to their end so that
 //!   the permit is released only then.
 //! - [`refusal`]: [`Refusal`], the table from each refusal to status, reason and JSON body.
-//! - [`fence`]: reading `Lock-Resource` and `Fencing-Token` from a request.
+//! - [`fence`]: reading `Lock-Resource`, `Fencing-Token` and `Lock-Sequencer` from a request.
+//! - [`verify`]: [`Verification`], the verify keys and whether plain tokens still pass.
 //! - [`metrics`]: metric names shared with the Postgres front end.
 //! - [`server`]: accepting connections, graceful shutdown, [`serve`] and [`run`].
 //! - [`tls`]: TLS on the listener, the client allow-list, and the https upstream connector.
@@ -24,8 +25,10 @@ pub mod proxy;
 pub mod refusal;
 pub mod server;
 pub mod tls;
+pub mod verify;
 
 pub use args::{Args, Upstream};
 pub use proxy::{Proxy, ProxyConfig};
 pub use refusal::Refusal;
 pub use server::{run, serve};
+pub use verify::Verification;

@@ -51,6 +51,8 @@ pub struct ProxyConfig {
     /// How long the upstream may take to send its response head; for a write, also the bound on
     /// its whole exchange (request body sent, response received), after which it is cut off.
     pub upstream_timeout: Duration,
+    /// Verify keys and `--allow-unsigned`; `None`: plain tokens, not authenticated.
+    pub verification: Option<Arc<crate::verify::Verification>>,
 }
 
 /// The proxy's state, shared by all connections.
@@ -98,7 +100,7 @@ impl Proxy {
             };
             return Ok(response);
         }
-        let fence = match read_fence(request.headers()) {
+        let fence = match read_fence(request.headers(), self.config.verification.as_deref()) {
             Ok(fence) => fence,
             Err(refusal) => return Ok(refuse(refusal)),
         };

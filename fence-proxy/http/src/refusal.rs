@@ -32,6 +32,19 @@ pub enum Refusal {
         token: Option<FencingToken>,
         detail: String,
     },
+    /// 403: a `Lock-Sequencer` that does not verify: forged, altered, signed by a key the proxy
+    /// was not given, for another resource, disagreeing with `Fencing-Token`, or malformed.
+    BadSequencer {
+        resource: Option<String>,
+        token: Option<FencingToken>,
+        detail: String,
+    },
+    /// 403: a plain `Fencing-Token` without a `Lock-Sequencer`, while verify keys are given and
+    /// `--allow-unsigned` is not.
+    SequencerRequired {
+        resource: Option<String>,
+        token: Option<FencingToken>,
+    },
     /// 503: the epoch store could not decide; the proxy fails closed.
     StoreUnavailable {
         resource: String,
@@ -70,6 +83,9 @@ impl Refusal {
             Refusal::Stale { .. } => StatusCode::PRECONDITION_FAILED,
             Refusal::FenceRequired { .. } => StatusCode::PRECONDITION_REQUIRED,
             Refusal::BadFence { .. } => StatusCode::BAD_REQUEST,
+            Refusal::BadSequencer { .. } | Refusal::SequencerRequired { .. } => {
+                StatusCode::FORBIDDEN
+            }
             Refusal::StoreUnavailable { .. } | Refusal::ResourceBusy { .. } => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
@@ -84,6 +100,8 @@ impl Refusal {
             Refusal::Stale { .. } => "stale-fencing-token",
             Refusal::FenceRequired { .. } => "fence-required",
             Refusal::BadFence { .. } => "bad-fence",
+            Refusal::BadSequencer { .. } => "bad-sequencer",
+            Refusal::SequencerRequired { .. } => "sequencer-required",
             Refusal::StoreUnavailable { .. } => "store-unavailable",
             Refusal::ResourceBusy { .. } => "resource-busy",
             Refusal::UpstreamError { .. } => "upstream-error",
@@ -102,7 +120,22 @@ impl Refusal {
                 "fence-proxy: stale fencing token {token} for {resource:?}: highest accepted is {highest}; not forwarded"
             ),
             Refusal::FenceRequired { missing, .. } => format!(
-                "fence-proxy: a write needs the Lock-Resource and Fencing-Token headers; missing {missing}; not forwarded"
+                "fence-proxy: a write needs the Lock-Resource and Fencing-Token (or Lock-Sequencer) headers; missing {missing}; not forwarded"
+            ),
+            Refusal::BadSequencer {
+                resource, detail, ..
+            } => format!(
+                "fence-proxy: Lock-Sequencer refused for {}: {detail}; not forwarded",
+                resource
+                    .as_deref()
+                    .map_or_else(|| "?".to_owned(), |r| format!("{r:?}"))
+            ),
+            Refusal::SequencerRequired { resource, token } => format!(
+                "fence-proxy: plain fencing token{} for {} without a Lock-Sequencer: this proxy accepts only tokens signed by lockd (--verify-key without --allow-unsigned); not forwarded",
+                token.map(|t| format!(" {t}")).unwrap_or_default(),
+                resource
+                    .as_deref()
+                    .map_or_else(|| "?".to_owned(), |r| format!("{r:?}"))
             ),
             Refusal::BadFence { detail, .. } => {
                 format!("fence-proxy: bad fence: {detail}; not forwarded")
@@ -157,6 +190,10 @@ impl Refusal {
             | Refusal::BadFence {
                 resource, token, ..
             }
+            | Refusal::BadSequencer {
+                resource, token, ..
+            }
+            | Refusal::SequencerRequired { resource, token }
             | Refusal::UpstreamError {
                 resource, token, ..
             }

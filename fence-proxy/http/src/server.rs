@@ -109,6 +109,8 @@ impl Default for Limits {
 /// Opens the store, binds `--listen`, and serves until `shutdown` is cancelled.
 pub async fn run(args: Args, shutdown: CancellationToken) -> anyhow::Result<()> {
     crate::metrics::describe();
+    let verification =
+        crate::Verification::from_flags(&args.verify_key, args.allow_unsigned, "http")?;
     let store = args
         .store
         .open(&args.store_options())
@@ -131,6 +133,7 @@ pub async fn run(args: Args, shutdown: CancellationToken) -> anyhow::Result<()> 
     let config = ProxyConfig {
         upstream: args.upstream.with_tls(upstream_tls),
         upstream_timeout: args.upstream_timeout,
+        verification: verification.map(Arc::new),
     };
     serve_with_access(listener, store, config, limits, access, shutdown).await
 }

@@ -12,7 +12,7 @@
 //! contains a backslash while the setting is off ([`needs_standard_strings`]).
 
 use pg_query::NodeEnum;
-use pg_query::protobuf::{TransactionStmtKind, a_const};
+use pg_query::protobuf::{TransactionStmtKind, VariableSetKind, a_const};
 
 use crate::limits::{CLASSIFY_STACK_BYTES, MAX_CLASSIFIED_SQL_BYTES, MAX_STATEMENTS_PER_QUERY};
 
@@ -67,6 +67,11 @@ impl StatementKind {
 pub struct Statement {
     pub kind: StatementKind,
     pub start: usize,
+    /// The value a `SET [SESSION | LOCAL] lockd.fence = <constant>` assigns (any spelling of the
+    /// name the grammar accepts), for the proxy to verify before it reaches the upstream. Other
+    /// ways to change the setting are not seen here; the guard refuses what they set unless the
+    /// proxy verified it.
+    pub sets_fence: Option<String>,
 }
 
 /// Why a text was not classified.
@@ -121,12 +126,14 @@ pub fn classify(sql: &str) -> Result<Vec<Statement>, ClassifyError> {
     stmts
         .iter()
         .map(|raw| {
-            let kind = match raw.stmt.as_ref().and_then(|n| n.node.as_ref()) {
+            let node = raw.stmt.as_ref().and_then(|n| n.node.as_ref());
+            let kind = match node {
                 Some(node) => kind_of(node)?,
                 None => StatementKind::Other,
             };
             Ok(Statement {
                 kind,
+                sets_fence: node.and_then(fence_assignment),
                 start: usize::try_from(raw.stmt_location)
                     .unwrap_or(0)
                     .min(sql.len()),
@@ -159,6 +166,32 @@ fn kind_of(node: &NodeEnum) -> Result<StatementKind, ClassifyError> {
         _ => StatementKind::Other,
     })
 }
+
+/// The constant a `SET lockd.fence = ...` assigns. GUC names are case-insensitive in Postgres, so
+/// `SET "LOCKD"."Fence"` is the same setting.
+fn fence_assignment(node: &NodeEnum) -> Option<String> {
+    let NodeEnum::VariableSetStmt(set) = node else {
+        return None;
+    };
+    if set.kind() != VariableSetKind::VarSetValue
+        || !set.name.eq_ignore_ascii_case(FENCE_SETTING)
+        || set.args.len() != 1
+    {
+        return None;
+    }
+    match set.args[0].node.as_ref()? {
+        NodeEnum::AConst(c) => match c.val.as_ref()? {
+            a_const::Val::Sval(s) => Some(s.sval.clone()),
+            a_const::Val::Ival(i) => Some(i.ival.to_string()),
+            a_const::Val::Fval(f) => Some(f.fval.clone()),
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
+/// The setting that carries a session's fence.
+pub const FENCE_SETTING: &str = "lockd.fence";
 
 /// Rebuilds `BEGIN` with the client's transaction modes from the parse tree.
 fn begin_sql(options: &[pg_query::protobuf::Node]) -> Result<String, ClassifyError> {
@@ -245,6 +278,30 @@ mod tests {
             vec![CopyIn, Other, Other]
         );
         assert!(kinds("  ").is_empty());
+    }
+
+    #[test]
+    fn fence_assignments_in_every_spelling_the_grammar_reads() {
+        let sets = |sql: &str| -> Vec<Option<String>> {
+            classify(sql)
+                .unwrap()
+                .into_iter()
+                .map(|s| s.sets_fence)
+                .collect()
+        };
+        assert_eq!(
+            sets(
+                "SET lockd.fence = 'a:1'; SET LOCAL \"LOCKD\".\"fence\" TO E'b:\\x32'; SET SESSION lockd.fence = 'c:3'"
+            ),
+            vec![Some("a:1".into()), Some("b:2".into()), Some("c:3".into())]
+        );
+        assert_eq!(
+            sets(
+                "RESET lockd.fence; SET lockd.fence TO DEFAULT; SET search_path = 'a:1'; SELECT 1"
+            ),
+            vec![None, None, None, None]
+        );
+        assert_eq!(sets("SET lockd.fence = 7"), vec![Some("7".into())]);
     }
 
     #[test]

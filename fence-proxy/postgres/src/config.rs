@@ -28,4 +28,7 @@ pub struct Config {
     pub client_tls: Option<TlsAcceptor>,
     /// Whether a client must have started TLS before its startup message (`--require-tls`).
     pub require_tls: bool,
+    /// With `--verify-key`: the keys, `--allow-unsigned` and the proof key shared with the
+    /// guard. `None`: plain tokens, not authenticated.
+    pub verification: Option<crate::verify::Verification>,
 }

@@ -4,6 +4,8 @@
 //! |---|---|---|
 //! | stale fencing token (raised by the guard inside the upstream transaction) | `55P03` lock_not_available | ERROR |
 //! | malformed `lockd.fence` value (raised by the guard; FATAL when given as a startup option) | `22023` invalid_parameter_value | ERROR (FATAL at startup) |
+//! | with `--verify-key`: a sequencer in `lockd.fence` that does not verify (forged, altered, unknown key, other resource), or a value the proxy did not verify (raised by the guard) | `42501` insufficient_privilege | ERROR (FATAL at startup) |
+//! | with `--verify-key` and without `--allow-unsigned`: a plain token in `lockd.fence` | `28000` invalid_authorization_specification | ERROR (FATAL at startup) |
 //! | unfenced transaction wrote under `--require-fence` (raised by the guard) | `25006` read_only_sql_transaction | ERROR |
 //! | a statement after COMMIT/END/ROLLBACK/ABORT/PREPARE TRANSACTION in one query; a backslash while `standard_conforming_strings` is off; an unsupported BEGIN option | `0A000` feature_not_supported | ERROR |
 //! | query text the Postgres parser rejects | `42601` syntax_error | ERROR |
@@ -27,6 +29,10 @@ use crate::codec::Message;
 pub const STALE_TOKEN: &str = "55P03";
 /// SQLSTATE of a malformed fence value.
 pub const BAD_FENCE: &str = "22023";
+/// SQLSTATE of a sequencer that does not verify, or a fence value the proxy did not verify.
+pub const BAD_SEQUENCER: &str = "42501";
+/// SQLSTATE of a plain token where a signed sequencer is required.
+pub const SEQUENCER_REQUIRED: &str = "28000";
 /// SQLSTATE of a statement shape the proxy cannot fence.
 pub const NOT_SUPPORTED: &str = "0A000";
 /// SQLSTATE of query text the Postgres parser rejects.

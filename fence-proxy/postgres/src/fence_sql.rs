@@ -92,12 +92,17 @@ impl FenceTable {
 
     /// The signature `to_regprocedure` looks up.
     pub fn guard_signature(&self) -> String {
-        format!("{}(boolean)", self.guard_function())
+        format!("{}(boolean, text[])", self.guard_function())
     }
 
-    /// The statement the proxy runs to guard a transaction.
-    pub fn guard_call(&self, require_fence: bool) -> String {
-        format!("SELECT {}({require_fence})", self.guard_function())
+    /// The statement the proxy runs to guard a transaction. `proofs`: the SQL array of the
+    /// session's proofs (`verify::Proofs::sql_array`), `None` without `--verify-key`.
+    pub fn guard_call(&self, require_fence: bool, proofs: Option<&str>) -> String {
+        format!(
+            "SELECT {}({require_fence}, {})",
+            self.guard_function(),
+            proofs.unwrap_or("NULL")
+        )
     }
 
     /// Whether the guard function exists in the connected database as `init` installs it: a
@@ -134,7 +139,18 @@ REVOKE ALL ON SCHEMA {guard_schema} FROM PUBLIC;
 CREATE SCHEMA IF NOT EXISTS {schema};
 CREATE TABLE IF NOT EXISTS {t} (resource text PRIMARY KEY, token bigint NOT NULL, updated_at timestamptz NOT NULL);
 REVOKE ALL ON TABLE {t} FROM PUBLIC;
-CREATE OR REPLACE FUNCTION {f}(require_fence boolean) RETURNS void
+-- Proof keys (see verify.rs), one per fence table: a row only after init --require-verified;
+-- then the guard of that table accepts only fence values a fence-proxy with --verify-key
+-- verified. Nobody but its owner (and a proxy role it is granted to) may read them.
+CREATE TABLE IF NOT EXISTS {guard_schema}.proof_key (
+  fence_table text PRIMARY KEY,
+  kin bytea NOT NULL CHECK (pg_catalog.octet_length(kin) = 64),
+  kout bytea NOT NULL CHECK (pg_catalog.octet_length(kout) = 64));
+REVOKE ALL ON TABLE {guard_schema}.proof_key FROM PUBLIC;
+-- The guard of earlier versions took no proofs: a client could call it to record a fence the
+-- proxy never verified.
+DROP FUNCTION IF EXISTS {f}(boolean);
+CREATE OR REPLACE FUNCTION {f}(require_fence boolean, proofs text[]) RETURNS void
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $lockd_guard$
@@ -146,6 +162,10 @@ DECLARE
   v_token bigint;
   v_highest bigint;
   v_bad boolean;
+  v_kin bytea;
+  v_kout bytea;
+  v_proof text;
+  v_p integer;
 BEGIN
   -- The table must be the one init created: an ordinary table owned by this function's owner
   -- (CURRENT_USER inside SECURITY DEFINER). Whoever owns the table's schema (a database owner
@@ -181,6 +201,34 @@ BEGIN
     v_resource := pg_catalog.substr(v_fence, 1, v_sep - 1);
     v_digits := pg_catalog.substr(v_fence, v_sep + 1);
   END IF;
+  SELECT k.kin, k.kout INTO v_kin, v_kout FROM {guard_schema}.proof_key AS k WHERE k.fence_table = '{t}';
+  IF FOUND THEN
+    -- Verified fences only: the token comes from the proof, <token>:<mac>, whose MAC over this
+    -- exact value and token only the proxy (holding the proof key) can make.
+    IF v_sep > 0 AND proofs IS NOT NULL THEN
+      FOREACH v_proof IN ARRAY proofs LOOP
+        v_p := pg_catalog.strpos(v_proof, ':');
+        IF v_p > 1 AND pg_catalog.substr(v_proof, v_p + 1) = pg_catalog.encode(pg_catalog.sha256(
+             v_kout || pg_catalog.sha256(v_kin || pg_catalog.convert_to(
+               v_fence || pg_catalog.chr(10) || pg_catalog.substr(v_proof, 1, v_p - 1), 'UTF8'))), 'hex') THEN
+          v_token := pg_catalog.substr(v_proof, 1, v_p - 1)::bigint;
+          EXIT;
+        END IF;
+      END LOOP;
+    END IF;
+    IF v_token IS NULL THEN
+      IF v_sep > 0 AND v_digits OPERATOR(pg_catalog.~) '^[0-9]+$' THEN
+        RAISE EXCEPTION USING
+          ERRCODE = '28000',
+          MESSAGE = pg_catalog.format('fence-proxy: lockd.fence for %s is a plain token that fence-proxy did not accept: this database takes only fences a fence-proxy with --verify-key verified (signed sequencers, or plain tokens under --allow-unsigned)', pg_catalog.to_json(v_resource)::text),
+          HINT = 'SET lockd.fence = ''<resource>:<sequencer>'' (a SET statement or the startup options), with the sequencer lockd returned with the lock.';
+      END IF;
+      RAISE EXCEPTION USING
+        ERRCODE = '42501',
+        MESSAGE = pg_catalog.format('fence-proxy: lockd.fence for %s was not verified by fence-proxy: a forged or altered sequencer, or a value set by a statement the proxy does not read (set_config, ALTER ROLE ... SET)', pg_catalog.to_json(v_resource)::text),
+        HINT = 'SET lockd.fence = ''<resource>:<sequencer>'' (a SET statement or the startup options), with the sequencer lockd returned with the lock.';
+    END IF;
+  ELSE
   -- Nested checks, because SQL does not promise to evaluate OR operands in order and the cast
   -- must only see digits.
   v_bad := v_sep = 0
@@ -197,6 +245,7 @@ BEGIN
       HINT = 'SET lockd.fence = ''<resource>:<token>'', with the fencing token lockd granted, e.g. ''orders:42''.';
   END IF;
   v_token := v_digits::bigint;
+  END IF;
   -- Read without a lock first: two raisers of one new token must not both hold a share lock and
   -- then deadlock upgrading it.
   SELECT f.token INTO v_highest FROM {t} AS f WHERE f.resource = v_resource;
@@ -234,10 +283,37 @@ BEGIN
     HINT = 'This session no longer holds the lock: nothing of this transaction was applied. Roll back, acquire the lock again and SET lockd.fence to the new token.';
 END
 $lockd_guard$;
-REVOKE ALL ON FUNCTION {f}(boolean) FROM PUBLIC;
+REVOKE ALL ON FUNCTION {f}(boolean, text[]) FROM PUBLIC;
 "#,
             schema = self.schema,
             guard_schema = GUARD_SCHEMA,
+        )
+    }
+
+    /// `init --require-verified`: a proof key for this table, if it has none yet. 64 bytes each
+    /// from SHA-256 of `gen_random_uuid()` (strong random, 122 bits a UUID).
+    pub fn require_verified_sql(&self) -> String {
+        let r =
+            "pg_catalog.sha256(pg_catalog.convert_to(pg_catalog.gen_random_uuid()::text, 'UTF8'))";
+        format!(
+            "INSERT INTO {GUARD_SCHEMA}.proof_key (fence_table, kin, kout) VALUES ('{}', {r} || {r}, {r} || {r}) ON CONFLICT (fence_table) DO NOTHING;\n",
+            self.qualified()
+        )
+    }
+
+    /// What the proxy reads at start: this table's proof key, if verified fences are required.
+    pub fn proof_key_sql(&self) -> String {
+        format!(
+            "SELECT kin, kout FROM {GUARD_SCHEMA}.proof_key WHERE fence_table = '{}'",
+            self.qualified()
+        )
+    }
+
+    /// Statements that let the proxy's `--upstream` role read the proof keys.
+    pub fn grant_proof_key_sql(role: &str) -> String {
+        let role = quote_ident(role);
+        format!(
+            "GRANT USAGE ON SCHEMA {GUARD_SCHEMA} TO {role};\nGRANT SELECT ON {GUARD_SCHEMA}.proof_key TO {role};\n"
         )
     }
 
@@ -246,7 +322,7 @@ REVOKE ALL ON FUNCTION {f}(boolean) FROM PUBLIC;
     pub fn grant_sql(&self, role: &str) -> String {
         let role = quote_ident(role);
         format!(
-            "GRANT USAGE ON SCHEMA {GUARD_SCHEMA} TO {role};\nGRANT EXECUTE ON FUNCTION {}(boolean) TO {role};\n",
+            "GRANT USAGE ON SCHEMA {GUARD_SCHEMA} TO {role};\nGRANT EXECUTE ON FUNCTION {}(boolean, text[]) TO {role};\n",
             self.guard_function()
         )
     }
@@ -278,8 +354,8 @@ mod tests {
         let t = FenceTable::parse("ops.fences").unwrap();
         assert_eq!(t.guard_function(), "lockd_fence_proxy.ops__fences_guard");
         assert_eq!(
-            t.guard_call(true),
-            "SELECT lockd_fence_proxy.ops__fences_guard(true)"
+            t.guard_call(true, None),
+            "SELECT lockd_fence_proxy.ops__fences_guard(true, NULL)"
         );
         assert_eq!(
             FenceTable::parse("lockd_fence").unwrap().guard_function(),

@@ -22,6 +22,7 @@
 //! - [`classify`]: statement classification by Postgres's own parser (pure, fuzzable).
 //! - `fence_sql`: the fence table, the guard function and `init`'s SQL.
 //! - `fence_value`: the fence value rules for the early startup check.
+//! - `verify`: signed sequencers in `lockd.fence` (`--verify-key`) and the proofs for the guard.
 //! - `error`: proxy-made errors and their SQLSTATE table.
 //! - `metrics_names`: metric names.
 
@@ -37,6 +38,7 @@ mod metrics_names;
 mod session;
 mod startup;
 pub mod upstream;
+mod verify;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -56,8 +58,9 @@ use crate::startup::Startup;
 pub use crate::access::AccessArgs;
 
 pub use crate::error::{
-    ADMIN_SHUTDOWN, BAD_FENCE, CONNECTION_FAILURE, INVALID_AUTHORIZATION, LIMIT_EXCEEDED,
-    NOT_SUPPORTED, PROTOCOL_VIOLATION, STALE_TOKEN, TOO_MANY_CONNECTIONS,
+    ADMIN_SHUTDOWN, BAD_FENCE, BAD_SEQUENCER, CONNECTION_FAILURE, INVALID_AUTHORIZATION,
+    LIMIT_EXCEEDED, NOT_SUPPORTED, PROTOCOL_VIOLATION, SEQUENCER_REQUIRED, STALE_TOKEN,
+    TOO_MANY_CONNECTIONS,
 };
 
 /// Flags of `fence-proxy postgres`.
@@ -108,6 +111,20 @@ pub struct Args {
     pub fence_table: String,
     #[command(flatten)]
     pub access: AccessArgs,
+    /// Public key (PEM, as `lockctl keys export` writes it) that verifies sequencers in
+    /// `lockd.fence`; repeatable (key rotation). With one, every fence must be a sequencer that
+    /// verifies; needs `init --require-verified` on the database.
+    #[arg(
+        long = "verify-key",
+        env = "FENCE_PROXY_VERIFY_KEY",
+        value_name = "FILE",
+        value_delimiter = ','
+    )]
+    pub verify_key: Vec<std::path::PathBuf>,
+    /// With --verify-key: still accept plain `<resource>:<token>` fences (migration). Without
+    /// --verify-key it changes nothing.
+    #[arg(long, env = "FENCE_PROXY_ALLOW_UNSIGNED")]
+    pub allow_unsigned: bool,
 }
 
 /// The fence table when `--fence-table` is not given.
@@ -128,6 +145,11 @@ pub struct InitArgs {
     /// statements are printed for you to run.
     #[arg(long = "grant-to", value_name = "ROLE")]
     pub grant_to: Vec<String>,
+    /// Make the guard of this table accept only fences that a fence-proxy started with
+    /// --verify-key verified: creates the table's proof key (kept if it exists). The proxy's
+    /// --upstream role must be able to read it (see the printed GRANT).
+    #[arg(long)]
+    pub require_verified: bool,
 }
 
 /// Installs (or replaces) the fence table and the guard function in the upstream's database, in
@@ -156,6 +178,9 @@ pub async fn init(args: &InitArgs) -> anyhow::Result<String> {
     for role in &args.grant_to {
         sql.push_str(&table.grant_sql(role));
     }
+    if args.require_verified {
+        sql.push_str(&table.require_verified_sql());
+    }
     sql.push_str("COMMIT;");
     let result = client.batch_execute(&sql).await;
     drop(client);
@@ -176,6 +201,16 @@ pub async fn init(args: &InitArgs) -> anyhow::Result<String> {
         table.qualified(),
         table.guard_signature()
     );
+    if args.require_verified {
+        report.push_str(&format!(
+            "fence-proxy: {} accepts only fences verified by a fence-proxy with --verify-key; \
+             its proof key is in {}.proof_key, readable by this role; if the proxy's --upstream role is another, \
+             grant it (never to an application role):\n",
+            table.qualified(),
+            fence_sql::GUARD_SCHEMA
+        ));
+        report.push_str(&FenceTable::grant_proof_key_sql("<proxy_role>"));
+    }
     if args.grant_to.is_empty() {
         report.push_str(
             "-- grant the guard to each application role (or rerun with --grant-to ROLE):\n",
@@ -205,7 +240,8 @@ pub async fn run(args: Args, shutdown: CancellationToken) -> anyhow::Result<()> 
     let port = pg_config.get_ports().first().copied().unwrap_or(5432);
     anyhow::ensure!(args.max_sessions > 0, "--max-sessions must be at least 1");
     anyhow::ensure!(args.pool_size > 0, "--pool-size must be at least 1");
-    let cfg = Arc::new(Config {
+    let verify_flags = verify::VerifyFlags::from_flags(&args.verify_key, args.allow_unsigned)?;
+    let mut cfg = Config {
         upstream_addr: if host.contains(':') {
             format!("[{host}]:{port}")
         } else {
@@ -219,10 +255,29 @@ pub async fn run(args: Args, shutdown: CancellationToken) -> anyhow::Result<()> 
         upstream_tls: upstream.tls,
         client_tls: args.access.acceptor()?,
         require_tls: args.access.require_tls,
-    });
+        verification: None,
+    };
     let allow = args.access.allow_list();
 
-    check_guard(pg_config, &cfg, args.pool_size).await?;
+    let proof_key = check_guard(pg_config, &cfg, args.pool_size, verify_flags.is_some()).await?;
+    cfg.verification = match (verify_flags, proof_key) {
+        (Some(flags), Some(proof_key)) => Some(verify::Verification {
+            keys: flags.keys,
+            allow_unsigned: flags.allow_unsigned,
+            proof_key,
+        }),
+        (None, Some(_)) => anyhow::bail!(
+            "the guard of {} accepts only verified fences (init --require-verified): start the proxy with --verify-key FILE",
+            cfg.fence_table.qualified()
+        ),
+        (Some(_), None) => anyhow::bail!(
+            "--verify-key needs the guard of {} to require verified fences, or the guard would still take any token set by a statement the proxy does not read: run `fence-proxy postgres init --upstream <url> --fence-table {} --require-verified` first",
+            cfg.fence_table.qualified(),
+            cfg.fence_table.qualified()
+        ),
+        (None, None) => None,
+    };
+    let cfg = Arc::new(cfg);
 
     let listener = TcpListener::bind(args.listen)
         .await
@@ -314,11 +369,14 @@ pub async fn run(args: Args, shutdown: CancellationToken) -> anyhow::Result<()> 
 
 /// Refuses to start unless the guard function exists in the upstream URL's database: without it
 /// every transaction would fail, and the operator should learn that now, not from clients.
+/// Returns the fence table's proof key when the guard requires verified fences. `verify`: the
+/// proxy has verify keys, so it must be able to read the proof key.
 async fn check_guard(
     pg_config: tokio_postgres::Config,
     cfg: &Config,
     pool_size: usize,
-) -> anyhow::Result<()> {
+    verify: bool,
+) -> anyhow::Result<Option<verify::ProofKey>> {
     let manager = deadpool_postgres::Manager::new(pg_config, cfg.upstream_tls.connector());
     let pool = deadpool_postgres::Pool::builder(manager)
         .max_size(pool_size)
@@ -345,5 +403,30 @@ async fn check_guard(
         cfg.fence_table.qualified()
     );
     tracing::info!(guard = %cfg.fence_table.guard_signature(), "guard function present");
-    Ok(())
+    let rows = match client.query(&cfg.fence_table.proof_key_sql(), &[]).await {
+        Ok(rows) => rows,
+        // Without verify keys a role that may not read the proof keys learns nothing here; a
+        // guard that requires verified fences then refuses every fenced transaction with 28000.
+        Err(e) if !verify => {
+            tracing::debug!("cannot read the proof keys: {e}");
+            return Ok(None);
+        }
+        Err(e) => anyhow::bail!(
+            "--verify-key: cannot read the proof key of {} in {}.proof_key: {}; grant it to the --upstream role: {}",
+            cfg.fence_table.qualified(),
+            fence_sql::GUARD_SCHEMA,
+            e.as_db_error()
+                .map(|d| d.message().to_owned())
+                .unwrap_or_else(|| e.to_string()),
+            FenceTable::grant_proof_key_sql("<role>").replace('\n', " ")
+        ),
+    };
+    match rows.first() {
+        None => Ok(None),
+        Some(row) => {
+            let key = verify::ProofKey::new(row.get(0), row.get(1))
+                .map_err(|e| anyhow::anyhow!("{}: {e}", cfg.fence_table.qualified()))?;
+            Ok(Some(key))
+        }
+    }
 }

@@ -62,6 +62,16 @@
 //! - A wrong "COPY" belief only holds the client until the statement's answer; a wrong "not
 //!   COPY" makes the proxy's own messages fail the COPY, which rolls back.
 //!
+//! # Verified fences (`--verify-key`)
+//!
+//! Each `SET lockd.fence = '<value>'` the proxy reads (a Query's statements, a Parse, the startup
+//! options) is verified before anything of its request goes upstream (`verify`); a verified value
+//! gets a proof that every guard call of the session carries. A value that does not verify is
+//! refused as Postgres refuses a failed SET: the statement does not run, so the session keeps the
+//! fence it had; inside the client's own block the block is aborted (the proxy sends a statement
+//! that fails in its place), so nothing after the refused SET commits. Values set any other way
+//! reach the guard without a proof, and the guard refuses them.
+//!
 //! The one place the proxy skips a guard before a client COMMIT is the first Execute of a group
 //! that starts in a failed transaction, where the upstream's own status (from ReadyForQuery) says
 //! that COMMIT can only roll back.
@@ -85,6 +95,7 @@ use crate::error::{self, ProxyError, ready_for_query};
 use crate::fence_sql;
 use crate::limits::{MAX_NAME_BYTES, MAX_PENDING_UNITS, MAX_TRACKED_NAMES};
 use crate::metrics_names::{RequestResult, record_request};
+use crate::verify::{Proofs, Verified};
 
 /// Prepared statement and portal names of the proxy's own extended-protocol work. The prefix
 /// keeps them apart from names drivers generate (`s0`, `sqlx_s_1`, `__asyncpg_...`); a client
@@ -300,6 +311,8 @@ pub struct Reported {
     pub status: u8,
     pub standard_strings_off: bool,
     pub client_encoding: Option<String>,
+    /// The startup fence, verified (`--verify-key` only).
+    pub fence: Option<Verified>,
 }
 
 /// Whether the relay loop continues.
@@ -347,6 +360,8 @@ pub struct Session {
     copy: Copy,
     /// Upstream messages being assembled for one write.
     out: BytesMut,
+    /// Proofs of the fence values verified in this session (`--verify-key` only).
+    proofs: Proofs,
 }
 
 impl Session {
@@ -362,7 +377,12 @@ impl Session {
             status,
             standard_strings_off,
             client_encoding,
+            fence,
         } = reported;
+        let mut proofs = Proofs::default();
+        if let Some(v) = fence {
+            proofs.add(v);
+        }
         Session {
             cfg,
             client_rx,
@@ -381,6 +401,7 @@ impl Session {
             awaiting_ready: false,
             copy: Copy::Off,
             out: BytesMut::new(),
+            proofs,
         }
     }
 
@@ -461,7 +482,48 @@ impl Session {
     }
 
     fn guard_sql(&self) -> String {
-        self.cfg.fence_table.guard_call(self.cfg.require_fence)
+        let proofs = self
+            .cfg
+            .verification
+            .as_ref()
+            .map(|_| self.proofs.sql_array());
+        self.cfg
+            .fence_table
+            .guard_call(self.cfg.require_fence, proofs.as_deref())
+    }
+
+    /// Verifies every `SET lockd.fence` of `stmts` (with `--verify-key`) and keeps the proofs; the
+    /// first value that does not verify refuses the request.
+    fn verify_fence_sets(&mut self, stmts: &[Statement]) -> Result<(), ProxyError> {
+        let Some(v) = self.cfg.verification.as_ref() else {
+            return Ok(());
+        };
+        for value in stmts.iter().filter_map(|s| s.sets_fence.as_deref()) {
+            if value.is_empty() {
+                continue;
+            }
+            let verified = v.check(value).inspect_err(|e| {
+                tracing::info!(code = e.code, "refusing SET lockd.fence: {}", e.message);
+            })?;
+            self.proofs.add(verified);
+        }
+        Ok(())
+    }
+
+    /// Refuses a Query whose `SET lockd.fence` did not verify, as Postgres answers a failed SET:
+    /// nothing of the query runs, and inside the client's block the block is aborted, which the
+    /// proxy achieves by sending a statement that fails in the query's place.
+    async fn refuse_fence_set(&mut self, e: ProxyError) -> anyhow::Result<Flow> {
+        if self.status != b'T' {
+            return self.reject_request(e).await;
+        }
+        self.start_request();
+        self.request.result = RequestResult::Rejected;
+        self.put_query(REFUSED_PARSE_SQL)?;
+        let mut p = Pending::ready(false, false, After::Report);
+        p.refusal = Some(e);
+        self.pending.push_back(p);
+        Ok(Flow::Continue)
     }
 
     async fn send_client(&mut self, m: &Message) -> std::io::Result<()> {
@@ -590,6 +652,9 @@ impl Session {
             Ok(s) => s,
             Err(e) => return self.reject_request(e).await,
         };
+        if let Err(e) = self.verify_fence_sets(&stmts) {
+            return self.refuse_fence_set(e).await;
+        }
         if stmts.is_empty() {
             self.start_request();
             self.out.extend_from_slice(&m.frame);
@@ -636,6 +701,7 @@ impl Session {
         let stmts = [Statement {
             kind: StatementKind::Other,
             start: 0,
+            sets_fence: None,
         }];
         self.plan_simple(&stmts, ClientOp::Message(m)).await
     }
@@ -869,8 +935,12 @@ impl Session {
             return self.refuse_in_group(e).await;
         }
         let (kind, refusal) = match self.sql_text(raw).and_then(|text| self.read_sql(&text)) {
-            // One statement: its kind. Several: the upstream refuses the Parse anyway.
-            Ok(stmts) if stmts.len() == 1 => (stmts[0].kind.clone(), None),
+            // One statement: its kind. Several: the upstream refuses the Parse anyway. A SET of
+            // lockd.fence that does not verify fails at Parse, like any refused statement.
+            Ok(stmts) if stmts.len() == 1 => match self.verify_fence_sets(&stmts) {
+                Ok(()) => (stmts[0].kind.clone(), None),
+                Err(e) => (StatementKind::Other, Some(e)),
+            },
             Ok(_) => (StatementKind::Other, None),
             Err(e) => (StatementKind::Other, Some(e)),
         };

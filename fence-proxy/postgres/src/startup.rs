@@ -111,7 +111,23 @@ pub async fn handshake(tcp: TcpStream, cfg: Arc<Config>) -> anyhow::Result<Start
     };
 
     let params = startup_params(&packet[8..]);
-    let fence = match startup_fence(&params) {
+    // With --verify-key the startup fence must verify (a sequencer, or a plain token under
+    // --allow-unsigned) before anything reaches the upstream; its proof goes with every guard
+    // call of the session.
+    let checked = match &cfg.verification {
+        None => startup_fence(&params).map(|f| (f.map(|f| f.to_string()), None)),
+        Some(v) => match startup_fence_value(&params) {
+            None => Ok((None, None)),
+            Some(value) => v
+                .check(&value)
+                .map(|verified| (Some(value), Some(verified)))
+                .map_err(|mut e| {
+                    e.fatal = true;
+                    e
+                }),
+        },
+    };
+    let (fence, verified) = match checked {
         Ok(f) => f,
         Err(e) => {
             refuse(&mut client, e).await;
@@ -231,7 +247,7 @@ pub async fn handshake(tcp: TcpStream, cfg: Arc<Config>) -> anyhow::Result<Start
     tracing::debug!(
         user = params.get("user").map(String::as_str).unwrap_or(""),
         database = params.get("database").map(String::as_str).unwrap_or(""),
-        fence = fence.as_ref().map(ToString::to_string).unwrap_or_default(),
+        fence = fence.unwrap_or_default(),
         "session authenticated"
     );
     Ok(Startup::Session(Box::new(Session::new(
@@ -244,6 +260,7 @@ pub async fn handshake(tcp: TcpStream, cfg: Arc<Config>) -> anyhow::Result<Start
             status,
             standard_strings_off,
             client_encoding,
+            fence: verified,
         },
     ))))
 }
@@ -407,6 +424,17 @@ pub fn startup_params(mut body: &[u8]) -> BTreeMap<String, String> {
 /// The fence given at startup: a `lockd.fence` parameter or `-c lockd.fence=...` /
 /// `--lockd.fence=...` inside `options`; the last one wins, as in Postgres.
 pub fn startup_fence(params: &BTreeMap<String, String>) -> Result<Option<Fence>, ProxyError> {
+    match startup_fence_value(params) {
+        None => Ok(None),
+        Some(v) => fence_value::parse(&v).map(Some).map_err(|mut e| {
+            e.fatal = true;
+            e
+        }),
+    }
+}
+
+/// The raw `lockd.fence` value of the startup packet, `None` when absent or empty.
+pub fn startup_fence_value(params: &BTreeMap<String, String>) -> Option<String> {
     let mut value = params.get("lockd.fence").cloned();
     if let Some(options) = params.get("options") {
         let words = split_options(options);
@@ -428,14 +456,7 @@ pub fn startup_fence(params: &BTreeMap<String, String>) -> Result<Option<Fence>,
             i += 1;
         }
     }
-    match value {
-        None => Ok(None),
-        Some(v) if v.is_empty() => Ok(None),
-        Some(v) => fence_value::parse(&v).map(Some).map_err(|mut e| {
-            e.fatal = true;
-            e
-        }),
-    }
+    value.filter(|v| !v.is_empty())
 }
 
 /// Splits a libpq `options` string at unescaped whitespace; a backslash keeps the next character.
