@@ -607,6 +607,76 @@ async fn issue15_status_follows_the_policy() {
     }
 }
 
+/// Goal (issue 15, review of the sequencer key): the signing key's admin RPCs follow the
+/// policy's `admin`: a tenant may neither list nor rotate the key, on the leader or through a
+/// follower, and the operator (`cert:ops`, granted `admin`) may, through a follower as well
+/// (the follower forwards the operator's identity, which the leader authorizes again). Method:
+/// the policy cluster; SigningKeys and RotateSigningKey from alice, anonymous and ops, on every
+/// node; the active key id before and after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue15_signing_key_admin_calls_follow_the_policy() {
+    use lockd_api::v1::{RotateSigningKeyRequest, SigningKeysRequest};
+    let mut s = setup().await;
+    let (leader, follower) = leader_and_follower(&mut s.cluster).await;
+    // The key is installed right after the first leader's first commit.
+    let mut active = None;
+    for _ in 0..50 {
+        let keys = ClusterClient::new(channel(&s.cluster, leader, Some(&s.ops)))
+            .signing_keys(with_headers(SigningKeysRequest {}, &[]))
+            .await
+            .unwrap()
+            .into_inner();
+        active = keys
+            .keys
+            .iter()
+            .find(|k| k.active)
+            .map(|k| k.key_id.clone());
+        if active.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let active = active.expect("an active signing key");
+    for node in [leader, follower] {
+        for who in [Some(&s.alice), None] {
+            let st = ClusterClient::new(channel(&s.cluster, node, who))
+                .rotate_signing_key(with_headers(
+                    RotateSigningKeyRequest {
+                        replaces_key_id: active.clone(),
+                    },
+                    &[],
+                ))
+                .await
+                .unwrap_err();
+            assert_eq!(st.code(), Code::PermissionDenied, "node {node}: {st:?}");
+            assert!(st.message().contains("admin"), "{st:?}");
+            let st = ClusterClient::new(channel(&s.cluster, node, who))
+                .signing_keys(with_headers(SigningKeysRequest {}, &[]))
+                .await
+                .unwrap_err();
+            assert_eq!(st.code(), Code::PermissionDenied, "node {node}: {st:?}");
+        }
+    }
+    let keys = ClusterClient::new(channel(&s.cluster, follower, Some(&s.ops)))
+        .signing_keys(with_headers(SigningKeysRequest {}, &[]))
+        .await
+        .unwrap()
+        .into_inner();
+    let still = keys.keys.iter().find(|k| k.active).unwrap();
+    assert_eq!(still.key_id, active, "refused calls rotated nothing");
+    let rotated = ClusterClient::new(channel(&s.cluster, follower, Some(&s.ops)))
+        .rotate_signing_key(with_headers(
+            RotateSigningKeyRequest {
+                replaces_key_id: active.clone(),
+            },
+            &[],
+        ))
+        .await
+        .expect("the operator rotates through a follower")
+        .into_inner();
+    assert_ne!(rotated.key_id, active);
+}
+
 /// Goal (issue 15): start-up refuses a bad policy, tokens file or combination with one line
 /// that names the problem. Method: `lockd` with each bad input exits non-zero; its stderr is one
 /// line naming the flag, the file and the line or value.

@@ -379,7 +379,12 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
         let std_listener = std::net::TcpListener::bind(addr)
             .map_err(|e| anyhow::anyhow!("binding --metrics-listen {addr}: {e}"))?;
         drop(std_listener);
-        let (c, t, s, p) = (ctx.clone(), tls.clone(), shutdown.clone(), peer_ips(&config));
+        let (c, t, s, p) = (
+            ctx.clone(),
+            tls.clone(),
+            shutdown.clone(),
+            peer_ips(&config),
+        );
         tokio::spawn(async move {
             if let Err(e) = crate::observe::http::serve(c, addr, t, p, s).await {
                 tracing::error!(error = %e, "metrics listener stopped");

@@ -362,8 +362,7 @@ impl Drop for HandshakeSlot {
     fn drop(&mut self) {
         let mut t = self.table.lock().unwrap_or_else(|e| e.into_inner());
         t.total -= 1;
-        if let std::collections::hash_map::Entry::Occupied(mut e) = t.by_source.entry(self.source)
-        {
+        if let std::collections::hash_map::Entry::Occupied(mut e) = t.by_source.entry(self.source) {
             *e.get_mut() -= 1;
             if *e.get() == 0 {
                 e.remove();

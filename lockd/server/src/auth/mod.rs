@@ -23,7 +23,7 @@ pub mod policy;
 pub mod tokens;
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -289,8 +289,9 @@ impl Auth {
         let material = tls.current();
         let outcome = match material.identify_member(&chain, &self.members) {
             Ok(id) => Ok(CertIdentity::Node(id)),
-            Err(_) => client_certificate(material.client_anchors(), &chain)
-                .map(CertIdentity::Client),
+            Err(_) => {
+                client_certificate(material.client_anchors(), &chain).map(CertIdentity::Client)
+            }
         };
         let mut checked = self.checked.lock().unwrap_or_else(|e| e.into_inner());
         if checked.len() >= CHECKED_MAX {
@@ -298,34 +299,6 @@ impl Auth {
         }
         checked.insert(key, (outcome.clone(), Instant::now(), generation));
         Some(outcome)
-    }
-
-}
-
-/// The subject common name of a client certificate issued (through the intermediates the caller
-/// sent) by `--tls-client-ca` (`anchors`).
-fn client_certificate(
-    anchors: &[rustls_pki_types::TrustAnchor<'static>],
-    chain: &[CertificateDer<'static>],
-) -> Result<String, String> {
-    {
-        if anchors.is_empty() {
-            return Err("no --tls-client-ca is configured".to_owned());
-        }
-        let leaf = chain.first().ok_or("no certificate")?;
-        let cert = webpki::EndEntityCert::try_from(leaf)
-            .map_err(|e| format!("unreadable certificate: {e}"))?;
-        cert.verify_for_usage(
-            webpki::ALL_VERIFICATION_ALGS,
-            anchors,
-            &chain[1..],
-            UnixTime::now(),
-            webpki::KeyUsage::client_auth(),
-            None,
-            None,
-        )
-        .map_err(|e| format!("not a client certificate of --tls-client-ca: {e}"))?;
-        common_name(leaf.as_ref())
     }
 
     /// Authorizes `op` (on `resource`) for the caller the interceptor identified; returns it.
@@ -426,6 +399,31 @@ fn client_certificate(
             );
         }
     }
+}
+
+/// The subject common name of a client certificate issued (through the intermediates the caller
+/// sent) by `--tls-client-ca` (`anchors`).
+fn client_certificate(
+    anchors: &[rustls_pki_types::TrustAnchor<'static>],
+    chain: &[CertificateDer<'static>],
+) -> Result<String, String> {
+    if anchors.is_empty() {
+        return Err("no --tls-client-ca is configured".to_owned());
+    }
+    let leaf = chain.first().ok_or("no certificate")?;
+    let cert = webpki::EndEntityCert::try_from(leaf)
+        .map_err(|e| format!("unreadable certificate: {e}"))?;
+    cert.verify_for_usage(
+        webpki::ALL_VERIFICATION_ALGS,
+        anchors,
+        &chain[1..],
+        UnixTime::now(),
+        webpki::KeyUsage::client_auth(),
+        None,
+        None,
+    )
+    .map_err(|e| format!("not a client certificate of --tls-client-ca: {e}"))?;
+    common_name(leaf.as_ref())
 }
 
 /// The identity and the client's request id of a scoped request id (see

@@ -36,8 +36,8 @@ pub enum Operation {
     Describe,
     /// `lockd.v1.Cluster/Status`.
     Status,
-    /// Administrative RPCs (membership, leader transfer, snapshots); no lockd RPC is of this
-    /// kind yet, so the grant is accepted and has no effect until one is served.
+    /// Administrative RPCs: `SigningKeys` and `RotateSigningKey` today (membership, leader
+    /// transfer and snapshots when they come).
     Admin,
 }
 

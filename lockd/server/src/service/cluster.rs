@@ -94,16 +94,11 @@ impl ClusterService {
         }
     }
 
-    fn forward_request<T>(&self, msg: T) -> Request<T> {
+    /// The call as forwarded to the leader: marked as forwarded by this node, for `caller`, whom
+    /// the leader authorizes again.
+    fn forward_request<T>(&self, msg: T, caller: &crate::auth::Caller) -> Request<T> {
         let mut req = Request::new(msg);
-        req.metadata_mut().insert(
-            FORWARDED_HEADER,
-            self.ctx
-                .id
-                .to_string()
-                .parse()
-                .expect("digits are valid metadata"),
-        );
+        self.ctx.auth.mark_forwarded(self.ctx.id, caller, &mut req);
         req.set_timeout(ADMIN_FORWARD_TIMEOUT);
         req
     }
@@ -227,34 +222,41 @@ fn parse_key_id(hex: &str) -> Result<[u8; 8], Status> {
 
 #[tonic::async_trait]
 impl Cluster for ClusterService {
-    // Admin operation (key material): keep behind the authorization policy's "admin".
+    // Admin operations: the policy's "admin" (open without a policy).
     async fn signing_keys(
         &self,
         req: Request<SigningKeysRequest>,
     ) -> Result<Response<SigningKeysResponse>, Status> {
+        let caller = self
+            .ctx
+            .auth
+            .authorize(&req, crate::auth::Operation::Admin, None)?;
         match self.route(&req).await? {
             Route::Local => self.signing_keys_local().await.map(Response::new),
             Route::Forward(leader) => {
                 let mut client = self.ctx.cluster_peers[&leader].1.clone();
                 client
-                    .signing_keys(self.forward_request(req.into_inner()))
+                    .signing_keys(self.forward_request(req.into_inner(), &caller))
                     .await
                     .map_err(|s| self.forward_error(leader, s))
             }
         }
     }
 
-    // Admin operation: keep behind the authorization policy's "admin".
     async fn rotate_signing_key(
         &self,
         req: Request<RotateSigningKeyRequest>,
     ) -> Result<Response<RotateSigningKeyResponse>, Status> {
+        let caller = self
+            .ctx
+            .auth
+            .authorize(&req, crate::auth::Operation::Admin, None)?;
         match self.route(&req).await? {
             Route::Local => self.rotate_local(req.into_inner()).await.map(Response::new),
             Route::Forward(leader) => {
                 let mut client = self.ctx.cluster_peers[&leader].1.clone();
                 client
-                    .rotate_signing_key(self.forward_request(req.into_inner()))
+                    .rotate_signing_key(self.forward_request(req.into_inner(), &caller))
                     .await
                     .map_err(|s| self.forward_error(leader, s))
             }

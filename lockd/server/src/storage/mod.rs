@@ -58,8 +58,12 @@ pub fn open(data_dir: &Path) -> anyhow::Result<Databases> {
         .mode(0o700)
         .create(data_dir)
         .map_err(|e| anyhow::anyhow!("creating data dir {}: {e}", data_dir.display()))?;
-    std::fs::set_permissions(data_dir, std::fs::Permissions::from_mode(0o700))
-        .map_err(|e| anyhow::anyhow!("restricting data dir {} to its owner: {e}", data_dir.display()))?;
+    std::fs::set_permissions(data_dir, std::fs::Permissions::from_mode(0o700)).map_err(|e| {
+        anyhow::anyhow!(
+            "restricting data dir {} to its owner: {e}",
+            data_dir.display()
+        )
+    })?;
     let log = create(&data_dir.join("lockd.redb"), LOG_CACHE_BYTES, |txn| {
         txn.open_table(LOG)?;
         txn.open_table(META)?;
