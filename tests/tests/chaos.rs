@@ -77,9 +77,11 @@ async fn broken_mode_writes_around_the_fence_and_the_checker_fails() {
     );
 }
 
-/// Goal (issue 15, test 7): with TLS on every node and client, the same invariants hold under
-/// faults that cut and restart TLS connections (kills, pauses, partitions, a wiped node).
-/// Method: a 20 s seeded run with `tls`, the faults that exercise connections.
+/// Goal (issue 15, test 7): with TLS and an authorization policy on every node and client, the
+/// same invariants hold under faults that cut and restart TLS connections (kills, pauses,
+/// partitions, a wiped node); request ids are scoped per identity and forwarded calls carry the
+/// identity, so retries across leaders must still return the original grants. Method: a 20 s
+/// seeded run with `tls` (which also sets `--auth-policy`), the faults that exercise connections.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tls_run_keeps_every_invariant() {
     let _serial = SERIAL.lock().await;

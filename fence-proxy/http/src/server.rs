@@ -109,14 +109,15 @@ impl Default for Limits {
 /// Opens the store, binds `--listen`, and serves until `shutdown` is cancelled.
 pub async fn run(args: Args, shutdown: CancellationToken) -> anyhow::Result<()> {
     crate::metrics::describe();
+    // Flag errors first: a bad flag is one line, not a warning and then the error.
+    let access = args.tls.access()?;
+    let upstream_tls = args.tls.upstream_tls(&args.upstream)?;
     let verification =
         crate::Verification::from_flags(&args.verify_key, args.allow_unsigned, "http")?;
     let store = args
         .store
         .open(&args.store_options())
         .with_context(|| format!("opening the epoch store {}", args.store))?;
-    let access = args.tls.access()?;
-    let upstream_tls = args.tls.upstream_tls(&args.upstream)?;
     let listener = TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("binding --listen {}", args.listen))?;

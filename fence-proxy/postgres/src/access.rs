@@ -29,8 +29,9 @@ pub struct AccessArgs {
         requires = "tls_cert"
     )]
     pub tls_key: Option<PathBuf>,
-    /// Require of every TLS client a certificate issued by this PEM CA (mutual TLS). The
-    /// upstream still authenticates the role as its pg_hba.conf says.
+    /// Require of every client a certificate issued by this PEM CA (mutual TLS); implies
+    /// --require-tls, so a client cannot skip the check by not asking for TLS. The upstream
+    /// still authenticates the role as its pg_hba.conf says.
     #[arg(
         long,
         value_name = "FILE",
@@ -62,6 +63,12 @@ impl AccessArgs {
         let config =
             fence_proxy_net::tls::server_config(cert, key, self.tls_client_ca.as_deref(), &[])?;
         Ok(Some(TlsAcceptor::from(config)))
+    }
+
+    /// Whether a session must start with TLS: `--require-tls`, or `--tls-client-ca` (a client
+    /// certificate check that a plaintext session could skip would be no check).
+    pub fn tls_required(&self) -> bool {
+        self.require_tls || self.tls_client_ca.is_some()
     }
 
     pub fn allow_list(&self) -> AllowList {

@@ -241,6 +241,25 @@ pub async fn run(args: Args, shutdown: CancellationToken) -> anyhow::Result<()> 
     anyhow::ensure!(args.max_sessions > 0, "--max-sessions must be at least 1");
     anyhow::ensure!(args.pool_size > 0, "--pool-size must be at least 1");
     let verify_flags = verify::VerifyFlags::from_flags(&args.verify_key, args.allow_unsigned)?;
+    // The proof key travels on the --upstream connection: whoever reads it there can forge the
+    // proofs the guard trusts. So with --verify-key that connection must be checked TLS, or stay
+    // on this machine.
+    let loopback = host == "localhost"
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback());
+    if verify_flags.is_some()
+        && !loopback
+        && !matches!(
+            upstream.tls.mode,
+            upstream::SslMode::VerifyCa | upstream::SslMode::VerifyFull
+        )
+    {
+        anyhow::bail!(
+            "--verify-key needs --upstream with sslmode=verify-full (or verify-ca) for the non-loopback host {host:?}, sslmode is {}: the guard's proof key is read over that connection",
+            upstream.tls.mode.as_str()
+        );
+    }
     let mut cfg = Config {
         upstream_addr: if host.contains(':') {
             format!("[{host}]:{port}")
@@ -254,7 +273,7 @@ pub async fn run(args: Args, shutdown: CancellationToken) -> anyhow::Result<()> 
         startup_timeout: Duration::from_millis(args.startup_timeout_ms),
         upstream_tls: upstream.tls,
         client_tls: args.access.acceptor()?,
-        require_tls: args.access.require_tls,
+        require_tls: args.access.tls_required(),
         verification: None,
     };
     let allow = args.access.allow_list();

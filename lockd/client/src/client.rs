@@ -129,6 +129,15 @@ impl Client {
     }
 
     pub fn with_config(config: ClientConfig) -> Result<Self, Error> {
+        // The token is written before the client could learn that the other end speaks no TLS:
+        // over plaintext anyone on the path (or a spoofed endpoint) would read a long-lived
+        // secret. lockd accepts tokens only with TLS on anyway.
+        if config.bearer_token.is_some() && config.tls.is_none() {
+            return Err(Error::BadToken {
+                reason: "a bearer token is sent only over TLS: give the nodes' CA (--cacert)"
+                    .to_owned(),
+            });
+        }
         let endpoints = Endpoints::parse(
             &config.endpoints,
             config.connect_timeout,

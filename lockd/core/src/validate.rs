@@ -54,6 +54,15 @@ pub fn request_id(id: &str) -> Result<(), InvalidArgument> {
             format!("{} bytes: at most {REQUEST_ID_MAX_BYTES}", id.len()),
         ));
     }
+    // With an authorization policy lockd scopes ids as `\u{1}<identity>\u{1}<id>`: an id with
+    // control characters could pose as another identity's scoped id (one planted before the
+    // policy was turned on, say) or forge an identity in the audit log.
+    if id.chars().any(char::is_control) {
+        return Err(invalid(
+            "request_id",
+            format!("{id:?} contains control characters"),
+        ));
+    }
     Ok(())
 }
 
@@ -141,6 +150,9 @@ mod tests {
         );
         assert_eq!(request_id("").unwrap_err().field, "request_id");
         assert!(request_id(&"r".repeat(129)).is_err());
+        assert!(request_id("\u{1}cert:ops\u{1}job-1").is_err());
+        assert!(request_id("tab\there").is_err());
+        assert!(request_id("3f2a-ü-job").is_ok());
         assert_eq!(lease_id("nope").unwrap_err().field, "lease_id");
     }
 }

@@ -86,6 +86,18 @@ pub fn client_channel(addr: SocketAddr, ca: Option<&[u8]>) -> Channel {
         .connect_lazy()
 }
 
+/// TLS runs also enforce an authorization policy, so that the paths it adds run under the faults:
+/// every Acquire's request id is scoped to the caller's identity in the dedup window, and a
+/// follower forwards the identity, which the leader accepts only from a node certificate and
+/// authorizes again. The workload calls without a client certificate, as `anonymous`.
+const TLS_POLICY: &str = r#"
+[[grant]]
+identities = ["anonymous"]
+resources = ["*"]
+operations = ["acquire", "renew", "release", "describe", "status"]
+"#;
+const POLICY_FILE: &str = "policy.toml";
+
 /// The `--cluster-id` of TLS runs (also in the node certificates' names).
 const TLS_CLUSTER_ID: &str = "chaos";
 
@@ -127,6 +139,7 @@ impl ChaosCluster {
                 )?);
             }
             c.tls = Some((std::fs::read(&ca.cert_path)?, ca.cert_path.clone(), nodes));
+            std::fs::write(c.dir.join(POLICY_FILE), TLS_POLICY)?;
         }
         for id in 1..=NODES {
             c.peer_relays
@@ -208,7 +221,9 @@ impl ChaosCluster {
                 .arg("--tls-key")
                 .arg(&node.key)
                 .arg("--peer-ca")
-                .arg(ca);
+                .arg(ca)
+                .arg("--auth-policy")
+                .arg(self.dir.join(POLICY_FILE));
         }
         cmd.env("LOCKD_TEST_CLOCK_OFFSET_MS", clock_offset_ms.to_string());
         if std::env::var_os("RUST_LOG").is_none() {
