@@ -316,18 +316,58 @@ impl Cluster {
     }
 
     /// Fetches `/metrics` of node `id`.
+    /// With TLS the metrics listener speaks TLS with the node certificate: trust the peer CA.
     pub async fn metrics_text(&self, id: u64) -> anyhow::Result<String> {
-        http_get(&self.metrics_addr(id), "/metrics")
-            .await
-            .map(|(_, body)| body)
+        let addr = self.metrics_addr(id);
+        match &self.tls {
+            Some(tls) => https_get(&addr, "/metrics", &tls.peer_ca.cert_path).await,
+            None => http_get(&addr, "/metrics").await,
+        }
+        .map(|(_, body)| body)
     }
+}
+
+/// [`http_get`] over TLS, trusting the CA in `ca` (PEM); the server is named by its IP.
+pub async fn https_get(
+    addr: &str,
+    path: &str,
+    ca: &std::path::Path,
+) -> anyhow::Result<(u16, String)> {
+    use rustls::pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    for c in rustls::pki_types::CertificateDer::pem_file_iter(ca)? {
+        roots.add(c?)?;
+    }
+    let config = rustls::ClientConfig::builder_with_provider(
+        rustls::crypto::ring::default_provider().into(),
+    )
+    .with_safe_default_protocol_versions()?
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let tcp = tokio::time::timeout(Duration::from_secs(2), tokio::net::TcpStream::connect(addr))
+        .await??;
+    let ip: std::net::SocketAddr = addr.parse()?;
+    let stream = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
+        .connect(
+            rustls::pki_types::ServerName::IpAddress(ip.ip().into()),
+            tcp,
+        )
+        .await?;
+    get_over(stream, addr, path).await
 }
 
 /// A minimal HTTP/1.0 GET over loopback (no client library needed for two endpoints).
 pub async fn http_get(addr: &str, path: &str) -> anyhow::Result<(u16, String)> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::time::timeout(Duration::from_secs(2), tokio::net::TcpStream::connect(addr))
+    let s = tokio::time::timeout(Duration::from_secs(2), tokio::net::TcpStream::connect(addr))
         .await??;
+    get_over(s, addr, path).await
+}
+
+async fn get_over<S>(mut s: S, addr: &str, path: &str) -> anyhow::Result<(u16, String)>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     s.write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
         .await?;
     let mut buf = String::new();

@@ -237,15 +237,18 @@ async fn the_key_survives_failover_snapshots_and_restarts() {
         .wait_applied(index, Duration::from_secs(30))
         .await
         .unwrap();
-    // Make the caught-up node the leader: stop the others one at a time until it leads.
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while cluster.leader().await.unwrap() != old_leader {
+    // Make the caught-up node the leader: stop the leader, wait until the two others have
+    // elected one of them, restart it; again until the caught-up node wins (each round it is one
+    // of two candidates). A leader restarted before the others elected would lead again at
+    // once, in its term (openraft resumes a committed vote of its own), so waiting matters.
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let mut leader = cluster.leader().await.unwrap();
+    while leader != old_leader {
         assert!(Instant::now() < deadline, "node {old_leader} never led");
-        let l = cluster.leader().await.unwrap();
-        cluster.kill(l);
-        tokio::time::sleep(Duration::from_millis(1_500)).await;
-        cluster.start_node(l).unwrap();
-        cluster.leader().await.unwrap();
+        cluster.kill(leader);
+        let next = cluster.leader().await.unwrap();
+        cluster.start_node(leader).unwrap();
+        leader = next;
     }
     let from_caught_up = acquire(&cluster, &[old_leader], req("fail/c", "fail-3", 0)).await;
     assert_eq!(key_of(&from_caught_up), key, "a snapshot lost the key");

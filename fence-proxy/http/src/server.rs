@@ -112,12 +112,12 @@ pub async fn run(args: Args, shutdown: CancellationToken) -> anyhow::Result<()> 
     // Flag errors first: a bad flag is one line, not a warning and then the error.
     let access = args.tls.access()?;
     let upstream_tls = args.tls.upstream_tls(&args.upstream)?;
-    let verification =
-        crate::Verification::from_flags(&args.verify_key, args.allow_unsigned, "http")?;
     let store = args
         .store
         .open(&args.store_options())
         .with_context(|| format!("opening the epoch store {}", args.store))?;
+    let verification =
+        crate::Verification::from_flags(&args.verify_key, args.allow_unsigned, "http")?;
     let listener = TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("binding --listen {}", args.listen))?;
