@@ -173,17 +173,24 @@ impl PostgresStore {
             .get_or_try_init(|| async {
                 let what = "creating the table";
                 let create = || sqlx::query(AssertSqlSafe(self.sql.create.clone()));
-                match timeout(self.timing.store_timeout, create().execute(&self.pool)).await {
-                    Ok(Ok(_)) => Ok(()),
-                    // Another replica was creating it at the same moment. Run the statement
-                    // again: once that creation has committed it is a no-op, and anything else
-                    // under the name (a stray type, say) keeps failing and is reported.
-                    Ok(Err(e)) if is_already_created(&e) => {
-                        self.bounded(what, create().execute(&self.pool)).await?;
-                        Ok(())
+                let mut races = 0;
+                loop {
+                    match timeout(self.timing.store_timeout, create().execute(&self.pool)).await {
+                        Ok(Ok(_)) => return Ok(()),
+                        // Another replica was creating it at the same moment ("already
+                        // exists", or our lock_timeout ran out waiting for its catalog lock).
+                        // Run the statement again: once that creation has committed it is a
+                        // no-op; anything else under the name (a stray type, say) keeps failing
+                        // and is reported after a few tries.
+                        Ok(Err(e))
+                            if races < CREATE_RACE_RETRIES
+                                && (is_already_created(&e) || is_lock_timeout(&e)) =>
+                        {
+                            races += 1;
+                        }
+                        Ok(Err(e)) => return Err(self.unavailable(what, e)),
+                        Err(_) => return Err(self.no_answer(what)),
                     }
-                    Ok(Err(e)) => Err(self.unavailable(what, e)),
-                    Err(_) => Err(self.no_answer(what)),
                 }
             })
             .await
@@ -356,6 +363,14 @@ fn sqlstate(e: &sqlx::Error) -> Option<String> {
     e.as_database_error()
         .and_then(|d| d.code())
         .map(|c| c.into_owned())
+}
+
+/// Times a replica runs the table's CREATE again after losing a race with another replica.
+const CREATE_RACE_RETRIES: u32 = 3;
+
+/// `55P03` lock_not_available: the session's lock_timeout ran out.
+fn is_lock_timeout(e: &sqlx::Error) -> bool {
+    sqlstate(e).is_some_and(|c| c == "55P03")
 }
 
 fn is_already_created(e: &sqlx::Error) -> bool {
