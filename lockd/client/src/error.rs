@@ -16,6 +16,7 @@
 use std::fmt;
 use std::time::Duration;
 
+use lockd_api::errors::{Reason, reason_of};
 use tonic::{Code, Status};
 
 /// The RPC an error came from; it decides how a status is read (see the table above).
@@ -203,7 +204,13 @@ pub(crate) fn classify(op: Op, status: Status, endpoint: &str) -> AttemptFailure
         return AttemptFailure::NotSent(describe(&status));
     }
     let from_transport = std::error::Error::source(&status).is_some();
+    // lockd says in its ErrorInfo whether the call may have taken effect; a status without one
+    // did not come from lockd (a broken connection, a proxy) and proves nothing.
+    let reason = reason_of(&status).map(|(r, _)| r);
     match status.code() {
+        Code::Unavailable if reason.is_some_and(Reason::nothing_done) => {
+            AttemptFailure::NotSent(describe(&status))
+        }
         Code::Unavailable => AttemptFailure::MaybeSent(describe(&status)),
         // A broken connection surfaces as UNKNOWN or CANCELLED with the I/O error as source.
         Code::Unknown | Code::Cancelled | Code::Internal if from_transport => {
@@ -370,6 +377,34 @@ mod tests {
         assert!(matches!(f, AttemptFailure::MaybeSent(_)));
         let f = classify(Op::Acquire, Status::aborted("held"), "e1");
         assert!(matches!(f, AttemptFailure::Final(_)));
+    }
+
+    #[test]
+    fn reasons_tell_nothing_done_from_outcome_unknown() {
+        use lockd_api::errors::status;
+        for r in [Reason::Overloaded, Reason::NoQuorum] {
+            let f = classify(
+                Op::Acquire,
+                status(Code::Unavailable, "lockd: x".into(), r, &[]),
+                "e1",
+            );
+            assert!(matches!(f, AttemptFailure::NotSent(_)), "{r}: {f:?}");
+        }
+        let unknown = status(
+            Code::Unavailable,
+            "lockd: x".into(),
+            Reason::OutcomeUnknown,
+            &[],
+        );
+        let f = classify(Op::Acquire, unknown, "e1");
+        assert!(matches!(f, AttemptFailure::MaybeSent(_)), "{f:?}");
+        // The message alone proves nothing: without lockd's ErrorInfo the outcome is unknown.
+        let f = classify(
+            Op::Acquire,
+            Status::unavailable("lockd: nothing was done"),
+            "e1",
+        );
+        assert!(matches!(f, AttemptFailure::MaybeSent(_)), "{f:?}");
     }
 
     #[test]

@@ -85,14 +85,21 @@ pub struct Worker {
     n: u64,
 }
 
-/// What a gRPC status means for the caller: `Fail` only when lockd itself gave a final answer.
+/// What a gRPC status means for the caller: `Fail` only for a final answer from lockd (its
+/// ErrorInfo present). UNAVAILABLE is retried with the same request_id even when its reason says
+/// nothing was done, so it stays `Unknown` here: a retry may still be granted.
 pub fn classify(status: &tonic::Status) -> Outcome {
     use tonic::Code::*;
-    let from_lockd = status.message().starts_with("lockd:");
-    let reason = format!("{:?}: {}", status.code(), status.message());
+    let lockd_reason = lockd_api::errors::reason_of(status).map(|(r, _)| r);
+    let reason = format!(
+        "{:?} {}: {}",
+        status.code(),
+        lockd_reason.map(|r| r.as_str()).unwrap_or("(no ErrorInfo)"),
+        status.message()
+    );
     match status.code() {
         Aborted | ResourceExhausted | InvalidArgument | NotFound | DeadlineExceeded
-            if from_lockd =>
+            if lockd_reason.is_some() =>
         {
             Outcome::Fail { reason }
         }

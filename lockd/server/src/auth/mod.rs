@@ -39,6 +39,7 @@ pub use tokens::Tokens;
 
 use crate::observe::metrics::NodeMetrics;
 use crate::raft::NodeId;
+use crate::service::errors;
 use crate::tls::TlsHandle;
 
 /// Binary gRPC metadata in which a node forwarding a call names the caller it acts for (UTF-8).
@@ -197,8 +198,8 @@ impl Auth {
             _ => None,
         };
         if claims_forward && node.is_none() {
-            return Err(Status::unauthenticated(format!(
-                "lockd: {FORWARDED_HEADER} and {FORWARDED_IDENTITY_HEADER} are accepted only \
+            return Err(errors::unauthenticated(format!(
+                "{FORWARDED_HEADER} and {FORWARDED_IDENTITY_HEADER} are accepted only \
                  from the nodes of this cluster (a member's certificate of --peer-ca); this \
                  caller is not one"
             )));
@@ -217,8 +218,8 @@ impl Auth {
                 .and_then(|b| String::from_utf8(b.to_vec()).ok())
                 .filter(|s| !s.is_empty())
                 .ok_or_else(|| {
-                    Status::unauthenticated(format!(
-                        "lockd: a call forwarded by node {} names no caller in \
+                    errors::unauthenticated(format!(
+                        "a call forwarded by node {} names no caller in \
                          {FORWARDED_IDENTITY_HEADER}",
                         node.unwrap_or_default()
                     ))
@@ -239,13 +240,11 @@ impl Auth {
                         .then_some(secret.trim())
                 })
                 .ok_or_else(|| {
-                    Status::unauthenticated(
-                        "lockd: the authorization header must be \"Bearer <token>\"",
-                    )
+                    errors::unauthenticated("the authorization header must be \"Bearer <token>\"")
                 })?;
             let name = self.tokens.identify(secret).ok_or_else(|| {
-                Status::unauthenticated(
-                    "lockd: the bearer token is not valid (no token of --auth-tokens has that \
+                errors::unauthenticated(
+                    "the bearer token is not valid (no token of --auth-tokens has that \
                      secret)",
                 )
             })?;
@@ -256,8 +255,8 @@ impl Auth {
                 Some(Ok(CertIdentity::Node(id))) => format!("node:{id}"),
                 Some(Ok(CertIdentity::Client(cn))) => format!("cert:{cn}"),
                 Some(Err(why)) => {
-                    return Err(Status::unauthenticated(format!(
-                        "lockd: the client certificate gives no identity: {why}"
+                    return Err(errors::unauthenticated(format!(
+                        "the client certificate gives no identity: {why}"
                     )));
                 }
             }
@@ -317,8 +316,11 @@ impl Auth {
             },
             // The interceptor did not run: refuse rather than guess.
             None => {
-                return Err(Status::permission_denied(
-                    "lockd: permission denied: the call was not identified",
+                return Err(errors::permission_denied(
+                    "permission denied: the call was not identified",
+                    "unidentified",
+                    op.as_str(),
+                    resource,
                 ));
             }
         };
@@ -452,10 +454,15 @@ pub fn denied(identity: &str, op: Operation, resource: Option<&str>) -> Status {
         Some(r) => format!("{} {r:?}", op.as_str()),
         None => format!("call {} on the cluster", op.as_str()),
     };
-    Status::permission_denied(format!(
-        "lockd: permission denied: {identity} may not {what} (not granted by the authorization \
-         policy)"
-    ))
+    errors::permission_denied(
+        format!(
+            "permission denied: {identity} may not {what} (not granted by the authorization \
+             policy)"
+        ),
+        identity,
+        op.as_str(),
+        resource,
+    )
 }
 
 /// The request types whose resource authorization looks at.

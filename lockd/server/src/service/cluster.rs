@@ -74,7 +74,7 @@ impl ClusterService {
                     return Ok(Route::Forward(l));
                 }
                 Some(l) if l != self.ctx.id && forwarded => {
-                    return Err(errors::unavailable(format!(
+                    return Err(errors::no_quorum(format!(
                         "node {} received a forwarded call but the leader is node {l} (term {term}); retry",
                         self.ctx.id
                     )));
@@ -85,7 +85,7 @@ impl ClusterService {
                 .await
                 .is_err()
             {
-                return Err(errors::unavailable(format!(
+                return Err(errors::no_quorum(format!(
                     "node {} knows no leader after {} ms (term {term}): no quorum; nothing was done, retry",
                     self.ctx.id,
                     ADMIN_LEADER_WAIT.as_millis()
@@ -105,16 +105,17 @@ impl ClusterService {
 
     fn forward_error(&self, leader: NodeId, status: Status) -> Status {
         // Statuses from the leader are its answer; transport failures are not.
-        if status.message().starts_with("lockd: ") {
+        if errors::is_from_lockd(&status) {
             return status;
         }
         let addr = &self.ctx.cluster_peers[&leader].0;
-        errors::unavailable(format!(
-            "forwarding from node {} to leader {leader} at {addr} failed ({}: {}); outcome unknown, retry",
+        let msg = format!(
+            "forwarding from node {} to leader {leader} at {addr} failed ({}: {})",
             self.ctx.id,
             status.code(),
             status.message()
-        ))
+        );
+        errors::forward_failed(msg, &status)
     }
 
     async fn signing_keys_local(&self) -> Result<SigningKeysResponse, Status> {
@@ -122,13 +123,13 @@ impl ClusterService {
         match tokio::time::timeout(ADMIN_READ_TIMEOUT, self.ctx.raft.ensure_linearizable()).await {
             Ok(Ok(_)) => {}
             Ok(Err(e)) => {
-                return Err(errors::unavailable(format!(
+                return Err(errors::no_quorum(format!(
                     "node {} cannot serve a linearizable read: {e}",
                     self.ctx.id
                 )));
             }
             Err(_) => {
-                return Err(errors::unavailable(format!(
+                return Err(errors::no_quorum(format!(
                     "node {} could not confirm leadership with a quorum within {} ms",
                     self.ctx.id,
                     ADMIN_READ_TIMEOUT.as_millis()
@@ -176,10 +177,13 @@ impl ClusterService {
                     key_id: KeyId(now).to_string(),
                     retired_key_id: KeyId(w).to_string(),
                 }),
-                _ => Err(errors::invalid(format!(
-                    "replaces_key_id {:?} is not a signing key of this cluster",
-                    req.replaces_key_id
-                ))),
+                _ => Err(errors::invalid_field(
+                    "replaces_key_id",
+                    format!(
+                        "replaces_key_id {:?} is not a signing key of this cluster",
+                        req.replaces_key_id
+                    ),
+                )),
             };
         }
         let outcome = crate::signing::install(&self.ctx.proposer, active)
@@ -197,11 +201,9 @@ impl ClusterService {
                     retired_key_id: active.map(|a| KeyId(a).to_string()).unwrap_or_default(),
                 })
             }
-            Outcome::SigningKeyRefused(why) => {
-                Err(Status::failed_precondition(format!("lockd: {why}")))
-            }
-            other => Err(Status::internal(format!(
-                "lockd: unexpected outcome {other:?} for RotateSigningKey"
+            Outcome::SigningKeyRefused(why) => Err(errors::precondition("replaces_key_id", why)),
+            other => Err(errors::internal(format!(
+                "unexpected outcome {other:?} for RotateSigningKey"
             ))),
         }
     }
@@ -209,7 +211,12 @@ impl ClusterService {
 
 /// A key id as SigningKeys lists it: 16 hex digits.
 fn parse_key_id(hex: &str) -> Result<[u8; 8], Status> {
-    let bad = || errors::invalid(format!("key id {hex:?} is not 16 hex digits"));
+    let bad = || {
+        errors::invalid_field(
+            "replaces_key_id",
+            format!("key id {hex:?} is not 16 hex digits"),
+        )
+    };
     if hex.len() != 16 || !hex.is_ascii() {
         return Err(bad());
     }

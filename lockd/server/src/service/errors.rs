@@ -1,39 +1,157 @@
-//! The one table from lockd's outcomes to gRPC status codes (CONTRACT.md). Every message starts
-//! with `lockd: ` and names the values involved.
+//! The one table from lockd's outcomes to gRPC statuses (docs/api.md, "Errors"). Every status
+//! carries a `google.rpc.ErrorInfo` of domain `lockd` whose reason tells a program what to do
+//! (see [`lockd_api::errors::Reason`]); the message starts with `lockd: ` and names the values
+//! involved, for people.
 
+use lockd_api::errors::{Reason, status};
+use lockd_core::command::Limit;
 use tonic::{Code, Status};
 
-use crate::observe::metrics::Op;
 use crate::proposer::ProposeError;
 
+/// `lockd: ` and the message (once: messages of the vote gate already start with it).
+fn prefixed(msg: impl std::fmt::Display) -> String {
+    let msg = msg.to_string();
+    if msg.starts_with("lockd: ") {
+        msg
+    } else {
+        format!("lockd: {msg}")
+    }
+}
+
+/// `INVALID_ARGUMENT` for the request field `field`.
+pub fn invalid_field(field: &str, msg: impl std::fmt::Display) -> Status {
+    status(
+        Code::InvalidArgument,
+        prefixed(msg),
+        Reason::InvalidField,
+        &[("field", field)],
+    )
+}
+
+/// `INVALID_ARGUMENT` where no single field is at fault (the state machine's own checks).
 pub fn invalid(msg: impl std::fmt::Display) -> Status {
-    Status::invalid_argument(format!("lockd: {msg}"))
+    status(
+        Code::InvalidArgument,
+        prefixed(msg),
+        Reason::InvalidField,
+        &[],
+    )
+}
+
+/// `FAILED_PRECONDITION`: the request is well formed but the cluster's state refuses it.
+pub fn precondition(field: &str, msg: impl std::fmt::Display) -> Status {
+    status(
+        Code::FailedPrecondition,
+        prefixed(msg),
+        Reason::InvalidField,
+        &[("field", field)],
+    )
 }
 
 pub fn held(resource: &str, holder: &str) -> Status {
-    Status::aborted(format!(
-        "lockd: resource {resource:?} is held by {holder:?}; retry later or set wait_timeout_ms to queue"
-    ))
+    status(
+        Code::Aborted,
+        format!(
+            "lockd: resource {resource:?} is held by {holder:?}; retry later or set wait_timeout_ms to queue"
+        ),
+        Reason::LockHeld,
+        &[("resource", resource)],
+    )
 }
 
 pub fn wait_timed_out(resource: &str, wait_ms: u64) -> Status {
-    Status::deadline_exceeded(format!(
-        "lockd: waited {wait_ms} ms for {resource:?} without getting the lock"
-    ))
+    status(
+        Code::DeadlineExceeded,
+        format!("lockd: waited {wait_ms} ms for {resource:?} without getting the lock"),
+        Reason::WaitTimeout,
+        &[
+            ("resource", resource),
+            ("wait_timeout_ms", &wait_ms.to_string()),
+        ],
+    )
 }
 
 pub fn not_found(resource: &str) -> Status {
-    Status::not_found(format!(
-        "lockd: that lease is not the current lease of {resource:?} (expired, released, superseded or unknown); stop work that depends on it"
-    ))
+    status(
+        Code::NotFound,
+        format!(
+            "lockd: that lease is not the current lease of {resource:?} (expired, released, superseded or unknown); stop work that depends on it"
+        ),
+        Reason::LeaseNotCurrent,
+        &[("resource", resource)],
+    )
 }
 
-pub fn exhausted(msg: impl std::fmt::Display) -> Status {
-    Status::resource_exhausted(format!("lockd: {msg}"))
+/// `RESOURCE_EXHAUSTED` for `limit`, named in the metadata key `limit`.
+pub fn exhausted(limit: Limit, msg: impl std::fmt::Display) -> Status {
+    let reason = match limit {
+        Limit::WaitersPerResource | Limit::WaitersPerTenant => Reason::WaitersExhausted,
+        Limit::DedupRecords
+        | Limit::ActiveResources
+        | Limit::DedupRecordsPerTenant
+        | Limit::ActiveResourcesPerTenant => Reason::LimitReached,
+    };
+    status(
+        Code::ResourceExhausted,
+        prefixed(msg),
+        reason,
+        &[("limit", limit.name())],
+    )
 }
 
-pub fn unavailable(msg: impl std::fmt::Display) -> Status {
-    Status::unavailable(format!("lockd: {msg}"))
+/// `UNAVAILABLE`, nothing proposed: no leader known, reachable or confirmed. Safe to retry.
+pub fn no_quorum(msg: impl std::fmt::Display) -> Status {
+    status(Code::Unavailable, prefixed(msg), Reason::NoQuorum, &[])
+}
+
+/// `UNAVAILABLE`, refused before proposing because the node is overloaded. Safe to retry later.
+pub fn overloaded(msg: impl std::fmt::Display) -> Status {
+    status(Code::Unavailable, prefixed(msg), Reason::Overloaded, &[])
+}
+
+/// `UNAVAILABLE`, the call may have committed: retry with the same request_id.
+pub fn outcome_unknown(msg: impl std::fmt::Display) -> Status {
+    status(
+        Code::Unavailable,
+        prefixed(msg),
+        Reason::OutcomeUnknown,
+        &[],
+    )
+}
+
+/// `INTERNAL`: a state this node did not expect after the call arrived; it may have committed.
+pub fn internal(msg: impl std::fmt::Display) -> Status {
+    status(Code::Internal, prefixed(msg), Reason::OutcomeUnknown, &[])
+}
+
+/// `UNAUTHENTICATED`: credentials (token, certificate, peer identity) not accepted.
+pub fn unauthenticated(msg: impl std::fmt::Display) -> Status {
+    status(
+        Code::Unauthenticated,
+        prefixed(msg),
+        Reason::Unauthenticated,
+        &[],
+    )
+}
+
+/// `PERMISSION_DENIED` for `identity` doing `operation` (on `resource`), all three in the metadata.
+pub fn permission_denied(
+    msg: impl std::fmt::Display,
+    identity: &str,
+    operation: &str,
+    resource: Option<&str>,
+) -> Status {
+    let mut metadata = vec![("identity", identity), ("operation", operation)];
+    if let Some(r) = resource {
+        metadata.push(("resource", r));
+    }
+    status(
+        Code::PermissionDenied,
+        prefixed(msg),
+        Reason::PermissionDenied,
+        &metadata,
+    )
 }
 
 /// A proposal without an outcome. Overload is "definitely not done"; everything else may have
@@ -41,12 +159,43 @@ pub fn unavailable(msg: impl std::fmt::Display) -> Status {
 pub fn propose_failed(node: u64, e: ProposeError) -> Status {
     match e {
         ProposeError::Overloaded => {
-            unavailable(format!("node {node}: {e}; nothing was done, retry later"))
+            overloaded(format!("node {node}: {e}; nothing was done, retry later"))
         }
-        ProposeError::Unknown(why) => unavailable(format!(
+        ProposeError::Unknown(why) => outcome_unknown(format!(
             "node {node}: outcome unknown ({why}); retry with the same request_id"
         )),
     }
+}
+
+/// Whether `status` is an answer from a lockd node (it carries lockd's ErrorInfo), as opposed to
+/// a transport failure on the way to one. A forwarding node passes the former on unchanged.
+pub fn is_from_lockd(status: &Status) -> bool {
+    lockd_api::errors::reason_of(status).is_some()
+}
+
+/// A forwarded call that failed on the way to the leader: if the connection was never made,
+/// nothing was done; otherwise the leader may have committed it.
+pub fn forward_failed(msg: String, transport: &Status) -> Status {
+    if is_connect_error(transport) {
+        no_quorum(format!(
+            "{msg}; the connection was refused, nothing was done, retry"
+        ))
+    } else {
+        outcome_unknown(format!(
+            "{msg}; outcome unknown, retry with the same request_id"
+        ))
+    }
+}
+
+fn is_connect_error(status: &Status) -> bool {
+    let mut source = std::error::Error::source(status);
+    while let Some(err) = source {
+        if err.downcast_ref::<tonic::ConnectError>().is_some() {
+            return true;
+        }
+        source = err.source();
+    }
+    false
 }
 
 /// The `outcome` label of `lockd_requests_total` for a reply.
@@ -64,7 +213,59 @@ pub fn outcome_label<T>(result: &Result<T, Status>) -> &'static str {
     }
 }
 
-/// Metrics label for an op (kept here so the status table and metrics agree).
-pub fn op_label(op: Op) -> &'static str {
-    op.as_str()
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lockd_api::errors::reason_of;
+
+    #[test]
+    fn every_helper_carries_its_reason() {
+        let cases = [
+            (invalid_field("resource", "x"), Reason::InvalidField),
+            (invalid("x"), Reason::InvalidField),
+            (precondition("replaces_key_id", "x"), Reason::InvalidField),
+            (held("a", "h"), Reason::LockHeld),
+            (wait_timed_out("a", 5), Reason::WaitTimeout),
+            (not_found("a"), Reason::LeaseNotCurrent),
+            (
+                exhausted(Limit::WaitersPerTenant, "x"),
+                Reason::WaitersExhausted,
+            ),
+            (exhausted(Limit::ActiveResources, "x"), Reason::LimitReached),
+            (no_quorum("x"), Reason::NoQuorum),
+            (overloaded("x"), Reason::Overloaded),
+            (outcome_unknown("x"), Reason::OutcomeUnknown),
+            (internal("x"), Reason::OutcomeUnknown),
+            (unauthenticated("x"), Reason::Unauthenticated),
+            (
+                permission_denied("x", "anonymous", "acquire", Some("a")),
+                Reason::PermissionDenied,
+            ),
+            (
+                propose_failed(1, ProposeError::Overloaded),
+                Reason::Overloaded,
+            ),
+            (
+                propose_failed(1, ProposeError::Unknown("x".into())),
+                Reason::OutcomeUnknown,
+            ),
+        ];
+        for (s, want) in cases {
+            assert!(s.message().starts_with("lockd: "), "{s:?}");
+            assert!(is_from_lockd(&s), "{s:?}");
+            assert_eq!(reason_of(&s).map(|(r, _)| r), Some(want), "{s:?}");
+        }
+        let (_, md) = reason_of(&invalid_field("lease_ttl_ms", "x")).unwrap();
+        assert_eq!(md["field"], "lease_ttl_ms");
+        let (_, md) = reason_of(&exhausted(Limit::DedupRecordsPerTenant, "x")).unwrap();
+        assert_eq!(md["limit"], "dedup_records_per_tenant_max");
+    }
+
+    #[test]
+    fn a_plain_status_is_not_from_lockd() {
+        // What tonic makes of a broken connection or a proxy's refusal: no ErrorInfo.
+        assert!(!is_from_lockd(&Status::unavailable(
+            "lockd: looks like ours"
+        )));
+    }
 }

@@ -81,7 +81,7 @@ impl LockService {
                     return Ok(Route::Forward(l));
                 }
                 Some(l) if l != self.ctx.id && forwarded => {
-                    return Err(errors::unavailable(format!(
+                    return Err(errors::no_quorum(format!(
                         "node {} received a forwarded call but the leader is node {l} (term {term}); retry",
                         self.ctx.id
                     )));
@@ -92,7 +92,7 @@ impl LockService {
                 .await
                 .is_err()
             {
-                return Err(errors::unavailable(format!(
+                return Err(errors::no_quorum(format!(
                     "node {} knows no leader after {} ms (term {term}): no quorum; nothing was done, retry",
                     self.ctx.id,
                     LEADER_WAIT.min(CALL_BUDGET).as_millis()
@@ -116,15 +116,16 @@ impl LockService {
 
     fn forward_error(&self, leader: NodeId, addr: &str, status: Status) -> Status {
         // Statuses from the leader are its answer; transport failures are not.
-        if status.message().starts_with("lockd: ") {
+        if errors::is_from_lockd(&status) {
             return status;
         }
-        errors::unavailable(format!(
-            "forwarding from node {} to leader {leader} at {addr} failed ({}: {}); outcome unknown, retry with the same request_id",
+        let msg = format!(
+            "forwarding from node {} to leader {leader} at {addr} failed ({}: {})",
             self.ctx.id,
             status.code(),
             status.message()
-        ))
+        );
+        errors::forward_failed(msg, &status)
     }
 
     async fn propose(&self, cmd: Command) -> Result<Outcome, Status> {
@@ -153,7 +154,8 @@ impl LockService {
         mut req: AcquireRequest,
         caller: Caller,
     ) -> Result<AcquireResponse, Status> {
-        validate::request_id(&req.request_id).map_err(errors::invalid)?;
+        validate::request_id(&req.request_id)
+            .map_err(|e| errors::invalid_field("request_id", e))?;
         let original = std::mem::take(&mut req.request_id);
         req.request_id = self.ctx.auth.scope_request_id(&caller, &original);
         let scoped = req.request_id.clone();
@@ -163,10 +165,13 @@ impl LockService {
     }
 
     async fn acquire_scoped(&self, req: AcquireRequest) -> Result<AcquireResponse, Status> {
-        let resource = validate::resource(&req.resource).map_err(errors::invalid)?;
-        let ttl = validate::lease_ttl_ms(req.lease_ttl_ms).map_err(errors::invalid)?;
-        let wait = validate::wait_timeout_ms(req.wait_timeout_ms).map_err(errors::invalid)?;
-        validate::holder(&req.holder).map_err(errors::invalid)?;
+        let resource =
+            validate::resource(&req.resource).map_err(|e| errors::invalid_field("resource", e))?;
+        let ttl = validate::lease_ttl_ms(req.lease_ttl_ms)
+            .map_err(|e| errors::invalid_field("lease_ttl_ms", e))?;
+        let wait = validate::wait_timeout_ms(req.wait_timeout_ms)
+            .map_err(|e| errors::invalid_field("wait_timeout_ms", e))?;
+        validate::holder(&req.holder).map_err(|e| errors::invalid_field("holder", e))?;
 
         // Registered before proposing, so a grant that applies at once is not missed.
         let registration = (wait > 0).then(|| self.ctx.waits.register(&req.request_id));
@@ -199,15 +204,15 @@ impl LockService {
                     metrics::counter!("lockd_acquire_refusals_total", "limit" => limit.name())
                         .increment(1)
                 });
-                Err(errors::exhausted(msg))
+                Err(errors::exhausted(limit, msg))
             }
             Outcome::Queued { .. } => {
                 let (_, rx) = registration.expect("queued only when waiting");
                 guard.armed = true;
                 self.wait_for_grant(&mut guard, rx, wait).await
             }
-            other => Err(Status::internal(format!(
-                "lockd: unexpected outcome {other:?} for Acquire"
+            other => Err(errors::internal(format!(
+                "unexpected outcome {other:?} for Acquire"
             ))),
         }
     }
@@ -233,7 +238,7 @@ impl LockService {
                         Ok(WaitEnd::Granted(g)) => self.signed_reply(&guard.resource, g).await,
                         Ok(WaitEnd::TimedOut) => Err(errors::wait_timed_out(guard.resource.as_str(), wait_ms)),
                         // A retry of the same request took over the registration.
-                        Err(_) => Err(errors::unavailable(format!(
+                        Err(_) => Err(errors::outcome_unknown(format!(
                             "a newer call with request_id {:?} took over this wait", guard.request_id
                         ))),
                     };
@@ -256,7 +261,7 @@ impl LockService {
                     if !still_leader {
                         // The queue is replicated: the place is kept for a retry on the new leader.
                         guard.armed = false;
-                        return Err(errors::unavailable(format!(
+                        return Err(errors::outcome_unknown(format!(
                             "node {} stopped being the leader while {:?} waited; retry with the same request_id to keep its place",
                             self.ctx.id, guard.request_id
                         )));
@@ -275,8 +280,9 @@ impl LockService {
         g: Grant,
     ) -> Result<AcquireResponse, Status> {
         let Some(key) = self.ctx.signer.active_or_wait(&self.ctx.sm).await else {
-            return Err(errors::unavailable(format!(
-                "node {}: {resource:?} was granted but the cluster has no sequencer signing key                  committed yet (waited {} ms); retry with the same request_id",
+            return Err(errors::outcome_unknown(format!(
+                "node {}: {resource:?} was granted but the cluster has no sequencer signing key \
+                 committed yet (waited {} ms); retry with the same request_id",
                 self.ctx.id,
                 crate::signing::KEY_WAIT.as_millis()
             )));
@@ -287,17 +293,18 @@ impl LockService {
     }
 
     async fn describe_local(&self, req: DescribeRequest) -> Result<DescribeResponse, Status> {
-        let resource = validate::resource(&req.resource).map_err(errors::invalid)?;
+        let resource =
+            validate::resource(&req.resource).map_err(|e| errors::invalid_field("resource", e))?;
         match tokio::time::timeout(READ_TIMEOUT, self.ctx.raft.ensure_linearizable()).await {
             Ok(Ok(_)) => {}
             Ok(Err(e)) => {
-                return Err(errors::unavailable(format!(
+                return Err(errors::no_quorum(format!(
                     "node {} cannot serve a linearizable read: {e}",
                     self.ctx.id
                 )));
             }
             Err(_) => {
-                return Err(errors::unavailable(format!(
+                return Err(errors::no_quorum(format!(
                     "node {} could not confirm leadership with a quorum within {} ms",
                     self.ctx.id,
                     READ_TIMEOUT.as_millis()
@@ -384,12 +391,15 @@ impl Drop for WaitGuard {
 
 impl LockService {
     async fn renew_local(&self, r: RenewRequest) -> Result<RenewResponse, Status> {
-        let resource = validate::resource(&r.resource).map_err(errors::invalid)?;
-        let lease_id = validate::lease_id(&r.lease_id).map_err(errors::invalid)?;
+        let resource =
+            validate::resource(&r.resource).map_err(|e| errors::invalid_field("resource", e))?;
+        let lease_id =
+            validate::lease_id(&r.lease_id).map_err(|e| errors::invalid_field("lease_id", e))?;
         let ttl = if r.lease_ttl_ms == 0 {
             0
         } else {
-            validate::lease_ttl_ms(r.lease_ttl_ms).map_err(errors::invalid)?
+            validate::lease_ttl_ms(r.lease_ttl_ms)
+                .map_err(|e| errors::invalid_field("lease_ttl_ms", e))?
         };
         let cmd = Command::Renew {
             resource: resource.clone(),
@@ -405,22 +415,24 @@ impl LockService {
                 lease_ttl_ms,
             }),
             Outcome::NotFound => Err(errors::not_found(resource.as_str())),
-            other => Err(Status::internal(format!(
-                "lockd: unexpected outcome {other:?} for Renew"
+            other => Err(errors::internal(format!(
+                "unexpected outcome {other:?} for Renew"
             ))),
         }
     }
 
     async fn release_local(&self, r: ReleaseRequest) -> Result<ReleaseResponse, Status> {
-        let resource = validate::resource(&r.resource).map_err(errors::invalid)?;
-        let lease_id = validate::lease_id(&r.lease_id).map_err(errors::invalid)?;
+        let resource =
+            validate::resource(&r.resource).map_err(|e| errors::invalid_field("resource", e))?;
+        let lease_id =
+            validate::lease_id(&r.lease_id).map_err(|e| errors::invalid_field("lease_id", e))?;
         match self
             .propose(Command::Release { resource, lease_id })
             .await?
         {
             Outcome::Released(released) => Ok(ReleaseResponse { released }),
-            other => Err(Status::internal(format!(
-                "lockd: unexpected outcome {other:?} for Release"
+            other => Err(errors::internal(format!(
+                "unexpected outcome {other:?} for Release"
             ))),
         }
     }
@@ -453,7 +465,7 @@ impl LockService {
             Ok(Route::Local) => {
                 match tokio::time::timeout_at(deadline, local(req.into_inner(), caller)).await {
                     Ok(r) => r,
-                    Err(_) => Err(errors::unavailable(format!(
+                    Err(_) => Err(errors::outcome_unknown(format!(
                         "node {} found no answer within {} ms; outcome unknown, retry with the same request_id",
                         self.ctx.id,
                         budget.as_millis()
@@ -469,7 +481,7 @@ impl LockService {
                         .map(Response::into_inner)
                         .map_err(|s| self.forward_error(leader, &addr, s))
                 }
-                None => Err(errors::unavailable(format!(
+                None => Err(errors::no_quorum(format!(
                     "node {} found leader {leader} too late to forward within {} ms; nothing was done, retry",
                     self.ctx.id,
                     budget.as_millis()

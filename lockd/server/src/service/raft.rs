@@ -9,6 +9,7 @@ use std::sync::Arc;
 use crate::raft::NodeId;
 use crate::raft::vote_gate::{VoteGate, VoteReport};
 use crate::raft::{Raft, TypeConfig};
+use crate::service::errors;
 use crate::storage::log_store::LogStore;
 use crate::tls::{CLUSTER_ID_HEADER, TlsHandle};
 use openraft::storage::RaftLogStorage;
@@ -73,8 +74,8 @@ const REFUSAL_LOG_EVERY_MS: u64 = 10_000;
 
 /// What an unauthenticated caller is told; the reason goes to this node's log only.
 fn refused() -> Status {
-    Status::unauthenticated(
-        "lockd: raft message refused: the caller is not authenticated as a member of this cluster",
+    errors::unauthenticated(
+        "raft message refused: the caller is not authenticated as a member of this cluster",
     )
 }
 
@@ -168,12 +169,12 @@ impl PeerAuth {
     /// With TLS, the message must claim to come from the node the certificate names.
     fn matches(cert: Option<NodeId>, claimed: Option<NodeId>) -> Result<(), Status> {
         match (cert, claimed) {
-            (Some(cert), Some(c)) if cert != c => Err(Status::unauthenticated(format!(
-                "lockd: raft message refused: it claims to come from node {c}, the caller's \
+            (Some(cert), Some(c)) if cert != c => Err(errors::unauthenticated(format!(
+                "raft message refused: it claims to come from node {c}, the caller's \
                  certificate names node {cert}"
             ))),
-            (Some(_), None) => Err(Status::unauthenticated(
-                "lockd: raft message refused: it names no sending node",
+            (Some(_), None) => Err(errors::unauthenticated(
+                "raft message refused: it names no sending node",
             )),
             _ => Ok(()),
         }
@@ -218,13 +219,13 @@ impl RaftService {
 
 fn decode<T: DeserializeOwned>(req: Request<RaftMessage>) -> Result<T, Status> {
     postcard::from_bytes(&req.into_inner().data)
-        .map_err(|e| Status::invalid_argument(format!("lockd: undecodable raft message: {e}")))
+        .map_err(|e| errors::invalid_field("payload", format!("undecodable raft message: {e}")))
 }
 
 fn encode<T: Serialize>(v: &T) -> Result<Response<RaftMessage>, Status> {
     postcard::to_allocvec(v)
         .map(|data| Response::new(RaftMessage { data }))
-        .map_err(|e| Status::internal(format!("lockd: encoding raft reply: {e}")))
+        .map_err(|e| errors::internal(format!("encoding raft reply: {e}")))
 }
 
 #[tonic::async_trait]
@@ -238,7 +239,7 @@ impl pb::raft_server::Raft for RaftService {
             |r: &openraft::raft::AppendEntriesRequest<TypeConfig>| r.vote.leader_id.voted_for(),
         )?;
         let (term, commit) = (rpc.vote.leader_id.term, rpc.leader_commit);
-        self.gate.admits_leader(term).map_err(Status::unavailable)?;
+        self.gate.admits_leader(term).map_err(errors::no_quorum)?;
         let reply = self.raft.append_entries(rpc).await;
         if matches!(
             reply,
@@ -255,8 +256,8 @@ impl pb::raft_server::Raft for RaftService {
             .refuse_votes_until
             .is_some_and(|t| std::time::Instant::now() < t)
         {
-            return Err(Status::unavailable(
-                "lockd: node started with an empty data dir; not voting yet",
+            return Err(errors::no_quorum(
+                "node started with an empty data dir; not voting yet",
             ));
         }
         let rpc = self.authorized(req, |r: &openraft::raft::VoteRequest<NodeId>| {
@@ -264,7 +265,7 @@ impl pb::raft_server::Raft for RaftService {
         })?;
         self.gate
             .admits_candidate(rpc.vote.leader_id.term, rpc.last_log_id)
-            .map_err(Status::unavailable)?;
+            .map_err(errors::no_quorum)?;
         encode(&self.raft.vote(rpc).await)
     }
 
@@ -278,7 +279,7 @@ impl pb::raft_server::Raft for RaftService {
         )?;
         self.gate
             .admits_leader(rpc.vote.leader_id.term)
-            .map_err(Status::unavailable)?;
+            .map_err(errors::no_quorum)?;
         encode(&self.raft.install_snapshot(rpc).await)
     }
 
@@ -295,7 +296,7 @@ impl pb::raft_server::Raft for RaftService {
             .clone()
             .get_log_state()
             .await
-            .map_err(|e| Status::unavailable(format!("lockd: reading the log state: {e}")))?
+            .map_err(|e| errors::no_quorum(format!("reading the log state: {e}")))?
             .last_log_id;
         let report = VoteReport { vote, last_log_id };
         encode(&report)

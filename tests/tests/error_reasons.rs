@@ -1,0 +1,137 @@
+//! Every lockd error status carries a `google.rpc.ErrorInfo` (domain `lockd`) whose reason a
+//! program can act on, on the node called and through a follower that forwards to the leader;
+//! and "nothing was done" (NO_QUORUM) is told apart from "outcome unknown" (docs/api.md, Errors).
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use lockd_api::errors::{Reason, reason_of};
+use lockd_api::v1::lock_client::LockClient;
+use lockd_api::v1::{AcquireRequest, ReleaseRequest, RenewRequest};
+use lockd_tests::cluster::Cluster;
+use tonic::Code;
+use tonic::transport::Channel;
+
+fn acquire(resource: &str, request_id: &str, wait_ms: u64) -> AcquireRequest {
+    AcquireRequest {
+        resource: resource.into(),
+        request_id: request_id.into(),
+        lease_ttl_ms: 10_000,
+        wait_timeout_ms: wait_ms,
+        holder: format!("test-{request_id}"),
+    }
+}
+
+/// The status's code and lockd reason, with its metadata; fails when there is no ErrorInfo.
+fn reason(status: &tonic::Status, code: Code) -> (Reason, HashMap<String, String>) {
+    assert_eq!(status.code(), code, "{status:?}");
+    reason_of(status).unwrap_or_else(|| panic!("no lockd ErrorInfo in {status:?}"))
+}
+
+async fn check_refusals(c: &mut LockClient<Channel>, tag: &str) {
+    let resource = format!("reasons/{tag}");
+    let lease = c
+        .acquire(acquire(&resource, &format!("{tag}-a"), 0))
+        .await
+        .unwrap()
+        .into_inner();
+
+    let held = c
+        .acquire(acquire(&resource, &format!("{tag}-b"), 0))
+        .await
+        .unwrap_err();
+    let (r, md) = reason(&held, Code::Aborted);
+    assert_eq!(r, Reason::LockHeld);
+    assert_eq!(md["resource"], resource);
+
+    let waited = c
+        .acquire(acquire(&resource, &format!("{tag}-c"), 200))
+        .await
+        .unwrap_err();
+    let (r, md) = reason(&waited, Code::DeadlineExceeded);
+    assert_eq!(r, Reason::WaitTimeout);
+    assert_eq!(md["wait_timeout_ms"], "200");
+
+    let bad_ttl = c
+        .acquire(AcquireRequest {
+            lease_ttl_ms: 1,
+            ..acquire(&resource, &format!("{tag}-d"), 0)
+        })
+        .await
+        .unwrap_err();
+    let (r, md) = reason(&bad_ttl, Code::InvalidArgument);
+    assert_eq!(r, Reason::InvalidField);
+    assert_eq!(md["field"], "lease_ttl_ms");
+
+    let bad_resource = c
+        .acquire(acquire("", &format!("{tag}-e"), 0))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        reason(&bad_resource, Code::InvalidArgument).1["field"],
+        "resource"
+    );
+
+    let stale = c
+        .renew(RenewRequest {
+            resource: resource.clone(),
+            lease_id: "0".repeat(32),
+            lease_ttl_ms: 0,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(reason(&stale, Code::NotFound).0, Reason::LeaseNotCurrent);
+
+    // Release is idempotent for the lease that held the resource last; nothing to refuse.
+    c.release(ReleaseRequest {
+        resource,
+        lease_id: lease.lease_id,
+    })
+    .await
+    .unwrap();
+}
+
+/// Goal: a program can branch on reasons, and forwarding keeps them. Method: provoke each
+/// refusal once on the leader and once through a follower.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_carry_their_reason_on_the_leader_and_through_a_follower() {
+    let mut cluster = Cluster::start_default().await.unwrap();
+    let leader = cluster.leader().await.unwrap();
+    let follower = (1..=3).find(|i| *i != leader).unwrap();
+    let mut on_leader = cluster.lock_client(leader).await.unwrap();
+    check_refusals(&mut on_leader, "leader").await;
+    let mut on_follower = cluster.lock_client(follower).await.unwrap();
+    check_refusals(&mut on_follower, "follower").await;
+}
+
+/// Goal: a node without a quorum says "nothing was done" (NO_QUORUM), which a client may retry
+/// with a new request_id, rather than "outcome unknown". Method: kill two nodes; the survivor
+/// refuses an acquire with UNAVAILABLE and reason NO_QUORUM.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_without_quorum_answers_no_quorum() {
+    let mut cluster = Cluster::start_default().await.unwrap();
+    let leader = cluster.leader().await.unwrap();
+    let survivor = (1..=3).find(|i| *i != leader).unwrap();
+    for id in (1..=3).filter(|i| *i != survivor) {
+        cluster.kill(id);
+    }
+    let mut c = cluster.lock_client(survivor).await.unwrap();
+    // The survivor may still believe in the dead leader for a moment (the forward then fails to
+    // connect, also NO_QUORUM); poll until it has given up on it.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let err = c
+            .acquire(acquire("reasons/no-quorum", "nq-1", 0))
+            .await
+            .unwrap_err();
+        let (r, _) = reason(&err, Code::Unavailable);
+        if r == Reason::NoQuorum {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "still {r} after 20 s: {err:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
