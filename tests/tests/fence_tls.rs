@@ -450,7 +450,7 @@ async fn http_over_tls_to_an_https_upstream() {
     let (ca, cert) = proxy_ca(dir.path());
     let service = HttpUpstream::start().await.unwrap();
     let store = |name: &str| format!("redb:{}", dir.path().join(name).display());
-    let tls_flags = vec![
+    let tls_flags = [
         "--tls-cert".to_owned(),
         cert.cert.display().to_string(),
         "--tls-key".to_owned(),

@@ -113,7 +113,7 @@ pub struct LeaseArgs {
     /// Queue for a held resource this long, e.g. 10s (default: do not wait).
     #[arg(long, value_parser = parse_duration)]
     pub wait: Option<Duration>,
-    /// Free text shown by describe (default: acquire <hostname>/lockctl, hold <hostname>/pid-<pid>).
+    /// Free text shown by describe (default: acquire HOSTNAME/lockctl, hold HOSTNAME/pid-PID).
     #[arg(long)]
     pub holder: Option<String>,
 }

@@ -181,7 +181,7 @@ impl AppliedSink for Hub {
     }
 }
 
-/// A started node. Dropping it does not stop it: cancel the token given to [`run`].
+/// A started node. Dropping it does not stop it: cancel the token given to [`start`].
 pub struct RunningNode {
     pub ctx: Arc<NodeCtx>,
     pub done: tokio::task::JoinHandle<anyhow::Result<()>>,

@@ -107,7 +107,7 @@ impl AuditKey {
         Ok(AuditKey(bytes))
     }
 
-    /// Hex of the first [`AUDIT_DIGEST_BYTES`] bytes of HMAC-SHA256(key, request_id).
+    /// Hex of the first `AUDIT_DIGEST_BYTES` bytes of HMAC-SHA256(key, request_id).
     pub fn digest(&self, request_id: &str) -> String {
         use hmac::{KeyInit, Mac};
         let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(&self.0)

@@ -51,8 +51,11 @@ pub struct PeerDial {
     /// for a new client for every vote round and every linearizable read; without this each
     /// would be a new TCP and TLS handshake (a client calling Describe in a loop could make the
     /// leader run out of ephemeral ports).
-    raft_channels: Arc<std::sync::Mutex<HashMap<(NodeId, String), (u64, Channel)>>>,
+    raft_channels: Arc<std::sync::Mutex<RaftChannels>>,
 }
+
+/// Raft channels by (peer id, address): the TLS generation each was made in, and the channel.
+type RaftChannels = HashMap<(NodeId, String), (u64, Channel)>;
 
 impl PeerDial {
     pub fn new(
@@ -156,7 +159,7 @@ impl RaftNetworkFactory<TypeConfig> for Network {
 }
 
 /// Asks every peer at once for its current vote; returns the answers that came within
-/// [`VOTE_ASK_TIMEOUT`]. Used by a node that rejoins with an empty data dir (see `vote_gate`).
+/// `VOTE_ASK_TIMEOUT`. Used by a node that rejoins with an empty data dir (see `vote_gate`).
 pub async fn ask_votes(
     dial: &PeerDial,
     peers: &[(NodeId, RaftClient<Channel>)],

@@ -5,14 +5,14 @@
 //! written to a temporary file `snapshot.bin.tmp.<n>`, synced, and renamed over the old one, so a
 //! crash leaves either the old or the new snapshot whole.
 //!
-//! Only a restart reads the file whole ([`SnapshotFile::read`]). To send the snapshot to a
-//! follower, [`SnapshotFile::open_latest`] reads the header and meta and leaves the file open
+//! Only a restart reads the file whole (`SnapshotFile::read`). To send the snapshot to a
+//! follower, `SnapshotFile::open_latest` reads the header and meta and leaves the file open
 //! at the table, which the sender then reads chunk by chunk
 //! ([`super::snapshot_data::SnapshotData`]). A snapshot received from the leader arrives in a
-//! temporary file of its own ([`SnapshotFile::create_receive_file`]) and is published by
-//! [`SnapshotFile::write`] like any other.
+//! temporary file of its own (`SnapshotFile::create_receive_file`) and is published by
+//! `SnapshotFile::write` like any other.
 //!
-//! The write is synced every [`SYNC_EVERY`] bytes rather than once at the end. An fsync on ext4
+//! The write is synced every `SYNC_EVERY` bytes rather than once at the end. An fsync on ext4
 //! commits the journal together with every block allocated since the last commit: one fsync of a
 //! 70 MB snapshot made the Raft log's small fsyncs wait behind it (on this node, and on a shared
 //! disk on every node), which showed as AppendEntries timeouts and 1.7 s commit stalls. Syncing
@@ -202,7 +202,7 @@ impl SnapshotFile {
         Ok(())
     }
 
-    /// Like [`SnapshotFile::write`], with the table bytes written by `table` straight into the
+    /// Like `SnapshotFile::write`, with the table bytes written by `table` straight into the
     /// file (no buffer of the whole snapshot). Returns the size of the table bytes.
     pub(crate) fn write_with(
         &self,
@@ -258,7 +258,7 @@ impl SnapshotFile {
     }
 }
 
-/// Writes through to a file and syncs its data every [`SYNC_EVERY`] bytes.
+/// Writes through to a file and syncs its data every `SYNC_EVERY` bytes.
 struct SyncingWriter {
     file: File,
     written: u64,
