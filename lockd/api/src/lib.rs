@@ -13,6 +13,11 @@ pub mod v1 {
     tonic::include_proto!("lockd.v1");
 }
 
+/// The encoded `FileDescriptorSet` of `lockd.v1`, which lockd serves through gRPC server
+/// reflection so that generic clients (grpcurl, Postman, Evans) need no .proto file.
+pub const FILE_DESCRIPTOR_SET: &[u8] =
+    include_bytes!(concat!(env!("OUT_DIR"), "/lockd_descriptor.bin"));
+
 /// gRPC metadata key a node sets when it forwards a client call to the leader, so the receiver
 /// never forwards it again (no forwarding loops during leader changes).
 pub const FORWARDED_HEADER: &str = "lockd-forwarded-by";

@@ -395,10 +395,13 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
     if let Some(tls) = &tls {
         tokio::spawn(reload_on_sighup(config.id, tls.clone(), shutdown.clone()));
     }
+    let (reflection_v1, reflection_v1alpha) = reflection()?;
     let router = tonic::transport::Server::builder()
         // Bounds what one connection can make this node hold at once.
         .max_concurrent_streams(STREAMS_PER_CONNECTION_MAX)
         .add_service(health_service)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha)
         .add_service({
             let auth = auth.clone();
             InterceptedService::new(
@@ -511,6 +514,37 @@ fn peer_ips(config: &NodeConfig) -> Vec<std::net::IpAddr> {
 fn source_ip(config: &NodeConfig) -> Option<std::net::IpAddr> {
     let ip = config.listen.ip();
     (!ip.is_unspecified()).then_some(ip)
+}
+
+/// gRPC server reflection (both protocol versions: grpcurl asks for v1, older tools for v1alpha)
+/// of the public services, `lockd.v1` and `grpc.health.v1`. The internal Raft service is not
+/// listed: it is for members only. Reflection reveals only the schema, which is public, so it
+/// is served without authorization, like health.
+#[allow(
+    clippy::type_complexity,
+    reason = "the two generated server types, named once here"
+)]
+fn reflection() -> anyhow::Result<(
+    tonic_reflection::server::v1::ServerReflectionServer<
+        impl tonic_reflection::server::v1::ServerReflection,
+    >,
+    tonic_reflection::server::v1alpha::ServerReflectionServer<
+        impl tonic_reflection::server::v1alpha::ServerReflection,
+    >,
+)> {
+    let builder = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(lockd_api::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    };
+    Ok((
+        builder()
+            .build_v1()
+            .map_err(|e| anyhow::anyhow!("lockd: building gRPC reflection: {e}"))?,
+        builder()
+            .build_v1alpha()
+            .map_err(|e| anyhow::anyhow!("lockd: building gRPC reflection: {e}"))?,
+    ))
 }
 
 /// Keeps leader gauges, the leader-change counter and the gRPC health status current.
