@@ -8,6 +8,7 @@ use std::time::Duration;
 use lockd_api::errors::{Reason, reason_of};
 use lockd_api::v1::lock_client::LockClient;
 use lockd_api::v1::{AcquireRequest, ReleaseRequest, RenewRequest};
+use lockd_client::{AcquireOptions, RequestId};
 use lockd_tests::cluster::Cluster;
 use tonic::Code;
 use tonic::transport::Channel;
@@ -134,4 +135,30 @@ async fn a_node_without_quorum_answers_no_quorum() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+
+    // The Rust client reads the reason: a fresh request answered only NO_QUORUM did nothing...
+    let mut config = lockd_client::ClientConfig::new([cluster.addr(survivor)]);
+    config.call_timeout = Duration::from_secs(3);
+    let client = lockd_client::Client::with_config(config).unwrap();
+    let fresh = client
+        .acquire("reasons/no-quorum", AcquireOptions::default())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(fresh, lockd_client::Error::Unavailable { .. }),
+        "{fresh:?}"
+    );
+    // ...but a retry of an earlier request (its id passed back) cannot prove that: the earlier
+    // call may have been granted.
+    let retry = client
+        .acquire(
+            "reasons/no-quorum",
+            AcquireOptions::default().request_id(RequestId::parse("nq-earlier").unwrap()),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(retry, lockd_client::Error::OutcomeUnknown { .. }),
+        "{retry:?}"
+    );
 }

@@ -110,10 +110,13 @@ pub mod errors {
             Reason::ALL.into_iter().find(|r| r.as_str() == s)
         }
 
-        /// Whether the call certainly did nothing, so any retry is safe. `false` for
-        /// [`Reason::OutcomeUnknown`]; the other reasons are definite answers.
+        /// Whether an `UNAVAILABLE` with this reason says that *this attempt* did nothing
+        /// (nothing was proposed). It covers the one attempt lockd answered: if an earlier
+        /// attempt of the same request (yours, or a retrying proxy's or library's) may have
+        /// reached lockd, the request's outcome is still unknown.
         pub fn nothing_done(self) -> bool {
-            self != Reason::OutcomeUnknown
+            // An explicit list: a reason added later is not "nothing done" by default.
+            matches!(self, Reason::NoQuorum | Reason::Overloaded)
         }
     }
 
@@ -139,6 +142,25 @@ pub mod errors {
             message,
             ErrorDetails::with_error_info(reason.as_str(), DOMAIN, metadata),
         )
+    }
+
+    /// Whether `status` carries an ErrorInfo of domain [`DOMAIN`], that is, came from a lockd
+    /// node (of any version, so also with a reason this build does not know).
+    pub fn is_from_lockd(status: &Status) -> bool {
+        status
+            .get_details_error_info()
+            .is_some_and(|info| info.domain == DOMAIN)
+    }
+
+    /// `status` with another message and the same code and details; the copy of the message
+    /// inside the encoded details (which grpc-go and grpc-java show) is replaced as well.
+    pub fn with_message(status: &Status, message: String) -> Status {
+        let details = status.get_error_details_vec();
+        if details.is_empty() {
+            Status::with_details(status.code(), message, status.details().to_vec().into())
+        } else {
+            Status::with_error_details_vec(status.code(), message, details)
+        }
     }
 
     /// The reason of a status lockd sent, with its metadata; `None` for a status that carries no

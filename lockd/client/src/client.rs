@@ -39,7 +39,11 @@ pub struct AcquireOptions {
     /// Free text shown by `Describe`; `None` = [`ClientConfig::holder`].
     pub holder: Option<String>,
     /// The idempotency key; `None` = a fresh random one. Pass the id of an earlier attempt whose
-    /// outcome is unknown to learn it.
+    /// outcome is unknown to learn it. With a given id the call can never end in
+    /// [`Error::Unavailable`] ("nothing was done"), only in [`Error::OutcomeUnknown`], since the
+    /// earlier call may have been granted. A lease learnt this way counts its local deadline
+    /// from this call's first send, later than the original grant: keep a margin of the time
+    /// since the earlier call (or release it and acquire anew) when that matters.
     pub request_id: Option<RequestId>,
     /// Total time for the call including retries; `None` = `wait + call_timeout`.
     pub timeout: Option<Duration>,
@@ -99,6 +103,9 @@ struct CallCtx<'a> {
     deadline: Instant,
     /// Longest one attempt may wait for its answer.
     attempt_timeout: Duration,
+    /// An earlier call may already have sent this request (the caller passed the request id of
+    /// an `OutcomeUnknown`): then no answer of this call can prove that nothing was done.
+    sent_before: bool,
 }
 
 /// A reply and the send times the lease arithmetic needs.
@@ -199,6 +206,7 @@ impl Client {
             deadline: started + budget,
             // A waiting attempt legitimately takes up to `wait` before the server answers.
             attempt_timeout: wait + self.inner.config.attempt_timeout,
+            sent_before: opts.request_id.is_some(),
         };
         let answered = self
             .call(&ctx, |channel| {
@@ -248,12 +256,31 @@ impl Client {
             {
                 Ok(r) => (r.sent_at, r.ttl),
                 Err(e) => {
-                    let _ = timeout(
+                    let released = timeout(
                         self.inner.config.attempt_timeout,
                         self.release(resource, &lease.lease_id),
                     )
                     .await;
-                    return Err(e);
+                    return Err(match e {
+                        // The lease was granted; unless the renewal or the release proved it
+                        // gone, it may still be held (until its ttl), which is not "not done".
+                        Error::Unavailable {
+                            attempts,
+                            elapsed,
+                            last_error,
+                            ..
+                        } if !matches!(released, Ok(Ok(_))) => Error::OutcomeUnknown {
+                            op: Op::Acquire,
+                            resource: resource.to_owned(),
+                            request_id: Some(lease.request_id.as_str().to_owned()),
+                            attempts,
+                            elapsed,
+                            last_error: format!(
+                                "granted, then the renewal before handing out the guard failed: {last_error}"
+                            ),
+                        },
+                        other => other,
+                    });
                 }
             }
         } else {
@@ -308,6 +335,7 @@ impl Client {
             request_id: None,
             deadline,
             attempt_timeout,
+            sent_before: false,
         };
         let answered = self
             .call(&ctx, |channel| {
@@ -338,6 +366,7 @@ impl Client {
             request_id: None,
             deadline: Instant::now() + self.inner.config.call_timeout,
             attempt_timeout: self.inner.config.attempt_timeout,
+            sent_before: false,
         };
         let answered = self
             .call(&ctx, |channel| {
@@ -361,6 +390,7 @@ impl Client {
             request_id: None,
             deadline: Instant::now() + self.inner.config.call_timeout,
             attempt_timeout: self.inner.config.attempt_timeout,
+            sent_before: false,
         };
         self.call(&ctx, |channel| {
             let request = self.authed(request.clone());
@@ -379,6 +409,7 @@ impl Client {
             request_id: None,
             deadline: Instant::now() + self.inner.config.call_timeout,
             attempt_timeout: self.inner.config.attempt_timeout,
+            sent_before: false,
         };
         self.call(&ctx, |channel| {
             let request = self.authed(StatusRequest {});
@@ -398,6 +429,7 @@ impl Client {
             request_id: None,
             deadline: Instant::now() + self.inner.config.call_timeout,
             attempt_timeout: self.inner.config.attempt_timeout,
+            sent_before: false,
         };
         self.call(&ctx, |channel| async move {
             ClusterClient::new(channel)
@@ -426,6 +458,7 @@ impl Client {
             request_id: None,
             deadline: Instant::now() + self.inner.config.call_timeout,
             attempt_timeout: self.inner.config.attempt_timeout,
+            sent_before: false,
         };
         let request = RotateSigningKeyRequest {
             replaces_key_id: active,
@@ -532,7 +565,7 @@ impl Client {
         let elapsed = started.elapsed();
         let resource = ctx.resource.map(str::to_owned);
         Err(Failed::Exhausted(
-            if first_sent.is_some() && ctx.op.mutates() {
+            if (first_sent.is_some() || ctx.sent_before) && ctx.op.mutates() {
                 Error::OutcomeUnknown {
                     op: ctx.op,
                     resource: resource.unwrap_or_default(),

@@ -445,7 +445,7 @@ pub fn unscope_status(status: Status, scoped: &str, original: &str) -> Status {
     let message = status
         .message()
         .replace(&format!("{scoped:?}"), &format!("{original:?}"));
-    Status::with_details(status.code(), message, status.details().to_vec().into())
+    lockd_api::errors::with_message(&status, message)
 }
 
 /// PERMISSION_DENIED for `identity` doing `op` (on `resource`).

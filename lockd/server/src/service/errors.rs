@@ -170,7 +170,7 @@ pub fn propose_failed(node: u64, e: ProposeError) -> Status {
 /// Whether `status` is an answer from a lockd node (it carries lockd's ErrorInfo), as opposed to
 /// a transport failure on the way to one. A forwarding node passes the former on unchanged.
 pub fn is_from_lockd(status: &Status) -> bool {
-    lockd_api::errors::reason_of(status).is_some()
+    lockd_api::errors::is_from_lockd(status)
 }
 
 /// A forwarded call that failed on the way to the leader: if the connection was never made,

@@ -128,12 +128,27 @@ impl LockService {
         errors::forward_failed(msg, &status)
     }
 
+    /// The call's first proposal: if it fails, nothing of the call is in the log yet, so an
+    /// overload refusal may say "nothing was done".
     async fn propose(&self, cmd: Command) -> Result<Outcome, Status> {
         self.ctx
             .proposer
             .propose(cmd)
             .await
             .map_err(|e| errors::propose_failed(self.ctx.id, e))
+    }
+
+    /// A later proposal of a call whose first one committed (a waiter's EndWaitAttempt): even an
+    /// overload refusal of this one leaves the call's outcome unknown, since the first proposal
+    /// may still grant.
+    async fn propose_after_commit(&self, cmd: Command) -> Result<Outcome, Status> {
+        self.ctx.proposer.propose(cmd).await.map_err(|e| {
+            errors::outcome_unknown(format!(
+                "node {}: {e} while ending a wait; the acquire is in the log and may still be \
+                 granted, retry with the same request_id",
+                self.ctx.id
+            ))
+        })
     }
 
     fn record<T>(&self, op: Op, forwarded: bool, started: Instant, result: &Result<T, Status>) {
@@ -245,7 +260,7 @@ impl LockService {
                 }
                 _ = &mut backstop => {
                     guard.armed = false;
-                    let outcome = self.propose(Command::EndWaitAttempt {
+                    let outcome = self.propose_after_commit(Command::EndWaitAttempt {
                         resource: guard.resource.clone(),
                         request_id: guard.request_id.clone(),
                         reason: EndWaitReason::TimedOut,
