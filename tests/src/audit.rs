@@ -1,6 +1,6 @@
 //! The audit key test clusters pass to lockd (`--audit-key-file`) and the request digest it
 //! yields, so suites can match audit lines to the request ids they sent: lockd writes only the
-//! digest (issue 14, finding 3).
+//! digest.
 
 use std::path::Path;
 

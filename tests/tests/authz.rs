@@ -1,4 +1,4 @@
-//! Identity and authorization (issue 15): tenants cannot touch each other's resources, a
+//! Identity and authorization: tenants cannot touch each other's resources, a
 //! request_id is worth nothing to another identity, bearer tokens identify callers, clients
 //! cannot pose as forwarding nodes, and the start-up checks of the policy name the problem.
 //!
@@ -188,7 +188,7 @@ async fn leader_and_follower(cluster: &mut Cluster) -> (u64, u64) {
     (leader, if leader == 1 { 2 } else { 1 })
 }
 
-/// Goal (issue 15, test 3): tenant A cannot acquire, renew, release or describe under tenant B's
+/// Goal: tenant A cannot acquire, renew, release or describe under tenant B's
 /// prefix, neither on the leader nor through a follower (which forwards), and the refusal names
 /// A and the resource. Method: B holds `tenant-b/job`; A, knowing B's lease id, tries all four
 /// operations on both nodes; B's lease is untouched afterwards. Control: A works under its own
@@ -313,7 +313,7 @@ async fn issue15_tenant_a_cannot_touch_tenant_b() {
     assert!(!metrics.contains("mallory"), "unbounded label: {metrics}");
 }
 
-/// Goal (issue 15, test 3): A's request_id replayed by B returns nothing of A's. Method: A
+/// Goal: A's request_id replayed by B returns nothing of A's. Method: A
 /// acquires `shared/r` (a prefix both may use) with request id `rid-1`; B sends the very same
 /// request (same resource, id, ttl and holder), on the leader and through a follower; before
 /// the dedup window was keyed per identity, B got A's lease id and token. Now B gets its own
@@ -384,7 +384,7 @@ async fn issue15_a_request_id_replayed_by_another_identity_returns_nothing_of_th
     assert!(!audit.contains("rid-1"), "a request id in clear: {audit}");
 }
 
-/// Goal (issue 15): a bearer token from `--auth-tokens` identifies a caller; a wrong token is
+/// Goal: a bearer token from `--auth-tokens` identifies a caller; a wrong token is
 /// UNAUTHENTICATED (not anonymous), and so is another scheme. lockctl takes the token from
 /// `--auth-token-file` and prints PERMISSION_DENIED and UNAUTHENTICATED as one line each with
 /// their own exit codes (11, 12). Method: a raw gRPC client with the header, then lockctl.
@@ -507,7 +507,7 @@ async fn issue15_bearer_tokens_identify_and_wrong_tokens_are_unauthenticated() {
     assert!(err.contains(ALICE), "{err}");
 }
 
-/// Goal (issue 15): a client that sets the forwarding headers itself gains nothing: it can claim
+/// Goal: a client that sets the forwarding headers itself gains nothing: it can claim
 /// neither another identity nor forwarded status. Method: with alice's certificate, with no
 /// certificate, and with a client certificate naming node 2 (issued by the client CA, not the
 /// peer CA), send calls carrying `lockd-forwarded-by` and/or `lockd-forwarded-identity-bin`
@@ -573,7 +573,7 @@ async fn issue15_clients_cannot_claim_forwarded_identities() {
     assert!(!d.held, "{d:?}");
 }
 
-/// Goal (issue 15): status (and admin) follow the policy. Method: `cert:ops` and `anonymous`
+/// Goal: status (and admin) follow the policy. Method: `cert:ops` and `anonymous`
 /// are granted status, alice is not: alice gets PERMISSION_DENIED naming her and the operation,
 /// on every node (status is answered locally, never forwarded).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -607,7 +607,7 @@ async fn issue15_status_follows_the_policy() {
     }
 }
 
-/// Goal (issue 15, review of the sequencer key): the signing key's admin RPCs follow the
+/// Goal: the signing key's admin RPCs follow the
 /// policy's `admin`: a tenant may neither list nor rotate the key, on the leader or through a
 /// follower, and the operator (`cert:ops`, granted `admin`) may, through a follower as well
 /// (the follower forwards the operator's identity, which the leader authorizes again). Method:
@@ -677,7 +677,7 @@ async fn issue15_signing_key_admin_calls_follow_the_policy() {
     assert_ne!(rotated.key_id, active);
 }
 
-/// Goal (issue 15): start-up refuses a bad policy, tokens file or combination with one line
+/// Goal: start-up refuses a bad policy, tokens file or combination with one line
 /// that names the problem. Method: `lockd` with each bad input exits non-zero; its stderr is one
 /// line naming the flag, the file and the line or value.
 #[test]

@@ -1,4 +1,4 @@
-//! Fault-injection suite (issue 9): real `lockd` processes, `fence-proxy http` in front of an HTTP
+//! Fault-injection suite: real `lockd` processes, `fence-proxy http` in front of an HTTP
 //! register, `fence-proxy postgres` in front of a Postgres table, concurrent clients and a seeded
 //! nemesis; the recorded history is checked against the invariants (tests/src/chaos/checker.rs,
 //! docs/verification.md).
@@ -77,7 +77,7 @@ async fn broken_mode_writes_around_the_fence_and_the_checker_fails() {
     );
 }
 
-/// Goal (issue 15, test 7): with TLS and an authorization policy on every node and client, the
+/// Goal: with TLS and an authorization policy on every node and client, the
 /// same invariants hold under faults that cut and restart TLS connections (kills, pauses,
 /// partitions, a wiped node); request ids are scoped per identity and forwarded calls carry the
 /// identity, so retries across leaders must still return the original grants. Method: a 20 s

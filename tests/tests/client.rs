@@ -1,5 +1,5 @@
-//! The Rust client (`lockd-client`) and `lockctl` against real three-node clusters (issue 4,
-//! tests 1 to 5).
+//! The Rust client (`lockd-client`) and `lockctl` against real three-node
+//! clusters.
 //!
 //! Needs the `lockd` and `lockctl` binaries next to this test executable:
 //! `cargo build -p lockd-server -p lockctl && cargo test -p lockd-tests --test client`.

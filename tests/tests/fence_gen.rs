@@ -1,4 +1,4 @@
-//! The adversarial generator for fence-proxy's Postgres front end (issue 13), as a short seeded
+//! The adversarial generator for fence-proxy's Postgres front end, as a short seeded
 //! run. `cargo run -p lockd-tests --bin fence-gen -- --sessions 100000` is the long form (see
 //! docs/verification.md).
 
@@ -30,7 +30,7 @@ async fn fence_gen_oracle_flags_writes_that_bypass_the_proxy() {
     );
 }
 
-/// Goal: issue 13: no generated session commits a stale write, or an unfenced one under
+/// Goal: no generated session commits a stale write, or an unfenced one under
 /// `--require-fence`, through the proxy. Method: 300 seeded sessions, half against each kind of
 /// proxy, four at a time; on failure the seed, case and exact messages are printed.
 ///

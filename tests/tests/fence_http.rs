@@ -1,4 +1,4 @@
-//! fence-proxy's HTTP front end (issue 5): fence checks, token order across two proxy processes
+//! fence-proxy's HTTP front end: fence checks, token order across two proxy processes
 //! sharing the Postgres store, faults, restart with the redb store, and end to end with lockd.
 //!
 //! Every test starts a real HTTP upstream that logs the requests it applied, in order, and real
@@ -67,7 +67,8 @@ fn assert_refused(reply: &Reply, status: u16, reason: &str) {
     assert_eq!(reply.json()["error"], reason, "{reply:?}");
 }
 
-/// The fence checks of test 1, against either store.
+/// The fence checks (stale, missing and malformed fences, pass-through reads, metrics),
+/// against either store.
 async fn fence_checks(store: &str, extra: &[&str]) {
     let upstream = HttpUpstream::start().await.unwrap();
     let proxy = FenceProxy::start(&upstream.url(), store, extra)
@@ -196,14 +197,14 @@ async fn fence_checks(store: &str, extra: &[&str]) {
     }
 }
 
-/// Goal: test 1 of the issue with the embedded store.
+/// Goal: the fence checks with the embedded store.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fence_checks_with_redb_store() {
     let dir = tempfile::tempdir().unwrap();
     fence_checks(&redb_store(&dir), &[]).await;
 }
 
-/// Goal: test 1 of the issue with the shared Postgres store.
+/// Goal: the fence checks with the shared Postgres store.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fence_checks_with_postgres_store() {
     let table = PgTable::new("fence_http_checks");
@@ -485,7 +486,7 @@ async fn redb_highest_tokens_survive_restart() {
     assert_eq!(upstream.writes().len(), 4);
 }
 
-/// Goal: test 5 of the issue, end to end with lockd. A acquires (token t); A's lease expires;
+/// Goal: a zombie holder's write, end to end with lockd. A acquires (token t); A's lease expires;
 /// B acquires (t' > t) and writes; A's delayed write gets 412; the upstream holds B's only.
 /// Method: a real three-node lockd cluster, a 1 s lease for A that is never renewed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -616,7 +617,7 @@ fn assert_older_body_ended_before_newer_started(
     );
 }
 
-/// Goal: issue 13, bypass 8. An upstream that answers 200 as soon as a request head arrives and
+/// Goal: an upstream that answers 200 as soon as a request head arrives and
 /// only then reads the body must never finish reading token 41's body after token 42's write
 /// started: the permit of 41 is held until its body has been forwarded completely.
 /// Method: 41 sends its head and a third of its body and then trickles the rest, 100 ms apart;
@@ -675,7 +676,7 @@ async fn issue13_bypass8_trickling_body_of_41_is_not_overtaken_by_42() {
     assert_older_body_ended_before_newer_started(&events, &r, 41, 42);
 }
 
-/// Goal: issue 13, bypass 8, the other ways a write's exchange ends: the permit is released then,
+/// Goal: the other ways a write's exchange ends (see the test above): the permit is released then,
 /// never earlier, and the resource is quarantined because the upstream holds a partial request.
 /// Method: an early-answering upstream, `--upstream-timeout 1s --quarantine 1s`. Phase 1: 41's
 /// client disconnects half-way through its body. Phase 2: 41's client stalls half-way past the
@@ -748,7 +749,7 @@ async fn closed_within(s: &mut TcpStream, within: Duration) -> Duration {
     }
 }
 
-/// Goal: issue 13 (slowloris): a client that sends nothing, or trickles a request head, is
+/// Goal (slowloris): a client that sends nothing, or trickles a request head, is
 /// disconnected after `--header-read-timeout`, and the proxy keeps serving others.
 /// Method: `--header-read-timeout 500ms`; one silent connection, one that sends half a head and
 /// then one header byte every 100 ms; both must be closed between 0.4 s and 3 s.
@@ -798,7 +799,7 @@ async fn issue13_slowloris_header_read_timeout_closes_connections() {
     assert_eq!(put(&proxy, "slow/1", "1", "x").await.status, 200);
 }
 
-/// Goal: issue 13: `--max-connections` bounds the client connections open at once; past it a new
+/// Goal: `--max-connections` bounds the client connections open at once; past it a new
 /// connection is not served until one closes.
 /// Method: `--max-connections 2`; two idle connections; a third client's write must not be
 /// answered while they stay open, and must be answered once one of them closes.

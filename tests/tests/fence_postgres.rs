@@ -1,4 +1,4 @@
-//! The Postgres front end of fence-proxy against the real Postgres at 127.0.0.1:5432 (issue 6).
+//! The Postgres front end of fence-proxy against the real Postgres at 127.0.0.1:5432.
 //!
 //! Every test uses its own table and fence resource names, so the tests run in parallel.
 
@@ -934,15 +934,16 @@ async fn zombie_holder_is_fenced_with_lockd_tokens() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Issue 13: the attacks. Setup for each: a resource whose token 42 is recorded through the proxy,
-// a table `(id bigserial, token bigint)` where every write carries the writer's token, and an
-// attacking session fenced with 41 (or unfenced under --require-fence). The oracle is always the
-// table itself: no row written by the attacker committed.
+// Attacks on the guard (docs/fence-proxy-postgres.md, "Design"). Setup for each: a resource whose
+// token 42 is recorded through the proxy, a table `(id bigserial, token bigint)` where every write
+// carries the writer's token, and an attacking session fenced with 41 (or unfenced under
+// --require-fence). The oracle is always the table itself: no row written by the attacker
+// committed.
 // ---------------------------------------------------------------------------------------------
 
 use lockd_tests::pg::{Attack, RawConn, wire};
 
-/// Goal (issue 13, bypass 1): a failed transaction must not let a statement after ROLLBACK or
+/// Goal: a failed transaction must not let a statement after ROLLBACK or
 /// ROLLBACK TO SAVEPOINT in the same query run without the fence.
 /// Method: BEGIN; SELECT 1/0; then `ROLLBACK; INSERT` in one query; and `ROLLBACK TO SAVEPOINT s;
 /// INSERT` then COMMIT; with fence 41 (42 recorded) and unfenced under --require-fence.
@@ -973,7 +974,7 @@ async fn issue13_bypass1_failed_transaction_skips_the_guard() {
     }
 }
 
-/// Goal (issue 13, bypass 2): the kind of a statement name comes from what the upstream holds.
+/// Goal: the kind of a statement name comes from what the upstream holds.
 /// Method: (a) Parse s1 = SHOW, SQL DEALLOCATE s1, SQL PREPARE s1 AS INSERT, Bind/Execute s1.
 /// (b) Parse s2 = INSERT, Sync; Parse s2 = SHOW (the upstream answers 42P05); Bind/Execute s2.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1017,7 +1018,7 @@ async fn issue13_bypass2_statement_kinds_go_stale() {
         .await;
 }
 
-/// Goal (issue 13, bypass 3): RESET ALL after a write in the same query, and DISCARD ALL refused
+/// Goal: RESET ALL after a write in the same query, and DISCARD ALL refused
 /// inside a block, must not unfence the write.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn issue13_bypass3_reset_all_and_discard_all() {
@@ -1041,7 +1042,7 @@ async fn issue13_bypass3_reset_all_and_discard_all() {
         .await;
 }
 
-/// Goal (issue 13, bypass 4): a DO block (or procedure) cannot COMMIT its way out of the guard.
+/// Goal: a DO block (or procedure) cannot COMMIT its way out of the guard.
 /// Method: the attacker holds 41 (current) and runs, over the extended protocol, a DO block that
 /// inserts, COMMITs, sleeps while the holder of 42 records and writes, then inserts again. No row
 /// of 41 may land after 42's. Under --require-fence, an unfenced DO that COMMITs then inserts.
@@ -1115,7 +1116,7 @@ async fn issue13_bypass4_commit_inside_do_block() {
     a.assert_nothing_committed("unfenced DO that COMMITs").await;
 }
 
-/// Goal (issue 13, bypass 5): the proxy reads statement boundaries exactly as Postgres does.
+/// Goal: the proxy reads statement boundaries exactly as Postgres does.
 /// Method: under --require-fence, unfenced: a dollar tag made of bytes >= 0x80 hiding
 /// `COMMIT; INSERT`; and `standard_conforming_strings = off` with `'\''` doing the same.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1147,7 +1148,7 @@ async fn issue13_bypass5_splitter_disagrees_with_postgres() {
         .await;
 }
 
-/// Goal (issue 13, bypass 6): every spelling of the fence setting is the fence: what Postgres
+/// Goal: every spelling of the fence setting is the fence: what Postgres
 /// holds is what is checked.
 /// Method: an unfenced session sets `<resource>:41` inside its transaction with quoted
 /// identifiers, U&"", set_config, then writes and commits: in one query, and as separate queries
@@ -1198,7 +1199,7 @@ async fn issue13_bypass6_spellings_of_the_setting() {
         .await;
 }
 
-/// Goal (issue 13, bypass 7): the fence table cannot be shadowed by a temporary table or a
+/// Goal: the fence table cannot be shadowed by a temporary table or a
 /// search_path without public.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn issue13_bypass7_fence_table_shadowed() {
@@ -1234,7 +1235,7 @@ async fn issue13_bypass7_fence_table_shadowed() {
         .await;
 }
 
-/// Goal (issue 13, robustness): a second guard in one block works (the proxy's portal is closed
+/// Goal (robustness): a second guard in one block works (the proxy's portal is closed
 /// after use), as pgjdbc's autosave needs: a savepoint rolled back, then more writes, then COMMIT.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn issue13_robustness_second_guard_in_one_block() {
@@ -1261,7 +1262,7 @@ async fn issue13_robustness_second_guard_in_one_block() {
     assert_eq!(n, 4);
 }
 
-/// Goal (issue 13, robustness): with the documented setup (the table owned by the init role, the
+/// Goal (robustness): with the documented setup (the table owned by the init role, the
 /// client an application role granted by `init`), fenced writes work and the application role
 /// can neither lower nor delete fence rows, directly or through the proxy.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1307,7 +1308,7 @@ async fn issue13_robustness_app_role_grants() {
     }
 }
 
-/// Goal (issue 13, robustness): the number and total size of statement names the proxy tracks
+/// Goal (robustness): the number and total size of statement names the proxy tracks
 /// per session are bounded.
 /// Method: Parse transaction-control statements under 64 KiB names until the proxy refuses with
 /// 54000 (program_limit_exceeded), well before 8 MiB of names.
@@ -1334,7 +1335,7 @@ async fn issue13_robustness_unbounded_statement_names() {
     eprintln!("refused at name {i}: {:?}", r.errors);
 }
 
-/// Goal (issue 13, design): a fence lowered inside a transaction is checked before COMMIT, over
+/// Goal (design): a fence lowered inside a transaction is checked before COMMIT, over
 /// the extended protocol too, and the failed COMMIT leaves the session idle as any failed COMMIT
 /// does.
 /// Method: the holder of 42 begins, writes, sets its fence to 41 inside the block, then sends

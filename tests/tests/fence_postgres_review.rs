@@ -1,7 +1,8 @@
-//! Adversarial review of the Postgres front end of fence-proxy (issue 13 redesign): raw-wire
-//! attacks against the real Postgres at 127.0.0.1:5432. Each test demonstrates a way for a stale
-//! (or, under `--require-fence`, unfenced) session to commit a write through the proxy; the oracle
-//! is the table itself: no row written by the attacker committed.
+//! Adversarial review of the Postgres front end of fence-proxy (the guard design of
+//! docs/fence-proxy-postgres.md): raw-wire attacks against the real Postgres at 127.0.0.1:5432.
+//! Each test demonstrates a way for a stale (or, under `--require-fence`, unfenced) session to
+//! commit a write through the proxy; the oracle is the table itself: no row written by the attacker
+//! committed.
 //!
 //! Setup per test (the `Attack` helper, as in fence_postgres.rs): resource `r` with token 42
 //! recorded by an honest holder; the attacker's rows carry token 41.

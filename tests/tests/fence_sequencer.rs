@@ -1,4 +1,4 @@
-//! Signed fencing tokens at fence-proxy (issue 15): with `--verify-key` both front ends accept a
+//! Signed fencing tokens at fence-proxy: with `--verify-key` both front ends accept a
 //! write only with a sequencer that verifies offline; a forged, altered or foreign one, or a plain
 //! token where a sequencer is required, is refused and changes no recorded epoch.
 //!

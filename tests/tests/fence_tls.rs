@@ -1,4 +1,4 @@
-//! TLS and client access of fence-proxy (issue 15): the Postgres front end terminating TLS for
+//! TLS and client access of fence-proxy: the Postgres front end terminating TLS for
 //! psql and connecting to an upstream that requires it, `--require-tls`, `--allow-client`, and
 //! the HTTP front end over HTTPS towards an https upstream.
 //!

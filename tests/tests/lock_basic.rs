@@ -1,5 +1,5 @@
 //! The lock API against a real three-node cluster: grants, renewals, releases, held resources,
-//! expiry, validation and the order of fencing tokens (issue 2, tests 1, 2, 4 and 8).
+//! expiry, validation and the order of fencing tokens.
 
 use std::time::Duration;
 

@@ -1,4 +1,4 @@
-//! Wrong wall clocks (issue 14, findings 0 and 2): nodes whose clocks are an hour ahead, an hour
+//! Wrong wall clocks: nodes whose clocks are an hour ahead, an hour
 //! behind and right take turns as leader. A lease must never end before its holder's deadline,
 //! and once its holder stops renewing it must end within its ttl plus the failover time, never
 //! an hour later.

@@ -1,5 +1,5 @@
 //! lockd through failures of real node processes: leader loss, lost replies, quorum loss, full
-//! restarts and log compaction with lagging and wiped nodes (issue 2, tests 2, 3, 5, 6, 7).
+//! restarts and log compaction with lagging and wiped nodes.
 
 use std::time::{Duration, Instant};
 
@@ -11,7 +11,7 @@ use lockd_tests::cluster::{Cluster, ClusterOptions};
 use tonic::Code;
 use tonic::transport::Channel;
 
-/// CONTRACT: a node without quorum answers UNAVAILABLE within 5 s. Allow scheduling slack.
+/// docs/api.md: a node without quorum answers UNAVAILABLE within 5 s. Allow scheduling slack.
 const UNAVAILABLE_BOUND: Duration = Duration::from_millis(5_500);
 
 fn req(resource: &str, request_id: &str, ttl_ms: u64) -> AcquireRequest {
@@ -437,8 +437,8 @@ async fn futures_join(cluster: &Cluster) -> Vec<lockd_api::v1::StatusResponse> {
     out
 }
 
-/// Goal (issue 14, finding 7): a node that lost its disk does not help elect a leader that lacks
-/// entries committed while it held them; tokens never repeat. Method: the issue's schedule. X
+/// Goal: a node that lost its disk does not help elect a leader that lacks
+/// entries committed while it held them; tokens never repeat. Method: this schedule. X
 /// leads; Y is stopped while grants commit on {X, W}; then X dies and W is wiped; W and Y start.
 /// No leader may appear among them (on main, W votes with its empty log after its four election
 /// timeouts and Y wins). X returns; the grants are still held and the next token is larger.
@@ -541,7 +541,7 @@ async fn leader_among(
     }
 }
 
-/// Goal (review of issue 14, finding 7: a wiped node forgets its term): a deposed leader of an
+/// Goal (a wiped node forgets its term): a deposed leader of an
 /// older term cannot commit through a node that lost its disk. Method: A leads in term t and is
 /// paused; B and C elect a leader in a newer term that grants on {B, C}; C loses its disk and
 /// restarts, the new leader dies, and A resumes believing it still leads in term t. On main, C

@@ -1,5 +1,5 @@
 //! Waiting for a lock on a real cluster: FIFO order, one wake-up per release, cancellation,
-//! timeouts, limits and retries across a leader change (issue 3, tests 1 to 7).
+//! timeouts, limits and retries across a leader change.
 
 use std::time::{Duration, Instant};
 
@@ -65,7 +65,7 @@ async fn enqueue(
     handle
 }
 
-/// Goal (tests 1 and 2): queued waiters are served first come, first served with growing tokens,
+/// Goal: queued waiters are served first come, first served with growing tokens,
 /// and one release wakes exactly one of them. Method: hold, queue five through different nodes,
 /// release one at a time, checking which calls returned.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -109,7 +109,7 @@ async fn waiters_are_served_in_order_and_one_release_wakes_one() {
     assert!(!describe(&mut c, "fifo/r").await.held);
 }
 
-/// Goal (test 3): cancelling the middle waiter removes it and keeps the others' order. Method:
+/// Goal: cancelling the middle waiter removes it and keeps the others' order. Method:
 /// three waiters, abort the second call, release twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancelled_middle_waiter_leaves_the_queue() {
@@ -142,7 +142,7 @@ async fn cancelled_middle_waiter_leaves_the_queue() {
     assert_eq!(describe(&mut c, "cancel/r").await.holder, "c3");
 }
 
-/// Goal (test 4): a wait that runs out answers DEADLINE_EXCEEDED and leaves no trace.
+/// Goal: a wait that runs out answers DEADLINE_EXCEEDED and leaves no trace.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wait_timeout_is_deadline_exceeded_without_trace() {
     let cluster = Cluster::start_default().await.unwrap();
@@ -164,7 +164,7 @@ async fn wait_timeout_is_deadline_exceeded_without_trace() {
     assert_eq!(err.code(), Code::DeadlineExceeded);
 }
 
-/// Goal (test 6): waiter limits per resource and per tenant answer RESOURCE_EXHAUSTED naming the
+/// Goal: waiter limits per resource and per tenant answer RESOURCE_EXHAUSTED naming the
 /// limit, and the queue stays intact. Method: a cluster with limits 2 and 3.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn waiter_limits_answer_resource_exhausted() {
@@ -225,7 +225,7 @@ async fn acquire_waiting(
     }
 }
 
-/// Goal (tests 5 and 7): kill the leader while three callers wait; they are served in order or
+/// Goal: kill the leader while three callers wait; they are served in order or
 /// time out cleanly, never two holders at once, and a retried waiter does not queue twice.
 /// Method: callers retry with their request_id; after the failover Describe shows 3 waiters, not
 /// more; each grant is checked against Describe before the next release.
@@ -293,7 +293,7 @@ async fn waiters_survive_leader_change_in_order_without_duplicates() {
     assert!(release(&mut c, "fail/r", &last).await);
 }
 
-/// Goal (issue 14, finding 4): a waiting Acquire whose call was dropped and is retried with the
+/// Goal: a waiting Acquire whose call was dropped and is retried with the
 /// same request_id takes back its place, whether the retry or the dropped call's cancel commits
 /// first. On main the cancel removed the waiter and the retry queued at the back (or, in the
 /// other order, the late cancel removed the retry's registration). Method: holder, waiters w1
@@ -334,7 +334,7 @@ async fn issue14_finding4_a_retried_waiter_keeps_its_place() {
     assert!(g2.fencing_token > g1.fencing_token);
 }
 
-/// Goal (issue 14, finding 5): per-tenant quotas refuse one tenant's flood with
+/// Goal: per-tenant quotas refuse one tenant's flood with
 /// RESOURCE_EXHAUSTED naming the limit, count the refusal per limit, and leave other tenants
 /// served. Method: a cluster with 20 records and 5 active resources per tenant.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,4 +1,4 @@
-//! Metrics, the audit log and readiness of real lockd nodes (issue 7, tests 1 to 3).
+//! Metrics, the audit log and readiness of real lockd nodes.
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
@@ -364,7 +364,7 @@ async fn lockctl_status_shows_each_node_and_hot_resources() {
     }
 }
 
-/// Goal (issue 14, finding 3): no audit log carries a request id in clear, since a retry with it
+/// Goal: no audit log carries a request id in clear, since a retry with it
 /// returns the lease id. Method: acquire with a known id through a follower (forwarded) and the
 /// leader, read every replica's audit file, look for the ids and for their keyed digests.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

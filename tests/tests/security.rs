@@ -1,4 +1,4 @@
-//! The trust boundary of the replication port (issue 15): with TLS on, only a node of this
+//! The trust boundary of the replication port: with TLS on, only a node of this
 //! cluster, with a certificate from the peer CA that names the node it claims to be, can move a
 //! replica's Raft state.
 
@@ -14,7 +14,7 @@ use openraft::{CommittedLeaderId, LogId, SnapshotMeta, StoredMembership, Vote};
 use tonic::Code;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
 
-/// The forged messages of the issue: term 1000, from "leader" (or candidate) 2.
+/// The forged messages of a network attacker: term 1000, from "leader" (or candidate) 2.
 fn forged() -> Vec<(&'static str, Vec<u8>)> {
     let append = AppendEntriesRequest::<TypeConfig> {
         vote: Vote::new_committed(1000, 2),
@@ -97,7 +97,7 @@ async fn terms(cluster: &Cluster) -> Vec<(u64, u64)> {
     out
 }
 
-/// Goal (issue 15, test 1): the forged AppendEntries, Vote and InstallSnapshot of the issue
+/// Goal: the forged AppendEntries, Vote and InstallSnapshot of a network attacker
 /// (term 1000, "leader 2") are refused with UNAUTHENTICATED and change nothing, whoever sends
 /// them without being node 2: no certificate, a client certificate of the client CA, node 3's
 /// own certificate, a certificate of another CA naming node 2, or node 2's certificate with
@@ -229,7 +229,7 @@ fn lockctl(args: &[&str]) -> (i32, String, String) {
     )
 }
 
-/// Goal (issue 15, TLS for clients): lockctl talks TLS with `--cacert` (as etcdctl), and a
+/// Goal (TLS for clients): lockctl talks TLS with `--cacert` (as etcdctl), and a
 /// client that does not trust the nodes' CA, or speaks plaintext to a TLS port, is refused with
 /// one line saying why. Method: a TLS cluster; lockctl acquire and status with the right CA, with
 /// another CA, and without TLS.
@@ -317,7 +317,7 @@ async fn issue15_lockctl_speaks_tls_and_refuses_an_untrusted_cluster() {
     assert!(err.contains("/nonexistent/ca.pem"), "{err}");
 }
 
-/// Goal (issue 15): without TLS the cluster id still keeps two clusters apart, and lockd refuses
+/// Goal: without TLS the cluster id still keeps two clusters apart, and lockd refuses
 /// to run plaintext on a non-loopback address unless told to. Method: a plaintext cluster gets
 /// a message with another cluster's id and one with none; `lockd --listen` on a non-loopback
 /// address without TLS fails at start with one line.
@@ -392,7 +392,7 @@ fn pem_der(path: &std::path::Path) -> Vec<u8> {
         .to_vec()
 }
 
-/// Goal (issue 15, test 6): certificates reload on SIGHUP during a running mixed load with no
+/// Goal: certificates reload on SIGHUP during a running mixed load with no
 /// failed call, and a reload with broken files keeps the certificates in use. Method: a TLS
 /// cluster under acquire/renew/release from four clients (each on its own resource, so every
 /// call must succeed) plus a fifth that opens a new connection for every call; midway every node

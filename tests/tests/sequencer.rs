@@ -1,4 +1,4 @@
-//! Signed sequencers from real three-node clusters (issue 15, "signed fencing tokens", server
+//! Signed sequencers from real three-node clusters (server
 //! side): every Acquire carries a sequencer signed by the cluster's replicated Ed25519 key, which
 //! verifies offline with the public keys `lockctl keys export` writes.
 //!

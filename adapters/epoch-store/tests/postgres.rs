@@ -158,7 +158,7 @@ async fn dropped_permit_counts_as_unknown() {
     drop_table(&table).await;
 }
 
-/// Goal: issue 13: the store's own transactions run with `synchronous_commit = on` even where the
+/// Goal: the store's own transactions run with `synchronous_commit = on` even where the
 /// database's default is off, so a recorded token cannot go backwards after a Postgres crash.
 /// Method: a database of this test with `ALTER DATABASE ... SET synchronous_commit = off` (a plain
 /// session there reports off); the store's table is created beforehand with a trigger that logs

@@ -5,7 +5,7 @@
 //! An upstream may answer before it has read the request body (HTTP allows it, and some servers
 //! acknowledge early and apply later). Releasing the permit at the response head would let a
 //! newer write reach the upstream while an older body is still trickling in: the upstream would
-//! then finish applying the older write after the newer one (issue 13, bypass 8).
+//! then finish applying the older write after the newer one.
 
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};

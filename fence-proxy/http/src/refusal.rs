@@ -52,7 +52,7 @@ pub enum Refusal {
         detail: String,
     },
     /// 503: another write of the resource (or a quarantine) held it past `--lock-wait`.
-    /// Not in the contract's table, which is silent on waiting; see docs/fence-proxy.md.
+    /// Listed in docs/api.md beside the others; why it exists: docs/fence-proxy.md, "Errors".
     ResourceBusy {
         resource: String,
         token: FencingToken,

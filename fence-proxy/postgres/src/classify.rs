@@ -318,7 +318,8 @@ mod tests {
         );
     }
 
-    /// Issue 13, bypass 5: dollar tags of any bytes >= 0x80 are tags, as in Postgres.
+    /// Statement boundaries as Postgres reads them: dollar tags of any bytes >= 0x80 are tags, as
+    /// in Postgres.
     #[test]
     fn issue13_bypass5_dollar_tags_with_any_bytes() {
         assert_eq!(

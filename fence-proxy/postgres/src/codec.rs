@@ -143,7 +143,7 @@ mod tests {
         assert!(err.to_string().contains("9 bytes"), "{err}");
     }
 
-    /// Issue 13: a peer that declares a large message and sends nothing more must not make the
+    /// Robustness: a peer that declares a large message and sends nothing more must not make the
     /// proxy reserve the declared length.
     #[test]
     fn issue13_robustness_decoder_does_not_reserve_declared_length() {

@@ -25,7 +25,8 @@ use crate::lease::{Lease, LeaseId, default_safety_margin};
 use crate::request_id::RequestId;
 use crate::retry::{backoff, next_delay, remaining};
 
-/// The server's default ttl (CONTRACT.md), assumed only if a reply leaves `lease_ttl_ms` empty.
+/// The server's default ttl (docs/api.md, "Limits and policy"), assumed only if a reply leaves
+/// `lease_ttl_ms` empty.
 const SERVER_DEFAULT_TTL: Duration = Duration::from_millis(30_000);
 
 /// Options of one `Acquire`. `Default` = server-default ttl, no waiting, the client's holder text,

@@ -7,8 +7,8 @@ use std::time::Duration;
 /// not answer within a second is down or partitioned, and another node can forward for us.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 
-/// Longest a single non-waiting RPC attempt may take. CONTRACT.md bounds a node without quorum to
-/// answer `UNAVAILABLE` within 5 s; one more second covers the network and scheduling.
+/// Longest a single non-waiting RPC attempt may take. docs/api.md bounds a node without quorum
+/// to answer `UNAVAILABLE` within 5 s; one more second covers the network and scheduling.
 pub const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(6);
 
 /// Default total time for one logical call, all retries included, on top of any `wait_timeout`.

@@ -157,7 +157,7 @@ pub enum Error {
     #[error("bearer token: {reason}")]
     BadToken { reason: String },
 
-    /// A status the contract does not give for this RPC (e.g. `INTERNAL`, `UNIMPLEMENTED`).
+    /// A status docs/api.md does not list for this RPC (e.g. `INTERNAL`, `UNIMPLEMENTED`).
     #[error("{op}: unexpected reply {code:?} from lockd: {message}")]
     Protocol {
         op: Op,

@@ -4,9 +4,10 @@ use std::fmt;
 
 use crate::error::Error;
 
-/// Longest request id the server accepts (CONTRACT.md: 1..=128 bytes).
+/// Longest request id the server accepts (docs/api.md, "Limits and policy": 1..=128 bytes).
 pub const REQUEST_ID_MAX_BYTES: usize = 128;
-/// Random bytes in a generated id: 128 bits, out of reach of guessing (issue 14, finding 3).
+/// Random bytes in a generated id: 128 bits, out of reach of guessing (a retry with an id
+/// returns its lease id, so an id is a credential).
 pub const REQUEST_ID_RANDOM_BYTES: usize = 16;
 
 /// Identifies one logical `Acquire`. Every retry of that attempt carries the same id, so the
@@ -65,8 +66,8 @@ impl fmt::Debug for RequestId {
 mod tests {
     use super::*;
 
-    /// Goal (issue 14, finding 3): generated ids carry at least 16 random bytes (a UUID v4 has
-    /// only 122 random bits). Method: decode the hex; compare many ids.
+    /// Goal: generated ids carry at least 16 random bytes (a UUID v4 has only 122 random bits).
+    /// Method: decode the hex; compare many ids.
     #[test]
     fn issue14_finding3_random_ids_carry_16_random_bytes() {
         let ids: std::collections::HashSet<String> = (0..1000)

@@ -24,7 +24,7 @@ pub const HOLDER_MAX_BYTES: usize = 256;
 pub const WAITERS_PER_RESOURCE_DEFAULT: u32 = 1_000;
 /// Default bound on all queues of one tenant, so one tenant cannot exhaust the table.
 pub const WAITERS_PER_TENANT_DEFAULT: u32 = 10_000;
-/// How long a request_id keeps returning its original outcome (CONTRACT: at least 10 minutes).
+/// How long a request_id keeps returning its original outcome (docs/api.md: at least 10 minutes).
 pub const DEDUP_RETENTION_DEFAULT_MS: u64 = 600_000;
 /// Upper bound on dedup records: 2,000 acquires/s for 10 minutes is 1.2 million; past this bound
 /// new acquires are refused rather than forgetting records early.

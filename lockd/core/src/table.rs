@@ -582,7 +582,7 @@ impl LockTable {
             if let Some(index) = found {
                 let current = attempt.is_none_or(|a| state.waiters[index].lease_id == a);
                 if !current {
-                    // A retry replaced that call: its registration stays (finding 4).
+                    // A retry replaced that call: its registration stays.
                     self.put_back(resource, state);
                     return ended;
                 }
@@ -715,8 +715,7 @@ impl LockTable {
                 Some(waiter.key),
                 events,
             );
-            // Finding 8d: remembered for the full retention after the grant, not after the
-            // enqueue.
+            // Remembered for the full retention after the grant, not after the enqueue.
             self.dedup
                 .renew(waiter.key, self.now_ms, DedupState::Granted(grant));
             return;

@@ -1,4 +1,4 @@
-//! Flags and commands, as CONTRACT.md lists them.
+//! Flags and commands, as docs/api.md ("Flags and environment", lockctl) lists them.
 
 use std::process::ExitCode;
 use std::time::Duration;

@@ -1,5 +1,5 @@
-//! Node configuration: the `lockd` flags of CONTRACT.md plus tuning knobs, each with its
-//! `LOCKD_*` environment variable.
+//! Node configuration: the `lockd` flags and tuning knobs, each with its `LOCKD_*` environment
+//! variable (the table is in docs/api.md, "Flags and environment").
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -57,10 +57,9 @@ pub struct Tuning {
     #[arg(long, env = "LOCKD_ELECTION_TIMEOUT_MS", default_value_t = 1000)]
     pub election_timeout_ms: u64,
     /// Build a snapshot (and purge the log before it) after this many log entries. A snapshot
-    /// costs O(table), and the table is mostly the 10-minute request_id window (about 1.2 million
-    /// records at 2,000 acquires/s), while an entry batches up to 512 commands: 20,000 entries was
-    /// a snapshot every 30-60 s at 6,000 ops/s, and bounds a restart's replay to ~20,000 entries.
-    /// Node N waits (N-1 mod 8)/8 of this longer, so replicas do not snapshot together.
+    /// costs O(table) and a restart replays up to this many entries (of up to 512 commands each);
+    /// how the default was chosen is in docs/benchmarks.md. Node N waits (N-1 mod 8)/8 of this
+    /// longer, so replicas do not snapshot together.
     #[arg(long, env = "LOCKD_SNAPSHOT_EVERY", default_value_t = 20_000)]
     pub snapshot_every: u64,
     /// Log entries kept behind the snapshot so briefly lagging followers catch up without one.

@@ -24,7 +24,7 @@ pub const BATCH_COMMANDS_MAX: usize = 512;
 /// batches large under load.
 pub const INFLIGHT_BATCHES_MAX: usize = 4;
 /// How long a proposal may take to commit and apply before the caller is told the outcome is
-/// unknown (well inside CONTRACT's 5 s bound for UNAVAILABLE).
+/// unknown (well inside the 5 s bound for UNAVAILABLE, docs/api.md "Limits and policy").
 pub const COMMIT_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// Why a command has no outcome.

@@ -1,12 +1,12 @@
 //! Mutual TLS between nodes, and TLS for clients, on the node's one gRPC port.
 //!
-//! Replication and clients share the port (CONTRACT: one port per node), so the listener asks
-//! every caller for a certificate but does not require one: clients may come without. A Raft
-//! message is accepted only from a caller whose certificate chains to the **peer CA** (not merely
-//! to any CA the listener trusts for clients) and names the node the message claims to come from:
-//! `node-<id>.<cluster-id>.lockd` as a DNS subject alternative name. So a client certificate, a
-//! certificate of another cluster, or one node impersonating another gets UNAUTHENTICATED, and the
-//! message never reaches openraft. The cluster id is also sent on every Raft message
+//! Replication and clients share the port (one port per node, docs/api.md "gRPC API"), so the
+//! listener asks every caller for a certificate but does not require one: clients may come without.
+//! A Raft message is accepted only from a caller whose certificate chains to the **peer CA** (not
+//! merely to any CA the listener trusts for clients) and names the node the message claims to come
+//! from: `node-<id>.<cluster-id>.lockd` as a DNS subject alternative name. So a client certificate,
+//! a certificate of another cluster, or one node impersonating another gets UNAUTHENTICATED, and
+//! the message never reaches openraft. The cluster id is also sent on every Raft message
 //! ([`CLUSTER_ID_HEADER`]), so two clusters never mix even where TLS is off.
 //!
 //! A node's certificate serves three purposes: its server certificate on the port (so it must

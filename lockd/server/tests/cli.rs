@@ -79,7 +79,7 @@ async fn lockd_dev_serves_three_replicas() {
     dev_serves_three_replicas(false, 9).await;
 }
 
-/// Goal (issue 15): `lockd dev --tls` is TLS in one command. Method: as above, over TLS with
+/// Goal: `lockd dev --tls` is TLS in one command. Method: as above, over TLS with
 /// the CA it prints for --cacert.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lockd_dev_tls_serves_three_replicas_over_tls() {

@@ -4,7 +4,7 @@
 //!    merged audit logs, in log order: granted opens a lease, released/expired/the next grant
 //!    closes it; a lease must not expire before its table-clock deadline) nor in real time as the
 //!    clients saw it (a grant acknowledged before an earlier holder's own deadline: the holder's
-//!    deadline is the time it *sent* the request plus the ttl, as the contract tells clients).
+//!    deadline is the time it *sent* the request plus the ttl, as docs/api.md tells clients).
 //! 2. `token-monotonic`: fencing tokens strictly increase in grant (log) order, for all resources.
 //! 3. `fence-accept`: each protected target never applied a write with a token lower than one it
 //!    applied before for that resource.

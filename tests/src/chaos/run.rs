@@ -64,7 +64,7 @@ impl RunConfig {
     /// The command that reruns this configuration.
     pub fn rerun_command(&self) -> String {
         let mut c = format!(
-            "CARGO_TARGET_DIR=/work/target-chaos cargo run -p lockd-tests --bin chaos -- --seed {} --duration {}s --workers {} --resources {}",
+            "cargo run -p lockd-tests --bin chaos -- --seed {} --duration {}s --workers {} --resources {}",
             self.seed,
             self.duration.as_secs(),
             self.workers,

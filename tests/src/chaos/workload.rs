@@ -2,8 +2,8 @@
 //! tokens, each driven by its own seeded RNG, recording every attempt in the history.
 //!
 //! Workers talk raw gRPC (`lockd.v1`) rather than through `lockd-client`, so that the history sees
-//! every attempt of a retried request, with the endpoint it went to; they follow the contract's
-//! rules for clients: a call that timed out or answered `UNAVAILABLE` is retried with the same
+//! every attempt of a retried request, with the endpoint it went to; they follow the rules for
+//! clients of docs/api.md: a call that timed out or answered `UNAVAILABLE` is retried with the same
 //! `request_id`, and a lease's deadline is the time the request was first sent plus its ttl.
 
 use std::net::SocketAddr;
@@ -28,7 +28,7 @@ pub const MAX_TTL_MS: u64 = 3_000;
 /// Longest `wait_timeout_ms` a worker asks for.
 pub const MAX_WAIT_MS: u64 = 1_500;
 /// How long one RPC attempt may take beyond its wait before the worker calls it unknown. Above
-/// the contract's 5 s bound for a node without quorum, so that bound is seen rather than cut.
+/// the 5 s bound of docs/api.md for a node without quorum, so that bound is seen rather than cut.
 const ATTEMPT_SLACK: Duration = Duration::from_millis(5_500);
 /// How long a worker keeps retrying one acquire whose outcome is unknown.
 const ACQUIRE_RETRY_FOR: Duration = Duration::from_secs(10);

@@ -291,7 +291,7 @@ fn savepoints(c: &mut Ctx<'_>) {
     c.q(format!("BEGIN; SAVEPOINT {s}; {w}; {tail}; COMMIT"));
 }
 
-/// Issue 13, bypass 1: an error aborts the block, then ROLLBACK (or ROLLBACK TO) and a write in
+/// A failed block: an error aborts the block, then ROLLBACK (or ROLLBACK TO) and a write in
 /// the same Query.
 fn error_in_block(c: &mut Ctx<'_>) {
     let w = c.write();
@@ -330,7 +330,7 @@ fn prepare_transaction(c: &mut Ctx<'_>) {
     c.q(format!("COMMIT PREPARED '{gid}'"));
 }
 
-/// Issue 13, bypass 4: COMMIT inside DO, over the extended protocol (and the simple one).
+/// COMMIT inside DO, over the extended protocol (and the simple one).
 fn do_with_commit(c: &mut Ctx<'_>) {
     let w = c.write();
     let body = format!("DO $$ BEGIN {w}; COMMIT; {w}; END $$");
@@ -356,8 +356,8 @@ fn call_with_commit(c: &mut Ctx<'_>) {
     }
 }
 
-/// Issue 13, bypass 2a: a protocol statement name prepared as harmless, deallocated in SQL and
-/// prepared again in SQL as a write, then bound and executed by name.
+/// A statement kind gone stale (SQL): a protocol statement name prepared as harmless, deallocated
+/// in SQL and prepared again in SQL as a write, then bound and executed by name.
 fn sql_prepare_reuse(c: &mut Ctx<'_>) {
     let w = c.write();
     let s = c.name("gs");
@@ -390,8 +390,8 @@ fn sql_prepare_reuse(c: &mut Ctx<'_>) {
     }
 }
 
-/// Issue 13, bypass 2b: Parse a name as a write, then Parse the same name as a read (refused by
-/// Postgres with 42P05), then execute it.
+/// A statement kind gone stale (Parse): Parse a name as a write, then Parse the same name as a read
+/// (refused by Postgres with 42P05), then execute it.
 fn statement_name_reuse(c: &mut Ctx<'_>) {
     let w = c.write();
     let s = c.name("gn");
@@ -463,7 +463,7 @@ fn copy_in(c: &mut Ctx<'_>) {
     c.steps.push(Step::CopyDone);
 }
 
-/// Every spelling of setting `lockd.fence` to a stale value (issue 13, bypass 6).
+/// Every spelling of setting `lockd.fence` to a stale value.
 fn set_fence(c: &mut Ctx<'_>) {
     let t = c.stale_token();
     let v = format!("{}:{t}", c.resource);
@@ -491,7 +491,7 @@ fn set_fence(c: &mut Ctx<'_>) {
     c.after_set(t);
 }
 
-/// Clearing the fence, including after a write in the same Query (issue 13, bypass 3).
+/// Clearing the fence, including after a write in the same Query.
 fn clear_fence(c: &mut Ctx<'_>) {
     let w = c.write();
     let clear = [
@@ -522,7 +522,7 @@ fn search_path(c: &mut Ctx<'_>) {
 }
 
 /// `standard_conforming_strings = off` and a backslash-quoted string that hides a write from a
-/// reader that assumes it is on (issue 13, bypass 5).
+/// reader that assumes it is on.
 fn conforming_strings(c: &mut Ctx<'_>) {
     let w = c.write();
     let set = [
@@ -541,8 +541,7 @@ fn conforming_strings(c: &mut Ctx<'_>) {
     }
 }
 
-/// Dollar tags and identifiers with bytes >= 0x80 that are not letters, U&"" and E'' strings
-/// (issue 13, bypass 5).
+/// Dollar tags and identifiers with bytes >= 0x80 that are not letters, U&"" and E'' strings.
 fn odd_quoting(c: &mut Ctx<'_>) {
     let w = c.write();
     let tags = ["€", "→", "\u{a0}", "é", "_ü", "x€y", "\u{80}"];
@@ -561,7 +560,7 @@ fn odd_quoting(c: &mut Ctx<'_>) {
     }
 }
 
-/// A temporary table named like the fence table (issue 13, bypass 7), then writes.
+/// A temporary table named like the fence table, then writes.
 fn shadow_fence_table(c: &mut Ctx<'_>) {
     let t = c.fence_table_base.to_owned();
     c.q(format!(

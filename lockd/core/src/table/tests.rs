@@ -205,10 +205,10 @@ fn retry_returns_original_grant_and_rejects_other_arguments() {
     assert!(!h.table.describe(&res("r")).held);
 }
 
-/// Finding 1: on main, `Acquire(B, "x")` whose argument hash collides with the queued
-/// `Acquire(A, "x")` found A's Waiting record, did not find itself in B's queue and hit the
-/// INV-QUEUE-ONCE panic on every replica (and again at every restart: the entry is committed).
-/// With every digest forced to collide, the same commands are answered with an error.
+/// Digest collisions: before keyed digests, `Acquire(B, "x")` whose argument hash collides with the
+/// queued `Acquire(A, "x")` found A's Waiting record, did not find itself in B's queue and hit the
+/// INV-QUEUE-ONCE panic on every replica (and again at every restart: the entry is committed). With
+/// every digest forced to collide, the same commands are answered with an error.
 #[test]
 fn issue14_finding1_colliding_digests_are_an_error_not_a_panic() {
     let mut h = Harness::new();
@@ -238,8 +238,8 @@ fn issue14_finding1_colliding_digests_are_an_error_not_a_panic() {
     });
 }
 
-/// Finding 1: request keys and argument digests are keyed with the table's replicated secret,
-/// so the same request_id has unrelated keys in two clusters and a client cannot precompute
+/// Digest collisions: request keys and argument digests are keyed with the table's replicated
+/// secret, so the same request_id has unrelated keys in two clusters and a client cannot precompute
 /// collisions.
 #[test]
 fn issue14_finding1_request_keys_are_keyed_with_the_table_secret() {
@@ -286,10 +286,10 @@ fn woken(events: &[Event], request_id: &str) -> Option<LeaseId> {
     })
 }
 
-/// Finding 4, first order: the retry of a waiting acquire commits, then the cancel its dropped
-/// first call proposed lands. On main the cancel removed the waiter and its record, and the
-/// parked retry slept until its timeout although the lock was freed. The cancel names the
-/// attempt it ends, and a retry has replaced that attempt: nothing happens.
+/// A retried waiter, first order: the retry of a waiting acquire commits, then the cancel its
+/// dropped first call proposed lands. Before attempts were named, the cancel removed the waiter and
+/// its record, and the parked retry slept until its timeout although the lock was freed. The cancel
+/// names the attempt it ends, and a retry has replaced that attempt: nothing happens.
 #[test]
 fn issue14_finding4_a_late_cancel_never_removes_the_retry() {
     let mut h = Harness::new();
@@ -327,8 +327,8 @@ fn issue14_finding4_a_late_cancel_never_removes_the_retry() {
     );
 }
 
-/// Finding 4, second order: the cancel lands first, then the retry. On main the retry went to
-/// the back of the queue; it takes back its place.
+/// A retried waiter, second order: the cancel lands first, then the retry. Before, the retry went
+/// to the back of the queue; it takes back its place.
 #[test]
 fn issue14_finding4_a_retry_after_its_cancel_takes_back_its_place() {
     let mut h = Harness::new();
@@ -398,9 +398,9 @@ fn a_cancelled_waiter_is_passed_over() {
     );
 }
 
-/// Finding 8d: a waiter granted after a long wait must find its grant on retry for the full
-/// retention after the grant. On main the record kept its enqueue time: granted after 288 s, it
-/// was forgotten 312 s later and a retry 360 s after the grant was a new request.
+/// Dedup retention of a granted waiter: a waiter granted after a long wait must find its grant on
+/// retry for the full retention after the grant. Before, the record kept its enqueue time: granted
+/// after 288 s, it was forgotten 312 s later and a retry 360 s after the grant was a new request.
 #[test]
 fn issue14_finding8d_a_waiters_grant_is_remembered_for_the_retention_after_the_grant() {
     let mut h = Harness::new();
@@ -434,7 +434,7 @@ fn issue14_finding8d_a_waiters_grant_is_remembered_for_the_retention_after_the_g
     ));
 }
 
-/// Finding 5: one tenant's acquire/release loop with fresh request_ids, or its many held
+/// Tenant quotas: one tenant's acquire/release loop with fresh request_ids, or its many held
 /// resources, exhausts its own quota and not the others': tenant B is still served.
 #[test]
 fn issue14_finding5_a_tenant_flood_leaves_other_tenants_served() {
@@ -682,11 +682,11 @@ fn reap_cmd(r: &str) -> Command {
     Command::Reap { resource: res(r) }
 }
 
-/// Finding 0's schedule (chaos seed 20261130, log indexes 1542..1550): a lease of ttl 2 s is
-/// granted by leader 3; node 3 restarts as leader of the SAME term (openraft 0.9 does this) with
-/// its clock 2.4 s ahead, and its first batch arrives 100 ms later. Main took the max of the
-/// stamps and, the term being unchanged, skipped the new-term floor: the table jumped 2.5 s and
-/// expired the lease 1.9 s before its holder's deadline. Now the restarted process is a new
+/// An early expiry found by the chaos suite (seed 20261130, log indexes 1542..1550): a lease of ttl
+/// 2 s is granted by leader 3; node 3 restarts as leader of the SAME term (openraft 0.9 does this)
+/// with its clock 2.4 s ahead, and its first batch arrives 100 ms later. The old rule took the max
+/// of the stamps and, the term being unchanged, skipped the new-term floor: the table jumped 2.5 s
+/// and expired the lease 1.9 s before its holder's deadline. Now the restarted process is a new
 /// session: the clock re-anchors (pauses) and then advances by that process's monotonic time.
 #[test]
 fn issue14_finding0_leader_restarted_in_the_same_term_with_a_fast_clock_keeps_the_lease() {
@@ -719,8 +719,8 @@ fn issue14_finding0_leader_restarted_in_the_same_term_with_a_fast_clock_keeps_th
     assert!(!t.describe(&res("r1")).held);
 }
 
-/// Finding 2: leaders whose wall clocks are off by an hour either way change nothing: a lease
-/// lasts its ttl plus the failover pause in real time, waits and dedup retention likewise.
+/// Wrong wall clocks: leaders whose wall clocks are off by an hour either way change nothing: a
+/// lease lasts its ttl plus the failover pause in real time, waits and dedup retention likewise.
 #[test]
 fn issue14_finding2_leaders_an_hour_apart_neither_expire_early_nor_freeze() {
     const HOUR: i64 = 3_600_000;
@@ -775,7 +775,7 @@ fn issue14_finding2_leaders_an_hour_apart_neither_expire_early_nor_freeze() {
     }
 }
 
-/// Finding 8b: a batch stamped by the leader of an older term, committed after a newer leader
+/// Stale stamps: a batch stamped by the leader of an older term, committed after a newer leader
 /// anchored the clock, never moves the clock; a stamp claiming a term above its entry's cannot
 /// freeze the clock for later leaders.
 #[test]
@@ -1742,7 +1742,7 @@ proptest! {
     }
 }
 
-/// Review of issue 14 (finding 4 as first landed): a cancelled waiter keeps its place for a retry
+/// The first fix for retried waiters, reviewed: a cancelled waiter keeps its place for a retry
 /// of its own call, and it used to count against waiters_per_resource_max until its deadline
 /// (up to 5 minutes), so callers that queue and disconnect filled a queue with nobody and a live
 /// caller was refused. Now a full queue drops its oldest cancelled waiter for a live caller.

@@ -7,7 +7,7 @@
 //! twice. A node that catches up by installing a snapshot never sees the entries it covers: it
 //! writes one `snapshot_installed` line naming the gap instead of pretending. Payloads (lease ids)
 //! are never written, and neither are request ids: a retry with a request id returns its lease
-//! id, so an id is a bearer credential (issue 14, finding 3). A line carries `request_digest`, a
+//! id, so an id is a bearer credential. A line carries `request_digest`, a
 //! keyed digest of the id (see [`AuditKey`]), enough to correlate the attempts of one request.
 
 use std::fs::{File, OpenOptions};
@@ -417,7 +417,7 @@ mod tests {
         );
     }
 
-    /// Goal (issue 14, finding 3): an audit line never carries the request id in clear, only its
+    /// Goal: an audit line never carries the request id in clear, only its
     /// keyed digest. Method: record a grant, read the file, look for the id.
     #[test]
     fn issue14_finding3_audit_lines_carry_a_keyed_digest_not_the_request_id() {

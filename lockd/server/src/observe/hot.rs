@@ -3,8 +3,8 @@
 //!
 //! Apply only hands each relevant event to that thread through a bounded channel (a send that
 //! never blocks; when the channel is full the event is dropped, these are statistics). Status
-//! reads the lists under their own mutex, which apply never takes, in O(k). Before issue 14
-//! (finding 6) Status cloned and sorted up to 100,000 names under a mutex apply took for every
+//! reads the lists under their own mutex, which apply never takes, in O(k). Before these lists,
+//! Status cloned and sorted up to 100,000 names under a mutex apply took for every
 //! grant, and scanned the whole table under the state machine's read lock.
 
 use std::collections::HashMap;
@@ -219,7 +219,7 @@ impl LongestQueues {
 mod tests {
     use super::*;
 
-    /// Goal (issue 14, finding 6): the sketch finds the heavy resources among many more names
+    /// Goal: the sketch finds the heavy resources among many more names
     /// than it has counters, and forgets old heat. Method: 10 heavy names among 10,000 one-off
     /// names; then halve until only fresh traffic counts.
     #[test]

@@ -12,14 +12,14 @@
 //! covers every entry committed before: the leader holds them all), three rules hold, each
 //! closing one way a wiped node could let committed entries be lost and tokens repeat:
 //!
-//! 1. **Votes only for a complete log** (issue 14, finding 7): it grants a vote only to a
+//! 1. **Votes only for a complete log**: it grants a vote only to a
 //!    candidate whose last log id is at least the proof's, in a term above the proof's. An empty
 //!    log would otherwise let a lagging candidate win without entries committed while this node
 //!    held them; the strict term keeps it from voting twice in a term it already voted in.
-//! 2. **Campaigns only on a complete log** (review of finding 7): elections stay off until its
+//! 2. **Campaigns only on a complete log**: elections stay off until its
 //!    own last log id reaches the proof's. A node halfway through catching up could otherwise win
 //!    with the vote of a node that lags further.
-//! 3. **Follows no older term** (review of finding 7): it refuses appends and snapshots of a term
+//! 3. **Follows no older term**: it refuses appends and snapshots of a term
 //!    below the proof's. A deposed leader of an older term could otherwise replicate through the
 //!    node that forgot the newer term and commit entries that overwrite ones committed in it.
 //!
@@ -416,7 +416,7 @@ mod tests {
         );
     }
 
-    /// Rule 1 (finding 7 and its review): only a candidate in a newer term whose log reaches
+    /// Rule 1: only a candidate in a newer term whose log reaches
     /// every commit this node may have been part of.
     #[test]
     fn review14_a_rejoining_node_votes_only_for_a_complete_log_in_a_newer_term() {
@@ -444,7 +444,7 @@ mod tests {
         assert!(admits_candidate_while_rejoining(2, Some(log_id(0, 0)), fresh).is_ok());
     }
 
-    /// Rule 2 (review of finding 7): a node halfway through catching up does not campaign.
+    /// Rule 2: a node halfway through catching up does not campaign.
     #[test]
     fn review14_a_rejoining_node_with_a_partial_log_does_not_campaign() {
         let p = Proof {
@@ -459,7 +459,7 @@ mod tests {
         assert!(may_campaign(None, &fresh));
     }
 
-    /// Rule 3 (review of finding 7): nothing before the proof, no older term after it.
+    /// Rule 3: nothing before the proof, no older term after it.
     #[test]
     fn review14_a_rejoining_node_follows_no_older_term() {
         let e = admits_leader_while_rejoining(7, None).unwrap_err();

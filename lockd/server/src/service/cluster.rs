@@ -3,7 +3,7 @@
 //! sequencer signing keys (`SigningKeys`, `RotateSigningKey`), which the leader answers.
 //!
 //! The signing-key calls are admin operations: an authorization policy must allow them only to
-//! operators (issue 15's "admin" operation), never to every client.
+//! operators (the policy's `admin` operation, README "Authorization"), never to every client.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -27,7 +27,8 @@ use crate::raft::NodeId;
 
 /// How long an admin call waits for a leader to be known, as Lock calls do.
 const ADMIN_LEADER_WAIT: Duration = Duration::from_secs(2);
-/// Budget of an admin call forwarded to the leader (CONTRACT's 5 s, less room for the network).
+/// Budget of an admin call forwarded to the leader (the 5 s bound of docs/api.md, less room for the
+/// network).
 const ADMIN_FORWARD_TIMEOUT: Duration = Duration::from_millis(4_000);
 /// Deadline of the linearizable read behind SigningKeys.
 const ADMIN_READ_TIMEOUT: Duration = Duration::from_secs(3);

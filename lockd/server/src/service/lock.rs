@@ -29,10 +29,10 @@ use crate::waiters::WaitEnd;
 
 /// How long a call waits for a leader to be known before answering UNAVAILABLE.
 const LEADER_WAIT: Duration = Duration::from_secs(2);
-/// Everything a call that does not wait for a lock may take on the node the client called:
-/// finding the leader, forwarding, committing. CONTRACT promises UNAVAILABLE within 5 s; 0.5 s is
-/// left for the network and scheduling. Waiting for a leader and then forwarding share this
-/// budget: before issue 14 (finding 8c) a forward got a fresh 4.5 s after up to 2 s of waiting.
+/// Everything a call that does not wait for a lock may take on the node the client called: finding
+/// the leader, forwarding, committing. docs/api.md promises UNAVAILABLE within 5 s; 0.5 s is left
+/// for the network and scheduling. Waiting for a leader and then forwarding share this budget:
+/// before they shared it, a forward got a fresh 4.5 s after up to 2 s of waiting.
 const CALL_BUDGET: Duration = Duration::from_millis(4_500);
 /// Shortest forward worth starting: with less budget left the answer is UNAVAILABLE at once.
 const FORWARD_MIN: Duration = Duration::from_millis(50);
@@ -575,10 +575,10 @@ impl Lock for LockService {
 mod tests {
     use super::*;
 
-    /// Goal (issue 14, finding 8c): a call that waits for a leader and is then forwarded still
-    /// answers within CONTRACT's 5 s. Method: a call that arrived almost a full leader wait ago
-    /// takes the forward deadline it would get now, and the two are added up; on main the forward
-    /// always got 4.5 s of its own after up to 2 s of waiting, 6.5 s in all.
+    /// Goal: a call that waits for a leader and is then forwarded still answers within the 5 s of
+    /// docs/api.md. Method: a call that arrived almost a full leader wait ago takes the forward
+    /// deadline it would get now, and the two are added up; on main the forward always got 4.5 s of
+    /// its own after up to 2 s of waiting, 6.5 s in all.
     #[test]
     fn issue14_finding8c_leader_wait_and_forward_share_one_budget() {
         let contract = Duration::from_secs(5);
