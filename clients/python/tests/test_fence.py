@@ -152,3 +152,47 @@ def test_postgres_zombie_write_is_refused(client, pg_proxy):
     finally:
         with psycopg.connect(PG_URL, autocommit=True) as direct:
             direct.execute("DROP TABLE IF EXISTS %s" % table)
+
+
+def test_http_signed_sequencer_through_verifying_proxy(cluster, client, tmp_path):
+    """With --verify-key the proxy takes only sequencers the cluster signed: FenceAuth sends the
+    lease's, a bare token is refused, and an older holder's sequencer is stale."""
+    from conftest import Upstream
+
+    res = unique("py-signed")
+    a = client.acquire(res, ttl=1)  # the first grant makes the cluster's signing key if none
+    keys = tmp_path / "keys"
+    export = subprocess.run(
+        [binary("lockctl"), "--endpoints", ",".join(cluster.endpoints), "keys", "export", str(keys)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert export.returncode == 0, export.stderr
+    pems = sorted(keys.glob("*.pub.pem"))
+    assert pems, export.stdout
+    ip = random_loopback_ip()
+    upstream = Upstream(ip)
+    port = free_port(ip)
+    args = [binary("fence-proxy"), "http", "--listen", "%s:%d" % (ip, port), "--upstream", upstream.url]
+    args += ["--store", "redb:%s" % (tmp_path / "epochs.redb")]
+    for pem in pems:
+        args += ["--verify-key", str(pem)]
+    proc = Proc("fence-proxy-http-verify", args, tmp_path)
+    try:
+        wait_tcp(ip, port, proc)
+        url = "http://%s:%d/%s" % (ip, port, res)
+        a_headers = fence_headers(a)
+        assert requests.put(url, data="A", headers=a_headers).status_code == 200
+        bare = {"Lock-Resource": res, "Fencing-Token": str(a.fencing_token + 1000)}
+        r = requests.put(url, data="forged", headers=bare)
+        assert r.status_code == 403 and r.headers["Fence-Proxy-Error"] == "sequencer-required", r.text
+        _expire(client, a)
+        with client.lock(res, ttl=5, wait=5) as b:
+            assert requests.put(url, data="B", auth=FenceAuth(b)).status_code == 200
+            r = requests.put(url, data="A, stale", headers=a_headers)
+            assert r.status_code == 412 and r.headers["Fence-Proxy-Error"] == "stale-fencing-token", r.text
+        assert [w["body"] for w in upstream.writes()] == ["A", "B"]
+    finally:
+        proc.stop()
+        upstream.stop()
