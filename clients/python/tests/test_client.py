@@ -220,3 +220,20 @@ def test_outcome_is_read_from_the_reason(mode, expected):
         c.close()
     finally:
         fake.stop()
+
+
+def test_fence_values_and_headers():
+    from lockd_client import fence_headers, fence_options, fence_value
+
+    g = lockd_client.Grant(
+        resource="a b/c", lease_id="x" * 32, fencing_token=7, ttl=5.0, request_id="r",
+        sent_at=0.0, expires_at_unix_ms=0, sequencer=b"\x01\x02",
+    )
+    assert fence_value(g) == "a b/c:7"
+    assert fence_value(g, signed=True) == "a b/c:AQI="
+    assert fence_options(g) == "-c lockd.fence=a\\ b/c:7"  # libpq splits options at spaces
+    assert fence_headers(g) == {"Lock-Resource": "a b/c", "Fencing-Token": "7", "Lock-Sequencer": "AQI="}
+    unsigned = lockd_client.Grant(**{**g.__dict__, "sequencer": b""})
+    assert "Lock-Sequencer" not in fence_headers(unsigned)
+    with pytest.raises(ValueError):
+        fence_value(unsigned, signed=True)

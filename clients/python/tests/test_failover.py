@@ -64,8 +64,10 @@ def test_guard_survives_leader_kill(own_cluster):
     with c.lock(res, ttl=4) as lease:
         cluster.nodes[leader].kill()
         time.sleep(4.5)
+        # Past its ttl: held only if renewals reached the new leader (the first one may wait for
+        # the election, so one or two of them fit in 4.5 s).
         lease.check()
-        assert lease.renewals >= 2
+        assert lease.renewals >= 1
         assert c.describe(res).fencing_token == lease.fencing_token
     c.close()
 

@@ -3,6 +3,7 @@ its old token after a newer holder wrote; fence-proxy refuses it (HTTP 412, Post
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import os
 import subprocess
@@ -77,6 +78,9 @@ def test_example_takes_a_lock_and_writes_through_the_proxy(cluster, http_proxy):
         assert not c.describe("orders/42").held, "the example releases on exit"
 
 
+PG_FENCE_TABLE = "public.lockd_fence_pyclient"
+
+
 @pytest.fixture
 def pg_proxy(tmp_path):
     psycopg = pytest.importorskip("psycopg")
@@ -84,8 +88,13 @@ def pg_proxy(tmp_path):
         psycopg.connect(PG_URL, connect_timeout=3).close()
     except psycopg.OperationalError as e:
         pytest.skip("Postgres at %s: %s" % (PG_URL, e))
+    # A fence table of this suite's own, so that its guard never replaces the one other suites
+    # installed for public.lockd_fence (init is CREATE OR REPLACE).
     init = subprocess.run(
-        [binary("fence-proxy"), "postgres", "init", "--upstream", PG_URL], capture_output=True, text=True, timeout=60
+        [binary("fence-proxy"), "postgres", "init", "--upstream", PG_URL, "--fence-table", PG_FENCE_TABLE],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert init.returncode == 0, init.stderr
     ip = random_loopback_ip()
@@ -94,7 +103,8 @@ def pg_proxy(tmp_path):
     try:
         proc = Proc(
             "fence-proxy-pg",
-            [binary("fence-proxy"), "postgres", "--listen", "%s:%d" % (ip, port), "--upstream", PG_URL],
+            [binary("fence-proxy"), "postgres", "--listen", "%s:%d" % (ip, port), "--upstream", PG_URL]
+            + ["--fence-table", PG_FENCE_TABLE],
             tmp_path,
         )
         wait_tcp(ip, port, proc)
@@ -107,7 +117,7 @@ def pg_proxy(tmp_path):
 def test_postgres_zombie_write_is_refused(client, pg_proxy):
     import psycopg
 
-    from lockd_client import fence_options, reset_fence, set_fence
+    from lockd_client import aset_fence, fence_options, reset_fence, set_fence
 
     table = "py_orders_%s" % os.urandom(4).hex()
     res = unique("py-pg")
@@ -126,6 +136,17 @@ def test_postgres_zombie_write_is_refused(client, pg_proxy):
             # B fences at connection start-up instead of with SET.
             with psycopg.connect(pg_proxy, options=fence_options(b), autocommit=True) as b_conn:
                 b_conn.execute("INSERT INTO %s (by) VALUES ('B')" % table)
+            # And from asyncio, with SET.
+            async def async_write():
+                aconn = await psycopg.AsyncConnection.connect(pg_proxy)
+                try:
+                    await aset_fence(aconn, b)
+                    async with aconn.transaction():
+                        await aconn.execute("INSERT INTO %s (by) VALUES ('B, async')" % table)
+                finally:
+                    await aconn.close()
+
+            asyncio.run(async_write())
             # A resumes: its transaction is refused and nothing of it is applied.
             with pytest.raises(psycopg.Error) as refused:
                 with a_conn.transaction():
@@ -145,9 +166,9 @@ def test_postgres_zombie_write_is_refused(client, pg_proxy):
         a_conn.close()
         with psycopg.connect(PG_URL) as direct:
             rows = [r[0] for r in direct.execute("SELECT by FROM %s ORDER BY id" % table)]
-        assert rows == ["A", "B"]
+        assert rows == ["A", "B", "B, async"]
         with psycopg.connect(PG_URL) as direct:
-            token = direct.execute("SELECT token FROM public.lockd_fence WHERE resource = %s", (res,)).fetchone()
+            token = direct.execute("SELECT token FROM %s WHERE resource = %%s" % PG_FENCE_TABLE, (res,)).fetchone()
         assert token == (b.fencing_token,)
     finally:
         with psycopg.connect(PG_URL, autocommit=True) as direct:
