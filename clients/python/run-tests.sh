@@ -23,10 +23,9 @@ venv="$here/.venv"
 if [ ! -x "$venv/bin/python" ]; then
     "$python" -m venv "$venv"
 fi
-"$venv/bin/python" -m pip install --quiet --upgrade pip
-# Reinstalled every run so the stubs follow the proto and the tests run the current code.
-"$venv/bin/python" -m pip install --quiet --force-reinstall --no-deps "$here"
-"$venv/bin/python" -m pip install --quiet "$here[test]"
+# pip rebuilds and reinstalls a local directory every time, so the stubs follow the proto and the
+# tests run the current code.
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check "$here[test]"
 
 cd "$here"
 # The pytest script, not `python -m pytest`: that would put this directory on sys.path and import
