@@ -111,10 +111,11 @@ def wait_tcp(ip: str, port: int, proc: Proc, timeout: float = 15.0) -> None:
 class Cluster:
     """Three lockd nodes on a random 127.x.y.z address, ports 7001-7003, fast elections."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, tls: bool = False) -> None:
         self.ip = random_loopback_ip()
         self.tmp = tmp
         self.nodes: Dict[int, Proc] = {}
+        self.ca: Optional[Path] = make_certs(tmp / "tls", self.ip) if tls else None
         for i in (1, 2, 3):
             self.start_node(i)
         self.wait_for_leader()
@@ -129,12 +130,18 @@ class Cluster:
     def start_node(self, i: int) -> None:
         args = [binary("lockd"), "--id", str(i), "--listen", self.addr(i), "--data-dir", str(self.tmp / ("node%d" % i))]
         args += ["--heartbeat-ms", "100", "--election-timeout-ms", "600"]
+        if self.ca is not None:
+            t = self.tmp / "tls"
+            args += ["--tls-cert", str(t / ("node%d.pem" % i)), "--tls-key", str(t / ("node%d-key.pem" % i))]
+            args += ["--peer-ca", str(self.ca)]
         for p in (1, 2, 3):
             args += ["--peer", "%d=%s" % (p, self.addr(p))]
         self.nodes[i] = Proc("lockd-%d" % i, args, self.tmp)
 
     def client(self, **kw) -> lockd_client.Client:
         kw.setdefault("call_timeout", 10.0)
+        if self.ca is not None:
+            kw.setdefault("tls", lockd_client.TLS(ca=str(self.ca)))
         return lockd_client.Client(self.endpoints, **kw)
 
     def leader(self, timeout: float = 20.0) -> int:
@@ -146,7 +153,8 @@ class Cluster:
                 if not proc.alive():
                     continue
                 try:
-                    with lockd_client.Client([self.addr(i)], call_timeout=1.0, attempt_timeout=1.0) as c:
+                    tls = lockd_client.TLS(ca=str(self.ca)) if self.ca is not None else None
+                    with lockd_client.Client([self.addr(i)], call_timeout=1.0, attempt_timeout=1.0, tls=tls) as c:
                         st = c.status()
                         if st.leader_id and self.nodes.get(st.leader_id) and self.nodes[st.leader_id].alive():
                             c.describe("py-test/leader-probe")
@@ -162,6 +170,29 @@ class Cluster:
     def stop(self) -> None:
         for proc in self.nodes.values():
             proc.stop()
+
+
+def make_certs(d: Path, ip: str) -> Path:
+    """A throwaway CA and one certificate per node naming `node-<id>.lockd.lockd` and `ip`, as
+    lockd/bench/scripts/cluster3.sh makes them. Returns the CA's path."""
+    d.mkdir(parents=True)
+
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=30)
+
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"]
+    run("req", "-x509", *ec, "-days", "2", "-subj", "/CN=lockd py test CA",
+        "-keyout", str(d / "ca-key.pem"), "-out", str(d / "ca.pem"))
+    for i in (1, 2, 3):
+        run("req", *ec, "-subj", "/CN=lockd node %d" % i, "-keyout", str(d / ("node%d-key.pem" % i)),
+            "-out", str(d / ("node%d.csr" % i)))
+        (d / ("node%d.ext" % i)).write_text(
+            "subjectAltName=DNS:node-%d.lockd.lockd,IP:%s\nextendedKeyUsage=serverAuth,clientAuth\n" % (i, ip)
+        )
+        run("x509", "-req", "-in", str(d / ("node%d.csr" % i)), "-CA", str(d / "ca.pem"), "-CAkey",
+            str(d / "ca-key.pem"), "-days", "2", "-out", str(d / ("node%d.pem" % i)),
+            "-extfile", str(d / ("node%d.ext" % i)))
+    return d / "ca.pem"
 
 
 @pytest.fixture(scope="session")
@@ -184,6 +215,19 @@ def own_cluster():
         c = None
         try:
             c = Cluster(Path(tmp))
+            yield c
+        finally:
+            if c is not None:
+                c.stop()
+
+
+@pytest.fixture
+def tls_cluster():
+    """A cluster of the test's own with TLS on every port (a CA made with openssl)."""
+    with tempfile.TemporaryDirectory(prefix="lockd-py-") as tmp:
+        c = None
+        try:
+            c = Cluster(Path(tmp), tls=True)
             yield c
         finally:
             if c is not None:

@@ -237,3 +237,22 @@ def test_fence_values_and_headers():
     assert "Lock-Sequencer" not in fence_headers(unsigned)
     with pytest.raises(ValueError):
         fence_value(unsigned, signed=True)
+
+
+def test_tls(tls_cluster):
+    """Over TLS with the cluster's CA. A client that does not trust it (system roots) or speaks
+    plaintext never gets a request through, and knows that nothing was done."""
+    res = unique("py-tls")
+    with tls_cluster.client() as c:
+        with c.lock(res, ttl=2) as lease:
+            assert c.describe(res).fencing_token == lease.fencing_token
+    untrusting = Client(tls_cluster.endpoints, tls=True, call_timeout=1.0)
+    with pytest.raises(lockd_client.Unavailable):
+        untrusting.describe(res)
+    untrusting.close()
+    plain = Client(tls_cluster.endpoints, call_timeout=1.0)
+    with pytest.raises(lockd_client.Unavailable):
+        plain.acquire(res)
+    plain.close()
+    with pytest.raises(lockd_client.InvalidArgument):
+        Client(["https://%s" % tls_cluster.addr(1)])  # https:// needs tls=
