@@ -424,12 +424,14 @@ class AsyncLease:
             )
 
     async def release(self) -> bool:
+        """As ``Lease.release``: fires ``lost``, stops renewing, releases."""
         if self._released:
             return False
-        self._released = True
         self.lost.fire(E.LOSS_RELEASED, "lease released by its owner")
         self._task.cancel()
-        return await self._client.release(self.resource, self.lease_id)
+        released = await self._client.release(self.resource, self.lease_id)
+        self._released = True
+        return released
 
     async def __aenter__(self) -> "AsyncLease":
         return self

@@ -554,13 +554,15 @@ class Lease:
 
     def release(self) -> bool:
         """Fires ``lost`` (so workers stop before the lock is given up), stops renewing and
-        releases. False when the lease was no longer current. Idempotent."""
+        releases. False when the lease was no longer current, or already released by an earlier
+        call; after a call that raised, another call tries again."""
         if self._released:
             return False
-        self._released = True
         self._stop.set()
         self.lost.fire(E.LOSS_RELEASED, "lease released by its owner")
-        return self._client.release(self.resource, self.lease_id)
+        released = self._client.release(self.resource, self.lease_id)
+        self._released = True
+        return released
 
     def __enter__(self) -> "Lease":
         return self
