@@ -1,0 +1,310 @@
+"""What the sync and the asyncio client share: settings, argument checks, the backoff schedule and
+the reading of gRPC statuses.
+The algorithm is the Rust client's, described in docs/client.md."""
+
+from __future__ import annotations
+
+import os
+import random
+import secrets
+import socket
+import unicodedata
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import grpc
+from google.rpc import error_details_pb2, status_pb2
+
+from . import errors as E
+
+# Timing constants, as in lockd/client/src/config.rs.
+CONNECT_TIMEOUT = 1.0  # a node that cannot finish a handshake in 1 s is skipped
+ATTEMPT_TIMEOUT = 6.0  # lockd answers UNAVAILABLE within 5 s without quorum; +1 s slack
+CALL_TIMEOUT = 15.0  # rides out several elections and a restart
+SAFETY_MARGIN_MIN = 0.25
+SAFETY_MARGIN_TTL_DIVISOR = 10
+RENEWALS_PER_TTL = 3
+RENEW_JITTER_DIVISOR = 4
+BACKOFF_MIN = 0.05
+BACKOFF_MAX = 1.0
+SERVER_DEFAULT_TTL = 30.0
+RESOURCE_MAX_BYTES = 256
+REQUEST_ID_MAX_BYTES = 128
+DOMAIN = "lockd"
+STATUS_DETAILS_KEY = "grpc-status-details-bin"
+
+# The Acquire/Renew/Release RPCs change state: an unanswered attempt leaves the outcome unknown.
+MUTATING = {"acquire", "renew", "release"}
+
+
+@dataclass(frozen=True)
+class TLS:
+    """TLS towards lockd: the CA of the nodes' certificates and, for a client-certificate
+    identity, this client's certificate and key (PEM bytes or file paths)."""
+
+    ca: Union[bytes, str, None] = None
+    cert: Union[bytes, str, None] = None
+    key: Union[bytes, str, None] = None
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        if (self.cert is None) != (self.key is None):
+            raise E.InvalidArgument("TLS: cert and key go together")
+        return grpc.ssl_channel_credentials(
+            root_certificates=_pem(self.ca, "ca"),
+            private_key=_pem(self.key, "key"),
+            certificate_chain=_pem(self.cert, "cert"),
+        )
+
+
+def _pem(value: Union[bytes, str, None], what: str) -> Optional[bytes]:
+    if value is None or isinstance(value, bytes):
+        return value
+    try:
+        with open(value, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise E.InvalidArgument("TLS %s %r: %s" % (what, value, e)) from e
+
+
+def parse_endpoint(endpoint: str, tls: bool) -> str:
+    """``host:port``, ``http://host:port`` or ``https://host:port`` -> ``host:port``."""
+    target = endpoint.strip()
+    for scheme in ("http://", "https://"):
+        if target.startswith(scheme):
+            if scheme == "http://" and tls:
+                raise E.InvalidArgument("bad endpoint %r: http:// with TLS on" % endpoint)
+            if scheme == "https://" and not tls:
+                raise E.InvalidArgument("bad endpoint %r: https:// needs tls=TLS(...)" % endpoint)
+            target = target[len(scheme) :]
+    target = target.rstrip("/")
+    host, sep, port = target.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or "/" in target:
+        raise E.InvalidArgument("bad endpoint %r: expected host:port" % endpoint)
+    return target
+
+
+def normalize_endpoints(endpoints: Union[str, Sequence[str]]) -> List[str]:
+    if isinstance(endpoints, str):
+        endpoints = [e for e in endpoints.split(",") if e.strip()]
+    if not endpoints:
+        raise E.InvalidArgument("no endpoints given")
+    return list(endpoints)
+
+
+def check_resource(resource: str) -> None:
+    """Refuses a resource lockd would reject anyway: 1..=256 bytes of UTF-8 without control
+    characters."""
+    if not isinstance(resource, str):
+        raise E.InvalidArgument("resource must be a str, got %r" % (resource,))
+    size = len(resource.encode("utf-8", "surrogatepass"))
+    if size == 0 or size > RESOURCE_MAX_BYTES or any(
+        unicodedata.category(c) == "Cc" for c in resource
+    ):
+        raise E.InvalidArgument(
+            "bad resource %r: 1..=%d bytes of UTF-8 without control characters"
+            % (resource, RESOURCE_MAX_BYTES),
+            resource=resource,
+        )
+
+
+def check_request_id(request_id: str) -> None:
+    size = len(request_id.encode("utf-8", "surrogatepass"))
+    if size == 0 or size > REQUEST_ID_MAX_BYTES or any(
+        unicodedata.category(c) == "Cc" for c in request_id
+    ):
+        raise E.InvalidArgument(
+            "bad request_id %r: 1..=%d bytes without control characters"
+            % (request_id, REQUEST_ID_MAX_BYTES)
+        )
+
+
+def new_request_id() -> str:
+    """One unguessable id per logical Acquire (128 bits from a CSPRNG, hex). A request id
+    is a credential: a retry with it returns the lease id."""
+    return secrets.token_hex(16)
+
+
+def default_holder() -> str:
+    return "%s/pid-%d" % (socket.gethostname() or "unknown-host", os.getpid())
+
+
+def to_ms(seconds: Optional[float], what: str) -> int:
+    if seconds is None:
+        return 0
+    if seconds < 0:
+        raise E.InvalidArgument("%s must not be negative, got %r" % (what, seconds))
+    return int(round(seconds * 1000))
+
+
+def granted_ttl(reply_ms: int, requested: Optional[float]) -> float:
+    if reply_ms > 0:
+        return reply_ms / 1000.0
+    return requested if requested else SERVER_DEFAULT_TTL
+
+
+def default_safety_margin(ttl: float) -> float:
+    """docs/client.md "The margin": max(ttl / 10, 250 ms), never more than half the ttl."""
+    return min(max(ttl / SAFETY_MARGIN_TTL_DIVISOR, SAFETY_MARGIN_MIN), ttl / 2)
+
+
+def backoff() -> Iterator[float]:
+    """50 ms doubling to 1 s, each plus up to 100 % random jitter. Never ends: the call's
+    deadline, not a count, stops the retries."""
+    base = BACKOFF_MIN
+    while True:
+        yield base + random.random() * base
+        base = min(base * 2, BACKOFF_MAX)
+
+
+def next_renewal(last_sent: float, interval: float) -> float:
+    """`interval` after the last successful send, shortened by up to a quarter."""
+    return last_sent + interval - random.random() * (interval / RENEW_JITTER_DIVISOR)
+
+
+def humanize(seconds: float) -> str:
+    ms = int(seconds * 1000)
+    if ms < 1000:
+        return "%dms" % ms
+    if ms % 1000 == 0:
+        return "%ds" % (ms // 1000)
+    return "%.1fs" % seconds
+
+
+def abbreviate(lease_id: str) -> str:
+    return lease_id[:8] + "\u2026" if len(lease_id) > 8 else lease_id
+
+
+# --- reading statuses -------------------------------------------------------------------------
+
+
+@dataclass
+class StatusInfo:
+    code: grpc.StatusCode
+    message: str
+    reason: Optional[str]  # None: no ErrorInfo of domain lockd (the status did not come from lockd)
+    metadata: Dict[str, str]
+
+
+def error_info_from_status(st: Optional[status_pb2.Status]) -> Tuple[Optional[str], Dict[str, str]]:
+    if st is None:
+        return None, {}
+    for detail in st.details:
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            if info.domain == DOMAIN:
+                return info.reason, dict(info.metadata)
+    return None, {}
+
+
+def status_from_trailers(trailers) -> Optional[status_pb2.Status]:
+    for key, value in trailers or ():
+        if key == STATUS_DETAILS_KEY:
+            try:
+                return status_pb2.Status.FromString(value)
+            except Exception:  # a malformed trailer proves nothing; treat as "not from lockd"
+                return None
+    return None
+
+
+# What one failed attempt means for the retry loop.
+NOT_SENT = "not_sent"  # never reached a node, or lockd said nothing was done: retry, no effect
+MAYBE_SENT = "maybe_sent"  # may have reached a node: retry, outcome unknown until answered
+FINAL = "final"  # a definite answer: stop
+
+
+def classify(op: str, s: StatusInfo) -> str:
+    """lockd says in its ErrorInfo whether the call may have taken effect; a status
+    without one did not come from lockd (a broken connection, a proxy, our own deadline) and
+    proves nothing."""
+    code = s.code
+    if code == grpc.StatusCode.UNAVAILABLE:
+        if s.reason in ("NO_QUORUM", "OVERLOADED"):
+            return NOT_SENT
+        return MAYBE_SENT
+    if s.reason is None and code in (
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.INTERNAL,
+    ):
+        return MAYBE_SENT
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED and s.reason != "WAIT_TIMEOUT":
+        return MAYBE_SENT
+    return FINAL
+
+
+def final_error(
+    op: str, s: StatusInfo, resource: Optional[str], lease_id: Optional[str], wait: float
+) -> E.LockdError:
+    """Maps a final status of `op` to the caller's exception (the table in errors.py)."""
+    C = grpc.StatusCode
+    kw = dict(op=op, resource=resource, code=s.code.name, reason=s.reason, metadata=s.metadata)
+    what = "%s of %r" % (op, resource) if resource is not None else op
+    if s.code == C.ABORTED and op == "acquire":
+        return E.Held("%r is held by another lease (not granted): %s" % (resource, s.message), **kw)
+    if s.code == C.DEADLINE_EXCEEDED and op == "acquire":
+        return E.WaitTimedOut(
+            "waited %s for %r without getting it (not granted): %s"
+            % (humanize(wait), resource, s.message),
+            wait=wait,
+            **kw,
+        )
+    if s.code == C.RESOURCE_EXHAUSTED:
+        return E.LimitReached("%s: limit reached (not granted): %s" % (what, s.message), **kw)
+    if s.code == C.INVALID_ARGUMENT or (
+        s.code == C.FAILED_PRECONDITION and s.reason == "INVALID_FIELD"
+    ):
+        return E.InvalidArgument("%s: invalid argument: %s" % (what, s.message), **kw)
+    if s.code == C.NOT_FOUND:
+        return E.LeaseNotCurrent(
+            "lease %s of %r is not current (expired, released or superseded): %s"
+            % (abbreviate(lease_id or ""), resource, s.message),
+            **kw,
+        )
+    if s.code == C.PERMISSION_DENIED:
+        return E.PermissionDenied("%s: %s" % (what, s.message), **kw)
+    if s.code == C.UNAUTHENTICATED:
+        return E.Unauthenticated("%s: %s" % (what, s.message), **kw)
+    return E.ProtocolError(
+        "%s: unexpected reply %s from lockd: %s" % (what, s.code.name, s.message),
+        outcome=E.UNKNOWN if op in MUTATING else E.NOT_DONE,
+        **kw,
+    )
+
+
+def exhausted_error(
+    op: str,
+    resource: Optional[str],
+    request_id: Optional[str],
+    maybe_sent: bool,
+    attempts: int,
+    elapsed: float,
+    last_error: str,
+) -> E.LockdError:
+    """The error of a call whose retries ran out of time ."""
+    if maybe_sent and op in MUTATING:
+        retry = " (retry with request id %s)" % request_id if request_id else ""
+        return E.OutcomeUnknown(
+            "%s of %r: outcome unknown after %d attempt(s) in %s%s: %s"
+            % (op, resource, attempts, humanize(elapsed), retry, last_error),
+            op=op,
+            resource=resource,
+            request_id=request_id,
+            attempts=attempts,
+            elapsed=elapsed,
+        )
+    of = " of %r" % resource if resource is not None else ""
+    return E.Unavailable(
+        "%s%s: no lockd node answered after %d attempt(s) in %s (not done): %s"
+        % (op, of, attempts, humanize(elapsed), last_error),
+        op=op,
+        resource=resource,
+        attempts=attempts,
+        elapsed=elapsed,
+    )
+
+
+def describe_status(endpoint: str, s: StatusInfo) -> str:
+    reason = " (%s)" % s.reason if s.reason else ""
+    return "%s: %s%s: %s" % (endpoint, s.code.name, reason, s.message)

@@ -1,0 +1,1 @@
+"""Generated gRPC stubs of lockd.v1 (built from lockd/api/proto by setup.py)."""
