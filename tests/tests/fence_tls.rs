@@ -15,13 +15,13 @@ use std::time::{Duration, Instant};
 use fence_proxy_postgres::AccessArgs;
 use lockd_tests::fence_proxy::FenceProxy;
 use lockd_tests::http_upstream::HttpUpstream;
-use lockd_tests::process::{ChildGuard, command};
-use nix::sys::signal::Signal;
 use lockd_tests::pg::{
     self, PG_DATABASE, PG_USER, PRIVATE_PASSWORD, PgProxy, PrivateCluster, direct_url, free_port,
     unique_name,
 };
+use lockd_tests::process::{ChildGuard, command};
 use lockd_tests::tls::{Issued, TestCa};
+use nix::sys::signal::Signal;
 
 const LOOPBACK: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);
 
@@ -746,10 +746,7 @@ impl LoggedProxy {
 
     fn assert_running(&mut self, when: &str) {
         if let Some(status) = self.child.try_wait() {
-            panic!(
-                "fence-proxy exited {when}: {status}; log:\n{}",
-                self.log()
-            );
+            panic!("fence-proxy exited {when}: {status}; log:\n{}", self.log());
         }
     }
 
@@ -798,7 +795,10 @@ where
 {
     let deadline = Instant::now() + RELOAD_WAIT;
     while !check().await {
-        assert!(Instant::now() < deadline, "{what}: not within {RELOAD_WAIT:?}");
+        assert!(
+            Instant::now() < deadline,
+            "{what}: not within {RELOAD_WAIT:?}"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
@@ -823,10 +823,7 @@ async fn https_connect(addr: SocketAddr, ca: &Path) -> anyhow::Result<KeptHttps>
     config.alpn_protocols = vec![b"http/1.1".to_vec()];
     let tcp = tokio::net::TcpStream::connect(addr).await?;
     let tls = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
-        .connect(
-            rustls::pki_types::ServerName::try_from("localhost")?,
-            tcp,
-        )
+        .connect(rustls::pki_types::ServerName::try_from("localhost")?, tcp)
         .await?;
     let (sender, connection) =
         hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tls)).await?;
@@ -873,9 +870,16 @@ async fn http_certificates_reload_on_sighup() {
     let dir = tempfile::tempdir().unwrap();
     let ca1 = TestCa::new(dir.path(), "ca1").unwrap();
     let ca2 = TestCa::new(dir.path(), "ca2").unwrap();
-    let a = ca1.issue("a", &["localhost".to_owned()], &[LOOPBACK]).unwrap();
-    let b = ca2.issue("b", &["localhost".to_owned()], &[LOOPBACK]).unwrap();
-    let (cert, key) = (dir.path().join("proxy.pem"), dir.path().join("proxy-key.pem"));
+    let a = ca1
+        .issue("a", &["localhost".to_owned()], &[LOOPBACK])
+        .unwrap();
+    let b = ca2
+        .issue("b", &["localhost".to_owned()], &[LOOPBACK])
+        .unwrap();
+    let (cert, key) = (
+        dir.path().join("proxy.pem"),
+        dir.path().join("proxy-key.pem"),
+    );
     copy_pair(&a, &cert, &key);
     let service = HttpUpstream::start().await.unwrap();
     let store = format!("redb:{}", dir.path().join("epochs.redb").display());
@@ -928,7 +932,9 @@ async fn http_certificates_reload_on_sighup() {
         Some(1.0)
     );
     assert_eq!(
-        proxy.metric("fence_proxy_tls_generation", &["frontend=\"http\""]).await,
+        proxy
+            .metric("fence_proxy_tls_generation", &["frontend=\"http\""])
+            .await,
         Some(1.0)
     );
 
@@ -948,9 +954,16 @@ async fn http_reload_refuses_a_broken_key_and_keeps_the_old_certificate() {
     let dir = tempfile::tempdir().unwrap();
     let ca1 = TestCa::new(dir.path(), "ca1").unwrap();
     let ca2 = TestCa::new(dir.path(), "ca2").unwrap();
-    let a = ca1.issue("a", &["localhost".to_owned()], &[LOOPBACK]).unwrap();
-    let b = ca2.issue("b", &["localhost".to_owned()], &[LOOPBACK]).unwrap();
-    let (cert, key) = (dir.path().join("proxy.pem"), dir.path().join("proxy-key.pem"));
+    let a = ca1
+        .issue("a", &["localhost".to_owned()], &[LOOPBACK])
+        .unwrap();
+    let b = ca2
+        .issue("b", &["localhost".to_owned()], &[LOOPBACK])
+        .unwrap();
+    let (cert, key) = (
+        dir.path().join("proxy.pem"),
+        dir.path().join("proxy-key.pem"),
+    );
     copy_pair(&a, &cert, &key);
     let service = HttpUpstream::start().await.unwrap();
     let store = format!("redb:{}", dir.path().join("epochs.redb").display());
@@ -972,8 +985,11 @@ async fn http_reload_refuses_a_broken_key_and_keeps_the_old_certificate() {
     let resource = unique_name("reload_bad");
 
     std::fs::copy(&b.cert, &cert).unwrap();
-    std::fs::write(&key, "-----BEGIN PRIVATE KEY-----\ngarbage\n-----END PRIVATE KEY-----\n")
-        .unwrap();
+    std::fs::write(
+        &key,
+        "-----BEGIN PRIVATE KEY-----\ngarbage\n-----END PRIVATE KEY-----\n",
+    )
+    .unwrap();
     proxy.hup();
     let log = proxy.wait_for_log("certificate reload failed", 1).await;
     let line = log
@@ -1013,7 +1029,9 @@ async fn http_upstream_ca_reloads_on_sighup() {
     let dir = tempfile::tempdir().unwrap();
     let ca = TestCa::new(dir.path(), "upstream").unwrap();
     let wrong = TestCa::new(dir.path(), "wrong").unwrap();
-    let u_cert = ca.issue("u", &["localhost".to_owned()], &[LOOPBACK]).unwrap();
+    let u_cert = ca
+        .issue("u", &["localhost".to_owned()], &[LOOPBACK])
+        .unwrap();
     let service = HttpUpstream::start().await.unwrap();
     let u = LoggedProxy::start(
         dir.path(),
@@ -1118,9 +1136,16 @@ async fn postgres_certificates_reload_on_sighup() {
     let dir = tempfile::tempdir().unwrap();
     let ca1 = TestCa::new(dir.path(), "ca1").unwrap();
     let ca2 = TestCa::new(dir.path(), "ca2").unwrap();
-    let a = ca1.issue("a", &["localhost".to_owned()], &[LOOPBACK]).unwrap();
-    let b = ca2.issue("b", &["localhost".to_owned()], &[LOOPBACK]).unwrap();
-    let (cert, key) = (dir.path().join("proxy.pem"), dir.path().join("proxy-key.pem"));
+    let a = ca1
+        .issue("a", &["localhost".to_owned()], &[LOOPBACK])
+        .unwrap();
+    let b = ca2
+        .issue("b", &["localhost".to_owned()], &[LOOPBACK])
+        .unwrap();
+    let (cert, key) = (
+        dir.path().join("proxy.pem"),
+        dir.path().join("proxy-key.pem"),
+    );
     copy_pair(&a, &cert, &key);
     let mut proxy = LoggedProxy::start(
         dir.path(),
@@ -1145,7 +1170,11 @@ async fn postgres_certificates_reload_on_sighup() {
     let row = kept.query_one("SELECT 'before'::text", &[]).await.unwrap();
     assert_eq!(row.get::<_, String>(0), "before");
     let o = psql_verify_ca(proxy.addr, &ca2.cert_path, "SELECT 1");
-    assert_fails_with(&o, "certificate verify failed", "psql trusting CA2 before the reload");
+    assert_fails_with(
+        &o,
+        "certificate verify failed",
+        "psql trusting CA2 before the reload",
+    );
 
     // Phase 2: B replaces A; SIGHUP.
     copy_pair(&b, &cert, &key);
@@ -1158,7 +1187,11 @@ async fn postgres_certificates_reload_on_sighup() {
     })
     .await;
     let o = psql_verify_ca(proxy.addr, &ca1.cert_path, "SELECT 1");
-    assert_fails_with(&o, "certificate verify failed", "psql trusting CA1 after the reload");
+    assert_fails_with(
+        &o,
+        "certificate verify failed",
+        "psql trusting CA1 after the reload",
+    );
     let log = proxy.wait_for_log("certificates reloaded", 1).await;
     assert!(log.contains("generation=1"), "{log}");
     assert_eq!(
@@ -1194,7 +1227,9 @@ async fn postgres_upstream_root_reloads_on_sighup() {
     let dir = tempfile::tempdir().unwrap();
     let ca = TestCa::new(dir.path(), "upstream").unwrap();
     let other = TestCa::new(dir.path(), "other").unwrap();
-    let server = ca.issue("pg-server", &["localhost".to_owned()], &[]).unwrap();
+    let server = ca
+        .issue("pg-server", &["localhost".to_owned()], &[])
+        .unwrap();
     let cluster = PrivateCluster::start_ssl(&server.cert, &server.key).unwrap();
     let root = dir.path().join("upstream-root.pem");
     std::fs::copy(&ca.cert_path, &root).unwrap();
@@ -1242,7 +1277,12 @@ async fn postgres_upstream_root_reloads_on_sighup() {
     };
     let encrypted = "SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()";
     let kept = session().await.unwrap();
-    assert!(kept.query_one(encrypted, &[]).await.unwrap().get::<_, bool>(0));
+    assert!(
+        kept.query_one(encrypted, &[])
+            .await
+            .unwrap()
+            .get::<_, bool>(0)
+    );
 
     std::fs::copy(&other.cert_path, &root).unwrap();
     proxy.hup();
@@ -1252,13 +1292,24 @@ async fn postgres_upstream_root_reloads_on_sighup() {
         .err()
         .expect("a new session with an upstream root that did not issue its certificate");
     assert!(format!("{e:?}").contains("UnknownIssuer"), "{e:?}");
-    assert!(kept.query_one(encrypted, &[]).await.unwrap().get::<_, bool>(0));
+    assert!(
+        kept.query_one(encrypted, &[])
+            .await
+            .unwrap()
+            .get::<_, bool>(0)
+    );
 
     std::fs::copy(&ca.cert_path, &root).unwrap();
     proxy.hup();
     proxy.wait_for_log("certificates reloaded", 2).await;
     let fresh = session().await.unwrap();
-    assert!(fresh.query_one(encrypted, &[]).await.unwrap().get::<_, bool>(0));
+    assert!(
+        fresh
+            .query_one(encrypted, &[])
+            .await
+            .unwrap()
+            .get::<_, bool>(0)
+    );
 }
 
 /// Issue 15: SIGHUP's default action terminates a process; fence-proxy must never die of it.
@@ -1304,7 +1355,11 @@ async fn sighup_without_tls_leaves_the_proxy_running() {
         .unwrap();
     assert_eq!(reply.status, 200);
     let o = tokio::task::block_in_place(|| {
-        psql(&via(postgres.addr, "sslmode=disable"), "SELECT 'alive'", &[])
+        psql(
+            &via(postgres.addr, "sslmode=disable"),
+            "SELECT 'alive'",
+            &[],
+        )
     });
     assert_eq!(assert_ok(&o, "psql after SIGHUP"), "alive");
     http.assert_running("after SIGHUP");

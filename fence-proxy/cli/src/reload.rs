@@ -60,7 +60,10 @@ pub async fn reload_on_sighup(
             .unwrap_or_else(|e| Err(anyhow::anyhow!("the reload task failed: {e}")));
         match outcome {
             Ok(ReloadOutcome::Nothing) => {
-                tracing::info!(frontend, "SIGHUP: no TLS file is configured, nothing to reload")
+                tracing::info!(
+                    frontend,
+                    "SIGHUP: no TLS file is configured, nothing to reload"
+                )
             }
             Ok(ReloadOutcome::Reloaded { generation, files }) => {
                 metrics::counter!(TLS_RELOADS_TOTAL, "frontend" => frontend, "result" => RESULT_OK)

@@ -19,7 +19,7 @@ pub mod tls;
 
 pub use allow::AllowList;
 pub use reload::{
-    ReloadOutcome, ReloadableClientConfig, ReloadableServerConfig, ServerCheckFiles, ServerTlsFiles,
-    TlsReloader,
+    ReloadOutcome, ReloadableClientConfig, ReloadableServerConfig, ServerCheckFiles,
+    ServerTlsFiles, TlsReloader,
 };
 pub use tls::ServerCheck;

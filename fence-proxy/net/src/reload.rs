@@ -168,7 +168,9 @@ impl ReloadableClientConfig {
         what: &str,
     ) -> anyhow::Result<Arc<ClientConfig>> {
         let alpn: Vec<&[u8]> = alpn.iter().map(Vec::as_slice).collect();
-        let server_check = check.check().map_err(|e| anyhow::anyhow!("{what}: {e:#}"))?;
+        let server_check = check
+            .check()
+            .map_err(|e| anyhow::anyhow!("{what}: {e:#}"))?;
         client_config(&server_check, &alpn)
     }
 
@@ -259,7 +261,11 @@ impl TlsReloader {
 
     /// Every file registered, in registration order.
     pub fn files(&self) -> Vec<PathBuf> {
-        self.lock().items.iter().flat_map(Reloadable::paths).collect()
+        self.lock()
+            .items
+            .iter()
+            .flat_map(Reloadable::paths)
+            .collect()
     }
 
     /// Reads every registered file again. If all of them load and pass the checks made at start,
@@ -316,7 +322,10 @@ mod tests {
     fn ca_and_leaf() -> (String, String, String) {
         let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
         params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::DigitalSignature];
+        params.key_usages = vec![
+            KeyUsagePurpose::KeyCertSign,
+            KeyUsagePurpose::DigitalSignature,
+        ];
         let ca = CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap();
         let key = KeyPair::generate().unwrap();
         let leaf = CertificateParams::new(vec!["localhost".to_owned()])
@@ -397,7 +406,10 @@ mod tests {
         let encrypt_only =
             ReloadableClientConfig::load(ServerCheckFiles::EncryptOnly, &[], "x").unwrap();
         reloader.add_client(&encrypt_only);
-        assert_eq!(reloader.files(), vec![cert.clone(), key.clone(), ca.clone()]);
+        assert_eq!(
+            reloader.files(),
+            vec![cert.clone(), key.clone(), ca.clone()]
+        );
 
         let before_server = server.current();
         let before_client = client.current();
@@ -426,7 +438,10 @@ mod tests {
         std::fs::write(&ca, "not a certificate").unwrap();
         let (s, c) = (server.current(), client.current());
         let e = format!("{:#}", reloader.reload().unwrap_err());
-        assert!(e.contains(&ca.display().to_string()) && e.contains("--upstream-ca"), "{e}");
+        assert!(
+            e.contains(&ca.display().to_string()) && e.contains("--upstream-ca"),
+            "{e}"
+        );
         assert!(Arc::ptr_eq(&s, &server.current()));
         assert!(Arc::ptr_eq(&c, &client.current()));
         assert_eq!(reloader.generation(), 1);
