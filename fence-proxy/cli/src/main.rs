@@ -1,5 +1,5 @@
 //! `fence-proxy`: parses flags, sets up logging and the metrics endpoint, and runs a front end
-//! until SIGINT or SIGTERM.
+//! until SIGINT or SIGTERM. SIGHUP reloads the certificates (`reload`).
 
 use std::net::SocketAddr;
 use std::process::ExitCode;
@@ -8,6 +8,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use tokio_util::sync::CancellationToken;
 
+mod reload;
 mod telemetry;
 
 /// The fencing write proxy: rejects writes whose fencing token is lower than the highest the
@@ -148,14 +149,29 @@ fn run_init(rest: Vec<std::ffi::OsString>) -> ExitCode {
 async fn run(command: Command) -> anyhow::Result<()> {
     let shutdown = CancellationToken::new();
     tokio::spawn(cancel_on_signal(shutdown.clone()));
+    // Before anything else: until SIGHUP is watched its default action ends the process.
+    let hup = reload::watch_sighup();
+    // The front end registers the TLS files it reads; SIGHUP reads them all again.
+    let reloader = fence_proxy_net::TlsReloader::new();
+    let (common, frontend) = match &command {
+        Command::Http { common, .. } => (common, "http"),
+        Command::Postgres { common, .. } => (common, "postgres"),
+    };
+    start_metrics(common, frontend, shutdown.clone()).await?;
+    if let Some(hup) = hup {
+        tokio::spawn(reload::reload_on_sighup(
+            hup,
+            reloader.clone(),
+            frontend,
+            shutdown.clone(),
+        ));
+    }
     match command {
-        Command::Http { common, args } => {
-            start_metrics(&common, "http", shutdown.clone()).await?;
-            fence_proxy_http::run(args, shutdown).await
+        Command::Http { args, .. } => {
+            fence_proxy_http::run_with_reload(args, shutdown, &reloader).await
         }
-        Command::Postgres { common, args } => {
-            start_metrics(&common, "postgres", shutdown.clone()).await?;
-            fence_proxy_postgres::run(args, shutdown).await
+        Command::Postgres { args, .. } => {
+            fence_proxy_postgres::run_with_reload(args, shutdown, &reloader).await
         }
     }
 }

@@ -151,13 +151,17 @@ pub struct Upstream {
     /// Path prefix without a trailing `/` (empty for none), put in front of every request path.
     pub path_prefix: String,
     /// For `https`: how the upstream's certificate is checked (`--upstream-ca`, set by
-    /// [`Upstream::with_tls`]). An https upstream without it fails every connection.
-    pub tls: Option<std::sync::Arc<rustls::ClientConfig>>,
+    /// [`Upstream::with_tls`]; reloadable, read at each new connection). An https upstream
+    /// without it fails every connection.
+    pub tls: Option<std::sync::Arc<fence_proxy_net::ReloadableClientConfig>>,
 }
 
 impl Upstream {
     /// This upstream with its TLS client configuration.
-    pub fn with_tls(mut self, tls: Option<std::sync::Arc<rustls::ClientConfig>>) -> Upstream {
+    pub fn with_tls(
+        mut self,
+        tls: Option<std::sync::Arc<fence_proxy_net::ReloadableClientConfig>>,
+    ) -> Upstream {
         self.tls = tls;
         self
     }

@@ -14,7 +14,8 @@
 //! - [`fence`]: reading `Lock-Resource`, `Fencing-Token` and `Lock-Sequencer` from a request.
 //! - [`verify`]: [`Verification`], the verify keys and whether plain tokens still pass.
 //! - [`metrics`]: metric names shared with the Postgres front end.
-//! - [`server`]: accepting connections, graceful shutdown, [`serve`] and [`run`].
+//! - [`server`]: accepting connections, graceful shutdown, [`serve`], [`run`] and
+//!   [`run_with_reload`] (certificates read again on demand).
 //! - [`tls`]: TLS on the listener, the client allow-list, and the https upstream connector.
 
 pub mod args;
@@ -30,5 +31,5 @@ pub mod verify;
 pub use args::{Args, Upstream};
 pub use proxy::{Proxy, ProxyConfig};
 pub use refusal::Refusal;
-pub use server::{run, serve};
+pub use server::{run, run_with_reload, serve};
 pub use verify::Verification;

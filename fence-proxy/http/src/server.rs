@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use fence_epoch_store::EpochStore;
+use fence_proxy_net::TlsReloader;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::{GracefulShutdown, Watcher};
@@ -106,12 +107,28 @@ impl Default for Limits {
     }
 }
 
-/// Opens the store, binds `--listen`, and serves until `shutdown` is cancelled.
+/// Opens the store, binds `--listen`, and serves until `shutdown` is cancelled. Certificates
+/// are read once; [`run_with_reload`] lets the caller read them again.
 pub async fn run(args: Args, shutdown: CancellationToken) -> anyhow::Result<()> {
+    run_with_reload(args, shutdown, &TlsReloader::new()).await
+}
+
+/// [`run`], registering every TLS file it reads (`--tls-cert`, `--tls-key`, `--tls-client-ca`,
+/// `--upstream-ca`) with `reloader`: after `reloader.reload()` new client connections and new
+/// upstream connections use the files as they are then, established ones keep theirs.
+pub async fn run_with_reload(
+    args: Args,
+    shutdown: CancellationToken,
+    reloader: &TlsReloader,
+) -> anyhow::Result<()> {
     crate::metrics::describe();
     // Flag errors first: a bad flag is one line, not a warning and then the error.
     let access = args.tls.access()?;
     let upstream_tls = args.tls.upstream_tls(&args.upstream)?;
+    access.register(reloader);
+    if let Some(config) = &upstream_tls {
+        reloader.add_client(config);
+    }
     let store = args
         .store
         .open(&args.store_options())
@@ -221,7 +238,8 @@ pub async fn serve_with_access(
         let service = service.clone();
         let builder = builder.clone();
         let watcher = graceful.watcher();
-        let tls = access.tls.clone();
+        // The configuration current at accept time: a reload reaches the next connection.
+        let tls = access.tls.as_ref().map(|t| t.acceptor());
         let header_read_timeout = limits.header_read_timeout;
         tokio::spawn(async move {
             // The slot is given back when this task ends, with the connection.

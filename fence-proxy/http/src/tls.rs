@@ -1,5 +1,7 @@
 //! TLS of the HTTP front end: the listener's certificate and client check, the allow-list of
-//! client networks, and the connector that reaches an `https://` upstream through rustls.
+//! client networks, and the connector that reaches an `https://` upstream through rustls. Both
+//! TLS configurations are reloadable ([`fence_proxy_net::reload`]): each new connection takes the
+//! one current when it starts.
 
 use std::future::Future;
 use std::io;
@@ -8,13 +10,15 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use fence_proxy_net::{AllowList, ServerCheck};
+use fence_proxy_net::{
+    AllowList, ReloadableClientConfig, ReloadableServerConfig, ServerCheck, ServerCheckFiles,
+    ServerTlsFiles, TlsReloader,
+};
 use hyper_util::client::legacy::connect::{Connected, Connection, HttpConnector};
 use hyper_util::rt::TokioIo;
 use ipnet::IpNet;
 use rustls::ClientConfig;
 use tokio::net::TcpStream;
-use tokio_rustls::TlsAcceptor;
 
 use crate::exchange::BoxError;
 
@@ -62,8 +66,9 @@ pub struct TlsArgs {
 /// Who may connect to the listener, and how: built from [`TlsArgs`] or by an embedding program.
 #[derive(Clone, Default)]
 pub struct Access {
-    /// TLS on accepted connections; `None` serves plain HTTP.
-    pub tls: Option<TlsAcceptor>,
+    /// TLS on accepted connections, read when each handshake starts (so a reload reaches the
+    /// next connection); `None` serves plain HTTP.
+    pub tls: Option<Arc<ReloadableServerConfig>>,
     /// Client networks served; connections from elsewhere are closed at once.
     pub allow: AllowList,
 }
@@ -72,14 +77,12 @@ impl TlsArgs {
     /// The listener's access settings.
     pub fn access(&self) -> anyhow::Result<Access> {
         let tls = match (&self.tls_cert, &self.tls_key) {
-            (Some(cert), Some(key)) => {
-                Some(TlsAcceptor::from(fence_proxy_net::tls::server_config(
-                    cert,
-                    key,
-                    self.tls_client_ca.as_deref(),
-                    &[b"h2", b"http/1.1"],
-                )?))
-            }
+            (Some(cert), Some(key)) => Some(ReloadableServerConfig::load(ServerTlsFiles {
+                cert: cert.clone(),
+                key: key.clone(),
+                client_ca: self.tls_client_ca.clone(),
+                alpn: vec![b"h2".to_vec(), b"http/1.1".to_vec()],
+            })?),
             _ => None,
         };
         Ok(Access {
@@ -93,7 +96,7 @@ impl TlsArgs {
     pub fn upstream_tls(
         &self,
         upstream: &crate::Upstream,
-    ) -> anyhow::Result<Option<Arc<ClientConfig>>> {
+    ) -> anyhow::Result<Option<Arc<ReloadableClientConfig>>> {
         if upstream.scheme != http::uri::Scheme::HTTPS {
             anyhow::ensure!(
                 self.upstream_ca.is_none(),
@@ -106,11 +109,39 @@ impl TlsArgs {
                 "--upstream {upstream} is https:// and needs --upstream-ca FILE (fence-proxy trusts no platform root store)"
             );
         };
-        let roots = Arc::new(fence_proxy_net::tls::load_roots(ca)?);
-        Ok(Some(fence_proxy_net::tls::client_config(
-            &ServerCheck::Full(roots),
+        Ok(Some(ReloadableClientConfig::load(
+            ServerCheckFiles::Full(ca.clone()),
             &[b"http/1.1"],
+            "--upstream-ca",
         )?))
+    }
+}
+
+impl Access {
+    /// Has `reloader` read this listener's certificate files again on every reload.
+    pub fn register(&self, reloader: &TlsReloader) {
+        if let Some(tls) = &self.tls {
+            reloader.add_server(tls);
+        }
+    }
+}
+
+/// Where an upstream connection's TLS configuration comes from.
+#[derive(Clone)]
+enum UpstreamTlsSource {
+    /// `--upstream-ca`, current at each connect.
+    Reloadable(Arc<ReloadableClientConfig>),
+    /// An https:// upstream configured without roots: an empty root store, so that every
+    /// handshake fails rather than going unverified.
+    Refusing(Arc<ClientConfig>),
+}
+
+impl UpstreamTlsSource {
+    fn current(&self) -> Arc<ClientConfig> {
+        match self {
+            UpstreamTlsSource::Reloadable(c) => c.current(),
+            UpstreamTlsSource::Refusing(c) => c.clone(),
+        }
     }
 }
 
@@ -118,9 +149,9 @@ impl TlsArgs {
 #[derive(Clone)]
 pub struct UpstreamConnector {
     http: HttpConnector,
-    /// TLS client configuration for an https:// upstream; an https:// upstream without one gets
-    /// an empty root store, so that every handshake fails rather than going unverified.
-    tls: Option<Arc<ClientConfig>>,
+    /// TLS client configuration for an https:// upstream (`None` for http://), taken at each
+    /// connect: pooled connections keep the one they were made with.
+    tls: Option<UpstreamTlsSource>,
 }
 
 impl UpstreamConnector {
@@ -129,14 +160,15 @@ impl UpstreamConnector {
         http.set_nodelay(true);
         // The scheme is checked here, not by HttpConnector, which refuses https:// URIs.
         http.enforce_http(false);
-        let tls = (upstream.scheme == http::uri::Scheme::HTTPS).then(|| {
-            upstream.tls.clone().unwrap_or_else(|| {
+        let tls = (upstream.scheme == http::uri::Scheme::HTTPS).then(|| match &upstream.tls {
+            Some(config) => UpstreamTlsSource::Reloadable(config.clone()),
+            None => UpstreamTlsSource::Refusing(
                 fence_proxy_net::tls::client_config(
                     &ServerCheck::Full(Arc::new(rustls::RootCertStore::empty())),
                     &[],
                 )
-                .expect("a client configuration with the default versions")
-            })
+                .expect("a client configuration with the default versions"),
+            ),
         });
         UpstreamConnector { http, tls }
     }
@@ -157,9 +189,10 @@ impl tower::Service<http::Uri> for UpstreamConnector {
         Box::pin(async move {
             let host = uri.host().unwrap_or_default().to_owned();
             let tcp = tower::Service::call(&mut http, uri).await?;
-            let Some(config) = tls else {
+            let Some(source) = tls else {
                 return Ok(UpstreamConnection::Plain(tcp));
             };
+            let config = source.current();
             let name = fence_proxy_net::tls::server_name(&host)?;
             let stream = tokio_rustls::TlsConnector::from(config)
                 .connect(name, tcp.into_inner())

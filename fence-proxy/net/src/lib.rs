@@ -9,10 +9,17 @@
 //! - [`tls`]: PEM loading, the listener's [`rustls::ServerConfig`] (optionally requiring client
 //!   certificates), and the client side's [`tls::ServerCheck`] (libpq's `require`, `verify-ca`,
 //!   `verify-full`).
+//! - [`reload`]: the same configurations behind a lock, read again from their files on SIGHUP
+//!   ([`TlsReloader`]); new handshakes use the new files, established connections keep theirs.
 //! - [`allow`]: [`AllowList`], the `--allow-client CIDR` networks.
 
 pub mod allow;
+pub mod reload;
 pub mod tls;
 
 pub use allow::AllowList;
+pub use reload::{
+    ReloadOutcome, ReloadableClientConfig, ReloadableServerConfig, ServerCheckFiles,
+    ServerTlsFiles, TlsReloader,
+};
 pub use tls::ServerCheck;

@@ -2,10 +2,10 @@
 //! `--tls-client-ca`, `--require-tls`) and the client networks (`--allow-client`).
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
-use fence_proxy_net::AllowList;
+use fence_proxy_net::{AllowList, ReloadableServerConfig, ServerTlsFiles};
 use ipnet::IpNet;
-use tokio_rustls::TlsAcceptor;
 
 /// Flags of `fence-proxy postgres` about client access; `Default` is the open proxy of old:
 /// no TLS, any address.
@@ -51,8 +51,9 @@ pub struct AccessArgs {
 }
 
 impl AccessArgs {
-    /// The TLS acceptor for clients, when a certificate is configured.
-    pub fn acceptor(&self) -> anyhow::Result<Option<TlsAcceptor>> {
+    /// The TLS configuration for clients, when a certificate is configured; reloadable, read at
+    /// each SSLRequest.
+    pub fn server_tls(&self) -> anyhow::Result<Option<Arc<ReloadableServerConfig>>> {
         let (Some(cert), Some(key)) = (&self.tls_cert, &self.tls_key) else {
             anyhow::ensure!(
                 !self.require_tls,
@@ -60,9 +61,13 @@ impl AccessArgs {
             );
             return Ok(None);
         };
-        let config =
-            fence_proxy_net::tls::server_config(cert, key, self.tls_client_ca.as_deref(), &[])?;
-        Ok(Some(TlsAcceptor::from(config)))
+        let config = ReloadableServerConfig::load(ServerTlsFiles {
+            cert: cert.clone(),
+            key: key.clone(),
+            client_ca: self.tls_client_ca.clone(),
+            alpn: Vec::new(),
+        })?;
+        Ok(Some(config))
     }
 
     /// Whether a session must start with TLS: `--require-tls`, or `--tls-client-ca` (a client

@@ -1,8 +1,9 @@
 //! Settings shared by every session, derived once from the command-line flags.
 
+use std::sync::Arc;
 use std::time::Duration;
 
-use tokio_rustls::TlsAcceptor;
+use fence_proxy_net::ReloadableServerConfig;
 
 use crate::fence_sql::FenceTable;
 use crate::upstream::UpstreamTls;
@@ -22,10 +23,12 @@ pub struct Config {
     pub connect_timeout: Duration,
     /// Bound on a client's startup and authentication.
     pub startup_timeout: Duration,
-    /// How upstream connections are encrypted and checked (`--upstream`'s sslmode).
+    /// How upstream connections are encrypted and checked (`--upstream`'s sslmode); its roots
+    /// are reloadable, read at each new upstream connection.
     pub upstream_tls: UpstreamTls,
-    /// TLS towards clients (`--tls-cert`); `None` answers SSLRequest with `N`.
-    pub client_tls: Option<TlsAcceptor>,
+    /// TLS towards clients (`--tls-cert`), reloadable, read at each SSLRequest; `None` answers
+    /// SSLRequest with `N`.
+    pub client_tls: Option<Arc<ReloadableServerConfig>>,
     /// Whether a client must have started TLS before its startup message (`--require-tls`).
     pub require_tls: bool,
     /// With `--verify-key`: the keys, `--allow-unsigned` and the proof key shared with the

@@ -11,7 +11,7 @@
 //! connection for its lifetime (see `docs/fence-proxy-postgres.md`).
 //!
 //! # Layout
-//! - [`Args`] and [`run`]: flags and the accept loop.
+//! - [`Args`], [`run`] and [`run_with_reload`]: flags and the accept loop.
 //! - `access`: [`AccessArgs`], TLS towards clients and the client allow-list.
 //! - [`upstream`]: `sslmode`/`sslrootcert` of `--upstream`, TLS towards the upstream.
 //! - `config`: settings shared by sessions.
@@ -44,6 +44,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use fence_proxy_net::TlsReloader;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
@@ -225,7 +226,20 @@ pub async fn init(args: &InitArgs) -> anyhow::Result<String> {
 }
 
 /// Runs the proxy until `shutdown` is cancelled; open sessions then end with FATAL 57P01.
+/// Certificates are read once; [`run_with_reload`] lets the caller read them again.
 pub async fn run(args: Args, shutdown: CancellationToken) -> anyhow::Result<()> {
+    run_with_reload(args, shutdown, &TlsReloader::new()).await
+}
+
+/// [`run`], registering every TLS file it reads (`--tls-cert`, `--tls-key`, `--tls-client-ca`
+/// and `--upstream`'s `sslrootcert`) with `reloader`: after `reloader.reload()` new client
+/// handshakes and new upstream connections use the files as they are then; open sessions keep
+/// the TLS they have.
+pub async fn run_with_reload(
+    args: Args,
+    shutdown: CancellationToken,
+    reloader: &TlsReloader,
+) -> anyhow::Result<()> {
     let fence_table = FenceTable::parse(&args.fence_table).map_err(|e| anyhow::anyhow!("{e}"))?;
     let upstream = upstream::parse(&args.upstream, "--upstream")?;
     let pg_config = upstream.config;
@@ -272,11 +286,15 @@ pub async fn run(args: Args, shutdown: CancellationToken) -> anyhow::Result<()> 
         connect_timeout: Duration::from_millis(args.connect_timeout_ms),
         startup_timeout: Duration::from_millis(args.startup_timeout_ms),
         upstream_tls: upstream.tls,
-        client_tls: args.access.acceptor()?,
+        client_tls: args.access.server_tls()?,
         require_tls: args.access.tls_required(),
         verification: None,
     };
     let allow = args.access.allow_list();
+    if let Some(tls) = &cfg.client_tls {
+        reloader.add_server(tls);
+    }
+    cfg.upstream_tls.register(reloader);
 
     let proof_key = check_guard(pg_config, &cfg, args.pool_size, verify_flags.is_some()).await?;
     cfg.verification = match (verify_flags, proof_key) {

@@ -64,7 +64,8 @@ pub async fn handshake(tcp: TcpStream, cfg: Arc<Config>) -> anyhow::Result<Start
                 return Ok(Startup::Done);
             }
             SSL_REQUEST if cfg.client_tls.is_some() => {
-                let acceptor = cfg.client_tls.clone().expect("checked above");
+                // The configuration current now: a reload reaches the next handshake.
+                let acceptor = cfg.client_tls.as_ref().expect("checked above").acceptor();
                 client.write_all(b"S").await?;
                 client.flush().await?;
                 // The startup packet was read with exact reads, so nothing the client sent after

@@ -17,8 +17,8 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use fence_proxy_net::ServerCheck;
-use fence_proxy_net::tls::{client_config, load_roots, server_name};
+use fence_proxy_net::tls::server_name;
+use fence_proxy_net::{ReloadableClientConfig, ServerCheckFiles, TlsReloader};
 use rustls::ClientConfig;
 use rustls_pki_types::ServerName;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
@@ -65,8 +65,9 @@ impl SslMode {
 #[derive(Clone)]
 pub struct UpstreamTls {
     pub mode: SslMode,
-    /// Client configuration for every mode but `disable`.
-    config: Option<Arc<ClientConfig>>,
+    /// Client configuration for every mode but `disable`; its `sslrootcert` is reloadable, so
+    /// each new connection takes the configuration current then.
+    config: Option<Arc<ReloadableClientConfig>>,
     /// The URL's host, as the certificate must name it under `verify-full`.
     name: ServerName<'static>,
 }
@@ -131,25 +132,23 @@ pub fn parse(url: &str, what: &str) -> anyhow::Result<ParsedUpstream> {
         Some(_) => anyhow::bail!("{what} {url:?}: only TCP hosts are supported, not Unix sockets"),
         None => anyhow::bail!("{what} {url:?} names no host"),
     };
-    let roots = match &root_cert {
-        Some(path) => Some(Arc::new(load_roots(path).map_err(|e| {
-            anyhow::anyhow!("{what}: sslrootcert {}: {e:#}", path.display())
-        })?)),
-        None => None,
-    };
-    let check = match (mode, roots) {
+    let check = match (mode, root_cert) {
         (SslMode::Disable, _) => None,
         (SslMode::VerifyCa | SslMode::VerifyFull, None) => anyhow::bail!(
             "{what}: sslmode={} needs sslrootcert=FILE (the CA that issued the server's certificate)",
             mode.as_str()
         ),
-        (SslMode::VerifyFull, Some(r)) => Some(ServerCheck::Full(r)),
+        (SslMode::VerifyFull, Some(r)) => Some(ServerCheckFiles::Full(r)),
         // As libpq: with a root certificate, require (and prefer) check the chain.
-        (_, Some(r)) => Some(ServerCheck::Chain(r)),
-        (_, None) => Some(ServerCheck::EncryptOnly),
+        (_, Some(r)) => Some(ServerCheckFiles::Chain(r)),
+        (_, None) => Some(ServerCheckFiles::EncryptOnly),
     };
-    let config_tls = match &check {
-        Some(c) => Some(client_config(c, &[])?),
+    let config_tls = match check {
+        Some(c) => Some(ReloadableClientConfig::load(
+            c,
+            &[],
+            &format!("{what} sslrootcert"),
+        )?),
         None => None,
     };
     let name = server_name(&host).map_err(|e| anyhow::anyhow!("{what}: {e:#}"))?;
@@ -228,7 +227,7 @@ impl UpstreamTls {
         // man in the middle cannot slip plain-text messages in ahead of the handshake.
         match tcp.read_u8().await? {
             b'S' => {
-                let stream = tokio_rustls::TlsConnector::from(config.clone())
+                let stream = tokio_rustls::TlsConnector::from(config.current())
                     .connect(self.name.clone(), tcp)
                     .await
                     .map_err(|error| NegotiateError::Handshake {
@@ -240,6 +239,13 @@ impl UpstreamTls {
             b'N' if self.mode == SslMode::Prefer => Ok((Box::new(tcp), false)),
             b'N' => Err(NegotiateError::Refused(self.mode.as_str())),
             other => Err(NegotiateError::BadAnswer(other as char)),
+        }
+    }
+
+    /// Has `reloader` read `sslrootcert` again on every reload (nothing to do without one).
+    pub fn register(&self, reloader: &TlsReloader) {
+        if let Some(config) = &self.config {
+            reloader.add_client(config);
         }
     }
 
@@ -255,7 +261,7 @@ impl UpstreamTls {
 /// tokio-postgres's TLS hook backed by rustls.
 #[derive(Clone)]
 pub struct MakeRustls {
-    config: Option<Arc<ClientConfig>>,
+    config: Option<Arc<ReloadableClientConfig>>,
     name: ServerName<'static>,
 }
 
@@ -270,7 +276,7 @@ where
     /// Called for every connection, `disable` included (tokio-postgres then never starts TLS).
     fn make_tls_connect(&mut self, _domain: &str) -> Result<RustlsConnect, io::Error> {
         Ok(RustlsConnect {
-            config: self.config.clone(),
+            config: self.config.as_ref().map(|c| c.current()),
             name: self.name.clone(),
         })
     }
