@@ -70,7 +70,9 @@ fn parse() -> Result<Cmd, String> {
         args.next();
         let file = args.next().ok_or("summary needs a FILE")?;
         if let Some(extra) = args.next() {
-            return Err(format!("unexpected argument {extra:?} after the summary file"));
+            return Err(format!(
+                "unexpected argument {extra:?} after the summary file"
+            ));
         }
         return Ok(Cmd::Summary(file.into()));
     }
@@ -114,9 +116,7 @@ fn parse() -> Result<Cmd, String> {
     }
     let Some(runs) = runs else {
         if tls_every.is_some() || summary.is_some() || artifacts.is_some() || jobs != 1 {
-            return Err(
-                "--jobs, --tls-every, --summary and --artifacts go with --runs N".into(),
-            );
+            return Err("--jobs, --tls-every, --summary and --artifacts go with --runs N".into());
         }
         return Ok(Cmd::One(c));
     };
@@ -167,7 +167,7 @@ fn many(cfg: SoakConfig) -> ExitCode {
         cfg.run.seed,
         cfg.run.seed.wrapping_add(cfg.runs - 1),
         cfg.tls_every
-            .map(|k| format!(", every {k}th with TLS"))
+            .map(|k| format!(", every {k}-th run with TLS"))
             .unwrap_or_default()
     );
     let totals = match run_many(&cfg) {

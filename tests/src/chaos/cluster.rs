@@ -9,8 +9,8 @@
 //! - clients may reach it through `127.A.B.(30+i):7001`, a relay that can drop replies after the
 //!   node received (and committed) the request.
 
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::collections::BTreeSet;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::process::Command;
 use std::sync::Mutex;

@@ -88,19 +88,33 @@ const DETAIL_OPS_MAX: usize = 6;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Step {
     /// Granted to a client that saw it: lease number `lease` in [`Partition::leases`].
-    Grant { lease: usize },
+    Grant {
+        lease: usize,
+    },
     /// Refused because the resource was held (or the wait for it ran out).
     Refused,
-    RenewOk { lease: usize },
+    RenewOk {
+        lease: usize,
+    },
     /// A renew answered `NOT_FOUND` or a release answered `released: false`.
-    NotCurrent { lease: usize },
-    ReleaseOk { lease: usize },
+    NotCurrent {
+        lease: usize,
+    },
+    ReleaseOk {
+        lease: usize,
+    },
     DescribeFree,
-    DescribeHeld { token: u64 },
+    DescribeHeld {
+        token: u64,
+    },
     /// An acquire whose every attempt had an unknown outcome (optional).
-    MaybeGrant { min_expiry_ms: u64 },
+    MaybeGrant {
+        min_expiry_ms: u64,
+    },
     /// A release with an unknown outcome (optional).
-    MaybeRelease { lease: usize },
+    MaybeRelease {
+        lease: usize,
+    },
 }
 
 impl Step {
@@ -142,7 +156,9 @@ pub struct Partition {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Verdict {
     Linearizable,
-    NotLinearizable { detail: String },
+    NotLinearizable {
+        detail: String,
+    },
     /// The step budget ran out first.
     Inconclusive,
 }
@@ -222,7 +238,10 @@ impl LinReport {
 pub fn check(ops: &[Op], budget: u64) -> LinReport {
     let started = Instant::now();
     let (partitions, skipped) = partitions(ops);
-    let results = partitions.iter().map(|p| check_partition(p, budget)).collect();
+    let results = partitions
+        .iter()
+        .map(|p| check_partition(p, budget))
+        .collect();
     LinReport {
         results,
         elapsed: started.elapsed(),
@@ -266,9 +285,11 @@ pub fn partitions(ops: &[Op]) -> (Vec<Partition>, usize) {
         };
         let first_sent_ms = attempts.iter().map(|o| o.invoke_ms).min().unwrap_or(0);
         let indices: Vec<usize> = attempts.iter().map(|o| o.index).collect();
-        let outcome = |o: &&Op| o.outcome.clone().unwrap_or(Outcome::Unknown {
-            reason: "never completed".into(),
-        });
+        let outcome = |o: &&Op| {
+            o.outcome.clone().unwrap_or(Outcome::Unknown {
+                reason: "never completed".into(),
+            })
+        };
         let complete = |o: &&Op| o.complete_ms.unwrap_or(o.invoke_ms) + COMPLETE_ROUNDING_MS;
         let granted = attempts
             .iter()
@@ -296,7 +317,9 @@ pub fn partitions(ops: &[Op]) -> (Vec<Partition>, usize) {
         }
         let refused = attempts
             .iter()
-            .filter(|o| matches!(outcome(*o), Outcome::Fail { reason } if refusal_means_held(&reason)))
+            .filter(
+                |o| matches!(outcome(*o), Outcome::Fail { reason } if refusal_means_held(&reason)),
+            )
             .map(complete)
             .min();
         if let Some(complete_ms) = refused {
@@ -326,8 +349,18 @@ pub fn partitions(ops: &[Op]) -> (Vec<Partition>, usize) {
 
     for op in ops {
         let (resource, step) = match (&op.kind, &op.outcome) {
-            (OpKind::Renew { resource, lease_id, .. }, Some(o))
-            | (OpKind::Release { resource, lease_id, .. }, Some(o)) => {
+            (
+                OpKind::Renew {
+                    resource, lease_id, ..
+                },
+                Some(o),
+            )
+            | (
+                OpKind::Release {
+                    resource, lease_id, ..
+                },
+                Some(o),
+            ) => {
                 let Some(&lease) = lease_index.get(&(resource.clone(), lease_id.clone())) else {
                     skipped += 1;
                     continue;
@@ -393,9 +426,15 @@ pub fn partitions(ops: &[Op]) -> (Vec<Partition>, usize) {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 enum Holder {
     Free,
-    Known { lease: u32, min_expiry_ms: u64 },
+    Known {
+        lease: u32,
+        min_expiry_ms: u64,
+    },
     /// Granted to an acquire with an unknown outcome; its token is learnt from a `Describe`.
-    Unknown { token: Option<u64>, min_expiry_ms: u64 },
+    Unknown {
+        token: Option<u64>,
+        min_expiry_ms: u64,
+    },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -562,7 +601,8 @@ impl<'a> Search<'a> {
         n.required_done += 1;
         let entry = &self.p.entries[x];
         let leases = &self.p.leases;
-        let is = |h: Holder, l: usize| matches!(h, Holder::Known { lease, .. } if lease as usize == l);
+        let is =
+            |h: Holder, l: usize| matches!(h, Holder::Known { lease, .. } if lease as usize == l);
         match entry.step {
             Step::Grant { lease } => {
                 self.free(&mut n, m)?;
@@ -607,9 +647,7 @@ impl<'a> Search<'a> {
             Step::DescribeFree => self.free(&mut n, m)?,
             Step::DescribeHeld { token } => match n.model.holder {
                 Holder::Known { lease, .. } if leases[lease as usize].token == token => {}
-                Holder::Unknown {
-                    token: Some(t), ..
-                } if t == token => {}
+                Holder::Unknown { token: Some(t), .. } if t == token => {}
                 Holder::Unknown {
                     token: None,
                     min_expiry_ms,
@@ -669,7 +707,10 @@ impl<'a> Search<'a> {
         } else {
             (e.complete_ms - COMPLETE_ROUNDING_MS).to_string()
         };
-        format!("{what} [{}..{end} ms, history ops {:?}]", e.invoke_ms, e.ops)
+        format!(
+            "{what} [{}..{end} ms, history ops {:?}]",
+            e.invoke_ms, e.ops
+        )
     }
 
     fn describe_model(&self, m: &Model) -> String {

@@ -144,7 +144,12 @@ impl RunRecord {
         rec.lin_ops = r.lin.operations() as u64;
         rec.lin_inconclusive = r.lin.inconclusive() as u64;
         rec.lin_check_ms = r.lin.elapsed.as_millis() as u64;
-        rec.verdict = if r.violations.is_empty() { "pass" } else { "fail" }.into();
+        rec.verdict = if r.violations.is_empty() {
+            "pass"
+        } else {
+            "fail"
+        }
+        .into();
         rec.elapsed_s = r.elapsed.as_secs_f64();
         rec.artifacts = Some(r.artifacts.display().to_string());
         rec
