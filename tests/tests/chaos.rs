@@ -1,7 +1,7 @@
 //! Fault-injection suite: real `lockd` processes, `fence-proxy http` in front of an HTTP
 //! register, `fence-proxy postgres` in front of a Postgres table, concurrent clients and a seeded
-//! nemesis; the recorded history is checked against the invariants (tests/src/chaos/checker.rs,
-//! docs/verification.md).
+//! nemesis; the recorded history is checked against the invariants (tests/src/chaos/checker.rs)
+//! and for linearizability (tests/src/chaos/linearizable.rs); see docs/verification.md.
 //!
 //! `CHAOS_SEED` and `CHAOS_DURATION_S` override the short run's seed and length; a failure prints
 //! the seed and the command that reruns it.
@@ -17,7 +17,7 @@ use lockd_tests::chaos::workload::Mode;
 const SHORT_RUN_SEED: u64 = 9;
 const SHORT_RUN_FAULTS: Duration = Duration::from_secs(45);
 
-/// The two runs start five processes each on two cores: one at a time.
+/// Each run starts five processes on two cores: one run at a time.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 fn env_u64(name: &str) -> Option<u64> {
@@ -47,8 +47,43 @@ async fn short_seeded_run_keeps_every_invariant() {
         report.summary()
     );
     assert!(
+        report.describes > 0,
+        "no Describe was answered: {}",
+        report.summary()
+    );
+    assert_eq!(
+        report.lin.inconclusive(),
+        0,
+        "the linearizability search ran out of budget: {}",
+        report.summary()
+    );
+    assert!(
         report.violations.is_empty(),
         "invariants violated:\n{}",
+        report.summary()
+    );
+}
+
+/// Goal: the linearizability check catches stale reads in a real history, not only in the
+/// hand-made ones of its unit tests.
+/// Method: a deliberately broken mode in which each worker reports, for every `Describe`, the
+/// answer it got the previous time for that resource (a client-side cache, as a lagging replica
+/// serving reads would give); with workers taking the locks over all the time, some of those
+/// answers name a lease that had ended before the read was sent. The checker must report
+/// `linearizable`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broken_mode_stale_describes_and_the_linearizability_check_fails() {
+    let _serial = SERIAL.lock().await;
+    let mut config = RunConfig::short(env_u64("CHAOS_SEED").unwrap_or(SHORT_RUN_SEED));
+    config.duration = Duration::from_secs(20);
+    config.mode = Mode::StaleDescribes;
+    config.postgres = false;
+    config.faults = vec![Fault::PauseClient];
+    let report = run(config).await.expect("chaos harness");
+    println!("{}", report.summary());
+    assert!(
+        report.violations.iter().any(|v| v.check == "linearizable"),
+        "the linearizability check missed stale reads:\n{}",
         report.summary()
     );
 }

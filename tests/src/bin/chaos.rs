@@ -1,23 +1,36 @@
-//! `chaos`: one long seeded fault-injection run, for soak testing beyond the short run in
-//! `cargo test`. Build the binaries it starts first:
+//! `chaos`: seeded fault-injection runs beyond the short run in `cargo test`: one long run, or many
+//! (`--runs`), with a summary that accumulates. Build the binaries it starts first:
 //!
 //! ```sh
 //! cargo build -p lockd-server -p fence-proxy
 //! cargo run -p lockd-tests --bin chaos -- --duration 10m --seed 42
+//! cargo run -p lockd-tests --bin chaos -- --runs 300 --jobs 2 --duration 60s --tls-every 2 \
+//!     --summary chaos-summary.jsonl
+//! cargo run -p lockd-tests --bin chaos -- summary chaos-summary.jsonl
 //! ```
 //!
-//! Flags: `--seed N` (default: random, printed), `--duration 90s|10m` (default 10m),
-//! `--workers N` (6), `--resources N` (3), `--no-postgres`, `--broken bypass-fence` (stalled
-//! clients write around the fence: the run must then report violations), `--first-fault NAME`,
-//! `--faults KillLeader,PauseClient,...` (default: all kinds).
+//! Flags of a run: `--seed N` (default: random, printed), `--duration 90s|10m` (default 10m),
+//! `--workers N` (6), `--resources N` (3), `--no-postgres`, `--tls`, `--broken bypass-fence`
+//! (stalled clients write around the fence: the run must then report violations), `--broken
+//! stale-describe` (workers report their previous `Describe` answer: the linearizability check
+//! must fail),
+//! `--first-fault NAME`, `--faults KillLeader,PauseClient,...` (default: all kinds).
+//! Many runs: `--runs N` (seeds N..N+runs-1 from `--seed`), `--jobs J` (1), `--tls-every K` (every
+//! K-th run with TLS), `--summary FILE` (one JSON line per run, appended), `--artifacts DIR`
+//! (where runs keep their folders; those of passing runs are deleted), `--label TEXT` (stored in
+//! each line). `chaos summary FILE` prints the totals of a summary file.
 //! Exits 0 when no invariant was violated, 1 when one was, 2 on bad flags or a harness error.
 
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use lockd_tests::chaos::nemesis::Fault;
 use lockd_tests::chaos::run::{RunConfig, run};
+use lockd_tests::chaos::soak::{SoakConfig, read_totals, run_many};
 use lockd_tests::chaos::workload::Mode;
+
+const USAGE: &str = "usage: chaos [--seed N] [--duration 10m] [--workers N] [--resources N] [--no-postgres] [--tls] [--broken bypass-fence|stale-describe] [--first-fault NAME] [--faults NAME,NAME] [--runs N [--jobs J] [--tls-every K] [--summary FILE] [--artifacts DIR] [--label TEXT]]\n       chaos summary FILE";
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
     let (num, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len()));
@@ -37,10 +50,32 @@ fn parse_fault(s: &str) -> Result<Fault, String> {
         .ok_or_else(|| format!("unknown fault {s:?}"))
 }
 
-fn parse() -> Result<RunConfig, String> {
+enum Cmd {
+    One(RunConfig),
+    Many(SoakConfig),
+    Summary(PathBuf),
+}
+
+fn parse() -> Result<Cmd, String> {
     let mut c = RunConfig::short(rand::random());
     c.duration = Duration::from_secs(600);
-    let mut args = std::env::args().skip(1);
+    let mut runs: Option<u64> = None;
+    let mut jobs = 1usize;
+    let mut tls_every = None;
+    let mut summary = None;
+    let mut artifacts = None;
+    let mut label = None;
+    let mut args = std::env::args().skip(1).peekable();
+    if args.peek().map(String::as_str) == Some("summary") {
+        args.next();
+        let file = args.next().ok_or("summary needs a FILE")?;
+        if let Some(extra) = args.next() {
+            return Err(format!(
+                "unexpected argument {extra:?} after the summary file"
+            ));
+        }
+        return Ok(Cmd::Summary(file.into()));
+    }
     while let Some(a) = args.next() {
         let mut value = || args.next().ok_or_else(|| format!("{a} needs a value"));
         match a.as_str() {
@@ -54,6 +89,7 @@ fn parse() -> Result<RunConfig, String> {
             "--tls" => c.tls = true,
             "--broken" => match value()?.as_str() {
                 "bypass-fence" => c.mode = Mode::PausedClientsBypassFence,
+                "stale-describe" => c.mode = Mode::StaleDescribes,
                 other => return Err(format!("unknown --broken mode {other:?}")),
             },
             "--first-fault" => c.first_fault = Some(parse_fault(&value()?)?),
@@ -63,26 +99,42 @@ fn parse() -> Result<RunConfig, String> {
                     .map(parse_fault)
                     .collect::<Result<_, _>>()?
             }
-            "--help" | "-h" => {
-                return Err("usage: chaos [--seed N] [--duration 10m] [--workers N] [--resources N] [--no-postgres] [--tls] [--broken bypass-fence] [--first-fault NAME] [--faults NAME,NAME]".into());
+            "--runs" => runs = Some(value()?.parse().map_err(|e| format!("--runs: {e}"))?),
+            "--jobs" => jobs = value()?.parse().map_err(|e| format!("--jobs: {e}"))?,
+            "--tls-every" => {
+                tls_every = Some(value()?.parse().map_err(|e| format!("--tls-every: {e}"))?)
             }
-            other => return Err(format!("unknown flag {other:?}")),
+            "--summary" => summary = Some(PathBuf::from(value()?)),
+            "--artifacts" => artifacts = Some(PathBuf::from(value()?)),
+            "--label" => label = Some(value()?),
+            "--help" | "-h" => return Err(USAGE.into()),
+            other => return Err(format!("unknown flag {other:?}\n{USAGE}")),
         }
     }
     if c.workers == 0 || c.resources == 0 {
         return Err("--workers and --resources must be at least 1".into());
     }
-    Ok(c)
+    let Some(runs) = runs else {
+        if tls_every.is_some() || summary.is_some() || artifacts.is_some() || jobs != 1 {
+            return Err("--jobs, --tls-every, --summary and --artifacts go with --runs N".into());
+        }
+        return Ok(Cmd::One(c));
+    };
+    if runs == 0 || jobs == 0 || tls_every == Some(0) {
+        return Err("--runs, --jobs and --tls-every must be at least 1".into());
+    }
+    Ok(Cmd::Many(SoakConfig {
+        run: c,
+        runs,
+        jobs,
+        tls_every,
+        summary,
+        artifacts,
+        label,
+    }))
 }
 
-fn main() -> ExitCode {
-    let config = match parse() {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("chaos: {e}");
-            return ExitCode::from(2);
-        }
-    };
+fn one(config: RunConfig) -> ExitCode {
     eprintln!(
         "chaos: seed {} for {:?}; rerun: {}",
         config.seed,
@@ -101,6 +153,62 @@ fn main() -> ExitCode {
         }
         Err(e) => {
             eprintln!("chaos: harness error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn many(cfg: SoakConfig) -> ExitCode {
+    eprintln!(
+        "chaos: {} runs of {:?}, {} at once, seeds {}..={}{}",
+        cfg.runs,
+        cfg.run.duration,
+        cfg.jobs,
+        cfg.run.seed,
+        cfg.run.seed.wrapping_add(cfg.runs - 1),
+        cfg.tls_every
+            .map(|k| format!(", every {k}-th run with TLS"))
+            .unwrap_or_default()
+    );
+    let totals = match run_many(&cfg) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("chaos: {e:#}");
+            return ExitCode::from(2);
+        }
+    };
+    println!("=== totals of this invocation\n{}", totals.render());
+    if let Some(path) = &cfg.summary {
+        match read_totals(path) {
+            Ok(all) => println!("=== totals of {}\n{}", path.display(), all.render()),
+            Err(e) => eprintln!("chaos: {e:#}"),
+        }
+    }
+    if totals.failed > 0 {
+        ExitCode::from(1)
+    } else if totals.errors > 0 || totals.interrupted {
+        ExitCode::from(2)
+    } else {
+        ExitCode::SUCCESS
+    }
+}
+
+fn main() -> ExitCode {
+    match parse() {
+        Ok(Cmd::One(c)) => one(c),
+        Ok(Cmd::Many(s)) => many(s),
+        Ok(Cmd::Summary(path)) => match read_totals(&path) {
+            Ok(t) => {
+                print!("{}", t.render());
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("chaos: {e:#}");
+                ExitCode::from(2)
+            }
+        },
+        Err(e) => {
+            eprintln!("chaos: {e}");
             ExitCode::from(2)
         }
     }

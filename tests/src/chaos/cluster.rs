@@ -9,9 +9,11 @@
 //! - clients may reach it through `127.A.B.(30+i):7001`, a relay that can drop replies after the
 //!   node received (and committed) the request.
 
+use std::collections::BTreeSet;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::process::Command;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use lockd_api::v1::StatusRequest;
@@ -29,6 +31,30 @@ const METRICS_PORT: u16 = 9101;
 const STOP_WAIT: Duration = Duration::from_secs(5);
 /// Audit files are never rotated during a run (the checker reads one file per node).
 const AUDIT_MAX_BYTES: u64 = 1 << 30;
+/// How many `127.A.B` networks a start tries when a relay cannot bind (its address is taken by
+/// another process's run).
+const NET_ATTEMPTS: usize = 8;
+
+/// The `127.A.B` networks of the clusters running in this process: runs going on at once
+/// (`chaos --jobs`) never draw the same one. Every address and fixed port of a run (nodes, relays,
+/// metrics, the proxies, the register) is on its own network, so this is what keeps them apart.
+static NETS_IN_USE: Mutex<BTreeSet<[u8; 3]>> = Mutex::new(BTreeSet::new());
+
+/// A network no other cluster of this process uses, reserved until [`release_net`].
+fn reserve_net() -> [u8; 3] {
+    let mut used = NETS_IN_USE.lock().unwrap();
+    loop {
+        let base = random_loopback_ip().octets();
+        let net = [127, base[1], base[2]];
+        if used.insert(net) {
+            return net;
+        }
+    }
+}
+
+fn release_net(net: [u8; 3]) {
+    NETS_IN_USE.lock().unwrap().remove(&net);
+}
 
 /// Raft timings of a chaos cluster.
 #[derive(Clone, Debug)]
@@ -110,18 +136,26 @@ impl ChaosCluster {
     /// the nodes run with certificates of a CA made for the run (naming each node's own, peer
     /// relay and client relay addresses).
     pub async fn start(dir: PathBuf, timings: Timings, tls: bool) -> anyhow::Result<ChaosCluster> {
-        let base = random_loopback_ip().octets();
-        let net = [127, base[1], base[2]];
-        let mut c = ChaosCluster {
-            net,
-            timings,
-            dir,
-            nodes: (0..NODES).map(|_| None).collect(),
-            clock_offsets_ms: vec![0; NODES as usize],
-            paused: vec![false; NODES as usize],
-            peer_relays: Vec::new(),
-            client_relays: Vec::new(),
-            tls: None,
+        let mut attempt = 0;
+        let mut c = loop {
+            attempt += 1;
+            let mut c = ChaosCluster {
+                net: reserve_net(),
+                timings: timings.clone(),
+                dir: dir.clone(),
+                nodes: (0..NODES).map(|_| None).collect(),
+                clock_offsets_ms: vec![0; NODES as usize],
+                paused: vec![false; NODES as usize],
+                peer_relays: Vec::new(),
+                client_relays: Vec::new(),
+                tls: None,
+            };
+            match c.start_relays().await {
+                Ok(()) => break c,
+                // Dropping `c` releases its network and closes the relays it did bind.
+                Err(e) if attempt >= NET_ATTEMPTS => return Err(e),
+                Err(_) => continue,
+            }
         };
         if tls {
             let ca = crate::tls::TestCa::new(&c.dir, "peer")?;
@@ -142,16 +176,20 @@ impl ChaosCluster {
             std::fs::write(c.dir.join(POLICY_FILE), TLS_POLICY)?;
         }
         for id in 1..=NODES {
-            c.peer_relays
-                .push(Relay::start(c.peer_addr(id), c.addr(id)).await?);
-            c.client_relays
-                .push(Relay::start(c.client_relay_addr(id), c.addr(id)).await?);
-        }
-        for id in 1..=NODES {
             c.start_node(id, 0)?;
         }
         c.wait_for_leader(Duration::from_secs(30)).await?;
         Ok(c)
+    }
+
+    async fn start_relays(&mut self) -> anyhow::Result<()> {
+        for id in 1..=NODES {
+            self.peer_relays
+                .push(Relay::start(self.peer_addr(id), self.addr(id)).await?);
+            self.client_relays
+                .push(Relay::start(self.client_relay_addr(id), self.addr(id)).await?);
+        }
+        Ok(())
     }
 
     pub fn node_ip(&self, id: u64) -> Ipv4Addr {
@@ -229,6 +267,9 @@ impl ChaosCluster {
         if std::env::var_os("RUST_LOG").is_none() {
             cmd.env("RUST_LOG", "error,openraft=off");
         }
+        // One log per node in the artifacts (runs going on at once would interleave on stderr).
+        let log = log_file(&self.dir, &format!("node{id}.log"))?;
+        cmd.stdout(log.try_clone()?).stderr(log);
         self.clock_offsets_ms[id as usize - 1] = clock_offset_ms;
         self.paused[id as usize - 1] = false;
         self.nodes[id as usize - 1] = Some(ChildGuard::spawn(format!("lockd-{id}"), cmd)?);
@@ -406,6 +447,31 @@ impl ChaosCluster {
     }
 }
 
+impl Drop for ChaosCluster {
+    fn drop(&mut self) {
+        // The nodes (ChildGuard) and relays stop themselves when dropped; the network is free
+        // once they have.
+        for n in &mut self.nodes {
+            if let Some(mut n) = n.take() {
+                n.kill();
+            }
+        }
+        self.peer_relays.clear();
+        self.client_relays.clear();
+        release_net(self.net);
+    }
+}
+
+/// A log file in `dir`, appended to (a restarted node continues its log).
+fn log_file(dir: &std::path::Path, name: &str) -> anyhow::Result<std::fs::File> {
+    let path = dir.join(name);
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .map_err(|e| anyhow::anyhow!("opening {}: {e}", path.display()))
+}
+
 /// `fence-proxy http` in front of `upstream`, with its redb epoch store in `dir`.
 pub fn start_http_proxy(
     listen: SocketAddr,
@@ -425,6 +491,8 @@ pub fn start_http_proxy(
     if std::env::var_os("RUST_LOG").is_none() {
         cmd.env("RUST_LOG", "error");
     }
+    let log = log_file(dir, "fence-proxy-http.log")?;
+    cmd.stdout(log.try_clone()?).stderr(log);
     let guard = ChildGuard::spawn("fence-proxy-http", cmd)?;
     let deadline = Instant::now() + Duration::from_secs(20);
     while std::net::TcpStream::connect_timeout(&listen, Duration::from_millis(200)).is_err() {

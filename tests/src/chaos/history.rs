@@ -1,6 +1,8 @@
 //! The recorded history of a chaos run: every operation a client or the nemesis started, with the
 //! time it was invoked, the time it completed and its outcome: ok, fail (definitely not done) or
 //! unknown (timed out or lost: it may or may not have happened, and the checker treats it so).
+//! The invoke/complete pairs of Acquire, Renew, Release and Describe are what the
+//! linearizability check (`linearizable.rs`) orders.
 
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -38,6 +40,8 @@ pub enum OpKind {
         lease_id: String,
         token: u64,
     },
+    /// A `Describe` of the resource (a linearizable read on the leader).
+    Describe { resource: String, via: String },
     /// A fenced write of `value` with `token`; `bypass` means it skipped the fence on purpose
     /// (the deliberately broken mode).
     Write {
@@ -57,6 +61,12 @@ pub enum Outcome {
     Granted { lease_id: String, token: u64 },
     /// Renew, release (with its `released` flag) or write done.
     Done { released: Option<bool> },
+    /// What a `Describe` answered (`token` is 0 when not held).
+    Described {
+        held: bool,
+        token: u64,
+        holder: String,
+    },
     /// Definitely not done; the reason names the status (`ABORTED`, `412`, `55P03`, ...).
     Fail { reason: String },
     /// May or may not have happened.
@@ -65,7 +75,10 @@ pub enum Outcome {
 
 impl Outcome {
     pub fn is_ok(&self) -> bool {
-        matches!(self, Outcome::Granted { .. } | Outcome::Done { .. })
+        matches!(
+            self,
+            Outcome::Granted { .. } | Outcome::Done { .. } | Outcome::Described { .. }
+        )
     }
 }
 

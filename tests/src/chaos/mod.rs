@@ -12,16 +12,22 @@
 //! - [`workload`]: the seeded client workers.
 //! - [`nemesis`]: the seeded fault schedule.
 //! - [`checker`]: the invariant checks.
+//! - [`linearizable`]: the lock operations and `Describe` against a sequential lock (WGL search).
 //! - [`run`]: one run from start to verdict.
+//! - [`soak`]: many seeded runs, some at once, with a summary file that accumulates.
 
 pub mod checker;
 pub mod cluster;
 pub mod history;
+pub mod linearizable;
 pub mod nemesis;
 pub mod register;
 pub mod relay;
 pub mod run;
+pub mod soak;
 pub mod workload;
 
 #[cfg(test)]
 mod checker_tests;
+#[cfg(test)]
+mod linearizable_tests;

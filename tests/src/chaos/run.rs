@@ -13,6 +13,7 @@ use tokio_util::sync::CancellationToken;
 use super::checker::{self, Applied, AuditLine, CheckInput, Liveness, Violation};
 use super::cluster::{ChaosCluster, NODES, Timings, client_channel, start_http_proxy};
 use super::history::{History, OpKind, Outcome};
+use super::linearizable::{self, LinReport};
 use super::nemesis::{ALL, Fault, MAX_CLOCK_OFFSET_MS, Nemesis};
 use super::register::Register;
 use super::workload::{self, Endpoints, MAX_TTL_MS, MAX_WAIT_MS, Mode, PgTarget, Worker};
@@ -28,6 +29,9 @@ pub const LIVENESS_BOUND: Duration = Duration::from_millis(
 );
 /// How long stopped workers may take to finish their current operation.
 const WORKER_STOP_WAIT: Duration = Duration::from_secs(20);
+/// Port of the run's `fence-proxy postgres`, on the run's own harness IP (so that runs going on
+/// at once never race for an ephemeral port).
+const PG_PROXY_PORT: u16 = 6432;
 
 #[derive(Clone, Debug)]
 pub struct RunConfig {
@@ -70,8 +74,8 @@ impl RunConfig {
             self.workers,
             self.resources
         );
-        if self.mode == Mode::PausedClientsBypassFence {
-            c.push_str(" --broken bypass-fence");
+        if let Some(name) = self.mode.broken_name() {
+            c.push_str(&format!(" --broken {name}"));
         }
         if !self.postgres {
             c.push_str(" --no-postgres");
@@ -102,18 +106,26 @@ pub struct RunReport {
     pub writes_ok: usize,
     pub writes_refused: usize,
     pub unknown: usize,
+    /// `Describe` calls answered.
+    pub describes: usize,
     pub liveness: Vec<Liveness>,
+    /// The linearizability check of the lock operations (its violations are in `violations`).
+    pub lin: LinReport,
+    /// From start-up to verdict.
+    pub elapsed: Duration,
 }
 
 impl RunReport {
     pub fn summary(&self) -> String {
         let mut s = format!(
-            "chaos seed {} ({:?}, {:?}): {} ops, {} grants, {} fenced writes acknowledged, {} refused, {} unknown outcomes; faults {:?}; liveness {:?}; artifacts {}\n",
+            "chaos seed {} ({:?}, {:?}{}): {} ops, {} grants, {} describes, {} fenced writes acknowledged, {} refused, {} unknown outcomes; faults {:?}; liveness {:?}; {:.0?} in all; artifacts {}\n{}\n",
             self.config.seed,
             self.config.duration,
             self.config.mode,
+            if self.config.tls { ", tls" } else { "" },
             self.ops,
             self.grants,
+            self.describes,
             self.writes_ok,
             self.writes_refused,
             self.unknown,
@@ -122,7 +134,9 @@ impl RunReport {
                 .iter()
                 .map(|l| l.acquired_after_ms)
                 .collect::<Vec<_>>(),
-            self.artifacts.display()
+            self.elapsed,
+            self.artifacts.display(),
+            self.lin.summary()
         );
         if self.violations.is_empty() {
             s.push_str("no violations\n");
@@ -141,13 +155,33 @@ impl RunReport {
     }
 }
 
+/// A new artifacts folder for a run of `seed`, in `parent` (the system's temporary folder when
+/// `None`); kept until the caller deletes it.
+pub fn artifacts_dir(seed: u64, parent: Option<&std::path::Path>) -> anyhow::Result<PathBuf> {
+    let mut b = tempfile::Builder::new();
+    let prefix = format!("lockd-chaos-{seed}-");
+    b.prefix(&prefix);
+    let dir = match parent {
+        Some(p) => {
+            std::fs::create_dir_all(p)
+                .map_err(|e| anyhow::anyhow!("creating artifacts folder {}: {e}", p.display()))?;
+            b.tempdir_in(p)?
+        }
+        None => b.tempdir()?,
+    };
+    Ok(dir.keep())
+}
+
 /// Runs one chaos run. Errors are harness failures (a process would not start); invariant
 /// violations are in the report.
 pub async fn run(config: RunConfig) -> anyhow::Result<RunReport> {
-    let artifacts = tempfile::Builder::new()
-        .prefix(&format!("lockd-chaos-{}-", config.seed))
-        .tempdir()?
-        .keep();
+    let artifacts = artifacts_dir(config.seed, None)?;
+    run_in(config, artifacts).await
+}
+
+/// [`run`], with its artifacts (history, logs, node data dirs, verdict) in `artifacts`.
+pub async fn run_in(config: RunConfig, artifacts: PathBuf) -> anyhow::Result<RunReport> {
+    let started = Instant::now();
     let run_id = format!("c{:x}", config.seed);
     let unique = crate::pg::unique_name("chaos");
     let mut cluster =
@@ -155,6 +189,7 @@ pub async fn run(config: RunConfig) -> anyhow::Result<RunReport> {
     let register = Register::start(cluster.harness_ip()).await?;
     let proxy_addr = std::net::SocketAddr::new(cluster.harness_ip(), 8080);
     let _http_proxy = start_http_proxy(proxy_addr, register.addr, &artifacts)?;
+    let pg_listen = std::net::SocketAddr::new(cluster.harness_ip(), PG_PROXY_PORT);
     let (pg_proxy, pg_target) = if config.postgres {
         crate::pg::require_postgres();
         let direct: tokio_postgres::Config = crate::pg::direct_url().parse()?;
@@ -164,7 +199,10 @@ pub async fn run(config: RunConfig) -> anyhow::Result<RunReport> {
                 "CREATE TABLE {unique} (id bigserial primary key, resource text not null, token bigint not null, value text not null)"
             ))
             .await?;
-        let proxy = crate::pg::PgProxy::start(false);
+        let mut args =
+            crate::pg::proxy_args(crate::pg::direct_url(), crate::pg::fence_table(), false);
+        args.listen = pg_listen;
+        let proxy = crate::pg::PgProxy::try_start_args(args)?;
         let target = PgTarget {
             proxy: proxy.config(None),
             direct,
@@ -189,6 +227,8 @@ pub async fn run(config: RunConfig) -> anyhow::Result<RunReport> {
     let start = Instant::now();
     let history = History::new(start);
     let stop = CancellationToken::new();
+    // A run abandoned midway (`chaos --runs` bounds each run) must not leave workers running.
+    let _stop_workers_when_dropped = stop.clone().drop_guard();
     let mut pauses: Vec<Arc<AtomicBool>> = Vec::new();
     let mut handles = Vec::new();
     for id in 0..config.workers {
@@ -292,6 +332,8 @@ pub async fn run(config: RunConfig) -> anyhow::Result<RunReport> {
         liveness: liveness.clone(),
     };
     let mut violations = checker::check(&input);
+    let lin = linearizable::check(&ops, linearizable::STEP_BUDGET);
+    violations.extend(lin.violations());
     if let Err(e) = converged {
         violations.push(Violation {
             check: "liveness",
@@ -316,7 +358,10 @@ pub async fn run(config: RunConfig) -> anyhow::Result<RunReport> {
             matches!(k, OpKind::Write { .. }) && matches!(o, Outcome::Fail { .. })
         }),
         unknown: count(&|_, o| matches!(o, Outcome::Unknown { .. })),
+        describes: count(&|_, o| matches!(o, Outcome::Described { .. })),
         liveness,
+        lin,
+        elapsed: started.elapsed(),
         config,
     };
     write_artifacts(&report, &input)?;
@@ -449,7 +494,7 @@ async fn probe_liveness(
             }
             // A waited-out attempt is a final "not this time": the next one needs a new id.
             Outcome::Fail { .. } => request_id = format!("{run_id}-liveness-{resource}-{attempt}"),
-            Outcome::Unknown { .. } | Outcome::Done { .. } => {
+            Outcome::Unknown { .. } | Outcome::Done { .. } | Outcome::Described { .. } => {
                 tokio::time::sleep(Duration::from_millis(200)).await
             }
         }

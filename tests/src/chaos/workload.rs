@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use lockd_api::v1::lock_client::LockClient;
-use lockd_api::v1::{AcquireRequest, ReleaseRequest, RenewRequest};
+use lockd_api::v1::{AcquireRequest, DescribeRequest, ReleaseRequest, RenewRequest};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use tokio_util::sync::CancellationToken;
@@ -36,6 +36,16 @@ const ACQUIRE_RETRY_FOR: Duration = Duration::from_secs(10);
 const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Share of acquire attempts that go through a node's reply-dropping relay.
 const VIA_RELAY_PERCENT: u32 = 30;
+/// Chance, at each of three points of a round (before the acquire, after each write, after the
+/// release), that the worker also reads the lock with `Describe`: enough reads for the
+/// linearizability check to catch stale ones, few enough that locks and writes dominate.
+const DESCRIBE_PERCENT: u32 = 10;
+/// The same chance in [`Mode::StaleDescribes`], so that a short run has many stale answers.
+const STALE_DESCRIBE_PERCENT: u32 = 50;
+/// Mixed into the run seed for the `Describe` decisions, which draw from a stream of their own so
+/// that adding them left every other choice of a seed (resources, ttls, waits, endpoints, renews,
+/// releases) as it was.
+const DESCRIBE_SALT: u64 = 0x6465_7363_7269_6265;
 
 /// Where the workers send things; the same for every worker.
 #[derive(Clone, Debug)]
@@ -60,12 +70,27 @@ pub struct PgTarget {
     pub table: String,
 }
 
-/// Whether writes of a paused client skip the fence: the deliberately broken mode that shows the
-/// checker catches what the fence exists to prevent.
+/// The deliberately broken modes, which show that the checker catches what it exists to catch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Mode {
     Correct,
+    /// Writes of a paused client skip the fence.
     PausedClientsBypassFence,
+    /// Each worker answers a `Describe` with what it read the previous time for that resource (a
+    /// client-side cache, as a read served by a lagging replica would be): stale reads that the
+    /// linearizability check must reject.
+    StaleDescribes,
+}
+
+impl Mode {
+    /// The `--broken` name of the mode (`None` for the correct one).
+    pub fn broken_name(self) -> Option<&'static str> {
+        match self {
+            Mode::Correct => None,
+            Mode::PausedClientsBypassFence => Some("bypass-fence"),
+            Mode::StaleDescribes => Some("stale-describe"),
+        }
+    }
 }
 
 pub struct Worker {
@@ -79,10 +104,14 @@ pub struct Worker {
     pub pause_next: Arc<AtomicBool>,
     pub stop: CancellationToken,
     rng: StdRng,
+    /// Whether and where to `Describe` (see [`DESCRIBE_SALT`]).
+    reads: StdRng,
     node_channels: Vec<Channel>,
     relay_channels: Vec<Channel>,
     pg: Option<tokio_postgres::Client>,
     n: u64,
+    /// The previous `Describe` answer per resource ([`Mode::StaleDescribes`] only).
+    cached_reads: std::collections::HashMap<String, Outcome>,
 }
 
 /// What a gRPC status means for the caller: `Fail` only for a final answer from lockd (its
@@ -149,8 +178,14 @@ impl Worker {
             pause_next: Arc::new(AtomicBool::new(false)),
             stop,
             rng: StdRng::seed_from_u64(seed.wrapping_mul(1_000_003).wrapping_add(id as u64)),
+            reads: StdRng::seed_from_u64(
+                (seed ^ DESCRIBE_SALT)
+                    .wrapping_mul(1_000_003)
+                    .wrapping_add(id as u64),
+            ),
             pg: None,
             n: 0,
+            cached_reads: std::collections::HashMap::new(),
         }
     }
 
@@ -180,6 +215,7 @@ impl Worker {
             self.rng.random_range(200..=MAX_WAIT_MS)
         };
         let request_id = format!("{}-w{}-{}", self.run, self.id, self.n);
+        self.maybe_describe(&resource).await;
         let Some(mut held) = self.acquire(&resource, &request_id, ttl_ms, wait_ms).await else {
             self.sleep_ms(20, 200).await;
             return;
@@ -213,17 +249,66 @@ impl Worker {
                 return;
             }
             self.write(&held, false).await;
+            self.maybe_describe(&held.resource).await;
             let pause = (held.ttl.as_millis() as u64 / 4).max(50);
             self.sleep_ms(10, pause).await;
         }
         if self.rng.random_range(0..100) < 85 {
             self.release(&held).await;
+            self.maybe_describe(&held.resource).await;
         } else {
             self.history.note(
                 &self.name(),
                 format!("abandons {:?} token {}", held.resource, held.token),
             );
         }
+    }
+
+    /// Now and then (see [`DESCRIBE_PERCENT`]), one `Describe` of `resource` on a node drawn from
+    /// the read stream; not retried: an unknown answer constrains nothing.
+    async fn maybe_describe(&mut self, resource: &str) {
+        let percent = if self.mode == Mode::StaleDescribes {
+            STALE_DESCRIBE_PERCENT
+        } else {
+            DESCRIBE_PERCENT
+        };
+        if self.reads.random_range(0..100) >= percent || self.stop.is_cancelled() {
+            return;
+        }
+        let node = self.reads.random_range(0..self.node_channels.len());
+        let op = self.history.invoke(
+            self.name(),
+            OpKind::Describe {
+                resource: resource.to_owned(),
+                via: format!("node-{}", node + 1),
+            },
+        );
+        let mut client = LockClient::new(self.node_channels[node].clone());
+        let call = client.describe(DescribeRequest {
+            resource: resource.to_owned(),
+        });
+        let outcome = match tokio::time::timeout(ATTEMPT_SLACK, call).await {
+            Ok(Ok(r)) => {
+                let r = r.into_inner();
+                Outcome::Described {
+                    held: r.held,
+                    token: r.fencing_token,
+                    holder: r.holder,
+                }
+            }
+            Ok(Err(status)) => classify(&status),
+            Err(_) => Outcome::Unknown {
+                reason: "describe timed out".into(),
+            },
+        };
+        let outcome = match outcome {
+            o @ Outcome::Described { .. } if self.mode == Mode::StaleDescribes => self
+                .cached_reads
+                .insert(resource.to_owned(), o.clone())
+                .unwrap_or(o),
+            o => o,
+        };
+        self.history.complete(op, outcome);
     }
 
     /// Acquire with retries of the same request id while the outcome is unknown.
