@@ -407,6 +407,10 @@ impl Session {
 
     /// Relays until either side closes or `shutdown` fires.
     pub async fn run(mut self, shutdown: CancellationToken) -> anyhow::Result<()> {
+        // One wait for the whole session: a fresh `cancelled()` per message would register with
+        // and leave the token's waiter list, a mutex every session shares.
+        let cancelled = shutdown.cancelled();
+        tokio::pin!(cancelled);
         loop {
             // In COPY FROM STDIN the upstream waits for the client's data, so reading the client
             // never stops there; while a COPY's start is unanswered, the client waits.
@@ -439,7 +443,7 @@ impl Session {
                         }
                     }
                 }
-                () = shutdown.cancelled() => {
+                () = &mut cancelled => {
                     let e = ProxyError::fatal(error::ADMIN_SHUTDOWN, "terminating connection because the proxy is shutting down");
                     let _ = self.client_tx.write_all(&e.to_message().frame).await;
                     let _ = self.client_tx.flush().await;
@@ -648,7 +652,7 @@ impl Session {
             Ok(t) => t,
             Err(e) => return self.reject_request(e).await,
         };
-        let stmts = match self.read_sql(&text) {
+        let stmts = match self.read_sql(&text).await {
             Ok(s) => s,
             Err(e) => return self.reject_request(e).await,
         };
@@ -747,26 +751,36 @@ impl Session {
         })
     }
 
-    /// Classifies client SQL, or says why it is refused.
-    fn read_sql(&self, text: &str) -> Result<Vec<Statement>, ProxyError> {
+    /// Classifies client SQL, or says why it is refused. The parser runs on a thread of its own
+    /// while the session thread serves other sessions; the future borrows nothing of `self`.
+    fn read_sql(
+        &self,
+        text: &str,
+    ) -> impl Future<Output = Result<Vec<Statement>, ProxyError>> + Send + 'static {
         // Inside a group, an Execute already sent may have turned the setting off before its
         // ParameterStatus reached the proxy, so a backslash is refused there too.
         let maybe_off =
             self.standard_strings_off || self.group.as_ref().is_some_and(|g| g.executed);
-        if maybe_off && classify::needs_standard_strings(text) {
-            return Err(ProxyError::error(
+        let refused = (maybe_off && classify::needs_standard_strings(text)).then(|| {
+            ProxyError::error(
                 error::NOT_SUPPORTED,
                 "standard_conforming_strings is (or may be) off and the statement contains a backslash: the proxy cannot read it as Postgres would",
             )
-            .with_hint("SET standard_conforming_strings = on in a query of its own; inside a pipelined group, send statements with backslashes before the first Execute or pass values as parameters"));
+            .with_hint("SET standard_conforming_strings = on in a query of its own; inside a pipelined group, send statements with backslashes before the first Execute or pass values as parameters")
+        });
+        let text = text.to_owned();
+        async move {
+            if let Some(e) = refused {
+                return Err(e);
+            }
+            classify::classify_async(text).await.map_err(|e| match e {
+                ClassifyError::Syntax(_) => ProxyError::error(error::SYNTAX_ERROR, &e),
+                ClassifyError::TooManyStatements => ProxyError::error(error::LIMIT_EXCEEDED, &e),
+                ClassifyError::BeginOption(_) => ProxyError::error(error::NOT_SUPPORTED, &e),
+                ClassifyError::TooLong(_) => ProxyError::error(error::LIMIT_EXCEEDED, &e),
+                ClassifyError::Parser(_) => ProxyError::error(error::INTERNAL_ERROR, &e),
+            })
         }
-        classify::classify(text).map_err(|e| match e {
-            ClassifyError::Syntax(_) => ProxyError::error(error::SYNTAX_ERROR, &e),
-            ClassifyError::TooManyStatements => ProxyError::error(error::LIMIT_EXCEEDED, &e),
-            ClassifyError::BeginOption(_) => ProxyError::error(error::NOT_SUPPORTED, &e),
-            ClassifyError::TooLong(_) => ProxyError::error(error::LIMIT_EXCEEDED, &e),
-            ClassifyError::Parser(_) => ProxyError::error(error::INTERNAL_ERROR, &e),
-        })
     }
 
     /// Sends a simple-protocol request wrapped in the guarded block (see the module doc).
@@ -934,7 +948,11 @@ impl Session {
         if let Err(e) = Self::check_name(&name, "prepared statement") {
             return self.refuse_in_group(e).await;
         }
-        let (kind, refusal) = match self.sql_text(raw).and_then(|text| self.read_sql(&text)) {
+        let read = match self.sql_text(raw) {
+            Ok(text) => self.read_sql(&text).await,
+            Err(e) => Err(e),
+        };
+        let (kind, refusal) = match read {
             // One statement: its kind. Several: the upstream refuses the Parse anyway. A SET of
             // lockd.fence that does not verify fails at Parse, like any refused statement.
             Ok(stmts) if stmts.len() == 1 => match self.verify_fence_sets(&stmts) {
