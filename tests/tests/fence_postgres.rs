@@ -780,7 +780,9 @@ async fn require_fence_keeps_the_opening_guard_after_a_commit() {
     let tbl = pg::unique_name("reqopen");
     let seq = format!("{tbl}_seq");
     direct
-        .batch_execute(&format!("CREATE TABLE {tbl} (v int); CREATE SEQUENCE {seq}"))
+        .batch_execute(&format!(
+            "CREATE TABLE {tbl} (v int); CREATE SEQUENCE {seq}"
+        ))
         .await
         .unwrap();
     let resource = pg::unique_name("reqopen");
@@ -792,7 +794,10 @@ async fn require_fence_keeps_the_opening_guard_after_a_commit() {
             .expect("the fenced session writes");
     }
     client
-        .query_one("SELECT pg_catalog.set_config('lockd.fence', '', false)", &[])
+        .query_one(
+            "SELECT pg_catalog.set_config('lockd.fence', '', false)",
+            &[],
+        )
         .await
         .unwrap();
     let err = client
