@@ -188,6 +188,8 @@ pub fn proxy_args(
         pool_size: 1,
         max_sessions: 64,
         max_message_bytes: fence_proxy_postgres::limits::DEFAULT_MAX_MESSAGE_BYTES,
+        // Two session threads whatever the machine, so sessions of one test share and split them.
+        threads: 2,
         connect_timeout_ms: 5_000,
         startup_timeout_ms: 10_000,
         fence_table,

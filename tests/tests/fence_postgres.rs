@@ -302,7 +302,8 @@ async fn stale_token_is_rejected_and_newer_rows_stay() {
             "{msg}"
         );
         if explicit {
-            // The explicit script failed at its first data statement; the client ends the block.
+            // The explicit script failed (at its first data statement, or at the guard before its
+            // COMMIT where the proxy skipped the opening guard); the client ends the block.
             a.batch_execute("ROLLBACK").await.unwrap();
         }
         let rows: Vec<(String, String)> = direct
@@ -760,6 +761,58 @@ async fn require_fence_blocks_unfenced_writes() {
     assert_eq!(n, 2);
     direct
         .batch_execute(&format!("DROP TABLE {tbl}"))
+        .await
+        .unwrap();
+}
+
+/// Goal: under `--require-fence` the opening guard runs in every transaction, also after the
+/// session's last commit passed its guard (where a plain proxy skips it): a session whose fence
+/// was cleared by a statement the proxy does not read is read-only from the first statement of
+/// its next transaction, so even a non-transactional `nextval` is refused.
+/// Method: a fenced session commits two writes; a SELECT of `set_config` clears the fence; the
+/// next `nextval` must fail with 25006 and leave the sequence unused (a `nextval` that ran before
+/// the guard before COMMIT refused the transaction would have moved it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn require_fence_keeps_the_opening_guard_after_a_commit() {
+    pg::require_postgres();
+    let proxy = PgProxy::start(true);
+    let direct = pg::connect(&pg::direct_url().parse().unwrap()).await;
+    let tbl = pg::unique_name("reqopen");
+    let seq = format!("{tbl}_seq");
+    direct
+        .batch_execute(&format!(
+            "CREATE TABLE {tbl} (v int); CREATE SEQUENCE {seq}"
+        ))
+        .await
+        .unwrap();
+    let resource = pg::unique_name("reqopen");
+    let client = pg::connect(&proxy.config(Some(&format!("{resource}:1")))).await;
+    for v in [1, 2] {
+        client
+            .execute(&format!("INSERT INTO {tbl} VALUES ({v})"), &[])
+            .await
+            .expect("the fenced session writes");
+    }
+    client
+        .query_one(
+            "SELECT pg_catalog.set_config('lockd.fence', '', false)",
+            &[],
+        )
+        .await
+        .unwrap();
+    let err = client
+        .query_one(&format!("SELECT nextval('{seq}')"), &[])
+        .await
+        .unwrap_err();
+    assert_eq!(code(&err), "25006", "{err:?}");
+    let used: bool = direct
+        .query_one(&format!("SELECT is_called FROM {seq}"), &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(!used, "nextval ran before the session was made read-only");
+    direct
+        .batch_execute(&format!("DROP TABLE {tbl}; DROP SEQUENCE {seq}"))
         .await
         .unwrap();
 }

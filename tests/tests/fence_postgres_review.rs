@@ -500,6 +500,7 @@ async fn review13_database_owner_replaces_the_guard_in_public() {
         pool_size: 1,
         max_sessions: 16,
         max_message_bytes: fence_proxy_postgres::limits::DEFAULT_MAX_MESSAGE_BYTES,
+        threads: 2,
         connect_timeout_ms: 5_000,
         startup_timeout_ms: 10_000,
         fence_table: fence_proxy_postgres::DEFAULT_FENCE_TABLE.to_owned(),

@@ -4,7 +4,14 @@
 # (every transaction fenced with PGOPTIONS='-c lockd.fence=bench/1:1'), then direct again.
 #
 #   fence-proxy/postgres/bench/pgbench.sh BIN [BIN...]      (T=30 seconds per run by default)
-#   REF_PORT=16544 ... also runs through a relay already listening there (e.g. PgBouncer)
+#   REF_PORT=16544 ... also runs through a relay already listening there (e.g. PgBouncer);
+#   REF_PID=PID        ... and reports that relay's figures per transaction too
+#   BIN may be NAME=PATH to label a run, and a wrapper script that execs fence-proxy with other
+#   settings (e.g. FENCE_PROXY_PG_THREADS=1) serves to compare them.
+#
+# Beside tps, each relay run reports what the relay process spent per transaction, figures that
+# stay stable on a loaded machine: context switches (all threads, from /proc), CPU time (user +
+# system, /proc) and, when `perf` works, system calls (raw_syscalls:sys_enter).
 #
 # Uses database pgbench_a on 127.0.0.1:5432 (user postgres), recreated at scale 1, and proxy
 # port 16543. See docs/benchmarks.md, "fence-proxy Postgres front end (pgbench)".
@@ -12,23 +19,61 @@ set -eu
 DB=pgbench_a
 T=${T:-30}
 [ $# -ge 1 ] || { echo "usage: $0 FENCE_PROXY_BINARY [MORE...]" >&2; exit 2; }
+CLK_TCK=$(getconf CLK_TCK)
+PERF=0
+if command -v perf >/dev/null && perf stat -e raw_syscalls:sys_enter -x, -o /dev/null true 2>/dev/null; then
+  PERF=1
+fi
 createdb -h 127.0.0.1 -U postgres $DB 2>/dev/null || true
 pgbench -h 127.0.0.1 -U postgres -i -s 1 -q $DB >/dev/null 2>&1
-run() { # label port [PGOPTIONS]
-  local out
-  out=$(PGOPTIONS="${3:-}" pgbench -h 127.0.0.1 -p "$2" -U postgres -c 4 -j 2 -M prepared -T "$T" $DB 2>&1)
-  echo "$1: $(echo "$out" | grep -E '^tps' | sed 's/ (without.*//'), latency $(echo "$out" | grep 'latency average' | awk '{print $4,$5}'), failed $(echo "$out" | grep -E 'number of failed' | awk '{print $5}')"
+
+ctxsw() { # pid: voluntary + involuntary context switches of all its threads
+  cat /proc/"$1"/task/*/status 2>/dev/null | awk '/^(non)?voluntary_ctxt_switches/ {s += $2} END {print s + 0}'
 }
+cputicks() { # pid: user + system CPU time, in clock ticks
+  awk '{print $14 + $15}' /proc/"$1"/stat
+}
+
+run() { # label port [PGOPTIONS] [relay pid]
+  local out pid=${4:-} c0 t0 c1 t1 perf_out tx extra="" perf_pid=""
+  if [ -n "$pid" ]; then
+    c0=$(ctxsw "$pid"); t0=$(cputicks "$pid")
+    if [ $PERF = 1 ]; then
+      perf_out=$(mktemp)
+      perf stat -e raw_syscalls:sys_enter -x, -o "$perf_out" -p "$pid" &
+      perf_pid=$!
+    fi
+  fi
+  out=$(PGOPTIONS="${3:-}" pgbench -h 127.0.0.1 -p "$2" -U postgres -c 4 -j 2 -M prepared -T "$T" $DB 2>&1)
+  tx=$(echo "$out" | awk '/number of transactions actually processed/ {print $NF}' | cut -d/ -f1)
+  if [ -n "$pid" ] && [ "${tx:-0}" -gt 0 ]; then
+    c1=$(ctxsw "$pid"); t1=$(cputicks "$pid")
+    extra=$(awk -v c=$((c1 - c0)) -v t=$((t1 - t0)) -v hz="$CLK_TCK" -v n="$tx" \
+      'BEGIN {printf ", relay per transaction: %.1f context switches, %.0f us CPU", c / n, t / hz * 1e6 / n}')
+    if [ -n "$perf_pid" ]; then
+      kill -INT "$perf_pid"; wait "$perf_pid" 2>/dev/null || true
+      extra="$extra$(awk -F, -v n="$tx" '/raw_syscalls:sys_enter/ {printf ", %.1f system calls", $1 / n}' "$perf_out")"
+      rm -f "$perf_out"
+    fi
+  elif [ -n "$perf_pid" ]; then
+    kill -INT "$perf_pid"; wait "$perf_pid" 2>/dev/null || true
+    rm -f "$perf_out"
+  fi
+  echo "$1: $(echo "$out" | grep -E '^tps' | sed 's/ (without.*//'), latency $(echo "$out" | grep 'latency average' | awk '{print $4,$5}'), failed $(echo "$out" | grep -E 'number of failed' | awk '{print $5}'), transactions ${tx:-?}$extra"
+}
+echo "# $(date -u '+%Y-%m-%d %H:%M UTC'), load average $(cut -d' ' -f1-3 /proc/loadavg), T=$T s per run, perf syscall counts: $PERF"
 run direct 5432
-[ -n "${REF_PORT:-}" ] && run "reference relay" "$REF_PORT"
-for bin in "$@"; do
+[ -n "${REF_PORT:-}" ] && run "reference relay" "$REF_PORT" "" "${REF_PID:-}"
+for spec in "$@"; do
+  label=${spec%%=*}; bin=${spec#*=}
   "$bin" postgres init --upstream postgres://postgres@127.0.0.1:5432/$DB >/dev/null
   "$bin" postgres --listen 127.0.0.1:16543 --upstream postgres://postgres@127.0.0.1:5432/$DB >/dev/null 2>&1 &
   pid=$!
   trap 'kill $pid 2>/dev/null' EXIT
   sleep 1
-  run "$bin unfenced" 16543
-  run "$bin fenced" 16543 "-c lockd.fence=bench/1:1"
+  run "$label unfenced" 16543 "" "$pid"
+  run "$label fenced" 16543 "-c lockd.fence=bench/1:1" "$pid"
   kill $pid; wait $pid 2>/dev/null || true
 done
 run direct 5432
+echo "# end $(date -u '+%H:%M UTC'), load average $(cut -d' ' -f1-3 /proc/loadavg)"

@@ -100,25 +100,62 @@ pub fn needs_standard_strings(sql: &str) -> bool {
 /// Splits `sql` into its top-level statements with Postgres's parser and classifies each. Empty
 /// statements do not appear. Pure: no I/O, safe on any input (a fuzzer calls it).
 pub fn classify(sql: &str) -> Result<Vec<Statement>, ClassifyError> {
+    check_text(sql)?;
+    // pg_query's protobuf output recurses once per tree level without a stack-depth check: on a
+    // runtime worker's 2 MiB stack a 10,000-term `1+1+...` aborts the process. A thread of its
+    // own with a stack sized for the deepest tree the length bound allows cannot overflow.
+    let parsed = std::thread::scope(|scope| {
+        parser_thread()
+            .spawn_scoped(scope, || pg_query::parse(sql))
+            .map_err(|e| ClassifyError::Parser(e.to_string()))?
+            .join()
+            .map_err(|_| ClassifyError::Parser("the parser thread panicked".to_owned()))
+    })?;
+    statements(sql, parsed)
+}
+
+/// [`classify`] without blocking the caller's thread: the parser runs on a thread of its own
+/// (for the same stack reason) while the caller awaits it, so a session thread goes on serving
+/// its other sessions during a long parse.
+pub async fn classify_async(sql: String) -> Result<Vec<Statement>, ClassifyError> {
+    check_text(&sql)?;
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    parser_thread()
+        .spawn(move || {
+            let parsed = pg_query::parse(&sql);
+            let _ = tx.send((sql, parsed));
+        })
+        .map_err(|e| ClassifyError::Parser(e.to_string()))?;
+    let (sql, parsed) = rx
+        .await
+        .map_err(|_| ClassifyError::Parser("the parser thread panicked".to_owned()))?;
+    statements(&sql, parsed)
+}
+
+/// What is refused before parsing: NUL bytes and text over [`MAX_CLASSIFIED_SQL_BYTES`].
+fn check_text(sql: &str) -> Result<(), ClassifyError> {
     if sql.contains('\0') {
         return Err(ClassifyError::Syntax("NUL byte in query text".to_owned()));
     }
     if sql.len() > MAX_CLASSIFIED_SQL_BYTES {
         return Err(ClassifyError::TooLong(sql.len()));
     }
-    // pg_query's protobuf output recurses once per tree level without a stack-depth check: on a
-    // runtime worker's 2 MiB stack a 10,000-term `1+1+...` aborts the process. A thread of its
-    // own with a stack sized for the deepest tree the length bound allows cannot overflow.
-    let parsed = std::thread::scope(|scope| {
-        std::thread::Builder::new()
-            .name("fence-proxy-classify".to_owned())
-            .stack_size(CLASSIFY_STACK_BYTES)
-            .spawn_scoped(scope, || pg_query::parse(sql))
-            .map_err(|e| ClassifyError::Parser(e.to_string()))?
-            .join()
-            .map_err(|_| ClassifyError::Parser("the parser thread panicked".to_owned()))
-    })?
-    .map_err(|e| ClassifyError::Syntax(e.to_string()))?;
+    Ok(())
+}
+
+/// A thread with a stack for the deepest tree [`MAX_CLASSIFIED_SQL_BYTES`] of text can produce.
+fn parser_thread() -> std::thread::Builder {
+    std::thread::Builder::new()
+        .name("fence-proxy-classify".to_owned())
+        .stack_size(CLASSIFY_STACK_BYTES)
+}
+
+/// The statements of a parse result of `sql`.
+fn statements(
+    sql: &str,
+    parsed: Result<pg_query::ParseResult, pg_query::Error>,
+) -> Result<Vec<Statement>, ClassifyError> {
+    let parsed = parsed.map_err(|e| ClassifyError::Syntax(e.to_string()))?;
     let stmts = &parsed.protobuf.stmts;
     if stmts.len() > MAX_STATEMENTS_PER_QUERY {
         return Err(ClassifyError::TooManyStatements);
@@ -243,6 +280,29 @@ mod tests {
 
     fn kinds(sql: &str) -> Vec<StatementKind> {
         classify(sql).unwrap().into_iter().map(|s| s.kind).collect()
+    }
+
+    /// Goal: the awaited classification is the same function as the blocking one, refusals
+    /// included. Method: both on a few texts, on a current-thread runtime (a session thread).
+    #[tokio::test(flavor = "current_thread")]
+    async fn classify_async_agrees_with_classify() {
+        for sql in [
+            "BEGIN ISOLATION LEVEL SERIALIZABLE; SELECT 1; COMMIT",
+            "SET lockd.fence = 'r:1'",
+            "SELEC 1",
+            "SELECT 1\0",
+        ] {
+            assert_eq!(
+                classify_async(sql.to_owned()).await,
+                classify(sql),
+                "{sql:?}"
+            );
+        }
+        let long = "x".repeat(MAX_CLASSIFIED_SQL_BYTES + 1);
+        assert_eq!(
+            classify_async(long.clone()).await,
+            Err(ClassifyError::TooLong(long.len()))
+        );
     }
 
     #[test]

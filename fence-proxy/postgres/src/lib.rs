@@ -19,6 +19,7 @@
 //! - `codec`: length-bounded message framing.
 //! - `startup`: SSL/cancel requests, startup packet, authentication relay.
 //! - `session`: the relay, the proxy's blocks and the guard placement.
+//! - `threads`: the session threads, each a single-threaded runtime a session stays on.
 //! - [`classify`]: statement classification by Postgres's own parser (pure, fuzzable).
 //! - `fence_sql`: the fence table, the guard function and `init`'s SQL.
 //! - `fence_value`: the fence value rules for the early startup check.
@@ -37,6 +38,7 @@ pub mod limits;
 mod metrics_names;
 mod session;
 mod startup;
+mod threads;
 pub mod upstream;
 mod verify;
 
@@ -46,7 +48,7 @@ use std::time::Duration;
 
 use fence_proxy_net::TlsReloader;
 use tokio::io::AsyncWriteExt;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -55,6 +57,7 @@ use crate::config::Config;
 use crate::error::ProxyError;
 use crate::fence_sql::FenceTable;
 use crate::startup::Startup;
+use crate::threads::SessionThreads;
 
 pub use crate::access::AccessArgs;
 
@@ -88,6 +91,11 @@ pub struct Args {
     /// Largest protocol message body accepted in either direction, in bytes.
     #[arg(long, default_value_t = limits::DEFAULT_MAX_MESSAGE_BYTES, env = "FENCE_PROXY_PG_MAX_MESSAGE_BYTES")]
     pub max_message_bytes: usize,
+    /// Threads that serve client sessions, each with an event loop of its own; a session stays
+    /// on one thread for its lifetime (no hand-offs between threads per message). 0: one per
+    /// CPU.
+    #[arg(long, default_value_t = 0, env = "FENCE_PROXY_PG_THREADS")]
+    pub threads: usize,
     /// Timeout for opening a TCP connection to the upstream, in milliseconds.
     #[arg(
         long,
@@ -329,6 +337,12 @@ pub async fn run_with_reload(
         allow_client = %allow,
         "postgres front end listening"
     );
+    let thread_count = match args.threads {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        n => n,
+    };
+    let threads = SessionThreads::start(thread_count)?;
+    tracing::debug!(threads = threads.count(), "session threads started");
     let sessions = Arc::new(Semaphore::new(args.max_sessions));
     let tracker = TaskTracker::new();
     loop {
@@ -372,10 +386,25 @@ pub async fn run_with_reload(
             });
             continue;
         };
+        // The socket moves to the session's thread, whose event loop then serves it.
+        let stream = match stream.into_std() {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(%peer, "cannot hand the connection to a session thread: {e}");
+                continue;
+            }
+        };
         let cfg = cfg.clone();
         let shutdown = shutdown.clone();
-        tracker.spawn(async move {
+        threads.spawn(&tracker, async move {
             let _permit = permit;
+            let stream = match TcpStream::from_std(stream) {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::warn!(%peer, "cannot register the connection on its session thread: {e}");
+                    return;
+                }
+            };
             let startup = tokio::time::timeout(cfg.startup_timeout, startup::handshake(stream, cfg.clone()));
             let startup = tokio::select! {
                 s = startup => s,
@@ -401,6 +430,7 @@ pub async fn run_with_reload(
     }
     tracker.close();
     tracker.wait().await;
+    drop(threads);
     Ok(())
 }
 
