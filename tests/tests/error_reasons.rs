@@ -138,7 +138,10 @@ async fn a_node_without_quorum_answers_no_quorum() {
 
     // The Rust client reads the reason: a fresh request answered only NO_QUORUM did nothing...
     let mut config = lockd_client::ClientConfig::new([cluster.addr(survivor)]);
-    config.call_timeout = Duration::from_secs(3);
+    // A node without a leader holds a call up to 2 s before it answers NO_QUORUM: an attempt
+    // that gives up sooner has no answer, so its outcome would rightly be unknown.
+    config.attempt_timeout = Duration::from_secs(6);
+    config.call_timeout = Duration::from_secs(8);
     let client = lockd_client::Client::with_config(config).unwrap();
     let fresh = client
         .acquire("reasons/no-quorum", AcquireOptions::default())

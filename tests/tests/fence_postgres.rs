@@ -302,8 +302,7 @@ async fn stale_token_is_rejected_and_newer_rows_stay() {
             "{msg}"
         );
         if explicit {
-            // The explicit script failed (at its first data statement, or at the guard before its
-            // COMMIT where the proxy skipped the opening guard); the client ends the block.
+            // The explicit script failed at its first data statement; the client ends the block.
             a.batch_execute("ROLLBACK").await.unwrap();
         }
         let rows: Vec<(String, String)> = direct
@@ -766,7 +765,7 @@ async fn require_fence_blocks_unfenced_writes() {
 }
 
 /// Goal: under `--require-fence` the opening guard runs in every transaction, also after the
-/// session's last commit passed its guard (where a plain proxy skips it): a session whose fence
+/// session's last commit passed its guard: a session whose fence
 /// was cleared by a statement the proxy does not read is read-only from the first statement of
 /// its next transaction, so even a non-transactional `nextval` is refused.
 /// Method: a fenced session commits two writes; a SELECT of `set_config` clears the fence; the
@@ -811,6 +810,49 @@ async fn require_fence_keeps_the_opening_guard_after_a_commit() {
         .unwrap()
         .get(0);
     assert!(!used, "nextval ran before the session was made read-only");
+    direct
+        .batch_execute(&format!("DROP TABLE {tbl}; DROP SEQUENCE {seq}"))
+        .await
+        .unwrap();
+}
+
+/// Goal: a fenced session that went stale after a commit is refused at its next transaction's
+/// first statement, before the statement runs, so even effects that no COMMIT guard can undo
+/// (a sequence, an advisory lock, a dblink write to the same database) do not happen. A review
+/// found them happening when the opening guard was skipped after a passed commit (reverted).
+/// Method: session A commits with token 1; session B records token 2; A's `nextval` must fail
+/// with 55P03 and leave the sequence unused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_gone_stale_after_a_commit_is_refused_before_its_next_statement_runs() {
+    pg::require_postgres();
+    let proxy = PgProxy::start(false);
+    let direct = pg::connect(&pg::direct_url().parse().unwrap()).await;
+    let tbl = pg::unique_name("stalenext");
+    let seq = format!("{tbl}_seq");
+    direct
+        .batch_execute(&format!("CREATE TABLE {tbl} (v int); CREATE SEQUENCE {seq}"))
+        .await
+        .unwrap();
+    let resource = pg::unique_name("stalenext");
+    let a = pg::connect(&proxy.config(Some(&format!("{resource}:1")))).await;
+    a.execute(&format!("INSERT INTO {tbl} VALUES (1)"), &[])
+        .await
+        .expect("token 1 writes");
+    let b = pg::connect(&proxy.config(Some(&format!("{resource}:2")))).await;
+    b.execute(&format!("INSERT INTO {tbl} VALUES (2)"), &[])
+        .await
+        .expect("token 2 writes");
+    let err = a
+        .query_one(&format!("SELECT nextval('{seq}')"), &[])
+        .await
+        .unwrap_err();
+    assert_eq!(code(&err), "55P03", "{err:?}");
+    let used: bool = direct
+        .query_one(&format!("SELECT is_called FROM {seq}"), &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(!used, "the stale session's statement ran before it was refused");
     direct
         .batch_execute(&format!("DROP TABLE {tbl}; DROP SEQUENCE {seq}"))
         .await

@@ -15,9 +15,7 @@
 //!   function (see `fence_sql`). It reads the fence from the session itself, so a fence changed by
 //!   any spelling inside the transaction is checked before the commit. It also runs once before
 //!   the first data statement of a transaction, so a stale session fails early and an unfenced
-//!   one under `--require-fence` is made read-only before it writes; without `--require-fence`
-//!   that opening guard is skipped while the session's last commit passed its guard and no error
-//!   or SET came since (`Session::opening_guard_needed` says why that is safe).
+//!   one under `--require-fence` is made read-only before it writes.
 //! - **A transaction-ending statement is the last of its query.** Anything after COMMIT or
 //!   ROLLBACK in one simple Query would run outside the guarded block; it is refused (0A000). A
 //!   COMMIT at the end of a multi-statement query is sent as a query of its own after the guard.
@@ -267,8 +265,6 @@ struct Request {
     client_failed: bool,
     /// Whether the proxy owns the open block, as of the last completed unit.
     owns: bool,
-    /// A guard before a commit point was sent in this request.
-    commit_guard: bool,
 }
 
 impl Request {
@@ -280,7 +276,6 @@ impl Request {
             internal_failed: false,
             client_failed: false,
             owns: false,
-            commit_guard: false,
         }
     }
 }
@@ -342,10 +337,6 @@ pub struct Session {
     /// The guard ran in the current transaction (projected); only saves repeated guards before
     /// data statements, never the one before a commit.
     guarded: bool,
-    /// The session's last commit went through a guard that raised no error, and since then the
-    /// proxy has seen no error and no setting statement: the next transactions skip the opening
-    /// guard (see [`Session::opening_guard_needed`]). Never set under `--require-fence`.
-    commit_passed: bool,
     /// `standard_conforming_strings` is off (from ParameterStatus): text with a backslash is
     /// refused because the proxy's parser would read it differently.
     standard_strings_off: bool,
@@ -400,7 +391,6 @@ impl Session {
             up_tx,
             status,
             guarded: false,
-            commit_passed: false,
             standard_strings_off,
             client_encoding,
             pending: VecDeque::new(),
@@ -493,24 +483,6 @@ impl Session {
             self.up_tx.write_all(&out).await?;
         }
         Ok(())
-    }
-
-    /// Whether a data statement in a transaction that has not run the guard yet gets the opening
-    /// guard.
-    ///
-    /// The guard before every commit point is what makes a write safe: it reads the fence the
-    /// session holds at that moment, in the transaction that commits, and refuses the commit
-    /// when the token is stale (docs/fence-proxy-postgres.md, rule 3); that guard is never
-    /// skipped. The opening guard only refuses a stale session before it does its work and,
-    /// under `--require-fence`, makes an unfenced transaction read-only before it writes. So
-    /// without `--require-fence` it is skipped while the session's last commit passed its guard
-    /// and nothing since hinted at a change (an error, a SET or RESET the proxy saw): a session
-    /// whose token went stale in between (another holder raised it, or a `set_config` the proxy
-    /// cannot see changed the fence) learns it at its next commit instead of at its first
-    /// statement, and nothing it wrote commits. Under `--require-fence` it always runs: the
-    /// proxy cannot know whether the session still has a fence.
-    fn opening_guard_needed(&self) -> bool {
-        !self.guarded && (self.cfg.require_fence || !self.commit_passed)
     }
 
     fn guard_sql(&self) -> String {
@@ -827,10 +799,6 @@ impl Session {
             stmts
         };
         let needs_guard = body.iter().any(|s| !s.kind.guard_free());
-        if stmts.iter().any(|s| s.kind == StatementKind::Setting) {
-            // Perhaps a new fence: its first data statement gets the opening guard again.
-            self.commit_passed = false;
-        }
         // The proxy opens the block at `I`; it must end it unless the client's statements open a
         // block of their own or end it themselves.
         let owns = entry == b'I' && !begins;
@@ -841,8 +809,7 @@ impl Session {
                     StatementKind::Begin(sql) => sql.clone(),
                     _ => fence_sql::BEGIN_SQL.to_owned(),
                 };
-                let opening = needs_guard && self.opening_guard_needed();
-                let sql = if opening {
+                let sql = if needs_guard {
                     format!("{begin}; {guard}")
                 } else {
                     begin
@@ -850,9 +817,9 @@ impl Session {
                 self.put_query(&sql)?;
                 self.pending
                     .push_back(Pending::ready(true, owns, After::Continue));
-                self.guarded = opening;
+                self.guarded = needs_guard;
             }
-            b'T' if needs_guard && self.opening_guard_needed() => {
+            b'T' if needs_guard && !self.guarded => {
                 self.put_query(&guard)?;
                 self.pending
                     .push_back(Pending::ready(true, false, After::Continue));
@@ -887,7 +854,6 @@ impl Session {
                 let copy = stmts.iter().any(|s| s.kind == StatementKind::CopyIn);
                 if commit_last && entry == b'T' {
                     // A lone COMMIT inside a block: the guard goes right before it.
-                    self.request.commit_guard = true;
                     self.put_query(&guard)?;
                     self.pending
                         .push_back(Pending::ready(true, false, After::Continue));
@@ -906,7 +872,6 @@ impl Session {
                 self.pending.push_back(p);
                 if end_block && !copy {
                     // Pipelined: after an error the guard fails (swallowed) and COMMIT rolls back.
-                    self.request.commit_guard = true;
                     self.put_query(&guard)?;
                     self.pending
                         .push_back(Pending::ready(true, true, After::Continue));
@@ -1149,7 +1114,6 @@ impl Session {
                     // If the guard fails, the upstream skips this COMMIT; the proxy then rolls
                     // the block back at Sync, so the client ends at `I` as after any failed
                     // COMMIT.
-                    self.request.commit_guard = true;
                     self.put_internal(&guard, true, g.owns)?;
                 }
                 g.owns = false;
@@ -1167,10 +1131,9 @@ impl Session {
                 }
                 self.guarded = false;
             }
-            // Perhaps a new fence: its first data statement gets the opening guard again.
-            StatementKind::Setting => self.commit_passed = false,
+            StatementKind::Setting => {}
             StatementKind::CopyIn | StatementKind::Other => {
-                if g.status == b'T' && self.opening_guard_needed() {
+                if g.status == b'T' && !self.guarded {
                     self.put_internal(&guard, g.owns, g.owns)?;
                     self.guarded = true;
                 }
@@ -1199,7 +1162,6 @@ impl Session {
         };
         if g.owns && !g.failed {
             let guard = self.guard_sql();
-            self.request.commit_guard = true;
             self.put_internal(&guard, true, true)?;
             self.put_internal(fence_sql::COMMIT_SQL, true, false)?;
             self.guarded = false;
@@ -1335,9 +1297,6 @@ impl Session {
         if let Some(g) = self.group.as_mut() {
             g.failed = true;
         }
-        // A stale token, a bad fence or anything else: the next transaction is guarded from its
-        // first data statement again.
-        self.commit_passed = false;
         self.copy = Copy::Off;
         let result = if code.as_deref() == Some(error::STALE_TOKEN) {
             RequestResult::Stale
@@ -1435,7 +1394,6 @@ impl Session {
                 } else {
                     let guard = self.guard_sql();
                     if status == b'T' {
-                        self.request.commit_guard = true;
                         self.put_query(&guard)?;
                         self.pending
                             .push_back(Pending::ready(true, owns, After::Continue));
@@ -1450,7 +1408,6 @@ impl Session {
             After::EndBlock => match status {
                 b'T' => {
                     let guard = self.guard_sql();
-                    self.request.commit_guard = true;
                     self.put_query(&guard)?;
                     self.pending
                         .push_back(Pending::ready(true, true, After::Continue));
@@ -1485,14 +1442,6 @@ impl Session {
 
     /// Ends the request: the client gets the final status.
     async fn report(&mut self, status: u8) -> anyhow::Result<Flow> {
-        if self.request.commit_guard {
-            // The guard before the commit ran; status `I` without an error means it passed and
-            // the transaction committed.
-            self.commit_passed = !self.cfg.require_fence
-                && status == b'I'
-                && !self.request.client_failed
-                && !self.request.internal_failed;
-        }
         self.send_client(&ready_for_query(status)).await?;
         self.awaiting_ready = false;
         self.group = None;

@@ -318,7 +318,7 @@ pub fn partitions(ops: &[Op]) -> (Vec<Partition>, usize) {
         let refused = attempts
             .iter()
             .filter(
-                |o| matches!(outcome(*o), Outcome::Fail { reason } if refusal_means_held(&reason)),
+                |o| matches!(outcome(o), Outcome::Fail { reason } if refusal_means_held(&reason)),
             )
             .map(complete)
             .min();

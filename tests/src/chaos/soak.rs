@@ -56,7 +56,7 @@ impl SoakConfig {
         let mut c = self.run.clone();
         c.seed = self.run.seed.wrapping_add(i);
         if let Some(k) = self.tls_every {
-            c.tls = self.run.tls || (i + 1) % k == 0;
+            c.tls = self.run.tls || (i + 1).is_multiple_of(k);
         }
         c
     }
