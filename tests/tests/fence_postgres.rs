@@ -830,7 +830,9 @@ async fn a_session_gone_stale_after_a_commit_is_refused_before_its_next_statemen
     let tbl = pg::unique_name("stalenext");
     let seq = format!("{tbl}_seq");
     direct
-        .batch_execute(&format!("CREATE TABLE {tbl} (v int); CREATE SEQUENCE {seq}"))
+        .batch_execute(&format!(
+            "CREATE TABLE {tbl} (v int); CREATE SEQUENCE {seq}"
+        ))
         .await
         .unwrap();
     let resource = pg::unique_name("stalenext");
@@ -852,7 +854,10 @@ async fn a_session_gone_stale_after_a_commit_is_refused_before_its_next_statemen
         .await
         .unwrap()
         .get(0);
-    assert!(!used, "the stale session's statement ran before it was refused");
+    assert!(
+        !used,
+        "the stale session's statement ran before it was refused"
+    );
     direct
         .batch_execute(&format!("DROP TABLE {tbl}; DROP SEQUENCE {seq}"))
         .await
