@@ -128,7 +128,7 @@ impl Step {
 pub struct Entry {
     pub step: Step,
     pub invoke_ms: u64,
-    /// [`NEVER`] for optional operations (unknown outcome).
+    /// `NEVER` for optional operations (unknown outcome).
     pub complete_ms: u64,
     /// The history operations it stands for (all attempts of one acquire request).
     pub ops: Vec<usize>,
