@@ -152,6 +152,19 @@ pub mod errors {
             .is_some_and(|info| info.domain == DOMAIN)
     }
 
+    /// Whether `status` is tonic's report of a connection that was never made (TCP connect or
+    /// TLS handshake failed): the request was not written, so nothing was done.
+    pub fn is_connect_error(status: &Status) -> bool {
+        let mut source = std::error::Error::source(status);
+        while let Some(err) = source {
+            if err.downcast_ref::<tonic::ConnectError>().is_some() {
+                return true;
+            }
+            source = err.source();
+        }
+        false
+    }
+
     /// `status` with another message and the same code and details; the copy of the message
     /// inside the encoded details (which grpc-go and grpc-java show) is replaced as well.
     pub fn with_message(status: &Status, message: String) -> Status {

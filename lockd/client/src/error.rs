@@ -16,7 +16,7 @@
 use std::fmt;
 use std::time::Duration;
 
-use lockd_api::errors::{Reason, reason_of};
+use lockd_api::errors::{Reason, is_connect_error, reason_of};
 use tonic::{Code, Status};
 
 /// The RPC an error came from; it decides how a status is read (see the table above).
@@ -221,17 +221,6 @@ pub(crate) fn classify(op: Op, status: Status, endpoint: &str) -> AttemptFailure
         Code::DeadlineExceeded if op != Op::Acquire => AttemptFailure::MaybeSent(describe(&status)),
         _ => AttemptFailure::Final(status),
     }
-}
-
-fn is_connect_error(status: &Status) -> bool {
-    let mut source = std::error::Error::source(status);
-    while let Some(err) = source {
-        if err.downcast_ref::<tonic::ConnectError>().is_some() {
-            return true;
-        }
-        source = err.source();
-    }
-    false
 }
 
 /// Maps a final status of `op` on `resource` to the caller's error (the table above).

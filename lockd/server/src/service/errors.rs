@@ -176,7 +176,7 @@ pub fn is_from_lockd(status: &Status) -> bool {
 /// A forwarded call that failed on the way to the leader: if the connection was never made,
 /// nothing was done; otherwise the leader may have committed it.
 pub fn forward_failed(msg: String, transport: &Status) -> Status {
-    if is_connect_error(transport) {
+    if lockd_api::errors::is_connect_error(transport) {
         no_quorum(format!(
             "{msg}; the connection was refused, nothing was done, retry"
         ))
@@ -185,17 +185,6 @@ pub fn forward_failed(msg: String, transport: &Status) -> Status {
             "{msg}; outcome unknown, retry with the same request_id"
         ))
     }
-}
-
-fn is_connect_error(status: &Status) -> bool {
-    let mut source = std::error::Error::source(status);
-    while let Some(err) = source {
-        if err.downcast_ref::<tonic::ConnectError>().is_some() {
-            return true;
-        }
-        source = err.source();
-    }
-    false
 }
 
 /// The `outcome` label of `lockd_requests_total` for a reply.
