@@ -472,7 +472,7 @@ async fn postgres_verifies_sequencers_offline() {
         refused(
             &mut c,
             &format!(
-                "SELECT {guard}(false, ARRAY['{POISON}:{}'])",
+                "SELECT {guard}(false, ARRAY['{POISON}:{}'], true)",
                 "0".repeat(64)
             ),
             code,

@@ -6,6 +6,8 @@
 #   fence-proxy/postgres/bench/pgbench.sh BIN [BIN...]      (T=30 seconds per run by default)
 #   REF_PORT=16544 ... also runs through a relay already listening there (e.g. PgBouncer);
 #   REF_PID=PID        ... and reports that relay's figures per transaction too
+#   UPSTREAM_QUERY='?sslmode=disable' ... appended to the proxy's --upstream URL (the default,
+#                      sslmode=prefer, encrypts the proxy's upstream leg when Postgres has ssl on)
 #   BIN may be NAME=PATH to label a run, and a wrapper script that execs fence-proxy with other
 #   settings (e.g. FENCE_PROXY_PG_THREADS=1) serves to compare them.
 #
@@ -67,7 +69,7 @@ run direct 5432
 for spec in "$@"; do
   label=${spec%%=*}; bin=${spec#*=}
   "$bin" postgres init --upstream postgres://postgres@127.0.0.1:5432/$DB >/dev/null
-  "$bin" postgres --listen 127.0.0.1:16543 --upstream postgres://postgres@127.0.0.1:5432/$DB >/dev/null 2>&1 &
+  "$bin" postgres --listen 127.0.0.1:16543 --upstream "postgres://postgres@127.0.0.1:5432/$DB${UPSTREAM_QUERY:-}" >/dev/null 2>&1 &
   pid=$!
   trap 'kill $pid 2>/dev/null' EXIT
   sleep 1

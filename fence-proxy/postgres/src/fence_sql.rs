@@ -92,14 +92,16 @@ impl FenceTable {
 
     /// The signature `to_regprocedure` looks up.
     pub fn guard_signature(&self) -> String {
-        format!("{}(boolean, text[])", self.guard_function())
+        format!("{}(boolean, text[], boolean)", self.guard_function())
     }
 
     /// The statement the proxy runs to guard a transaction. `proofs`: the SQL array of the
     /// session's proofs (`verify::Proofs::sql_array`), `None` without `--verify-key`.
-    pub fn guard_call(&self, require_fence: bool, proofs: Option<&str>) -> String {
+    /// `at_commit`: this guard runs right before the transaction's COMMIT (or PREPARE
+    /// TRANSACTION), not before a statement of the client's.
+    pub fn guard_call(&self, require_fence: bool, proofs: Option<&str>, at_commit: bool) -> String {
         format!(
-            "SELECT {}({require_fence}, {})",
+            "SELECT {}({require_fence}, {}, {at_commit})",
             self.guard_function(),
             proofs.unwrap_or("NULL")
         )
@@ -150,7 +152,10 @@ REVOKE ALL ON TABLE {guard_schema}.proof_key FROM PUBLIC;
 -- The guard of earlier versions took no proofs: a client could call it to record a fence the
 -- proxy never verified.
 DROP FUNCTION IF EXISTS {f}(boolean);
-CREATE OR REPLACE FUNCTION {f}(require_fence boolean, proofs text[]) RETURNS void
+-- Nor whether it ran before COMMIT: a transaction that queued only a NOTIFY went through the
+-- lock-free path there (see below). A proxy of that version fails closed after this init.
+DROP FUNCTION IF EXISTS {f}(boolean, text[]);
+CREATE OR REPLACE FUNCTION {f}(require_fence boolean, proofs text[], at_commit boolean) RETURNS void
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $lockd_guard$
@@ -250,23 +255,47 @@ BEGIN
   -- then deadlock upgrading it.
   SELECT f.token INTO v_highest FROM {t} AS f WHERE f.resource = v_resource;
   IF FOUND AND v_highest = v_token THEN
-    -- Same holder. A transaction that has written nothing yet (the guard before its first data
-    -- statement, or before a read-only COMMIT) has nothing to protect: the unlocked read is the
-    -- early refusal, and the guard before COMMIT, which runs after every write, takes the lock.
-    -- Skipping the lock here halves the row locks per transaction (each one a tuple write,
-    -- and a MultiXact while other sessions of the holder hold it too).
+    -- Same holder. Before a statement of the client's, a transaction that has written nothing
+    -- yet has nothing to protect: the unlocked read is the early refusal, and the guard before
+    -- COMMIT, which runs after every write, takes a lock. Skipping the lock here halves the
+    -- row locks per transaction (each one a tuple write, and a MultiXact while other sessions
+    -- of the holder hold it too), and a paused holder's open block never delays a newer one.
     IF pg_catalog.pg_current_xact_id_if_assigned() IS NULL THEN
-      RETURN;
+      IF NOT at_commit THEN
+        RETURN;
+      END IF;
+      -- Before COMMIT, "no transaction id" does not mean "no effect": a NOTIFY is delivered at
+      -- commit and gets its id only then. Under READ COMMITTED (and READ UNCOMMITTED, the same
+      -- in Postgres) a shared advisory lock on the resource, taken before a fresh read, orders
+      -- this commit before any raise (a raise takes it exclusively) without making the
+      -- transaction write. Under REPEATABLE READ and SERIALIZABLE the read above saw the
+      -- transaction's snapshot, which may predate a raise: the row lock below sees the latest
+      -- version (or fails with 40001); a READ ONLY transaction may not lock a row, so it gets
+      -- the advisory lock only, which orders it against raises still in progress.
+      IF pg_catalog.current_setting('transaction_isolation') IN ('read committed', 'read uncommitted') THEN
+        PERFORM pg_catalog.pg_advisory_xact_lock_shared(pg_catalog.hashtext('{t}'), pg_catalog.hashtext(v_resource));
+        SELECT f.token INTO v_highest FROM {t} AS f WHERE f.resource = v_resource;
+        IF FOUND AND v_highest = v_token THEN
+          RETURN;
+        END IF;
+      ELSIF pg_catalog.current_setting('transaction_read_only') = 'on' THEN
+        PERFORM pg_catalog.pg_advisory_xact_lock_shared(pg_catalog.hashtext('{t}'), pg_catalog.hashtext(v_resource));
+        RETURN;
+      END IF;
     END IF;
-    -- It wrote: a shared row lock, held to the end of the transaction, so the holder's
-    -- transactions do not serialize on the row while a newer holder's raise waits for all of
-    -- them to end.
-    SELECT f.token INTO v_highest FROM {t} AS f WHERE f.resource = v_resource FOR SHARE;
-    IF v_highest = v_token THEN
-      RETURN;
+    IF FOUND AND v_highest = v_token THEN
+      -- It wrote (or must be ordered by the row): a shared row lock, held to the end of the
+      -- transaction, so the holder's transactions do not serialize on the row while a newer
+      -- holder's raise waits for all of them to end.
+      SELECT f.token INTO v_highest FROM {t} AS f WHERE f.resource = v_resource FOR SHARE;
+      IF v_highest = v_token THEN
+        RETURN;
+      END IF;
     END IF;
   END IF;
   IF NOT FOUND OR v_highest < v_token THEN
+    -- A raise waits for every commit of an older holder that holds the advisory lock above.
+    PERFORM pg_catalog.pg_advisory_xact_lock(pg_catalog.hashtext('{t}'), pg_catalog.hashtext(v_resource));
     INSERT INTO {t} AS f (resource, token, updated_at) VALUES (v_resource, v_token, pg_catalog.now())
     ON CONFLICT (resource) DO UPDATE SET token = EXCLUDED.token, updated_at = pg_catalog.now()
     WHERE f.token <= EXCLUDED.token;
@@ -283,7 +312,7 @@ BEGIN
     HINT = 'This session no longer holds the lock: nothing of this transaction was applied. Roll back, acquire the lock again and SET lockd.fence to the new token.';
 END
 $lockd_guard$;
-REVOKE ALL ON FUNCTION {f}(boolean, text[]) FROM PUBLIC;
+REVOKE ALL ON FUNCTION {f}(boolean, text[], boolean) FROM PUBLIC;
 "#,
             schema = self.schema,
             guard_schema = GUARD_SCHEMA,
@@ -322,7 +351,7 @@ REVOKE ALL ON FUNCTION {f}(boolean, text[]) FROM PUBLIC;
     pub fn grant_sql(&self, role: &str) -> String {
         let role = quote_ident(role);
         format!(
-            "GRANT USAGE ON SCHEMA {GUARD_SCHEMA} TO {role};\nGRANT EXECUTE ON FUNCTION {}(boolean, text[]) TO {role};\n",
+            "GRANT USAGE ON SCHEMA {GUARD_SCHEMA} TO {role};\nGRANT EXECUTE ON FUNCTION {}(boolean, text[], boolean) TO {role};\n",
             self.guard_function()
         )
     }
@@ -354,8 +383,8 @@ mod tests {
         let t = FenceTable::parse("ops.fences").unwrap();
         assert_eq!(t.guard_function(), "lockd_fence_proxy.ops__fences_guard");
         assert_eq!(
-            t.guard_call(true, None),
-            "SELECT lockd_fence_proxy.ops__fences_guard(true, NULL)"
+            t.guard_call(true, None, false),
+            "SELECT lockd_fence_proxy.ops__fences_guard(true, NULL, false)"
         );
         assert_eq!(
             FenceTable::parse("lockd_fence").unwrap().guard_function(),

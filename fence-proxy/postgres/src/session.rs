@@ -485,7 +485,9 @@ impl Session {
         Ok(())
     }
 
-    fn guard_sql(&self) -> String {
+    /// The guard call; `at_commit` when it runs right before a COMMIT rather than before a
+    /// client statement (see the guard function for why that differs).
+    fn guard_sql(&self, at_commit: bool) -> String {
         let proofs = self
             .cfg
             .verification
@@ -493,7 +495,7 @@ impl Session {
             .map(|_| self.proofs.sql_array());
         self.cfg
             .fence_table
-            .guard_call(self.cfg.require_fence, proofs.as_deref())
+            .guard_call(self.cfg.require_fence, proofs.as_deref(), at_commit)
     }
 
     /// Verifies every `SET lockd.fence` of `stmts` (with `--verify-key`) and keeps the proofs; the
@@ -730,7 +732,7 @@ impl Session {
                 return Err(ProxyError::error(
                     error::CHARACTER_NOT_IN_REPERTOIRE,
                     format!(
-                        "fence-proxy: client_encoding is {shown} and the query text is not ASCII; the proxy reads non-ASCII SQL as UTF8 only, so it cannot read this query as Postgres would"
+                        "client_encoding is {shown} and the query text is not ASCII; the proxy reads non-ASCII SQL as UTF8 only, so it cannot read this query as Postgres would"
                     ),
                 )
                 .with_hint("SET client_encoding = 'UTF8' (or connect with client_encoding=UTF8)"));
@@ -738,7 +740,7 @@ impl Session {
             if self.group.as_ref().is_some_and(|g| g.executed) {
                 return Err(ProxyError::error(
                     error::CHARACTER_NOT_IN_REPERTOIRE,
-                    "fence-proxy: non-ASCII statement text after an Execute in the same pipelined group: an earlier statement may have changed client_encoding, so the proxy cannot read it as Postgres would",
+                    "non-ASCII statement text after an Execute in the same pipelined group: an earlier statement may have changed client_encoding, so the proxy cannot read it as Postgres would",
                 )
                 .with_hint("send a Sync after the Execute, or pass non-ASCII values as parameters"));
             }
@@ -746,7 +748,7 @@ impl Session {
         String::from_utf8(raw.to_vec()).map_err(|e| {
             ProxyError::error(
                 error::CHARACTER_NOT_IN_REPERTOIRE,
-                format!("fence-proxy: query text is not valid UTF-8: {e}"),
+                format!("query text is not valid UTF-8: {e}"),
             )
         })
     }
@@ -802,7 +804,8 @@ impl Session {
         // The proxy opens the block at `I`; it must end it unless the client's statements open a
         // block of their own or end it themselves.
         let owns = entry == b'I' && !begins;
-        let guard = self.guard_sql();
+        let guard = self.guard_sql(false);
+        let commit_guard = self.guard_sql(true);
         match entry {
             b'I' => {
                 let begin = match &stmts[0].kind {
@@ -854,7 +857,7 @@ impl Session {
                 let copy = stmts.iter().any(|s| s.kind == StatementKind::CopyIn);
                 if commit_last && entry == b'T' {
                     // A lone COMMIT inside a block: the guard goes right before it.
-                    self.put_query(&guard)?;
+                    self.put_query(&commit_guard)?;
                     self.pending
                         .push_back(Pending::ready(true, false, After::Continue));
                 }
@@ -872,7 +875,7 @@ impl Session {
                 self.pending.push_back(p);
                 if end_block && !copy {
                     // Pipelined: after an error the guard fails (swallowed) and COMMIT rolls back.
-                    self.put_query(&guard)?;
+                    self.put_query(&commit_guard)?;
                     self.pending
                         .push_back(Pending::ready(true, true, After::Continue));
                     self.put_query(fence_sql::COMMIT_SQL)?;
@@ -1079,7 +1082,8 @@ impl Session {
         let mut body = m.body();
         let portal = codec::read_cstr(&mut body).unwrap_or_default();
         let kind = self.portals.get(&portal);
-        let guard = self.guard_sql();
+        let guard = self.guard_sql(false);
+        let commit_guard = self.guard_sql(true);
         let Some(mut g) = self.group.take() else {
             anyhow::bail!("Execute outside a group");
         };
@@ -1114,7 +1118,7 @@ impl Session {
                     // If the guard fails, the upstream skips this COMMIT; the proxy then rolls
                     // the block back at Sync, so the client ends at `I` as after any failed
                     // COMMIT.
-                    self.put_internal(&guard, true, g.owns)?;
+                    self.put_internal(&commit_guard, true, g.owns)?;
                 }
                 g.owns = false;
                 g.status = if *chain { b'T' } else { b'I' };
@@ -1161,7 +1165,7 @@ impl Session {
             anyhow::bail!("Sync outside a group");
         };
         if g.owns && !g.failed {
-            let guard = self.guard_sql();
+            let guard = self.guard_sql(true);
             self.put_internal(&guard, true, true)?;
             self.put_internal(fence_sql::COMMIT_SQL, true, false)?;
             self.guarded = false;
@@ -1392,7 +1396,7 @@ impl Session {
                         self.report(status).await
                     }
                 } else {
-                    let guard = self.guard_sql();
+                    let guard = self.guard_sql(true);
                     if status == b'T' {
                         self.put_query(&guard)?;
                         self.pending
@@ -1407,7 +1411,7 @@ impl Session {
             }
             After::EndBlock => match status {
                 b'T' => {
-                    let guard = self.guard_sql();
+                    let guard = self.guard_sql(true);
                     self.put_query(&guard)?;
                     self.pending
                         .push_back(Pending::ready(true, true, After::Continue));
