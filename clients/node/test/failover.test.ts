@@ -105,10 +105,12 @@ test('renewals follow the cluster: a lease stays held across a leader kill', { t
     endpoints: [leader, ...[1, 2, 3].filter((i) => i !== leader)].map((i) => cluster.addr(i)),
   });
   cleanups.push(() => c.close());
-  // ttl 4 s: the deadline (3.6 s) leaves room for an election (timeouts 0.6-1.2 s) and retries.
-  await using lease = await c.lock(res, { ttlMs: 4000 });
+  // ttl 6 s: the first renewal is due 1.5-2 s after the grant and may retry until the deadline
+  // (5.4 s), room for an election (timeouts 0.6-1.2 s) on a loaded machine. With 4 s a slow
+  // election sometimes outlasted the renewal's retries, which then rightly declared the loss.
+  await using lease = await c.lock(res, { ttlMs: 6000 });
   await cluster.nodes.get(leader)!.kill();
-  await sleep(4500);
+  await sleep(6500);
   // Past its ttl: held only if renewals reached the new leader.
   lease.check();
   assert.ok(lease.renewals >= 1);
