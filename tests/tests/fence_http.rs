@@ -61,10 +61,32 @@ async fn put(proxy: &FenceProxy, resource: &str, token: &str, body: &str) -> Rep
         .unwrap()
 }
 
+/// A refusal as RFC 9457 describes a problem: `application/problem+json` with `type`, `title`,
+/// `status` and `detail`, plus the reason in the header and in `error`.
 fn assert_refused(reply: &Reply, status: u16, reason: &str) {
     assert_eq!(reply.status, status, "{reply:?}");
     assert_eq!(reply.proxy_error(), Some(reason), "{reply:?}");
-    assert_eq!(reply.json()["error"], reason, "{reply:?}");
+    assert_eq!(
+        reply
+            .headers
+            .get(hyper::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok()),
+        Some("application/problem+json"),
+        "{reply:?}"
+    );
+    let body = reply.json();
+    assert_eq!(body["error"], reason, "{reply:?}");
+    assert_eq!(
+        body["type"],
+        format!("urn:lockd:problem:{reason}"),
+        "{reply:?}"
+    );
+    assert_eq!(body["status"], status, "{reply:?}");
+    assert!(
+        body["title"].as_str().is_some_and(|t| !t.is_empty()),
+        "{reply:?}"
+    );
+    assert_eq!(body["detail"], body["message"], "{reply:?}");
 }
 
 /// The fence checks (stale, missing and malformed fences, pass-through reads, metrics),

@@ -141,6 +141,7 @@ class AsyncClient:
         request_id: Optional[str] = None,
         lease_id: Optional[str] = None,
         wait: float = 0.0,
+        sent_before: bool = False,
     ) -> Tuple[Any, float, float]:
         """As ``Client._call``: rotate and back off after retryable failures until the deadline."""
         started = _now()
@@ -180,8 +181,11 @@ class AsyncClient:
             if _now() + delay >= deadline:
                 break
             await asyncio.sleep(delay)
+        # A caller-given request id may have reached lockd in an earlier call of the caller's,
+        # so this call never ends as "nothing done" (docs/clients.md, rule 6).
+        maybe_sent = first_sent is not None or sent_before
         raise core.exhausted_error(
-            op, resource, request_id, first_sent is not None, attempts, _now() - started, last_error
+            op, resource, request_id, maybe_sent, attempts, _now() - started, last_error
         )
 
     async def acquire(
@@ -218,6 +222,7 @@ class AsyncClient:
             resource=resource,
             request_id=rid,
             wait=wait_s,
+            sent_before=request_id is not None,
         )
         return Grant(
             resource=resource,

@@ -221,6 +221,7 @@ class Client:
         request_id: Optional[str] = None,
         lease_id: Optional[str] = None,
         wait: float = 0.0,
+        sent_before: bool = False,
     ) -> Tuple[Any, float, float]:
         """Runs one RPC against the current endpoint until it answers, gives a final status, or the
         deadline passes; after a retryable failure rotates to the next endpoint and backs off.
@@ -265,8 +266,11 @@ class Client:
             if _now() + delay >= deadline:
                 break
             time.sleep(delay)
+        # A caller-given request id may have reached lockd in an earlier call of the caller's,
+        # so this call never ends as "nothing done" (docs/clients.md, rule 6).
+        maybe_sent = first_sent is not None or sent_before
         raise core.exhausted_error(
-            op, resource, request_id, first_sent is not None, attempts, _now() - started, last_error
+            op, resource, request_id, maybe_sent, attempts, _now() - started, last_error
         )
 
     # -- the RPCs -------------------------------------------------------------------------------
@@ -311,6 +315,7 @@ class Client:
             resource=resource,
             request_id=rid,
             wait=wait_s,
+            sent_before=request_id is not None,
         )
         return Grant(
             resource=resource,

@@ -200,7 +200,7 @@ def _pb():
 
 @pytest.mark.parametrize(
     "mode,expected",
-    [("hang", lockd_client.OutcomeUnknown), ("plain", lockd_client.OutcomeUnknown), ("no_quorum", lockd_client.Unavailable)],
+    [("hang", lockd_client.OutcomeUnknown), ("plain", lockd_client.OutcomeUnknown), ("no_quorum", lockd_client.OutcomeUnknown)],
 )
 def test_outcome_is_read_from_the_reason(mode, expected):
     fake = _FakeLock(mode)
@@ -217,6 +217,22 @@ def test_outcome_is_read_from_the_reason(mode, expected):
             assert not e.value.definitely_not_done
         else:
             assert e.value.definitely_not_done
+        c.close()
+    finally:
+        fake.stop()
+
+
+def test_no_quorum_with_a_fresh_request_id_is_not_done():
+    """NO_QUORUM on every attempt of a call whose request id the client made: nothing was done.
+    (With a caller-given id the same answers leave the outcome unknown: the caller may have sent
+    that id before, see test_outcome_is_read_from_the_reason.)"""
+    fake = _FakeLock("no_quorum")
+    try:
+        c = Client(["127.0.0.1:%d" % fake.port], call_timeout=1.2, attempt_timeout=0.4)
+        with pytest.raises(lockd_client.Unavailable) as e:
+            c.acquire("orders/1")
+        assert e.value.definitely_not_done
+        assert fake.calls >= 2, "retried"
         c.close()
     finally:
         fake.stop()

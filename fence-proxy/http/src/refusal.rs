@@ -1,5 +1,5 @@
 //! Every response the proxy makes itself: one table from refusal to HTTP status,
-//! `Fence-Proxy-Error` reason and JSON body. Nothing is forwarded for any of them, except that
+//! `Fence-Proxy-Error` reason and RFC 9457 problem body. Nothing is forwarded for any of them, except that
 //! `UpstreamError`/`UpstreamTimeout` report a forward that failed.
 
 use bytes::Bytes;
@@ -9,6 +9,11 @@ use lockd_fence::{FENCE_PROXY_ERROR_HEADER, FencingToken};
 
 use crate::exchange::BoxError;
 use crate::proxy::ProxyBody;
+
+/// RFC 9457's media type for problem details.
+pub const PROBLEM_CONTENT_TYPE: &str = "application/problem+json";
+/// `type` of a refusal: this prefix and the `Fence-Proxy-Error` reason.
+pub const PROBLEM_TYPE_PREFIX: &str = "urn:lockd:problem:";
 
 /// Why the proxy answered a request itself.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -109,6 +114,21 @@ impl Refusal {
         }
     }
 
+    /// The RFC 9457 `title`: the same for every occurrence of the reason.
+    pub fn title(&self) -> &'static str {
+        match self {
+            Refusal::Stale { .. } => "Stale fencing token",
+            Refusal::FenceRequired { .. } => "Fence required",
+            Refusal::BadFence { .. } => "Bad fence",
+            Refusal::BadSequencer { .. } => "Bad sequencer",
+            Refusal::SequencerRequired { .. } => "Sequencer required",
+            Refusal::StoreUnavailable { .. } => "Epoch store unavailable",
+            Refusal::ResourceBusy { .. } => "Resource busy",
+            Refusal::UpstreamError { .. } => "Upstream error",
+            Refusal::UpstreamTimeout { .. } => "Upstream timeout",
+        }
+    }
+
     /// One sentence for people, naming the values.
     pub fn message(&self) -> String {
         match self {
@@ -203,11 +223,19 @@ impl Refusal {
         }
     }
 
-    /// `{"error": reason, "resource": ..., "token": ..., "highest": ..., "message": ...}`, with
-    /// `resource`, `token` and `highest` present only where known.
+    /// An RFC 9457 problem: `type` (`urn:lockd:problem:<reason>`), `title`, `status` and
+    /// `detail`, with the extension members `error` (the reason), `resource`, `token` and
+    /// `highest` (present only where known) and `message` (the same text as `detail`).
     pub fn json(&self) -> serde_json::Value {
         let (resource, token, highest) = self.fields();
         let mut body = serde_json::Map::new();
+        body.insert(
+            "type".into(),
+            format!("{PROBLEM_TYPE_PREFIX}{}", self.reason()).into(),
+        );
+        body.insert("title".into(), self.title().into());
+        body.insert("status".into(), self.status().as_u16().into());
+        body.insert("detail".into(), self.message().into());
         body.insert("error".into(), self.reason().into());
         if let Some(r) = resource {
             body.insert("resource".into(), r.into());
@@ -235,7 +263,7 @@ impl Refusal {
         );
         headers.insert(
             http::header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
+            HeaderValue::from_static(PROBLEM_CONTENT_TYPE),
         );
         if self.status() == StatusCode::SERVICE_UNAVAILABLE {
             headers.insert(
@@ -263,12 +291,20 @@ mod tests {
         assert_eq!(j["resource"], "orders/42");
         assert_eq!(j["token"], 41);
         assert_eq!(j["highest"], 42);
+        assert_eq!(j["type"], "urn:lockd:problem:stale-fencing-token");
+        assert_eq!(j["title"], "Stale fencing token");
+        assert_eq!(j["status"], 412);
+        assert_eq!(j["detail"], r.message());
         assert!(r.message().contains("41") && r.message().contains("\"orders/42\""));
         let resp = r.into_response();
         assert_eq!(resp.status(), 412);
         assert_eq!(
             resp.headers()[FENCE_PROXY_ERROR_HEADER],
             "stale-fencing-token"
+        );
+        assert_eq!(
+            resp.headers()[http::header::CONTENT_TYPE],
+            "application/problem+json"
         );
     }
 }
