@@ -13,8 +13,14 @@
 //! `--workers N` (6), `--resources N` (3), `--no-postgres`, `--tls`, `--broken bypass-fence`
 //! (stalled clients write around the fence: the run must then report violations), `--broken
 //! stale-describe` (workers report their previous `Describe` answer: the linearizability check
-//! must fail),
-//! `--first-fault NAME`, `--faults KillLeader,PauseClient,...` (default: all kinds).
+//! must fail), `--first-fault NAME`, `--faults KillLeader,PauseClient,...` (default: the nine
+//! single kinds), `--composed` (adds the composed faults: two nodes down, a partition during a
+//! restart, the leader paused during a snapshot install, a wiped node rejoining while another is
+//! partitioned), `--clock` (wall-clock offsets of a minute to hours changed on running nodes, with
+//! libfaketime), `--clock-rate` (clock rates of 95-105 % per node start). More broken modes:
+//! `--broken clock-monotonic` (with `--clock`: the offsets move the monotonic clock too),
+//! `--broken fast-clock` (with `--clock-rate`: rates of 130-160 %), `--broken hidden-outage`
+//! (two-nodes-down outages of 15-20 s the availability check is not told about).
 //! Many runs: `--runs N` (seeds N..N+runs-1 from `--seed`), `--jobs J` (1), `--tls-every K` (every
 //! K-th run with TLS), `--summary FILE` (one JSON line per run, appended), `--artifacts DIR`
 //! (where runs keep their folders; those of passing runs are deleted), `--label TEXT` (stored in
@@ -25,12 +31,13 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use lockd_tests::chaos::nemesis::Fault;
+use lockd_tests::chaos::clock::ClockMode;
+use lockd_tests::chaos::nemesis::{COMPOSED, Fault};
 use lockd_tests::chaos::run::{RunConfig, run};
 use lockd_tests::chaos::soak::{SoakConfig, read_totals, run_many};
 use lockd_tests::chaos::workload::Mode;
 
-const USAGE: &str = "usage: chaos [--seed N] [--duration 10m] [--workers N] [--resources N] [--no-postgres] [--tls] [--broken bypass-fence|stale-describe] [--first-fault NAME] [--faults NAME,NAME] [--runs N [--jobs J] [--tls-every K] [--summary FILE] [--artifacts DIR] [--label TEXT]]\n       chaos summary FILE";
+const USAGE: &str = "usage: chaos [--seed N] [--duration 10m] [--workers N] [--resources N] [--no-postgres] [--tls] [--broken bypass-fence|stale-describe|clock-monotonic|fast-clock|hidden-outage] [--first-fault NAME] [--faults NAME,NAME] [--composed] [--clock | --clock-rate] [--runs N [--jobs J] [--tls-every K] [--summary FILE] [--artifacts DIR] [--label TEXT]]\n       chaos summary FILE";
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
     let (num, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len()));
@@ -46,6 +53,7 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
 fn parse_fault(s: &str) -> Result<Fault, String> {
     lockd_tests::chaos::nemesis::ALL
         .into_iter()
+        .chain(COMPOSED)
         .find(|f| format!("{f:?}").eq_ignore_ascii_case(s))
         .ok_or_else(|| format!("unknown fault {s:?}"))
 }
@@ -90,6 +98,9 @@ fn parse() -> Result<Cmd, String> {
             "--broken" => match value()?.as_str() {
                 "bypass-fence" => c.mode = Mode::PausedClientsBypassFence,
                 "stale-describe" => c.mode = Mode::StaleDescribes,
+                "clock-monotonic" => c.mode = Mode::ClockMonotonic,
+                "fast-clock" => c.mode = Mode::FastClock,
+                "hidden-outage" => c.mode = Mode::HiddenOutage,
                 other => return Err(format!("unknown --broken mode {other:?}")),
             },
             "--first-fault" => c.first_fault = Some(parse_fault(&value()?)?),
@@ -98,6 +109,18 @@ fn parse() -> Result<Cmd, String> {
                     .split(',')
                     .map(parse_fault)
                     .collect::<Result<_, _>>()?
+            }
+            "--composed" => c.faults = RunConfig::all_with_composed(),
+            "--clock" | "--clock-rate" => {
+                let mode = if a == "--clock" {
+                    ClockMode::Offsets
+                } else {
+                    ClockMode::Rates
+                };
+                if c.clock.is_some_and(|m| m != mode) {
+                    return Err("--clock and --clock-rate do not go together".into());
+                }
+                c.clock = Some(mode);
             }
             "--runs" => runs = Some(value()?.parse().map_err(|e| format!("--runs: {e}"))?),
             "--jobs" => jobs = value()?.parse().map_err(|e| format!("--jobs: {e}"))?,
@@ -113,6 +136,21 @@ fn parse() -> Result<Cmd, String> {
     }
     if c.workers == 0 || c.resources == 0 {
         return Err("--workers and --resources must be at least 1".into());
+    }
+    match c.mode {
+        Mode::ClockMonotonic if c.clock != Some(ClockMode::Offsets) => {
+            return Err("--broken clock-monotonic goes with --clock".into());
+        }
+        Mode::FastClock if c.clock != Some(ClockMode::Rates) => {
+            return Err("--broken fast-clock goes with --clock-rate".into());
+        }
+        Mode::HiddenOutage if !c.faults.contains(&Fault::TwoNodesDown) => {
+            return Err(
+                "--broken hidden-outage needs the TwoNodesDown fault (--composed or --faults TwoNodesDown)"
+                    .into(),
+            );
+        }
+        _ => {}
     }
     let Some(runs) = runs else {
         if tls_every.is_some() || summary.is_some() || artifacts.is_some() || jobs != 1 {

@@ -13,6 +13,13 @@
 //!    never granted in one attempt and definitely refused in another; granted at most once in the
 //!    audit, with the token the client saw).
 //! 6. `liveness`: once faults stopped, every resource was acquired within the stated bound.
+//!    `availability`: while faults went on, lockd never went [`AVAILABILITY_GAP_MS`] without a
+//!    definite answer to some client, except in windows where the nemesis had left no quorum
+//!    possible (two of three nodes down, paused, isolated or wiped), each extended by
+//!    [`RECOVERY_MS`] for restart and election.
+//!
+//! With clock *rate* faults, the client-side checks count a lease's ttl less the rate bound
+//! ([`with_rate_margin`]): the contract assumes sane rates, and a client keeps that margin.
 //!
 //! Unknown operations are never assumed to have failed: they constrain nothing here.
 
@@ -70,6 +77,38 @@ pub struct CheckInput {
     /// `None` when the run had no Postgres target.
     pub pg_applied: Option<Vec<Applied>>,
     pub liveness: Vec<Liveness>,
+    /// The in-run availability check's input; `None` skips it.
+    pub availability: Option<AvailabilityInput>,
+    /// The bound on clock rates of the run, percent (0: clocks run at real rate).
+    pub rate_error_pct: u64,
+}
+
+/// Longest time (ms) lockd may go without a definite answer to any client while a quorum could
+/// exist: a leader's failure detected (election timeout 0.6-1.2 s) and an election won, while
+/// clients whose attempt went to a node cut off get `UNAVAILABLE` within 5 s and retry elsewhere,
+/// with room for a loaded 2-core machine running a debug build.
+pub const AVAILABILITY_GAP_MS: u64 = 10_000;
+/// Added to the end of every no-quorum window: the node that makes a quorum again starts (or
+/// resumes, or is reconnected), an election completes and clients' attempts that were waiting
+/// on the outage (up to 5.5 s each) run out and are retried.
+pub const RECOVERY_MS: u64 = 6_000;
+
+/// What the availability check needs besides the history.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct AvailabilityInput {
+    /// The checked span (history ms): from the first fault to when the faults stopped.
+    pub from_ms: u64,
+    pub to_ms: u64,
+    /// Windows (history ms) in which no quorum could exist.
+    pub no_quorum: Vec<(u64, u64)>,
+}
+
+/// The longest stretch without a definite answer outside the excused windows, ms, and where
+/// it began.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Gap {
+    pub from_ms: u64,
+    pub len_ms: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -91,7 +130,14 @@ pub fn check(input: &CheckInput) -> Vec<Violation> {
     let (merged, divergence) = merge_audit(&input.audit);
     v.extend(divergence);
     v.extend(check_audit_single_holder(&merged, &input.ops));
-    v.extend(check_client_single_holder(&input.ops));
+    if input.rate_error_pct > 0 {
+        v.extend(check_client_single_holder(&with_rate_margin(
+            &input.ops,
+            input.rate_error_pct,
+        )));
+    } else {
+        v.extend(check_client_single_holder(&input.ops));
+    }
     v.extend(check_token_monotonic(&merged, &input.ops));
     v.extend(check_fence_accept("http", &input.http_applied));
     v.extend(check_no_lost_write(
@@ -105,7 +151,103 @@ pub fn check(input: &CheckInput) -> Vec<Violation> {
     }
     v.extend(check_request_id_once(&merged, &input.ops));
     v.extend(check_liveness(&input.liveness));
+    if let Some(a) = &input.availability {
+        v.extend(check_availability(&input.ops, a).0);
+    }
     v
+}
+
+/// The history as the client-side checks read it when clocks may run up to `rate_error_pct` %
+/// fast: every acquire's ttl is what a client with that safety margin counts on
+/// ([`super::clock::rate_margin_ttl_ms`]). The table-clock (audit) check keeps the real ttls: a
+/// fast clock moves the table clock itself.
+pub fn with_rate_margin(ops: &[Op], rate_error_pct: u64) -> Vec<Op> {
+    ops.iter()
+        .cloned()
+        .map(|mut op| {
+            if let OpKind::Acquire { ttl_ms, .. } = &mut op.kind {
+                *ttl_ms = super::clock::rate_margin_ttl_ms(*ttl_ms, rate_error_pct);
+            }
+            op
+        })
+        .collect()
+}
+
+/// Whether `op` is an answer from lockd that settles something: a grant, a renew, a release, a
+/// read, or a definite refusal (not `UNAVAILABLE`, not a timeout).
+fn definite_lockd_answer(op: &Op) -> bool {
+    matches!(
+        op.kind,
+        OpKind::Acquire { .. }
+            | OpKind::Renew { .. }
+            | OpKind::Release { .. }
+            | OpKind::Describe { .. }
+    ) && matches!(
+        op.outcome,
+        Some(
+            Outcome::Granted { .. }
+                | Outcome::Done { .. }
+                | Outcome::Described { .. }
+                | Outcome::Fail { .. }
+        )
+    )
+}
+
+/// `availability`: every stretch of `a`'s span longer than [`AVAILABILITY_GAP_MS`] in which
+/// no client got a definite answer and which no no-quorum window (plus [`RECOVERY_MS`]) covers.
+/// Also returns the longest such stretch, violation or not.
+pub fn check_availability(ops: &[Op], a: &AvailabilityInput) -> (Vec<Violation>, Gap) {
+    // Covered spans: each answer an instant, each excused window an interval.
+    let mut covered: Vec<(u64, u64)> = ops
+        .iter()
+        .filter(|o| definite_lockd_answer(o))
+        .filter_map(|o| o.complete_ms)
+        .map(|t| (t, t))
+        .collect();
+    covered.extend(
+        a.no_quorum
+            .iter()
+            .map(|(s, e)| (*s, e.saturating_add(RECOVERY_MS))),
+    );
+    covered.sort_unstable();
+    let mut gaps = Vec::new();
+    let mut cur = a.from_ms;
+    for (s, e) in covered {
+        if e < cur {
+            continue;
+        }
+        if s > cur {
+            gaps.push((cur, s.min(a.to_ms)));
+        }
+        cur = cur.max(e);
+        if cur >= a.to_ms {
+            break;
+        }
+    }
+    if cur < a.to_ms {
+        gaps.push((cur, a.to_ms));
+    }
+    let longest = gaps
+        .iter()
+        .map(|(s, e)| Gap {
+            from_ms: *s,
+            len_ms: e.saturating_sub(*s),
+        })
+        .max_by_key(|g| g.len_ms)
+        .unwrap_or_default();
+    let violations = gaps
+        .iter()
+        .filter(|(s, e)| e.saturating_sub(*s) > AVAILABILITY_GAP_MS)
+        .map(|(s, e)| Violation {
+            check: "availability",
+            detail: format!(
+                "no client got a definite answer from {s} to {e} ms ({} ms, bound {AVAILABILITY_GAP_MS} ms) while a quorum could exist (no-quorum windows: {:?})",
+                e - s,
+                a.no_quorum
+            ),
+        })
+        .collect();
+    (violations, longest)
 }
 
 /// The lock-table events of the audit logs, one list per log index, taken from whichever node

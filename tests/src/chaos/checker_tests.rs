@@ -131,6 +131,8 @@ fn good() -> CheckInput {
             acquired_after_ms: Some(500),
             bound_ms: 1000,
         }],
+        availability: None,
+        rate_error_pct: 0,
     }
 }
 
@@ -277,4 +279,124 @@ fn replicas_that_disagree_fail_replica_agreement() {
     let mut i = good();
     i.audit.push(audit(5, 3, 1_070, "granted", "r", 7, "b"));
     assert!(checks_failing(&i).contains(&"replica-agreement"));
+}
+
+fn describe_op(index: usize, at_ms: u64, outcome: Outcome) -> Op {
+    op(
+        index,
+        OpKind::Describe {
+            resource: "r".into(),
+            via: "node-1".into(),
+        },
+        at_ms.saturating_sub(5),
+        at_ms,
+        outcome,
+    )
+}
+
+/// Definite answers every second from 0 to 40 s, except none in 12-30 s; one unknown in the gap.
+fn history_with_a_gap() -> Vec<Op> {
+    let free = || Outcome::Described {
+        held: false,
+        token: 0,
+        holder: String::new(),
+    };
+    let mut ops: Vec<Op> = (0..=40)
+        .filter(|s| !(13..30).contains(s))
+        .enumerate()
+        .map(|(i, s)| describe_op(i, s * 1_000, free()))
+        .collect();
+    ops.push(describe_op(
+        ops.len(),
+        20_000,
+        Outcome::Unknown {
+            reason: "Unavailable".into(),
+        },
+    ));
+    ops
+}
+
+fn availability(no_quorum: Vec<(u64, u64)>) -> CheckInput {
+    CheckInput {
+        ops: history_with_a_gap(),
+        availability: Some(AvailabilityInput {
+            from_ms: 0,
+            to_ms: 40_000,
+            no_quorum,
+        }),
+        ..CheckInput::default()
+    }
+}
+
+#[test]
+fn a_long_silence_while_a_quorum_could_exist_fails_availability() {
+    let i = availability(vec![]);
+    let (v, gap) = check_availability(&i.ops, i.availability.as_ref().unwrap());
+    assert_eq!(
+        gap,
+        Gap {
+            from_ms: 12_000,
+            len_ms: 18_000
+        }
+    );
+    assert_eq!(v.len(), 1, "{v:?}");
+    assert_eq!(checks_failing(&availability(vec![])), vec!["availability"]);
+}
+
+#[test]
+fn the_same_silence_inside_a_no_quorum_window_is_excused() {
+    // No quorum from 12 to 25 s; recovery allowance up to 31 s covers the rest.
+    assert_eq!(check(&availability(vec![(12_000, 25_000)])), vec![]);
+}
+
+#[test]
+fn a_silence_that_outlasts_the_window_and_its_recovery_fails_availability() {
+    // The window ends at 13 s: excused until 19 s, then 11 s with no answer.
+    let i = availability(vec![(12_000, 13_000)]);
+    assert_eq!(checks_failing(&i), vec!["availability"]);
+    let (_, gap) = check_availability(&i.ops, i.availability.as_ref().unwrap());
+    assert_eq!(gap.from_ms, 13_000 + RECOVERY_MS);
+}
+
+#[test]
+fn silence_at_the_end_of_the_span_counts_too() {
+    // Excused until 31 s, answers until 31 s, then 14 s of silence to the end of the span.
+    let mut i = availability(vec![(12_000, 25_000)]);
+    i.ops.retain(|o| o.complete_ms.unwrap() <= 31_000);
+    i.availability.as_mut().unwrap().to_ms = 45_000;
+    assert_eq!(checks_failing(&i), vec!["availability"]);
+}
+
+/// A holder took a 3,000 ms lease (sent at 0) and never renewed or released it; another request
+/// was granted, acknowledged at `at_ms`.
+fn early_takeover(at_ms: u64, rate_error_pct: u64) -> CheckInput {
+    CheckInput {
+        ops: vec![
+            op(0, acquire("a", "r", 3_000, 1), 0, 10, granted("L1", 1)),
+            op(
+                1,
+                acquire("b", "r", 1_000, 1),
+                at_ms - 100,
+                at_ms,
+                granted("L2", 2),
+            ),
+        ],
+        rate_error_pct,
+        ..CheckInput::default()
+    }
+}
+
+#[test]
+fn with_rate_faults_a_client_counts_its_ttl_less_the_rate_bound() {
+    // 2,900 ms: inside the holder's full ttl, outside ttl less 5 %.
+    assert_eq!(
+        checks_failing(&early_takeover(2_900, 0)),
+        vec!["single-holder"]
+    );
+    assert_eq!(check(&early_takeover(2_900, 5)), vec![]);
+    // 2,800 ms is inside even the reduced lease.
+    assert_eq!(
+        checks_failing(&early_takeover(2_800, 5)),
+        vec!["single-holder"]
+    );
 }

@@ -13,7 +13,7 @@ use std::collections::BTreeSet;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::process::Command;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use lockd_api::v1::StatusRequest;
@@ -21,6 +21,8 @@ use lockd_api::v1::cluster_client::ClusterClient;
 use nix::sys::signal::Signal;
 use tonic::transport::Channel;
 
+use super::clock::{FakeClocks, remove_shm_of};
+use super::history::History;
 use super::relay::Relay;
 use crate::process::{ChildGuard, command, random_loopback_ip};
 
@@ -77,6 +79,18 @@ impl Default for Timings {
     }
 }
 
+impl Timings {
+    /// For runs with composed faults: a snapshot every 50 log entries with 20 kept behind it, so
+    /// that a node that was down or wiped for a second needs a snapshot to catch up.
+    pub fn frequent_snapshots() -> Timings {
+        Timings {
+            snapshot_every: 50,
+            logs_kept_after_snapshot: 20,
+            ..Timings::default()
+        }
+    }
+}
+
 pub struct ChaosCluster {
     /// The `127.A.B` prefix of this run.
     pub net: [u8; 3],
@@ -87,6 +101,22 @@ pub struct ChaosCluster {
     pub clock_offsets_ms: Vec<i64>,
     /// Nodes currently stopped with SIGSTOP.
     paused: Vec<bool>,
+    /// Nodes currently cut off from their peers by the relays.
+    isolated: Vec<bool>,
+    /// Nodes whose data dir was deleted and that may not have caught up yet (they cannot vote
+    /// until they have); counted out of any quorum until the fault is healed, conservatively.
+    wiped: Vec<bool>,
+    /// Since when (history ms) two or more nodes have been out (down, paused, isolated, wiped):
+    /// with three nodes, no quorum can exist then.
+    no_quorum_since: Option<u64>,
+    /// Off while the cluster starts (nodes come up one by one), on from then on.
+    tracking: bool,
+    /// The closed windows (history ms, start and end) in which no quorum could exist.
+    pub no_quorum: Vec<(u64, u64)>,
+    /// With clock faults: the nodes' faked clocks.
+    clocks: Option<Arc<FakeClocks>>,
+    /// Where the cluster notes what it did to clocks and quorum (the run's history).
+    history: History,
     peer_relays: Vec<Relay>,
     client_relays: Vec<Relay>,
     /// With `--tls`: the peer CA (PEM) clients trust, and each node's certificate files.
@@ -135,7 +165,16 @@ impl ChaosCluster {
     /// Starts relays and nodes in `dir` (kept by the caller) and waits for a leader; with `tls`,
     /// the nodes run with certificates of a CA made for the run (naming each node's own, peer
     /// relay and client relay addresses).
-    pub async fn start(dir: PathBuf, timings: Timings, tls: bool) -> anyhow::Result<ChaosCluster> {
+    ///
+    /// With `clocks`, every node runs with libfaketime preloaded (see [`super::clock`]); quorum
+    /// windows and clock draws are noted in `history`.
+    pub async fn start(
+        dir: PathBuf,
+        timings: Timings,
+        tls: bool,
+        clocks: Option<Arc<FakeClocks>>,
+        history: History,
+    ) -> anyhow::Result<ChaosCluster> {
         let mut attempt = 0;
         let mut c = loop {
             attempt += 1;
@@ -146,6 +185,13 @@ impl ChaosCluster {
                 nodes: (0..NODES).map(|_| None).collect(),
                 clock_offsets_ms: vec![0; NODES as usize],
                 paused: vec![false; NODES as usize],
+                isolated: vec![false; NODES as usize],
+                wiped: vec![false; NODES as usize],
+                no_quorum_since: None,
+                tracking: false,
+                no_quorum: Vec::new(),
+                clocks: clocks.clone(),
+                history: history.clone(),
                 peer_relays: Vec::new(),
                 client_relays: Vec::new(),
                 tls: None,
@@ -178,6 +224,7 @@ impl ChaosCluster {
         for id in 1..=NODES {
             c.start_node(id, 0)?;
         }
+        c.tracking = true;
         c.wait_for_leader(Duration::from_secs(30)).await?;
         Ok(c)
     }
@@ -264,6 +311,18 @@ impl ChaosCluster {
                 .arg(self.dir.join(POLICY_FILE));
         }
         cmd.env("LOCKD_TEST_CLOCK_OFFSET_MS", clock_offset_ms.to_string());
+        if let Some(clocks) = &self.clocks
+            && let Some(rate) = clocks.before_start(id, &mut cmd)?
+        {
+            self.history.note(
+                "nemesis",
+                format!(
+                    "node {id} starts with its clocks at {}.{:02} % of real time",
+                    rate / 100,
+                    rate % 100
+                ),
+            );
+        }
         if std::env::var_os("RUST_LOG").is_none() {
             cmd.env("RUST_LOG", "error,openraft=off");
         }
@@ -273,12 +332,62 @@ impl ChaosCluster {
         self.clock_offsets_ms[id as usize - 1] = clock_offset_ms;
         self.paused[id as usize - 1] = false;
         self.nodes[id as usize - 1] = Some(ChildGuard::spawn(format!("lockd-{id}"), cmd)?);
+        self.track_quorum();
         Ok(())
+    }
+
+    /// Whether node `id` counts towards a quorum now.
+    fn counts(&self, id: u64) -> bool {
+        let i = id as usize - 1;
+        self.is_up(id) && !self.paused[i] && !self.isolated[i] && !self.wiped[i]
+    }
+
+    /// Opens or closes a no-quorum window after a change of some node's state.
+    fn track_quorum(&mut self) {
+        if !self.tracking {
+            return;
+        }
+        let out = (1..=NODES).filter(|id| !self.counts(*id)).count() as u64;
+        let now = self.history.now_ms();
+        match (out * 2 >= NODES, self.no_quorum_since) {
+            (true, None) => {
+                self.no_quorum_since = Some(now);
+                self.history
+                    .note("nemesis", format!("no quorum possible ({out} nodes out)"));
+            }
+            (false, Some(since)) => {
+                self.no_quorum.push((since, now));
+                self.no_quorum_since = None;
+                self.history.note("nemesis", "a quorum is possible again");
+            }
+            _ => {}
+        }
+    }
+
+    /// The no-quorum windows, the one still open (if any) closed at `now`.
+    pub fn no_quorum_windows(&self) -> Vec<(u64, u64)> {
+        let mut w = self.no_quorum.clone();
+        if let Some(since) = self.no_quorum_since {
+            w.push((since, self.history.now_ms()));
+        }
+        w
+    }
+
+    /// Kills a node's process (SIGKILL, reaped) and removes what libfaketime left behind for it.
+    fn kill_process(&mut self, id: u64) {
+        if let Some(mut n) = self.nodes[id as usize - 1].take() {
+            let pid = n.pid();
+            n.kill();
+            if let (Some(pid), Some(_)) = (pid, &self.clocks) {
+                remove_shm_of(pid);
+            }
+        }
     }
 
     /// Kills node `id` and deletes its data dir (its audit log, outside it, stays for the
     /// checker): the next start is empty, as after a lost disk.
     pub fn wipe(&mut self, id: u64) -> anyhow::Result<()> {
+        self.wiped[id as usize - 1] = true;
         self.kill(id);
         let dir = self.dir.join(format!("node{id}"));
         if dir.exists() {
@@ -290,10 +399,9 @@ impl ChaosCluster {
 
     /// kill -9.
     pub fn kill(&mut self, id: u64) {
-        if let Some(mut n) = self.nodes[id as usize - 1].take() {
-            n.kill();
-        }
+        self.kill_process(id);
         self.paused[id as usize - 1] = false;
+        self.track_quorum();
     }
 
     pub fn is_up(&self, id: u64) -> bool {
@@ -305,6 +413,7 @@ impl ChaosCluster {
             n.signal(Signal::SIGSTOP);
             self.paused[id as usize - 1] = true;
         }
+        self.track_quorum();
     }
 
     pub fn resume(&mut self, id: u64) {
@@ -312,31 +421,38 @@ impl ChaosCluster {
             n.signal(Signal::SIGCONT);
         }
         self.paused[id as usize - 1] = false;
+        self.track_quorum();
     }
 
     /// Cuts node `id` off from both peers, both directions.
-    pub fn isolate(&self, id: u64) {
+    pub fn isolate(&mut self, id: u64) {
         for other in 1..=NODES {
             if other != id {
                 self.peer_relays[other as usize - 1].block(IpAddr::V4(self.node_ip(id)));
                 self.peer_relays[id as usize - 1].block(IpAddr::V4(self.node_ip(other)));
             }
         }
+        self.isolated[id as usize - 1] = true;
+        self.track_quorum();
     }
 
     pub fn drop_replies(&self, id: u64, on: bool) {
         self.client_relays[id as usize - 1].set_drop_replies(on);
     }
 
-    pub fn heal_network(&self) {
+    pub fn heal_network(&mut self) {
         for r in self.peer_relays.iter().chain(&self.client_relays) {
             r.heal();
         }
+        self.isolated.iter_mut().for_each(|i| *i = false);
+        self.track_quorum();
     }
 
     /// Lifts every fault: network healed, paused nodes resumed, stopped nodes restarted with the
-    /// clock offset they last had.
+    /// clock offset they last had; wiped nodes count again (they have had the fault's time to
+    /// catch up).
     pub fn heal_all(&mut self) -> anyhow::Result<()> {
+        self.wiped.iter_mut().for_each(|w| *w = false);
         self.heal_network();
         for id in 1..=NODES {
             if self.paused[id as usize - 1] {
@@ -436,13 +552,13 @@ impl ChaosCluster {
             }
         }
         let deadline = Instant::now() + STOP_WAIT;
-        for slot in &mut self.nodes {
-            if let Some(mut n) = slot.take() {
+        for id in 1..=NODES {
+            if let Some(n) = &mut self.nodes[id as usize - 1] {
                 while n.try_wait().is_none() && Instant::now() < deadline {
                     std::thread::sleep(Duration::from_millis(20));
                 }
-                n.kill();
             }
+            self.kill_process(id);
         }
     }
 }
@@ -451,10 +567,8 @@ impl Drop for ChaosCluster {
     fn drop(&mut self) {
         // The nodes (ChildGuard) and relays stop themselves when dropped; the network is free
         // once they have.
-        for n in &mut self.nodes {
-            if let Some(mut n) = n.take() {
-                n.kill();
-            }
+        for id in 1..=NODES {
+            self.kill_process(id);
         }
         self.peer_relays.clear();
         self.client_relays.clear();

@@ -1,12 +1,16 @@
 //! Fault-injection verification: real `lockd` processes, `fence-proxy` and protected targets
 //! under a seeded nemesis (crashes, pauses, partitions, lost replies, clock jumps, stalled
-//! clients), with a recorded history checked against the invariants. See docs/verification.md.
+//! clients, and with `--composed` several of them at once), optionally with wrong clocks made by
+//! libfaketime, with a recorded history checked against the invariants. See
+//! docs/verification.md.
 //!
 //! It does not fix what it finds: a violation is reported with its seed and a rerun command.
 //!
 //! # Layout
 //! - [`relay`]: fault-injecting TCP relay (blackhole by source IP, drop replies).
-//! - [`cluster`]: three nodes wired through relays; `fence-proxy http` start-up.
+//! - [`cluster`]: three nodes wired through relays; `fence-proxy http` start-up; the windows in
+//!   which no quorum could exist.
+//! - [`clock`]: wall-clock offsets and clock rates with libfaketime.
 //! - [`register`]: the protected HTTP register and a minimal HTTP client.
 //! - [`history`]: the recorded history (invoke, ok, fail, unknown).
 //! - [`workload`]: the seeded client workers.
@@ -17,6 +21,7 @@
 //! - [`soak`]: many seeded runs, some at once, with a summary file that accumulates.
 
 pub mod checker;
+pub mod clock;
 pub mod cluster;
 pub mod history;
 pub mod linearizable;

@@ -1,7 +1,13 @@
 //! The nemesis: a seeded schedule of faults, one at a time, each held for a while and then lifted.
-//! Every kind comes once per round of nine, in a seeded order. The same seed gives the same
+//! Every kind it draws from comes once per round, in a seeded order. The same seed gives the same
 //! sequence of fault kinds, targets (by role) and durations; the
 //! interleaving with client operations still depends on timing.
+//!
+//! The single faults ([`ALL`]) leave a quorum reachable; the composed ones ([`COMPOSED`],
+//! `chaos --composed`) put several faults on the cluster at once, most of them leaving no quorum
+//! for a while: the cluster tracks those windows (`ChaosCluster::no_quorum`) so that the
+//! availability check claims no failure inside them. Clock faults run beside the nemesis, at any
+//! time (`clock.rs`, [`run_clock_steps`]).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -10,6 +16,7 @@ use std::time::{Duration, Instant};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
+use super::clock::FakeClocks;
 use super::cluster::{ChaosCluster, NODES};
 use super::history::History;
 
@@ -37,6 +44,19 @@ pub enum Fault {
     /// A node loses its disk: killed, data dir deleted, restarted empty. It must catch up
     /// before it votes, campaigns or follows an older term (lockd's vote gate).
     WipeNode,
+    /// Composed: two nodes killed (the leader and a follower, or both followers), restarted one
+    /// after the other. No quorum until the first is back.
+    TwoNodesDown,
+    /// Composed: a node killed, another isolated while it is down, the first restarted while the
+    /// partition lasts, then the partition healed.
+    PartitionDuringRestart,
+    /// Composed: a follower wiped and restarted empty, so the leader sends it a snapshot (runs
+    /// with composed faults snapshot often), and the leader paused with SIGSTOP right then. The
+    /// third node cannot win an election without the empty node's vote, which the vote gate
+    /// withholds until it has caught up: no quorum until the leader resumes.
+    PauseLeaderInSnapshotInstall,
+    /// Composed: a node isolated, another wiped and restarted empty while the partition lasts.
+    WipeWhilePartitioned,
 }
 
 pub const ALL: [Fault; 9] = [
@@ -51,6 +71,21 @@ pub const ALL: [Fault; 9] = [
     Fault::WipeNode,
 ];
 
+/// The composed faults (`chaos --composed` adds them to [`ALL`]).
+pub const COMPOSED: [Fault; 4] = [
+    Fault::TwoNodesDown,
+    Fault::PartitionDuringRestart,
+    Fault::PauseLeaderInSnapshotInstall,
+    Fault::WipeWhilePartitioned,
+];
+
+/// How long [`Fault::TwoNodesDown`] keeps both nodes down, ms; and the same in the broken mode
+/// that hides the outage from the checker, longer than the availability check allows.
+const TWO_DOWN_HOLD_MS: (u64, u64) = (1_000, 4_000);
+const HIDDEN_OUTAGE_HOLD_MS: (u64, u64) = (15_000, 20_000);
+/// How long the nemesis waits for a restarted node to answer before pausing the leader anyway.
+const NODE_UP_WAIT: Duration = Duration::from_secs(5);
+
 pub struct Nemesis {
     rng: StdRng,
     history: History,
@@ -63,6 +98,9 @@ pub struct Nemesis {
     bag: Vec<Fault>,
     /// The fault kinds this nemesis draws from.
     kinds: Vec<Fault>,
+    /// The broken mode that keeps two nodes down far longer than the availability check allows
+    /// (the run then hides the outage from the checker).
+    pub long_outages: bool,
 }
 
 impl Nemesis {
@@ -80,6 +118,7 @@ impl Nemesis {
             injected: Vec::new(),
             kinds,
             bag: Vec::new(),
+            long_outages: false,
         }
     }
 
@@ -113,6 +152,24 @@ impl Nemesis {
     fn other(&mut self, not: u64) -> u64 {
         let k = self.rng.random_range(1..NODES);
         (not + k - 1) % NODES + 1
+    }
+
+    /// The node that is neither `a` nor `b` (two different nodes).
+    fn third(a: u64, b: u64) -> u64 {
+        (1..=NODES)
+            .find(|n| *n != a && *n != b)
+            .expect("three nodes")
+    }
+
+    /// The leader or, half of the time, another node; and the leader.
+    async fn leader_or_other(&mut self, cluster: &ChaosCluster) -> (u64, u64) {
+        let leader = self.leader(cluster).await;
+        let id = if self.rng.random_bool(0.5) {
+            leader
+        } else {
+            self.other(leader)
+        };
+        (id, leader)
     }
 
     /// Injects faults until `until`, then lifts them all. `first` forces the first fault.
@@ -234,7 +291,113 @@ impl Nemesis {
                 self.client_pauses[w].store(true, Ordering::SeqCst);
                 self.sleep_ms(500, 1_500).await;
             }
+            Fault::TwoNodesDown => {
+                let (a, leader) = self.leader_or_other(cluster).await;
+                let b = self.other(a);
+                self.note(format!("kill -9 nodes {a} and {b} (leader was {leader})"));
+                cluster.kill(a);
+                self.sleep_ms(0, 500).await;
+                cluster.kill(b);
+                let (lo, hi) = if self.long_outages {
+                    HIDDEN_OUTAGE_HOLD_MS
+                } else {
+                    TWO_DOWN_HOLD_MS
+                };
+                self.sleep_ms(lo, hi).await;
+                self.note(format!("restart node {a}"));
+                cluster.start_node(a, cluster.clock_offsets_ms[a as usize - 1])?;
+                self.sleep_ms(0, 1_500).await;
+                self.note(format!("restart node {b}"));
+                cluster.start_node(b, cluster.clock_offsets_ms[b as usize - 1])?;
+                self.sleep_ms(1_000, 2_000).await;
+            }
+            Fault::PartitionDuringRestart => {
+                let (down, leader) = self.leader_or_other(cluster).await;
+                let cut = self.other(down);
+                self.note(format!("kill -9 node {down} (leader was {leader})"));
+                cluster.kill(down);
+                self.sleep_ms(300, 1_500).await;
+                self.note(format!("isolate node {cut} while node {down} is down"));
+                cluster.isolate(cut);
+                self.sleep_ms(500, 2_000).await;
+                self.note(format!("restart node {down} while node {cut} is isolated"));
+                cluster.start_node(down, cluster.clock_offsets_ms[down as usize - 1])?;
+                self.sleep_ms(1_000, 3_000).await;
+                self.note(format!("heal partition of node {cut}"));
+                cluster.heal_network();
+                self.sleep_ms(500, 1_500).await;
+            }
+            Fault::PauseLeaderInSnapshotInstall => {
+                let leader = self.leader(cluster).await;
+                let follower = self.other(leader);
+                self.note(format!(
+                    "kill -9 follower {follower} (leader {leader}) and delete its data dir"
+                ));
+                cluster.wipe(follower)?;
+                self.sleep_ms(300, 1_500).await;
+                self.note(format!(
+                    "restart node {follower} empty: the leader must send it a snapshot"
+                ));
+                cluster.start_node(follower, cluster.clock_offsets_ms[follower as usize - 1])?;
+                // Pause once the empty node answers, a little later or at once, so that across
+                // seeds the pause lands before, while and after the snapshot goes over.
+                let deadline = Instant::now() + NODE_UP_WAIT;
+                while cluster.status(follower).await.is_err() && Instant::now() < deadline {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                self.sleep_ms(0, 400).await;
+                let applied = cluster
+                    .status(follower)
+                    .await
+                    .map(|s| s.applied_index.to_string())
+                    .unwrap_or_else(|_| "?".into());
+                cluster.pause(leader);
+                self.note(format!(
+                    "SIGSTOP leader {leader} while node {follower} catches up (it had applied index {applied})"
+                ));
+                self.sleep_ms(1_000, 4_000).await;
+                self.note(format!("SIGCONT node {leader}"));
+                cluster.resume(leader);
+                self.sleep_ms(2_000, 4_000).await;
+            }
+            Fault::WipeWhilePartitioned => {
+                let (cut, leader) = self.leader_or_other(cluster).await;
+                let wiped = self.other(cut);
+                self.note(format!("isolate node {cut} (leader was {leader})"));
+                cluster.isolate(cut);
+                self.sleep_ms(300, 1_000).await;
+                self.note(format!(
+                    "kill -9 node {wiped} and delete its data dir while node {cut} is isolated"
+                ));
+                cluster.wipe(wiped)?;
+                self.sleep_ms(500, 2_000).await;
+                self.note(format!(
+                    "restart node {wiped} empty; node {} is its only reachable peer",
+                    Self::third(cut, wiped)
+                ));
+                cluster.start_node(wiped, cluster.clock_offsets_ms[wiped as usize - 1])?;
+                self.sleep_ms(1_500, 4_000).await;
+                self.note(format!("heal partition of node {cut}"));
+                cluster.heal_network();
+                self.sleep_ms(2_000, 4_000).await;
+            }
         }
         Ok(())
     }
+}
+
+/// Clock faults beside the nemesis ([`super::clock::ClockMode::Offsets`]): until `until`, every
+/// 0.5-4 s one node's wall clock gets a new offset, whatever else the nemesis is doing.
+pub async fn run_clock_steps(
+    clocks: std::sync::Arc<FakeClocks>,
+    history: History,
+    until: Instant,
+) -> anyhow::Result<()> {
+    while Instant::now() < until {
+        let pause = clocks.next_pause_ms(500, 4_000);
+        tokio::time::sleep(Duration::from_millis(pause)).await;
+        let what = clocks.step(NODES)?;
+        history.note("clock", what);
+    }
+    Ok(())
 }

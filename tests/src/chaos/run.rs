@@ -10,11 +10,14 @@ use lockd_api::v1::lock_client::LockClient;
 use lockd_api::v1::{AcquireRequest, ReleaseRequest};
 use tokio_util::sync::CancellationToken;
 
-use super::checker::{self, Applied, AuditLine, CheckInput, Liveness, Violation};
+use super::checker::{
+    self, Applied, AuditLine, AvailabilityInput, CheckInput, Gap, Liveness, Violation,
+};
+use super::clock::{ClockMode, FakeClocks, MAX_RATE_ERROR_PCT};
 use super::cluster::{ChaosCluster, NODES, Timings, client_channel, start_http_proxy};
 use super::history::{History, OpKind, Outcome};
 use super::linearizable::{self, LinReport};
-use super::nemesis::{ALL, Fault, MAX_CLOCK_OFFSET_MS, Nemesis};
+use super::nemesis::{ALL, COMPOSED, Fault, MAX_CLOCK_OFFSET_MS, Nemesis, run_clock_steps};
 use super::register::Register;
 use super::workload::{self, Endpoints, MAX_TTL_MS, MAX_WAIT_MS, Mode, PgTarget, Worker};
 
@@ -27,6 +30,14 @@ use super::workload::{self, Endpoints, MAX_TTL_MS, MAX_WAIT_MS, Mode, PgTarget, 
 pub const LIVENESS_BOUND: Duration = Duration::from_millis(
     6_000 + 2 * MAX_TTL_MS + (MAX_WAIT_MS + MAX_TTL_MS) + MAX_CLOCK_OFFSET_MS as u64,
 );
+
+/// [`LIVENESS_BOUND`] when clocks may run `rate_error_pct` % slow: its timed parts (election
+/// timeouts and lease ttls, all but the clock offset) last up to `1 / (1 - rate)` times longer.
+pub fn liveness_bound(rate_error_pct: u64) -> Duration {
+    let timed = LIVENESS_BOUND.as_millis() as u64 - MAX_CLOCK_OFFSET_MS as u64;
+    let extra = (timed * rate_error_pct).div_ceil(100 - rate_error_pct.min(99));
+    LIVENESS_BOUND + Duration::from_millis(extra)
+}
 /// How long stopped workers may take to finish their current operation.
 const WORKER_STOP_WAIT: Duration = Duration::from_secs(20);
 /// Port of the run's `fence-proxy postgres`, on the run's own harness IP (so that runs going on
@@ -48,6 +59,8 @@ pub struct RunConfig {
     pub faults: Vec<Fault>,
     /// The nodes run with TLS (certificates of a CA made for the run) and clients use it.
     pub tls: bool,
+    /// Clock faults made with libfaketime (`--clock`, `--clock-rate`).
+    pub clock: Option<ClockMode>,
 }
 
 impl RunConfig {
@@ -62,6 +75,26 @@ impl RunConfig {
             first_fault: None,
             faults: ALL.to_vec(),
             tls: false,
+            clock: None,
+        }
+    }
+
+    /// The single faults and the composed ones (`--composed`).
+    pub fn all_with_composed() -> Vec<Fault> {
+        ALL.iter().chain(COMPOSED.iter()).copied().collect()
+    }
+
+    /// Whether the nemesis may compose faults (the cluster then snapshots often).
+    pub fn composed(&self) -> bool {
+        self.faults.iter().any(|f| COMPOSED.contains(f))
+    }
+
+    /// The bound on clock rates the checks allow for, percent.
+    pub fn rate_error_pct(&self) -> u64 {
+        if self.clock == Some(ClockMode::Rates) {
+            MAX_RATE_ERROR_PCT
+        } else {
+            0
         }
     }
 
@@ -80,9 +113,15 @@ impl RunConfig {
         if !self.postgres {
             c.push_str(" --no-postgres");
         }
-        if self.faults != ALL {
+        if self.faults == Self::all_with_composed() {
+            c.push_str(" --composed");
+        } else if self.faults != ALL {
             let names: Vec<String> = self.faults.iter().map(|f| format!("{f:?}")).collect();
             c.push_str(&format!(" --faults {}", names.join(",")));
+        }
+        if let Some(m) = self.clock {
+            c.push(' ');
+            c.push_str(m.flag());
         }
         if let Some(f) = self.first_fault {
             c.push_str(&format!(" --first-fault {f:?}"));
@@ -111,6 +150,13 @@ pub struct RunReport {
     pub liveness: Vec<Liveness>,
     /// The linearizability check of the lock operations (its violations are in `violations`).
     pub lin: LinReport,
+    /// Runtime wall-clock offset changes, and clock rates drawn at node starts.
+    pub clock_steps: u64,
+    pub clock_rates: u64,
+    /// Windows (history ms) in which the nemesis left no quorum possible.
+    pub no_quorum: Vec<(u64, u64)>,
+    /// The longest stretch without a definite answer outside those windows.
+    pub longest_gap: Gap,
     /// From start-up to verdict.
     pub elapsed: Duration,
 }
@@ -118,11 +164,15 @@ pub struct RunReport {
 impl RunReport {
     pub fn summary(&self) -> String {
         let mut s = format!(
-            "chaos seed {} ({:?}, {:?}{}): {} ops, {} grants, {} describes, {} fenced writes acknowledged, {} refused, {} unknown outcomes; faults {:?}; liveness {:?}; {:.0?} in all; artifacts {}\n{}\n",
+            "chaos seed {} ({:?}, {:?}{}{}): {} ops, {} grants, {} describes, {} fenced writes acknowledged, {} refused, {} unknown outcomes; faults {:?}; clock offset steps {}, clock rates drawn {}; no-quorum windows {:?} ms; longest silence with a quorum possible {} ms from {} ms; liveness {:?}; {:.0?} in all; artifacts {}\n{}\n",
             self.config.seed,
             self.config.duration,
             self.config.mode,
             if self.config.tls { ", tls" } else { "" },
+            self.config
+                .clock
+                .map(|m| format!(", {}", m.flag()))
+                .unwrap_or_default(),
             self.ops,
             self.grants,
             self.describes,
@@ -130,6 +180,11 @@ impl RunReport {
             self.writes_refused,
             self.unknown,
             self.faults,
+            self.clock_steps,
+            self.clock_rates,
+            self.no_quorum,
+            self.longest_gap.len_ms,
+            self.longest_gap.from_ms,
             self.liveness
                 .iter()
                 .map(|l| l.acquired_after_ms)
@@ -184,8 +239,37 @@ pub async fn run_in(config: RunConfig, artifacts: PathBuf) -> anyhow::Result<Run
     let started = Instant::now();
     let run_id = format!("c{:x}", config.seed);
     let unique = crate::pg::unique_name("chaos");
-    let mut cluster =
-        ChaosCluster::start(artifacts.clone(), Timings::default(), config.tls).await?;
+    // From here on: the history's clock (the cluster notes quorum windows and clock draws in it).
+    let history = History::new(Instant::now());
+    let clocks = match config.clock {
+        Some(mode) => Some(Arc::new(FakeClocks::new(
+            &artifacts,
+            mode,
+            config.mode.breaks_clocks(),
+            config.seed,
+            NODES,
+        )?)),
+        None => None,
+    };
+    if let Some(c) = clocks.as_ref().filter(|c| c.mode == ClockMode::Offsets) {
+        history.note(
+            "clock",
+            format!("wall-clock offsets at start (s): {:?}", c.offsets_s()),
+        );
+    }
+    let timings = if config.composed() {
+        Timings::frequent_snapshots()
+    } else {
+        Timings::default()
+    };
+    let mut cluster = ChaosCluster::start(
+        artifacts.clone(),
+        timings,
+        config.tls,
+        clocks.clone(),
+        history.clone(),
+    )
+    .await?;
     let register = Register::start(cluster.harness_ip()).await?;
     let proxy_addr = std::net::SocketAddr::new(cluster.harness_ip(), 8080);
     let _http_proxy = start_http_proxy(proxy_addr, register.addr, &artifacts)?;
@@ -224,8 +308,6 @@ pub async fn run_in(config: RunConfig, artifacts: PathBuf) -> anyhow::Result<Run
     let resources: Vec<String> = (0..config.resources)
         .map(|i| format!("{unique}/r{i}"))
         .collect();
-    let start = Instant::now();
-    let history = History::new(start);
     let stop = CancellationToken::new();
     // A run abandoned midway (`chaos --runs` bounds each run) must not leave workers running.
     let _stop_workers_when_dropped = stop.clone().drop_guard();
@@ -247,10 +329,20 @@ pub async fn run_in(config: RunConfig, artifacts: PathBuf) -> anyhow::Result<Run
     }
 
     let mut nemesis = Nemesis::new(config.seed, config.faults.clone(), history.clone(), pauses);
-    let nemesis_result = nemesis
-        .run(&mut cluster, start + config.duration, config.first_fault)
-        .await;
+    nemesis.long_outages = config.mode == Mode::HiddenOutage;
+    let faults_from_ms = history.now_ms();
+    let until = Instant::now() + config.duration;
+    let clock_steps = clocks
+        .clone()
+        .filter(|c| c.mode == ClockMode::Offsets)
+        .map(|c| tokio::spawn(run_clock_steps(c, history.clone(), until)));
+    let nemesis_result = nemesis.run(&mut cluster, until, config.first_fault).await;
+    let clock_result = match clock_steps {
+        Some(task) => task.await?,
+        None => Ok(()),
+    };
     cluster.heal_all()?;
+    let faults_to_ms = history.now_ms();
     history.note("nemesis", "faults stopped");
     stop.cancel();
     let stopped_by = Instant::now() + WORKER_STOP_WAIT;
@@ -261,6 +353,7 @@ pub async fn run_in(config: RunConfig, artifacts: PathBuf) -> anyhow::Result<Run
         }
     }
     nemesis_result?;
+    clock_result?;
     history.note("harness", "clients stopped; probing liveness");
 
     let quiet = Instant::now();
@@ -272,6 +365,7 @@ pub async fn run_in(config: RunConfig, artifacts: PathBuf) -> anyhow::Result<Run
             history.clone(),
             quiet,
             run_id.clone(),
+            liveness_bound(config.rate_error_pct()),
         )
     });
     let liveness = futures::future::join_all(probes).await;
@@ -324,15 +418,37 @@ pub async fn run_in(config: RunConfig, artifacts: PathBuf) -> anyhow::Result<Run
             line.request_id = id.clone();
         }
     }
+    let no_quorum = cluster.no_quorum_windows();
+    let availability = AvailabilityInput {
+        from_ms: faults_from_ms,
+        to_ms: faults_to_ms,
+        // The broken mode keeps the checker from knowing its long outages.
+        no_quorum: if config.mode == Mode::HiddenOutage {
+            Vec::new()
+        } else {
+            no_quorum.clone()
+        },
+    };
+    let (_, longest_gap) = checker::check_availability(&ops, &availability);
+    let rate_error_pct = config.rate_error_pct();
     let input = CheckInput {
         ops: ops.clone(),
         audit,
         http_applied,
         pg_applied,
         liveness: liveness.clone(),
+        availability: Some(availability),
+        rate_error_pct,
     };
     let mut violations = checker::check(&input);
-    let lin = linearizable::check(&ops, linearizable::STEP_BUDGET);
+    let lin = if rate_error_pct > 0 {
+        linearizable::check(
+            &checker::with_rate_margin(&ops, rate_error_pct),
+            linearizable::STEP_BUDGET,
+        )
+    } else {
+        linearizable::check(&ops, linearizable::STEP_BUDGET)
+    };
     violations.extend(lin.violations());
     if let Err(e) = converged {
         violations.push(Violation {
@@ -361,6 +477,10 @@ pub async fn run_in(config: RunConfig, artifacts: PathBuf) -> anyhow::Result<Run
         describes: count(&|_, o| matches!(o, Outcome::Described { .. })),
         liveness,
         lin,
+        clock_steps: clocks.as_ref().map(|c| c.counts().0).unwrap_or(0),
+        clock_rates: clocks.as_ref().map(|c| c.counts().1).unwrap_or(0),
+        no_quorum,
+        longest_gap,
         elapsed: started.elapsed(),
         config,
     };
@@ -412,8 +532,8 @@ async fn probe_liveness(
     history: History,
     since: Instant,
     run_id: String,
+    bound: Duration,
 ) -> Liveness {
-    let bound = LIVENESS_BOUND;
     let mut request_id = format!("{run_id}-liveness-{resource}");
     let mut attempt = 0u32;
     while since.elapsed() < bound {

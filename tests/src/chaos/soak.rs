@@ -72,10 +72,18 @@ pub struct RunRecord {
     pub postgres: bool,
     pub workers: usize,
     pub resources: usize,
-    /// `correct`, or the `--broken` mode (`bypass-fence`, `stale-describe`).
+    /// `correct`, or the `--broken` mode (`bypass-fence`, `stale-describe`, ...).
     pub mode: String,
-    /// Faults injected, per kind.
+    /// `--clock` or `--clock-rate` when the run had clock faults.
+    pub clock: Option<String>,
+    /// Faults injected, per kind (`ClockOffset`: runtime wall-clock offset changes; `ClockRate`:
+    /// node starts with a drawn clock rate).
     pub faults: BTreeMap<String, u64>,
+    /// Windows in which no quorum could exist, and their total length.
+    pub no_quorum_windows: u64,
+    pub no_quorum_ms: u64,
+    /// The longest stretch without a definite answer while a quorum could exist.
+    pub longest_gap_ms: u64,
     pub ops: u64,
     pub grants: u64,
     pub describes: u64,
@@ -118,6 +126,7 @@ fn base_record(c: &RunConfig, label: &Option<String>) -> RunRecord {
         workers: c.workers,
         resources: c.resources,
         mode: c.mode.broken_name().unwrap_or("correct").into(),
+        clock: c.clock.map(|m| m.flag().to_owned()),
         rerun: c.rerun_command(),
         label: label.clone(),
         finished_unix_s: unix_now(),
@@ -131,6 +140,14 @@ impl RunRecord {
         for f in &r.faults {
             *rec.faults.entry(format!("{f:?}")).or_insert(0) += 1;
         }
+        for (kind, n) in [("ClockOffset", r.clock_steps), ("ClockRate", r.clock_rates)] {
+            if n > 0 {
+                rec.faults.insert(kind.to_owned(), n);
+            }
+        }
+        rec.no_quorum_windows = r.no_quorum.len() as u64;
+        rec.no_quorum_ms = r.no_quorum.iter().map(|(s, e)| e - s).sum();
+        rec.longest_gap_ms = r.longest_gap.len_ms;
         for v in &r.violations {
             *rec.violation_checks.entry(v.check.to_owned()).or_insert(0) += 1;
         }
@@ -179,6 +196,12 @@ pub struct Totals {
     pub lin_check_ms: u64,
     /// The longest linearizability check of one run, in ms.
     pub lin_check_ms_max: u64,
+    /// Runs with clock faults; no-quorum windows and their time; the longest silence with a
+    /// quorum possible in any run.
+    pub clock_runs: u64,
+    pub no_quorum_windows: u64,
+    pub no_quorum_ms: u64,
+    pub longest_gap_ms_max: u64,
     /// Failing and erroring runs: (seed, verdict, rerun command, artifacts).
     pub not_passed: Vec<(u64, String, String, Option<String>)>,
     /// Summary lines that did not parse.
@@ -226,6 +249,10 @@ impl Totals {
         self.lin_inconclusive += r.lin_inconclusive;
         self.lin_check_ms += r.lin_check_ms;
         self.lin_check_ms_max = self.lin_check_ms_max.max(r.lin_check_ms);
+        self.clock_runs += r.clock.is_some() as u64;
+        self.no_quorum_windows += r.no_quorum_windows;
+        self.no_quorum_ms += r.no_quorum_ms;
+        self.longest_gap_ms_max = self.longest_gap_ms_max.max(r.longest_gap_ms);
     }
 
     pub fn render(&self) -> String {
@@ -251,6 +278,10 @@ impl Totals {
             self.lin_check_ms,
             self.lin_check_ms.checked_div(finished).unwrap_or(0),
             self.lin_check_ms_max
+        ));
+        s.push_str(&format!(
+            "{} runs with clock faults; {} no-quorum windows ({} ms in all); longest silence with a quorum possible {} ms\n",
+            self.clock_runs, self.no_quorum_windows, self.no_quorum_ms, self.longest_gap_ms_max
         ));
         s.push_str(&format!(
             "{} violations {:?}\n",

@@ -80,6 +80,16 @@ pub enum Mode {
     /// client-side cache, as a read served by a lagging replica would be): stale reads that the
     /// linearizability check must reject.
     StaleDescribes,
+    /// With `--clock`: every clock step moves every node's clocks forward, the monotonic clock
+    /// too, as if lockd timed leases by the wall clock; leases end early and the checks must say
+    /// so.
+    ClockMonotonic,
+    /// With `--clock-rate`: clocks run 30-60 % fast, far past the 5 % the checks allow for;
+    /// leases end early in real time and the checks must say so.
+    FastClock,
+    /// Two-nodes-down outages held 15-20 s, longer than the availability check allows, and not
+    /// told to the checker: it must report them.
+    HiddenOutage,
 }
 
 impl Mode {
@@ -89,7 +99,15 @@ impl Mode {
             Mode::Correct => None,
             Mode::PausedClientsBypassFence => Some("bypass-fence"),
             Mode::StaleDescribes => Some("stale-describe"),
+            Mode::ClockMonotonic => Some("clock-monotonic"),
+            Mode::FastClock => Some("fast-clock"),
+            Mode::HiddenOutage => Some("hidden-outage"),
         }
+    }
+
+    /// Whether the mode breaks the faked clocks (`clock.rs`).
+    pub fn breaks_clocks(self) -> bool {
+        matches!(self, Mode::ClockMonotonic | Mode::FastClock)
     }
 }
 
