@@ -475,7 +475,7 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
                 let _ = server.await;
                 let _ = raft.shutdown().await;
                 Err(anyhow::anyhow!(
-                    "lockd: Raft stopped on a fatal error: {fatal}; exiting: restart the node once the cause (disk full, I/O errors) is fixed"
+                    "Raft stopped on a fatal error: {fatal}; exiting: restart the node once the cause (disk full, I/O errors) is fixed"
                 ))
             }
         }
