@@ -7,6 +7,8 @@
 //! - [`audit`]: the audit key test clusters use and the request digests it yields.
 //! - [`chaos`]: fault-injection runs (relays, nemesis, workload, history checker).
 //! - [`cluster`]: a real multi-process lockd cluster that tests can kill, pause and wipe.
+//! - [`diskfault`]: a FUSE layer under a node's data dir that drops unsynced writes on a simulated
+//!   power loss, fails fsyncs and fills the disk; and the runs that check lockd under it.
 //! - [`process`]: locating built binaries and owning child processes.
 //! - [`http_upstream`]: an in-process HTTP upstream that logs every request it applied, in order.
 //! - [`fencegen`]: the adversarial session generator for the Postgres front end (`fence-gen`).
@@ -17,6 +19,7 @@
 pub mod audit;
 pub mod chaos;
 pub mod cluster;
+pub mod diskfault;
 pub mod fence_proxy;
 pub mod fencegen;
 pub mod http_upstream;

@@ -448,10 +448,37 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
             )),
         };
     tracing::info!(id = config.id, listen = %config.listen, data_dir = %config.data_dir.display(), "lockd node started");
+    let mut raft_metrics = raft.metrics();
+    let stop_server = shutdown.clone();
     let done = tokio::spawn(async move {
-        let result = server.await;
-        let _ = raft.shutdown().await;
-        result.map_err(|e| anyhow::anyhow!("grpc server: {e}"))
+        // openraft stops its core for good on a storage error (a failed fsync, a full disk):
+        // the node can then neither commit nor recover by itself. Exit with the error rather
+        // than stay up unable to serve, so a supervisor restarts it from what is durable.
+        let core_failed = async move {
+            loop {
+                if let Err(fatal) = &raft_metrics.borrow().running_state {
+                    return fatal.to_string();
+                }
+                if raft_metrics.changed().await.is_err() {
+                    return "the Raft core stopped".to_owned();
+                }
+            }
+        };
+        let mut server = server;
+        tokio::select! {
+            result = &mut server => {
+                let _ = raft.shutdown().await;
+                result.map_err(|e| anyhow::anyhow!("grpc server: {e}"))
+            }
+            fatal = core_failed => {
+                stop_server.cancel();
+                let _ = server.await;
+                let _ = raft.shutdown().await;
+                Err(anyhow::anyhow!(
+                    "Raft stopped on a fatal error: {fatal}; exiting: restart the node once the cause (disk full, I/O errors) is fixed"
+                ))
+            }
+        }
     });
     Ok(RunningNode { ctx, done })
 }

@@ -53,6 +53,16 @@ pub struct Databases {
 pub fn open(data_dir: &Path) -> anyhow::Result<Databases> {
     // Owner only: the log and snapshots hold every lease id and the sequencer signing key.
     use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    // The folders this call creates, outermost first: each new name needs its parent synced.
+    let created: Vec<PathBuf> = {
+        let mut missing: Vec<PathBuf> = data_dir
+            .ancestors()
+            .take_while(|d| !d.as_os_str().is_empty() && !d.exists())
+            .map(Path::to_path_buf)
+            .collect();
+        missing.reverse();
+        missing
+    };
     std::fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
@@ -64,11 +74,21 @@ pub fn open(data_dir: &Path) -> anyhow::Result<Databases> {
             data_dir.display()
         )
     })?;
+    // A new name is durable only once its directory is synced: without these, a power loss
+    // before the first snapshot (the first directory sync) could take the whole log and the vote
+    // with it. The data dir is synced on every start (cheap), and the parent of every folder this call made.
+    for dir in &created {
+        match dir.parent() {
+            Some(parent) if !parent.as_os_str().is_empty() => sync_dir(parent)?,
+            _ => sync_dir(Path::new("."))?,
+        }
+    }
     let log = create(&data_dir.join("lockd.redb"), LOG_CACHE_BYTES, |txn| {
         txn.open_table(LOG)?;
         txn.open_table(META)?;
         Ok(())
     })?;
+    sync_dir(data_dir)?;
     let snapshots = SnapshotFile::new(data_dir);
     snapshots.remove_leftovers()?;
     Ok(Databases {
@@ -76,6 +96,13 @@ pub fn open(data_dir: &Path) -> anyhow::Result<Databases> {
         snapshots,
         legacy_snapshot_db: data_dir.join("snapshot.redb"),
     })
+}
+
+/// Makes the names in `dir` (a create, a rename) durable.
+pub(crate) fn sync_dir(dir: &Path) -> anyhow::Result<()> {
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| anyhow::anyhow!("syncing directory {}: {e}", dir.display()))
 }
 
 /// redb caches up to 1 GiB per database by default, and counts written pages in it. The log is

@@ -28,6 +28,7 @@ use anyhow::Context;
 use openraft::{BasicNode, SnapshotMeta};
 use tokio::sync::watch;
 
+use super::sync_dir;
 use crate::raft::{LogId, NodeId};
 
 const MAGIC: &[u8; 8] = b"LKDSNAP1";
@@ -290,13 +291,6 @@ impl Write for SyncingWriter {
     fn flush(&mut self) -> std::io::Result<()> {
         self.file.flush()
     }
-}
-
-/// Makes a rename in `dir` durable.
-fn sync_dir(dir: &Path) -> anyhow::Result<()> {
-    File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(|e| anyhow::anyhow!("syncing directory {}: {e}", dir.display()))
 }
 
 #[cfg(test)]
