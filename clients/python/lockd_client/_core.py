@@ -118,6 +118,7 @@ def check_request_id(request_id: str) -> None:
         )
 
 
+# docs/clients.md, rule 3.
 def new_request_id() -> str:
     """One unguessable id per logical Acquire (128 bits from a CSPRNG, hex). A request id
     is a credential: a retry with it returns the lease id."""
@@ -142,11 +143,13 @@ def granted_ttl(reply_ms: int, requested: Optional[float]) -> float:
     return requested if requested else SERVER_DEFAULT_TTL
 
 
+# docs/clients.md, rule 8.
 def default_safety_margin(ttl: float) -> float:
     """docs/client.md "The margin": max(ttl / 10, 250 ms), never more than half the ttl."""
     return min(max(ttl / SAFETY_MARGIN_TTL_DIVISOR, SAFETY_MARGIN_MIN), ttl / 2)
 
 
+# docs/clients.md, rule 5.
 def backoff() -> Iterator[float]:
     """50 ms doubling to 1 s, each plus up to 100 % random jitter. Never ends: the call's
     deadline, not a count, stops the retries."""
@@ -156,6 +159,7 @@ def backoff() -> Iterator[float]:
         base = min(base * 2, BACKOFF_MAX)
 
 
+# docs/clients.md, rule 9.
 def next_renewal(last_sent: float, interval: float) -> float:
     """`interval` after the last successful send, shortened by up to a quarter."""
     return last_sent + interval - random.random() * (interval / RENEW_JITTER_DIVISOR)
@@ -213,6 +217,7 @@ MAYBE_SENT = "maybe_sent"  # may have reached a node: retry, outcome unknown unt
 FINAL = "final"  # a definite answer: stop
 
 
+# docs/clients.md, rule 4.
 def classify(op: str, s: StatusInfo) -> str:
     """lockd says in its ErrorInfo whether the call may have taken effect; a status
     without one did not come from lockd (a broken connection, a proxy, our own deadline) and
@@ -234,6 +239,7 @@ def classify(op: str, s: StatusInfo) -> str:
     return FINAL
 
 
+# docs/clients.md, rule 6.
 def final_error(
     op: str, s: StatusInfo, resource: Optional[str], lease_id: Optional[str], wait: float
 ) -> E.LockdError:
@@ -273,6 +279,7 @@ def final_error(
     )
 
 
+# docs/clients.md, rule 6.
 def exhausted_error(
     op: str,
     resource: Optional[str],

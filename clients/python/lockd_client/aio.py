@@ -26,12 +26,14 @@ from ._pb import lockd_pb2_grpc as pb_grpc
 from .client import Grant, Renewed
 
 log = logging.getLogger("lockd_client")
+# docs/clients.md, rule 1: every local time is on the monotonic clock.
 _now = time.monotonic
 
 _CONNECTED = grpc.ChannelConnectivity.READY
 _FAILED = (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN)
 
 
+# docs/clients.md, rule 2.
 async def _wait_connected(channel: grpc.aio.Channel, limit: float) -> Optional[str]:
     async def until_settled() -> grpc.ChannelConnectivity:
         state = channel.get_state(try_to_connect=True)
@@ -128,6 +130,7 @@ class AsyncClient:
             self._channels[index] = None
             await ch.close(grace=None)
 
+    # docs/clients.md, rule 4.
     async def _call(
         self,
         op: str,
@@ -295,6 +298,7 @@ class AsyncClient:
         )
         return reply
 
+    # docs/clients.md, rule 10.
     def lock(
         self,
         resource: str,
@@ -420,6 +424,7 @@ class AsyncLease:
     def is_lost(self) -> bool:
         return self.lost.is_set()
 
+    # docs/clients.md, rule 12.
     def check(self) -> None:
         if self.lost.is_set():
             raise E.LeaseLost(
@@ -428,6 +433,7 @@ class AsyncLease:
                 resource=self.resource,
             )
 
+    # docs/clients.md, rule 14.
     async def release(self) -> bool:
         """As ``Lease.release``: fires ``lost``, stops renewing, releases."""
         if self._released:
@@ -447,6 +453,7 @@ class AsyncLease:
         except E.LockdError as e:
             log.warning("release of %r failed (it expires after its ttl): %s", self.resource, e)
 
+    # docs/clients.md, rule 11.
     async def _renew_loop(self, last_sent: float, ttl: float) -> None:
         lost = self.lost
         try:

@@ -23,6 +23,7 @@ from ._pb import lockd_pb2_grpc as pb_grpc
 
 log = logging.getLogger("lockd_client")
 
+# docs/clients.md, rule 1: every local time is on the monotonic clock.
 _now = time.monotonic
 
 
@@ -67,6 +68,7 @@ class Renewed:
     expires_at_unix_ms: int
 
 
+# docs/clients.md, rule 2.
 class _Endpoint:
     def __init__(self, target: str, make: Callable[[str], grpc.Channel]) -> None:
         self.target = target
@@ -97,6 +99,7 @@ class _Endpoint:
             channel.close()
 
 
+# docs/clients.md, rule 2.
 def _wait_connected(channel: grpc.Channel, limit: float) -> Optional[str]:
     """None once the channel is READY; otherwise why not. A connect that failed or timed out
     proves the request never left, so the attempt is "not sent".
@@ -208,6 +211,7 @@ class Client:
             margin = core.default_safety_margin(ttl)
         return min(margin, ttl / 2)
 
+    # docs/clients.md, rule 4.
     def _call(
         self,
         op: str,
@@ -401,6 +405,7 @@ class Client:
 
     # -- the guard ------------------------------------------------------------------------------
 
+    # docs/clients.md, rule 10.
     def lock(
         self,
         resource: str,
@@ -448,6 +453,7 @@ def _status_info(err: grpc.RpcError) -> core.StatusInfo:
     return core.StatusInfo(code, message, reason, metadata)
 
 
+# docs/clients.md, rule 12.
 class LostSignal(threading.Event):
     """A ``threading.Event`` that is set, once and for good, when the lease can no longer be
     trusted. ``is_set()`` and ``wait()`` also compare the local deadline with the clock, so code
@@ -548,6 +554,7 @@ class Lease:
     def is_lost(self) -> bool:
         return self.lost.is_set()
 
+    # docs/clients.md, rule 12.
     def check(self) -> None:
         """Returns while the lease is held; raises :class:`LeaseLost` once it may be gone."""
         if self.lost.is_set():
@@ -557,6 +564,7 @@ class Lease:
                 resource=self.resource,
             )
 
+    # docs/clients.md, rule 14.
     def release(self) -> bool:
         """Fires ``lost`` (so workers stop before the lock is given up), stops renewing and
         releases. False when the lease was no longer current, or already released by an earlier
@@ -586,6 +594,7 @@ class Lease:
             self.lost.is_set(),
         )
 
+    # docs/clients.md, rule 11.
     def _renew_loop(self, last_sent: float, ttl: float) -> None:
         lost = self.lost
         try:

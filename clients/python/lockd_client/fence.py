@@ -38,6 +38,7 @@ def fence_headers(lease: _HasFence) -> Dict[str, str]:
     return headers
 
 
+# docs/clients.md, rule 13.
 class FenceAuth:
     """``auth=FenceAuth(lease)`` for requests and httpx (both call it with the outgoing request):
     raises :class:`lockd_client.LeaseLost` once the lease may be gone, else adds the headers."""
@@ -74,6 +75,7 @@ def _set_statement(lease: _HasFence, signed: bool) -> Any:
     return sql.SQL("SET lockd.fence = {}").format(sql.Literal(fence_value(lease, signed)))
 
 
+# docs/clients.md, rule 13.
 def set_fence(conn: Any, lease: _HasFence, signed: bool = False) -> None:
     """Sets the session's fence on a psycopg (3) connection after checking the lease. Outside a
     transaction, so that it stays set for the session: a connection not in autocommit mode gets

@@ -4,7 +4,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::error::ErrorKind;
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::exit;
 
@@ -42,6 +42,16 @@ pub struct Cli {
     /// Print one JSON object instead of text.
     #[arg(long, global = true)]
     pub json: bool,
+
+    /// Output format, for every command: `text` (the default) or `json` (the same as --json).
+    #[arg(
+        long,
+        global = true,
+        value_enum,
+        value_name = "FORMAT",
+        conflicts_with = "json"
+    )]
+    pub output: Option<OutputFormat>,
 
     /// Total time for one call including retries across nodes (acquire: on top of --wait).
     #[arg(long, global = true, value_parser = parse_duration, default_value = "15s")]
@@ -161,10 +171,45 @@ fn one_line(e: &clap::Error) -> String {
     first
 }
 
+/// What `--output` takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum OutputFormat {
+    Text,
+    Json,
+}
+
+impl Cli {
+    /// Whether to print JSON: `--json` or `--output json`.
+    pub fn json(&self) -> bool {
+        self.json || self.output == Some(OutputFormat::Json)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use clap::CommandFactory;
+
+    #[test]
+    fn output_json_is_json_on_every_command_and_names_bad_formats() {
+        for args in [
+            &["lockctl", "--output", "json", "status"][..],
+            &["lockctl", "describe", "r", "--output", "json"],
+            &["lockctl", "--json", "keys", "list"],
+        ] {
+            assert!(Cli::try_parse_from(args).unwrap().json(), "{args:?}");
+        }
+        let text = Cli::try_parse_from(["lockctl", "--output", "text", "status"]).unwrap();
+        assert!(!text.json());
+        let err = Cli::try_parse_from(["lockctl", "--output", "yaml", "status"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("yaml"), "{err}");
+        assert!(
+            Cli::try_parse_from(["lockctl", "--json", "--output", "text", "status"]).is_err(),
+            "--json and --output text contradict each other"
+        );
+    }
 
     #[test]
     fn cli_definition_is_consistent() {

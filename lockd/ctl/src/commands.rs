@@ -28,7 +28,7 @@ pub async fn run(cli: Cli) -> Result<u8, Failure> {
         config.bearer_token = Some(BearerToken::from_file(path)?);
     }
     let client = Client::with_config(config)?;
-    let json = cli.json;
+    let json = cli.json();
     match cli.command {
         Command::Acquire {
             resource,

@@ -45,7 +45,7 @@ fn main() -> ExitCode {
             return ExitCode::from(exit::INTERNAL);
         }
     };
-    let json = cli.json;
+    let json = cli.json();
     let code = match runtime.block_on(commands::run(cli)) {
         Ok(code) => code,
         Err(failure) => failure.report(json),

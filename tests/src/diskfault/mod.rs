@@ -6,13 +6,13 @@
 //! write, optionally tear the last one of each file), fail fsyncs with EIO, or report a full disk
 //! (ENOSPC). What counts as durable is described in [`model`].
 //!
-//! [`run`] drives a three-node cluster through one of the [`Scenario`]s under a lock workload
+//! [`mod@run`] drives a three-node cluster through one of the [`Scenario`]s under a lock workload
 //! and checks that every acknowledged grant survives.
 //!
 //! # Layout
 //! - [`model`]: durable content and names, and what a power loss leaves.
 //! - [`fs`]: the fuser filesystem over the backing directory, and the fault switches.
-//! - [`run`]: scenarios, workload and checks.
+//! - [`mod@run`]: scenarios, workload and checks.
 
 pub mod fs;
 pub mod model;
