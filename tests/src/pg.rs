@@ -52,14 +52,27 @@ pub fn free_port() -> u16 {
         .port()
 }
 
-fn wait_accepting(addr: SocketAddr, what: &str) {
+/// Waits until the server on `port` takes sessions. An open port is not enough: Postgres
+/// listens before recovery ends and answers "the database system is starting up" (57P03)
+/// until then, so this asks `pg_isready`, which reports a server that is up even when
+/// pg_hba.conf would refuse its probe.
+fn wait_ready(pg_isready: &Path, port: u16) -> Result<(), String> {
     let deadline = Instant::now() + STARTUP_WAIT;
-    while TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_err() {
-        assert!(
-            Instant::now() < deadline,
-            "{what} did not accept connections on {addr} within {STARTUP_WAIT:?}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
+    loop {
+        let out = Command::new(pg_isready)
+            .args(["-h", "127.0.0.1", "-p", &port.to_string(), "-t", "1"])
+            .output()
+            .map_err(|e| format!("running {}: {e}", pg_isready.display()))?;
+        if out.status.success() {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(format!(
+                "private postgres on port {port} not ready within {STARTUP_WAIT:?}: {}",
+                String::from_utf8_lossy(&out.stdout).trim()
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(50));
     }
 }
 
@@ -375,10 +388,7 @@ impl PrivateCluster {
             cmd.arg("-c").arg(setting);
         }
         let server = ChildGuard::spawn("private postgres", cmd).map_err(|e| e.to_string())?;
-        wait_accepting(
-            format!("127.0.0.1:{port}").parse().unwrap(),
-            "private postgres",
-        );
+        wait_ready(&bin.join("pg_isready"), port)?;
         Ok(PrivateCluster {
             port,
             _server: server,
