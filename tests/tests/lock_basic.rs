@@ -265,3 +265,47 @@ async fn bad_input_is_invalid_argument_naming_the_field() {
     assert_eq!(err.code(), Code::InvalidArgument);
     assert!(err.message().contains("lease_id"));
 }
+
+/// `lockd` without a subcommand needs --id, --listen and --data-dir: its help marks them as
+/// required, a run without them names every missing flag, and a mistyped flag keeps clap's
+/// suggestion of the right one. Each error is one `lockd:` message with exit code 2.
+#[test]
+fn the_command_line_names_required_and_mistyped_flags() {
+    let run = |args: &[&str]| {
+        let out = lockd_tests::process::command("lockd")
+            .args(args)
+            .env_remove("LOCKD_ID")
+            .env_remove("LOCKD_LISTEN")
+            .env_remove("LOCKD_DATA_DIR")
+            .output()
+            .expect("running lockd");
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        (out.status.code(), text(&out.stdout), text(&out.stderr))
+    };
+
+    let (code, help, _) = run(&["--help"]);
+    assert_eq!(code, Some(0));
+    let usage = help.lines().find(|l| l.starts_with("Usage:")).unwrap_or("");
+    for flag in ["--id <ID>", "--listen <LISTEN>", "--data-dir <DATA_DIR>"] {
+        assert!(usage.contains(flag), "{flag} not required in: {usage}");
+    }
+
+    let (code, _, err) = run(&[]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.starts_with("lockd: "), "{err}");
+    for flag in ["--id", "--listen", "--data-dir"] {
+        assert!(err.contains(flag), "{flag} not named in: {err}");
+    }
+
+    let (code, _, err) = run(&["--lisen", "127.0.0.1:1"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(
+        err.contains("'--lisen'") && err.contains("--listen"),
+        "{err}"
+    );
+
+    // `lockd dev` needs none of them.
+    let (code, help, _) = run(&["dev", "--help"]);
+    assert_eq!(code, Some(0));
+    assert!(!help.contains("--id"), "{help}");
+}

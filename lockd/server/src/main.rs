@@ -12,21 +12,26 @@ use tokio_util::sync::CancellationToken;
 ///
 /// Three nodes started with the same --peer list form one cluster. Clients may call any node.
 #[derive(Parser, Debug)]
-#[command(name = "lockd", version, args_conflicts_with_subcommands = true)]
+#[command(
+    name = "lockd",
+    version,
+    args_conflicts_with_subcommands = true,
+    subcommand_negates_reqs = true
+)]
 struct Cli {
     #[command(subcommand)]
     command: Option<Cmd>,
     /// This node's id, as in the --peer list.
-    #[arg(long, env = "LOCKD_ID")]
+    #[arg(long, env = "LOCKD_ID", required = true)]
     id: Option<u64>,
     /// Address of this node's gRPC port (clients and replication).
-    #[arg(long, env = "LOCKD_LISTEN")]
+    #[arg(long, env = "LOCKD_LISTEN", required = true)]
     listen: Option<SocketAddr>,
     /// A member as ID=HOST:PORT; repeat for every member, this node included.
     #[arg(long = "peer", env = "LOCKD_PEERS", value_delimiter = ',')]
     peers: Vec<Peer>,
     /// Where this node keeps its Raft log, vote and snapshots.
-    #[arg(long, env = "LOCKD_DATA_DIR")]
+    #[arg(long, env = "LOCKD_DATA_DIR", required = true)]
     data_dir: Option<PathBuf>,
     /// Serve /metrics, /healthz and /readyz here.
     #[arg(long, env = "LOCKD_METRICS_LISTEN")]
@@ -99,13 +104,10 @@ fn main() -> ExitCode {
                 let _ = e.print();
                 return ExitCode::SUCCESS;
             }
+            // clap's whole message, tips ("a similar argument exists") and usage included, with
+            // the program's name in front of the first line like every other lockd error.
             let text = e.to_string();
-            let line = text
-                .lines()
-                .next()
-                .unwrap_or("bad arguments")
-                .trim_start_matches("error: ");
-            eprintln!("lockd: {line}");
+            eprint!("lockd: {}", text.trim_start_matches("error: "));
             return ExitCode::from(2);
         }
     };
