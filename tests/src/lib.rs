@@ -13,6 +13,7 @@
 //! - [`http_upstream`]: an in-process HTTP upstream that logs every request it applied, in order.
 //! - [`fencegen`]: the adversarial session generator for the Postgres front end (`fence-gen`).
 //! - [`fence_proxy`]: `fence-proxy http` as a child process, and an HTTP client for it.
+//! - [`poll`]: waiting for a condition, instead of a fixed sleep, before an assert.
 //! - [`pg`]: the local Postgres, an in-process fence-proxy Postgres front end, psql, a private
 //!   password-protected cluster.
 
@@ -24,5 +25,6 @@ pub mod fence_proxy;
 pub mod fencegen;
 pub mod http_upstream;
 pub mod pg;
+pub mod poll;
 pub mod process;
 pub mod tls;

@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 
 use lockd_api::v1::{AcquireRequest, ReleaseRequest, RenewRequest};
 use lockd_tests::cluster::{Cluster, ClusterOptions, http_get};
+use lockd_tests::poll;
 use tonic::Code;
 
 fn req(resource: &str, request_id: &str, ttl_ms: u64, wait_ms: u64) -> AcquireRequest {
@@ -233,7 +234,25 @@ async fn audit_log_has_each_change_once_in_log_order_across_leader_change() {
         .wait_applied(target, Duration::from_secs(20))
         .await
         .unwrap();
-    tokio::time::sleep(Duration::from_millis(300)).await; // the writer thread flushes
+    // The audit writer is a thread of its own: wait until every node wrote the last grants.
+    poll::until(
+        "every node's audit log holds every grant",
+        Duration::from_secs(10),
+        || {
+            for id in 1..=3 {
+                let grants: HashSet<u64> = read_audit(&cluster.audit_path(id))
+                    .iter()
+                    .filter(|(k, _)| k.outcome == "granted")
+                    .map(|(k, _)| k.fencing_token)
+                    .collect();
+                if !granted_tokens.is_subset(&grants) {
+                    return Err(format!("node {id} has {grants:?} of {granted_tokens:?}"));
+                }
+            }
+            Ok(())
+        },
+    )
+    .await;
 
     for id in 1..=3 {
         let lines = read_audit(&cluster.audit_path(id));
@@ -394,7 +413,22 @@ async fn issue14_finding3_audit_log_never_shows_request_ids() {
         .wait_applied(target, Duration::from_secs(10))
         .await
         .unwrap();
-    tokio::time::sleep(Duration::from_millis(300)).await; // the writer thread flushes
+    // The audit writer is a thread of its own: wait until every node wrote both requests.
+    let digests = ids.map(lockd_tests::audit::request_digest);
+    poll::until(
+        "every node's audit log names both requests",
+        Duration::from_secs(10),
+        || {
+            for id in 1..=3 {
+                let text = std::fs::read_to_string(cluster.audit_path(id)).unwrap_or_default();
+                if !digests.iter().all(|d| text.contains(d)) {
+                    return Err(format!("node {id}:\n{text}"));
+                }
+            }
+            Ok(())
+        },
+    )
+    .await;
     for id in 1..=3 {
         let text = std::fs::read_to_string(cluster.audit_path(id)).unwrap();
         for rid in ids {
