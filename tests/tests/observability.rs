@@ -444,3 +444,160 @@ async fn issue14_finding3_audit_log_never_shows_request_ids() {
         }
     }
 }
+
+/// The value of a sample whose name and labels contain every part of `parts` (labels in any
+/// order), if any.
+fn sample_with(text: &str, name: &str, parts: &[&str]) -> Option<f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find(|l| {
+            let series = l.rsplit_once(' ').map_or("", |(s, _)| s);
+            (series == name || series.starts_with(&format!("{name}{{")))
+                && parts.iter().all(|p| series.contains(p))
+        })
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+/// Goal: what operators watch is exported, with sane values: build info, log fsync and
+/// snapshot durations (built, and installed on a wiped member), snapshot and log sizes, disk
+/// space of the data dir, replication lag on the leader and the clock offset. Method: a cluster
+/// that snapshots every 20 entries; 60 grants while node 3 is down; node 3 wiped and restarted
+/// catches up by snapshot; scrape every node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operator_metrics_show_storage_snapshots_disk_and_lag() {
+    let mut cluster = Cluster::start(ClusterOptions {
+        snapshot_every: 20,
+        logs_kept_after_snapshot: 0,
+        ..ClusterOptions::default()
+    })
+    .await
+    .unwrap();
+    let leader = cluster.leader().await.unwrap();
+    let lagging = (1..=3).find(|i| *i != leader).unwrap();
+    cluster.kill(lagging);
+    let mut c = cluster.lock_client(leader).await.unwrap();
+    for i in 0..60 {
+        c.acquire(req(&format!("ops/{i}"), &format!("ops{i}"), 60_000, 0))
+            .await
+            .unwrap();
+    }
+    let text = cluster.metrics_text(leader).await.unwrap();
+    assert_eq!(
+        sample_with(&text, "lockd_build_info", &[env!("CARGO_PKG_VERSION")]),
+        Some(1.0),
+        "{text}"
+    );
+    let syncs = sample_with(&text, "lockd_log_fsync_duration_seconds_count", &[]).unwrap_or(0.0);
+    assert!(syncs >= 1.0, "no log fsync recorded:\n{text}");
+    let built = sample_with(
+        &text,
+        "lockd_snapshot_duration_seconds_count",
+        &["kind=\"build\""],
+    );
+    assert!(built.unwrap_or(0.0) >= 1.0, "no snapshot built:\n{text}");
+    assert!(sample_with(&text, "lockd_snapshot_size_bytes", &[]).unwrap_or(0.0) > 0.0);
+    assert!(sample_with(&text, "lockd_log_size_bytes", &[]).unwrap_or(0.0) > 0.0);
+    let free = sample_with(&text, "lockd_data_dir_free_bytes", &[]).unwrap_or(0.0);
+    let capacity = sample_with(&text, "lockd_data_dir_capacity_bytes", &[]).unwrap_or(0.0);
+    assert!(free > 0.0 && capacity >= free, "free {free} of {capacity}");
+    // The leader sees the killed member fall behind by at least the 60 grants.
+    let peer = format!("peer=\"{lagging}\"");
+    let lag = sample_with(&text, "lockd_replication_lag_entries", &[&peer]).unwrap_or(0.0);
+    assert!(lag >= 60.0, "lag of node {lagging}: {lag}\n{text}");
+    let offset = sample_with(&text, "lockd_clock_offset_seconds", &[]).expect("clock offset");
+    assert!(offset.abs() < 5.0, "clock offset {offset} s on one machine");
+
+    // Wiped, the member catches up from the leader's snapshot (its log was purged).
+    cluster.wipe(lagging).unwrap();
+    cluster.start_node(lagging).unwrap();
+    let target = cluster.status(leader).await.unwrap().applied_index;
+    cluster
+        .wait_applied(target, Duration::from_secs(30))
+        .await
+        .unwrap();
+    let text = cluster.metrics_text(lagging).await.unwrap();
+    let installed = sample_with(
+        &text,
+        "lockd_snapshot_duration_seconds_count",
+        &["kind=\"install\""],
+    );
+    assert!(
+        installed.unwrap_or(0.0) >= 1.0,
+        "no snapshot installed:\n{text}"
+    );
+    poll::until_async(
+        "the leader sees the wiped member caught up",
+        Duration::from_secs(10),
+        || async {
+            let text = cluster
+                .metrics_text(leader)
+                .await
+                .map_err(|e| e.to_string())?;
+            match sample_with(&text, "lockd_replication_lag_entries", &[&peer]) {
+                Some(lag) if lag < 5.0 => Ok(()),
+                other => Err(format!("lag {other:?}")),
+            }
+        },
+    )
+    .await;
+}
+
+/// Goal: the shipped alert rules load, their unit tests pass, and every lockd metric they name
+/// is one a node exports. Method: `promtool check rules` and `promtool test rules` on
+/// docs/prometheus; the metric names in alerts.yml against a live node's /metrics.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn alert_rules_load_pass_their_tests_and_name_real_metrics() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/prometheus");
+    let promtool = |args: &[&str]| {
+        std::process::Command::new("promtool")
+            .args(args)
+            .current_dir(&dir)
+            .output()
+    };
+    match promtool(&["--version"]) {
+        Ok(out) if out.status.success() => {}
+        _ => {
+            println!(
+                "SKIPPED alert_rules_load_pass_their_tests_and_name_real_metrics: no promtool on PATH \
+                 (apt-get install prometheus; .ci/run does)"
+            );
+            return;
+        }
+    }
+    for args in [
+        &["check", "rules", "alerts.yml"][..],
+        &["test", "rules", "alerts_test.yml"],
+    ] {
+        let out = promtool(args).unwrap();
+        assert!(
+            out.status.success(),
+            "promtool {args:?}:\n{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    let rules = std::fs::read_to_string(dir.join("alerts.yml")).unwrap();
+    let mut named: Vec<&str> = rules
+        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .filter(|w| w.starts_with("lockd_"))
+        .collect();
+    named.sort();
+    named.dedup();
+    assert!(named.len() >= 6, "{named:?}");
+    let mut cluster = Cluster::start_default().await.unwrap();
+    let leader = cluster.leader().await.unwrap();
+    let mut c = cluster.lock_client(leader).await.unwrap();
+    c.acquire(req("alerts/r", "alerts", 60_000, 0))
+        .await
+        .unwrap();
+    let text = cluster.metrics_text(leader).await.unwrap();
+    for name in named {
+        assert!(
+            text.lines()
+                .any(|l| !l.starts_with('#') && l.starts_with(name)),
+            "alerts.yml names {name}, which lockd does not export:\n{text}"
+        );
+    }
+}

@@ -61,6 +61,8 @@ pub struct NodeCtx {
     pub cluster_peers: BTreeMap<NodeId, (String, ClusterClient<Channel>)>,
     /// Who calls and what they may do (`--auth-policy`).
     pub auth: Arc<crate::auth::Auth>,
+    /// This node's data dir, for the disk and log-size gauges.
+    pub data_dir: std::path::PathBuf,
 }
 
 impl NodeCtx {
@@ -102,6 +104,40 @@ impl NodeCtx {
             metrics::gauge!("lockd_raft_commit_index")
                 .set(self.committed.load(Ordering::Relaxed) as f64);
             metrics::gauge!("lockd_raft_term").set(m.current_term as f64);
+            // Only the leader knows how far each member is; the others report 0, so a former
+            // leader's last figures do not linger (alerts read the leader's series).
+            for peer in m.membership_config.membership().nodes().map(|(id, _)| *id) {
+                if peer == self.id {
+                    continue;
+                }
+                let lag = match (m.last_log_index, &m.replication) {
+                    (Some(last), Some(replication)) => {
+                        replication.get(&peer).map_or(last, |matched| {
+                            last.saturating_sub(matched.map_or(0, |l| l.index))
+                        })
+                    }
+                    _ => 0,
+                };
+                metrics::gauge!("lockd_replication_lag_entries", "peer" => peer.to_string())
+                    .set(lag as f64);
+            }
+            if let Some(offset_ms) = self.hub.clock_offset_ms() {
+                metrics::gauge!("lockd_clock_offset_seconds").set(offset_ms as f64 / 1000.0);
+            }
+            match std::fs::metadata(self.data_dir.join(storage::LOG_FILE)) {
+                Ok(meta) => metrics::gauge!("lockd_log_size_bytes").set(meta.len() as f64),
+                Err(e) => tracing::warn!(error = %e, "reading the log database's size"),
+            }
+            match nix::sys::statvfs::statvfs(&self.data_dir) {
+                Ok(fs) => {
+                    let block = fs.fragment_size() as f64;
+                    metrics::gauge!("lockd_data_dir_free_bytes")
+                        .set(fs.blocks_available() as f64 * block);
+                    metrics::gauge!("lockd_data_dir_capacity_bytes")
+                        .set(fs.blocks() as f64 * block);
+                }
+                Err(e) => tracing::warn!(error = %e, "statvfs of the data dir"),
+            }
         });
     }
 }
@@ -114,9 +150,17 @@ pub struct Hub {
     audit: Option<AuditLog>,
     /// Hot resources for Status, kept off the apply path (see `observe::hot`).
     pub hot: HotTracker,
+    /// This node's wall clock minus the stamp of the last applied entry, in ms; `i64::MIN`
+    /// until an entry applied.
+    clock_offset_ms: std::sync::atomic::AtomicI64,
 }
 
 impl Hub {
+    /// See `lockd_clock_offset_seconds`.
+    pub fn clock_offset_ms(&self) -> Option<i64> {
+        Some(self.clock_offset_ms.load(Ordering::Relaxed)).filter(|v| *v != i64::MIN)
+    }
+
     pub fn flush_audit(&self) {
         if let Some(a) = &self.audit {
             a.flush();
@@ -132,6 +176,11 @@ impl AppliedSink for Hub {
         events: &[Event],
         queue_lens: &[Option<u32>],
     ) {
+        // The stamp is the leader's wall clock when it proposed the entry (never going back).
+        if let Ok(now) = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH) {
+            self.clock_offset_ms
+                .store(now.as_millis() as i64 - unix_ms, Ordering::Relaxed);
+        }
         if events.is_empty() {
             return;
         }
@@ -174,6 +223,10 @@ impl AppliedSink for Hub {
         ));
     }
 
+    fn on_snapshot_stored(&self, installed: bool, took: Duration, bytes: u64) {
+        self.metrics.snapshot_stored(installed, took, bytes);
+    }
+
     fn on_snapshot_installed(&self, log_index: u64, unix_ms: i64) {
         if let Some(audit) = &self.audit {
             audit.snapshot_installed(log_index, unix_ms);
@@ -211,7 +264,9 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
     .map_err(|e| anyhow::anyhow!("raft configuration: {e}"))?;
 
     let dbs = storage::open(&config.data_dir)?;
-    let mut log_store = LogStore::new(dbs.log.clone(), dbs.snapshots.durable());
+    let metrics = Arc::new(NodeMetrics::new());
+    let mut log_store =
+        LogStore::observed(dbs.log.clone(), dbs.snapshots.durable(), metrics.clone());
     let started_empty = {
         use openraft::storage::RaftLogStorage;
         log_store.read_vote().await?.is_none()
@@ -236,7 +291,6 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
     });
     let committed = log_store.committed_index();
     let waits = Arc::new(WaitRegistry::default());
-    let metrics = Arc::new(NodeMetrics::new());
     tokio::spawn(metrics.clone().upkeep(shutdown.clone()));
     let audit = match &config.audit {
         Some(target) => Some(
@@ -255,6 +309,7 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
         metrics: metrics.clone(),
         audit,
         hot: HotTracker::start(),
+        clock_offset_ms: std::sync::atomic::AtomicI64::new(i64::MIN),
     });
     let sink: Arc<dyn AppliedSink> = hub.clone();
     let state_machine = StateMachine::open(dbs, sink).await?;
@@ -344,6 +399,7 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
         signer: Default::default(),
         cluster_peers,
         auth: auth.clone(),
+        data_dir: config.data_dir.clone(),
     });
 
     let listener = tokio::net::TcpListener::bind(config.listen)

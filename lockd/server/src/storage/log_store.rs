@@ -18,7 +18,7 @@ use std::ops::{Bound, RangeBounds};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use openraft::storage::{LogFlushed, RaftLogStorage};
 use openraft::{Entry, LogState, RaftLogReader, StorageIOError, Vote};
@@ -26,7 +26,10 @@ use redb::{Database, ReadableDatabase, ReadableTable};
 use tokio::sync::oneshot;
 use tokio::sync::watch;
 
-use super::{KEY_COMMITTED, KEY_LAST_PURGED, KEY_REJOINING, KEY_VOTE, LOG, META, blocking};
+use super::{
+    KEY_COMMITTED, KEY_LAST_PURGED, KEY_REJOINING, KEY_VOTE, LOG, META, StorageObserver,
+    Unobserved, blocking,
+};
 use crate::raft::{LogId, NodeId, StorageError, TypeConfig};
 
 /// Log storage handle. Cloning shares the database, the overlay and the writer.
@@ -70,12 +73,21 @@ enum WriteOp {
 impl LogStore {
     /// A log store whose purges wait for `gate` (see [`SnapshotGate`]).
     pub fn new(db: Arc<Database>, gate: SnapshotGate) -> Self {
+        Self::observed(db, gate, Arc::new(Unobserved))
+    }
+
+    /// [`LogStore::new`] that tells `observer` how long each durable write took.
+    pub fn observed(
+        db: Arc<Database>,
+        gate: SnapshotGate,
+        observer: Arc<dyn StorageObserver>,
+    ) -> Self {
         let (tx, rx) = channel();
         let pending = Arc::new(Mutex::new(BTreeMap::new()));
         let (db2, pending2) = (db.clone(), pending.clone());
         std::thread::Builder::new()
             .name("raft-log-writer".into())
-            .spawn(move || write_loop(db2, pending2, rx, gate))
+            .spawn(move || write_loop(db2, pending2, rx, gate, observer))
             .expect("spawning the log writer thread");
         LogStore {
             db,
@@ -148,6 +160,7 @@ fn write_loop(
     pending: Arc<Mutex<BTreeMap<u64, Entry<TypeConfig>>>>,
     rx: Receiver<WriteOp>,
     gate: SnapshotGate,
+    observer: Arc<dyn StorageObserver>,
 ) {
     // A purge asked for beyond the durable snapshot, held until the snapshot catches up.
     let mut held_purge: Option<LogId> = None;
@@ -230,7 +243,9 @@ fn write_loop(
                     }
                 }
             }
+            let syncing = Instant::now();
             txn.commit()?;
+            observer.log_synced(syncing.elapsed());
             Ok(())
         })();
         if result.is_ok() && backlog_done {

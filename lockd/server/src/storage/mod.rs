@@ -18,6 +18,7 @@ pub mod state_machine;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use redb::{Database, TableDefinition};
 
@@ -40,6 +41,24 @@ pub(crate) const KEY_LAST_PURGED: &str = "last_purged";
 pub(crate) const KEY_SNAPSHOT: &str = "snapshot";
 /// `true` while a node that started with an empty data dir has not caught up with a leader.
 pub(crate) const KEY_REJOINING: &str = "rejoining";
+
+/// Name of the log database in the data dir.
+pub const LOG_FILE: &str = "lockd.redb";
+
+/// Hears how long storage work took, for metrics. Called on the storage threads, once per
+/// durable write batch or snapshot: it must be quick.
+pub trait StorageObserver: Send + Sync + 'static {
+    /// A batch of log writes (appends, vote, committed index, truncation) became durable: the
+    /// redb commit, whose time is mostly its fsync.
+    fn log_synced(&self, took: Duration);
+}
+
+/// Observes nothing (unit tests, tools).
+pub struct Unobserved;
+
+impl StorageObserver for Unobserved {
+    fn log_synced(&self, _: Duration) {}
+}
 
 /// A node's persistent state.
 pub struct Databases {
@@ -83,7 +102,7 @@ pub fn open(data_dir: &Path) -> anyhow::Result<Databases> {
             _ => sync_dir(Path::new("."))?,
         }
     }
-    let log = create(&data_dir.join("lockd.redb"), LOG_CACHE_BYTES, |txn| {
+    let log = create(&data_dir.join(LOG_FILE), LOG_CACHE_BYTES, |txn| {
         txn.open_table(LOG)?;
         txn.open_table(META)?;
         Ok(())

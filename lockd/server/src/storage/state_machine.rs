@@ -38,6 +38,11 @@ pub trait AppliedSink: Send + Sync + 'static {
     );
     /// A snapshot from the leader replaced the table up to `log_index`.
     fn on_snapshot_installed(&self, log_index: u64, unix_ms: i64);
+    /// A snapshot of `bytes` was made durable in `took`: built here from the table, or
+    /// `installed` from the leader (decoded, checked and written).
+    fn on_snapshot_stored(&self, installed: bool, took: std::time::Duration, bytes: u64) {
+        let _ = (installed, took, bytes);
+    }
     /// The table was loaded or replaced: its longest queues, for Status.
     fn on_table_replaced(&self, longest_queues: Vec<(ResourceName, u32)>);
 }
@@ -221,6 +226,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
             state: self.state.clone(),
             snapshots: self.snapshots.clone(),
             seq: self.snapshot_seq.clone(),
+            sink: self.sink.clone(),
         }
     }
 
@@ -257,6 +263,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
             .into());
         };
         let snapshot_id = meta.snapshot_id.clone();
+        let started = std::time::Instant::now();
         // Reading and decoding tens of megabytes: off the async workers.
         let (table, bytes) = blocking(move || {
             received.seek(SeekFrom::Start(0))?;
@@ -270,6 +277,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
         })
         .await
         .map_err(|e| read_err(&e))?;
+        let size = bytes.len() as u64;
         let stored = StoredSnapshot {
             meta: meta.clone(),
             table: bytes,
@@ -286,6 +294,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
             s.last_applied = meta.last_log_id;
             s.membership = meta.last_membership.clone();
         }
+        self.sink.on_snapshot_stored(true, started.elapsed(), size);
         self.sink
             .on_snapshot_installed(meta.last_log_id.map(|l| l.index).unwrap_or(0), now_ms);
         self.sink.on_table_replaced(longest);
@@ -317,6 +326,7 @@ pub struct SnapshotBuilder {
     state: Arc<RwLock<SmState>>,
     snapshots: SnapshotFile,
     seq: Arc<AtomicU64>,
+    sink: Arc<dyn AppliedSink>,
 }
 
 impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
@@ -355,6 +365,8 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
             encode_and_persist_ms = (started.elapsed() - copied).as_millis() as u64,
             "snapshot built"
         );
+        self.sink
+            .on_snapshot_stored(false, started.elapsed(), bytes);
         // openraft 0.9 keeps only the meta of a snapshot it asked for (core/sm/worker.rs) and
         // reads the data through get_current_snapshot when a follower needs it, so the bytes are
         // not returned here: holding them would cost a second copy of the table in memory.
