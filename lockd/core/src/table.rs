@@ -331,6 +331,15 @@ impl LockTable {
             return match state {
                 DedupState::Granted(grant) => Outcome::Granted(self.refresh(resource, grant)),
                 DedupState::TimedOut => Outcome::WaitTimedOut,
+                // The first answer stands, whoever holds the resource now (empty: nobody).
+                DedupState::Held => Outcome::Held {
+                    holder: self
+                        .resources
+                        .get(resource)
+                        .and_then(|s| s.lease.as_ref())
+                        .map(|l| l.holder.clone())
+                        .unwrap_or_default(),
+                },
                 DedupState::Waiting => {
                     match self.reattach(resource, recorded.key, request_id, lease_id) {
                         Some(position) => Outcome::Queued { position },
@@ -419,9 +428,11 @@ impl LockTable {
                 self.dedup_put(ident, DedupState::Granted(grant));
                 Outcome::Granted(grant)
             }
-            Some(lease) if wait_timeout_ms == 0 => Outcome::Held {
-                holder: lease.holder.clone(),
-            },
+            Some(lease) if wait_timeout_ms == 0 => {
+                let holder = lease.holder.clone();
+                self.dedup_put(ident, DedupState::Held);
+                Outcome::Held { holder }
+            }
             Some(_) => self.enqueue(
                 resource,
                 &mut state,

@@ -33,6 +33,9 @@ pub(super) enum DedupState {
     Waiting,
     Granted(Grant),
     TimedOut,
+    /// Refused without waiting because the resource was held: final, like a grant, so a late
+    /// copy of the first attempt cannot be granted after a retry was refused.
+    Held,
 }
 
 /// One Acquire's record. Keys and lease ids are byte arrays rather than `u128`, whose 16-byte
@@ -67,6 +70,8 @@ enum Status {
     TimedOut,
     /// Removed (a cancelled wait); the slot stays until pruning reaches it.
     Forgotten,
+    /// Refused: the resource was held. Last, so older snapshots decode unchanged.
+    Held,
 }
 
 /// What identifies one Acquire in the window: its key, the digest of its arguments, its
@@ -101,6 +106,7 @@ impl Record {
         match state {
             DedupState::Waiting => self.status = Status::Waiting,
             DedupState::TimedOut => self.status = Status::TimedOut,
+            DedupState::Held => self.status = Status::Held,
             DedupState::Granted(grant) => {
                 self.status = Status::Granted;
                 self.lease_id = grant.lease_id.0.to_le_bytes();
@@ -115,6 +121,7 @@ impl Record {
         match self.status {
             Status::Waiting => Some(DedupState::Waiting),
             Status::TimedOut => Some(DedupState::TimedOut),
+            Status::Held => Some(DedupState::Held),
             Status::Forgotten => None,
             Status::Granted => Some(DedupState::Granted(Grant {
                 lease_id: LeaseId(u128::from_le_bytes(self.lease_id)),
@@ -384,7 +391,7 @@ impl DedupWindow {
                         ..record
                     });
                 }
-                Status::Granted | Status::TimedOut => {
+                Status::Granted | Status::TimedOut | Status::Held => {
                     self.unindex(&record.key, seq);
                     forgot(record.tenant);
                 }

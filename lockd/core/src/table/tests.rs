@@ -994,6 +994,56 @@ fn dedup_records_are_forgotten_after_retention_but_not_while_queued() {
     }
 }
 
+/// Chaos seed 9601 (network namespaces): an attempt stuck in a client-to-node cut was given up,
+/// its retry with the same request_id was refused `Held`, the holder released, and TCP then
+/// delivered the first attempt, which was granted: a lease its client had been told it did not
+/// get. A refusal is the request's answer like a grant is: every later copy gets it again, also
+/// from a snapshot.
+#[test]
+fn seed_9601_a_held_refusal_stands_for_its_request_id() {
+    let mut h = Harness::new();
+    let a = h.granted("orders/1", "a");
+    assert_eq!(
+        h.acquire("orders/1", "b", 10_000, 0),
+        Outcome::Held {
+            holder: "holder-a".into()
+        }
+    );
+    assert_eq!(
+        h.run(Command::Release {
+            resource: res("orders/1"),
+            lease_id: a.lease_id
+        }),
+        Outcome::Released(true)
+    );
+    let bytes = h.table.encode_snapshot();
+    let mut copy = LockTable::decode_snapshot(&bytes).unwrap();
+    copy.check_consistency().unwrap();
+    // The late first attempt, on the table and on its snapshot: refused again, nothing granted.
+    assert_eq!(
+        h.acquire("orders/1", "b", 10_000, 0),
+        Outcome::Held { holder: "".into() }
+    );
+    assert_eq!(h.table.describe(&res("orders/1")), ResourceView::default());
+    std::mem::swap(&mut h.table, &mut copy);
+    assert_eq!(
+        h.acquire("orders/1", "b", 10_000, 0),
+        Outcome::Held { holder: "".into() }
+    );
+    // A new attempt, with a new request_id, is granted; its refusal record stays until the
+    // retention window passes, then the id is free.
+    let c = h.granted("orders/1", "c");
+    assert!(c.fencing_token > a.fencing_token);
+    assert_eq!(
+        h.acquire("orders/1", "b", 10_000, 0),
+        Outcome::Held {
+            holder: "holder-c".into()
+        }
+    );
+    // Refusals count toward the dedup window like grants.
+    assert_eq!(h.table.stats().dedup_records, 3);
+}
+
 #[test]
 fn snapshot_round_trip_keeps_everything() {
     let mut h = Harness::new();
@@ -1033,6 +1083,7 @@ enum ModelDedup {
     Waiting,
     Granted(Grant),
     TimedOut,
+    Held,
 }
 
 impl Model {
@@ -1141,6 +1192,14 @@ impl Model {
                     return match st {
                         ModelDedup::Granted(g) => Outcome::Granted(self.current(r, g)),
                         ModelDedup::TimedOut => Outcome::WaitTimedOut,
+                        ModelDedup::Held => Outcome::Held {
+                            holder: self
+                                .res
+                                .get(r)
+                                .and_then(|s| s.lease.as_ref())
+                                .map(|l| l.4.clone())
+                                .unwrap_or_default(),
+                        },
                         ModelDedup::Waiting => {
                             let q = &mut self.res.get_mut(r).unwrap().queue;
                             let i = q.iter().position(|w| &w.0 == request_id).unwrap();
@@ -1154,6 +1213,8 @@ impl Model {
                 }
                 let mut s = self.res.remove(r).unwrap_or_default();
                 let out = if let Some(lease) = s.lease.as_ref().filter(|_| *wait_timeout_ms == 0) {
+                    self.dedup
+                        .insert(request_id.clone(), (args, self.now, ModelDedup::Held));
                     Outcome::Held {
                         holder: lease.4.clone(),
                     }
