@@ -160,8 +160,8 @@ impl Netem {
             ready: Condvar::new(),
         });
         let mut threads = Vec::new();
-        for dir in 0..2 {
-            let (fd, stop, queue) = (fds[dir].clone(), stop.clone(), queue.clone());
+        for (dir, fd) in fds.iter().enumerate() {
+            let (fd, stop, queue) = (fd.clone(), stop.clone(), queue.clone());
             let rng = StdRng::seed_from_u64(spec.seed ^ dir as u64);
             threads.push(std::thread::spawn(move || {
                 read_loop(&fd, dir, spec, rng, &stop, &queue)
