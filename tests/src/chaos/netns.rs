@@ -416,6 +416,30 @@ mod tests {
         .unwrap()
     }
 
+    /// Whether node `to` becomes reachable from host `from` within 10 s: for what must work, so
+    /// that a loaded machine (new links settling, tests running in parallel) does not fail it.
+    fn reachable(n: &Netns, from: u64, to: u64) -> bool {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if connects(n, from, to) {
+                return true;
+            }
+        }
+        false
+    }
+
+    /// The quickest of three handshakes from the harness to node `to`.
+    fn fastest_handshake(n: &Netns, to: u64) -> Duration {
+        (0..3)
+            .map(|_| {
+                let t = Instant::now();
+                assert!(connects(n, 0, to), "node {to} unreachable");
+                t.elapsed()
+            })
+            .min()
+            .unwrap()
+    }
+
     /// Goal: the cuts and the impairment do to packets what they say. Method: three namespaces
     /// with a listener in each; TCP handshakes between them and from the harness before, during
     /// and after each fault. Skipped (with the reason printed) without root.
@@ -439,7 +463,8 @@ mod tests {
                 .unwrap(),
             );
         }
-        assert!(connects(&n, 0, 1) && connects(&n, 1, 2) && connects(&n, 2, 1));
+        assert!(reachable(&n, 0, 1) && reachable(&n, 1, 2) && reachable(&n, 2, 1));
+        assert!(reachable(&n, 0, 2) && reachable(&n, 0, 3) && reachable(&n, 3, 1));
         // One way: packets from 2 do not arrive at 1, so neither handshake completes, while 3
         // reaches both.
         n.cut(2, 1).unwrap();
@@ -448,15 +473,15 @@ mod tests {
             "1 -> 2 needs 2's SYN-ACK to arrive at 1"
         );
         assert!(!connects(&n, 2, 1));
-        assert!(connects(&n, 3, 1) && connects(&n, 3, 2) && connects(&n, 0, 1));
+        assert!(reachable(&n, 3, 1) && reachable(&n, 3, 2) && reachable(&n, 0, 1));
         n.heal().unwrap();
-        assert!(connects(&n, 1, 2) && connects(&n, 2, 1));
+        assert!(reachable(&n, 1, 2) && reachable(&n, 2, 1));
         // The harness cut off from node 3, its peers not.
         n.cut(0, 3).unwrap();
         assert!(!connects(&n, 0, 3));
-        assert!(connects(&n, 1, 3) && connects(&n, 0, 1));
+        assert!(reachable(&n, 1, 3) && reachable(&n, 0, 1));
         n.heal().unwrap();
-        assert!(connects(&n, 0, 3));
+        assert!(reachable(&n, 0, 3));
         // 150 ms each way on node 2's link: a handshake takes at least one round trip.
         n.impair(
             2,
@@ -469,16 +494,16 @@ mod tests {
             },
         )
         .unwrap();
-        let t = Instant::now();
-        assert!(connects(&n, 0, 2), "a delayed link still carries packets");
+        let delayed = fastest_handshake(&n, 2);
         assert!(
-            t.elapsed() >= Duration::from_millis(280),
-            "round trip {:?}",
-            t.elapsed()
+            delayed >= Duration::from_millis(280),
+            "round trip {delayed:?}"
         );
-        let t = Instant::now();
-        assert!(connects(&n, 0, 1));
-        assert!(t.elapsed() < Duration::from_millis(100), "node 1 undelayed");
+        let undelayed = fastest_handshake(&n, 1);
+        assert!(
+            undelayed < Duration::from_millis(150),
+            "node 1: {undelayed:?}"
+        );
         n.heal().unwrap();
         // Total loss on node 1: nothing gets through; healed, all is well again.
         n.impair(
@@ -494,7 +519,7 @@ mod tests {
         .unwrap();
         assert!(!connects(&n, 0, 1));
         n.heal().unwrap();
-        assert!(connects(&n, 0, 1) && connects(&n, 2, 1));
+        assert!(reachable(&n, 0, 1) && reachable(&n, 2, 1));
         drop(listeners);
         let hub = n.hub();
         drop(n);
