@@ -82,11 +82,6 @@ impl RunConfig {
         }
     }
 
-    /// The single faults and the composed ones (`--composed`).
-    pub fn all_with_composed() -> Vec<Fault> {
-        ALL.iter().chain(COMPOSED.iter()).copied().collect()
-    }
-
     /// The faults a run draws from unless told (`--faults`): the single ones, the composed ones
     /// with `--composed`, the namespace-only ones with `--netns`.
     pub fn default_faults(composed: bool, netns: bool) -> Vec<Fault> {
