@@ -5,7 +5,8 @@
 //!
 //! # Layout
 //! - [`audit`]: the audit key test clusters use and the request digests it yields.
-//! - [`chaos`]: fault-injection runs (relays, nemesis, workload, history checker).
+//! - [`chaos`]: fault-injection runs (relays, network namespaces, nemesis, workload, history
+//!   checker).
 //! - [`cluster`]: a real multi-process lockd cluster that tests can kill, pause and wipe.
 //! - [`diskfault`]: a FUSE layer under a node's data dir that drops unsynced writes on a simulated
 //!   power loss, fails fsyncs and fills the disk; and the runs that check lockd under it.

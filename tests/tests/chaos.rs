@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use lockd_tests::chaos::clock::ClockMode;
-use lockd_tests::chaos::nemesis::{COMPOSED, Fault};
+use lockd_tests::chaos::nemesis::{COMPOSED, Fault, NETNS};
 use lockd_tests::chaos::run::{RunConfig, run};
 use lockd_tests::chaos::workload::Mode;
 
@@ -17,6 +17,8 @@ use lockd_tests::chaos::workload::Mode;
 /// are for `CHAOS_SEED` and the long runs).
 const SHORT_RUN_SEED: u64 = 9;
 const SHORT_RUN_FAULTS: Duration = Duration::from_secs(45);
+/// Fault time of the short `--netns` run: every network fault kind comes about once.
+const NETNS_RUN_FAULTS: Duration = Duration::from_secs(40);
 
 /// Each run starts five processes on two cores: one run at a time.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -174,5 +176,146 @@ async fn composed_faults_under_wrong_clocks_keep_every_invariant() {
         report.violations.is_empty(),
         "invariants violated:\n{}",
         report.summary()
+    );
+}
+
+/// Goal: with every node in a network namespace of its own, partitions, one-way and bridge cuts,
+/// the harness cut from a node, and loss, delay with jitter and reordering on a node's link made
+/// in the kernel's packet path, no invariant breaks and lockd is never silent for long while a
+/// quorum is connected. Method: a 40 s seeded `--netns` run drawing from the network faults
+/// only. Skipped, with the reason printed, when this process cannot make network namespaces (not
+/// root, or `ip netns add` refused).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn netns_run_keeps_every_invariant() {
+    if let Err(why) = lockd_tests::chaos::netns::available() {
+        println!("skipped: {why}");
+        return;
+    }
+    let _serial = SERIAL.lock().await;
+    let mut config = RunConfig::short(env_u64("CHAOS_SEED").unwrap_or(SHORT_RUN_SEED));
+    config.duration = env_u64("CHAOS_DURATION_S")
+        .map(Duration::from_secs)
+        .unwrap_or(NETNS_RUN_FAULTS);
+    config.netns = true;
+    config.faults = NETNS
+        .iter()
+        .chain(&[Fault::IsolateLeader, Fault::IsolateFollower])
+        .copied()
+        .collect();
+    let report = run(config).await.expect("chaos harness");
+    println!("{}", report.summary());
+    assert!(
+        report.faults.iter().filter(|f| NETNS.contains(f)).count() >= 3,
+        "too few network faults were made: {}",
+        report.summary()
+    );
+    assert!(
+        report.grants > 20,
+        "the workload barely ran: {}",
+        report.summary()
+    );
+    assert_eq!(
+        report.lin.inconclusive(),
+        0,
+        "the linearizability search ran out of budget: {}",
+        report.summary()
+    );
+    assert!(
+        report.violations.is_empty(),
+        "invariants violated:\n{}",
+        report.summary()
+    );
+}
+
+/// Goal (open finding of seed 9601, `--netns`): once a request has been refused with a final
+/// answer (`ABORTED LOCK_HELD`), no earlier attempt of the same `request_id` is granted
+/// afterwards. Method: with each node in a network namespace, a client's acquire goes to node 1
+/// while the harness's packets do not reach it; the client gives up and retries the same
+/// `request_id` on node 2, which refuses it (another holder has the lock); the holder releases;
+/// the cut is lifted, so TCP retransmits the first attempt's bytes to node 1. The lock must not
+/// then be held by the refused request. Ignored until the finding is fixed (lockd or the
+/// contract, docs/verification.md); it fails on b52a973. Skipped without root.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "open finding of seed 9601: fails until a LOCK_HELD refusal is final for its request_id"]
+async fn seed_9601_late_attempt_is_not_granted_after_lock_held_refusal() {
+    use lockd_api::v1::lock_client::LockClient;
+    use lockd_api::v1::{AcquireRequest, DescribeRequest, ReleaseRequest};
+    use lockd_tests::chaos::cluster::{ChaosCluster, Timings, client_channel};
+    use lockd_tests::chaos::history::History;
+
+    if let Err(why) = lockd_tests::chaos::netns::available() {
+        println!("skipped: {why}");
+        return;
+    }
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let history = History::new(std::time::Instant::now());
+    let mut cluster = ChaosCluster::start(
+        dir.path().to_path_buf(),
+        Timings::default(),
+        false,
+        None,
+        history,
+        true,
+    )
+    .await
+    .expect("cluster");
+    let mut node1 = LockClient::new(client_channel(cluster.addr(1), None));
+    let mut node2 = LockClient::new(client_channel(cluster.addr(2), None));
+    let resource = "seed-9601/r0".to_string();
+    let acquire = |id: &str, holder: &str| AcquireRequest {
+        resource: resource.clone(),
+        request_id: id.into(),
+        lease_ttl_ms: 10_000,
+        wait_timeout_ms: 0,
+        holder: holder.into(),
+    };
+
+    // Phase 1: "a" holds the lock; the client's connection to node 1 is open.
+    let a = node2
+        .acquire(acquire("seed-9601-a", "a"))
+        .await
+        .expect("a's grant")
+        .into_inner();
+    node1
+        .describe(DescribeRequest {
+            resource: resource.clone(),
+        })
+        .await
+        .expect("node 1 answers before the cut");
+
+    // Phase 2: the attempt sent into the cut, given up; the retry refused for good.
+    cluster.cut_client(1).unwrap();
+    let first = tokio::time::timeout(
+        Duration::from_millis(1_500),
+        node1.acquire(acquire("seed-9601-b", "b")),
+    )
+    .await;
+    assert!(first.is_err(), "node 1 answered through the cut: {first:?}");
+    let retry = node2.acquire(acquire("seed-9601-b", "b")).await;
+    let refusal = retry.expect_err("a holds the lock");
+    assert_eq!(refusal.code(), tonic::Code::Aborted, "{refusal:?}");
+
+    // Phase 3: "a" releases; the cut is lifted and TCP delivers the first attempt late.
+    node2
+        .release(ReleaseRequest {
+            resource: resource.clone(),
+            lease_id: a.lease_id,
+        })
+        .await
+        .expect("a's release");
+    cluster.heal_network().unwrap();
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let now = node2
+        .describe(DescribeRequest {
+            resource: resource.clone(),
+        })
+        .await
+        .expect("describe")
+        .into_inner();
+    assert!(
+        !(now.held && now.holder == "b"),
+        "request seed-9601-b was refused with {refusal:?}, then granted (token {}) to its late first attempt",
+        now.fencing_token
     );
 }

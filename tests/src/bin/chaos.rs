@@ -20,7 +20,10 @@
 //! libfaketime), `--clock-rate` (clock rates of 95-105 % per node start). More broken modes:
 //! `--broken clock-monotonic` (with `--clock`: the offsets move the monotonic clock too),
 //! `--broken fast-clock` (with `--clock-rate`: rates of 130-160 %), `--broken hidden-outage`
-//! (two-nodes-down outages of 15-20 s the availability check is not told about).
+//! (two-nodes-down outages of 15-20 s the availability check is not told about). `--netns` (as
+//! root): each node in a network namespace of its own; partitions made in the kernel, plus
+//! one-way cuts, bridge partitions, the harness cut from a node, and packet loss, delay with
+//! jitter and reordering on a node's link (not with `--clock` or `--clock-rate`).
 //! Many runs: `--runs N` (seeds N..N+runs-1 from `--seed`), `--jobs J` (1), `--tls-every K` (every
 //! K-th run with TLS), `--summary FILE` (one JSON line per run, appended), `--artifacts DIR`
 //! (where runs keep their folders; those of passing runs are deleted), `--label TEXT` (stored in
@@ -32,12 +35,12 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use lockd_tests::chaos::clock::ClockMode;
-use lockd_tests::chaos::nemesis::{COMPOSED, Fault};
+use lockd_tests::chaos::nemesis::{COMPOSED, Fault, NETNS};
 use lockd_tests::chaos::run::{RunConfig, run};
 use lockd_tests::chaos::soak::{SoakConfig, read_totals, run_many};
 use lockd_tests::chaos::workload::Mode;
 
-const USAGE: &str = "usage: chaos [--seed N] [--duration 10m] [--workers N] [--resources N] [--no-postgres] [--tls] [--broken bypass-fence|stale-describe|clock-monotonic|fast-clock|hidden-outage] [--first-fault NAME] [--faults NAME,NAME] [--composed] [--clock | --clock-rate] [--runs N [--jobs J] [--tls-every K] [--summary FILE] [--artifacts DIR] [--label TEXT]]\n       chaos summary FILE";
+const USAGE: &str = "usage: chaos [--seed N] [--duration 10m] [--workers N] [--resources N] [--no-postgres] [--tls] [--broken bypass-fence|stale-describe|clock-monotonic|fast-clock|hidden-outage] [--first-fault NAME] [--faults NAME,NAME] [--composed] [--netns] [--clock | --clock-rate] [--runs N [--jobs J] [--tls-every K] [--summary FILE] [--artifacts DIR] [--label TEXT]]\n       chaos summary FILE";
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
     let (num, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len()));
@@ -54,6 +57,7 @@ fn parse_fault(s: &str) -> Result<Fault, String> {
     lockd_tests::chaos::nemesis::ALL
         .into_iter()
         .chain(COMPOSED)
+        .chain(NETNS)
         .find(|f| format!("{f:?}").eq_ignore_ascii_case(s))
         .ok_or_else(|| format!("unknown fault {s:?}"))
 }
@@ -73,6 +77,8 @@ fn parse() -> Result<Cmd, String> {
     let mut summary = None;
     let mut artifacts = None;
     let mut label = None;
+    let mut composed = false;
+    let mut explicit_faults: Option<Vec<Fault>> = None;
     let mut args = std::env::args().skip(1).peekable();
     if args.peek().map(String::as_str) == Some("summary") {
         args.next();
@@ -105,12 +111,15 @@ fn parse() -> Result<Cmd, String> {
             },
             "--first-fault" => c.first_fault = Some(parse_fault(&value()?)?),
             "--faults" => {
-                c.faults = value()?
-                    .split(',')
-                    .map(parse_fault)
-                    .collect::<Result<_, _>>()?
+                explicit_faults = Some(
+                    value()?
+                        .split(',')
+                        .map(parse_fault)
+                        .collect::<Result<_, _>>()?,
+                )
             }
-            "--composed" => c.faults = RunConfig::all_with_composed(),
+            "--composed" => composed = true,
+            "--netns" => c.netns = true,
             "--clock" | "--clock-rate" => {
                 let mode = if a == "--clock" {
                     ClockMode::Offsets
@@ -133,6 +142,21 @@ fn parse() -> Result<Cmd, String> {
             "--help" | "-h" => return Err(USAGE.into()),
             other => return Err(format!("unknown flag {other:?}\n{USAGE}")),
         }
+    }
+    c.faults = match explicit_faults {
+        Some(f) if composed => {
+            return Err(format!(
+                "--faults and --composed do not go together (got --faults {f:?})"
+            ));
+        }
+        Some(f) => f,
+        None => RunConfig::default_faults(composed, c.netns),
+    };
+    if !c.netns && c.faults.iter().any(|f| NETNS.contains(f)) {
+        return Err("the faults of network namespaces need --netns".into());
+    }
+    if c.netns && c.clock.is_some() {
+        return Err("--netns does not go with --clock or --clock-rate".into());
     }
     if c.workers == 0 || c.resources == 0 {
         return Err("--workers and --resources must be at least 1".into());

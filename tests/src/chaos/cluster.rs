@@ -8,6 +8,10 @@
 //!   blackhole chosen callers: that is how partitions are made;
 //! - clients may reach it through `127.A.B.(30+i):7001`, a relay that can drop replies after the
 //!   node received (and committed) the request.
+//!
+//! With `--netns` ([`super::netns`]) node i runs in a network namespace of its own and listens on
+//! `10.213.S.(10+i):7001`; peers reach it there directly (no peer relay: partitions are made in
+//! the kernel), and the client relays on `127.A.B.(30+i)` forward to that address.
 
 use std::collections::BTreeSet;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -23,8 +27,10 @@ use tonic::transport::Channel;
 
 use super::clock::{FakeClocks, remove_shm_of};
 use super::history::History;
+use super::netem::NetemSpec;
+use super::netns::Netns;
 use super::relay::Relay;
-use crate::process::{ChildGuard, command, random_loopback_ip};
+use crate::process::{ChildGuard, bin_path, command, random_loopback_ip};
 
 pub const NODES: u64 = 3;
 const PORT: u16 = 7001;
@@ -106,6 +112,10 @@ pub struct ChaosCluster {
     /// Nodes whose data dir was deleted and that may not have caught up yet (they cannot vote
     /// until they have); counted out of any quorum until the fault is healed, conservatively.
     wiped: Vec<bool>,
+    /// A network fault is in place under which this harness does not claim that Raft can make
+    /// progress (one-way and bridge cuts, see [`ChaosCluster::set_quorum_uncertain`]): counted as
+    /// a no-quorum window, conservatively.
+    quorum_uncertain: bool,
     /// Since when (history ms) two or more nodes have been out (down, paused, isolated, wiped):
     /// with three nodes, no quorum can exist then.
     no_quorum_since: Option<u64>,
@@ -121,6 +131,8 @@ pub struct ChaosCluster {
     client_relays: Vec<Relay>,
     /// With `--tls`: the peer CA (PEM) clients trust, and each node's certificate files.
     tls: Option<(Vec<u8>, PathBuf, Vec<crate::tls::Issued>)>,
+    /// With `--netns`: the nodes' namespaces, where partitions and impairments are made.
+    netns: Option<Netns>,
 }
 
 /// A lazily connecting client channel: plaintext, or TLS trusting `ca` (PEM).
@@ -167,14 +179,23 @@ impl ChaosCluster {
     /// relay and client relay addresses).
     ///
     /// With `clocks`, every node runs with libfaketime preloaded (see [`super::clock`]); quorum
-    /// windows and clock draws are noted in `history`.
+    /// windows and clock draws are noted in `history`. With `netns`, each node runs in a network
+    /// namespace of its own (see [`super::netns`]).
     pub async fn start(
         dir: PathBuf,
         timings: Timings,
         tls: bool,
         clocks: Option<Arc<FakeClocks>>,
         history: History,
+        netns: bool,
     ) -> anyhow::Result<ChaosCluster> {
+        anyhow::ensure!(
+            !(netns && clocks.is_some()),
+            "--netns does not go with clock faults (libfaketime would be preloaded into `ip` too)"
+        );
+        if netns {
+            super::netns::available().map_err(|e| anyhow::anyhow!("--netns: {e}"))?;
+        }
         let mut attempt = 0;
         let mut c = loop {
             attempt += 1;
@@ -187,6 +208,7 @@ impl ChaosCluster {
                 paused: vec![false; NODES as usize],
                 isolated: vec![false; NODES as usize],
                 wiped: vec![false; NODES as usize],
+                quorum_uncertain: false,
                 no_quorum_since: None,
                 tracking: false,
                 no_quorum: Vec::new(),
@@ -195,7 +217,12 @@ impl ChaosCluster {
                 peer_relays: Vec::new(),
                 client_relays: Vec::new(),
                 tls: None,
+                netns: None,
             };
+            if netns {
+                // Dropping `c` on error removes what was made.
+                c.netns = Some(Netns::create(NODES)?);
+            }
             match c.start_relays().await {
                 Ok(()) => break c,
                 // Dropping `c` releases its network and closes the relays it did bind.
@@ -231,8 +258,10 @@ impl ChaosCluster {
 
     async fn start_relays(&mut self) -> anyhow::Result<()> {
         for id in 1..=NODES {
-            self.peer_relays
-                .push(Relay::start(self.peer_addr(id), self.addr(id)).await?);
+            if self.netns.is_none() {
+                self.peer_relays
+                    .push(Relay::start(self.peer_addr(id), self.addr(id)).await?);
+            }
             self.client_relays
                 .push(Relay::start(self.client_relay_addr(id), self.addr(id)).await?);
         }
@@ -240,7 +269,10 @@ impl ChaosCluster {
     }
 
     pub fn node_ip(&self, id: u64) -> Ipv4Addr {
-        ip(self.net, 10 + id as u8)
+        match &self.netns {
+            Some(n) => n.host_ip(id),
+            None => ip(self.net, 10 + id as u8),
+        }
     }
 
     /// The node's own listen address (clients connect here directly).
@@ -248,8 +280,11 @@ impl ChaosCluster {
         SocketAddr::new(IpAddr::V4(self.node_ip(id)), PORT)
     }
 
-    /// The address peers use for node `id`: its partition relay.
+    /// The address peers use for node `id`: its partition relay (with `--netns`, its own address).
     pub fn peer_addr(&self, id: u64) -> SocketAddr {
+        if self.netns.is_some() {
+            return self.addr(id);
+        }
         SocketAddr::new(IpAddr::V4(ip(self.net, 20 + id as u8)), PORT)
     }
 
@@ -270,7 +305,10 @@ impl ChaosCluster {
     /// Starts (or restarts) node `id` with its data dir as it is and the given clock offset.
     pub fn start_node(&mut self, id: u64, clock_offset_ms: i64) -> anyhow::Result<()> {
         let t = &self.timings;
-        let mut cmd: Command = command("lockd");
+        let mut cmd: Command = match &self.netns {
+            Some(n) => n.command(id, &bin_path("lockd")),
+            None => command("lockd"),
+        };
         cmd.arg("--id")
             .arg(id.to_string())
             .arg("--listen")
@@ -296,6 +334,11 @@ impl ChaosCluster {
         for peer in 1..=NODES {
             cmd.arg("--peer")
                 .arg(format!("{peer}={}", self.peer_addr(peer)));
+        }
+        if self.netns.is_some() && self.tls.is_none() {
+            // lockd refuses plaintext on a non-loopback address unless told; the namespaces'
+            // subnet is private to this run (only the harness reaches it).
+            cmd.arg("--insecure-plaintext");
         }
         if let Some((_, ca, nodes)) = &self.tls {
             let node = &nodes[id as usize - 1];
@@ -342,6 +385,21 @@ impl ChaosCluster {
         self.is_up(id) && !self.paused[i] && !self.isolated[i] && !self.wiped[i]
     }
 
+    /// Marks (or unmarks) a network fault under which a quorum is connected but Raft may still
+    /// make no progress, so the availability check is not told a quorum could work. Two such
+    /// faults exist. A one-way cut: over TCP it becomes a cut of the pair for every new
+    /// connection (a handshake needs both directions), but bytes on connections opened before it
+    /// still arrive one way, so a leader that no longer hears its followers can go on resetting
+    /// their election timers with heartbeats it never gets acknowledged, and nobody commits
+    /// until those connections die. A bridge partition: the connected pairs include a quorum, but
+    /// openraft 0.9 has no pre-vote; whether the node cut from the leader disrupts it with ever
+    /// higher terms depends on the leader lease the bridge node holds, timing we do not claim.
+    /// Safety is checked under both as under any fault; only liveness is not claimed.
+    pub fn set_quorum_uncertain(&mut self, on: bool) {
+        self.quorum_uncertain = on;
+        self.track_quorum();
+    }
+
     /// Opens or closes a no-quorum window after a change of some node's state.
     fn track_quorum(&mut self) {
         if !self.tracking {
@@ -349,11 +407,19 @@ impl ChaosCluster {
         }
         let out = (1..=NODES).filter(|id| !self.counts(*id)).count() as u64;
         let now = self.history.now_ms();
-        match (out * 2 >= NODES, self.no_quorum_since) {
+        match (
+            out * 2 >= NODES || self.quorum_uncertain,
+            self.no_quorum_since,
+        ) {
             (true, None) => {
                 self.no_quorum_since = Some(now);
+                let why = if out * 2 >= NODES {
+                    format!("{out} nodes out")
+                } else {
+                    "a one-way or bridge cut: progress not claimed".into()
+                };
                 self.history
-                    .note("nemesis", format!("no quorum possible ({out} nodes out)"));
+                    .note("nemesis", format!("no quorum possible ({why})"));
             }
             (false, Some(since)) => {
                 self.no_quorum.push((since, now));
@@ -425,7 +491,13 @@ impl ChaosCluster {
     }
 
     /// Cuts node `id` off from both peers, both directions.
-    pub fn isolate(&mut self, id: u64) {
+    pub fn isolate(&mut self, id: u64) -> anyhow::Result<()> {
+        if let Some(n) = &mut self.netns {
+            n.isolate(id)?;
+            self.isolated[id as usize - 1] = true;
+            self.track_quorum();
+            return Ok(());
+        }
         for other in 1..=NODES {
             if other != id {
                 self.peer_relays[other as usize - 1].block(IpAddr::V4(self.node_ip(id)));
@@ -434,18 +506,65 @@ impl ChaosCluster {
         }
         self.isolated[id as usize - 1] = true;
         self.track_quorum();
+        Ok(())
+    }
+
+    /// The namespaces, for the faults only they can make (`None` without `--netns`).
+    fn netns_mut(&mut self) -> anyhow::Result<&mut Netns> {
+        self.netns
+            .as_mut()
+            .ok_or_else(|| anyhow::anyhow!("this fault needs --netns"))
+    }
+
+    /// Packets from node `from` no longer arrive at node `to` (the other way they still do).
+    pub fn cut_one_way(&mut self, from: u64, to: u64) -> anyhow::Result<()> {
+        self.netns_mut()?.cut(from, to)?;
+        self.set_quorum_uncertain(true);
+        Ok(())
+    }
+
+    /// The two nodes other than `bridge` stop hearing each other; `bridge` hears both.
+    pub fn bridge_partition(&mut self, bridge: u64) -> anyhow::Result<()> {
+        let (a, b) = match bridge {
+            1 => (2, 3),
+            2 => (1, 3),
+            _ => (1, 2),
+        };
+        let n = self.netns_mut()?;
+        n.cut(a, b)?;
+        n.cut(b, a)?;
+        self.set_quorum_uncertain(true);
+        Ok(())
+    }
+
+    /// The harness's packets no longer arrive at node `id`; its peers still reach it (a quorum
+    /// stays: clients go to the other nodes).
+    pub fn cut_client(&mut self, id: u64) -> anyhow::Result<()> {
+        self.netns_mut()?.cut(0, id)
+    }
+
+    /// Loss, delay and reordering on node `id`'s link, both directions. Its peers still form a
+    /// quorum without it, so this is not a no-quorum window.
+    pub fn impair(&mut self, id: u64, spec: NetemSpec) -> anyhow::Result<()> {
+        self.netns_mut()?.impair(id, spec)
     }
 
     pub fn drop_replies(&self, id: u64, on: bool) {
         self.client_relays[id as usize - 1].set_drop_replies(on);
     }
 
-    pub fn heal_network(&mut self) {
+    pub fn heal_network(&mut self) -> anyhow::Result<()> {
         for r in self.peer_relays.iter().chain(&self.client_relays) {
             r.heal();
         }
+        let healed = match &mut self.netns {
+            Some(n) => n.heal(),
+            None => Ok(()),
+        };
         self.isolated.iter_mut().for_each(|i| *i = false);
+        self.quorum_uncertain = false;
         self.track_quorum();
+        healed
     }
 
     /// Lifts every fault: network healed, paused nodes resumed, stopped nodes restarted with the
@@ -453,7 +572,7 @@ impl ChaosCluster {
     /// catch up).
     pub fn heal_all(&mut self) -> anyhow::Result<()> {
         self.wiped.iter_mut().for_each(|w| *w = false);
-        self.heal_network();
+        self.heal_network()?;
         for id in 1..=NODES {
             if self.paused[id as usize - 1] {
                 self.resume(id);
@@ -572,6 +691,8 @@ impl Drop for ChaosCluster {
         }
         self.peer_relays.clear();
         self.client_relays.clear();
+        // After the nodes: a namespace lives on while a process is in it.
+        self.netns = None;
         release_net(self.net);
     }
 }

@@ -1,7 +1,9 @@
 //! Fault-injection verification: real `lockd` processes, `fence-proxy` and protected targets
 //! under a seeded nemesis (crashes, pauses, partitions, lost replies, clock jumps, stalled
 //! clients, and with `--composed` several of them at once), optionally with wrong clocks made by
-//! libfaketime, with a recorded history checked against the invariants. See
+//! libfaketime or (`--netns`) with each node in a network namespace of its own and partitions,
+//! one-way cuts, loss, delay and reordering made in the kernel's packet path, with a recorded
+//! history checked against the invariants. See
 //! docs/verification.md.
 //!
 //! It does not fix what it finds: a violation is reported with its seed and a rerun command.
@@ -10,6 +12,8 @@
 //! - [`relay`]: fault-injecting TCP relay (blackhole by source IP, drop replies).
 //! - [`cluster`]: three nodes wired through relays; `fence-proxy http` start-up; the windows in
 //!   which no quorum could exist.
+//! - [`netns`]: network namespaces for the nodes, and the faults made in them.
+//! - [`netem`]: loss, delay and reordering of frames in user space (this kernel has no netem).
 //! - [`clock`]: wall-clock offsets and clock rates with libfaketime.
 //! - [`register`]: the protected HTTP register and a minimal HTTP client.
 //! - [`history`]: the recorded history (invoke, ok, fail, unknown).
@@ -26,6 +30,8 @@ pub mod cluster;
 pub mod history;
 pub mod linearizable;
 pub mod nemesis;
+pub mod netem;
+pub mod netns;
 pub mod register;
 pub mod relay;
 pub mod run;

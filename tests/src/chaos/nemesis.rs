@@ -8,6 +8,10 @@
 //! for a while: the cluster tracks those windows (`ChaosCluster::no_quorum`) so that the
 //! availability check claims no failure inside them. Clock faults run beside the nemesis, at any
 //! time (`clock.rs`, [`run_clock_steps`]).
+//!
+//! With `chaos --netns` the partitions are made in the kernel (`netns.rs`) and the nemesis also
+//! draws the faults only namespaces can make ([`NETNS`]): one-way and bridge cuts, the harness cut
+//! from one node, and loss, delay with jitter, and reordering on one node's link.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -19,6 +23,7 @@ use rand::{RngExt, SeedableRng};
 use super::clock::FakeClocks;
 use super::cluster::{ChaosCluster, NODES};
 use super::history::History;
+use super::netem::NetemSpec;
 
 /// Largest clock offset a restarted node gets (either direction).
 pub const MAX_CLOCK_OFFSET_MS: i64 = 2_000;
@@ -57,6 +62,20 @@ pub enum Fault {
     PauseLeaderInSnapshotInstall,
     /// Composed: a node isolated, another wiped and restarted empty while the partition lasts.
     WipeWhilePartitioned,
+    /// `--netns`: packets from one node no longer reach another (the leader and another node,
+    /// either way round); the reverse direction still works.
+    AsymmetricCut,
+    /// `--netns`: two nodes stop hearing each other; the third (the leader or not) hears both.
+    BridgePartition,
+    /// `--netns`: the harness's packets no longer reach one node; its peers still do.
+    ClientCut,
+    /// `--netns`: one node's link loses a share of its packets, both directions.
+    PacketLoss,
+    /// `--netns`: one node's link delays packets, with jitter (which reorders some).
+    DelayJitter,
+    /// `--netns`: one node's link delays most packets and sends the rest at once, so they
+    /// overtake.
+    Reorder,
 }
 
 pub const ALL: [Fault; 9] = [
@@ -78,6 +97,30 @@ pub const COMPOSED: [Fault; 4] = [
     Fault::PauseLeaderInSnapshotInstall,
     Fault::WipeWhilePartitioned,
 ];
+
+/// The faults only network namespaces can make (`chaos --netns` adds them to [`ALL`], whose
+/// partitions it then also makes in the kernel).
+pub const NETNS: [Fault; 6] = [
+    Fault::AsymmetricCut,
+    Fault::BridgePartition,
+    Fault::ClientCut,
+    Fault::PacketLoss,
+    Fault::DelayJitter,
+    Fault::Reorder,
+];
+
+/// How long a network fault of [`NETNS`] is held, ms.
+const NET_FAULT_HOLD_MS: (u64, u64) = (1_500, 5_000);
+/// Loss drawn for [`Fault::PacketLoss`], percent: enough that TCP retransmits all the time, not
+/// so much that the link is as good as cut (that is what the partitions are for).
+const LOSS_PCT: (u32, u32) = (5, 30);
+/// Delay and jitter for [`Fault::DelayJitter`], ms: up to a few heartbeats (100 ms), below the
+/// election timeout (600 ms) even both ways with the jitter.
+const DELAY_MS: (u64, u64) = (30, 200);
+const JITTER_MS: (u64, u64) = (5, 80);
+/// [`Fault::Reorder`]: the delay of the delayed packets, and the share sent at once.
+const REORDER_DELAY_MS: (u64, u64) = (10, 60);
+const REORDER_PCT: (u32, u32) = (10, 50);
 
 /// How long [`Fault::TwoNodesDown`] keeps both nodes down, ms; and the same in the broken mode
 /// that hides the outage from the checker, longer than the availability check allows.
@@ -172,6 +215,17 @@ impl Nemesis {
         (id, leader)
     }
 
+    /// Holds a network fault of [`NETNS`] for a drawn time, lifts it, and lets the cluster
+    /// settle.
+    async fn hold_network_fault(&mut self, cluster: &mut ChaosCluster) -> anyhow::Result<()> {
+        self.sleep_ms(NET_FAULT_HOLD_MS.0, NET_FAULT_HOLD_MS.1)
+            .await;
+        self.note("lift the network fault".into());
+        cluster.heal_network()?;
+        self.sleep_ms(500, 1_500).await;
+        Ok(())
+    }
+
     /// Injects faults until `until`, then lifts them all. `first` forces the first fault.
     pub async fn run(
         &mut self,
@@ -233,10 +287,10 @@ impl Nemesis {
                     self.other(leader)
                 };
                 self.note(format!("isolate node {id} (leader was {leader})"));
-                cluster.isolate(id);
+                cluster.isolate(id)?;
                 self.sleep_ms(1_500, 5_000).await;
                 self.note(format!("heal partition of node {id}"));
-                cluster.heal_network();
+                cluster.heal_network()?;
                 self.sleep_ms(500, 1_500).await;
             }
             Fault::DropReplies => {
@@ -318,13 +372,13 @@ impl Nemesis {
                 cluster.kill(down);
                 self.sleep_ms(300, 1_500).await;
                 self.note(format!("isolate node {cut} while node {down} is down"));
-                cluster.isolate(cut);
+                cluster.isolate(cut)?;
                 self.sleep_ms(500, 2_000).await;
                 self.note(format!("restart node {down} while node {cut} is isolated"));
                 cluster.start_node(down, cluster.clock_offsets_ms[down as usize - 1])?;
                 self.sleep_ms(1_000, 3_000).await;
                 self.note(format!("heal partition of node {cut}"));
-                cluster.heal_network();
+                cluster.heal_network()?;
                 self.sleep_ms(500, 1_500).await;
             }
             Fault::PauseLeaderInSnapshotInstall => {
@@ -360,11 +414,74 @@ impl Nemesis {
                 cluster.resume(leader);
                 self.sleep_ms(2_000, 4_000).await;
             }
+            Fault::AsymmetricCut => {
+                let (x, leader) = self.leader_or_other(cluster).await;
+                let y = self.other(x);
+                let (from, to) = if self.rng.random_bool(0.5) {
+                    (x, y)
+                } else {
+                    (y, x)
+                };
+                self.note(format!(
+                    "one-way cut: node {to} reaches node {from}, packets from node {from} no longer reach node {to} (leader was {leader})"
+                ));
+                cluster.cut_one_way(from, to)?;
+                self.hold_network_fault(cluster).await?;
+            }
+            Fault::BridgePartition => {
+                let (bridge, leader) = self.leader_or_other(cluster).await;
+                self.note(format!(
+                    "bridge partition: node {bridge} hears both others, they do not hear each other (leader was {leader})"
+                ));
+                cluster.bridge_partition(bridge)?;
+                self.hold_network_fault(cluster).await?;
+            }
+            Fault::ClientCut => {
+                let (id, leader) = self.leader_or_other(cluster).await;
+                self.note(format!(
+                    "the harness's packets no longer reach node {id}; its peers still do (leader was {leader})"
+                ));
+                cluster.cut_client(id)?;
+                self.hold_network_fault(cluster).await?;
+            }
+            Fault::PacketLoss | Fault::DelayJitter | Fault::Reorder => {
+                let (id, leader) = self.leader_or_other(cluster).await;
+                let mut spec = NetemSpec {
+                    loss_pct: 0,
+                    delay_ms: 0,
+                    jitter_ms: 0,
+                    reorder_pct: 0,
+                    seed: self.rng.random(),
+                };
+                match fault {
+                    Fault::PacketLoss => {
+                        spec.loss_pct = self.rng.random_range(LOSS_PCT.0..=LOSS_PCT.1)
+                    }
+                    Fault::DelayJitter => {
+                        spec.delay_ms = self.rng.random_range(DELAY_MS.0..=DELAY_MS.1);
+                        spec.jitter_ms = self
+                            .rng
+                            .random_range(JITTER_MS.0..=JITTER_MS.1)
+                            .min(spec.delay_ms);
+                    }
+                    _ => {
+                        spec.delay_ms = self
+                            .rng
+                            .random_range(REORDER_DELAY_MS.0..=REORDER_DELAY_MS.1);
+                        spec.reorder_pct = self.rng.random_range(REORDER_PCT.0..=REORDER_PCT.1);
+                    }
+                }
+                self.note(format!(
+                    "impair node {id}'s link: {spec} (leader was {leader})"
+                ));
+                cluster.impair(id, spec)?;
+                self.hold_network_fault(cluster).await?;
+            }
             Fault::WipeWhilePartitioned => {
                 let (cut, leader) = self.leader_or_other(cluster).await;
                 let wiped = self.other(cut);
                 self.note(format!("isolate node {cut} (leader was {leader})"));
-                cluster.isolate(cut);
+                cluster.isolate(cut)?;
                 self.sleep_ms(300, 1_000).await;
                 self.note(format!(
                     "kill -9 node {wiped} and delete its data dir while node {cut} is isolated"
@@ -378,7 +495,7 @@ impl Nemesis {
                 cluster.start_node(wiped, cluster.clock_offsets_ms[wiped as usize - 1])?;
                 self.sleep_ms(1_500, 4_000).await;
                 self.note(format!("heal partition of node {cut}"));
-                cluster.heal_network();
+                cluster.heal_network()?;
                 self.sleep_ms(2_000, 4_000).await;
             }
         }

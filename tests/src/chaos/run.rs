@@ -17,7 +17,7 @@ use super::clock::{ClockMode, FakeClocks, MAX_RATE_ERROR_PCT};
 use super::cluster::{ChaosCluster, NODES, Timings, client_channel, start_http_proxy};
 use super::history::{History, OpKind, Outcome};
 use super::linearizable::{self, LinReport};
-use super::nemesis::{ALL, COMPOSED, Fault, MAX_CLOCK_OFFSET_MS, Nemesis, run_clock_steps};
+use super::nemesis::{ALL, COMPOSED, Fault, MAX_CLOCK_OFFSET_MS, NETNS, Nemesis, run_clock_steps};
 use super::register::Register;
 use super::workload::{self, Endpoints, MAX_TTL_MS, MAX_WAIT_MS, Mode, PgTarget, Worker};
 
@@ -61,6 +61,8 @@ pub struct RunConfig {
     pub tls: bool,
     /// Clock faults made with libfaketime (`--clock`, `--clock-rate`).
     pub clock: Option<ClockMode>,
+    /// Each node in a network namespace of its own, partitions made in the kernel (`--netns`).
+    pub netns: bool,
 }
 
 impl RunConfig {
@@ -76,12 +78,21 @@ impl RunConfig {
             faults: ALL.to_vec(),
             tls: false,
             clock: None,
+            netns: false,
         }
     }
 
-    /// The single faults and the composed ones (`--composed`).
-    pub fn all_with_composed() -> Vec<Fault> {
-        ALL.iter().chain(COMPOSED.iter()).copied().collect()
+    /// The faults a run draws from unless told (`--faults`): the single ones, the composed ones
+    /// with `--composed`, the namespace-only ones with `--netns`.
+    pub fn default_faults(composed: bool, netns: bool) -> Vec<Fault> {
+        let mut f = ALL.to_vec();
+        if composed {
+            f.extend(COMPOSED);
+        }
+        if netns {
+            f.extend(NETNS);
+        }
+        f
     }
 
     /// Whether the nemesis may compose faults (the cluster then snapshots often).
@@ -113,9 +124,12 @@ impl RunConfig {
         if !self.postgres {
             c.push_str(" --no-postgres");
         }
-        if self.faults == Self::all_with_composed() {
+        if self.netns {
+            c.push_str(" --netns");
+        }
+        if self.faults == Self::default_faults(true, self.netns) {
             c.push_str(" --composed");
-        } else if self.faults != ALL {
+        } else if self.faults != Self::default_faults(false, self.netns) {
             let names: Vec<String> = self.faults.iter().map(|f| format!("{f:?}")).collect();
             c.push_str(&format!(" --faults {}", names.join(",")));
         }
@@ -164,11 +178,12 @@ pub struct RunReport {
 impl RunReport {
     pub fn summary(&self) -> String {
         let mut s = format!(
-            "chaos seed {} ({:?}, {:?}{}{}): {} ops, {} grants, {} describes, {} fenced writes acknowledged, {} refused, {} unknown outcomes; faults {:?}; clock offset steps {}, clock rates drawn {}; no-quorum windows {:?} ms; longest silence with a quorum possible {} ms from {} ms; liveness {:?}; {:.0?} in all; artifacts {}\n{}\n",
+            "chaos seed {} ({:?}, {:?}{}{}{}): {} ops, {} grants, {} describes, {} fenced writes acknowledged, {} refused, {} unknown outcomes; faults {:?}; clock offset steps {}, clock rates drawn {}; no-quorum windows {:?} ms; longest silence with a quorum possible {} ms from {} ms; liveness {:?}; {:.0?} in all; artifacts {}\n{}\n",
             self.config.seed,
             self.config.duration,
             self.config.mode,
             if self.config.tls { ", tls" } else { "" },
+            if self.config.netns { ", netns" } else { "" },
             self.config
                 .clock
                 .map(|m| format!(", {}", m.flag()))
@@ -268,6 +283,7 @@ pub async fn run_in(config: RunConfig, artifacts: PathBuf) -> anyhow::Result<Run
         config.tls,
         clocks.clone(),
         history.clone(),
+        config.netns,
     )
     .await?;
     let register = Register::start(cluster.harness_ip()).await?;

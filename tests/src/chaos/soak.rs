@@ -76,6 +76,8 @@ pub struct RunRecord {
     pub mode: String,
     /// `--clock` or `--clock-rate` when the run had clock faults.
     pub clock: Option<String>,
+    /// The nodes ran in network namespaces (`--netns`).
+    pub netns: bool,
     /// Faults injected, per kind (`ClockOffset`: runtime wall-clock offset changes; `ClockRate`:
     /// node starts with a drawn clock rate).
     pub faults: BTreeMap<String, u64>,
@@ -127,6 +129,7 @@ fn base_record(c: &RunConfig, label: &Option<String>) -> RunRecord {
         resources: c.resources,
         mode: c.mode.broken_name().unwrap_or("correct").into(),
         clock: c.clock.map(|m| m.flag().to_owned()),
+        netns: c.netns,
         rerun: c.rerun_command(),
         label: label.clone(),
         finished_unix_s: unix_now(),
@@ -199,6 +202,8 @@ pub struct Totals {
     /// Runs with clock faults; no-quorum windows and their time; the longest silence with a
     /// quorum possible in any run.
     pub clock_runs: u64,
+    /// Runs with the nodes in network namespaces.
+    pub netns_runs: u64,
     pub no_quorum_windows: u64,
     pub no_quorum_ms: u64,
     pub longest_gap_ms_max: u64,
@@ -250,6 +255,7 @@ impl Totals {
         self.lin_check_ms += r.lin_check_ms;
         self.lin_check_ms_max = self.lin_check_ms_max.max(r.lin_check_ms);
         self.clock_runs += r.clock.is_some() as u64;
+        self.netns_runs += r.netns as u64;
         self.no_quorum_windows += r.no_quorum_windows;
         self.no_quorum_ms += r.no_quorum_ms;
         self.longest_gap_ms_max = self.longest_gap_ms_max.max(r.longest_gap_ms);
@@ -280,8 +286,8 @@ impl Totals {
             self.lin_check_ms_max
         ));
         s.push_str(&format!(
-            "{} runs with clock faults; {} no-quorum windows ({} ms in all); longest silence with a quorum possible {} ms\n",
-            self.clock_runs, self.no_quorum_windows, self.no_quorum_ms, self.longest_gap_ms_max
+            "{} runs with clock faults, {} in network namespaces; {} no-quorum windows ({} ms in all); longest silence with a quorum possible {} ms\n",
+            self.clock_runs, self.netns_runs, self.no_quorum_windows, self.no_quorum_ms, self.longest_gap_ms_max
         ));
         s.push_str(&format!(
             "{} violations {:?}\n",
