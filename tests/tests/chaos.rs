@@ -233,10 +233,10 @@ async fn netns_run_keeps_every_invariant() {
 /// while the harness's packets do not reach it; the client gives up and retries the same
 /// `request_id` on node 2, which refuses it (another holder has the lock); the holder releases;
 /// the cut is lifted, so TCP retransmits the first attempt's bytes to node 1. The lock must not
-/// then be held by the refused request. Ignored until the finding is fixed (lockd or the
-/// contract, docs/verification.md); it fails on b52a973. Skipped without root.
+/// then be held by the refused request, and node 1 must have answered that late attempt (so the
+/// test saw it arrive). It failed on b52a973 (the late attempt was granted token 19); lockd now
+/// records a LOCK_HELD refusal under its request_id. Skipped without root.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "open finding of seed 9601: fails until a LOCK_HELD refusal is final for its request_id"]
 async fn seed_9601_late_attempt_is_not_granted_after_lock_held_refusal() {
     use lockd_api::v1::lock_client::LockClient;
     use lockd_api::v1::{AcquireRequest, DescribeRequest, ReleaseRequest};
@@ -304,8 +304,33 @@ async fn seed_9601_late_attempt_is_not_granted_after_lock_held_refusal() {
         })
         .await
         .expect("a's release");
+    let node1_metrics = format!(
+        "{}:{}",
+        cluster.node_ip(1),
+        lockd_tests::chaos::cluster::METRICS_PORT
+    );
+    let held_at_node1 = || async {
+        let (_, text) = lockd_tests::cluster::http_get(&node1_metrics, "/metrics").await?;
+        anyhow::Ok(
+            text.lines()
+                .find(|l| l.starts_with(r#"lockd_requests_total{op="acquire",outcome="held"}"#))
+                .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .unwrap_or(0.0),
+        )
+    };
     cluster.heal_network().unwrap();
-    tokio::time::sleep(Duration::from_secs(8)).await;
+    // TCP retransmits the first attempt once the cut is gone; node 1 answers it.
+    lockd_tests::poll::until_async(
+        "node 1 answered the late first attempt",
+        Duration::from_secs(20),
+        || async {
+            match held_at_node1().await {
+                Ok(n) if n >= 1.0 => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
     let now = node2
         .describe(DescribeRequest {
             resource: resource.clone(),

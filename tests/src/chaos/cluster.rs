@@ -34,7 +34,8 @@ use crate::process::{ChildGuard, bin_path, command, random_loopback_ip};
 
 pub const NODES: u64 = 3;
 const PORT: u16 = 7001;
-const METRICS_PORT: u16 = 9101;
+/// Where each node serves /metrics, on its own namespace address.
+pub const METRICS_PORT: u16 = 9101;
 /// How long a node may take to stop after SIGTERM before it is killed.
 const STOP_WAIT: Duration = Duration::from_secs(5);
 /// Audit files are never rotated during a run (the checker reads one file per node).
