@@ -33,7 +33,7 @@ fn main() {
             .collect();
         for _ in 0..per_batch {
             n += 1;
-            commands.push(Command::Acquire {
+            commands.push(Command::AcquireV2 {
                 resource: ResourceName::new_unchecked(format!("jobs/{}", n % 100_000)),
                 request_id: format!("req-{n}"),
                 lease_ttl_ms: 30_000,
@@ -65,7 +65,7 @@ fn main() {
             slowest = (took, n);
         }
         for (cmd, outcome) in batch.commands.iter().zip(outcomes) {
-            if let (Command::Acquire { resource, .. }, Outcome::Granted(g)) = (cmd, outcome) {
+            if let (Command::AcquireV2 { resource, .. }, Outcome::Granted(g)) = (cmd, outcome) {
                 to_release.push((resource.clone(), g.lease_id));
             }
         }

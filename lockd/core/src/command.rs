@@ -162,6 +162,22 @@ pub enum Command {
         pkcs8: Vec<u8>,
         replaces: Option<[u8; 8]>,
     },
+    /// [`Command::Acquire`] whose `Held` answer is recorded under the request_id like a grant,
+    /// so a late copy of the request is refused again instead of granted (chaos seed 9601).
+    /// lockd proposes only this form now. The rule travels with the entry rather than with the
+    /// binary: `Acquire` entries already in a log replay as they were first applied, so every
+    /// replica computes the same table whichever snapshot it restarts from, and an older lockd
+    /// cannot decode this variant and stops instead of applying it differently.
+    /// (Appended last: variants are encoded by index.)
+    AcquireV2 {
+        resource: ResourceName,
+        request_id: String,
+        lease_ttl_ms: u64,
+        /// 0 = answer `Held` (and record it) instead of queueing.
+        wait_timeout_ms: u64,
+        holder: String,
+        lease_id: LeaseId,
+    },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -256,13 +256,24 @@ impl LockTable {
                 wait_timeout_ms,
                 holder,
                 lease_id,
-            } => self.acquire(
+            }
+            | Command::AcquireV2 {
                 resource,
                 request_id,
-                *lease_ttl_ms,
-                *wait_timeout_ms,
+                lease_ttl_ms,
+                wait_timeout_ms,
                 holder,
-                *lease_id,
+                lease_id,
+            } => self.acquire(
+                AcquireArgs {
+                    resource,
+                    request_id,
+                    lease_ttl_ms: *lease_ttl_ms,
+                    wait_timeout_ms: *wait_timeout_ms,
+                    holder,
+                    lease_id: *lease_id,
+                    record_held: matches!(cmd, Command::AcquireV2 { .. }),
+                },
                 policy,
                 events,
             ),
@@ -296,18 +307,21 @@ impl LockTable {
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn acquire(
         &mut self,
-        resource: &ResourceName,
-        request_id: &str,
-        lease_ttl_ms: u64,
-        wait_timeout_ms: u64,
-        holder: &str,
-        lease_id: LeaseId,
+        args: AcquireArgs<'_>,
         policy: &Policy,
         events: &mut Vec<Event>,
     ) -> Outcome {
+        let AcquireArgs {
+            resource,
+            request_id,
+            lease_ttl_ms,
+            wait_timeout_ms,
+            holder,
+            lease_id,
+            record_held,
+        } = args;
         let ident = self.ident(request_id, resource, lease_ttl_ms, wait_timeout_ms, holder);
         let key = ident.key;
         self.settle(resource, events);
@@ -430,7 +444,9 @@ impl LockTable {
             }
             Some(lease) if wait_timeout_ms == 0 => {
                 let holder = lease.holder.clone();
-                self.dedup_put(ident, DedupState::Held);
+                if record_held {
+                    self.dedup_put(ident, DedupState::Held);
+                }
                 Outcome::Held { holder }
             }
             Some(_) => self.enqueue(
@@ -1235,6 +1251,19 @@ fn legacy_args_hash(resource: &ResourceName, ttl: u64, wait: u64, holder: &str) 
     buf.extend_from_slice(&(holder.len() as u64).to_le_bytes());
     buf.extend_from_slice(holder.as_bytes());
     xxhash_rust::xxh3::xxh3_64(&buf)
+}
+
+/// One Acquire's arguments, as apply reads them from either command form.
+struct AcquireArgs<'a> {
+    resource: &'a ResourceName,
+    request_id: &'a str,
+    lease_ttl_ms: u64,
+    wait_timeout_ms: u64,
+    holder: &'a str,
+    lease_id: LeaseId,
+    /// Record a `Held` answer under the request_id ([`Command::AcquireV2`]); `Acquire` entries
+    /// of older logs did not, and replay the same way.
+    record_held: bool,
 }
 
 mod dedup;

@@ -101,7 +101,7 @@ impl Harness {
 
     fn acquire(&mut self, r: &str, req: &str, ttl: u64, wait: u64) -> Outcome {
         self.next_lease += 1;
-        self.run(Command::Acquire {
+        self.run(Command::AcquireV2 {
             resource: res(r),
             request_id: req.into(),
             lease_ttl_ms: ttl,
@@ -1044,6 +1044,59 @@ fn seed_9601_a_held_refusal_stands_for_its_request_id() {
     assert_eq!(h.table.stats().dedup_records, 3);
 }
 
+/// Review of the seed-9601 fix: the refusal rule must travel with the entry, not the binary.
+/// Entries written as `Acquire` (before the rule) replay without records, so two replicas that
+/// restart from snapshots cut at different entries of such a log end with identical tables.
+#[test]
+fn acquire_entries_of_older_logs_replay_without_refusal_records() {
+    let old = |r: &str, req: &str, lease: u128| Command::Acquire {
+        resource: res(r),
+        request_id: req.into(),
+        lease_ttl_ms: 10_000,
+        wait_timeout_ms: 0,
+        holder: format!("holder-{req}"),
+        lease_id: LeaseId(lease),
+    };
+    let log = [
+        vec![old("orders/1", "a", 1)],
+        vec![old("orders/1", "b", 2)],
+        vec![Command::Release {
+            resource: res("orders/1"),
+            lease_id: LeaseId(1),
+        }],
+        vec![old("orders/1", "b", 3)],
+    ];
+    let batch = |commands: &Vec<Command>| Batch {
+        now_ms: 1_000,
+        stamp: None,
+        policy: Policy::default(),
+        commands: commands.clone(),
+    };
+    let mut events = Vec::new();
+    let mut outcomes = Vec::new();
+    // Replica A applies the whole log; replica B restarts from a snapshot taken after entry 2
+    // and replays the rest.
+    let mut a = LockTable::new();
+    for entry in &log {
+        outcomes.push(a.apply(1, &batch(entry), &mut events));
+    }
+    let mut b = LockTable::new();
+    for entry in &log[..2] {
+        b.apply(1, &batch(entry), &mut events);
+    }
+    let mut b = LockTable::decode_snapshot(&b.encode_snapshot()).unwrap();
+    for entry in &log[2..] {
+        b.apply(1, &batch(entry), &mut events);
+    }
+    assert_eq!(a.encode_snapshot(), b.encode_snapshot());
+    // As first applied: the refused "b" was not recorded, so its later copy was granted.
+    assert!(
+        matches!(outcomes[3][0], Outcome::Granted(_)),
+        "{outcomes:?}"
+    );
+    assert_eq!(a.stats().dedup_records, 2);
+}
+
 #[test]
 fn snapshot_round_trip_keeps_everything() {
     let mut h = Harness::new();
@@ -1181,7 +1234,16 @@ impl Model {
                 wait_timeout_ms,
                 holder,
                 lease_id,
+            }
+            | Command::AcquireV2 {
+                resource,
+                request_id,
+                lease_ttl_ms,
+                wait_timeout_ms,
+                holder,
+                lease_id,
             } => {
+                let record_held = matches!(cmd, Command::AcquireV2 { .. });
                 let r = resource.as_str();
                 let args = format!("{r}|{lease_ttl_ms}|{wait_timeout_ms}|{holder}");
                 self.settle(r);
@@ -1213,8 +1275,10 @@ impl Model {
                 }
                 let mut s = self.res.remove(r).unwrap_or_default();
                 let out = if let Some(lease) = s.lease.as_ref().filter(|_| *wait_timeout_ms == 0) {
-                    self.dedup
-                        .insert(request_id.clone(), (args, self.now, ModelDedup::Held));
+                    if record_held {
+                        self.dedup
+                            .insert(request_id.clone(), (args, self.now, ModelDedup::Held));
+                    }
                     Outcome::Held {
                         holder: lease.4.clone(),
                     }
@@ -1332,6 +1396,8 @@ enum Op {
         ttl: u64,
         wait: u64,
         holder: usize,
+        /// `AcquireV2` (records a `Held` answer) or the older `Acquire`.
+        v2: bool,
     },
     Renew {
         r: usize,
@@ -1361,8 +1427,8 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        4 => (0..3usize, 0..8usize, prop_oneof![Just(1_000u64), Just(2_500)], prop_oneof![Just(0u64), Just(1_500), Just(4_000)], 0..2usize)
-            .prop_map(|(r, req, ttl, wait, holder)| Op::Acquire { r, req, ttl, wait, holder }),
+        4 => (0..3usize, 0..8usize, prop_oneof![Just(1_000u64), Just(2_500)], prop_oneof![Just(0u64), Just(1_500), Just(4_000)], 0..2usize, any::<bool>())
+            .prop_map(|(r, req, ttl, wait, holder, v2)| Op::Acquire { r, req, ttl, wait, holder, v2 }),
         2 => (0..3usize, 0..12usize, prop_oneof![Just(0u64), Just(1_000)]).prop_map(|(r, lease, ttl)| Op::Renew { r, lease, ttl }),
         2 => (0..3usize, 0..12usize).prop_map(|(r, lease)| Op::Release { r, lease }),
         1 => (0..3usize).prop_map(|r| Op::Reap { r }),
@@ -1430,9 +1496,14 @@ proptest! {
                 Op::Step { ms } => { flush(&mut pending, now, term, &mut table, &mut model, &mut leases, &mut last_token)?; now += ms; }
                 Op::BackStep { ms } => { flush(&mut pending, now, term, &mut table, &mut model, &mut leases, &mut last_token)?; now -= ms; }
                 Op::NewTerm => { flush(&mut pending, now, term, &mut table, &mut model, &mut leases, &mut last_token)?; term += 1; }
-                Op::Acquire { r, req, ttl, wait, holder } => {
+                Op::Acquire { r, req, ttl, wait, holder, v2 } => {
                     next_id += 1;
-                    pending.push(Command::Acquire { resource: res(NAMES[r]), request_id: format!("req{req}"), lease_ttl_ms: ttl, wait_timeout_ms: wait, holder: format!("h{holder}"), lease_id: LeaseId(next_id << 64) });
+                    let (resource, request_id, holder, lease_id) = (res(NAMES[r]), format!("req{req}"), format!("h{holder}"), LeaseId(next_id << 64));
+                    pending.push(if v2 {
+                        Command::AcquireV2 { resource, request_id, lease_ttl_ms: ttl, wait_timeout_ms: wait, holder, lease_id }
+                    } else {
+                        Command::Acquire { resource, request_id, lease_ttl_ms: ttl, wait_timeout_ms: wait, holder, lease_id }
+                    });
                 }
                 Op::Renew { r, lease, ttl } => pending.push(Command::Renew { resource: res(NAMES[r]), lease_id: leases.get(lease).copied().unwrap_or(LeaseId(1)), lease_ttl_ms: ttl }),
                 Op::Release { r, lease } => pending.push(Command::Release { resource: res(NAMES[r]), lease_id: leases.get(lease).copied().unwrap_or(LeaseId(1)) }),

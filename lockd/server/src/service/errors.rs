@@ -51,17 +51,14 @@ pub fn precondition(field: &str, msg: impl std::fmt::Display) -> Status {
 
 pub fn held(resource: &str, holder: &str) -> Status {
     // A refusal is this request_id's answer for good (a retry gets it again), so a new try
-    // needs a new request_id. An empty holder: the resource is free now, but was held when the
-    // request was first answered.
-    let who = if holder.is_empty() {
-        "was held when this request_id was first answered".to_owned()
-    } else {
-        format!("is held by {holder:?}")
-    };
+    // needs a new request_id. A replayed refusal names whoever holds the resource now (empty:
+    // nobody, or a holder that gave no name).
     status(
         Code::Aborted,
         format!(
-            "lockd: resource {resource:?} {who}; retry later with a new request_id, or set wait_timeout_ms to queue"
+            "lockd: resource {resource:?} is held (holder now: {holder:?}), or was when this \
+             request_id was first answered; try again later with a new request_id (with \
+             wait_timeout_ms to queue)"
         ),
         Reason::LockHeld,
         &[("resource", resource)],

@@ -200,7 +200,7 @@ impl LockService {
             armed: false,
         };
         let outcome = self
-            .propose(Command::Acquire {
+            .propose(Command::AcquireV2 {
                 resource: resource.clone(),
                 request_id: req.request_id.clone(),
                 lease_ttl_ms: ttl,
