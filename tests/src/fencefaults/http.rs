@@ -370,7 +370,8 @@ pub async fn upstream_faults(rng: &mut StdRng, bypass: bool) -> anyhow::Result<R
     let base: u64 = rng.random_range(10..1_000_000);
     let n = rng.random_range(5..10);
     let tokens = race_tokens(rng, base, n);
-    let mut pending = Vec::new();
+    let mut pending: Vec<PendingWrite> = Vec::new();
+    let mut writes = Vec::new();
     let mut faults = 0;
     for token in tokens {
         let mut pieces = rng.random_range(2..4);
@@ -397,13 +398,34 @@ pub async fn upstream_faults(rng: &mut StdRng, bypass: bool) -> anyhow::Result<R
             }
         };
         faults += u64::from(fault != Fault::None);
+        let closes = matches!(
+            fault,
+            Fault::CloseMidBody { .. } | Fault::Early200ThenClose { .. }
+        );
+        let pause = if closes {
+            rng.random_range(60..120)
+        } else {
+            rng.random_range(20..80)
+        };
         let put = Put::new(target, "proxy", &r, token)
             .fault(fault)
-            .pieces(pieces, Duration::from_millis(rng.random_range(20..80)));
-        pending.push(put.spawn(None));
+            .pieces(pieces, Duration::from_millis(pause));
+        if closes {
+            // A write that finds the resource busy (another write, or a quarantine) waits at
+            // the proxy while its client sends the whole body; the proxy then forwards it in
+            // one burst, and the close lands after the last byte was handed over (the limit in
+            // `CLOSE_WITHIN_BYTES`). So a closing write goes alone, after any quarantine, and
+            // its pieces reach the upstream one by one.
+            for p in pending.drain(..) {
+                writes.push(p.finish().await?);
+            }
+            tokio::time::sleep(Duration::from_millis(QUARANTINE_MS + 200)).await;
+            writes.push(put.send().await);
+        } else {
+            pending.push(put.spawn(None));
+        }
         tokio::time::sleep(Duration::from_millis(rng.random_range(0..150))).await;
     }
-    let mut writes = Vec::new();
     for p in pending {
         writes.push(p.finish().await?);
     }

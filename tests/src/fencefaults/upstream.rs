@@ -35,9 +35,11 @@ pub enum Fault {
     Early200,
     /// Answers 413 at the head and closes without reading the body; applies nothing.
     Early413,
-    /// Reads `bytes` of the body and closes without an answer; applies nothing.
+    /// Reads `bytes` of the body and closes without an answer, unless the whole body has
+    /// arrived by then (then as `None`).
     CloseMidBody { bytes: usize },
-    /// Answers 200 at the head, reads `bytes` of the body and closes; applies nothing.
+    /// Answers 200 at the head, reads `bytes` of the body and closes, unless the whole body has
+    /// arrived by then (then as `Early200`).
     Early200ThenClose { bytes: usize },
 }
 
@@ -206,8 +208,10 @@ async fn connection(
                 Ok(n) => buf.extend_from_slice(&chunk[..n]),
             }
         }
-        if read_max < length {
-            // Close mid-body: the write is not applied.
+        if buf.len() < length {
+            // Close mid-body: the write is not applied. (When the whole body has already
+            // arrived, there is no "mid-body" left: the write is applied as usual, since an
+            // upstream that has the request and drops it after a 200 is one no proxy can check.)
             return;
         }
         buf.drain(..length);
