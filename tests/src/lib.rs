@@ -13,6 +13,8 @@
 //! - [`process`]: locating built binaries and owning child processes.
 //! - [`http_upstream`]: an in-process HTTP upstream that logs every request it applied, in order.
 //! - [`fencegen`]: the adversarial session generator for the Postgres front end (`fence-gen`).
+//! - [`fencefaults`]: fence-proxy under faults (killed proxies, shared stores, Postgres
+//!   restarts, misbehaving HTTP upstreams), checked for stale or lost writes (`fence-faults`).
 //! - [`fence_proxy`]: `fence-proxy http` as a child process, and an HTTP client for it.
 //! - [`poll`]: waiting for a condition, instead of a fixed sleep, before an assert.
 //! - [`pg`]: the local Postgres, an in-process fence-proxy Postgres front end, psql, a private
@@ -23,6 +25,7 @@ pub mod chaos;
 pub mod cluster;
 pub mod diskfault;
 pub mod fence_proxy;
+pub mod fencefaults;
 pub mod fencegen;
 pub mod http_upstream;
 pub mod pg;

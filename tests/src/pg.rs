@@ -253,6 +253,47 @@ pub struct PrivateCluster {
     pub port: u16,
     _server: ChildGuard,
     dir: PathBuf,
+    /// The server's command line, kept to start it again on the same data dir and port.
+    server_cmd: ServerCommand,
+}
+
+/// What starts a private cluster's server: binaries, data dir, ids and settings.
+struct ServerCommand {
+    bin: PathBuf,
+    data: PathBuf,
+    socket_dir: PathBuf,
+    port: u16,
+    ids: Option<(u32, u32)>,
+    settings: Vec<String>,
+}
+
+impl ServerCommand {
+    fn spawn(&self) -> Result<ChildGuard, String> {
+        use std::os::unix::process::CommandExt;
+        let mut cmd = Command::new(self.bin.join("postgres"));
+        if let Some((uid, gid)) = self.ids {
+            cmd.uid(uid).gid(gid);
+        }
+        cmd.arg("-D")
+            .arg(&self.data)
+            .arg("-p")
+            .arg(self.port.to_string())
+            .arg("-c")
+            .arg("listen_addresses=127.0.0.1")
+            .arg("-c")
+            .arg(format!(
+                "unix_socket_directories={}",
+                self.socket_dir.display()
+            ))
+            .arg("-c")
+            .arg("fsync=off");
+        for setting in &self.settings {
+            cmd.arg("-c").arg(setting);
+        }
+        let server = ChildGuard::spawn("private postgres", cmd).map_err(|e| e.to_string())?;
+        wait_ready(&self.bin.join("pg_isready"), self.port)?;
+        Ok(server)
+    }
 }
 
 fn is_root() -> bool {
@@ -372,28 +413,40 @@ impl PrivateCluster {
                 format!("ssl_key_file={}", key_copy.display()),
             ];
         }
-        let port = free_port();
-        let mut cmd = run_as_postgres(&bin.join("postgres"));
-        cmd.arg("-D")
-            .arg(&data)
-            .arg("-p")
-            .arg(port.to_string())
-            .arg("-c")
-            .arg("listen_addresses=127.0.0.1")
-            .arg("-c")
-            .arg(format!("unix_socket_directories={}", dir.display()))
-            .arg("-c")
-            .arg("fsync=off");
-        for setting in ssl_settings {
-            cmd.arg("-c").arg(setting);
-        }
-        let server = ChildGuard::spawn("private postgres", cmd).map_err(|e| e.to_string())?;
-        wait_ready(&bin.join("pg_isready"), port)?;
+        let server_cmd = ServerCommand {
+            bin,
+            data,
+            socket_dir: dir.clone(),
+            port: free_port(),
+            ids,
+            settings: ssl_settings,
+        };
+        let server = server_cmd.spawn()?;
         Ok(PrivateCluster {
-            port,
+            port: server_cmd.port,
             _server: server,
             dir,
+            server_cmd,
         })
+    }
+
+    /// Crashes the server (SIGQUIT: immediate shutdown, no checkpoint, every session cut) and
+    /// starts it again on the same data dir and port; returns once it takes sessions (after
+    /// crash recovery).
+    pub fn crash_restart(&mut self) -> Result<(), String> {
+        self._server.signal(nix::sys::signal::Signal::SIGQUIT);
+        let deadline = Instant::now() + STARTUP_WAIT;
+        while self._server.is_running() {
+            if Instant::now() > deadline {
+                return Err(format!(
+                    "private postgres on port {} did not stop on SIGQUIT",
+                    self.port
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self._server = self.server_cmd.spawn()?;
+        Ok(())
     }
 
     /// URL of the cluster's `postgres` database for `user`, with the password.

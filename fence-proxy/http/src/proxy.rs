@@ -189,10 +189,49 @@ impl Proxy {
                 return reply(refuse(refusal));
             }
         };
+        // A success that arrives before the request body has gone upstream whole is only a
+        // promise: if the rest of the body then fails to get there (the upstream closes
+        // mid-body, the connection breaks), the upstream never had the write. So a 2xx head is
+        // held until the body has been sent, and the client learns of a failure instead.
+        let mut request_end = request_end;
+        let mut request_ended = None;
+        if response.status().is_success() {
+            let end =
+                match tokio::time::timeout_at(deadline + DEADLINE_REPORT_GRACE, &mut request_end)
+                    .await
+                {
+                    Ok(Ok(end)) => end,
+                    // The body was dropped without a word: only its task going away does that.
+                    Ok(Err(_)) => BodyEnd::Abandoned,
+                    Err(_) => BodyEnd::TimedOut,
+                };
+            if end != BodyEnd::Complete {
+                let status = response.status();
+                drop(response);
+                tracing::debug!(%resource, %token, %status, ?end, "success answered before the request body was sent whole");
+                self.release(permit, ForwardOutcome::Unknown).await;
+                return reply(refuse(Refusal::UpstreamError {
+                    detail: format!(
+                        "{} answered {status} before it had the whole request body, then the body could not be sent ({end:?})",
+                        self.config.upstream
+                    ),
+                    resource: Some(resource),
+                    token: Some(token),
+                    maybe_applied: true,
+                }));
+            }
+            request_ended = Some(end);
+        }
         m::count(m::RESULT_FORWARDED);
         let (parts, body) = response.into_parts();
         let (body, response_end) = TrackedBody::tracked(body, deadline);
         reply(Response::from_parts(parts, body.boxed()));
+        let request_end = async move {
+            match request_ended {
+                Some(end) => Ok(end),
+                None => request_end.await,
+            }
+        };
         let outcome = exchange_outcome(request_end, response_end, deadline).await;
         if outcome != ForwardOutcome::Answered {
             tracing::debug!(%resource, %token, ?outcome, "write exchange did not end cleanly");
@@ -292,7 +331,7 @@ impl Proxy {
 /// `Answered`; anything else leaves a partial or unknown request at the upstream, which the
 /// quarantine waits out.
 async fn exchange_outcome(
-    request_end: oneshot::Receiver<BodyEnd>,
+    request_end: impl Future<Output = Result<BodyEnd, oneshot::error::RecvError>>,
     response_end: oneshot::Receiver<BodyEnd>,
     deadline: Instant,
 ) -> ForwardOutcome {
