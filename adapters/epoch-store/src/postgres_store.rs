@@ -173,7 +173,10 @@ impl PostgresStore {
             .get_or_try_init(|| async {
                 let what = "creating the table";
                 let create = || sqlx::query(AssertSqlSafe(self.sql.create.clone()));
-                let mut races = 0;
+                // Bounded by time, not by a count of tries: on a loaded server one creator's
+                // commit can outlast our lock_timeout several times in a row.
+                let window = (self.timing.store_timeout * 4).max(CREATE_RACE_WINDOW_MIN);
+                let give_up = tokio::time::Instant::now() + window;
                 loop {
                     match timeout(self.timing.store_timeout, create().execute(&self.pool)).await {
                         Ok(Ok(_)) => return Ok(()),
@@ -181,12 +184,12 @@ impl PostgresStore {
                         // exists", or our lock_timeout ran out waiting for its catalog lock).
                         // Run the statement again: once that creation has committed it is a
                         // no-op; anything else under the name (a stray type, say) keeps failing
-                        // and is reported after a few tries.
+                        // and is reported when the window has passed.
                         Ok(Err(e))
-                            if races < CREATE_RACE_RETRIES
+                            if tokio::time::Instant::now() < give_up
                                 && (is_already_created(&e) || is_lock_timeout(&e)) =>
                         {
-                            races += 1;
+                            tokio::time::sleep(CREATE_RACE_PAUSE).await;
                         }
                         Ok(Err(e)) => return Err(self.unavailable(what, e)),
                         Err(_) => return Err(self.no_answer(what)),
@@ -365,8 +368,11 @@ fn sqlstate(e: &sqlx::Error) -> Option<String> {
         .map(|c| c.into_owned())
 }
 
-/// Times a replica runs the table's CREATE again after losing a race with another replica.
-const CREATE_RACE_RETRIES: u32 = 3;
+/// How long a replica keeps running the table's CREATE again while it loses races with other
+/// replicas: four store timeouts, at least this.
+const CREATE_RACE_WINDOW_MIN: std::time::Duration = std::time::Duration::from_secs(2);
+/// Pause between two CREATE attempts that lost a race.
+const CREATE_RACE_PAUSE: std::time::Duration = std::time::Duration::from_millis(20);
 
 /// `55P03` lock_not_available: the session's lock_timeout ran out.
 fn is_lock_timeout(e: &sqlx::Error) -> bool {
