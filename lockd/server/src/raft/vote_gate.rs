@@ -36,6 +36,13 @@
 //! candidate's. If a one-way partition lets a candidate's term climb past the live leader's, the
 //! wiped node refuses that leader until the partition heals (safe, but with a second fault the
 //! cluster waits).
+//!
+//! Known hole (five or more voters, two disks lost at once): an answer from a peer that is itself
+//! rejoining counts toward the proof. With voters 1-5, an entry committed by {1,4,5}, and nodes 4
+//! and 5 wiped, node 4 can form its proof from 2, 3 and the empty 5 and miss the entry. A fix
+//! that counts only answers of peers that kept their log waits in `wip/vote-gate-rejoining.patch`
+//! until its own liveness finding is fixed. Three-node clusters are not exposed: two wiped nodes
+//! of three are beyond what the gate tolerates.
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
