@@ -33,6 +33,7 @@ fn the_command_line_names_required_and_mistyped_flags() {
     let (code, _, err) = run(&[]);
     assert_eq!(code, Some(2), "{err}");
     assert!(err.starts_with("lockd: "), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "not one line: {err}");
     for flag in ["--id", "--listen", "--data-dir"] {
         assert!(err.contains(flag), "{flag} not named in: {err}");
     }

@@ -104,10 +104,17 @@ fn main() -> ExitCode {
                 let _ = e.print();
                 return ExitCode::SUCCESS;
             }
-            // clap's whole message, tips ("a similar argument exists") and usage included, with
-            // the program's name in front of the first line like every other lockd error.
+            // One line like every other lockd error: clap's message with its list of missing
+            // flags and its tip ("a similar argument exists: '--listen'") folded in; the usage
+            // is what `lockd --help` shows.
             let text = e.to_string();
-            eprint!("lockd: {}", text.trim_start_matches("error: "));
+            let message = text.split("\n\nUsage:").next().unwrap_or(&text);
+            let folded: Vec<&str> = message
+                .lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty())
+                .collect();
+            eprintln!("lockd: {}", folded.join(" ").trim_start_matches("error: "));
             return ExitCode::from(2);
         }
     };
