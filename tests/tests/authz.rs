@@ -317,8 +317,9 @@ async fn issue15_tenant_a_cannot_touch_tenant_b() {
 /// acquires `shared/r` (a prefix both may use) with request id `rid-1`; B sends the very same
 /// request (same resource, id, ttl and holder), on the leader and through a follower; before
 /// the dedup window was keyed per identity, B got A's lease id and token. Now B gets its own
-/// answer: ABORTED, the resource is held (by A). B's `rid-1` on another resource is B's own fresh
-/// lease. Control: A's own retry still returns A's lease (dedup works per identity), and the
+/// answer: ABORTED, the resource is held (by A), recorded as B's own outcome for `rid-1` (a retry
+/// of it gets ABORTED again; reusing it on another resource is INVALID_ARGUMENT, not A's lease),
+/// and B's next request id on another resource is B's own fresh lease. Control: A's own retry still returns A's lease (dedup works per identity), and the
 /// audit log names the identity of each grant, with the digest of the client's own request id.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn issue15_a_request_id_replayed_by_another_identity_returns_nothing_of_theirs() {
@@ -338,13 +339,12 @@ async fn issue15_a_request_id_replayed_by_another_identity_returns_nothing_of_th
             }
         }
     }
-    let b = acquire(
-        &mut lock(&s.cluster, leader, Some(&s.bob)),
-        "shared/other",
-        "rid-1",
-    )
-    .await
-    .unwrap();
+    let mut bob = lock(&s.cluster, leader, Some(&s.bob));
+    let st = acquire(&mut bob, "shared/other", "rid-1")
+        .await
+        .unwrap_err();
+    assert_eq!(st.code(), Code::InvalidArgument, "{st:?}");
+    let b = acquire(&mut bob, "shared/other", "rid-2").await.unwrap();
     assert_ne!(b.lease_id, a.lease_id);
     // A's retry, through the other node: A's original outcome.
     let again = acquire(
