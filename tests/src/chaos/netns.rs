@@ -84,7 +84,13 @@ pub fn available() -> Result<(), String> {
     if unsafe { libc::geteuid() } != 0 {
         return Err("network namespaces need root (this process is not)".into());
     }
-    let probe = format!("{PREFIX}-{}-probe", std::process::id());
+    // One name per call: runs of one process (`--jobs`) probe at the same moment.
+    static NEXT_PROBE: AtomicU64 = AtomicU64::new(0);
+    let probe = format!(
+        "{PREFIX}-{}-probe{}",
+        std::process::id(),
+        NEXT_PROBE.fetch_add(1, Ordering::Relaxed)
+    );
     ip(&["netns", "add", &probe]).map_err(|e| format!("`ip netns add` does not work here: {e}"))?;
     let _ = ip(&["netns", "del", &probe]);
     Ok(())
