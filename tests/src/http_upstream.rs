@@ -192,6 +192,41 @@ pub enum BodyEvent {
 /// Longest request head the raw upstream accepts, so that a broken test cannot grow it forever.
 const RAW_HEAD_MAX_BYTES: usize = 64 * 1024;
 
+/// Reads one request head (through the blank line) from a raw connection, leaving what follows
+/// it in `buf`. `None` when the peer closes first or the head passes [`RAW_HEAD_MAX_BYTES`].
+pub async fn read_raw_head(
+    stream: &mut tokio::net::TcpStream,
+    buf: &mut Vec<u8>,
+) -> Option<String> {
+    use tokio::io::AsyncReadExt;
+    let head_end = loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+        if buf.len() > RAW_HEAD_MAX_BYTES {
+            return None;
+        }
+        let mut chunk = [0u8; 4096];
+        match stream.read(&mut chunk).await {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
+    buf.drain(..head_end);
+    Some(head)
+}
+
+/// The value of header `name` (any case) in a head read by [`read_raw_head`].
+pub fn raw_header(head: &str, name: &str) -> Option<String> {
+    head.lines().skip(1).find_map(|line| {
+        let (k, v) = line.split_once(':')?;
+        k.trim()
+            .eq_ignore_ascii_case(name)
+            .then(|| v.trim().to_owned())
+    })
+}
+
 /// An upstream that answers every request with `200` as soon as its head has arrived and only then
 /// reads the request body, as a server that acknowledges early and applies later does. It logs,
 /// per request, when the head arrived and when the body was read completely: the order of these
@@ -262,30 +297,10 @@ async fn early_answer_connection(stream: tokio::net::TcpStream, log: Arc<Mutex<V
     let mut stream = stream;
     let mut buf: Vec<u8> = Vec::new();
     loop {
-        // Read one head.
-        let head_end = loop {
-            if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                break i + 4;
-            }
-            if buf.len() > RAW_HEAD_MAX_BYTES {
-                return;
-            }
-            let mut chunk = [0u8; 4096];
-            match stream.read(&mut chunk).await {
-                Ok(0) | Err(_) => return,
-                Ok(n) => buf.extend_from_slice(&chunk[..n]),
-            }
+        let Some(head) = read_raw_head(&mut stream, &mut buf).await else {
+            return;
         };
-        let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
-        buf.drain(..head_end);
-        let header = |name: &str| {
-            head.lines().skip(1).find_map(|line| {
-                let (k, v) = line.split_once(':')?;
-                k.trim()
-                    .eq_ignore_ascii_case(name)
-                    .then(|| v.trim().to_owned())
-            })
-        };
+        let header = |name: &str| raw_header(&head, name);
         let Some(length) = header("content-length").and_then(|v| v.parse::<usize>().ok()) else {
             let _ = stream
                 .write_all(b"HTTP/1.1 411 Length Required\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use lockd_tests::chaos::clock::ClockMode;
 use lockd_tests::chaos::nemesis::{COMPOSED, Fault, NETNS};
-use lockd_tests::chaos::run::{RunConfig, run};
+use lockd_tests::chaos::run::{RunConfig, RunReport, run};
 use lockd_tests::chaos::workload::Mode;
 
 /// Default seed of the short run in the normal suite (fixed so CI is reproducible; other seeds
@@ -22,6 +22,22 @@ const NETNS_RUN_FAULTS: Duration = Duration::from_secs(40);
 
 /// Each run starts five processes on two cores: one run at a time.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// The end of every correct run: the linearizability search finished on every resource, and no
+/// invariant was violated.
+fn assert_checked_and_clean(report: &RunReport) {
+    assert_eq!(
+        report.lin.inconclusive(),
+        0,
+        "the linearizability search ran out of budget: {}",
+        report.summary()
+    );
+    assert!(
+        report.violations.is_empty(),
+        "invariants violated:\n{}",
+        report.summary()
+    );
+}
 
 fn env_u64(name: &str) -> Option<u64> {
     std::env::var(name).ok().and_then(|v| v.parse().ok())
@@ -54,17 +70,7 @@ async fn short_seeded_run_keeps_every_invariant() {
         "no Describe was answered: {}",
         report.summary()
     );
-    assert_eq!(
-        report.lin.inconclusive(),
-        0,
-        "the linearizability search ran out of budget: {}",
-        report.summary()
-    );
-    assert!(
-        report.violations.is_empty(),
-        "invariants violated:\n{}",
-        report.summary()
-    );
+    assert_checked_and_clean(&report);
 }
 
 /// Goal: the linearizability check catches stale reads in a real history, not only in the
@@ -214,17 +220,7 @@ async fn netns_run_keeps_every_invariant() {
         "the workload barely ran: {}",
         report.summary()
     );
-    assert_eq!(
-        report.lin.inconclusive(),
-        0,
-        "the linearizability search ran out of budget: {}",
-        report.summary()
-    );
-    assert!(
-        report.violations.is_empty(),
-        "invariants violated:\n{}",
-        report.summary()
-    );
+    assert_checked_and_clean(&report);
 }
 
 /// Goal (open finding of seed 9601, `--netns`): once a request has been refused with a final

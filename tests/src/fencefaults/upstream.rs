@@ -19,8 +19,6 @@ pub const FAULT_HEADER: &str = "Upstream-Fault";
 /// Request header carrying the write's id, which the upstream logs.
 pub const WRITE_ID_HEADER: &str = "Write-Id";
 
-/// Longest request head accepted, so a broken test cannot grow a buffer forever.
-const HEAD_MAX_BYTES: usize = 64 * 1024;
 /// Longest a raw client waits for its response.
 const CLIENT_TIMEOUT: Duration = Duration::from_secs(15);
 
@@ -144,29 +142,10 @@ async fn connection(
 ) {
     let mut buf: Vec<u8> = Vec::new();
     loop {
-        let head_end = loop {
-            if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                break i + 4;
-            }
-            if buf.len() > HEAD_MAX_BYTES {
-                return;
-            }
-            let mut chunk = [0u8; 4096];
-            match stream.read(&mut chunk).await {
-                Ok(0) | Err(_) => return,
-                Ok(n) => buf.extend_from_slice(&chunk[..n]),
-            }
+        let Some(head) = crate::http_upstream::read_raw_head(&mut stream, &mut buf).await else {
+            return;
         };
-        let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
-        buf.drain(..head_end);
-        let header = |name: &str| {
-            head.lines().skip(1).find_map(|line| {
-                let (k, v) = line.split_once(':')?;
-                k.trim()
-                    .eq_ignore_ascii_case(name)
-                    .then(|| v.trim().to_owned())
-            })
-        };
+        let header = |name: &str| crate::http_upstream::raw_header(&head, name);
         let length: usize = header("content-length")
             .and_then(|v| v.parse().ok())
             .unwrap_or(0);
