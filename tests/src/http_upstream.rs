@@ -193,7 +193,7 @@ pub enum BodyEvent {
 const RAW_HEAD_MAX_BYTES: usize = 64 * 1024;
 
 /// Reads one request head (through the blank line) from a raw connection, leaving what follows
-/// it in `buf`. `None` when the peer closes first or the head passes [`RAW_HEAD_MAX_BYTES`].
+/// it in `buf`. `None` when the peer closes first or the head passes `RAW_HEAD_MAX_BYTES` (64 KiB).
 pub async fn read_raw_head(
     stream: &mut tokio::net::TcpStream,
     buf: &mut Vec<u8>,
