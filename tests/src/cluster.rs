@@ -71,6 +71,13 @@ pub struct Cluster {
 impl Cluster {
     /// Starts the nodes and waits until one of them is leader with a quorum.
     pub async fn start(options: ClusterOptions) -> anyhow::Result<Cluster> {
+        let mut cluster = Self::launch(options)?;
+        cluster.wait_for_leader(Duration::from_secs(20)).await?;
+        Ok(cluster)
+    }
+
+    /// Starts the nodes and returns at once, for tests of what happens while the cluster forms.
+    pub fn launch(options: ClusterOptions) -> anyhow::Result<Cluster> {
         let mut cluster = Cluster {
             ip: random_loopback_ip(),
             options,
@@ -94,7 +101,6 @@ impl Cluster {
             cluster.nodes.push(None);
             cluster.start_node(id)?;
         }
-        cluster.wait_for_leader(Duration::from_secs(20)).await?;
         Ok(cluster)
     }
 

@@ -516,6 +516,117 @@ async fn issue14_finding7_wiped_node_does_not_elect_a_leader_without_committed_e
     }
 }
 
+/// Goal: two wiped nodes of three (beyond what Raft tolerates) do not complete each other's
+/// proof: an answer from a peer that is itself rejoining does not count, so neither wiped node
+/// takes the lagging third node's log as the truth, and no leader without the committed entries
+/// appears. Method: X leads; Y is stopped while grants commit on {X, W}; X and W both lose their
+/// disks; all three start. No node may become leader within twelve election timeouts (before
+/// the fix each wiped node counted the other's empty answer, voted for Y, and Y led without the
+/// grants, so their tokens would be issued again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_wiped_node_does_not_complete_the_proof() {
+    let mut cluster = Cluster::start_default().await.unwrap();
+    let x = cluster.leader().await.unwrap();
+    let (w, y) = (others(x)[0], others(x)[1]);
+    let mut c = cluster.lock_client(x).await.unwrap();
+    acquire(&mut c, "g2/all", "g2-all", 120_000).await.unwrap();
+    let applied = cluster.status(x).await.unwrap().applied_index;
+    cluster
+        .wait_applied(applied, Duration::from_secs(10))
+        .await
+        .unwrap();
+
+    // Phase 1: Y lags; grants commit on {X, W} only.
+    cluster.kill(y);
+    for i in 0..10 {
+        acquire(&mut c, &format!("g2/xw{i}"), &format!("g2-xw-{i}"), 120_000)
+            .await
+            .unwrap();
+    }
+
+    // Phase 2: X and W lose their disks; all three start.
+    cluster.kill(x);
+    cluster.kill(w);
+    cluster.wipe(x).unwrap();
+    cluster.wipe(w).unwrap();
+    for id in [x, w, y] {
+        cluster.start_node(id).unwrap();
+    }
+    let window = Duration::from_millis(12 * cluster.options.election_timeout_ms);
+    let until = Instant::now() + window;
+    // Every node must keep answering: a node that stopped answering proves nothing.
+    let mut answers = [0u32; 3];
+    while Instant::now() < until {
+        for (k, id) in [x, w, y].into_iter().enumerate() {
+            if let Ok(s) = cluster.status(id).await {
+                answers[k] += 1;
+                assert!(
+                    s.role != "leader",
+                    "node {id} became leader of term {} although the entries committed on \
+                     {{{x}, {w}}} were lost with their disks (its applied index {})",
+                    s.term,
+                    s.applied_index
+                );
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for (k, id) in [x, w, y].into_iter().enumerate() {
+        assert!(cluster.is_running(id), "node {id} exited during the window");
+        assert!(
+            answers[k] >= 10,
+            "node {id} answered Status only {} times in {window:?}",
+            answers[k]
+        );
+    }
+}
+
+/// Goal: all three nodes restarted right after a first bootstrap, while the followers may still
+/// be rejoining (not yet past a commit of the new leader's own term), form the cluster again.
+/// Before the proof was kept on disk, each follower restarted with its rejoining flag and asked
+/// its peers again, found only one peer that kept its log (the old leader) and one rejoining
+/// peer that already held entries, which is neither a proof nor a first bootstrap: the cluster
+/// waited for good. Method: launch three empty nodes, kill all of them the moment any reports
+/// itself leader, restart them; several rounds, since the window is short.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn all_nodes_restarted_right_after_the_first_bootstrap_form_the_cluster_again() {
+    for round in 1..=4 {
+        let mut cluster = Cluster::launch(ClusterOptions::default()).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        'formed: loop {
+            assert!(
+                Instant::now() < deadline,
+                "round {round}: no leader at first"
+            );
+            for id in 1..=3 {
+                if cluster.status(id).await.is_ok_and(|s| s.role == "leader") {
+                    break 'formed;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        for id in 1..=3 {
+            cluster.kill(id);
+        }
+        for id in 1..=3 {
+            cluster.start_node(id).unwrap();
+        }
+        let leader = cluster
+            .wait_for_leader(Duration::from_secs(20))
+            .await
+            .unwrap_or_else(|e| panic!("round {round}: after the restart: {e}"));
+        // Served, not only elected (UNAVAILABLE retried for up to 20 s).
+        acquire_retrying(
+            &cluster,
+            &[leader],
+            "boot/r",
+            &format!("boot-{round}"),
+            10_000,
+        )
+        .await;
+    }
+}
+
 /// Polls `nodes` until one of them reports itself leader in a term above `above`.
 async fn leader_among(
     cluster: &Cluster,

@@ -285,7 +285,7 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
         })?;
     }
     let vote_gate = Arc::new(if log_store.rejoining()? {
-        VoteGate::rejoining(log_store.clone())
+        VoteGate::rejoining(log_store.clone())?
     } else {
         VoteGate::open()
     });

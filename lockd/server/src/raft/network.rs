@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use tonic::metadata::{Ascii, MetadataValue};
 
-use super::vote_gate::VoteReport;
+use super::vote_gate::{Standing, VoteReport};
 use super::{NodeId, TypeConfig};
 use crate::service::raft::pb::{RaftMessage, raft_client::RaftClient};
 use crate::tls::{CLUSTER_ID_HEADER, TlsHandle};
@@ -171,13 +171,21 @@ pub async fn ask_votes(
             request.set_timeout(VOTE_ASK_TIMEOUT);
             let reply = tokio::time::timeout(VOTE_ASK_TIMEOUT, client.current_vote(request)).await;
             match reply {
-                Ok(Ok(r)) => match postcard::from_bytes::<VoteReport>(&r.into_inner().data) {
-                    Ok(report) => Some(report),
-                    Err(e) => {
-                        tracing::warn!(peer = id, error = %e, "undecodable CurrentVote reply");
-                        None
+                Ok(Ok(r)) => {
+                    let r = r.into_inner();
+                    match postcard::from_bytes::<VoteReport>(&r.data) {
+                        // The flag travels beside the payload: an older node's reply has none,
+                        // and then counts for nothing (see vote_gate).
+                        Ok(report) => Some(VoteReport {
+                            standing: Standing::from_kept_log(r.kept_log),
+                            ..report
+                        }),
+                        Err(e) => {
+                            tracing::warn!(peer = id, error = %e, "undecodable CurrentVote reply");
+                            None
+                        }
                     }
-                },
+                }
                 Ok(Err(status)) if status.code() == tonic::Code::Unimplemented => {
                     tracing::warn!(
                         peer = id,

@@ -3,8 +3,9 @@
 //!
 //! Raft's safety assumes a voter never forgets its log or its term. A node restarted with an empty
 //! data dir has forgotten both, so it is *rejoining*: it records that durably and first asks its
-//! peers (`CurrentVote`) for their vote and last log id. Answers from `n - majority + 1` peers
-//! always include a member of every majority but this node, so their highest vote term is at
+//! peers (`CurrentVote`) for their vote and last log id, and whether they are rejoining
+//! themselves. Answers from `n - majority + 1` peers that are *not* rejoining (that kept their
+//! log) always include a member of every majority but this node, so their highest vote term is at
 //! least the term of every leader this node may have helped elect, and their highest last log id
 //! is at least the last entry of every commit this node may have been part of. Until it has that
 //! *proof* the node accepts no Raft message and starts no election. With it, until it has applied
@@ -23,26 +24,72 @@
 //!    below the proof's. A deposed leader of an older term could otherwise replicate through the
 //!    node that forgot the newer term and commit entries that overwrite ones committed in it.
 //!
-//! A first-ever bootstrap starts every node empty, and the same proof tells it apart: if no
-//! answering peer holds anything past the initial membership entry, nothing was ever committed,
-//! and the node proposes the initial membership (`initialize`) and campaigns. A lagging peer at
-//! index 0 cannot fake this, because the answers always include a member of every commit quorum.
+//! # Answers of rejoining peers
+//!
+//! A peer answers "rejoining" while its own gate is closed: before its proof, and after it while
+//! it catches up. Its vote and log say nothing about what the cluster committed (it may have lost
+//! exactly the commits in question), so such an answer never counts toward the proof of a cluster
+//! with history; its term and log id still enter the bound (they come from real candidates and
+//! leaders, so they can only raise it). If fewer than `n - majority + 1` answers come from peers
+//! that kept their log, the node keeps asking, and says so every few seconds. Three cases:
+//!
+//! - **Five voters, two wiped.** Entry 100 is committed by {1, 4, 5}; 4 and 5 lose their disks
+//!   (two failures of five: within tolerance). Node 4 hears from 2 and 3 (both at 99) and from 5.
+//!   Counting 5 would make three answers and a proof that stops at 99; node 2 could then win with
+//!   the votes of {2, 3, 4, 5} and overwrite entry 100, reusing its token. Without 5 there are
+//!   two, so node 4 waits for node 1, whose answer brings the bound to 100.
+//! - **Three voters, one wiped and then another.** If two nodes are empty at once, a commit the
+//!   two made may exist nowhere else: beyond what Raft tolerates. Each wiped node has one answer
+//!   from a node that kept its log and needs two, so it waits (for good, if both are wiped, until
+//!   an operator restores a disk) rather than take the third node's log as the truth. If the
+//!   first wiped node already had its proof and catches up from the third, its gate opens, its
+//!   answer counts again, and the second proceeds: two failures one after the other, each
+//!   within tolerance.
+//! - **A rejoining node that caught up partially** holds a prefix of the log (and maybe entries
+//!   of a deposed leader) but not necessarily every committed entry, so its answer does not
+//!   count until it has applied a commit of its leader's own term, when its gate opens.
+//!
+//! Older nodes do not say whether they kept their log (`kept_log` is absent from their reply):
+//! their answers count neither toward the proof nor toward a first bootstrap, so a wiped node
+//! beside older peers waits until they are upgraded. Upgrade every node before re-provisioning a
+//! disk.
+//!
+//! # Restarts while rejoining
+//!
+//! The proof is kept in the data dir beside the rejoining flag, and a node restarted before it
+//! caught up resumes with it instead of asking again. Asking again would be safe but can wait
+//! for good: right after a first bootstrap every node but the leader is still rejoining, and if
+//! all restart then, each finds only one peer that kept its log (the old leader) and its other
+//! answers come from a rejoining peer that already holds entries, which is neither a proof nor a
+//! first bootstrap. Reusing the proof is sound because it bounds what the *lost* disk held, which
+//! no later event changes; what the node did since (votes, entries) is on its disk like any
+//! node's. The proof is cleared with the flag once the node has caught up.
+//!
+//! # First bootstrap
+//!
+//! A first-ever bootstrap starts every node empty, so every node is rejoining and every answer is
+//! a rejoining one. It is recognised when `n - majority + 1` peers answered, every one of them
+//! rejoining and holding nothing past the initial membership entry (or when enough peers that
+//! kept their log hold nothing past it); only then does the node propose the initial membership
+//! (`initialize`) and campaign. Within tolerance this cannot happen in a cluster with history:
+//! at most `n - majority` nodes are empty at once, this one included, so at most
+//! `n - majority - 1` answers can come from rejoining peers, fewer than needed. A peer that kept
+//! its log but lags at index 0 cannot fake a new cluster either: its answer only counts among
+//! `n - majority + 1` answers of such peers, which include a member of every commit quorum.
 //! The price: a new cluster forms only once `n - majority + 1` peers of each node have started
 //! (for three nodes: all three, once), and with one node wiped and another lost the wiped node
 //! accepts nothing until a node that holds the log returns, which is the Raft answer to two
 //! failures out of three.
 //!
+//! Known limit: beyond tolerance the bootstrap test can be fooled. If more than `n - majority`
+//! nodes are empty at once and the rest do not answer (for three nodes: all three disks lost),
+//! the empty nodes form a new cluster and issue tokens from the start again. Only an explicit
+//! bootstrap step would tell that apart from a first start.
+//!
 //! Known limit: the proof's term is the highest any peer reports, which can be a failed
 //! candidate's. If a one-way partition lets a candidate's term climb past the live leader's, the
 //! wiped node refuses that leader until the partition heals (safe, but with a second fault the
 //! cluster waits).
-//!
-//! Known hole (five or more voters, two disks lost at once): an answer from a peer that is itself
-//! rejoining counts toward the proof. With voters 1-5, an entry committed by {1,4,5}, and nodes 4
-//! and 5 wiped, node 4 can form its proof from 2, 3 and the empty 5 and miss the entry. A fix
-//! that counts only answers of peers that kept their log waits in `wip/vote-gate-rejoining.patch`
-//! until its own liveness finding is fixed. Three-node clusters are not exposed: two wiped nodes
-//! of three are beyond what the gate tolerates.
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
@@ -69,10 +116,40 @@ const WAIT_LOG_EVERY: Duration = Duration::from_secs(5);
 pub struct VoteReport {
     pub vote: openraft::Vote<NodeId>,
     pub last_log_id: Option<LogId>,
+    /// Whether the answering node's log bounds what the cluster committed. Carried in
+    /// `CurrentVoteReply.kept_log`, beside the postcard payload, so the payload stays what older
+    /// nodes send and read.
+    #[serde(skip)]
+    pub standing: Standing,
 }
 
-/// What enough peers' answers prove (see the module docs).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// What a peer's `CurrentVote` answer says about its own log.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Standing {
+    /// It kept its log, or has caught up since it lost it (its gate is open).
+    KeptLog,
+    /// It is rejoining itself (its gate is closed): its log may lack the very commits in question.
+    Rejoining,
+    /// An older node, which does not say. Its answer counts neither way: it never vouches for
+    /// what the cluster committed, nor for a first bootstrap (fail closed in a mixed cluster).
+    #[default]
+    Unknown,
+}
+
+impl Standing {
+    /// Reads `CurrentVoteReply.kept_log` (absent in an older node's reply).
+    pub fn from_kept_log(kept_log: Option<bool>) -> Self {
+        match kept_log {
+            Some(true) => Standing::KeptLog,
+            Some(false) => Standing::Rejoining,
+            None => Standing::Unknown,
+        }
+    }
+}
+
+/// What enough peers' answers prove (see the module docs). Kept in the data dir beside the
+/// rejoining flag (`LogStore::set_rejoin_proof`) until the node has caught up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 struct Proof {
     /// No leader this node may have helped elect has a higher term.
     term: u64,
@@ -117,13 +194,18 @@ impl VoteGate {
     }
 
     /// A gate closed until [`VoteGate::rejoin`] sees the node caught up; `store` holds the
-    /// durable rejoining flag it clears then.
-    pub fn rejoining(store: LogStore) -> Self {
-        VoteGate {
+    /// durable rejoining flag it clears then, and the proof if the node learned one before a
+    /// restart (then it needs no new answers: see "Restarts while rejoining" in the module docs).
+    pub fn rejoining(store: LogStore) -> anyhow::Result<Self> {
+        let proof = store.rejoin_proof::<Proof>()?;
+        Ok(VoteGate {
             open: AtomicBool::new(false),
-            learned: Mutex::new(Learned::default()),
+            learned: Mutex::new(Learned {
+                target: None,
+                proof,
+            }),
             store: Some(store),
-        }
+        })
     }
 
     pub fn is_open(&self) -> bool {
@@ -189,35 +271,40 @@ impl VoteGate {
         };
         raft.runtime_config().elect(false);
         let cluster_size = members.len();
-        let mut last_log = tokio::time::Instant::now();
-        let proof = loop {
-            let reports = tokio::select! {
-                _ = shutdown.cancelled() => return,
-                r = ask() => r,
-            };
-            if let Some(proof) = proof_from(cluster_size, &reports) {
-                break proof;
-            }
-            if last_log.elapsed() >= WAIT_LOG_EVERY {
-                last_log = tokio::time::Instant::now();
-                tracing::warn!(
-                    answers = reports.len(),
-                    needed = answers_needed(cluster_size),
-                    "rejoining after an empty data dir: too few peers answered to know what \
-                     the lost disk held; taking no part in replication until they do"
+        let kept = self.learned().proof;
+        let proof = match kept {
+            Some(proof) => {
+                tracing::info!(
+                    term = proof.term,
+                    log = ?proof.log,
+                    "rejoining: resuming with the term and log end learned from peers before \
+                     the restart"
                 );
+                proof
             }
-            tokio::select! {
-                _ = shutdown.cancelled() => return,
-                _ = tokio::time::sleep(ASK_RETRY) => {}
+            None => {
+                let Some(proof) = ask_until_proven(cluster_size, &mut ask, &shutdown).await else {
+                    return;
+                };
+                tracing::info!(
+                    term = proof.term,
+                    log = ?proof.log,
+                    "rejoining: learned the cluster's term and log end from peers"
+                );
+                // Kept for a restart before catching up: by then the peers that vouched may be
+                // rejoining too, and their answers would no longer count. Without it the node
+                // asks again after a restart, which is safe but may wait for good.
+                if let Err(e) = store.set_rejoin_proof(Some(&proof)).await {
+                    tracing::error!(
+                        error = %e,
+                        "lockd: recording the rejoin proof; a restart before catching up asks \
+                         the peers again"
+                    );
+                }
+                self.learned().proof = Some(proof);
+                proof
             }
         };
-        tracing::info!(
-            term = proof.term,
-            log = ?proof.log,
-            "rejoining: learned the cluster's term and log end from peers"
-        );
-        self.learned().proof = Some(proof);
         if proof.fresh_cluster()
             && let Err(e) = raft.initialize(members).await
         {
@@ -250,6 +337,10 @@ impl VoteGate {
                     );
                     self.open.store(true, Ordering::Release);
                     raft.runtime_config().elect(true);
+                    // Only read while the flag is set; cleared so that nothing stale stays.
+                    if let Err(e) = store.set_rejoin_proof::<Proof>(None).await {
+                        tracing::warn!(error = %e, "lockd: clearing the rejoin proof (unused once caught up)");
+                    }
                     return;
                 }
             }
@@ -258,6 +349,48 @@ impl VoteGate {
                 changed = rx.changed() => if changed.is_err() { return },
                 _ = poll.tick() => {}
             }
+        }
+    }
+}
+
+/// Asks the peers until their answers make a proof; `None` on shutdown.
+async fn ask_until_proven<F, Fut>(
+    cluster_size: usize,
+    ask: &mut F,
+    shutdown: &CancellationToken,
+) -> Option<Proof>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Vec<VoteReport>>,
+{
+    let mut last_log = tokio::time::Instant::now();
+    loop {
+        let reports = tokio::select! {
+            _ = shutdown.cancelled() => return None,
+            r = ask() => r,
+        };
+        if let Some(proof) = proof_from(cluster_size, &reports) {
+            return Some(proof);
+        }
+        if last_log.elapsed() >= WAIT_LOG_EVERY {
+            last_log = tokio::time::Instant::now();
+            let kept = reports
+                .iter()
+                .filter(|r| r.standing == Standing::KeptLog)
+                .count();
+            tracing::warn!(
+                answers = reports.len(),
+                from_peers_that_kept_their_log = kept,
+                needed = answers_needed(cluster_size),
+                "rejoining after an empty data dir: too few peers that kept their log \
+                 answered to know what the lost disk held (answers of peers that are \
+                 rejoining themselves count only when all are empty, as in a first \
+                 bootstrap); taking no part in replication until they do"
+            );
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return None,
+            _ = tokio::time::sleep(ASK_RETRY) => {}
         }
     }
 }
@@ -327,12 +460,26 @@ fn answers_needed(cluster_size: usize) -> usize {
     cluster_size - majority + 1
 }
 
-/// What the answers prove, if there are enough of them.
+/// What the answers prove, if there are enough of them: `n - majority + 1` from peers that kept
+/// their log, or, for a first bootstrap, that many answers all from rejoining peers that hold
+/// nothing past the initial membership entry (see the module docs). Answers of older nodes,
+/// which do not say, count for neither.
 fn proof_from(cluster_size: usize, reports: &[VoteReport]) -> Option<Proof> {
+    let needed = answers_needed(cluster_size);
+    let holding = reports
+        .iter()
+        .filter(|r| r.standing == Standing::KeptLog)
+        .count();
+    let first_bootstrap = reports.len() >= needed
+        && reports.iter().all(|r| {
+            r.standing == Standing::Rejoining && r.last_log_id.is_none_or(|l| l.index == 0)
+        });
     // A single node that lost its disk has nobody to ask: it is a new cluster.
-    if cluster_size > 1 && reports.len() < answers_needed(cluster_size) {
+    if cluster_size > 1 && holding < needed && !first_bootstrap {
         return None;
     }
+    // The bound comes from the holding answers; a rejoining peer's vote and entries came from
+    // real candidates and leaders, so counting them too can only raise it.
     Some(Proof {
         term: reports
             .iter()
@@ -361,6 +508,15 @@ mod tests {
         VoteReport {
             vote: openraft::Vote::new(term, 1),
             last_log_id: last.map(|(t, i)| log_id(t, i)),
+            standing: Standing::KeptLog,
+        }
+    }
+
+    /// The answer of a peer that is itself rejoining (gate closed).
+    fn rejoining(term: u64, last: Option<(u64, u64)>) -> VoteReport {
+        VoteReport {
+            standing: Standing::Rejoining,
+            ..report(term, last)
         }
     }
 
@@ -421,6 +577,157 @@ mod tests {
             proof_from(5, &[report(1, Some((1, 5))), report(1, None)]),
             None
         );
+    }
+
+    /// Five voters; entry 3-100 committed by {1, 4, 5}; nodes 4 and 5 lose their disks (two
+    /// failures out of five: within tolerance). Node 4 hears from 2 and 3 (both at 3-99) and from
+    /// 5, which is rejoining too: that is three answers, but only two from nodes that hold their
+    /// log, so 4 must wait for node 1. Proving 3-99 instead would let node 2 win with the votes
+    /// of {2, 3, 4, 5} and overwrite entry 100.
+    #[test]
+    fn five_nodes_two_wiped_wait_for_the_node_that_holds_the_commit() {
+        let (n2, n3) = (report(3, Some((3, 99))), report(3, Some((3, 99))));
+        let n1 = report(3, Some((3, 100)));
+        // Node 5 empty, or partway through catching up: either way its answer does not count.
+        for n5 in [rejoining(0, None), rejoining(3, Some((3, 60)))] {
+            let early = [n2.clone(), n3.clone(), n5.clone()];
+            assert_eq!(proof_from(5, &early), None, "node 5 answered {n5:?}");
+            let p = proof_from(5, &[n2.clone(), n3.clone(), n5, n1.clone()]).unwrap();
+            assert_eq!(p.log, Some(log_id(3, 100)));
+            assert_eq!(p.term, 3);
+            assert!(!p.fresh_cluster());
+        }
+        // Two peers lagging at the initial membership entry and a rejoining one: not a new
+        // cluster, whatever they say (node 1 may hold commits they never saw).
+        let lagging = [
+            report(1, Some((0, 0))),
+            report(1, Some((0, 0))),
+            rejoining(0, None),
+        ];
+        assert_eq!(proof_from(5, &lagging), None);
+    }
+
+    /// Three voters: one wiped node and another wiped node is beyond what Raft tolerates (an
+    /// entry committed by the two of them exists nowhere else), so the node waits: a rejoining
+    /// peer's answer, empty or partial, never completes the proof. Once that peer has caught
+    /// up (its gate open) its answer counts again.
+    #[test]
+    fn three_nodes_a_second_wiped_node_does_not_complete_the_proof() {
+        let holder = report(4, Some((4, 90)));
+        for other in [rejoining(0, None), rejoining(4, Some((4, 30)))] {
+            assert_eq!(proof_from(3, &[other.clone(), holder.clone()]), None);
+        }
+        // Even if the only node that kept its log lags at the initial membership entry.
+        assert_eq!(
+            proof_from(3, &[rejoining(0, None), report(1, Some((0, 0)))]),
+            None
+        );
+        let p = proof_from(3, &[report(4, Some((4, 90))), holder]).unwrap();
+        assert_eq!(p.log, Some(log_id(4, 90)));
+    }
+
+    /// A first bootstrap: every node starts empty, so every answer is a rejoining one, and the
+    /// cluster still forms once enough peers answered, all empty.
+    #[test]
+    fn a_first_bootstrap_forms_on_rejoining_answers_that_are_all_empty() {
+        let p = proof_from(3, &[rejoining(0, None), rejoining(1, Some((0, 0)))]).unwrap();
+        assert!(p.fresh_cluster());
+        assert_eq!(p.term, 1);
+        assert_eq!(
+            proof_from(3, &[rejoining(0, None)]),
+            None,
+            "too few answers"
+        );
+        let p = proof_from(
+            5,
+            &[rejoining(0, None), rejoining(0, None), rejoining(0, None)],
+        );
+        assert!(p.unwrap().fresh_cluster());
+        // A rejoining peer that already holds entries: the cluster has history.
+        assert_eq!(
+            proof_from(3, &[rejoining(0, None), rejoining(2, Some((2, 7)))]),
+            None
+        );
+    }
+
+    /// The answer of an older node, which does not say whether it kept its log.
+    fn older(term: u64, last: Option<(u64, u64)>) -> VoteReport {
+        VoteReport {
+            standing: Standing::Unknown,
+            ..report(term, last)
+        }
+    }
+
+    /// An older node's answer (no `kept_log`) vouches for nothing: not for what the cluster
+    /// committed, and not for a first bootstrap. Read as "kept its log", it would reopen the
+    /// five-voter hole in a mixed cluster; read as "rejoining", an older peer lagging at the
+    /// initial membership entry would pass for a new cluster.
+    #[test]
+    fn an_older_nodes_answer_counts_for_neither_proof_nor_bootstrap() {
+        assert_eq!(Standing::from_kept_log(None), Standing::Unknown);
+        assert_eq!(Standing::from_kept_log(Some(true)), Standing::KeptLog);
+        assert_eq!(Standing::from_kept_log(Some(false)), Standing::Rejoining);
+        let (n2, n3) = (report(3, Some((3, 99))), report(3, Some((3, 99))));
+        assert_eq!(
+            proof_from(5, &[n2.clone(), n3.clone(), older(3, Some((3, 99)))]),
+            None
+        );
+        assert!(proof_from(5, &[n2, n3, report(3, Some((3, 100)))]).is_some());
+        assert_eq!(
+            proof_from(
+                5,
+                &[
+                    rejoining(0, None),
+                    rejoining(0, None),
+                    older(1, Some((0, 0)))
+                ]
+            ),
+            None
+        );
+        assert_eq!(proof_from(3, &[older(0, None), older(0, None)]), None);
+    }
+
+    /// Goal: a node restarted while rejoining resumes with the proof it learned before, from its
+    /// own data dir, instead of needing its peers to vouch again (right after a first bootstrap
+    /// they may all be rejoining, and then no new proof can form: the cluster would wait for
+    /// good). Cleared, the proof is gone after the next restart.
+    #[tokio::test]
+    async fn a_restart_while_rejoining_resumes_with_the_kept_proof() {
+        use crate::storage::log_store::SnapshotGate;
+        fn snapshots() -> SnapshotGate {
+            tokio::sync::watch::channel(None).1
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let db = crate::storage::open(dir.path()).unwrap().log;
+        let store = LogStore::new(db.clone(), snapshots());
+        store.set_rejoining(true).await.unwrap();
+        let gate = VoteGate::rejoining(store.clone()).unwrap();
+        assert!(gate.admits_leader(3).is_err(), "nothing learned yet");
+        let proof = Proof {
+            term: 3,
+            log: Some(log_id(3, 40)),
+        };
+        store.set_rejoin_proof(Some(&proof)).await.unwrap();
+        drop((gate, store));
+
+        let store = LogStore::new(db.clone(), snapshots());
+        assert!(store.rejoining().unwrap());
+        let gate = VoteGate::rejoining(store.clone()).unwrap();
+        assert!(!gate.is_open());
+        assert_eq!(gate.learned().proof, Some(proof));
+        assert!(gate.admits_leader(3).is_ok());
+        assert!(gate.admits_leader(2).is_err(), "rule 3 still holds");
+        assert!(
+            gate.admits_candidate(4, Some(log_id(3, 39))).is_err(),
+            "rule 1 still holds"
+        );
+        assert!(gate.admits_candidate(4, Some(log_id(3, 40))).is_ok());
+
+        store.set_rejoin_proof::<Proof>(None).await.unwrap();
+        drop((gate, store));
+        let store = LogStore::new(db, snapshots());
+        assert_eq!(store.rejoin_proof::<Proof>().unwrap(), None);
+        assert_eq!(VoteGate::rejoining(store).unwrap().learned().proof, None);
     }
 
     /// Rule 1: only a candidate in a newer term whose log reaches

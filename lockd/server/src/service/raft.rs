@@ -7,7 +7,7 @@ use tonic::{Request, Response, Status};
 use std::sync::Arc;
 
 use crate::raft::NodeId;
-use crate::raft::vote_gate::{VoteGate, VoteReport};
+use crate::raft::vote_gate::{Standing, VoteGate, VoteReport};
 use crate::raft::{Raft, TypeConfig};
 use crate::service::errors;
 use crate::storage::log_store::LogStore;
@@ -283,12 +283,18 @@ impl pb::raft_server::Raft for RaftService {
         encode(&self.raft.install_snapshot(rpc).await)
     }
 
-    /// Read-only: what a peer that rejoins with an empty data dir needs to relearn the term.
+    /// Read-only: what a peer that rejoins with an empty data dir needs to relearn the term, and
+    /// whether this node is rejoining itself (then the peer does not count this answer toward
+    /// its proof; see `vote_gate`).
     async fn current_vote(
         &self,
         req: Request<RaftMessage>,
-    ) -> Result<Response<RaftMessage>, Status> {
+    ) -> Result<Response<pb::CurrentVoteReply>, Status> {
         req.extensions().get::<Caller>().ok_or_else(refused)?;
+        // Read before the vote and log: the gate only ever opens, so a vote and log read after
+        // it reported open are those of a node that caught up. Read after, a gate opening in
+        // between would vouch for a log read while still partial.
+        let rejoining = !self.gate.is_open();
         let vote = self.raft.metrics().borrow().vote;
         // The log id, not only the index: a rejoining peer compares candidates' logs with it.
         let last_log_id = self
@@ -298,7 +304,15 @@ impl pb::raft_server::Raft for RaftService {
             .await
             .map_err(|e| errors::no_quorum(format!("reading the log state: {e}")))?
             .last_log_id;
-        let report = VoteReport { vote, last_log_id };
-        encode(&report)
+        let data = postcard::to_allocvec(&VoteReport {
+            vote,
+            last_log_id,
+            standing: Standing::default(), // not encoded: sent in `kept_log`
+        })
+        .map_err(|e| errors::internal(format!("encoding raft reply: {e}")))?;
+        Ok(Response::new(pb::CurrentVoteReply {
+            data,
+            kept_log: Some(!rejoining),
+        }))
     }
 }

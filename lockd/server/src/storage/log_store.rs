@@ -27,8 +27,8 @@ use tokio::sync::oneshot;
 use tokio::sync::watch;
 
 use super::{
-    KEY_COMMITTED, KEY_LAST_PURGED, KEY_REJOINING, KEY_VOTE, LOG, META, StorageObserver,
-    Unobserved, blocking,
+    KEY_COMMITTED, KEY_LAST_PURGED, KEY_REJOIN_PROOF, KEY_REJOINING, KEY_VOTE, LOG, META,
+    StorageObserver, Unobserved, blocking,
 };
 use crate::raft::{LogId, NodeId, StorageError, TypeConfig};
 
@@ -118,6 +118,26 @@ impl LogStore {
         let value = encode(&rejoining).map_err(io)?;
         self.submit(|done| WriteOp::Meta {
             key: KEY_REJOINING,
+            value,
+            done: Some(done),
+        })
+        .await
+    }
+
+    /// The proof a rejoining node learned from its peers, if it learned one before a restart
+    /// (see [`crate::raft::vote_gate`]); `None` in older data dirs and once cleared.
+    pub fn rejoin_proof<P: serde::de::DeserializeOwned>(&self) -> anyhow::Result<Option<P>> {
+        Ok(self.read_meta::<Option<P>>(KEY_REJOIN_PROOF)?.flatten())
+    }
+
+    /// Records durably what a rejoining node learned from its peers, or clears it (`None`).
+    pub async fn set_rejoin_proof<P: serde::Serialize>(
+        &self,
+        proof: Option<&P>,
+    ) -> Result<(), std::io::Error> {
+        let value = encode(&proof).map_err(io)?;
+        self.submit(|done| WriteOp::Meta {
+            key: KEY_REJOIN_PROOF,
             value,
             done: Some(done),
         })

@@ -26,8 +26,8 @@ use snapshot_file::SnapshotFile;
 
 /// Log entries by index, each a postcard-encoded `openraft::Entry`.
 pub(crate) const LOG: TableDefinition<u64, &[u8]> = TableDefinition::new("raft_log");
-/// Small records by name: `vote`, `committed`, `last_purged`, `rejoining` (and `snapshot` in data dirs written
-/// before snapshots moved out of the log database).
+/// Small records by name: `vote`, `committed`, `last_purged`, `rejoining`, `rejoin_proof` (and
+/// `snapshot` in data dirs written before snapshots moved out of the log database).
 pub(crate) const META: TableDefinition<&str, &[u8]> = TableDefinition::new("raft_meta");
 /// In `snapshot.redb`, where snapshots were kept before `snapshot.bin`: the latest snapshot's
 /// meta and encoded table. Read once, to move them.
@@ -41,6 +41,9 @@ pub(crate) const KEY_LAST_PURGED: &str = "last_purged";
 pub(crate) const KEY_SNAPSHOT: &str = "snapshot";
 /// `true` while a node that started with an empty data dir has not caught up with a leader.
 pub(crate) const KEY_REJOINING: &str = "rejoining";
+/// What a rejoining node learned from its peers about its lost disk (see `raft::vote_gate`), kept
+/// beside the flag so a restart while catching up does not need the peers to vouch again.
+pub(crate) const KEY_REJOIN_PROOF: &str = "rejoin_proof";
 
 /// Name of the log database in the data dir.
 pub const LOG_FILE: &str = "lockd.redb";
