@@ -277,7 +277,7 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
     // Recorded before Raft starts, so a crash while catching up keeps the node from voting on a
     // partial log after its restart (see raft::vote_gate).
     if started_empty {
-        log_store.set_rejoining(true).await.map_err(|e| {
+        log_store.start_rejoining().await.map_err(|e| {
             anyhow::anyhow!(
                 "lockd: recording the rejoining flag in {}: {e}",
                 config.data_dir.display()

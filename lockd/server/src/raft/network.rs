@@ -173,6 +173,17 @@ pub async fn ask_votes(
             match reply {
                 Ok(Ok(r)) => {
                     let r = r.into_inner();
+                    if let Some(answered) = r.node_id
+                        && answered != *id
+                    {
+                        tracing::warn!(
+                            peer = id,
+                            answered,
+                            "CurrentVote answered by node {answered}, not by peer {id}: check \
+                             the --peer addresses; the answer does not count"
+                        );
+                        return None;
+                    }
                     match postcard::from_bytes::<VoteReport>(&r.data) {
                         // The flag travels beside the payload: an older node's reply has none,
                         // and then counts for nothing (see vote_gate).

@@ -68,23 +68,26 @@
 //! # First bootstrap
 //!
 //! A first-ever bootstrap starts every node empty, so every node is rejoining and every answer is
-//! a rejoining one. It is recognised when `n - majority + 1` peers answered, every one of them
-//! rejoining and holding nothing past the initial membership entry (or when enough peers that
-//! kept their log hold nothing past it); only then does the node propose the initial membership
-//! (`initialize`) and campaign. Within tolerance this cannot happen in a cluster with history:
-//! at most `n - majority` nodes are empty at once, this one included, so at most
-//! `n - majority - 1` answers can come from rejoining peers, fewer than needed. A peer that kept
-//! its log but lags at index 0 cannot fake a new cluster either: its answer only counts among
-//! `n - majority + 1` answers of such peers, which include a member of every commit quorum.
-//! The price: a new cluster forms only once `n - majority + 1` peers of each node have started
-//! (for three nodes: all three, once), and with one node wiped and another lost the wiped node
-//! accepts nothing until a node that holds the log returns, which is the Raft answer to two
-//! failures out of three.
+//! a rejoining one. It is recognised when **every** peer answered, each rejoining and holding
+//! nothing past the initial membership entry (or when `n - majority + 1` peers that kept their
+//! log hold nothing past it); only then does the node propose the initial membership
+//! (`initialize`) and campaign. Every peer, not only `n - majority + 1`: an empty, rejoining
+//! answer does not mean a lost disk. Right after a first bootstrap a follower that has not yet
+//! applied a commit of the leader's term, or a node that started late, answers exactly that
+//! while the cluster has history; with five voters, answers of two such nodes and of one wiped
+//! node would otherwise pass for a new cluster while the node that holds the commit is slow to
+//! answer (review). When every node is empty, every node that held an entry lost its disk: a
+//! majority at once, beyond what Raft tolerates. A peer that kept its log but lags at index 0
+//! cannot fake a new cluster either: its answer only counts among `n - majority + 1` answers of
+//! such peers, which include a member of every commit quorum. The price: a new cluster forms only
+//! once every node has started, and with one node wiped and another lost the wiped node accepts
+//! nothing until a node that holds the log returns, which is the Raft answer to two failures out
+//! of three.
 //!
-//! Known limit: beyond tolerance the bootstrap test can be fooled. If more than `n - majority`
-//! nodes are empty at once and the rest do not answer (for three nodes: all three disks lost),
-//! the empty nodes form a new cluster and issue tokens from the start again. Only an explicit
-//! bootstrap step would tell that apart from a first start.
+//! Known limit: beyond tolerance the bootstrap test can be fooled. If every disk is lost (or all
+//! but nodes that lag at the initial membership entry), the empty nodes form a new cluster and
+//! issue tokens from the start again. Only an explicit bootstrap step would tell that apart from
+//! a first start.
 //!
 //! Known limit: the proof's term is the highest any peer reports, which can be a failed
 //! candidate's. If a one-way partition lets a candidate's term climb past the live leader's, the
@@ -148,7 +151,8 @@ impl Standing {
 }
 
 /// What enough peers' answers prove (see the module docs). Kept in the data dir beside the
-/// rejoining flag (`LogStore::set_rejoin_proof`) until the node has caught up.
+/// rejoining flag (`LogStore::set_rejoin_proof`) until the node has caught up
+/// (`LogStore::finish_rejoining` clears both).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 struct Proof {
     /// No leader this node may have helped elect has a higher term.
@@ -294,12 +298,17 @@ impl VoteGate {
                 // Kept for a restart before catching up: by then the peers that vouched may be
                 // rejoining too, and their answers would no longer count. Without it the node
                 // asks again after a restart, which is safe but may wait for good.
-                if let Err(e) = store.set_rejoin_proof(Some(&proof)).await {
+                // Durable before use, like the flag: retried until it is, or until shutdown.
+                while let Err(e) = store.set_rejoin_proof(&proof).await {
                     tracing::error!(
                         error = %e,
-                        "lockd: recording the rejoin proof; a restart before catching up asks \
-                         the peers again"
+                        "lockd: recording the rejoin proof; taking no part in replication \
+                         until it is on disk"
                     );
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return,
+                        _ = tokio::time::sleep(ASK_RETRY) => {}
+                    }
                 }
                 self.learned().proof = Some(proof);
                 proof
@@ -327,7 +336,7 @@ impl VoteGate {
             }
             let target = self.learned().target;
             if caught_up(target, applied, state == ServerState::Leader) {
-                if let Err(e) = store.set_rejoining(false).await {
+                if let Err(e) = store.finish_rejoining().await {
                     tracing::error!(error = %e, "lockd: clearing the rejoining flag; still not voting");
                 } else {
                     tracing::info!(
@@ -337,10 +346,6 @@ impl VoteGate {
                     );
                     self.open.store(true, Ordering::Release);
                     raft.runtime_config().elect(true);
-                    // Only read while the flag is set; cleared so that nothing stale stays.
-                    if let Err(e) = store.set_rejoin_proof::<Proof>(None).await {
-                        tracing::warn!(error = %e, "lockd: clearing the rejoin proof (unused once caught up)");
-                    }
                     return;
                 }
             }
@@ -461,7 +466,7 @@ fn answers_needed(cluster_size: usize) -> usize {
 }
 
 /// What the answers prove, if there are enough of them: `n - majority + 1` from peers that kept
-/// their log, or, for a first bootstrap, that many answers all from rejoining peers that hold
+/// their log, or, for a first bootstrap, answers of every peer, each rejoining and holding
 /// nothing past the initial membership entry (see the module docs). Answers of older nodes,
 /// which do not say, count for neither.
 fn proof_from(cluster_size: usize, reports: &[VoteReport]) -> Option<Proof> {
@@ -470,7 +475,7 @@ fn proof_from(cluster_size: usize, reports: &[VoteReport]) -> Option<Proof> {
         .iter()
         .filter(|r| r.standing == Standing::KeptLog)
         .count();
-    let first_bootstrap = reports.len() >= needed
+    let first_bootstrap = reports.len() >= cluster_size - 1
         && reports.iter().all(|r| {
             r.standing == Standing::Rejoining && r.last_log_id.is_none_or(|l| l.index == 0)
         });
@@ -638,11 +643,19 @@ mod tests {
             None,
             "too few answers"
         );
-        let p = proof_from(
-            5,
-            &[rejoining(0, None), rejoining(0, None), rejoining(0, None)],
-        );
+        // Five voters: every peer must answer, not only three. Review schedule: nodes 1-3
+        // committed tokens while 4 and 5 had not caught up; nodes 1 and 2 lose their disks; node
+        // 3, which holds the commits, is slow to answer. Node 2 hears only the empty nodes 1, 4
+        // and 5, and must not take that for a new cluster.
+        let empty = || rejoining(0, None);
+        assert_eq!(proof_from(5, &[empty(), empty(), empty()]), None);
+        let p = proof_from(5, &[empty(), empty(), empty(), empty()]);
         assert!(p.unwrap().fresh_cluster());
+        assert_eq!(
+            proof_from(5, &[empty(), empty(), empty(), rejoining(1, Some((1, 2)))]),
+            None,
+            "node 3 answers: the cluster has history"
+        );
         // A rejoining peer that already holds entries: the cluster has history.
         assert_eq!(
             proof_from(3, &[rejoining(0, None), rejoining(2, Some((2, 7)))]),
@@ -679,6 +692,7 @@ mod tests {
                 &[
                     rejoining(0, None),
                     rejoining(0, None),
+                    rejoining(0, None),
                     older(1, Some((0, 0)))
                 ]
             ),
@@ -700,14 +714,14 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let db = crate::storage::open(dir.path()).unwrap().log;
         let store = LogStore::new(db.clone(), snapshots());
-        store.set_rejoining(true).await.unwrap();
+        store.start_rejoining().await.unwrap();
         let gate = VoteGate::rejoining(store.clone()).unwrap();
         assert!(gate.admits_leader(3).is_err(), "nothing learned yet");
         let proof = Proof {
             term: 3,
             log: Some(log_id(3, 40)),
         };
-        store.set_rejoin_proof(Some(&proof)).await.unwrap();
+        store.set_rejoin_proof(&proof).await.unwrap();
         drop((gate, store));
 
         let store = LogStore::new(db.clone(), snapshots());
@@ -723,9 +737,17 @@ mod tests {
         );
         assert!(gate.admits_candidate(4, Some(log_id(3, 40))).is_ok());
 
-        store.set_rejoin_proof::<Proof>(None).await.unwrap();
+        // Another restart before catching up: the proof stays, also when the flag is set again.
         drop((gate, store));
+        let store = LogStore::new(db.clone(), snapshots());
+        store.start_rejoining().await.unwrap();
+        assert_eq!(store.rejoin_proof::<Proof>().unwrap(), Some(proof));
+
+        // Caught up: flag and proof go together, in one transaction.
+        store.finish_rejoining().await.unwrap();
+        drop(store);
         let store = LogStore::new(db, snapshots());
+        assert!(!store.rejoining().unwrap());
         assert_eq!(store.rejoin_proof::<Proof>().unwrap(), None);
         assert_eq!(VoteGate::rejoining(store).unwrap().learned().proof, None);
     }

@@ -295,7 +295,11 @@ impl pb::raft_server::Raft for RaftService {
         // it reported open are those of a node that caught up. Read after, a gate opening in
         // between would vouch for a log read while still partial.
         let rejoining = !self.gate.is_open();
-        let vote = self.raft.metrics().borrow().vote;
+        let (vote, node_id) = {
+            let m = self.raft.metrics();
+            let m = m.borrow();
+            (m.vote, m.id)
+        };
         // The log id, not only the index: a rejoining peer compares candidates' logs with it.
         let last_log_id = self
             .log
@@ -313,6 +317,7 @@ impl pb::raft_server::Raft for RaftService {
         Ok(Response::new(pb::CurrentVoteReply {
             data,
             kept_log: Some(!rejoining),
+            node_id: Some(node_id),
         }))
     }
 }

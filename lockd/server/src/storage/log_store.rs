@@ -60,6 +60,12 @@ enum WriteOp {
         value: Vec<u8>,
         done: Option<oneshot::Sender<Result<(), String>>>,
     },
+    /// The rejoining flag and proof cleared together (`LogStore::finish_rejoining`).
+    FinishRejoin {
+        flag: Vec<u8>,
+        proof: Vec<u8>,
+        done: oneshot::Sender<Result<(), String>>,
+    },
     Truncate {
         from: u64,
         done: oneshot::Sender<Result<(), String>>,
@@ -112,10 +118,10 @@ impl LogStore {
         Ok(self.read_meta::<bool>(KEY_REJOINING)?.unwrap_or(false))
     }
 
-    /// Records durably whether this node is rejoining, so a crash while catching up does not
-    /// let it vote on a partial log after the restart.
-    pub async fn set_rejoining(&self, rejoining: bool) -> Result<(), std::io::Error> {
-        let value = encode(&rejoining).map_err(io)?;
+    /// Records durably that this node is rejoining, so a crash while catching up does not let it
+    /// vote on a partial log after the restart. A proof kept from before a restart stays.
+    pub async fn start_rejoining(&self) -> Result<(), std::io::Error> {
+        let value = encode(&true).map_err(io)?;
         self.submit(|done| WriteOp::Meta {
             key: KEY_REJOINING,
             value,
@@ -130,18 +136,27 @@ impl LogStore {
         Ok(self.read_meta::<Option<P>>(KEY_REJOIN_PROOF)?.flatten())
     }
 
-    /// Records durably what a rejoining node learned from its peers, or clears it (`None`).
+    /// Records durably what a rejoining node learned from its peers.
     pub async fn set_rejoin_proof<P: serde::Serialize>(
         &self,
-        proof: Option<&P>,
+        proof: &P,
     ) -> Result<(), std::io::Error> {
-        let value = encode(&proof).map_err(io)?;
+        let value = encode(&Some(proof)).map_err(io)?;
         self.submit(|done| WriteOp::Meta {
             key: KEY_REJOIN_PROOF,
             value,
             done: Some(done),
         })
         .await
+    }
+
+    /// Clears the rejoining flag and the proof in one durable transaction, so that no proof
+    /// outlives its flag (a later rejoin must never find an old one).
+    pub async fn finish_rejoining(&self) -> Result<(), std::io::Error> {
+        let flag = encode(&false).map_err(io)?;
+        let proof = encode(&None::<()>).map_err(io)?;
+        self.submit(|done| WriteOp::FinishRejoin { flag, proof, done })
+            .await
     }
 
     /// Queues an operation and waits for its durable commit.
@@ -241,6 +256,10 @@ fn write_loop(
                         WriteOp::Meta { key, value, .. } => {
                             meta.insert(*key, value.as_slice())?;
                         }
+                        WriteOp::FinishRejoin { flag, proof, .. } => {
+                            meta.insert(KEY_REJOINING, flag.as_slice())?;
+                            meta.insert(KEY_REJOIN_PROOF, proof.as_slice())?;
+                        }
                         WriteOp::Truncate { from, .. } => {
                             log.retain_in(*from.., |_, _| false)?;
                         }
@@ -295,7 +314,9 @@ fn write_loop(
                         let _ = done.send(err.clone().map_or(Ok(()), Err));
                     }
                 }
-                WriteOp::Truncate { done, .. } | WriteOp::Purge { done, .. } => {
+                WriteOp::FinishRejoin { done, .. }
+                | WriteOp::Truncate { done, .. }
+                | WriteOp::Purge { done, .. } => {
                     let _ = done.send(err.clone().map_or(Ok(()), Err));
                 }
             }
