@@ -632,7 +632,7 @@ mod tests {
     }
 
     /// A first bootstrap: every node starts empty, so every answer is a rejoining one, and the
-    /// cluster still forms once enough peers answered, all empty.
+    /// cluster still forms once every peer answered, all empty.
     #[test]
     fn a_first_bootstrap_forms_on_rejoining_answers_that_are_all_empty() {
         let p = proof_from(3, &[rejoining(0, None), rejoining(1, Some((0, 0)))]).unwrap();
