@@ -17,6 +17,7 @@
 //!   restarts, misbehaving HTTP upstreams), checked for stale or lost writes (`fence-faults`).
 //! - [`fence_proxy`]: `fence-proxy http` as a child process, and an HTTP client for it.
 //! - [`poll`]: waiting for a condition, instead of a fixed sleep, before an assert.
+//! - [`skip`]: how a test that cannot run on this machine says why (and [`skip_without_postgres`]).
 //! - [`pg`]: the local Postgres, an in-process fence-proxy Postgres front end, psql, a private
 //!   password-protected cluster.
 
@@ -31,4 +32,17 @@ pub mod http_upstream;
 pub mod pg;
 pub mod poll;
 pub mod process;
+pub mod skip;
 pub mod tls;
+
+/// Returns from the calling test when the shared Postgres is unreachable, after reporting the
+/// test as skipped with how to start Postgres; under CI (env `CI` set) it fails the test
+/// instead. The first line of every test that needs Postgres (see [`pg::available`]).
+#[macro_export]
+macro_rules! skip_without_postgres {
+    () => {
+        if !$crate::pg::available() {
+            return;
+        }
+    };
+}

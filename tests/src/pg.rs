@@ -25,15 +25,42 @@ pub fn direct_url() -> String {
     format!("postgres://{PG_USER}@{PG_HOST}:{PG_PORT}/{PG_DATABASE}")
 }
 
-/// Panics with instructions when the shared Postgres is not reachable.
-pub fn require_postgres() {
+/// Whether the shared Postgres accepts connections; `Err` names its address and how to start it.
+fn reachable() -> Result<(), String> {
     let addr: SocketAddr = format!("{PG_HOST}:{PG_PORT}").parse().unwrap();
-    if TcpStream::connect_timeout(&addr, Duration::from_secs(2)).is_err() {
-        panic!(
-            "Postgres is not reachable at {addr}; start it with \
+    match TcpStream::connect_timeout(&addr, Duration::from_secs(2)) {
+        Ok(_) => Ok(()),
+        Err(e) => Err(format!(
+            "Postgres is not reachable at {addr} ({e}); start it with \
              `pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start` \
              (user {PG_USER}, trust auth, database {PG_DATABASE}: `createdb -h 127.0.0.1 -U postgres test`)"
-        );
+        )),
+    }
+}
+
+/// Panics with instructions when the shared Postgres is not reachable. Harness code calls it
+/// before its first connection; a test checks [`available`] first (through
+/// [`crate::skip_without_postgres`]), so this fires only for a test that forgot to.
+pub fn require_postgres() {
+    if let Err(why) = reachable() {
+        panic!("{why}");
+    }
+}
+
+/// Whether a test that needs the shared Postgres can run here. When Postgres is unreachable,
+/// under CI (env `CI` set) this panics with how to start it: CI must run the Postgres suites,
+/// not skip them. Elsewhere it reports the test as skipped, naming how to start Postgres
+/// ([`crate::skip::report`]), and returns false.
+pub fn available() -> bool {
+    match reachable() {
+        Ok(()) => true,
+        Err(why) if std::env::var_os("CI").is_some() => {
+            panic!("{why}. CI is set, so the tests that need Postgres fail instead of skipping")
+        }
+        Err(why) => {
+            crate::skip::report(&why);
+            false
+        }
     }
 }
 

@@ -5,7 +5,7 @@
  */
 
 import assert from 'node:assert/strict';
-import { after, before, describe, test } from 'node:test';
+import { describe, test } from 'node:test';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { join } from 'node:path';
 
@@ -33,41 +33,29 @@ import {
   withFence,
 } from '@lockd/client';
 
-import { Cluster, freePort, PACKAGE_DIR, tempDir, unique } from './support/procs.js';
+import { freePort, PACKAGE_DIR, unique } from './support/procs.js';
+import { useCluster } from './support/use-cluster.js';
 
-let cluster: Cluster;
-let client: Client;
-let dir: { path: string; remove: () => void };
-
-before(async () => {
-  dir = tempDir('lockd-node-');
-  cluster = await Cluster.start(dir.path);
-  client = cluster.client();
-});
-
-after(async () => {
-  await cluster?.stop();
-  dir?.remove();
-});
+const lockd = useCluster();
 
 describe('the RPCs against a real cluster', () => {
   test('acquire, renew, release, describe, status', async () => {
     const res = unique('node-basic');
-    const grant = await client.acquire(res, { ttlMs: 5000, holder: 'node-test/basic' });
+    const grant = await lockd.client.acquire(res, { ttlMs: 5000, holder: 'node-test/basic' });
     assert.ok(grant.fencingToken > 0n && grant.leaseId.length === 32 && grant.ttlMs === 5000);
     assert.ok(grant.sequencer.length > 0, 'lockd signs every grant');
-    const d = await client.describe(res);
+    const d = await lockd.client.describe(res);
     assert.deepEqual([d.held, d.holder, d.fencingToken], [true, 'node-test/basic', grant.fencingToken]);
     // The lease id is a secret: not in what gets logged.
     assert.ok(!JSON.stringify(grant).includes(grant.leaseId));
     const { inspect } = await import('node:util');
     assert.ok(!inspect(grant).includes(grant.leaseId));
 
-    const renewed = await client.renew(res, grant.leaseId, { ttlMs: 7000 });
+    const renewed = await lockd.client.renew(res, grant.leaseId, { ttlMs: 7000 });
     assert.equal(renewed.ttlMs, 7000);
     assert.ok(renewed.sentAt >= grant.sentAt);
 
-    const held = await client.acquire(res, { ttlMs: 5000 }).then(
+    const held = await lockd.client.acquire(res, { ttlMs: 5000 }).then(
       () => assert.fail('a held resource was granted twice'),
       (e: unknown) => e,
     );
@@ -76,20 +64,20 @@ describe('the RPCs against a real cluster', () => {
     assert.equal(held.code, 'ABORTED');
     assert.ok(held.definitelyNotDone && held.message.includes(res));
 
-    assert.equal(await client.release(res, grant.leaseId), true);
-    assert.equal(await client.release(res, grant.leaseId), false);
-    assert.equal((await client.describe(res)).held, false);
-    await assert.rejects(client.renew(res, grant.leaseId), (e: unknown) => {
+    assert.equal(await lockd.client.release(res, grant.leaseId), true);
+    assert.equal(await lockd.client.release(res, grant.leaseId), false);
+    assert.equal((await lockd.client.describe(res)).held, false);
+    await assert.rejects(lockd.client.renew(res, grant.leaseId), (e: unknown) => {
       assert.ok(e instanceof LeaseNotCurrentError);
       assert.equal(e.reason, 'LEASE_NOT_CURRENT');
       return true;
     });
 
-    const again = await client.acquire(res, { ttlMs: 5000 });
+    const again = await lockd.client.acquire(res, { ttlMs: 5000 });
     assert.ok(again.fencingToken > grant.fencingToken);
-    await client.release(res, again.leaseId);
+    await lockd.client.release(res, again.leaseId);
 
-    const st = await client.status();
+    const st = await lockd.client.status();
     assert.ok([1, 2, 3].includes(st.leaderId), JSON.stringify(st));
     assert.equal(st.members.length, 3);
   });
@@ -97,24 +85,24 @@ describe('the RPCs against a real cluster', () => {
   test('the same request id returns the same lease; other arguments with it are refused', async () => {
     const res = unique('node-retry');
     const rid = newRequestId();
-    const first = await client.acquire(res, { ttlMs: 5000, requestId: rid, holder: 'h' });
-    const second = await client.acquire(res, { ttlMs: 5000, requestId: rid, holder: 'h' });
+    const first = await lockd.client.acquire(res, { ttlMs: 5000, requestId: rid, holder: 'h' });
+    const second = await lockd.client.acquire(res, { ttlMs: 5000, requestId: rid, holder: 'h' });
     assert.deepEqual([second.leaseId, second.fencingToken], [first.leaseId, first.fencingToken]);
-    await assert.rejects(client.acquire(res, { ttlMs: 6000, requestId: rid, holder: 'h' }), (e: unknown) => {
+    await assert.rejects(lockd.client.acquire(res, { ttlMs: 6000, requestId: rid, holder: 'h' }), (e: unknown) => {
       assert.ok(e instanceof InvalidArgumentError);
       assert.deepEqual([e.reason, e.code], ['INVALID_FIELD', 'INVALID_ARGUMENT']);
       return true;
     });
     // Another request id is another caller: held.
-    await assert.rejects(client.acquire(res, { ttlMs: 5000, holder: 'h' }), HeldError);
-    await client.release(res, first.leaseId);
+    await assert.rejects(lockd.client.acquire(res, { ttlMs: 5000, holder: 'h' }), HeldError);
+    await lockd.client.release(res, first.leaseId);
   });
 
   test('a waiting acquire queues, times out, and gets the lock on release', async () => {
     const res = unique('node-wait');
-    const holder = await client.acquire(res, { ttlMs: 5000 });
+    const holder = await lockd.client.acquire(res, { ttlMs: 5000 });
     const started = performance.now();
-    await assert.rejects(client.acquire(res, { ttlMs: 5000, waitMs: 1000 }), (e: unknown) => {
+    await assert.rejects(lockd.client.acquire(res, { ttlMs: 5000, waitMs: 1000 }), (e: unknown) => {
       assert.ok(e instanceof WaitTimedOutError);
       assert.equal(e.reason, 'WAIT_TIMEOUT');
       assert.ok(e.definitelyNotDone);
@@ -123,31 +111,31 @@ describe('the RPCs against a real cluster', () => {
     const took = performance.now() - started;
     assert.ok(took >= 900 && took < 4000, `took ${took} ms`);
 
-    const waiting = client.acquire(res, { ttlMs: 5000, waitMs: 10_000 });
+    const waiting = lockd.client.acquire(res, { ttlMs: 5000, waitMs: 10_000 });
     await sleep(500);
-    assert.equal((await client.describe(res)).waiters, 1);
-    await client.release(res, holder.leaseId);
+    assert.equal((await lockd.client.describe(res)).waiters, 1);
+    await lockd.client.release(res, holder.leaseId);
     const got = await waiting;
     assert.ok(got.fencingToken > holder.fencingToken);
-    await client.release(res, got.leaseId);
+    await lockd.client.release(res, got.leaseId);
   });
 
   test('bad arguments are refused before sending, naming the value', async () => {
     for (const bad of ['', 'a\u0007b', 'x'.repeat(257), 'lone \ud800 surrogate']) {
-      await assert.rejects(client.acquire(bad), (e: unknown) => {
+      await assert.rejects(lockd.client.acquire(bad), (e: unknown) => {
         assert.ok(e instanceof InvalidArgumentError && e.definitelyNotDone);
         assert.ok(e.message.includes(JSON.stringify(bad).slice(0, 20)), e.message);
         return true;
       });
     }
     // Below the 1 s policy floor: lockd says so, naming the field.
-    await assert.rejects(client.acquire(unique('node-bad'), { ttlMs: 500 }), (e: unknown) => {
+    await assert.rejects(lockd.client.acquire(unique('node-bad'), { ttlMs: 500 }), (e: unknown) => {
       assert.ok(e instanceof InvalidArgumentError);
       assert.equal(e.reason, 'INVALID_FIELD');
       assert.equal(e.metadata.field, 'lease_ttl_ms');
       return true;
     });
-    await assert.rejects(client.acquire(unique('node-bad'), { ttlMs: -1 }), InvalidArgumentError);
+    await assert.rejects(lockd.client.acquire(unique('node-bad'), { ttlMs: -1 }), InvalidArgumentError);
     assert.throws(() => new Client({ endpoints: ['nohostport'] }), InvalidArgumentError);
     assert.throws(() => new Client({ endpoints: [] }), InvalidArgumentError);
     // A bearer token never goes over plaintext.
@@ -161,31 +149,31 @@ describe('the lease', () => {
     const res = unique('node-lease');
     let kept: Lease;
     {
-      await using lease = await client.lock(res, { ttlMs: 1000 });
+      await using lease = await lockd.client.lock(res, { ttlMs: 1000 });
       kept = lease;
       await sleep(3500);
       lease.check();
       assert.equal(lease.lost, false);
       assert.equal(lease.signal.aborted, false);
       assert.ok(lease.renewals >= 6, `only ${lease.renewals} renewals in 3.5 ttls`);
-      const d = await client.describe(res);
+      const d = await lockd.client.describe(res);
       assert.ok(d.held && d.fencingToken === lease.fencingToken);
-      await assert.rejects(client.acquire(res, { ttlMs: 1000 }), HeldError);
+      await assert.rejects(lockd.client.acquire(res, { ttlMs: 1000 }), HeldError);
     }
     // Leaving the block fired the signal (workers stop) and released.
     assert.ok(kept.signal.aborted);
     assert.ok(kept.signal.reason instanceof LeaseLostError);
     assert.equal(kept.loss, 'released');
     assert.throws(() => kept.check(), (e: unknown) => e instanceof LeaseLostError && e.loss === 'released');
-    assert.equal((await client.describe(res)).held, false);
+    assert.equal((await lockd.client.describe(res)).held, false);
     assert.equal(await kept.release(), false, 'a second release does nothing');
   });
 
   test('the signal fires not_current when the lease is released behind its back, and renewals stop', async () => {
     const res = unique('node-behind');
-    const lease = await client.lock(res, { ttlMs: 1500 });
+    const lease = await lockd.client.lock(res, { ttlMs: 1500 });
     const fired = new Promise<void>((done) => lease.signal.addEventListener('abort', () => done(), { once: true }));
-    await client.release(res, lease.leaseId);
+    await lockd.client.release(res, lease.leaseId);
     await Promise.race([fired, sleep(3000).then(() => assert.fail('the signal did not fire within 3 s'))]);
     assert.equal(lease.loss, 'not_current');
     const renewals = lease.renewals;
@@ -196,21 +184,21 @@ describe('the lease', () => {
 
   test('withLock releases after the callback, also when it throws', async () => {
     const res = unique('node-withlock');
-    const token = await client.withLock(res, { ttlMs: 2000 }, async (lease) => {
-      assert.equal((await client.describe(res)).fencingToken, lease.fencingToken);
+    const token = await lockd.client.withLock(res, { ttlMs: 2000 }, async (lease) => {
+      assert.equal((await lockd.client.describe(res)).fencingToken, lease.fencingToken);
       return lease.fencingToken;
     });
-    assert.equal((await client.describe(res)).held, false);
+    assert.equal((await lockd.client.describe(res)).held, false);
     let second = 0n;
     await assert.rejects(
-      client.withLock(res, { ttlMs: 2000 }, (lease) => {
+      lockd.client.withLock(res, { ttlMs: 2000 }, (lease) => {
         second = lease.fencingToken;
         throw new Error('work failed');
       }),
       /work failed/,
     );
     assert.ok(second > token);
-    assert.equal((await client.describe(res)).held, false);
+    assert.equal((await lockd.client.describe(res)).held, false);
   });
 });
 

@@ -6,43 +6,29 @@
 
 import assert from 'node:assert/strict';
 import { join } from 'node:path';
-import { after, test } from 'node:test';
+import { test } from 'node:test';
 import { setTimeout as sleep } from 'node:timers/promises';
 
 import protobuf from 'protobufjs';
 
 import { Client } from '@lockd/client';
 
-import { Cluster, PACKAGE_DIR, tempDir, unique } from './support/procs.js';
+import { PACKAGE_DIR, unique } from './support/procs.js';
 import { DropFirstReplyRelay } from './support/relay.js';
+import { useOwnClusters } from './support/use-cluster.js';
 
-const cleanups: (() => Promise<void> | void)[] = [];
-after(async () => {
-  for (const c of cleanups.reverse()) await c();
-});
-
-async function ownCluster(): Promise<Cluster> {
-  const dir = tempDir('lockd-node-');
-  const cluster = await Cluster.start(dir.path).catch((e: unknown) => {
-    dir.remove();
-    throw e;
-  });
-  cleanups.push(async () => {
-    await cluster.stop();
-    dir.remove();
-  });
-  return cluster;
-}
+// Each test kills nodes: a cluster of its own.
+const { start: ownCluster, defer } = useOwnClusters();
 
 test('a lost reply is retried with the same request id and returns the same lease', { timeout: 60_000 }, async () => {
   const cluster = await ownCluster();
   const leader = await cluster.leader();
   const relay = await DropFirstReplyRelay.start(cluster.ip, cluster.ip, 7000 + leader);
-  cleanups.push(() => relay.close());
+  defer(() => relay.close());
   const others = [1, 2, 3].filter((i) => i !== leader).map((i) => cluster.addr(i));
   // The first attempt goes through the relay, which lets the leader grant and drops the reply.
   const c = new Client({ endpoints: [relay.target, ...others], callTimeoutMs: 10_000 });
-  cleanups.push(() => c.close());
+  defer(() => c.close());
   const res = unique('node-lost-reply');
 
   const grant = await c.acquire(res, { ttlMs: 5000, holder: 'node-test/lost-reply' });
@@ -78,7 +64,7 @@ test('leader kill during a waiting acquire: one lease, the one its request id re
   const held = await holder.acquire(res, { ttlMs: 2000 }); // never renewed: expires while the waiter waits
   // The waiter talks to the leader first, so the kill breaks its call in flight.
   const waiter = new Client({ endpoints: [leader, ...others].map((i) => cluster.addr(i)), callTimeoutMs: 15_000 });
-  cleanups.push(() => waiter.close());
+  defer(() => waiter.close());
   const rid = `node-failover-${res.split('/')[1]}`;
   let settled = false;
   const waiting = waiter.acquire(res, { ttlMs: 5000, waitMs: 8000, requestId: rid, holder: 'waiter' });
@@ -104,7 +90,7 @@ test('renewals follow the cluster: a lease stays held across a leader kill', { t
   const c = new Client({
     endpoints: [leader, ...[1, 2, 3].filter((i) => i !== leader)].map((i) => cluster.addr(i)),
   });
-  cleanups.push(() => c.close());
+  defer(() => c.close());
   // ttl 6 s: the first renewal is due 1.5-2 s after the grant and may retry until the deadline
   // (5.4 s), room for an election (timeouts 0.6-1.2 s) on a loaded machine. With 4 s a slow
   // election sometimes outlasted the renewal's retries, which then rightly declared the loss.

@@ -10,16 +10,15 @@ import { execFile, spawnSync } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
 import { readFileSync } from 'node:fs';
 import { join } from 'node:path';
-import { after, before, test } from 'node:test';
+import { test } from 'node:test';
 import { promisify } from 'node:util';
 
 import pg from 'pg';
 
-import { type Client, fenceOptions, setFence, withFence } from '@lockd/client';
+import { fenceOptions, setFence, withFence } from '@lockd/client';
 
 import {
   binary,
-  Cluster,
   exited,
   freePort,
   Lines,
@@ -28,33 +27,20 @@ import {
   PG_URL,
   Proc,
   randomLoopbackIp,
-  tempDir,
   unique,
   waitTcp,
 } from './support/procs.js';
 import { HttpProxy } from './support/upstream.js';
+import { useCluster } from './support/use-cluster.js';
 
-let cluster: Cluster;
-let client: Client;
-let dir: { path: string; remove: () => void };
-
-before(async () => {
-  dir = tempDir('lockd-node-');
-  cluster = await Cluster.start(dir.path);
-  client = cluster.client();
-});
-
-after(async () => {
-  await cluster?.stop();
-  dir?.remove();
-});
+const lockd = useCluster();
 
 /** Runs the zombie child up to "checked", pauses it, lets `newer` run, resumes it. */
 async function zombie(
   env: Record<string, string>,
   newer: () => Promise<void>,
 ): Promise<{ out: Lines; oldToken: bigint }> {
-  const child = nodeChild('zombie-child.js', { ENDPOINTS: cluster.endpoints.join(','), ...env });
+  const child = nodeChild('zombie-child.js', { ENDPOINTS: lockd.cluster.endpoints.join(','), ...env });
   const out = new Lines(child);
   try {
     const oldToken = BigInt((await out.waitFor('checked'))[1]!);
@@ -73,14 +59,14 @@ async function zombie(
 }
 
 test('HTTP: the zombie write is refused by fence-proxy', { timeout: 60_000 }, async () => {
-  const proxy = await HttpProxy.start(dir.path);
+  const proxy = await HttpProxy.start(lockd.cluster.dir);
   try {
     const res = unique('node-zombie');
     const url = `${proxy.url}/${res}`;
     let newerToken = 0n;
     const { out, oldToken } = await zombie({ MODE: 'http', RESOURCE: res, TARGET_URL: url }, async () => {
       // The paused holder's lease expires; B gets the lock with a larger token and writes.
-      await using b = await client.lock(res, { ttlMs: 5000, waitMs: 5000 });
+      await using b = await lockd.client.lock(res, { ttlMs: 5000, waitMs: 5000 });
       newerToken = b.fencingToken;
       const r = await fetch(url, withFence(b, { method: 'PUT', body: 'from B' }));
       assert.equal(r.status, 200, await r.text());
@@ -132,7 +118,7 @@ test('Postgres: the zombie transaction is refused by fence-proxy (55P03)', { tim
   const proxyProc = new Proc(
     'fence-proxy-pg',
     [binary('fence-proxy'), 'postgres', '--listen', `${ip}:${port}`, '--upstream', PG_URL, '--fence-table', PG_FENCE_TABLE],
-    dir.path,
+    lockd.cluster.dir,
   );
   const proxyUrl = `postgres://postgres@${ip}:${port}/test`;
   const table = `node_orders_${randomBytes(4).toString('hex')}`;
@@ -144,7 +130,7 @@ test('Postgres: the zombie transaction is refused by fence-proxy (55P03)', { tim
     const res = unique('node-pg');
     let newerToken = 0n;
     const { out, oldToken } = await zombie({ MODE: 'pg', RESOURCE: res, TARGET_URL: proxyUrl, TABLE: table }, async () => {
-      await using b = await client.lock(res, { ttlMs: 5000, waitMs: 5000 });
+      await using b = await lockd.client.lock(res, { ttlMs: 5000, waitMs: 5000 });
       newerToken = b.fencingToken;
       // B fences at connection start-up...
       const b1 = new pg.Client({ connectionString: proxyUrl, options: fenceOptions(b) });
@@ -182,12 +168,12 @@ test('Postgres: the zombie transaction is refused by fence-proxy (55P03)', { tim
 });
 
 test('the README example takes a lock and writes through the proxy', { timeout: 60_000 }, async () => {
-  const proxy = await HttpProxy.start(dir.path);
+  const proxy = await HttpProxy.start(lockd.cluster.dir);
   try {
     const example = join(PACKAGE_DIR, 'examples', 'fenced-write.mjs');
     assert.ok(readFileSync(example, 'utf8').trim().split('\n').length <= 12);
     const { stdout } = await promisify(execFile)(process.execPath, [example], {
-      env: { ...process.env, LOCKD_ENDPOINTS: cluster.endpoints.join(','), FENCE_PROXY_URL: proxy.url },
+      env: { ...process.env, LOCKD_ENDPOINTS: lockd.cluster.endpoints.join(','), FENCE_PROXY_URL: proxy.url },
       timeout: 30_000,
     });
     assert.match(stdout, /written with fencing token \d+/);
@@ -195,7 +181,7 @@ test('the README example takes a lock and writes through the proxy', { timeout: 
     const writes = proxy.upstream.writes();
     assert.equal(writes.at(-1)?.path, '/orders/42');
     assert.equal(writes.at(-1)?.headers['fencing-token'], token);
-    assert.equal((await client.describe('orders/42')).held, false, 'the example releases when done');
+    assert.equal((await lockd.client.describe('orders/42')).held, false, 'the example releases when done');
   } finally {
     await proxy.stop();
   }

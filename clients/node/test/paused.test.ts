@@ -6,38 +6,24 @@
  */
 
 import assert from 'node:assert/strict';
-import { after, before, test } from 'node:test';
+import { test } from 'node:test';
 import { setTimeout as sleep } from 'node:timers/promises';
 
-import type { Client } from '@lockd/client';
+import { exited, Lines, nodeChild, unique } from './support/procs.js';
+import { useCluster } from './support/use-cluster.js';
 
-import { Cluster, exited, Lines, nodeChild, tempDir, unique } from './support/procs.js';
-
-let cluster: Cluster;
-let client: Client;
-let dir: { path: string; remove: () => void };
-
-before(async () => {
-  dir = tempDir('lockd-node-');
-  cluster = await Cluster.start(dir.path);
-  client = cluster.client();
-});
-
-after(async () => {
-  await cluster?.stop();
-  dir?.remove();
-});
+const lockd = useCluster();
 
 test('a paused holder sees its loss before it can write', { timeout: 60_000 }, async () => {
   const res = unique('node-paused');
-  const child = nodeChild('paused-child.js', { ENDPOINTS: cluster.endpoints.join(','), RESOURCE: res });
+  const child = nodeChild('paused-child.js', { ENDPOINTS: lockd.cluster.endpoints.join(','), RESOURCE: res });
   const out = new Lines(child);
   try {
     const oldToken = BigInt((await out.waitFor('token'))[1]!);
     await out.waitFor('writing');
     child.kill('SIGSTOP');
     // Another client gets the lock once the paused holder's lease expired.
-    const newer = await client.acquire(res, { ttlMs: 5000, waitMs: 5000 });
+    const newer = await lockd.client.acquire(res, { ttlMs: 5000, waitMs: 5000 });
     assert.ok(newer.fencingToken > oldToken);
     // The holder's last renewal may have been up to ttl/3 before the stop: stay stopped long
     // enough that the pause is longer than the whole ttl.
@@ -50,8 +36,8 @@ test('a paused holder sees its loss before it can write', { timeout: 60_000 }, a
     assert.equal(reason, 'deadline_passed');
     assert.equal(signal, 'signal=true', 'the signal fired when the loss was seen');
     assert.deepEqual(await out.waitFor('check-raised'), ['check-raised', 'deadline_passed', 'true']);
-    assert.equal((await client.describe(res)).fencingToken, newer.fencingToken);
-    await client.release(res, newer.leaseId);
+    assert.equal((await lockd.client.describe(res)).fencingToken, newer.fencingToken);
+    await lockd.client.release(res, newer.leaseId);
   } finally {
     if (child.exitCode === null && child.signalCode === null) {
       child.kill('SIGCONT');

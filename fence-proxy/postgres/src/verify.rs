@@ -270,7 +270,7 @@ mod tests {
     }
 
     /// The guard recomputes this in SQL; a fixed vector keeps the two in step (the SQL side is
-    /// checked against the same value in tests/tests/fence_sequencer.rs through real sessions).
+    /// checked against the same value in tests/tests/sequencer/proxy/postgres.rs through real sessions).
     #[test]
     fn proof_binds_value_and_token() {
         let key = ProofKey::new(vec![1; 64], vec![2; 64]).unwrap();

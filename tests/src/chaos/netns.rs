@@ -452,7 +452,7 @@ mod tests {
     #[test]
     fn cuts_and_impairments_act_on_packets() {
         if let Err(why) = available() {
-            println!("skipped: {why}");
+            crate::skip::report(&why);
             return;
         }
         let mut n = Netns::create(3).unwrap();

@@ -1,0 +1,229 @@
+//! Faults around the proxy: an unreachable store, an upstream that is down or too slow, a restart
+//! with the redb store, and a stale lockd holder fenced end to end.
+
+use std::time::{Duration, Instant};
+
+use crate::{assert_refused, put, redb_store};
+use lockd_tests::fence_proxy::FenceProxy;
+use lockd_tests::http_upstream::{DELAY_HEADER, HttpUpstream};
+use lockd_tests::pg;
+
+/// Goal: an unreachable epoch store fails closed: 503 store-unavailable and nothing forwarded;
+/// reads, which need no store, still pass.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_unreachable_is_503_and_nothing_is_forwarded() {
+    let upstream = HttpUpstream::start().await.unwrap();
+    let dead = format!("postgres://postgres@127.0.0.1:{}/test", pg::free_port());
+    let proxy = FenceProxy::start(&upstream.url(), &dead, &["--store-timeout", "500ms"])
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let reply = put(&proxy, "orders/1", "3", "x").await;
+    assert_refused(&reply, 503, "store-unavailable");
+    let j = reply.json();
+    assert_eq!(
+        (j["resource"].as_str(), j["token"].as_u64()),
+        (Some("orders/1"), Some(3))
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        started.elapsed()
+    );
+    assert!(
+        upstream.writes().is_empty(),
+        "forwarded while the store was down"
+    );
+    let reply = lockd_tests::fence_proxy::get(&proxy.url("/orders/1"))
+        .await
+        .unwrap();
+    assert_eq!(reply.status, 200, "{reply:?}");
+}
+
+/// Goal: an upstream that refuses connections gives 502 upstream-error, for writes and reads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_down_is_502() {
+    let dir = tempfile::tempdir().unwrap();
+    let dead = format!("http://127.0.0.1:{}", pg::free_port());
+    let proxy = FenceProxy::start(&dead, &redb_store(&dir), &[])
+        .await
+        .unwrap();
+    let reply = put(&proxy, "orders/1", "3", "x").await;
+    assert_refused(&reply, 502, "upstream-error");
+    assert_eq!(reply.json()["token"], 3);
+    let reply = lockd_tests::fence_proxy::get(&proxy.url("/x"))
+        .await
+        .unwrap();
+    assert_refused(&reply, 502, "upstream-error");
+    // The write was never delivered, so no quarantine: the next one goes straight to the store.
+    let started = Instant::now();
+    assert_refused(
+        &put(&proxy, "orders/1", "4", "x").await,
+        502,
+        "upstream-error",
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "took {:?}",
+        started.elapsed()
+    );
+}
+
+/// Goal: an upstream slower than --upstream-timeout gives 504 upstream-timeout, and because the
+/// upstream still applies that write later, the next write of the resource is held back by the
+/// quarantine until after it: the upstream's log keeps token order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_too_slow_is_504_and_quarantine_keeps_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = HttpUpstream::start().await.unwrap();
+    let proxy = FenceProxy::start(
+        &upstream.url(),
+        &redb_store(&dir),
+        &[
+            "--upstream-timeout",
+            "300ms",
+            "--quarantine",
+            "2s",
+            "--lock-wait",
+            "5s",
+        ],
+    )
+    .await
+    .unwrap();
+    let started = Instant::now();
+    let reply = proxy
+        .write(
+            "PUT",
+            "/obj",
+            (Some("orders/1"), Some("1")),
+            &[(DELAY_HEADER, "1000")],
+            "late",
+        )
+        .await
+        .unwrap();
+    assert_refused(&reply, 504, "upstream-timeout");
+    let timed_out = started.elapsed();
+    assert!(
+        timed_out < Duration::from_millis(900),
+        "504 after {timed_out:?}"
+    );
+
+    let reply = put(&proxy, "orders/1", "2", "next").await;
+    assert_eq!(reply.status, 200, "{reply:?}");
+    assert!(
+        started.elapsed() >= Duration::from_millis(2200),
+        "quarantine skipped: {:?}",
+        started.elapsed()
+    );
+    let tokens: Vec<_> = upstream
+        .writes()
+        .iter()
+        .map(|w| w.token().unwrap())
+        .collect();
+    assert_eq!(
+        tokens,
+        [1, 2],
+        "the late write must be applied before the next one"
+    );
+
+    // Another resource is not affected by the quarantine.
+    let t = Instant::now();
+    let reply = proxy
+        .write(
+            "PUT",
+            "/obj",
+            (Some("orders/2"), Some("1")),
+            &[(DELAY_HEADER, "1000")],
+            "late",
+        )
+        .await
+        .unwrap();
+    assert_refused(&reply, 504, "upstream-timeout");
+    assert_eq!(put(&proxy, "orders/3", "1", "x").await.status, 200);
+    assert!(
+        t.elapsed() < Duration::from_millis(1500),
+        "{:?}",
+        t.elapsed()
+    );
+}
+
+/// Goal: the redb store keeps the highest tokens across a kill -9 and restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redb_highest_tokens_survive_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = HttpUpstream::start().await.unwrap();
+    let mut proxy = FenceProxy::start(&upstream.url(), &redb_store(&dir), &[])
+        .await
+        .unwrap();
+    assert_eq!(put(&proxy, "a", "7", "x").await.status, 200);
+    assert_eq!(put(&proxy, "b", "9", "x").await.status, 200);
+
+    proxy.kill();
+    proxy.restart().await.unwrap();
+
+    let reply = put(&proxy, "a", "6", "x").await;
+    assert_refused(&reply, 412, "stale-fencing-token");
+    assert_eq!(reply.json()["highest"], 7);
+    assert_refused(
+        &put(&proxy, "b", "8", "x").await,
+        412,
+        "stale-fencing-token",
+    );
+    assert_eq!(put(&proxy, "b", "9", "x").await.status, 200);
+    assert_eq!(put(&proxy, "c", "1", "x").await.status, 200);
+    assert_eq!(upstream.writes().len(), 4);
+}
+
+/// Goal: a zombie holder's write, end to end with lockd. A acquires (token t); A's lease expires;
+/// B acquires (t' > t) and writes; A's delayed write gets 412; the upstream holds B's only.
+/// Method: a real three-node lockd cluster, a 1 s lease for A that is never renewed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lockd_end_to_end_stale_holder_is_fenced() {
+    use lockd_api::v1::AcquireRequest;
+    use lockd_tests::cluster::Cluster;
+
+    let cluster = Cluster::start_default().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = HttpUpstream::start().await.unwrap();
+    let proxy = FenceProxy::start(&upstream.url(), &redb_store(&dir), &[])
+        .await
+        .unwrap();
+    let resource = pg::unique_name("e2e/orders");
+    let acquire = |id: &str, wait_timeout_ms: u64| AcquireRequest {
+        resource: resource.clone(),
+        request_id: id.to_owned(),
+        lease_ttl_ms: 1_000,
+        wait_timeout_ms,
+        holder: id.to_owned(),
+    };
+
+    // Phase 1: A acquires and prepares a write, then stalls past its lease.
+    let mut lock_a = cluster.lock_client(1).await.unwrap();
+    let a = lock_a.acquire(acquire("a", 0)).await.unwrap().into_inner();
+
+    // Phase 2: B waits in lockd's queue, gets the lock when A's lease expires, and writes.
+    let mut lock_b = cluster.lock_client(2).await.unwrap();
+    let b = lock_b
+        .acquire(acquire("b", 10_000))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        b.fencing_token > a.fencing_token,
+        "{} !> {}",
+        b.fencing_token,
+        a.fencing_token
+    );
+    let reply = put(&proxy, &resource, &b.fencing_token.to_string(), "B").await;
+    assert_eq!(reply.status, 200, "{reply:?}");
+
+    // Phase 3: A wakes up and sends its delayed write: refused, naming B's token.
+    let reply = put(&proxy, &resource, &a.fencing_token.to_string(), "A").await;
+    assert_refused(&reply, 412, "stale-fencing-token");
+    assert_eq!(reply.json()["highest"], b.fencing_token);
+
+    let writes = upstream.writes();
+    assert_eq!(writes.len(), 1, "{writes:?}");
+    assert_eq!(&writes[0].body[..], b"B");
+    assert_eq!(writes[0].token(), Some(b.fencing_token));
+}

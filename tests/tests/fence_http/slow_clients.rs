@@ -1,0 +1,321 @@
+//! Clients that write slowly or stop: a trickling body is not overtaken, a stalled or disconnected
+//! writer holds then quarantines, slow headers time out and connections are capped.
+
+use std::time::{Duration, Instant};
+
+use crate::{put, redb_store};
+use lockd_tests::fence_proxy::FenceProxy;
+use lockd_tests::http_upstream::{BodyEvent, EarlyAnswerUpstream, HttpUpstream};
+use lockd_tests::pg;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// Opens a raw HTTP/1.1 write through the proxy whose body has `body_len` bytes, and sends only
+/// `first` of them, so that the test decides when (and whether) the rest follows.
+async fn open_trickling_write(
+    proxy: &FenceProxy,
+    resource: &str,
+    token: u64,
+    body_len: usize,
+    first: &[u8],
+) -> TcpStream {
+    let mut s = TcpStream::connect(proxy.addr).await.unwrap();
+    let head = format!(
+        "PUT /obj HTTP/1.1\r\nHost: upstream\r\nLock-Resource: {resource}\r\n\
+         Fencing-Token: {token}\r\nContent-Length: {body_len}\r\n\r\n"
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    s.write_all(first).await.unwrap();
+    s
+}
+
+/// Reads a response head from a raw connection and returns it.
+async fn read_response_head(s: &mut TcpStream) -> String {
+    let mut buf = Vec::new();
+    let mut byte = [0u8; 1];
+    while !buf.ends_with(b"\r\n\r\n") {
+        let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut byte))
+            .await
+            .expect("no response head within 10 s")
+            .unwrap();
+        assert!(n > 0, "connection closed before a response head: {buf:?}");
+        buf.push(byte[0]);
+    }
+    String::from_utf8_lossy(&buf).into_owned()
+}
+
+/// Waits (at most 10 s) until the upstream has seen the head of `token`'s write of `resource`.
+async fn wait_started(upstream: &EarlyAnswerUpstream, resource: &str, token: u64) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !upstream
+        .events(resource)
+        .iter()
+        .any(|e| matches!(e, BodyEvent::Started { token: t, .. } if *t == token))
+    {
+        assert!(
+            Instant::now() < deadline,
+            "{resource}: token {token} never reached the upstream: {:?}",
+            upstream.events(resource)
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// The oracle of the early-answer tests: once the head of a write with `newer` arrived at the
+/// upstream, no body of a write with `older` may still be read to its end, or cut off, after it.
+fn assert_older_body_ended_before_newer_started(
+    events: &[BodyEvent],
+    resource: &str,
+    older: u64,
+    newer: u64,
+) {
+    let started_newer = events
+        .iter()
+        .position(|e| matches!(e, BodyEvent::Started { token, .. } if *token == newer))
+        .unwrap_or_else(|| panic!("{resource}: {newer} never started: {events:?}"));
+    let late: Vec<_> = events[started_newer..]
+        .iter()
+        .filter(|e| {
+            matches!(e, BodyEvent::Completed { token, .. } | BodyEvent::Truncated { token, .. }
+                if *token == older)
+        })
+        .collect();
+    assert!(
+        late.is_empty(),
+        "{resource}: the upstream was still reading {older}'s body after {newer}'s write started: \
+         {events:?}"
+    );
+}
+
+/// Goal: an upstream that answers 200 as soon as a request head arrives and
+/// only then reads the body must never finish reading token 41's body after token 42's write
+/// started: the permit of 41 is held until its body has been forwarded completely.
+/// Method: 41 sends its head and a third of its body and then trickles the rest, 100 ms apart;
+/// once the upstream has answered 41, 42 writes at full speed. The upstream logs, per request,
+/// when the head arrived and when the body was read to its end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue13_bypass8_trickling_body_of_41_is_not_overtaken_by_42() {
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = EarlyAnswerUpstream::start().await.unwrap();
+    let proxy = FenceProxy::start(&upstream.url(), &redb_store(&dir), &[])
+        .await
+        .unwrap();
+    let r = pg::unique_name("bypass8");
+    let pieces: [&[u8]; 3] = [b"41:part-1;", b"41:part-2;", b"41:part-3;"];
+    let body_len = pieces.iter().map(|p| p.len()).sum();
+
+    // Phase 1: 41 is admitted and forwarded; the upstream answers it before reading its body.
+    let mut s41 = open_trickling_write(&proxy, &r, 41, body_len, pieces[0]).await;
+    wait_started(&upstream, &r, 41).await;
+
+    // Phase 2: 42 writes while 41's body is still on its way.
+    let url = proxy.url("/obj");
+    let r42 = r.clone();
+    let w42 = tokio::spawn(async move {
+        lockd_tests::fence_proxy::send(
+            "PUT",
+            &url,
+            &[("Lock-Resource", &r42), ("Fencing-Token", "42")],
+            "42:whole",
+        )
+        .await
+        .unwrap()
+    });
+    // 42 reaches the proxy while 41's body is still on its way; the proxy must hold it, so
+    // there is nothing to observe before phase 3 but time.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    // Phase 3: the rest of 41's body trickles in; 41 got the upstream's 200.
+    for piece in &pieces[1..] {
+        s41.write_all(piece).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let head = read_response_head(&mut s41).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    let reply = w42.await.unwrap();
+    assert_eq!(reply.status, 200, "{reply:?}");
+
+    // Oracle: 41's body was read whole, and before 42's head arrived.
+    let events = upstream.events(&r);
+    assert!(
+        events.contains(&BodyEvent::Completed {
+            resource: r.clone(),
+            token: 41,
+            body: pieces.concat(),
+        }),
+        "{events:?}"
+    );
+    assert_older_body_ended_before_newer_started(&events, &r, 41, 42);
+}
+
+/// Goal: the other ways a write's exchange ends (see the test above): the permit is released then,
+/// never earlier, and the resource is quarantined because the upstream holds a partial request.
+/// Method: an early-answering upstream, `--upstream-timeout 1s --quarantine 1s`. Phase 1: 41's
+/// client disconnects half-way through its body. Phase 2: 41's client stalls half-way past the
+/// upstream timeout. Each time 42 writes meanwhile and must get 200 only after the upstream saw
+/// 41's body end (cut off), and not before the quarantine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue13_bypass8_disconnect_or_stall_mid_body_holds_then_quarantines() {
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = EarlyAnswerUpstream::start().await.unwrap();
+    let proxy = FenceProxy::start(
+        &upstream.url(),
+        &redb_store(&dir),
+        &[
+            "--upstream-timeout",
+            "1s",
+            "--quarantine",
+            "1s",
+            "--lock-wait",
+            "8s",
+        ],
+    )
+    .await
+    .unwrap();
+
+    for (phase, disconnect) in [("disconnect", true), ("stall", false)] {
+        let r = pg::unique_name(&format!("bypass8-{phase}"));
+        let s41 = open_trickling_write(&proxy, &r, 41, 20, b"41:half...").await;
+        wait_started(&upstream, &r, 41).await;
+        let cut = Instant::now();
+        let s41 = if disconnect {
+            drop(s41);
+            None
+        } else {
+            Some(s41)
+        };
+        let reply = put(&proxy, &r, "42", "42:whole").await;
+        let waited = cut.elapsed();
+        assert_eq!(reply.status, 200, "{phase}: {reply:?}");
+        // Disconnect: the quarantine (1 s). Stall: the exchange deadline (1 s) and the quarantine.
+        let floor = if disconnect {
+            Duration::from_millis(900)
+        } else {
+            Duration::from_millis(1800)
+        };
+        assert!(waited >= floor, "{phase}: 42 admitted after {waited:?}");
+        let events = upstream.events(&r);
+        assert!(
+            events.iter().any(
+                |e| matches!(e, BodyEvent::Truncated { token: 41, received, .. } if *received == 10)
+            ),
+            "{phase}: the upstream must see 41's body cut off: {events:?}"
+        );
+        assert_older_body_ended_before_newer_started(&events, &r, 41, 42);
+        drop(s41);
+    }
+}
+
+/// Waits (at most `within`) for the proxy to close `s`, and returns how long that took.
+async fn closed_within(s: &mut TcpStream, within: Duration) -> Duration {
+    let started = Instant::now();
+    let mut buf = [0u8; 1024];
+    loop {
+        match tokio::time::timeout(within.saturating_sub(started.elapsed()), s.read(&mut buf)).await
+        {
+            Err(_) => panic!("the proxy kept the connection open for {within:?}"),
+            Ok(Ok(0)) | Ok(Err(_)) => return started.elapsed(),
+            // A 408 or similar before the close is fine; keep reading until the close.
+            Ok(Ok(_)) => {}
+        }
+    }
+}
+
+/// Goal (slowloris): a client that sends nothing, or trickles a request head, is
+/// disconnected after `--header-read-timeout`, and the proxy keeps serving others.
+/// Method: `--header-read-timeout 500ms`; one silent connection, one that sends half a head and
+/// then one header byte every 100 ms; both must be closed between 0.4 s and 3 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue13_slowloris_header_read_timeout_closes_connections() {
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = HttpUpstream::start().await.unwrap();
+    let proxy = FenceProxy::start(
+        &upstream.url(),
+        &redb_store(&dir),
+        &["--header-read-timeout", "500ms"],
+    )
+    .await
+    .unwrap();
+
+    // Phase 1: a connection that never sends a byte.
+    let mut silent = TcpStream::connect(proxy.addr).await.unwrap();
+    // Phase 2: a connection that trickles its head.
+    let mut trickle = TcpStream::connect(proxy.addr).await.unwrap();
+    trickle
+        .write_all(b"PUT /obj HTTP/1.1\r\nHost: x\r\n")
+        .await
+        .unwrap();
+    let trickler = tokio::spawn(async move {
+        let started = Instant::now();
+        while started.elapsed() < Duration::from_secs(3) {
+            if trickle.write_all(b"X").await.is_err() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        closed_within(&mut trickle, Duration::from_secs(3)).await;
+        started.elapsed()
+    });
+    let silent_for = closed_within(&mut silent, Duration::from_secs(3)).await;
+    assert!(
+        silent_for >= Duration::from_millis(400),
+        "closed too early: {silent_for:?}"
+    );
+    let trickled_for = trickler.await.unwrap();
+    assert!(
+        trickled_for < Duration::from_secs(3),
+        "a trickled head kept its connection for {trickled_for:?}"
+    );
+
+    // Phase 3: the proxy still serves complete requests.
+    assert_eq!(put(&proxy, "slow/1", "1", "x").await.status, 200);
+}
+
+/// Goal: `--max-connections` bounds the client connections open at once; past it a new
+/// connection is not served until one closes.
+/// Method: `--max-connections 2`; two idle connections; a third client's write must not be
+/// answered while they stay open, and must be answered once one of them closes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue13_max_connections_caps_open_connections() {
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = HttpUpstream::start().await.unwrap();
+    let proxy = FenceProxy::start(
+        &upstream.url(),
+        &redb_store(&dir),
+        &["--max-connections", "2", "--header-read-timeout", "30s"],
+    )
+    .await
+    .unwrap();
+    // The start-up probe's connection may still be closing; let its slot come back.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+
+    let idle_a = TcpStream::connect(proxy.addr).await.unwrap();
+    let idle_b = TcpStream::connect(proxy.addr).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let url = proxy.url("/obj");
+    let third = tokio::spawn(async move {
+        lockd_tests::fence_proxy::send(
+            "PUT",
+            &url,
+            &[("Lock-Resource", "cap/1"), ("Fencing-Token", "1")],
+            "x",
+        )
+        .await
+        .unwrap()
+    });
+    // A fixed wait: what is checked is that the third connection is not served in it.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    assert!(
+        !third.is_finished(),
+        "a third connection was served past --max-connections 2"
+    );
+    assert!(upstream.writes().is_empty());
+
+    drop(idle_a);
+    let reply = tokio::time::timeout(Duration::from_secs(5), third)
+        .await
+        .expect("the third connection was not served after a slot freed up")
+        .unwrap();
+    assert_eq!(reply.status, 200, "{reply:?}");
+    drop(idle_b);
+}

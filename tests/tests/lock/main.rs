@@ -1,0 +1,13 @@
+//! The lock API against a real three-node cluster, as a client sees it.
+//!
+//! # Layout
+//! - `basic`: grants, renewals, releases, expiry, validation and the order of fencing tokens.
+//! - `wait`: waiting for a lock: FIFO order, one wake-up per release, cancellation, timeouts,
+//!   limits and retries across a leader change.
+//! - `error_reasons`: the machine-readable reason every error status carries.
+//! - `reflection`: gRPC server reflection lists the public services.
+
+mod basic;
+mod error_reasons;
+mod reflection;
+mod wait;

@@ -1,0 +1,395 @@
+//! Waiting for a lock on a real cluster: FIFO order, one wake-up per release, cancellation,
+//! timeouts, limits and retries across a leader change.
+
+use std::time::{Duration, Instant};
+
+use lockd_api::v1::lock_client::LockClient;
+use lockd_api::v1::{
+    AcquireRequest, AcquireResponse, DescribeRequest, DescribeResponse, ReleaseRequest,
+};
+use lockd_tests::cluster::{Cluster, ClusterOptions};
+use tokio::task::JoinHandle;
+use tonic::Code;
+use tonic::transport::Channel;
+
+fn req(resource: &str, request_id: &str, wait_ms: u64) -> AcquireRequest {
+    AcquireRequest {
+        resource: resource.into(),
+        request_id: request_id.into(),
+        lease_ttl_ms: 30_000,
+        wait_timeout_ms: wait_ms,
+        holder: request_id.into(),
+    }
+}
+
+async fn describe(c: &mut LockClient<Channel>, resource: &str) -> DescribeResponse {
+    c.describe(DescribeRequest {
+        resource: resource.into(),
+    })
+    .await
+    .unwrap()
+    .into_inner()
+}
+
+async fn release(c: &mut LockClient<Channel>, resource: &str, lease: &AcquireResponse) -> bool {
+    c.release(ReleaseRequest {
+        resource: resource.into(),
+        lease_id: lease.lease_id.clone(),
+    })
+    .await
+    .unwrap()
+    .into_inner()
+    .released
+}
+
+type Waiting = JoinHandle<Result<AcquireResponse, tonic::Status>>;
+
+/// Starts a waiting Acquire and returns once Describe shows it queued at `position`.
+async fn enqueue(
+    cluster: &Cluster,
+    node: u64,
+    resource: &str,
+    request_id: &str,
+    wait_ms: u64,
+    position: u32,
+) -> Waiting {
+    let mut c = cluster.lock_client(node).await.unwrap();
+    let r = req(resource, request_id, wait_ms);
+    let handle = tokio::spawn(async move { c.acquire(r).await.map(|r| r.into_inner()) });
+    let mut d = cluster.lock_client(node).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while describe(&mut d, resource).await.waiters < position {
+        assert!(Instant::now() < deadline, "{request_id} never queued");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    handle
+}
+
+/// Goal: queued waiters are served first come, first served with growing tokens,
+/// and one release wakes exactly one of them. Method: hold, queue five through different nodes,
+/// release one at a time, checking which calls returned.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_are_served_in_order_and_one_release_wakes_one() {
+    let cluster = Cluster::start_default().await.unwrap();
+    let mut c = cluster.lock_client(1).await.unwrap();
+    let first = c
+        .acquire(req("fifo/r", "holder", 0))
+        .await
+        .unwrap()
+        .into_inner();
+    let mut waiting = Vec::new();
+    for i in 0..5u32 {
+        let node = u64::from(i % 3 + 1);
+        waiting.push(Some(
+            enqueue(&cluster, node, "fifo/r", &format!("w{i}"), 60_000, i + 1).await,
+        ));
+    }
+    let mut last = first.clone();
+    for i in 0..5 {
+        assert!(release(&mut c, "fifo/r", &last).await);
+        let got = tokio::time::timeout(Duration::from_secs(5), waiting[i].take().unwrap())
+            .await
+            .expect("the head waiter was not woken")
+            .unwrap()
+            .unwrap();
+        assert!(got.fencing_token > last.fencing_token);
+        assert_eq!(describe(&mut c, "fifo/r").await.holder, format!("w{i}"));
+        // Nobody behind the head returned: a fixed wait, since what is checked is that nothing
+        // happens in it.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        for (j, w) in waiting.iter().enumerate().skip(i + 1) {
+            assert!(
+                !w.as_ref().unwrap().is_finished(),
+                "waiter w{j} returned after release {i}"
+            );
+        }
+        assert_eq!(describe(&mut c, "fifo/r").await.waiters, 4 - i as u32);
+        last = got;
+    }
+    assert!(release(&mut c, "fifo/r", &last).await);
+    assert!(!describe(&mut c, "fifo/r").await.held);
+}
+
+/// Goal: cancelling the middle waiter removes it and keeps the others' order. Method:
+/// three waiters, abort the second call, release twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelled_middle_waiter_leaves_the_queue() {
+    let cluster = Cluster::start_default().await.unwrap();
+    let mut c = cluster.lock_client(2).await.unwrap();
+    let held = c
+        .acquire(req("cancel/r", "holder", 0))
+        .await
+        .unwrap()
+        .into_inner();
+    let w1 = enqueue(&cluster, 1, "cancel/r", "c1", 60_000, 1).await;
+    let w2 = enqueue(&cluster, 2, "cancel/r", "c2", 60_000, 2).await;
+    let w3 = enqueue(&cluster, 3, "cancel/r", "c3", 60_000, 3).await;
+    w2.abort();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while describe(&mut c, "cancel/r").await.waiters != 2 {
+        assert!(Instant::now() < deadline, "cancelled waiter still queued");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(release(&mut c, "cancel/r", &held).await);
+    let g1 = w1.await.unwrap().unwrap();
+    assert_eq!(describe(&mut c, "cancel/r").await.holder, "c1");
+    assert!(release(&mut c, "cancel/r", &g1).await);
+    let g3 = tokio::time::timeout(Duration::from_secs(5), w3)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert!(g3.fencing_token > g1.fencing_token);
+    assert_eq!(describe(&mut c, "cancel/r").await.holder, "c3");
+}
+
+/// Goal: a wait that runs out answers DEADLINE_EXCEEDED and leaves no trace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wait_timeout_is_deadline_exceeded_without_trace() {
+    let cluster = Cluster::start_default().await.unwrap();
+    let mut c = cluster.lock_client(3).await.unwrap();
+    c.acquire(req("timeout/r", "holder", 0)).await.unwrap();
+    let started = Instant::now();
+    let err = c.acquire(req("timeout/r", "t1", 1_000)).await.unwrap_err();
+    assert_eq!(err.code(), Code::DeadlineExceeded, "{err:?}");
+    assert!(err.message().contains("timeout/r"));
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_millis(900) && waited < Duration::from_secs(4),
+        "waited {waited:?}"
+    );
+    assert_eq!(describe(&mut c, "timeout/r").await.waiters, 0);
+    assert_eq!(cluster.status(3).await.unwrap().waiters, 0);
+    // The retry answers the original outcome.
+    let err = c.acquire(req("timeout/r", "t1", 1_000)).await.unwrap_err();
+    assert_eq!(err.code(), Code::DeadlineExceeded);
+}
+
+/// Goal: waiter limits per resource and per tenant answer RESOURCE_EXHAUSTED naming the
+/// limit, and the queue stays intact. Method: a cluster with limits 2 and 3.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiter_limits_answer_resource_exhausted() {
+    let options = ClusterOptions {
+        extra_args: vec![
+            "--waiters-per-resource-max".into(),
+            "2".into(),
+            "--waiters-per-tenant-max".into(),
+            "3".into(),
+        ],
+        ..ClusterOptions::default()
+    };
+    let cluster = Cluster::start(options).await.unwrap();
+    let mut c = cluster.lock_client(1).await.unwrap();
+    c.acquire(req("team/a", "ha", 0)).await.unwrap();
+    c.acquire(req("team/b", "hb", 0)).await.unwrap();
+    let _a1 = enqueue(&cluster, 1, "team/a", "a1", 60_000, 1).await;
+    let _a2 = enqueue(&cluster, 2, "team/a", "a2", 60_000, 2).await;
+    let err = c.acquire(req("team/a", "a3", 60_000)).await.unwrap_err();
+    assert_eq!(err.code(), Code::ResourceExhausted, "{err:?}");
+    assert!(
+        err.message().contains("waiters_per_resource_max"),
+        "{}",
+        err.message()
+    );
+    let _b1 = enqueue(&cluster, 3, "team/b", "b1", 60_000, 1).await;
+    let err = c.acquire(req("team/b", "b2", 60_000)).await.unwrap_err();
+    assert_eq!(err.code(), Code::ResourceExhausted, "{err:?}");
+    assert!(
+        err.message().contains("waiters_per_tenant_max") && err.message().contains("team"),
+        "{}",
+        err.message()
+    );
+    assert_eq!(describe(&mut c, "team/a").await.waiters, 2);
+    assert_eq!(describe(&mut c, "team/b").await.waiters, 1);
+    assert_eq!(cluster.status(2).await.unwrap().waiters, 3);
+}
+
+/// Acquires with the same request_id until the log answers, retrying UNAVAILABLE on every node,
+/// as a client does across a leader change.
+async fn acquire_waiting(
+    cluster: &Cluster,
+    resource: &str,
+    request_id: &str,
+    wait_ms: u64,
+) -> Result<AcquireResponse, tonic::Status> {
+    let deadline = Instant::now() + Duration::from_millis(wait_ms) + Duration::from_secs(20);
+    let mut node = 1;
+    loop {
+        let mut c = cluster.lock_client(node).await.unwrap();
+        match c.acquire(req(resource, request_id, wait_ms)).await {
+            Err(s) if s.code() == Code::Unavailable && Instant::now() < deadline => {
+                node = node % 3 + 1;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            other => return other.map(|r| r.into_inner()),
+        }
+    }
+}
+
+/// Goal: kill the leader while three callers wait; they are served in order or
+/// time out cleanly, never two holders at once, and a retried waiter does not queue twice.
+/// Method: callers retry with their request_id; after the failover Describe shows 3 waiters, not
+/// more; each grant is checked against Describe before the next release.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_survive_leader_change_in_order_without_duplicates() {
+    let mut cluster = Cluster::start_default().await.unwrap();
+    let leader = cluster.leader().await.unwrap();
+    let mut c = cluster.lock_client(leader).await.unwrap();
+    let holder = c
+        .acquire(req("fail/r", "holder", 0))
+        .await
+        .unwrap()
+        .into_inner();
+    let mut waiting = Vec::new();
+    for i in 0..3u32 {
+        waiting.push(enqueue(&cluster, leader, "fail/r", &format!("f{i}"), 60_000, i + 1).await);
+    }
+    // The waiting calls end with UNAVAILABLE when the leader dies; their owners retry.
+    cluster.kill(leader);
+    for w in waiting {
+        match w.await.unwrap() {
+            Err(s) => assert!(
+                matches!(
+                    s.code(),
+                    Code::Unavailable | Code::Unknown | Code::Cancelled
+                ),
+                "{s:?}"
+            ),
+            Ok(r) => panic!("granted while the holder still held: {r:?}"),
+        }
+    }
+    let new_leader = cluster
+        .wait_for_leader(Duration::from_secs(20))
+        .await
+        .unwrap();
+    let cluster = std::sync::Arc::new(cluster);
+    let mut retried = Vec::new();
+    for i in 0..3 {
+        let cl = cluster.clone();
+        retried.push(tokio::spawn(async move {
+            acquire_waiting(&cl, "fail/r", &format!("f{i}"), 60_000).await
+        }));
+        // Retries start in their original order; a retry that took back its place shows in no
+        // count, so there is nothing to poll for.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let mut c = cluster.lock_client(new_leader).await.unwrap();
+    // A fixed wait: what is checked is that the retries landing in it queue nobody twice.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Retries took back their places: still three waiters, not six.
+    assert_eq!(describe(&mut c, "fail/r").await.waiters, 3);
+    let mut last = holder;
+    for (i, w) in retried.into_iter().enumerate() {
+        assert!(release(&mut c, "fail/r", &last).await);
+        let got = tokio::time::timeout(Duration::from_secs(10), w)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert!(got.fencing_token > last.fencing_token);
+        let d = describe(&mut c, "fail/r").await;
+        assert_eq!(
+            (d.holder.as_str(), d.fencing_token),
+            (format!("f{i}").as_str(), got.fencing_token)
+        );
+        last = got;
+    }
+    assert!(release(&mut c, "fail/r", &last).await);
+}
+
+/// Goal: a waiting Acquire whose call was dropped and is retried with the
+/// same request_id takes back its place, whether the retry or the dropped call's cancel commits
+/// first. On main the cancel removed the waiter and the retry queued at the back (or, in the
+/// other order, the late cancel removed the retry's registration). Method: holder, waiters w1
+/// and w2; drop w1's call; retry w1; release: the retry of w1 gets the lock, not w2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue14_finding4_a_retried_waiter_keeps_its_place() {
+    let cluster = Cluster::start_default().await.unwrap();
+    let mut c = cluster.lock_client(1).await.unwrap();
+    let held = c
+        .acquire(req("retry/r", "holder", 0))
+        .await
+        .unwrap()
+        .into_inner();
+    let w1 = enqueue(&cluster, 1, "retry/r", "w1", 60_000, 1).await;
+    let w2 = enqueue(&cluster, 2, "retry/r", "w2", 60_000, 2).await;
+    w1.abort();
+    // The cancel lands: w1 is passed over (not counted) but keeps its place.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while describe(&mut c, "retry/r").await.waiters != 1 {
+        assert!(Instant::now() < deadline, "cancelled waiter still counted");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let retry = enqueue(&cluster, 3, "retry/r", "w1", 60_000, 2).await;
+    assert!(release(&mut c, "retry/r", &held).await);
+    let g1 = tokio::time::timeout(Duration::from_secs(5), retry)
+        .await
+        .expect("the retry of w1 was woken")
+        .unwrap()
+        .unwrap();
+    assert_eq!(describe(&mut c, "retry/r").await.holder, "w1");
+    assert!(!w2.is_finished(), "w2 was served before w1");
+    assert!(release(&mut c, "retry/r", &g1).await);
+    let g2 = tokio::time::timeout(Duration::from_secs(5), w2)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert!(g2.fencing_token > g1.fencing_token);
+}
+
+/// Goal: per-tenant quotas refuse one tenant's flood with
+/// RESOURCE_EXHAUSTED naming the limit, count the refusal per limit, and leave other tenants
+/// served. Method: a cluster with 20 records and 5 active resources per tenant.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue14_finding5_tenant_quotas_leave_other_tenants_served() {
+    let options = ClusterOptions {
+        extra_args: vec![
+            "--dedup-records-per-tenant-max".into(),
+            "20".into(),
+            "--active-resources-per-tenant-max".into(),
+            "5".into(),
+        ],
+        ..ClusterOptions::default()
+    };
+    let mut cluster = Cluster::start(options).await.unwrap();
+    let leader = cluster.leader().await.unwrap();
+    let mut c = cluster.lock_client(leader).await.unwrap();
+    for i in 0..5 {
+        c.acquire(req(&format!("held/{i}"), &format!("held-{i}"), 0))
+            .await
+            .unwrap();
+    }
+    let err = c.acquire(req("held/5", "held-5", 0)).await.unwrap_err();
+    assert_eq!(err.code(), Code::ResourceExhausted, "{err:?}");
+    assert!(
+        err.message().contains("active_resources_per_tenant_max"),
+        "{}",
+        err.message()
+    );
+    let mut refused = None;
+    for i in 0..40 {
+        match c.acquire(req("flood/r", &format!("flood-{i}"), 0)).await {
+            Ok(lease) => assert!(release(&mut c, "flood/r", &lease.into_inner()).await),
+            Err(e) => {
+                refused = Some((i, e));
+                break;
+            }
+        }
+    }
+    let (i, err) = refused.expect("the flood was refused");
+    assert_eq!(i, 20);
+    assert_eq!(err.code(), Code::ResourceExhausted, "{err:?}");
+    assert!(
+        err.message().contains("dedup_records_per_tenant_max"),
+        "{}",
+        err.message()
+    );
+    // Another tenant is served.
+    c.acquire(req("other/r", "other-1", 0)).await.unwrap();
+    let metrics = cluster.metrics_text(leader).await.unwrap();
+    assert!(
+        metrics.contains("lockd_acquire_refusals_total{limit=\"dedup_records_per_tenant_max\"} 1"),
+        "{metrics}"
+    );
+}

@@ -1,0 +1,12 @@
+//! Who may do what: the trust boundary of the replication port, TLS towards clients and
+//! certificate reload, and identity and authorization of clients (tenants, bearer tokens,
+//! forwarded identities, the policy).
+//!
+//! # Layout
+//! - `replication`: forged Raft messages are refused and change nothing; the plaintext mode's checks.
+//! - `transport`: `lockctl` over TLS, certificate reload under load.
+//! - `authz`: tenants, request ids, bearer tokens, forwarded identities and the policy's checks.
+
+mod authz;
+mod replication;
+mod transport;

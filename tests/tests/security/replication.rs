@@ -1,0 +1,260 @@
+//! The trust boundary of the replication port: with TLS on, only a node of this
+//! cluster, with a certificate from the peer CA that names the node it claims to be, can move a
+//! replica's Raft state; without TLS the cluster id still keeps two clusters apart and lockd
+//! stays on loopback.
+
+use std::time::Duration;
+
+use lockd_server::raft::TypeConfig;
+use lockd_server::service::raft::pb::RaftMessage;
+use lockd_server::service::raft::pb::raft_client::RaftClient;
+use lockd_tests::cluster::{Cluster, ClusterOptions};
+use lockd_tests::tls::{Issued, TestCa};
+use openraft::raft::{AppendEntriesRequest, InstallSnapshotRequest, VoteRequest};
+use openraft::{CommittedLeaderId, LogId, SnapshotMeta, StoredMembership, Vote};
+use tonic::Code;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
+
+/// The forged messages of a network attacker: term 1000, from "leader" (or candidate) 2.
+fn forged() -> Vec<(&'static str, Vec<u8>)> {
+    let append = AppendEntriesRequest::<TypeConfig> {
+        vote: Vote::new_committed(1000, 2),
+        prev_log_id: None,
+        entries: Vec::new(),
+        leader_commit: None,
+    };
+    let vote = VoteRequest::<u64>::new(
+        Vote::new(1000, 2),
+        Some(LogId::new(CommittedLeaderId::new(999, 2), 1_000_000)),
+    );
+    let snapshot = InstallSnapshotRequest::<TypeConfig> {
+        vote: Vote::new_committed(1000, 2),
+        meta: SnapshotMeta {
+            last_log_id: Some(LogId::new(CommittedLeaderId::new(999, 2), 1_000_000)),
+            last_membership: StoredMembership::default(),
+            snapshot_id: "forged".into(),
+        },
+        offset: 0,
+        data: Vec::new(),
+        done: true,
+    };
+    vec![
+        ("AppendEntries", postcard::to_allocvec(&append).unwrap()),
+        ("Vote", postcard::to_allocvec(&vote).unwrap()),
+        ("InstallSnapshot", postcard::to_allocvec(&snapshot).unwrap()),
+    ]
+}
+
+/// A TLS channel to node `id` trusting the peer CA, presenting `identity` if given.
+fn channel(cluster: &Cluster, id: u64, identity: Option<&Issued>) -> Channel {
+    let tls = cluster.tls.as_ref().unwrap();
+    let mut config = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(
+        std::fs::read(&tls.peer_ca.cert_path).unwrap(),
+    ));
+    if let Some(i) = identity {
+        config = config.identity(Identity::from_pem(
+            std::fs::read(&i.cert).unwrap(),
+            std::fs::read(&i.key).unwrap(),
+        ));
+    }
+    Channel::from_shared(format!("https://{}", cluster.addr(id)))
+        .unwrap()
+        .tls_config(config)
+        .unwrap()
+        .connect_timeout(Duration::from_secs(2))
+        .connect_lazy()
+}
+
+/// Sends one raw Raft message; the gRPC outcome.
+async fn send(
+    ch: Channel,
+    method: &str,
+    data: Vec<u8>,
+    cluster_id: &str,
+) -> Result<Vec<u8>, tonic::Status> {
+    let mut client = RaftClient::new(ch);
+    let mut req = tonic::Request::new(RaftMessage { data });
+    if !cluster_id.is_empty() {
+        req.metadata_mut()
+            .insert("lockd-cluster-id", cluster_id.parse().unwrap());
+    }
+    req.set_timeout(Duration::from_secs(3));
+    let reply = match method {
+        "AppendEntries" => client.append_entries(req).await,
+        "Vote" => client.vote(req).await,
+        "InstallSnapshot" => client.install_snapshot(req).await,
+        other => panic!("unknown method {other}"),
+    };
+    reply.map(|r| r.into_inner().data)
+}
+
+/// (term, leader) as every node reports it.
+async fn terms(cluster: &Cluster) -> Vec<(u64, u64)> {
+    let mut out = Vec::new();
+    for id in 1..=3 {
+        let s = cluster.status(id).await.unwrap();
+        out.push((s.term, s.leader_id));
+    }
+    out
+}
+
+/// Goal: the forged AppendEntries, Vote and InstallSnapshot of a network attacker
+/// (term 1000, "leader 2") are refused with UNAUTHENTICATED and change nothing, whoever sends
+/// them without being node 2: no certificate, a client certificate of the client CA, node 3's
+/// own certificate, a certificate of another CA naming node 2, or node 2's certificate with
+/// another cluster's id. Method: a TLS cluster; every (sender, message) pair against every node;
+/// terms and leaders before and after. Control: node 2's own certificate does move a node to
+/// term 1000, so the refusals come from the check and not from a malformed message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue15_forged_raft_messages_are_refused_and_change_nothing() {
+    let extra = tempfile::tempdir().unwrap();
+    let client_ca = TestCa::new(extra.path(), "client").unwrap();
+    let client = client_ca
+        .issue("alice", &["alice.clients.example".to_owned()], &[])
+        .unwrap();
+    let mut cluster = Cluster::start(ClusterOptions {
+        tls: true,
+        extra_args: vec![
+            "--tls-client-ca".into(),
+            client_ca.cert_path.display().to_string(),
+        ],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let leader = cluster.leader().await.unwrap();
+    let other_ca = TestCa::new(extra.path(), "other").unwrap();
+    let foreign = other_ca.issue_node("test", 2, cluster.ip.into()).unwrap();
+    let node3 = cluster.tls.as_ref().unwrap().nodes[2].clone();
+    let node2 = cluster.tls.as_ref().unwrap().nodes[1].clone();
+    // A client certificate that names node 2: only the check against the peer CA alone (not
+    // every CA the port trusts for clients) refuses it.
+    let client_as_node2 = client_ca
+        .issue("mallory", &["node-2.test.lockd".to_owned()], &[])
+        .unwrap();
+    let peer_ca = &cluster.tls.as_ref().unwrap().peer_ca;
+    let non_member = peer_ca.issue_node("test", 4, cluster.ip.into()).unwrap();
+    let wildcard = peer_ca
+        .issue(
+            "wildcard",
+            &["*.test.lockd".to_owned()],
+            &[cluster.ip.into()],
+        )
+        .unwrap();
+
+    let before = terms(&cluster).await;
+    let senders: Vec<(&str, Option<&Issued>, &str)> = vec![
+        ("no certificate", None, "test"),
+        ("a client certificate", Some(&client), "test"),
+        ("node 3 claiming to be node 2", Some(&node3), "test"),
+        ("another CA's node-2 certificate", Some(&foreign), "test"),
+        ("node 2 with another cluster id", Some(&node2), "other"),
+        ("node 2 without a cluster id", Some(&node2), ""),
+        (
+            "a client certificate naming node 2",
+            Some(&client_as_node2),
+            "test",
+        ),
+        (
+            "the peer CA's certificate for non-member node 4",
+            Some(&non_member),
+            "test",
+        ),
+        (
+            "a wildcard certificate of the peer CA",
+            Some(&wildcard),
+            "test",
+        ),
+    ];
+    for (who, identity, cluster_id) in &senders {
+        for target in [1, 3] {
+            let mut messages = forged();
+            // Refused before decoding: garbage gets the same answer as a valid message (except
+            // from node 3, a member, whose garbage is decoded and refused as such).
+            if !who.starts_with("node 3") {
+                messages.push(("AppendEntries", b"not postcard".to_vec()));
+            }
+            for (method, data) in messages {
+                let r = send(
+                    channel(&cluster, target, *identity),
+                    method,
+                    data,
+                    cluster_id,
+                )
+                .await;
+                let status = r.expect_err(&format!(
+                    "{method} from {who} to node {target} was accepted"
+                ));
+                // Another CA's certificate fails the TLS handshake before any gRPC.
+                if *who != "another CA's node-2 certificate" {
+                    assert_eq!(
+                        status.code(),
+                        Code::Unauthenticated,
+                        "{method} from {who} to node {target}: {status:?}"
+                    );
+                    assert!(status.message().starts_with("lockd: "), "{status:?}");
+                    // The reason is logged by the node; the caller learns nothing of the cluster.
+                    assert!(!status.message().contains("test"), "{status:?}");
+                }
+            }
+        }
+    }
+    // Nothing to wait for: the forged messages must move nothing, so give them time to do harm.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let after = terms(&cluster).await;
+    assert_eq!(before, after, "terms or leaders moved");
+    assert!(
+        after.iter().all(|(t, l)| *t < 1000 && *l == leader),
+        "{after:?}"
+    );
+
+    // Control: the real node 2 may send what it likes; node 1 follows "leader 2" in term 1000.
+    let (method, data) = forged().swap_remove(0);
+    send(channel(&cluster, 1, Some(&node2)), method, data, "test")
+        .await
+        .expect("node 2's own certificate is accepted");
+    let s = cluster.status(1).await.unwrap();
+    assert_eq!(s.term, 1000, "{s:?}");
+}
+
+/// Goal: without TLS the cluster id still keeps two clusters apart, and lockd refuses
+/// to run plaintext on a non-loopback address unless told to. Method: a plaintext cluster gets
+/// a message with another cluster's id and one with none; `lockd --listen` on a non-loopback
+/// address without TLS fails at start with one line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue15_plaintext_checks_the_cluster_id_and_stays_on_loopback() {
+    let cluster = Cluster::start_default().await.unwrap();
+    let before = terms(&cluster).await;
+    for cluster_id in ["other", ""] {
+        let ch = Channel::from_shared(format!("http://{}", cluster.addr(1)))
+            .unwrap()
+            .connect_lazy();
+        let (method, data) = forged().swap_remove(0);
+        let status = send(ch, method, data, cluster_id).await.unwrap_err();
+        assert_eq!(
+            status.code(),
+            Code::Unauthenticated,
+            "{cluster_id:?}: {status:?}"
+        );
+    }
+    assert_eq!(before, terms(&cluster).await);
+
+    let out = lockd_tests::process::command("lockd")
+        .args([
+            "--id",
+            "1",
+            "--listen",
+            "192.0.2.1:7001",
+            "--data-dir",
+            "/nonexistent",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    assert!(
+        err.contains("192.0.2.1:7001") && err.contains("--insecure-plaintext"),
+        "{err}"
+    );
+}
