@@ -522,11 +522,43 @@ impl EpochStore for PostgresStore {
     fn kind(&self) -> &'static str {
         "postgres"
     }
+
+    /// `SELECT 1` on a pooled connection, bounded by the store timeout: it fails while the
+    /// database cannot be reached or does not answer.
+    fn check(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(async move {
+            self.bounded("checking", sqlx::query("SELECT 1").execute(&self.pool))
+                .await
+                .map(drop)
+        })
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The readiness check of a store whose database is down names the store and fails within
+    /// the store timeout (nothing listens on port 1).
+    #[tokio::test]
+    async fn check_fails_while_the_database_is_unreachable() {
+        let timing = Timing {
+            store_timeout: Duration::from_millis(500),
+            ..Timing::default()
+        };
+        let store =
+            PostgresStore::connect_lazy("postgres://u@127.0.0.1:1/db", DEFAULT_TABLE, 1, timing)
+                .unwrap();
+        let started = std::time::Instant::now();
+        match store.check().await {
+            Err(StoreError::Unavailable { store, detail }) => {
+                assert_eq!(store, "postgres://127.0.0.1:1/db");
+                assert!(detail.starts_with("checking: "), "{detail}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(started.elapsed() < Duration::from_secs(3));
+    }
 
     #[test]
     fn table_names_are_plain_identifiers() {

@@ -167,6 +167,24 @@ impl EpochStore for RedbStore {
     fn kind(&self) -> &'static str {
         "redb"
     }
+
+    /// Opens a read transaction on the table (on the blocking pool, as every file access here):
+    /// it fails when the file can no longer be read.
+    fn check(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        let db = self.db.clone();
+        Box::pin(async move {
+            let read = tokio::task::spawn_blocking(move || -> Result<(), redb::Error> {
+                db.begin_read()?.open_table(EPOCHS)?;
+                Ok(())
+            })
+            .await;
+            match read {
+                Ok(Ok(())) => Ok(()),
+                Ok(Err(e)) => Err(self.unavailable(e)),
+                Err(e) => Err(self.unavailable(format!("checking: {e}"))),
+            }
+        })
+    }
 }
 
 #[cfg(test)]
@@ -187,6 +205,13 @@ mod tests {
             Admission::Accepted(p) => p,
             Admission::Stale { highest } => panic!("{r}:{t} stale, highest {highest}"),
         }
+    }
+
+    #[tokio::test]
+    async fn check_answers_on_an_open_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = RedbStore::open(dir.path().join("epochs.redb"), timing()).unwrap();
+        store.check().await.unwrap();
     }
 
     #[tokio::test]

@@ -31,6 +31,15 @@ pub trait EpochStore: Send + Sync + 'static {
 
     /// A short name for logs and error messages, such as `redb` or `postgres`.
     fn kind(&self) -> &'static str;
+
+    /// A cheap check that the store answers, for the proxy's `/readyz`: it reads nothing about
+    /// any resource and records nothing. Errors as `admit` would report them.
+    ///
+    /// The default answers `Ok` at once: a store with nothing outside the process that can fail
+    /// (an in-memory one) is ready whenever the process is.
+    fn check(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(async { Ok(()) })
+    }
 }
 
 /// The store's answer to a write.

@@ -1,15 +1,32 @@
 //! `fence-proxy`: parses flags, sets up logging and the metrics endpoint, and runs a front end
 //! until SIGINT or SIGTERM. SIGHUP reloads the certificates (`reload`).
+//!
+//! # Layout
+//! - `main.rs`: flags, the metrics and health listener (`/metrics`, `/healthz`, `/readyz`).
+//! - `reload`: SIGHUP, certificate reloads and their metrics.
 
 use std::net::SocketAddr;
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use anyhow::Context;
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Parser, Subcommand};
+use lockd_service_kit::checks::Readiness;
+use lockd_service_kit::endpoints::{self, Endpoints};
+use lockd_service_kit::flag_errors::{self, FlagErrors};
+use lockd_service_kit::log::{LogFormat, init_tracing};
+use lockd_service_kit::recorder;
+use metrics_exporter_prometheus::PrometheusHandle;
 use tokio_util::sync::CancellationToken;
 
 mod reload;
-mod telemetry;
+
+/// Bad flags: one line, like the proxy's other errors.
+const FLAG_ERRORS: FlagErrors = FlagErrors {
+    prefix: "fence-proxy: error: ",
+    suffix: "",
+    missing_command: "a front end is required: fence-proxy http|postgres ... (see --help)",
+};
 
 /// The fencing write proxy: rejects writes whose fencing token is lower than the highest the
 /// proxy accepted for their resource, before they reach storage that cannot check tokens.
@@ -46,15 +63,10 @@ enum Command {
 /// Flags every front end shares.
 #[derive(clap::Args, Debug)]
 struct Common {
-    /// Serve Prometheus `/metrics` and `/healthz` on this address.
+    /// Serve Prometheus `/metrics`, `/healthz` and `/readyz` (epoch store and upstream
+    /// reachable) on this address.
     #[arg(long, env = "FENCE_PROXY_METRICS_LISTEN", value_name = "ADDR")]
     metrics_listen: Option<SocketAddr>,
-}
-
-#[derive(ValueEnum, Clone, Copy, Debug)]
-enum LogFormat {
-    Text,
-    Json,
 }
 
 /// `fence-proxy postgres init`: installs the fence table and the guard function.
@@ -77,23 +89,9 @@ fn main() -> ExitCode {
     }
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
-        Err(e) if e.kind() == clap::error::ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
-            eprintln!(
-                "fence-proxy: error: a front end is required: fence-proxy http|postgres ... (see --help)"
-            );
-            return ExitCode::from(2);
-        }
-        Err(e) if !e.use_stderr() => {
-            // --help and --version.
-            let _ = e.print();
-            return ExitCode::SUCCESS;
-        }
-        Err(e) => {
-            eprintln!("fence-proxy: {}", one_line(&e.to_string()));
-            return ExitCode::from(2);
-        }
+        Err(e) => return FLAG_ERRORS.report(e),
     };
-    telemetry::init_tracing(matches!(cli.log_format, LogFormat::Json));
+    init_tracing(cli.log_format, "info");
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {
@@ -104,7 +102,10 @@ fn main() -> ExitCode {
     match runtime.block_on(run(cli.command)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("fence-proxy: error: {}", one_line(&format!("{e:#}")));
+            eprintln!(
+                "fence-proxy: error: {}",
+                flag_errors::one_line(&format!("{e:#}"))
+            );
             ExitCode::FAILURE
         }
     }
@@ -115,14 +116,7 @@ fn run_init(rest: Vec<std::ffi::OsString>) -> ExitCode {
         std::iter::once(std::ffi::OsString::from("fence-proxy postgres init")).chain(rest),
     ) {
         Ok(cli) => cli,
-        Err(e) if !e.use_stderr() => {
-            let _ = e.print();
-            return ExitCode::SUCCESS;
-        }
-        Err(e) => {
-            eprintln!("fence-proxy: {}", one_line(&e.to_string()));
-            return ExitCode::from(2);
-        }
+        Err(e) => return FLAG_ERRORS.report(e),
     };
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -140,7 +134,10 @@ fn run_init(rest: Vec<std::ffi::OsString>) -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(e) => {
-            eprintln!("fence-proxy: error: {}", one_line(&format!("{e:#}")));
+            eprintln!(
+                "fence-proxy: error: {}",
+                flag_errors::one_line(&format!("{e:#}"))
+            );
             ExitCode::FAILURE
         }
     }
@@ -157,7 +154,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
         Command::Http { common, .. } => (common, "http"),
         Command::Postgres { common, .. } => (common, "postgres"),
     };
-    start_metrics(common, frontend, shutdown.clone()).await?;
+    let readiness = start_metrics(common, frontend, shutdown.clone()).await?;
     if let Some(hup) = hup {
         tokio::spawn(reload::reload_on_sighup(
             hup,
@@ -168,29 +165,57 @@ async fn run(command: Command) -> anyhow::Result<()> {
     }
     match command {
         Command::Http { args, .. } => {
-            fence_proxy_http::run_with_reload(args, shutdown, &reloader).await
+            fence_proxy_http::run_with_reload(args, shutdown, &reloader, readiness.as_ref()).await
         }
         Command::Postgres { args, .. } => {
-            fence_proxy_postgres::run_with_reload(args, shutdown, &reloader).await
+            fence_proxy_postgres::run_with_reload(args, shutdown, &reloader, readiness.as_ref())
+                .await
         }
     }
 }
 
+/// What the metrics listener answers: the process-wide recorder's text, and the readiness the
+/// front end's checks keep.
+struct ProxyEndpoints {
+    handle: PrometheusHandle,
+    readiness: Readiness,
+}
+
+impl Endpoints for ProxyEndpoints {
+    fn metrics(&self) -> String {
+        self.handle.render()
+    }
+
+    fn readiness(&self) -> Result<String, String> {
+        self.readiness.status()
+    }
+}
+
+/// With `--metrics-listen`: installs the Prometheus recorder and serves the listener. Returns
+/// the readiness for the front end to keep; without the flag nobody could ask, so no checks run.
 async fn start_metrics(
     common: &Common,
     frontend: &'static str,
     shutdown: CancellationToken,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Option<Readiness>> {
     let Some(addr) = common.metrics_listen else {
-        return Ok(());
+        return Ok(None);
     };
-    let handle = telemetry::install_recorder()?;
+    let handle = recorder::latency_builder()
+        .install_recorder()
+        .context("installing the metrics recorder")?;
+    tokio::spawn(recorder::upkeep(handle.clone(), shutdown.clone()));
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .with_context(|| format!("binding --metrics-listen {addr}"))?;
-    tracing::info!(%addr, frontend, "metrics on /metrics, health on /healthz");
-    tokio::spawn(telemetry::serve_metrics(listener, handle, shutdown));
-    Ok(())
+    tracing::info!(%addr, frontend, "metrics on /metrics, health on /healthz and /readyz");
+    let readiness = Readiness::new();
+    let served = Arc::new(ProxyEndpoints {
+        handle,
+        readiness: readiness.clone(),
+    });
+    tokio::spawn(endpoints::serve_tcp(listener, served, shutdown));
+    Ok(Some(readiness))
 }
 
 async fn cancel_on_signal(shutdown: CancellationToken) {
@@ -210,35 +235,4 @@ async fn cancel_on_signal(shutdown: CancellationToken) {
     }
     tracing::info!("signal received, shutting down");
     shutdown.cancel();
-}
-
-/// Folds clap's or anyhow's multi-line text into one line: the message without usage and hints.
-fn one_line(text: &str) -> String {
-    let message = text
-        .split("\n\nUsage:")
-        .next()
-        .unwrap_or(text)
-        .split("\n\nFor more information")
-        .next()
-        .unwrap_or(text);
-    let folded: Vec<&str> = message
-        .lines()
-        .map(str::trim)
-        .filter(|l| !l.is_empty() && !l.starts_with("tip:"))
-        .collect();
-    folded.join(" ")
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn folds_clap_errors() {
-        let text = "error: the following required arguments were not provided:\n  --listen <ADDR>\n\nUsage: fence-proxy http --listen <ADDR>\n\nFor more information, try '--help'.\n";
-        assert_eq!(
-            one_line(text),
-            "error: the following required arguments were not provided: --listen <ADDR>"
-        );
-    }
 }

@@ -5,11 +5,7 @@ use fence_proxy_net::{ReloadOutcome, TlsReloader};
 use tokio::signal::unix::Signal;
 use tokio_util::sync::CancellationToken;
 
-/// Counter, labels `frontend` and `result` (`ok`, `error`): certificate reloads on SIGHUP.
-pub const TLS_RELOADS_TOTAL: &str = "fence_proxy_tls_reloads_total";
-/// Gauge, label `frontend`: the generation of the TLS files in use (0: as read at start, then
-/// one more per successful reload), so a scrape shows whether a rotation took.
-pub const TLS_GENERATION: &str = "fence_proxy_tls_generation";
+use lockd_service_kit::names::fence_proxy::{TLS_GENERATION, TLS_RELOADS_TOTAL};
 
 const RESULT_OK: &str = "ok";
 const RESULT_ERROR: &str = "error";

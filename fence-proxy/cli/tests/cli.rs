@@ -102,7 +102,8 @@ fn get(port: u16, path: &str) -> Option<String> {
     Some(out)
 }
 
-/// Goal: `/healthz` answers and `/metrics` shows the histogram with bucket boundaries.
+/// Goal: `/healthz` answers, `/readyz` names the unreachable upstream, and `/metrics` shows the
+/// histogram with bucket boundaries.
 #[test]
 fn metrics_and_health_are_served() {
     let dir = tempfile::tempdir().unwrap();
@@ -139,6 +140,19 @@ fn metrics_and_health_are_served() {
         std::thread::sleep(Duration::from_millis(50));
     };
     assert!(r.starts_with("HTTP/1.1 502"), "{r}");
+    // Nothing listens on the upstream's port: /readyz says so (its first check runs as the
+    // proxy starts listening).
+    let ready = loop {
+        let r = get(metrics, "/readyz").unwrap();
+        if r.contains("upstream") || Instant::now() > deadline {
+            break r;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(
+        ready.starts_with("HTTP/1.1 503") && ready.contains("not ready: upstream: 127.0.0.1:1: "),
+        "{ready}"
+    );
     let m = get(metrics, "/metrics").unwrap();
     child.kill().unwrap();
     child.wait().unwrap();

@@ -14,6 +14,7 @@
 //! - [`fence`]: reading `Lock-Resource`, `Fencing-Token` and `Lock-Sequencer` from a request.
 //! - [`verify`]: [`Verification`], the verify keys and whether plain tokens still pass.
 //! - [`metrics`]: metric names shared with the Postgres front end.
+//! - [`ready`]: what `/readyz` watches (the epoch store and the upstream).
 //! - [`server`]: accepting connections, graceful shutdown, [`serve`], [`run`] and
 //!   [`run_with_reload`] (certificates read again on demand).
 //! - [`tls`]: TLS on the listener, the client allow-list, and the https upstream connector.
@@ -23,6 +24,7 @@ pub mod exchange;
 pub mod fence;
 pub mod metrics;
 pub mod proxy;
+pub mod ready;
 pub mod refusal;
 pub mod server;
 pub mod tls;

@@ -1,11 +1,9 @@
-//! Metric names, shared with the Postgres front end (`frontend="postgres"`). Keep them exactly.
+//! Metrics of the HTTP front end. The names are shared with the Postgres front end
+//! (`frontend="postgres"`) and defined once, in `lockd_service_kit::names::fence_proxy`.
 
-/// Counter, labels `frontend` and `result`: every request, by what became of it.
-pub const REQUESTS_TOTAL: &str = "fence_proxy_requests_total";
-/// Counter, label `frontend`: writes refused because their token was stale.
-pub const STALE_REJECTIONS_TOTAL: &str = "fence_proxy_stale_rejections_total";
-/// Histogram, label `frontend`: time from sending a request upstream to its response head.
-pub const FORWARD_DURATION_SECONDS: &str = "fence_proxy_forward_duration_seconds";
+pub use lockd_service_kit::names::fence_proxy::{
+    FORWARD_DURATION_SECONDS, REQUESTS_TOTAL, STALE_REJECTIONS_TOTAL,
+};
 
 /// The `frontend` label of this crate.
 pub const FRONTEND: &str = "http";

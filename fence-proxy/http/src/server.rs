@@ -11,6 +11,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::{GracefulShutdown, Watcher};
 use hyper_util::service::TowerToHyperService;
+use lockd_service_kit::checks::Readiness;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
@@ -110,16 +111,18 @@ impl Default for Limits {
 /// Opens the store, binds `--listen`, and serves until `shutdown` is cancelled. Certificates
 /// are read once; [`run_with_reload`] lets the caller read them again.
 pub async fn run(args: Args, shutdown: CancellationToken) -> anyhow::Result<()> {
-    run_with_reload(args, shutdown, &TlsReloader::new()).await
+    run_with_reload(args, shutdown, &TlsReloader::new(), None).await
 }
 
 /// [`run`], registering every TLS file it reads (`--tls-cert`, `--tls-key`, `--tls-client-ca`,
 /// `--upstream-ca`) with `reloader`: after `reloader.reload()` new client connections and new
-/// upstream connections use the files as they are then, established ones keep theirs.
+/// upstream connections use the files as they are then, established ones keep theirs. Once it
+/// listens it starts `readiness`'s checks of the store and the upstream ([`crate::ready`]).
 pub async fn run_with_reload(
     args: Args,
     shutdown: CancellationToken,
     reloader: &TlsReloader,
+    readiness: Option<&Readiness>,
 ) -> anyhow::Result<()> {
     crate::metrics::describe();
     // Flag errors first: a bad flag is one line, not a warning and then the error.
@@ -148,6 +151,12 @@ pub async fn run_with_reload(
         "fence-proxy http serving"
     );
     let limits = args.limits();
+    if let Some(readiness) = readiness {
+        readiness.start(
+            crate::ready::checks(store.clone(), &args.upstream),
+            shutdown.clone(),
+        );
+    }
     let config = ProxyConfig {
         upstream: args.upstream.with_tls(upstream_tls),
         upstream_timeout: args.upstream_timeout,

@@ -47,6 +47,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use fence_proxy_net::TlsReloader;
+use lockd_service_kit::checks::{Check, Readiness};
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
@@ -236,17 +237,23 @@ pub async fn init(args: &InitArgs) -> anyhow::Result<String> {
 /// Runs the proxy until `shutdown` is cancelled; open sessions then end with FATAL 57P01.
 /// Certificates are read once; [`run_with_reload`] lets the caller read them again.
 pub async fn run(args: Args, shutdown: CancellationToken) -> anyhow::Result<()> {
-    run_with_reload(args, shutdown, &TlsReloader::new()).await
+    run_with_reload(args, shutdown, &TlsReloader::new(), None).await
 }
+
+/// Names the upstream check in `/readyz` reasons. The fences live in the upstream's own
+/// database, so the upstream is the only dependency to watch.
+pub const UPSTREAM_CHECK: &str = "upstream";
 
 /// [`run`], registering every TLS file it reads (`--tls-cert`, `--tls-key`, `--tls-client-ca`
 /// and `--upstream`'s `sslrootcert`) with `reloader`: after `reloader.reload()` new client
 /// handshakes and new upstream connections use the files as they are then; open sessions keep
-/// the TLS they have.
+/// the TLS they have. Once it listens it starts `readiness`'s check that the upstream accepts
+/// TCP connections.
 pub async fn run_with_reload(
     args: Args,
     shutdown: CancellationToken,
     reloader: &TlsReloader,
+    readiness: Option<&Readiness>,
 ) -> anyhow::Result<()> {
     let fence_table = FenceTable::parse(&args.fence_table).map_err(|e| anyhow::anyhow!("{e}"))?;
     let upstream = upstream::parse(&args.upstream, "--upstream")?;
@@ -337,6 +344,15 @@ pub async fn run_with_reload(
         allow_client = %allow,
         "postgres front end listening"
     );
+    if let Some(readiness) = readiness {
+        readiness.start(
+            vec![Check::tcp_connect(
+                UPSTREAM_CHECK,
+                cfg.upstream_addr.clone(),
+            )],
+            shutdown.clone(),
+        );
+    }
     let thread_count = match args.threads {
         0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
         n => n,

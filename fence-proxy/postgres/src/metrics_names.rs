@@ -1,15 +1,18 @@
 //! Metric names and label values of the Postgres front end (recorded with the `metrics` macros;
 //! the binary installs the exporter).
+//!
+//! The names are shared with the HTTP front end and defined once, in
+//! `lockd_service_kit::names::fence_proxy`. Here `REQUESTS_TOTAL` counts client requests
+//! (simple Query, extended-protocol Sync group, FunctionCall) by `result`: `ok`, `error`
+//! (upstream error), `stale` (stale fencing token), `rejected` (refused by the proxy itself);
+//! `STALE_REJECTIONS_TOTAL` counts transactions failed with 55P03; `FORWARD_DURATION_SECONDS`
+//! times a request from forwarding to the upstream's ReadyForQuery, including the fence record
+//! and the implicit COMMIT the proxy adds.
 
-/// Counter of client requests (simple Query, extended-protocol Sync group, FunctionCall), by
-/// `result`: `ok`, `error` (upstream error), `stale` (stale fencing token), `rejected`
-/// (refused by the proxy itself).
-pub const REQUESTS_TOTAL: &str = "fence_proxy_requests_total";
-/// Counter of transactions failed with 55P03 because the token was stale.
-pub const STALE_REJECTIONS_TOTAL: &str = "fence_proxy_stale_rejections_total";
-/// Histogram of the time from forwarding a request to the upstream's ReadyForQuery, including
-/// the fence record and the implicit COMMIT the proxy adds.
-pub const FORWARD_DURATION_SECONDS: &str = "fence_proxy_forward_duration_seconds";
+use lockd_service_kit::names::fence_proxy::{
+    FORWARD_DURATION_SECONDS, REQUESTS_TOTAL, STALE_REJECTIONS_TOTAL,
+};
+
 /// Value of the `frontend` label.
 pub const FRONTEND: &str = "postgres";
 

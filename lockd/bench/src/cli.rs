@@ -4,14 +4,14 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
-use clap::error::ErrorKind;
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use lockd_service_kit::flag_errors::{FlagErrors, USAGE_EXIT};
 
 /// The `lockd dev` cluster, so that `lockd-bench mixed` works out of the box next to `lockd dev`.
 pub const DEFAULT_ENDPOINTS: &str = "127.0.0.1:7001,127.0.0.1:7002,127.0.0.1:7003";
 
 /// Exit code of a bad command line.
-pub const EXIT_USAGE: u8 = 2;
+pub const EXIT_USAGE: u8 = USAGE_EXIT;
 /// Exit code of a run that could not start or finish (no cluster, no leader).
 pub const EXIT_FAILURE: u8 = 1;
 
@@ -170,39 +170,17 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         .map_err(|e| format!("{s:?} is not a duration like 30s or 500ms ({e})"))
 }
 
-/// Prints help/version as clap does; every real parse error as one line, exit code 2.
-pub fn report_parse_error(e: clap::Error) -> ExitCode {
-    match e.kind() {
-        ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => {
-            let _ = e.print();
-            ExitCode::SUCCESS
-        }
-        _ => {
-            eprintln!("lockd-bench: {} (see lockd-bench --help)", one_line(&e));
-            ExitCode::from(EXIT_USAGE)
-        }
-    }
-}
+/// Bad flags: one line naming the problem (clap's tip included) and where the usage is.
+const FLAG_ERRORS: FlagErrors = FlagErrors {
+    prefix: "lockd-bench: ",
+    suffix: " (see lockd-bench --help)",
+    missing_command: "a command is required: mixed, max or handoff",
+};
 
-/// The first meaningful line of clap's rendering, without its `error: ` prefix.
-fn one_line(e: &clap::Error) -> String {
-    if e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
-        || e.kind() == ErrorKind::MissingSubcommand
-    {
-        return "a command is required: mixed, max or handoff".into();
-    }
-    let rendered = e.render().to_string();
-    let mut lines = rendered.lines().map(str::trim).filter(|l| !l.is_empty());
-    let first = lines.next().unwrap_or("invalid arguments");
-    let mut first = first.strip_prefix("error: ").unwrap_or(first).to_owned();
-    // "the following required arguments were not provided:" lists them on the next lines.
-    if first.ends_with(':') {
-        let listed: Vec<&str> = lines
-            .take_while(|l| !l.starts_with("Usage:") && !l.starts_with("tip:"))
-            .collect();
-        first = format!("{} {}", first, listed.join(", "));
-    }
-    first
+/// Prints help/version as clap does; every real parse error as one line, exit code
+/// [`EXIT_USAGE`].
+pub fn report_parse_error(e: clap::Error) -> ExitCode {
+    FLAG_ERRORS.report(e)
 }
 
 #[cfg(test)]

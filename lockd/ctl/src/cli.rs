@@ -3,10 +3,8 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
-use clap::error::ErrorKind;
 use clap::{Args, Parser, Subcommand, ValueEnum};
-
-use crate::exit;
+use lockd_service_kit::flag_errors::FlagErrors;
 
 /// The `lockd dev` cluster, so that `lockctl status` works out of the box on a developer machine.
 pub const DEFAULT_ENDPOINTS: &str = "127.0.0.1:7001,127.0.0.1:7002,127.0.0.1:7003";
@@ -134,41 +132,17 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         .map_err(|e| format!("{s:?} is not a duration like 30s or 500ms ({e})"))
 }
 
-/// Prints help/version as clap does; every real parse error as one line, exit code 2.
-pub fn report_parse_error(e: clap::Error) -> ExitCode {
-    match e.kind() {
-        ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => {
-            let _ = e.print();
-            ExitCode::SUCCESS
-        }
-        _ => {
-            eprintln!("lockctl: {} (see lockctl --help)", one_line(&e));
-            ExitCode::from(exit::USAGE)
-        }
-    }
-}
+/// Bad flags: one line naming the problem (clap's tip included) and where the usage is.
+pub const FLAG_ERRORS: FlagErrors = FlagErrors {
+    prefix: "lockctl: ",
+    suffix: " (see lockctl --help)",
+    missing_command: "a command is required: acquire, renew, release, describe, status, keys or hold",
+};
 
-/// The first meaningful line of clap's rendering, without its `error: ` prefix.
-fn one_line(e: &clap::Error) -> String {
-    let rendered = e.render().to_string();
-    let mut lines = rendered.lines().map(str::trim).filter(|l| !l.is_empty());
-    let first = lines.next().unwrap_or("invalid arguments");
-    let mut first = first.strip_prefix("error: ").unwrap_or(first).to_owned();
-    // "the following required arguments were not provided:" lists them on the next lines.
-    if first.ends_with(':') {
-        let listed: Vec<&str> = lines
-            .take_while(|l| !l.starts_with("Usage:") && !l.starts_with("tip:"))
-            .collect();
-        first = format!("{} {}", first, listed.join(", "));
-    }
-    // A missing subcommand renders as the whole usage text; keep the essentials.
-    if e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
-        || e.kind() == ErrorKind::MissingSubcommand
-    {
-        return "a command is required: acquire, renew, release, describe, status, keys or hold"
-            .into();
-    }
-    first
+/// Prints help/version as clap does; every real parse error as one line, exit code
+/// [`crate::exit::USAGE`].
+pub fn report_parse_error(e: clap::Error) -> ExitCode {
+    FLAG_ERRORS.report(e)
 }
 
 /// What `--output` takes.
@@ -258,13 +232,13 @@ mod tests {
     #[test]
     fn parse_errors_are_one_line() {
         let e = Cli::try_parse_from(["lockctl", "acquire", "r", "--ttl", "soon"]).unwrap_err();
-        let line = one_line(&e);
+        let line = FLAG_ERRORS.line(&e);
         assert!(line.contains("soon"), "{line}");
         assert!(!line.contains('\n'));
         let e = Cli::try_parse_from(["lockctl"]).unwrap_err();
-        assert!(one_line(&e).contains("command is required"));
+        assert!(FLAG_ERRORS.line(&e).contains("command is required"));
         let e = Cli::try_parse_from(["lockctl", "hold", "r"]).unwrap_err();
-        let line = one_line(&e);
+        let line = FLAG_ERRORS.line(&e);
         assert!(line.contains("<COMMAND>"), "{line}");
     }
 }

@@ -7,7 +7,7 @@ pub const OK: u8 = 0;
 /// Unexpected reply from lockd, I/O error, or another failure not listed below.
 pub const INTERNAL: u8 = 1;
 /// Bad flags, bad endpoint or bad duration (clap's own usage code).
-pub const USAGE: u8 = 2;
+pub const USAGE: u8 = lockd_service_kit::flag_errors::USAGE_EXIT;
 /// The resource is held by another lease and the command did not wait (`ABORTED`).
 pub const HELD: u8 = 3;
 /// `--wait` elapsed without getting the lock (`DEADLINE_EXCEEDED`).

@@ -26,13 +26,7 @@ fn main() -> ExitCode {
         Err(e) => return cli::report_parse_error(e),
     };
     // Logs go to stderr and are off unless RUST_LOG asks, so that every error stays one line.
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("off")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    lockd_service_kit::log::init_tracing(lockd_service_kit::log::LogFormat::Text, "off");
     // One thread: `hold` forks its child from this thread, and the child's parent-death signal is
     // tied to the forking thread, so it must live as long as the process.
     let runtime = match tokio::runtime::Builder::new_current_thread()

@@ -40,11 +40,8 @@ impl std::str::FromStr for Peer {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum LogFormat {
-    Text,
-    Json,
-}
+/// `--log-format`: the same two formats as fence-proxy's.
+pub use lockd_service_kit::log::LogFormat;
 
 /// Tuning shared by `lockd` and `lockd dev`.
 #[derive(Clone, Debug, clap::Args)]

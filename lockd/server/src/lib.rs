@@ -32,22 +32,6 @@ pub mod storage;
 pub mod tls;
 pub mod waiters;
 
-use config::LogFormat;
-
-/// Sets up logging on stderr. Levels come from `RUST_LOG`.
-/// `default_filter` applies when `RUST_LOG` is unset.
-pub fn init_tracing(format: LogFormat, default_filter: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    let _ = match format {
-        LogFormat::Json => builder.json().try_init(),
-        LogFormat::Text => builder.try_init(),
-    };
-}
-
 /// Resolves when the process receives SIGINT or SIGTERM.
 pub async fn shutdown_signal() {
     use tokio::signal::unix::{SignalKind, signal};

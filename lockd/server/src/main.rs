@@ -6,6 +6,8 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use lockd_server::config::{NodeConfig, Peer, Tuning};
+use lockd_service_kit::flag_errors::FlagErrors;
+use lockd_service_kit::log::init_tracing;
 use tokio_util::sync::CancellationToken;
 
 /// lockd: a replicated lock service with fencing tokens.
@@ -90,6 +92,13 @@ enum Cmd {
     },
 }
 
+/// Bad flags: one line like every other lockd error; the usage is what `lockd --help` shows.
+const FLAG_ERRORS: FlagErrors = FlagErrors {
+    prefix: "lockd: ",
+    suffix: "",
+    missing_command: "a command or --id, --listen and --data-dir are required; see lockd --help",
+};
+
 /// mimalloc rather than the system allocator: at thousands of calls per second allocation is a
 /// tenth of the CPU, and glibc's per-thread arenas fragment under the snapshot's large buffers.
 #[global_allocator]
@@ -98,25 +107,7 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
-        Err(e) => {
-            use clap::error::ErrorKind;
-            if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) {
-                let _ = e.print();
-                return ExitCode::SUCCESS;
-            }
-            // One line like every other lockd error: clap's message with its list of missing
-            // flags and its tip ("a similar argument exists: '--listen'") folded in; the usage
-            // is what `lockd --help` shows.
-            let text = e.to_string();
-            let message = text.split("\n\nUsage:").next().unwrap_or(&text);
-            let folded: Vec<&str> = message
-                .lines()
-                .map(str::trim)
-                .filter(|l| !l.is_empty())
-                .collect();
-            eprintln!("lockd: {}", folded.join(" ").trim_start_matches("error: "));
-            return ExitCode::from(2);
-        }
+        Err(e) => return FLAG_ERRORS.report(e),
     };
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
@@ -151,7 +142,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             tuning.validate().map_err(|e| anyhow::anyhow!(e))?;
             // In one process the nodes start one after another, and openraft logs every refused
             // connection of that moment as an error: quiet it unless RUST_LOG asks.
-            lockd_server::init_tracing(tuning.log_format, "info,openraft=off");
+            init_tracing(tuning.log_format, "info,openraft=off");
             lockd_server::dev::run(data_dir, host, tuning, tls, shutdown).await
         }
         None => {
@@ -181,7 +172,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             })
             .and_then(|c| c.with_auth(cli.auth_policy, cli.auth_tokens))
             .map_err(|e| anyhow::anyhow!(e))?;
-            lockd_server::init_tracing(config.tuning.log_format, "info,openraft=warn");
+            init_tracing(config.tuning.log_format, "info,openraft=warn");
             let node = lockd_server::node::start(config, shutdown).await?;
             node.done.await?
         }

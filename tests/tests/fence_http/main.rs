@@ -10,9 +10,11 @@
 //!   store, and a stale lockd holder fenced end to end.
 //! - `slow_clients`: trickling bodies, stalled and disconnected writers, slow headers and the
 //!   connection cap.
+//! - `readiness`: `/readyz` follows the epoch store and the upstream.
 
 mod checks;
 mod faults;
+mod readiness;
 mod slow_clients;
 
 use lockd_tests::fence_proxy::{FenceProxy, Reply};

@@ -11,6 +11,7 @@
 //!   tokens from a real lockd cluster.
 //! - `bypass`: attacks on the guard that try to run a statement without the fence.
 //! - `commit`: what the proxy checks at commit time.
+//! - `readiness`: `/readyz` follows the upstream.
 //! - `review_wire`, `review_roles_and_memory`: the adversarial review's raw-wire attacks, and its
 //!   attacks through database ownership and memory.
 
@@ -18,6 +19,7 @@ mod bypass;
 mod commit;
 mod end_to_end;
 mod protocol;
+mod readiness;
 mod review_roles_and_memory;
 mod review_wire;
 mod settings;

@@ -6,15 +6,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use lockd_service_kit::recorder;
 use metrics::Recorder;
-use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle, PrometheusRecorder};
+use metrics_exporter_prometheus::{PrometheusHandle, PrometheusRecorder};
 use tokio_util::sync::CancellationToken;
-
-/// Histogram buckets from 1 ms to 10 s: they resolve both a 2 ms commit and a 5 s timeout, and
-/// unlike summaries they aggregate across nodes.
-pub const LATENCY_BUCKETS_SECONDS: &[f64] = &[
-    0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
-];
 
 /// Buckets of `lockd_log_fsync_duration_seconds`, from 100 µs: a local SSD syncs in well under
 /// a millisecond, and an fsync of tens of milliseconds is what the alert looks for.
@@ -42,9 +37,6 @@ impl Op {
     }
 }
 
-/// How often histogram samples are folded into buckets (see [`NodeMetrics::upkeep`]).
-const UPKEEP_EVERY: Duration = Duration::from_secs(5);
-
 pub struct NodeMetrics {
     recorder: PrometheusRecorder,
     handle: PrometheusHandle,
@@ -52,9 +44,8 @@ pub struct NodeMetrics {
 
 impl NodeMetrics {
     pub fn new() -> Self {
-        let recorder = PrometheusBuilder::new()
-            .set_buckets(LATENCY_BUCKETS_SECONDS)
-            .expect("non-empty bucket list")
+        // Latency histograms use the buckets shared with fence-proxy (1 ms to 10 s).
+        let recorder = recorder::latency_builder()
             .set_buckets_for_metric(
                 metrics_exporter_prometheus::Matcher::Full(
                     "lockd_log_fsync_duration_seconds".into(),
@@ -121,19 +112,11 @@ impl NodeMetrics {
         self.handle.render()
     }
 
-    /// Folds recorded histogram samples into their buckets every few seconds until `shutdown`.
-    /// The recorder keeps every sample until then; without this, a node nobody scrapes grew by
-    /// every latency it recorded (the leader of a 10-minute run at 6,000 calls/s by about
-    /// 100 MB).
+    /// Folds recorded histogram samples into their buckets every few seconds until `shutdown`
+    /// (see `lockd_service_kit::recorder::upkeep`): a node nobody scrapes would otherwise keep
+    /// every latency it recorded.
     pub async fn upkeep(self: Arc<Self>, shutdown: CancellationToken) {
-        let mut every = tokio::time::interval(UPKEEP_EVERY);
-        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                _ = every.tick() => self.handle.run_upkeep(),
-                _ = shutdown.cancelled() => return,
-            }
-        }
+        recorder::upkeep(self.handle.clone(), shutdown).await
     }
 }
 

@@ -1,0 +1,23 @@
+//! Plumbing that the lockd and fence-proxy binaries share: logging setup, metric names and
+//! histogram buckets, the HTTP listener for `/metrics`, `/healthz` and `/readyz`, readiness from
+//! background checks, and one-line errors for bad flags.
+//!
+//! It holds no lock or fencing logic and no metric values of its own: each service records its
+//! figures and decides what "ready" means; this crate only carries them out. The lockd client
+//! library does not depend on it, so programs that use the client never compile it.
+//!
+//! # Layout
+//! - [`log`]: [`log::LogFormat`] and [`log::init_tracing`], logs on stderr with a `RUST_LOG` filter.
+//! - [`names`]: metric names used by more than one crate.
+//! - [`recorder`]: the histogram buckets, a Prometheus builder with them, the upkeep loop.
+//! - [`endpoints`]: the listener: [`endpoints::Endpoints`] and [`endpoints::serve`].
+//! - [`checks`]: [`checks::Readiness`], the `/readyz` answer kept up to date by background
+//!   probes, so that a request never waits for one.
+//! - [`flag_errors`]: clap's errors folded into one line, the tip included.
+
+pub mod checks;
+pub mod endpoints;
+pub mod flag_errors;
+pub mod log;
+pub mod names;
+pub mod recorder;
