@@ -225,7 +225,6 @@ pub fn proxy_args(
         listen: format!("127.0.0.1:{}", free_port()).parse().unwrap(),
         upstream,
         require_fence,
-        pool_size: 1,
         max_sessions: 64,
         max_message_bytes: fence_proxy_postgres::limits::DEFAULT_MAX_MESSAGE_BYTES,
         // Two session threads whatever the machine, so sessions of one test share and split them.

@@ -77,6 +77,40 @@ struct InitCli {
     args: fence_proxy_postgres::InitArgs,
 }
 
+/// Flags of the Postgres front end that no longer exist: (flag, its environment variable, why
+/// and what to do). Named in a one-line error instead of clap's bare "unexpected argument",
+/// the environment variable as well, since a setting that silently stopped working would
+/// mislead.
+const REMOVED_POSTGRES_FLAGS: &[(&str, &str, &str)] = &[(
+    "--pool-size",
+    "FENCE_PROXY_PG_POOL_SIZE",
+    "the proxy keeps no connection pool of its own any more (its start-up check opens one connection, client sessions never shared it): remove the setting",
+)];
+
+/// The error for a removed flag of `fence-proxy postgres` in `argv` or the environment.
+fn removed_flag(argv: &[std::ffi::OsString]) -> Option<String> {
+    if !argv.iter().any(|a| a == "postgres") {
+        return None;
+    }
+    REMOVED_POSTGRES_FLAGS.iter().find_map(|(flag, env, why)| {
+        let given = argv.iter().skip(1).any(|a| {
+            a.to_str().is_some_and(|a| {
+                a == *flag || a.strip_prefix(flag).is_some_and(|v| v.starts_with('='))
+            })
+        });
+        if given {
+            Some(format!("error: {flag} was removed: {why}"))
+        } else if std::env::var_os(env).is_some() {
+            Some(format!(
+                "error: {env} (--{}) was removed: {why}",
+                &flag[2..]
+            ))
+        } else {
+            None
+        }
+    })
+}
+
 fn main() -> ExitCode {
     // `postgres init` is recognised before the main parser: `fence-proxy postgres` itself takes
     // the proxy's flags (with --upstream required), which a clap subcommand would have to relax.
@@ -86,6 +120,10 @@ fn main() -> ExitCode {
         .position(|w| w[0] == "postgres" && w[1] == "init")
     {
         return run_init(argv[i + 2..].to_vec());
+    }
+    if let Some(e) = removed_flag(&argv) {
+        eprintln!("fence-proxy: {e}");
+        return ExitCode::from(2);
     }
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
@@ -235,4 +273,31 @@ async fn cancel_on_signal(shutdown: CancellationToken) {
     }
     tracing::info!("signal received, shutting down");
     shutdown.cancel();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_a_removed_flag() {
+        let argv = |words: &[&str]| -> Vec<std::ffi::OsString> {
+            words.iter().map(|w| (*w).into()).collect()
+        };
+        for given in [
+            &["fence-proxy", "postgres", "--pool-size", "2"][..],
+            &["fence-proxy", "postgres", "--pool-size=2"][..],
+        ] {
+            let e = removed_flag(&argv(given)).expect("a removed flag");
+            assert!(e.contains("--pool-size was removed"), "{e}");
+        }
+        assert_eq!(
+            removed_flag(&argv(&["fence-proxy", "postgres", "--pool-sizes"])),
+            None
+        );
+        assert_eq!(
+            removed_flag(&argv(&["fence-proxy", "http", "--listen", "x"])),
+            None
+        );
+    }
 }

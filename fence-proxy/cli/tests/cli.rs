@@ -182,3 +182,23 @@ fn postgres_subcommand_is_wired() {
     let e = refused(&["postgres", "--listen", "127.0.0.1:0"]);
     assert!(e.contains("--upstream"), "{e}");
 }
+
+/// Goal: a flag that was removed (`--pool-size` of the Postgres front end) is named as removed,
+/// on one line with a non-zero status, whether given as a flag or in its environment variable.
+#[test]
+fn removed_pool_size_is_named() {
+    let upstream = "postgres://postgres@127.0.0.1:1/test";
+    let e = refused(&["postgres", "--upstream", upstream, "--pool-size", "2"]);
+    assert!(e.contains("--pool-size was removed"), "{e}");
+    let out = Command::new(BIN)
+        .args(["postgres", "--upstream", upstream])
+        .env("FENCE_PROXY_PG_POOL_SIZE", "2")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("FENCE_PROXY_PG_POOL_SIZE (--pool-size) was removed"),
+        "{stderr}"
+    );
+}

@@ -48,6 +48,7 @@ use std::time::Duration;
 
 use fence_proxy_net::TlsReloader;
 use lockd_service_kit::checks::{Check, Readiness};
+use sqlx::Connection;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
@@ -83,9 +84,6 @@ pub struct Args {
     /// read-only, and refuses the commit of one that wrote.
     #[arg(long, env = "FENCE_PROXY_PG_REQUIRE_FENCE")]
     pub require_fence: bool,
-    /// Connections of the proxy's own pool (the start-up check); client sessions never share them.
-    #[arg(long, default_value_t = 2, env = "FENCE_PROXY_PG_POOL_SIZE")]
-    pub pool_size: usize,
     /// Most concurrent client sessions; each holds one upstream connection.
     #[arg(long, default_value_t = limits::DEFAULT_MAX_SESSIONS, env = "FENCE_PROXY_PG_MAX_SESSIONS")]
     pub max_sessions: usize,
@@ -162,6 +160,10 @@ pub struct InitArgs {
     pub require_verified: bool,
 }
 
+/// How long `init` waits for its connection (TCP, TLS, authentication) when the URL sets no
+/// shorter `connect_timeout`: an operator's command, so a generous bound.
+const INIT_CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// Installs (or replaces) the fence table and the guard function in the upstream's database, in
 /// one transaction, and grants the guard to `grant_to`. Returns a report for the operator: what
 /// was done and the GRANT statements for roles not granted yet.
@@ -169,21 +171,10 @@ pub async fn init(args: &InitArgs) -> anyhow::Result<String> {
     let table =
         FenceTable::parse(&args.fence_table).map_err(|e| anyhow::anyhow!("--fence-table: {e}"))?;
     let upstream = upstream::parse(&args.upstream, "--upstream")?;
-    let (client, connection) = upstream
-        .config
-        .connect(upstream.tls.connector())
+    let mut conn = upstream
+        .connect(INIT_CONNECT_TIMEOUT)
         .await
-        .map_err(|e| {
-            // tokio-postgres shows a server's refusal only as "db error": give its message.
-            let reason = match (e.as_db_error(), std::error::Error::source(&e)) {
-                (Some(d), _) => d.message().to_owned(),
-                // "error performing TLS handshake" says nothing of the certificate: add why.
-                (None, Some(source)) => format!("{e}: {source}"),
-                (None, None) => e.to_string(),
-            };
-            anyhow::anyhow!("connecting to --upstream {:?}: {reason}", args.upstream)
-        })?;
-    let driver = tokio::spawn(connection);
+        .map_err(|e| anyhow::anyhow!("connecting to --upstream {:?}: {e:#}", args.upstream))?;
     let mut sql = format!("BEGIN;\n{}", table.init_sql());
     for role in &args.grant_to {
         sql.push_str(&table.grant_sql(role));
@@ -192,18 +183,19 @@ pub async fn init(args: &InitArgs) -> anyhow::Result<String> {
         sql.push_str(&table.require_verified_sql());
     }
     sql.push_str("COMMIT;");
-    let result = client.batch_execute(&sql).await;
-    drop(client);
-    let _ = driver.await;
+    // Several statements in one simple query: the server runs them as one transaction, and a
+    // failure leaves nothing behind.
+    let result = sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+        .execute(&mut conn)
+        .await;
+    let _ = conn.close().await;
     result.map_err(|e| {
         anyhow::anyhow!(
             "installing {} and {} through {:?}: {}",
             table.qualified(),
             table.guard_signature(),
             args.upstream,
-            e.as_db_error()
-                .map(|d| d.message().to_owned())
-                .unwrap_or_else(|| e.to_string())
+            upstream::sqlx_message(&e)
         )
     })?;
     let mut report = format!(
@@ -257,22 +249,12 @@ pub async fn run_with_reload(
 ) -> anyhow::Result<()> {
     let fence_table = FenceTable::parse(&args.fence_table).map_err(|e| anyhow::anyhow!("{e}"))?;
     let upstream = upstream::parse(&args.upstream, "--upstream")?;
-    let pg_config = upstream.config;
-    let host = match pg_config.get_hosts().first() {
-        Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
-        Some(_) => anyhow::bail!(
-            "--upstream {:?}: only TCP hosts are supported, not Unix sockets",
-            args.upstream
-        ),
-        None => anyhow::bail!("--upstream {:?} names no host", args.upstream),
-    };
-    let port = pg_config.get_ports().first().copied().unwrap_or(5432);
     anyhow::ensure!(args.max_sessions > 0, "--max-sessions must be at least 1");
-    anyhow::ensure!(args.pool_size > 0, "--pool-size must be at least 1");
     let verify_flags = verify::VerifyFlags::from_flags(&args.verify_key, args.allow_unsigned)?;
     // The proof key travels on the --upstream connection: whoever reads it there can forge the
     // proofs the guard trusts. So with --verify-key that connection must be checked TLS, or stay
     // on this machine.
+    let host = upstream.host();
     let loopback = host == "localhost"
         || host
             .parse::<std::net::IpAddr>()
@@ -290,17 +272,13 @@ pub async fn run_with_reload(
         );
     }
     let mut cfg = Config {
-        upstream_addr: if host.contains(':') {
-            format!("[{host}]:{port}")
-        } else {
-            format!("{host}:{port}")
-        },
+        upstream_addr: upstream.addr(),
         fence_table,
         require_fence: args.require_fence,
         max_message_bytes: args.max_message_bytes,
         connect_timeout: Duration::from_millis(args.connect_timeout_ms),
         startup_timeout: Duration::from_millis(args.startup_timeout_ms),
-        upstream_tls: upstream.tls,
+        upstream_tls: upstream.tls.clone(),
         client_tls: args.access.server_tls()?,
         require_tls: args.access.tls_required(),
         verification: None,
@@ -311,7 +289,7 @@ pub async fn run_with_reload(
     }
     cfg.upstream_tls.register(reloader);
 
-    let proof_key = check_guard(pg_config, &cfg, args.pool_size, verify_flags.is_some()).await?;
+    let proof_key = check_guard(&upstream, &cfg, verify_flags.is_some()).await?;
     cfg.verification = match (verify_flags, proof_key) {
         (Some(flags), Some(proof_key)) => Some(verify::Verification {
             keys: flags.keys,
@@ -455,30 +433,36 @@ pub async fn run_with_reload(
 /// Returns the fence table's proof key when the guard requires verified fences. `verify`: the
 /// proxy has verify keys, so it must be able to read the proof key.
 async fn check_guard(
-    pg_config: tokio_postgres::Config,
+    upstream: &upstream::ParsedUpstream,
     cfg: &Config,
-    pool_size: usize,
     verify: bool,
 ) -> anyhow::Result<Option<verify::ProofKey>> {
-    let manager = deadpool_postgres::Manager::new(pg_config, cfg.upstream_tls.connector());
-    let pool = deadpool_postgres::Pool::builder(manager)
-        .max_size(pool_size)
-        .wait_timeout(Some(cfg.connect_timeout))
-        .create_timeout(Some(cfg.connect_timeout))
-        .runtime(deadpool_postgres::Runtime::Tokio1)
-        .build()
-        .map_err(|e| anyhow::anyhow!("building the upstream pool: {e}"))?;
-    let client = pool.get().await.map_err(|e| {
+    let mut conn = upstream.connect(cfg.connect_timeout).await.map_err(|e| {
         anyhow::anyhow!(
-            "cannot reach the upstream {} to check the guard function: {e}",
+            "cannot reach the upstream {} to check the guard function: {e:#}",
             cfg.upstream_addr
         )
     })?;
-    let exists: bool = client
-        .query_one(&cfg.fence_table.exists_sql(), &[])
+    let result = read_guard(&mut conn, cfg, verify).await;
+    let _ = conn.close().await;
+    result
+}
+
+/// The queries of [`check_guard`] on its connection.
+async fn read_guard(
+    conn: &mut sqlx::PgConnection,
+    cfg: &Config,
+    verify: bool,
+) -> anyhow::Result<Option<verify::ProofKey>> {
+    let exists: bool = sqlx::query_scalar(sqlx::AssertSqlSafe(cfg.fence_table.exists_sql()))
+        .fetch_one(&mut *conn)
         .await
-        .map_err(|e| anyhow::anyhow!("checking the guard function: {e}"))?
-        .get(0);
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "checking the guard function: {}",
+                upstream::sqlx_message(&e)
+            )
+        })?;
     anyhow::ensure!(
         exists,
         "the guard function {} does not exist in the --upstream database: run `fence-proxy postgres init --upstream <url> --fence-table {}` first",
@@ -486,10 +470,16 @@ async fn check_guard(
         cfg.fence_table.qualified()
     );
     tracing::info!(guard = %cfg.fence_table.guard_signature(), "guard function present");
-    let rows = match client.query(&cfg.fence_table.proof_key_sql(), &[]).await {
+    let rows: Vec<(Vec<u8>, Vec<u8>)> = match sqlx::query_as(sqlx::AssertSqlSafe(
+        cfg.fence_table.proof_key_sql(),
+    ))
+    .fetch_all(&mut *conn)
+    .await
+    {
         Ok(rows) => rows,
-        // Without verify keys a role that may not read the proof keys learns nothing here; a
-        // guard that requires verified fences then refuses every fenced transaction with 28000.
+        // Without verify keys a role that may not read the proof keys learns nothing here;
+        // a guard that requires verified fences then refuses every fenced transaction with
+        // 28000.
         Err(e) if !verify => {
             tracing::debug!("cannot read the proof keys: {e}");
             return Ok(None);
@@ -498,16 +488,14 @@ async fn check_guard(
             "--verify-key: cannot read the proof key of {} in {}.proof_key: {}; grant it to the --upstream role: {}",
             cfg.fence_table.qualified(),
             fence_sql::GUARD_SCHEMA,
-            e.as_db_error()
-                .map(|d| d.message().to_owned())
-                .unwrap_or_else(|| e.to_string()),
+            upstream::sqlx_message(&e),
             FenceTable::grant_proof_key_sql("<role>").replace('\n', " ")
         ),
     };
-    match rows.first() {
+    match rows.into_iter().next() {
         None => Ok(None),
-        Some(row) => {
-            let key = verify::ProofKey::new(row.get(0), row.get(1))
+        Some((kin, kout)) => {
+            let key = verify::ProofKey::new(kin, kout)
                 .map_err(|e| anyhow::anyhow!("{}: {e}", cfg.fence_table.qualified()))?;
             Ok(Some(key))
         }

@@ -88,7 +88,6 @@ async fn review13_database_owner_replaces_the_guard_in_public() {
         listen: addr,
         upstream: upstream.clone(),
         require_fence: false,
-        pool_size: 1,
         max_sessions: 16,
         max_message_bytes: fence_proxy_postgres::limits::DEFAULT_MAX_MESSAGE_BYTES,
         threads: 2,

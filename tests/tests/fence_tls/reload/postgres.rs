@@ -14,9 +14,9 @@ use lockd_tests::pg::{
 use lockd_tests::tls::TestCa;
 
 /// The proxy's Postgres session through `fence-proxy postgres` at `addr`, over TLS with
-/// sslmode=verify-ca against `ca` (the proxy's own rustls client code, as a libpq stand-in that
-/// keeps a session open).
-async fn pg_tls_session(addr: SocketAddr, ca: &Path) -> anyhow::Result<tokio_postgres::Client> {
+/// sslmode=verify-ca against `ca` (the proxy's own upstream connection code, as a libpq
+/// stand-in that keeps a session open).
+async fn pg_tls_session(addr: SocketAddr, ca: &Path) -> anyhow::Result<sqlx::PgConnection> {
     let url = format!(
         "postgres://{PG_USER}@{}:{}/{PG_DATABASE}?sslmode=verify-ca&sslrootcert={}",
         addr.ip(),
@@ -24,9 +24,12 @@ async fn pg_tls_session(addr: SocketAddr, ca: &Path) -> anyhow::Result<tokio_pos
         ca.display()
     );
     let parsed = fence_proxy_postgres::upstream::parse(&url, "test client")?;
-    let (client, connection) = parsed.config.connect(parsed.tls.connector()).await?;
-    tokio::spawn(connection);
-    Ok(client)
+    parsed.connect(Duration::from_secs(10)).await
+}
+
+/// One text value from `sql` on `conn`.
+async fn text(conn: &mut sqlx::PgConnection, sql: &'static str) -> String {
+    sqlx::query_scalar(sql).fetch_one(conn).await.unwrap()
 }
 
 /// psql with sslmode=verify-ca trusting `ca`, off the async workers.
@@ -68,8 +71,6 @@ async fn postgres_certificates_reload_on_sighup() {
             direct_url(),
             "--fence-table".to_owned(),
             pg::fence_table(),
-            "--pool-size".to_owned(),
-            "1".to_owned(),
             "--tls-cert".to_owned(),
             cert.display().to_string(),
             "--tls-key".to_owned(),
@@ -79,9 +80,8 @@ async fn postgres_certificates_reload_on_sighup() {
     .await;
 
     // Phase 1: A serves; a client of CA2 is refused (so the checks below can fail).
-    let kept = pg_tls_session(proxy.addr, &ca1.cert_path).await.unwrap();
-    let row = kept.query_one("SELECT 'before'::text", &[]).await.unwrap();
-    assert_eq!(row.get::<_, String>(0), "before");
+    let mut kept = pg_tls_session(proxy.addr, &ca1.cert_path).await.unwrap();
+    assert_eq!(text(&mut kept, "SELECT 'before'::text").await, "before");
     let o = psql_verify_ca(proxy.addr, &ca2.cert_path, "SELECT 1");
     assert_fails_with(
         &o,
@@ -118,8 +118,7 @@ async fn postgres_certificates_reload_on_sighup() {
     );
 
     // Phase 3: the session opened under A still works.
-    let row = kept.query_one("SELECT 'after'::text", &[]).await.unwrap();
-    assert_eq!(row.get::<_, String>(0), "after");
+    assert_eq!(text(&mut kept, "SELECT 'after'::text").await, "after");
     proxy.assert_running("after the reload");
 }
 
@@ -163,8 +162,6 @@ async fn postgres_upstream_root_reloads_on_sighup() {
             upstream,
             "--fence-table".to_owned(),
             table,
-            "--pool-size".to_owned(),
-            "1".to_owned(),
         ],
     )
     .await;
@@ -244,8 +241,6 @@ async fn sighup_without_tls_leaves_the_proxy_running() {
             direct_url(),
             "--fence-table".to_owned(),
             pg::fence_table(),
-            "--pool-size".to_owned(),
-            "1".to_owned(),
         ],
     )
     .await;
