@@ -4,6 +4,7 @@
 use std::net::SocketAddr;
 use std::path::Path;
 use std::process::Output;
+use std::time::Duration;
 
 use super::{LoggedProxy, copy_pair, poll_until};
 use crate::{LOOPBACK, assert_fails_with, assert_ok, psql, server_binaries, via};
