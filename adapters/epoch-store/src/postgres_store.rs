@@ -7,7 +7,7 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use lockd_fence::FencingToken;
 use sqlx::pool::PoolConnection;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgSslMode};
 use sqlx::{AssertSqlSafe, PgPool, Postgres};
 use tokio::time::{Instant, timeout};
 
@@ -98,6 +98,37 @@ pub struct PostgresStore {
     timing: Timing,
 }
 
+/// Refuses a store connection that a machine in the network path could read or rewrite: the
+/// recorded tokens decide which writes pass, so one who rewrites `highest` lets a stale write
+/// through. A host other than loopback or a Unix socket needs `sslmode=verify-full` (the chain
+/// to `sslrootcert` and the host name checked); `prefer` and `require` check no certificate,
+/// and `verify-ca` under sqlx trusts every public CA as well.
+fn check_transport(options: &PgConnectOptions) -> Result<(), StoreError> {
+    let host = options.get_host();
+    let local = options.get_socket().is_some()
+        || host == "localhost"
+        || host
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback());
+    let mode = options.get_ssl_mode();
+    if local || matches!(mode, PgSslMode::VerifyFull) {
+        return Ok(());
+    }
+    Err(StoreError::Config(format!(
+        "postgres url: sslmode={} for the host {host:?}: the store's tokens decide which writes pass, so a store beyond loopback needs sslmode=verify-full&sslrootcert=FILE (the CA that issued the server's certificate)",
+        match mode {
+            PgSslMode::Disable => "disable",
+            PgSslMode::Allow => "allow",
+            PgSslMode::Prefer => "prefer",
+            PgSslMode::Require => "require",
+            PgSslMode::VerifyCa => "verify-ca",
+            PgSslMode::VerifyFull => "verify-full",
+        }
+    )))
+}
+
 impl PostgresStore {
     /// Prepares a pool for `url` without connecting: an unreachable database makes writes fail
     /// closed (503) instead of stopping the proxy from starting.
@@ -129,6 +160,7 @@ impl PostgresStore {
                     ),
                 ),
             ]);
+        check_transport(&options)?;
         let name = format!(
             "postgres://{}:{}/{}",
             options.get_host(),
@@ -558,6 +590,39 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(started.elapsed() < Duration::from_secs(3));
+    }
+
+    /// Goal: a store beyond loopback is refused unless its TLS checks the certificate and the
+    /// host name; loopback hosts and Unix sockets need nothing.
+    #[tokio::test]
+    async fn a_remote_store_needs_verify_full() {
+        let open = |url: &str| {
+            PostgresStore::connect_lazy(url, DEFAULT_TABLE, 1, Timing::default()).map(|_| ())
+        };
+        for mode in ["disable", "allow", "prefer", "require", "verify-ca"] {
+            let url = format!("postgres://u:pw@db.internal:5432/d?sslmode={mode}");
+            match open(&url) {
+                Err(StoreError::Config(e)) => {
+                    assert!(e.contains(&format!("sslmode={mode}")), "{e}");
+                    assert!(
+                        e.contains("db.internal") && e.contains("verify-full"),
+                        "{e}"
+                    );
+                    assert!(!e.contains("pw"), "{e}");
+                }
+                other => panic!("{url}: {:?}", other.err()),
+            }
+        }
+        // Without sslmode sqlx prefers TLS without checking it: refused as well.
+        assert!(open("postgres://u@10.0.0.5/d").is_err());
+        for url in [
+            "postgres://u@127.0.0.1:5432/d",
+            "postgres://u@localhost/d?sslmode=disable",
+            "postgres://u@[::1]:5432/d",
+            "postgres://u@db.internal/d?sslmode=verify-full&sslrootcert=/nonexistent/ca.pem",
+        ] {
+            open(url).unwrap_or_else(|e| panic!("{url}: {e:?}"));
+        }
     }
 
     #[test]

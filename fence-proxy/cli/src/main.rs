@@ -87,9 +87,24 @@ const REMOVED_POSTGRES_FLAGS: &[(&str, &str, &str)] = &[(
     "the proxy keeps no connection pool of its own any more (its start-up check opens one connection, client sessions never shared it): remove the setting",
 )];
 
+/// The subcommand `argv` names: its first word that is neither a flag nor the value of the one
+/// global flag that takes a separate value (`--log-format`).
+fn subcommand(argv: &[std::ffi::OsString]) -> Option<&str> {
+    let mut words = argv.iter().skip(1).map(|a| a.to_str());
+    while let Some(word) = words.next() {
+        let word = word?;
+        if word == "--log-format" {
+            words.next();
+        } else if !word.starts_with('-') {
+            return Some(word);
+        }
+    }
+    None
+}
+
 /// The error for a removed flag of `fence-proxy postgres` in `argv` or the environment.
 fn removed_flag(argv: &[std::ffi::OsString]) -> Option<String> {
-    if !argv.iter().any(|a| a == "postgres") {
+    if subcommand(argv) != Some("postgres") {
         return None;
     }
     REMOVED_POSTGRES_FLAGS.iter().find_map(|(flag, env, why)| {
@@ -299,5 +314,27 @@ mod tests {
             removed_flag(&argv(&["fence-proxy", "http", "--listen", "x"])),
             None
         );
+        // `postgres` as a value of another front end's flag is not the Postgres front end.
+        assert_eq!(
+            removed_flag(&argv(&[
+                "fence-proxy",
+                "http",
+                "--store-table",
+                "postgres",
+                "--pool-size",
+                "2"
+            ])),
+            None
+        );
+        let e = removed_flag(&argv(&[
+            "fence-proxy",
+            "--log-format",
+            "json",
+            "postgres",
+            "--pool-size",
+            "2",
+        ]))
+        .expect("a removed flag after a global flag");
+        assert!(e.contains("--pool-size was removed"), "{e}");
     }
 }

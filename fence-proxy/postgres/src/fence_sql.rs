@@ -338,6 +338,16 @@ REVOKE ALL ON FUNCTION {f}(boolean, text[], boolean) FROM PUBLIC;
         )
     }
 
+    /// Whether verified fences are required for this table, without reading its proof key: what
+    /// a proxy without `--verify-key` asks, so that the key never travels to a proxy that has no
+    /// use for it (and whose upstream connection need not be checked TLS).
+    pub fn proof_key_exists_sql(&self) -> String {
+        format!(
+            "SELECT EXISTS (SELECT 1 FROM {GUARD_SCHEMA}.proof_key WHERE fence_table = '{}')",
+            self.qualified()
+        )
+    }
+
     /// Statements that let the proxy's `--upstream` role read the proof keys.
     pub fn grant_proof_key_sql(role: &str) -> String {
         let role = quote_ident(role);

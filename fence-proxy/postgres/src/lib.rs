@@ -171,10 +171,12 @@ pub async fn init(args: &InitArgs) -> anyhow::Result<String> {
     let table =
         FenceTable::parse(&args.fence_table).map_err(|e| anyhow::anyhow!("--fence-table: {e}"))?;
     let upstream = upstream::parse(&args.upstream, "--upstream")?;
-    let mut conn = upstream
-        .connect(INIT_CONNECT_TIMEOUT)
-        .await
-        .map_err(|e| anyhow::anyhow!("connecting to --upstream {:?}: {e:#}", args.upstream))?;
+    let mut conn = upstream.connect(INIT_CONNECT_TIMEOUT).await.map_err(|e| {
+        anyhow::anyhow!(
+            "connecting to --upstream {:?}: {e:#}",
+            upstream::redact(&args.upstream)
+        )
+    })?;
     let mut sql = format!("BEGIN;\n{}", table.init_sql());
     for role in &args.grant_to {
         sql.push_str(&table.grant_sql(role));
@@ -194,7 +196,7 @@ pub async fn init(args: &InitArgs) -> anyhow::Result<String> {
             "installing {} and {} through {:?}: {}",
             table.qualified(),
             table.guard_signature(),
-            args.upstream,
+            upstream::redact(&args.upstream),
             upstream::sqlx_message(&e)
         )
     })?;
@@ -443,10 +445,23 @@ async fn check_guard(
             cfg.upstream_addr
         )
     })?;
-    let result = read_guard(&mut conn, cfg, verify).await;
+    // Bounded: a lock held on the catalog or a server that stalls after authentication must not
+    // leave the proxy starting forever, unseen by its supervisor.
+    let result = tokio::time::timeout(GUARD_CHECK_TIMEOUT, read_guard(&mut conn, cfg, verify))
+        .await
+        .unwrap_or_else(|_| {
+            Err(anyhow::anyhow!(
+                "the upstream {} did not answer the guard check within {} s",
+                cfg.upstream_addr,
+                GUARD_CHECK_TIMEOUT.as_secs()
+            ))
+        });
     let _ = conn.close().await;
     result
 }
+
+/// How long the start-up check's queries may take once connected.
+const GUARD_CHECK_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The queries of [`check_guard`] on its connection.
 async fn read_guard(
@@ -470,6 +485,28 @@ async fn read_guard(
         cfg.fence_table.qualified()
     );
     tracing::info!(guard = %cfg.fence_table.guard_signature(), "guard function present");
+    if !verify {
+        // Only whether a proof key exists: the key itself stays in the database, since this
+        // proxy has no use for it and its upstream connection may be unchecked TLS.
+        return match sqlx::query_scalar::<_, bool>(sqlx::AssertSqlSafe(
+            cfg.fence_table.proof_key_exists_sql(),
+        ))
+        .fetch_one(&mut *conn)
+        .await
+        {
+            Ok(false) => Ok(None),
+            Ok(true) => anyhow::bail!(
+                "the guard of {} accepts only verified fences (init --require-verified): start the proxy with --verify-key FILE",
+                cfg.fence_table.qualified()
+            ),
+            // A role that may not see the proof keys learns nothing here; a guard that requires
+            // verified fences then refuses every fenced transaction with 28000.
+            Err(e) => {
+                tracing::debug!("cannot read the proof keys: {e}");
+                Ok(None)
+            }
+        };
+    }
     let rows: Vec<(Vec<u8>, Vec<u8>)> = match sqlx::query_as(sqlx::AssertSqlSafe(
         cfg.fence_table.proof_key_sql(),
     ))
@@ -477,13 +514,6 @@ async fn read_guard(
     .await
     {
         Ok(rows) => rows,
-        // Without verify keys a role that may not read the proof keys learns nothing here;
-        // a guard that requires verified fences then refuses every fenced transaction with
-        // 28000.
-        Err(e) if !verify => {
-            tracing::debug!("cannot read the proof keys: {e}");
-            return Ok(None);
-        }
         Err(e) => anyhow::bail!(
             "--verify-key: cannot read the proof key of {} in {}.proof_key: {}; grant it to the --upstream role: {}",
             cfg.fence_table.qualified(),

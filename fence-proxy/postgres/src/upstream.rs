@@ -136,15 +136,17 @@ type Bad = String;
 /// Reads a postgres:// URL as libpq would, TLS parameters included. `what` names the flag in
 /// errors.
 pub fn parse(url: &str, what: &str) -> anyhow::Result<ParsedUpstream> {
+    // Errors name the URL without its password: they reach logs and the journal.
+    let shown = redact(url);
     let rest = url
         .strip_prefix("postgres://")
         .or_else(|| url.strip_prefix("postgresql://"))
         .ok_or_else(|| {
             anyhow::anyhow!(
-                "{what} {url:?} is not a postgres:// URL (postgres://user@host:port/database?parameters)"
+                "{what} {shown:?} is not a postgres:// URL (postgres://user@host:port/database?parameters)"
             )
         })?;
-    let value_error = |e: Bad| anyhow::anyhow!("{what} {url:?}: {e}");
+    let value_error = |e: Bad| anyhow::anyhow!("{what} {shown:?}: {e}");
     let (rest, query) = rest.split_once('?').unwrap_or((rest, ""));
     // As libpq: the authority ends at the first '/', and user information at its first '@'.
     let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
@@ -180,6 +182,11 @@ pub fn parse(url: &str, what: &str) -> anyhow::Result<ParsedUpstream> {
             "sslmode" => {
                 mode = SslMode::parse(&value).map_err(|e| anyhow::anyhow!("{what}: {e}"))?
             }
+            // libpq 16 reads `system` as the operating system's trusted roots; the proxy trusts
+            // only the CA named, so say that instead of looking for a file called `system`.
+            "sslrootcert" if value == "system" => anyhow::bail!(
+                "{what}: sslrootcert=system is not supported: name the file of the CA that issued the server's certificate"
+            ),
             "sslrootcert" => root_cert = Some(PathBuf::from(value)),
             // A client certificate towards the upstream is not implemented: refuse rather than
             // connect without the identity the operator asked for.
@@ -220,10 +227,10 @@ pub fn parse(url: &str, what: &str) -> anyhow::Result<ParsedUpstream> {
             "keepalives_idle" | "keepalives_interval" | "tcp_user_timeout" => {
                 number::<i64>(&key, &value).map_err(value_error)?;
             }
-            // With one host dialled, any server will do; channel binding is never used by the
-            // proxy's own connections (`prefer` finds nothing to bind to).
-            "target_session_attrs" => one_of(&key, &value, &["any", "read-write", "read-only"])
-                .map_err(value_error)?,
+            // With one host dialled, any server will do (a stricter choice would be accepted
+            // and not enforced); channel binding is never used by the proxy's own connections
+            // (`prefer` finds nothing to bind to).
+            "target_session_attrs" => one_of(&key, &value, &["any"]).map_err(value_error)?,
             "load_balance_hosts" => {
                 one_of(&key, &value, &["disable", "random"]).map_err(value_error)?
             }
@@ -238,18 +245,18 @@ pub fn parse(url: &str, what: &str) -> anyhow::Result<ParsedUpstream> {
                 )
             })?,
             "hostaddr" => anyhow::bail!(
-                "{what} {url:?}: hostaddr is not supported: give the address as the host"
+                "{what} {shown:?}: hostaddr is not supported: give the address as the host"
             ),
             _ => anyhow::bail!(
-                "{what} {url:?}: unknown parameter {key:?} (known: sslmode, sslrootcert, host, port, user, password, dbname, application_name, options, connect_timeout and libpq's keepalive settings)"
+                "{what} {shown:?}: unknown parameter {key:?} (known: sslmode, sslrootcert, host, port, user, password, dbname, application_name, options, connect_timeout and libpq's keepalive settings)"
             ),
         }
     }
     let Some(host) = host else {
-        anyhow::bail!("{what} {url:?} names no host");
+        anyhow::bail!("{what} {shown:?} names no host");
     };
     if host.starts_with('/') {
-        anyhow::bail!("{what} {url:?}: only TCP hosts are supported, not Unix sockets");
+        anyhow::bail!("{what} {shown:?}: only TCP hosts are supported, not Unix sockets");
     }
     let check = match (mode, root_cert) {
         (SslMode::Disable, _) => None,
@@ -530,6 +537,40 @@ impl Drop for AbortOnDrop {
     }
 }
 
+/// `url` with the password of `user:password@` and of `password=` replaced by `***`, for
+/// errors and logs.
+pub fn redact(url: &str) -> String {
+    let (base, query) = match url.split_once('?') {
+        Some((b, q)) => (b, Some(q)),
+        None => (url, None),
+    };
+    let mut shown = match base.split_once("://") {
+        Some((scheme, rest)) => {
+            let authority_end = rest.find('/').unwrap_or(rest.len());
+            match rest[..authority_end].rfind('@') {
+                Some(at) => match rest[..at].split_once(':') {
+                    Some((user, _)) => format!("{scheme}://{user}:***{}", &rest[at..]),
+                    None => base.to_owned(),
+                },
+                None => base.to_owned(),
+            }
+        }
+        None => base.to_owned(),
+    };
+    if let Some(query) = query {
+        let pairs: Vec<String> = query
+            .split('&')
+            .map(|pair| match pair.split_once('=') {
+                Some((key, _)) if percent_decode(key) == "password" => format!("{key}=***"),
+                _ => pair.to_owned(),
+            })
+            .collect();
+        shown.push('?');
+        shown.push_str(&pairs.join("&"));
+    }
+    shown
+}
+
 /// A database's own message (what the operator needs), or sqlx's description of the failure.
 pub(crate) fn sqlx_message(e: &sqlx::Error) -> String {
     match e {
@@ -800,6 +841,39 @@ mod tests {
         );
         let e = err("postgres://u@/db");
         assert!(e.contains("names no host"), "{e}");
+    }
+
+    /// Goal: no error about the URL shows its password, in the authority or as `password=`.
+    #[test]
+    fn errors_never_show_the_password() {
+        for url in [
+            "postgres://app:s3cret@h/d?sslmod=verify-full",
+            "postgres://app@h/d?password=s3cret&frobnicate=1",
+            "postgres://app@h/d?pass%77ord=s3cret&hostaddr=10.0.0.1",
+            "postgres://app:s3cret@/d",
+        ] {
+            let e = err(url);
+            assert!(!e.contains("s3cret"), "{url}: {e}");
+            assert!(e.contains("***"), "{url}: {e}");
+        }
+        assert_eq!(
+            redact("postgres://app:pw@h:5/d?sslmode=require&password=pw"),
+            "postgres://app:***@h:5/d?sslmode=require&password=***"
+        );
+        assert_eq!(redact("postgres://app@h/d"), "postgres://app@h/d");
+    }
+
+    /// Goal: `sslrootcert=system` (libpq 16: the system's roots) is named as unsupported rather
+    /// than read as a file, and a session attribute the proxy would not enforce is refused.
+    #[test]
+    fn system_roots_and_session_attributes_are_refused_by_name() {
+        let e = err("postgres://h/d?sslmode=verify-full&sslrootcert=system");
+        assert!(e.contains("sslrootcert=system is not supported"), "{e}");
+        for attrs in ["read-write", "read-only", "primary"] {
+            let e = err(&format!("postgres://h/d?target_session_attrs={attrs}"));
+            assert!(e.contains("target_session_attrs"), "{attrs}: {e}");
+        }
+        ok("postgres://h/d?target_session_attrs=any");
     }
 
     #[test]

@@ -5,13 +5,11 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use lockd_service_kit::flag_errors::{FlagErrors, USAGE_EXIT};
+use lockd_service_kit::flag_errors::FlagErrors;
 
 /// The `lockd dev` cluster, so that `lockd-bench mixed` works out of the box next to `lockd dev`.
 pub const DEFAULT_ENDPOINTS: &str = "127.0.0.1:7001,127.0.0.1:7002,127.0.0.1:7003";
 
-/// Exit code of a bad command line.
-pub const EXIT_USAGE: u8 = USAGE_EXIT;
 /// Exit code of a run that could not start or finish (no cluster, no leader).
 pub const EXIT_FAILURE: u8 = 1;
 
@@ -178,7 +176,7 @@ const FLAG_ERRORS: FlagErrors = FlagErrors {
 };
 
 /// Prints help/version as clap does; every real parse error as one line, exit code
-/// [`EXIT_USAGE`].
+/// [`USAGE_EXIT`](lockd_service_kit::flag_errors::USAGE_EXIT).
 pub fn report_parse_error(e: clap::Error) -> ExitCode {
     FLAG_ERRORS.report(e)
 }
