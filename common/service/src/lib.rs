@@ -1,6 +1,6 @@
 //! Plumbing that the lockd and fence-proxy binaries share: logging setup, metric names and
 //! histogram buckets, the HTTP listener for `/metrics`, `/healthz` and `/readyz`, readiness from
-//! background checks, and one-line errors for bad flags.
+//! background checks, one-line errors for bad flags, and shell completions and manual pages.
 //!
 //! It holds no lock or fencing logic and no metric values of its own: each service records its
 //! figures and decides what "ready" means; this crate only carries them out. The lockd client
@@ -14,8 +14,10 @@
 //! - [`checks`]: [`checks::Readiness`], the `/readyz` answer kept up to date by background
 //!   probes, so that a request never waits for one.
 //! - [`flag_errors`]: clap's errors folded into one line, the tip included.
+//! - [`cli_docs`]: `completions SHELL` and `man` for every binary, generated from its clap flags.
 
 pub mod checks;
+pub mod cli_docs;
 pub mod endpoints;
 pub mod flag_errors;
 pub mod log;

@@ -10,8 +10,9 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use anyhow::Context;
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 use lockd_service_kit::checks::Readiness;
+use lockd_service_kit::cli_docs::DocsCommand;
 use lockd_service_kit::endpoints::{self, Endpoints};
 use lockd_service_kit::flag_errors::{self, FlagErrors};
 use lockd_service_kit::log::{LogFormat, init_tracing};
@@ -43,6 +44,16 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    // Boxed: the front ends' flags are large, and a command is parsed once.
+    #[command(flatten)]
+    FrontEnd(Box<FrontEnd>),
+    #[command(flatten)]
+    Docs(DocsCommand),
+}
+
+/// The two front ends, each a proxy of its own.
+#[derive(Subcommand, Debug)]
+enum FrontEnd {
     /// HTTP front end: reverse proxy that checks Lock-Resource and Fencing-Token on writes.
     Http {
         #[command(flatten)]
@@ -144,6 +155,18 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => return FLAG_ERRORS.report(e),
     };
+    let front_end = match cli.command {
+        Command::FrontEnd(front_end) => front_end,
+        Command::Docs(docs) => {
+            return match docs.run(Cli::command()) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("fence-proxy: error: {e}");
+                    ExitCode::FAILURE
+                }
+            };
+        }
+    };
     init_tracing(cli.log_format, "info");
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
@@ -152,7 +175,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(run(cli.command)) {
+    match runtime.block_on(run(*front_end)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!(
@@ -196,7 +219,7 @@ fn run_init(rest: Vec<std::ffi::OsString>) -> ExitCode {
     }
 }
 
-async fn run(command: Command) -> anyhow::Result<()> {
+async fn run(command: FrontEnd) -> anyhow::Result<()> {
     let shutdown = CancellationToken::new();
     tokio::spawn(cancel_on_signal(shutdown.clone()));
     // Before anything else: until SIGHUP is watched its default action ends the process.
@@ -204,8 +227,8 @@ async fn run(command: Command) -> anyhow::Result<()> {
     // The front end registers the TLS files it reads; SIGHUP reads them all again.
     let reloader = fence_proxy_net::TlsReloader::new();
     let (common, frontend) = match &command {
-        Command::Http { common, .. } => (common, "http"),
-        Command::Postgres { common, .. } => (common, "postgres"),
+        FrontEnd::Http { common, .. } => (common, "http"),
+        FrontEnd::Postgres { common, .. } => (common, "postgres"),
     };
     let readiness = start_metrics(common, frontend, shutdown.clone()).await?;
     if let Some(hup) = hup {
@@ -217,10 +240,10 @@ async fn run(command: Command) -> anyhow::Result<()> {
         ));
     }
     match command {
-        Command::Http { args, .. } => {
+        FrontEnd::Http { args, .. } => {
             fence_proxy_http::run_with_reload(args, shutdown, &reloader, readiness.as_ref()).await
         }
-        Command::Postgres { args, .. } => {
+        FrontEnd::Postgres { args, .. } => {
             fence_proxy_postgres::run_with_reload(args, shutdown, &reloader, readiness.as_ref())
                 .await
         }

@@ -98,6 +98,8 @@ pub enum Command {
         #[arg(required = true, last = true, value_name = "COMMAND")]
         command: Vec<String>,
     },
+    #[command(flatten)]
+    Docs(lockd_service_kit::cli_docs::DocsCommand),
 }
 
 /// `lockctl keys ...`: admin operations on the sequencer signing keys.

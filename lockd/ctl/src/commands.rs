@@ -229,6 +229,10 @@ pub async fn run(cli: Cli) -> Result<u8, Failure> {
             Ok(exit::OK)
         }
         Command::Keys { command } => crate::keys::run(&client, command, json).await,
+        Command::Docs(docs) => docs
+            .run(<Cli as clap::CommandFactory>::command())
+            .map(|()| exit::OK)
+            .map_err(|e| Failure::new(exit::INTERNAL, "internal", e)),
         Command::Hold {
             resource,
             lease,

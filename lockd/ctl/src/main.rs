@@ -25,6 +25,15 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => return cli::report_parse_error(e),
     };
+    // Completions and manual pages need no cluster, no runtime and no TLS files.
+    if let cli::Command::Docs(docs) = &cli.command {
+        return match docs.run(<cli::Cli as clap::CommandFactory>::command()) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                ExitCode::from(exit::Failure::new(exit::INTERNAL, "internal", e).report(cli.json()))
+            }
+        };
+    }
     // Logs go to stderr and are off unless RUST_LOG asks, so that every error stays one line.
     lockd_service_kit::log::init_tracing(lockd_service_kit::log::LogFormat::Text, "off");
     // One thread: `hold` forks its child from this thread, and the child's parent-death signal is

@@ -4,8 +4,9 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 use lockd_server::config::{NodeConfig, Peer, Tuning};
+use lockd_service_kit::cli_docs::DocsCommand;
 use lockd_service_kit::flag_errors::FlagErrors;
 use lockd_service_kit::log::init_tracing;
 use tokio_util::sync::CancellationToken;
@@ -90,6 +91,8 @@ enum Cmd {
         #[command(flatten)]
         tuning: Tuning,
     },
+    #[command(flatten)]
+    Docs(DocsCommand),
 }
 
 /// Bad flags: one line like every other lockd error; the usage is what `lockd --help` shows.
@@ -109,6 +112,16 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => return FLAG_ERRORS.report(e),
     };
+    // Completions and manual pages need no runtime.
+    if let Some(Cmd::Docs(docs)) = &cli.command {
+        return match docs.run(Cli::command()) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("lockd: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {
@@ -145,6 +158,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             init_tracing(tuning.log_format, "info,openraft=off");
             lockd_server::dev::run(data_dir, host, tuning, tls, shutdown).await
         }
+        Some(Cmd::Docs(docs)) => docs.run(Cli::command()).map_err(anyhow::Error::msg),
         None => {
             let missing = |flag: &str| {
                 anyhow::anyhow!("{flag} is required (or run `lockd dev`); see lockd --help")

@@ -5,8 +5,10 @@
 //! # Layout
 //! - this file: the command line and the systemd units.
 //! - `bench_smoke`: every mode of `lockd-bench` runs against a real cluster and reports.
+//! - `docs`: shell completions and manual pages of lockd, lockctl and fence-proxy.
 
 mod bench_smoke;
+mod docs;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
