@@ -318,7 +318,10 @@ fn next_renewal(last_sent: Instant, interval: Duration) -> Instant {
 
 /// Renews until stopped or lost. The deadline branch of each `select!` comes first, so a deadline
 /// that passes while a renewal is in flight wins over a reply that arrives at the same time.
-#[allow(clippy::too_many_arguments)]
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the loop's state, moved into its task; one call site passes it"
+)]
 async fn renew_loop(
     client: Client,
     resource: String,

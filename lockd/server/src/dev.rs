@@ -9,8 +9,8 @@ use tokio_util::sync::CancellationToken;
 use crate::config::{NodeConfig, Tuning};
 use crate::node;
 
-pub const DEV_LOCK_PORTS: [u16; 3] = [7001, 7002, 7003];
-pub const DEV_METRICS_PORTS: [u16; 3] = [9101, 9102, 9103];
+pub(crate) const DEV_LOCK_PORTS: [u16; 3] = [7001, 7002, 7003];
+pub(crate) const DEV_METRICS_PORTS: [u16; 3] = [9101, 9102, 9103];
 
 pub async fn run(
     data_dir: PathBuf,

@@ -19,18 +19,18 @@
 //! - [`dev`]: `lockd dev`, three nodes in one process.
 
 pub mod auth;
-pub mod clock;
+pub(crate) mod clock;
 pub mod config;
 pub mod dev;
 pub mod node;
-pub mod observe;
-pub mod proposer;
+pub(crate) mod observe;
+pub(crate) mod proposer;
 pub mod raft;
 pub mod service;
-pub mod signing;
+pub(crate) mod signing;
 pub mod storage;
 pub mod tls;
-pub mod waiters;
+pub(crate) mod waiters;
 
 /// Resolves when the process receives SIGINT or SIGTERM.
 pub async fn shutdown_signal() {

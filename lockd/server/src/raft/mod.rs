@@ -1,8 +1,8 @@
 //! openraft type configuration, the network between nodes and the vote gate of a node that
 //! rejoins with an empty data dir.
 
-pub mod network;
-pub mod vote_gate;
+pub(crate) mod network;
+pub(crate) mod vote_gate;
 
 use lockd_core::{Batch, Outcome};
 use serde::{Deserialize, Serialize};
