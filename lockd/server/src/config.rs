@@ -14,7 +14,9 @@ use lockd_core::limits::{
 /// One peer: `ID=HOST:PORT`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Peer {
+    /// The peer's `--id`.
     pub id: u64,
+    /// Where the peer serves, `HOST:PORT`.
     pub addr: String,
 }
 
@@ -102,6 +104,9 @@ impl Tuning {
         }
     }
 
+    /// Refuses flag values that cannot work: an election timeout under three heartbeats, an
+    /// audit log cap under 4 KiB, snapshots more often than every 10 entries. The error names
+    /// the flag.
     pub fn validate(&self) -> Result<(), String> {
         if self.heartbeat_ms == 0 || self.election_timeout_ms < 3 * self.heartbeat_ms {
             return Err(format!(
@@ -134,6 +139,7 @@ pub struct NodeConfig {
     pub(crate) data_dir: PathBuf,
     pub(crate) metrics_listen: Option<SocketAddr>,
     pub(crate) audit: Option<crate::observe::audit::AuditTarget>,
+    /// Limits, timing and logging of the node.
     pub tuning: Tuning,
     /// Names this cluster on every Raft message and in node certificate names.
     pub(crate) cluster_id: String,

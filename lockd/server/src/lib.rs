@@ -10,13 +10,15 @@
 //! - [`node`]: wiring of one node and its background tasks (reaper, leadership watcher).
 //! - [`raft`]: openraft type configuration and the peer network.
 //! - [`storage`]: the redb log store and the state machine with its snapshots.
-//! - [`proposer`]: group commit of client commands into Raft entries.
-//! - [`waiters`]: calls parked until the log grants them.
-//! - [`signing`]: signing grants with the replicated sequencer key, and installing it.
+//! - `proposer`: group commit of client commands into Raft entries.
+//! - `waiters`: calls parked until the log grants them.
+//! - `signing`: signing grants with the replicated sequencer key, and installing it.
 //! - [`service`]: the gRPC services and the status-code table.
-//! - [`observe`]: metrics and health endpoints.
-//! - [`clock`]: the leader's stamp clock.
+//! - `observe`: metrics and health endpoints.
+//! - `clock`: the leader's stamp clock.
 //! - [`dev`]: `lockd dev`, three nodes in one process.
+//!
+//! The modules named without a link are internal to the crate.
 
 pub mod auth;
 pub(crate) mod clock;

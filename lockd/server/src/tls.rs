@@ -7,7 +7,7 @@
 //! from: `node-<id>.<cluster-id>.lockd` as a DNS subject alternative name. So a client certificate,
 //! a certificate of another cluster, or one node impersonating another gets UNAUTHENTICATED, and
 //! the message never reaches openraft. The cluster id is also sent on every Raft message
-//! ([`CLUSTER_ID_HEADER`]), so two clusters never mix even where TLS is off.
+//! (`CLUSTER_ID_HEADER`), so two clusters never mix even where TLS is off.
 //!
 //! A node's certificate serves three purposes: its server certificate on the port (so it must
 //! also name the address clients dial: a DNS or IP SAN), its client certificate towards peers,

@@ -16,8 +16,8 @@
 //! the start-up log says so.
 //!
 //! # Layout
-//! - [`policy`]: the policy file and its checks.
-//! - [`tokens`]: the tokens file of hashed secrets.
+//! - `policy`: the policy file and its checks.
+//! - `tokens`: the tokens file of hashed secrets.
 
 pub(crate) mod policy;
 pub(crate) mod tokens;

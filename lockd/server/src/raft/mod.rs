@@ -25,7 +25,11 @@ openraft::declare_raft_types!(
         AsyncRuntime = openraft::TokioRuntime,
 );
 
+/// A node's `--id`.
 pub type NodeId = u64;
+/// The openraft handle of a node.
 pub type Raft = openraft::Raft<TypeConfig>;
+/// A log position: the term of its leader and its index.
 pub type LogId = openraft::LogId<NodeId>;
+/// A storage failure as openraft reports it.
 pub type StorageError = openraft::StorageError<NodeId>;

@@ -4,7 +4,7 @@
 //! The snapshot is kept apart because redb has one writer per database: a snapshot is tens of
 //! megabytes, and writing it into the log's database would hold up every log append (and so
 //! every commit) until its fsync. A plain file also lets the snapshot be synced in small steps
-//! (see [`snapshot_file`]). The order of writes keeps the pair consistent: openraft purges log
+//! (see `snapshot_file`). The order of writes keeps the pair consistent: openraft purges log
 //! entries only after the snapshot covering them is durable.
 //!
 //! The state machine itself lives in memory; after a restart it is rebuilt from the snapshot plus
