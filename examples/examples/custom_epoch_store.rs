@@ -47,7 +47,8 @@ impl EpochStore for MemoryStore {
             // 1. Exclusive use of the resource for the whole forward.
             let guard = self.slots.lock(resource, LOCK_WAIT).await?;
             // 2. Check and record (a durable store commits here, before returning).
-            let mut highest = self.highest.lock().unwrap();
+            // Poisoned only if a holder panicked; holders only look up and insert.
+            let mut highest = self.highest.lock().expect("no holder of `highest` panics");
             let current = highest.get(resource).copied().unwrap_or_default();
             if token < current {
                 return Ok(Admission::Stale { highest: current });

@@ -10,11 +10,11 @@
 //! panics and consumes only through the first NUL.
 #![no_main]
 
-#[allow(dead_code)]
+#[allow(dead_code, reason = "the target uses part of the shipped module")]
 #[path = "../../fence-proxy/postgres/src/limits.rs"]
 mod limits;
 
-#[allow(dead_code)]
+#[allow(dead_code, reason = "the target uses part of the shipped module")]
 #[path = "../../fence-proxy/postgres/src/codec.rs"]
 mod codec;
 

@@ -21,6 +21,15 @@
 //! - [`pg`]: the local Postgres, an in-process fence-proxy Postgres front end, psql, a private
 //!   password-protected cluster.
 
+#![allow(
+    clippy::unwrap_used,
+    reason = "test support: a failed unwrap fails the test that called it, with its location"
+)]
+#![allow(
+    missing_docs,
+    reason = "test support for the suites in this crate, not an API: its items are read where they are used"
+)]
+
 pub mod audit;
 pub mod chaos;
 pub mod cluster;

@@ -9,20 +9,32 @@ use lockd_fence::FencingToken;
 pub enum StoreError {
     /// The store could not be reached or failed; the proxy fails closed.
     #[error("epoch store {store} unavailable: {detail}")]
-    Unavailable { store: String, detail: String },
+    Unavailable {
+        /// The store, as its spec names it (without a password).
+        store: String,
+        /// What failed.
+        detail: String,
+    },
     /// Another write of the resource held it (or a quarantine did) for longer than the wait bound.
     #[error("resource {resource:?} busy: {why}; waited {waited_ms} ms of at most {wait_max_ms} ms")]
     Busy {
+        /// The resource written.
         resource: String,
+        /// What held it (another forward of it, a quarantine).
         why: &'static str,
+        /// How long this write waited, in ms.
         waited_ms: u64,
+        /// The wait bound, in ms.
         wait_max_ms: u64,
     },
     /// The store cannot represent this token (Postgres `bigint` is signed).
     #[error("fencing token {token} exceeds the {store} store's largest token {max}")]
     TokenOutOfRange {
+        /// The token the write carried.
         token: FencingToken,
+        /// The largest token the store can record.
         max: u64,
+        /// The kind of store.
         store: &'static str,
     },
     /// The store's configuration is invalid (bad path, bad table name).

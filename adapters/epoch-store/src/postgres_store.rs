@@ -182,6 +182,7 @@ impl PostgresStore {
         })
     }
 
+    /// The table tokens are recorded in.
     pub fn table(&self) -> &str {
         &self.table
     }

@@ -42,6 +42,7 @@ pub struct SlotGuard {
 }
 
 impl Slots {
+    /// An empty table: every resource free.
     pub fn new() -> Self {
         Self::default()
     }
@@ -94,12 +95,14 @@ impl Slots {
         self.table.lock().expect("slot table poisoned").len()
     }
 
+    /// Whether no resource is in use, waited for or quarantined.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 }
 
 impl SlotGuard {
+    /// The resource this guard holds.
     pub fn resource(&self) -> &str {
         &self.resource
     }

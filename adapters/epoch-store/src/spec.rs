@@ -16,6 +16,7 @@ pub const DEFAULT_POSTGRES_CONNECTIONS: u32 = 32;
 /// Which store to open, parsed from `redb:PATH`, `postgres://...` or `postgresql://...`.
 #[derive(Clone, PartialEq, Eq)]
 pub enum StoreSpec {
+    /// A redb database file at this path.
     Redb(PathBuf),
     /// The full URL, password included; `Display` leaves the password out.
     Postgres(String),
@@ -74,6 +75,7 @@ fn redact(url: &str) -> String {
 /// Everything a store needs besides its spec.
 #[derive(Clone, Debug)]
 pub struct StoreOptions {
+    /// Wait and forward bounds.
     pub timing: Timing,
     /// Table of the Postgres store.
     pub postgres_table: String,

@@ -48,7 +48,10 @@ pub enum Admission {
     /// The token was recorded; forward the write while holding the permit, then release it.
     Accepted(Permit),
     /// The token is lower than `highest`, the highest token accepted for the resource.
-    Stale { highest: FencingToken },
+    Stale {
+        /// The highest token accepted for the resource.
+        highest: FencingToken,
+    },
 }
 
 /// What became of a forward, which decides how long the resource stays closed after it.
@@ -138,10 +141,12 @@ impl Permit {
         }
     }
 
+    /// The resource the token was recorded for.
     pub fn resource(&self) -> &str {
         &self.resource
     }
 
+    /// The token recorded.
     pub fn token(&self) -> FencingToken {
         self.token
     }

@@ -1,6 +1,11 @@
 //! The Postgres store against the real database at 127.0.0.1:5432 (user postgres, database
 //! `test`): two store instances on one table stand for two proxy replicas.
 
+#![allow(
+    clippy::unwrap_used,
+    reason = "test code: a failed unwrap is a failed test, with its message"
+)]
+
 use std::time::{Duration, Instant};
 
 use fence_epoch_store::{Admission, EpochStore, ForwardOutcome, Permit, PostgresStore, StoreError};

@@ -1,6 +1,11 @@
 //! The `fence-proxy` binary refuses bad flags with one line on stderr and a non-zero exit, and
 //! serves its metrics and health endpoints.
 
+#![allow(
+    clippy::unwrap_used,
+    reason = "test code: a failed unwrap is a failed test, with its message"
+)]
+
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::process::{Command, Stdio};

@@ -90,6 +90,7 @@ pub struct Args {
     pub header_read_timeout: Duration,
 
     #[command(flatten)]
+    /// The TLS and client-access flags.
     pub tls: crate::tls::TlsArgs,
 
     /// Public key (PEM, as `lockctl keys export` writes it) that verifies `Lock-Sequencer`;
@@ -147,6 +148,7 @@ impl Args {
 pub struct Upstream {
     /// `http` or `https`.
     pub scheme: http::uri::Scheme,
+    /// Host and port.
     pub authority: http::uri::Authority,
     /// Path prefix without a trailing `/` (empty for none), put in front of every request path.
     pub path_prefix: String,

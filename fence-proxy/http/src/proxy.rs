@@ -47,6 +47,7 @@ const DEADLINE_REPORT_GRACE: Duration = Duration::from_millis(100);
 /// What the handler needs besides the store.
 #[derive(Clone, Debug)]
 pub struct ProxyConfig {
+    /// Where writes and reads are forwarded.
     pub upstream: Upstream,
     /// How long the upstream may take to send its response head; for a write, also the bound on
     /// its whole exchange (request body sent, response received), after which it is cut off.
@@ -68,6 +69,7 @@ pub struct Proxy {
 }
 
 impl Proxy {
+    /// A proxy forwarding to `config.upstream`, admitting writes through `store`.
     pub fn new(config: ProxyConfig, store: Arc<dyn EpochStore>) -> Arc<Self> {
         let connector = UpstreamConnector::new(&config.upstream);
         let client = Client::builder(TokioExecutor::new()).build(connector);

@@ -20,61 +20,86 @@ pub const PROBLEM_TYPE_PREFIX: &str = "urn:lockd:problem:";
 pub enum Refusal {
     /// 412: the token is lower than the highest accepted for the resource.
     Stale {
+        /// The write's `Lock-Resource`.
         resource: String,
+        /// The write's `Fencing-Token`.
         token: FencingToken,
+        /// The highest token accepted for the resource.
         highest: FencingToken,
     },
     /// 428: a write without `Lock-Resource` or `Fencing-Token`.
     FenceRequired {
+        /// The write's `Lock-Resource`, when it had a valid one.
         resource: Option<String>,
+        /// The write's `Fencing-Token`, when it had a valid one.
         token: Option<FencingToken>,
         /// Which header(s) are missing.
         missing: String,
     },
     /// 400: a fence header that is repeated, not UTF-8, or not valid.
     BadFence {
+        /// The write's `Lock-Resource`, when it had a valid one.
         resource: Option<String>,
+        /// The write's `Fencing-Token`, when it had a valid one.
         token: Option<FencingToken>,
+        /// What went wrong, for the problem body.
         detail: String,
     },
     /// 403: a `Lock-Sequencer` that does not verify: forged, altered, signed by a key the proxy
     /// was not given, for another resource, disagreeing with `Fencing-Token`, or malformed.
     BadSequencer {
+        /// The write's `Lock-Resource`, when it had a valid one.
         resource: Option<String>,
+        /// The write's `Fencing-Token`, when it had a valid one.
         token: Option<FencingToken>,
+        /// What went wrong, for the problem body.
         detail: String,
     },
     /// 403: a plain `Fencing-Token` without a `Lock-Sequencer`, while verify keys are given and
     /// `--allow-unsigned` is not.
     SequencerRequired {
+        /// The write's `Lock-Resource`, when it had a valid one.
         resource: Option<String>,
+        /// The write's `Fencing-Token`, when it had a valid one.
         token: Option<FencingToken>,
     },
     /// 503: the epoch store could not decide; the proxy fails closed.
     StoreUnavailable {
+        /// The write's `Lock-Resource`.
         resource: String,
+        /// The write's `Fencing-Token`.
         token: FencingToken,
+        /// What went wrong, for the problem body.
         detail: String,
     },
     /// 503: another write of the resource (or a quarantine) held it past `--lock-wait`.
     /// Listed in docs/api.md beside the others; why it exists: docs/fence-proxy.md, "Errors".
     ResourceBusy {
+        /// The write's `Lock-Resource`.
         resource: String,
+        /// The write's `Fencing-Token`.
         token: FencingToken,
+        /// What went wrong, for the problem body.
         detail: String,
     },
     /// 502: the upstream could not be reached or broke the connection.
     UpstreamError {
+        /// The write's `Lock-Resource`, when it had a valid one.
         resource: Option<String>,
+        /// The write's `Fencing-Token`, when it had a valid one.
         token: Option<FencingToken>,
+        /// What went wrong, for the problem body.
         detail: String,
         /// Whether the request may have reached the upstream.
         maybe_applied: bool,
     },
     /// 504: the upstream did not answer within `--upstream-timeout`.
     UpstreamTimeout {
+        /// The write's `Lock-Resource`, when it had a valid one.
         resource: Option<String>,
+        /// The write's `Fencing-Token`, when it had a valid one.
         token: Option<FencingToken>,
+        /// The `--upstream-timeout`, in ms.
         timeout_ms: u64,
     },
 }
@@ -83,6 +108,7 @@ pub enum Refusal {
 const RETRY_AFTER_SECONDS: &str = "1";
 
 impl Refusal {
+    /// The HTTP status the refusal is answered with.
     pub fn status(&self) -> StatusCode {
         match self {
             Refusal::Stale { .. } => StatusCode::PRECONDITION_FAILED,
@@ -250,6 +276,7 @@ impl Refusal {
         serde_json::Value::Object(body)
     }
 
+    /// The refusal as an HTTP response: its status, a problem+json body and the `Fence-Proxy-Error` header.
     pub fn into_response(self) -> Response<ProxyBody> {
         let body = Full::new(Bytes::from(self.json().to_string()))
             .map_err(|never| -> BoxError { match never {} })

@@ -155,6 +155,7 @@ pub struct UpstreamConnector {
 }
 
 impl UpstreamConnector {
+    /// A connector to `upstream`, with TLS for an https:// one.
     pub fn new(upstream: &crate::Upstream) -> UpstreamConnector {
         let mut http = HttpConnector::new();
         http.set_nodelay(true);
@@ -205,7 +206,9 @@ impl tower::Service<http::Uri> for UpstreamConnector {
 
 /// One connection to the upstream, plain or TLS.
 pub enum UpstreamConnection {
+    /// An http:// upstream.
     Plain(TokioIo<TcpStream>),
+    /// An https:// upstream.
     Tls(Box<TokioIo<tokio_rustls::client::TlsStream<TcpStream>>>),
 }
 

@@ -13,6 +13,7 @@ use lockd_fence::sequencer::VerifyKeys;
 /// What the proxy demands of a write's token once verify keys are given.
 #[derive(Debug, Clone)]
 pub struct Verification {
+    /// The keys a `Lock-Sequencer` must verify with.
     pub keys: VerifyKeys,
     /// Plain `Fencing-Token` writes without a sequencer are still accepted (migration).
     pub allow_unsigned: bool,

@@ -17,6 +17,7 @@ pub struct AllowList {
 }
 
 impl AllowList {
+    /// Allows clients from `nets`; an empty list allows every address.
     pub fn new(nets: Vec<IpNet>) -> AllowList {
         AllowList { nets }
     }

@@ -85,6 +85,7 @@ impl ReloadableServerConfig {
         TlsAcceptor::from(self.current())
     }
 
+    /// The files the configuration is read from.
     pub fn files(&self) -> &ServerTlsFiles {
         &self.files
     }
@@ -182,6 +183,7 @@ impl ReloadableClientConfig {
             .clone()
     }
 
+    /// How the upstream's certificate is checked (the roots file, if any).
     pub fn check(&self) -> &ServerCheckFiles {
         &self.check
     }
@@ -233,6 +235,7 @@ pub struct TlsReloader {
 }
 
 impl TlsReloader {
+    /// An empty set, which nothing has registered with yet.
     pub fn new() -> TlsReloader {
         TlsReloader::default()
     }

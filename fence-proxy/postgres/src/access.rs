@@ -76,6 +76,7 @@ impl AccessArgs {
         self.require_tls || self.tls_client_ca.is_some()
     }
 
+    /// The `--allow-client` networks.
     pub fn allow_list(&self) -> AllowList {
         AllowList::new(self.allow_client.clone())
     }

@@ -24,9 +24,15 @@ pub enum StatementKind {
     Begin(String),
     /// `COMMIT`, `END`, `PREPARE TRANSACTION`, and `COMMIT AND CHAIN` (`chain`): a commit point,
     /// so the proxy runs the guard right before it.
-    Commit { chain: bool },
+    Commit {
+        /// `AND CHAIN`: a new transaction starts at once.
+        chain: bool,
+    },
     /// `ROLLBACK`, `ABORT`, `ROLLBACK AND CHAIN`.
-    Rollback { chain: bool },
+    Rollback {
+        /// `AND CHAIN`: a new transaction starts at once.
+        chain: bool,
+    },
     /// `ROLLBACK TO SAVEPOINT`: may undo the guard's row lock or read-only setting, so the next
     /// statement is guarded again.
     RollbackTo,
@@ -65,7 +71,9 @@ impl StatementKind {
 /// One top-level statement: its kind and where it starts in the text (a byte offset).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Statement {
+    /// What the statement does to the transaction and the guard.
     pub kind: StatementKind,
+    /// Byte offset of its first character in the query text.
     pub start: usize,
     /// The value a `SET [SESSION | LOCAL] lockd.fence = <constant>` assigns (any spelling of the
     /// name the grammar accepts), for the proxy to verify before it reaches the upstream. Other
@@ -77,16 +85,21 @@ pub struct Statement {
 /// Why a text was not classified.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ClassifyError {
+    /// The Postgres parser rejects the text; its message.
     #[error("the Postgres parser rejects this query: {0}")]
     Syntax(String),
+    /// More statements in one query than the proxy classifies.
     #[error("query has more than {MAX_STATEMENTS_PER_QUERY} statements")]
     TooManyStatements,
+    /// A `BEGIN` option the proxy cannot rebuild; the option.
     #[error("unsupported BEGIN option {0}")]
     BeginOption(String),
+    /// The text is longer than the proxy parses; its length in bytes.
     #[error(
         "query text of {0} bytes exceeds the {MAX_CLASSIFIED_SQL_BYTES} bytes the proxy parses; pass large values as parameters or load data with COPY"
     )]
     TooLong(usize),
+    /// The parser itself failed (not the query); its message.
     #[error("the proxy could not run its SQL parser: {0}")]
     Parser(String),
 }

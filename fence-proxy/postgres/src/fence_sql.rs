@@ -375,9 +375,12 @@ fn quote_ident(name: &str) -> String {
 /// The largest token the `bigint` column holds.
 pub const MAX_RECORDABLE_TOKEN: u64 = i64::MAX as u64;
 
-/// The proxy's own transaction statements, sent where the client's statements need a block.
+// The proxy's own transaction statements, sent where the client's statements need a block.
+/// Opens the proxy's own transaction block.
 pub const BEGIN_SQL: &str = "BEGIN";
+/// Commits the proxy's own transaction block.
 pub const COMMIT_SQL: &str = "COMMIT";
+/// Rolls back the proxy's own transaction block.
 pub const ROLLBACK_SQL: &str = "ROLLBACK";
 
 #[cfg(test)]

@@ -118,6 +118,7 @@ pub struct Args {
     )]
     pub fence_table: String,
     #[command(flatten)]
+    /// Who may connect: `--allow-client`, client TLS and certificate checks.
     pub access: AccessArgs,
     /// Public key (PEM, as `lockctl keys export` writes it) that verifies sequencers in
     /// `lockd.fence`; repeatable (key rotation). With one, every fence must be a sequencer that

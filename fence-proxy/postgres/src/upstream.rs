@@ -41,10 +41,16 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 /// libpq's `sslmode` values the proxy implements (`allow` is not: it never protects anything).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SslMode {
+    /// No TLS.
     Disable,
+    /// TLS if the server offers it, plain text if it refuses; the chain is checked as under
+    /// `require`.
     Prefer,
+    /// TLS; the chain is checked only when `sslrootcert` is given (as libpq does).
     Require,
+    /// TLS, a chain to the `sslrootcert` CA.
     VerifyCa,
+    /// TLS, a chain to the `sslrootcert` CA naming the URL's host.
     VerifyFull,
 }
 
@@ -64,6 +70,7 @@ impl SslMode {
         })
     }
 
+    /// The mode as libpq spells it.
     pub fn as_str(self) -> &'static str {
         match self {
             SslMode::Disable => "disable",
@@ -78,6 +85,7 @@ impl SslMode {
 /// How the proxy reaches the upstream, from `--upstream`.
 #[derive(Clone)]
 pub struct UpstreamTls {
+    /// The URL's `sslmode`.
     pub mode: SslMode,
     /// Client configuration for every mode but `disable`; its `sslrootcert` is reloadable, so
     /// each new connection takes the configuration current then.
@@ -114,6 +122,7 @@ pub struct ParsedUpstream {
     settings: Vec<(String, String)>,
     /// libpq's `connect_timeout`: a further bound on opening the proxy's own connections.
     connect_timeout: Option<Duration>,
+    /// How connections to the upstream are encrypted.
     pub tls: UpstreamTls,
 }
 
@@ -383,22 +392,27 @@ impl ParsedUpstream {
         }
     }
 
+    /// The role of the proxy's own connections, if the URL names one.
     pub fn user(&self) -> Option<&str> {
         self.user.as_deref()
     }
 
+    /// Its password, if the URL gives one.
     pub fn password(&self) -> Option<&str> {
         self.password.as_deref()
     }
 
+    /// The database of the proxy's own connections, if the URL names one.
     pub fn dbname(&self) -> Option<&str> {
         self.dbname.as_deref()
     }
 
+    /// The URL's `application_name`, if any.
     pub fn application_name(&self) -> Option<&str> {
         self.application_name.as_deref()
     }
 
+    /// The URL's `options`, as given.
     pub fn options(&self) -> Option<&str> {
         self.options.as_deref()
     }
@@ -607,20 +621,27 @@ fn percent_decode(s: &str) -> String {
 /// A byte stream the proxy relays: plain TCP or TLS, towards a client or the upstream.
 pub trait Io: AsyncRead + AsyncWrite + Send + Unpin {}
 impl<T: AsyncRead + AsyncWrite + Send + Unpin> Io for T {}
+/// An [`Io`] of either kind, boxed.
 pub type BoxIo = Box<dyn Io>;
 
 /// Why a TLS negotiation with the upstream failed.
 #[derive(Debug, thiserror::Error)]
 pub enum NegotiateError {
+    /// The upstream answered `N` under a mode that needs TLS.
     #[error("the upstream refused TLS, but --upstream asks for sslmode={0}")]
     Refused(&'static str),
+    /// The upstream answered neither `S` nor `N`.
     #[error("the upstream answered the SSLRequest with {0:?}, not S or N")]
     BadAnswer(char),
+    /// The TLS handshake failed.
     #[error("TLS handshake (sslmode={mode}): {error}")]
     Handshake {
+        /// The sslmode in force.
         mode: &'static str,
+        /// The handshake's error.
         error: io::Error,
     },
+    /// Reading or writing the connection failed.
     #[error("{0}")]
     Io(#[from] io::Error),
 }

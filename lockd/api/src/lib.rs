@@ -9,6 +9,10 @@
 //! - [`errors`]: the `google.rpc.ErrorInfo` reasons every lockd error status carries.
 
 /// The `lockd.v1` package.
+#[allow(
+    missing_docs,
+    reason = "generated from proto/lockd/v1/lockd.proto, which documents it; proto comments carry over where present"
+)]
 pub mod v1 {
     tonic::include_proto!("lockd.v1");
 }

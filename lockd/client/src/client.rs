@@ -51,22 +51,27 @@ pub struct AcquireOptions {
 }
 
 impl AcquireOptions {
+    /// Sets the lease ttl.
     pub fn ttl(mut self, ttl: Duration) -> Self {
         self.ttl = Some(ttl);
         self
     }
+    /// Sets how long to queue for a held resource.
     pub fn wait(mut self, wait: Duration) -> Self {
         self.wait = Some(wait);
         self
     }
+    /// Sets the holder text `Describe` shows.
     pub fn holder(mut self, holder: impl Into<String>) -> Self {
         self.holder = Some(holder.into());
         self
     }
+    /// Reuses the request id of an earlier attempt, to learn its outcome.
     pub fn request_id(mut self, id: RequestId) -> Self {
         self.request_id = Some(id);
         self
     }
+    /// Sets the total time for the call, retries included.
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = Some(timeout);
         self
@@ -136,6 +141,7 @@ impl Client {
         Self::with_config(ClientConfig::new(endpoints))
     }
 
+    /// A client with the given settings; fails on an unusable endpoint, TLS setting or token. Nothing is connected until the first call.
     pub fn with_config(config: ClientConfig) -> Result<Self, Error> {
         // The token is written before the client could learn that the other end speaks no TLS:
         // over plaintext anyone on the path (or a spoofed endpoint) would read a long-lived
@@ -156,6 +162,7 @@ impl Client {
         })
     }
 
+    /// The settings this client was made with.
     pub fn config(&self) -> &ClientConfig {
         &self.inner.config
     }

@@ -102,6 +102,7 @@ impl BearerToken {
 /// `--key`.
 #[derive(Clone)]
 pub struct ClientTls {
+    /// The CA certificate(s) that issued the nodes' certificates.
     pub ca_pem: Vec<u8>,
     /// Certificate and key.
     pub identity: Option<(Vec<u8>, Vec<u8>)>,
@@ -149,6 +150,7 @@ impl ClientTls {
 }
 
 impl ClientConfig {
+    /// Default settings for the cluster at `endpoints` (forms as [`crate::endpoints::Endpoints::parse`] takes).
     pub fn new<I, S>(endpoints: I) -> Self
     where
         I: IntoIterator<Item = S>,

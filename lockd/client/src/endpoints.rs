@@ -87,10 +87,12 @@ impl Endpoints {
         })
     }
 
+    /// How many endpoints there are.
     pub fn len(&self) -> usize {
         self.slots.len()
     }
 
+    /// Whether there are none.
     pub fn is_empty(&self) -> bool {
         self.slots.is_empty()
     }
@@ -100,6 +102,7 @@ impl Endpoints {
         self.current.load(Ordering::Relaxed) % self.slots.len()
     }
 
+    /// The endpoint at `index`, as given.
     pub fn name(&self, index: usize) -> &str {
         &self.slots[index].name
     }

@@ -22,10 +22,15 @@ use tonic::{Code, Status};
 /// The RPC an error came from; it decides how a status is read (see the table above).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Op {
+    /// Take a lock, or wait for it.
     Acquire,
+    /// Extend a lease.
     Renew,
+    /// Give up a lease.
     Release,
+    /// Read one resource's state.
     Describe,
+    /// Read the cluster's state.
     Status,
     /// Admin: list the sequencer signing keys.
     SigningKeys,
@@ -73,24 +78,40 @@ pub enum Outcome {
 pub enum Error {
     /// `ABORTED`: another lease holds the resource and the call did not wait. Not granted.
     #[error("{resource:?} is held by another lease (not granted): {message}")]
-    Held { resource: String, message: String },
+    Held {
+        /// The resource asked for.
+        resource: String,
+        /// The server's message.
+        message: String,
+    },
 
     /// `DEADLINE_EXCEEDED` on `Acquire`: waited `wait_timeout` without getting the lock. Not
     /// granted, and the waiter has left the queue.
     #[error("waited {} for {resource:?} without getting it (not granted): {message}", humanize(*wait_timeout))]
     WaitTimedOut {
+        /// The resource asked for.
         resource: String,
+        /// How long the call asked to wait.
         wait_timeout: Duration,
+        /// The server's message.
         message: String,
     },
 
     /// `RESOURCE_EXHAUSTED`: the waiter limit of the resource or its tenant is reached. Not granted.
     #[error("waiter limit reached for {resource:?} (not granted): {message}")]
-    LimitReached { resource: String, message: String },
+    LimitReached {
+        /// The resource asked for.
+        resource: String,
+        /// The server's message, which names the limit.
+        message: String,
+    },
 
     /// `INVALID_ARGUMENT` from the server, or an argument this client refused to send.
     #[error("invalid argument: {message}")]
-    InvalidArgument { message: String },
+    InvalidArgument {
+        /// Which argument and why.
+        message: String,
+    },
 
     /// `NOT_FOUND`: the lease is not the current lease of the resource (expired, released,
     /// superseded or unknown). Nothing was renewed.
@@ -98,8 +119,11 @@ pub enum Error {
         "lease {lease} of {resource:?} is not current (expired, released or superseded): {message}"
     )]
     NotFound {
+        /// The lease's resource.
         resource: String,
+        /// The lease id presented.
         lease: String,
+        /// The server's message.
         message: String,
     },
 
@@ -111,11 +135,17 @@ pub enum Error {
         request_id.as_ref().map(|id| format!(" (retry with request id {id})")).unwrap_or_default()
     )]
     OutcomeUnknown {
+        /// The RPC.
         op: Op,
+        /// The resource it was for.
         resource: String,
+        /// The request id to retry an `Acquire` with; `None` for other RPCs.
         request_id: Option<String>,
+        /// Attempts made.
         attempts: u32,
+        /// Time spent on them.
         elapsed: Duration,
+        /// The last attempt's error.
         last_error: String,
     },
 
@@ -127,42 +157,72 @@ pub enum Error {
         humanize(*elapsed)
     )]
     Unavailable {
+        /// The RPC.
         op: Op,
+        /// The resource it was for; `None` for cluster-wide RPCs.
         resource: Option<String>,
+        /// Attempts made.
         attempts: u32,
+        /// Time spent on them.
         elapsed: Duration,
+        /// The last attempt's error.
         last_error: String,
     },
 
     /// An endpoint that is not `host:port` or `http://host:port`.
     #[error("bad endpoint {endpoint:?}: {reason}")]
-    BadEndpoint { endpoint: String, reason: String },
+    BadEndpoint {
+        /// The endpoint as given.
+        endpoint: String,
+        /// What is wrong with it.
+        reason: String,
+    },
 
     /// TLS settings that cannot be used (a file that cannot be read, a certificate without
     /// its key).
     #[error("TLS: {reason}")]
-    BadTls { reason: String },
+    BadTls {
+        /// What is wrong, naming the file.
+        reason: String,
+    },
 
     /// `PERMISSION_DENIED`: the cluster's authorization policy does not let this client's
     /// identity do this. Not done.
     #[error("{op}: {message}")]
-    PermissionDenied { op: Op, message: String },
+    PermissionDenied {
+        /// The RPC.
+        op: Op,
+        /// The server's message (identity, operation and resource).
+        message: String,
+    },
 
     /// `UNAUTHENTICATED`: the cluster did not accept this client's credentials (a bearer token
     /// it does not know, a certificate it does not trust). Not done.
     #[error("{op}: {message}")]
-    Unauthenticated { op: Op, message: String },
+    Unauthenticated {
+        /// The RPC.
+        op: Op,
+        /// The server's message.
+        message: String,
+    },
 
     /// A bearer token that cannot be used (a file that cannot be read, an empty token).
     #[error("bearer token: {reason}")]
-    BadToken { reason: String },
+    BadToken {
+        /// What is wrong with it.
+        reason: String,
+    },
 
     /// A status docs/api.md does not list for this RPC (e.g. `INTERNAL`, `UNIMPLEMENTED`).
     #[error("{op}: unexpected reply {code:?} from lockd: {message}")]
     Protocol {
+        /// The RPC.
         op: Op,
+        /// The gRPC code answered.
         code: Code,
+        /// The server's message.
         message: String,
+        /// Whether the call may have taken effect (unknown for a mutating RPC).
         outcome: Outcome,
     },
 }

@@ -32,7 +32,10 @@ use crate::request_id::RequestId;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum LossReason {
     /// `Renew` answered `NOT_FOUND`: the lease is not current any more.
-    NotCurrent { message: String },
+    NotCurrent {
+        /// The server's message.
+        message: String,
+    },
     /// No renewal succeeded before the local deadline: the lease may have expired at the server
     /// and been granted to someone else.
     DeadlinePassed {
@@ -40,7 +43,10 @@ pub enum LossReason {
         last_success_before_deadline: Duration,
     },
     /// `Renew` was refused for a reason other than `NOT_FOUND` (e.g. `INVALID_ARGUMENT`).
-    RenewRefused { message: String },
+    RenewRefused {
+        /// The error, as [`Error`] shows it.
+        message: String,
+    },
     /// The guard was released or dropped by its owner.
     Released,
 }
@@ -188,6 +194,7 @@ impl LeaseGuard {
         }
     }
 
+    /// The locked resource.
     pub fn resource(&self) -> &str {
         &self.lease.resource
     }
@@ -197,6 +204,7 @@ impl LeaseGuard {
         self.lease.fencing_token
     }
 
+    /// The lease's id.
     pub fn lease_id(&self) -> &LeaseId {
         &self.lease.lease_id
     }
@@ -206,10 +214,12 @@ impl LeaseGuard {
         &self.lease.sequencer
     }
 
+    /// The request id the `Acquire` carried.
     pub fn request_id(&self) -> &RequestId {
         &self.lease.request_id
     }
 
+    /// The ttl the cluster granted with the lease.
     pub fn ttl(&self) -> Duration {
         self.lease.ttl
     }
@@ -318,7 +328,10 @@ fn next_renewal(last_sent: Instant, interval: Duration) -> Instant {
 
 /// Renews until stopped or lost. The deadline branch of each `select!` comes first, so a deadline
 /// that passes while a renewal is in flight wins over a reply that arrives at the same time.
-#[allow(clippy::too_many_arguments)]
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the loop's state, moved into its task; one call site passes it"
+)]
 async fn renew_loop(
     client: Client,
     resource: String,

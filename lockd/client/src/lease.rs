@@ -25,6 +25,7 @@ pub const LEASE_ID_SHOWN_CHARS: usize = 8;
 pub struct LeaseId(String);
 
 impl LeaseId {
+    /// Wraps a lease id the cluster issued (e.g. one given to `lockctl renew`).
     pub fn new(id: impl Into<String>) -> Self {
         LeaseId(id.into())
     }

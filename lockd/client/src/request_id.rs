@@ -45,6 +45,7 @@ impl RequestId {
         Ok(RequestId(id))
     }
 
+    /// The id as sent.
     pub fn as_str(&self) -> &str {
         &self.0
     }

@@ -43,14 +43,17 @@ impl fmt::Debug for KeyRecord {
 }
 
 impl KeyRecord {
+    /// The key's id, which sequencers name to say which key signed them.
     pub fn id(&self) -> KeyId {
         KeyId(self.key_id)
     }
 
+    /// The public half, which verifiers check signatures with.
     pub fn public(&self) -> PublicKey {
         PublicKey::from_raw(self.public_key)
     }
 
+    /// Whether this is the key that signs (not yet retired).
     pub fn is_active(&self) -> bool {
         self.retired_ms.is_none()
     }
@@ -73,10 +76,12 @@ impl SigningKeys {
         &self.keys
     }
 
+    /// The key that signs now; `None` before the first installation.
     pub fn active(&self) -> Option<&KeyRecord> {
         self.keys.iter().rev().find(|k| k.is_active())
     }
 
+    /// Whether no key was ever installed.
     pub fn is_empty(&self) -> bool {
         self.keys.is_empty()
     }

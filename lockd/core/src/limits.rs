@@ -54,10 +54,15 @@ pub const ACTIVE_RESOURCES_PER_TENANT_DEFAULT: u32 = 250_000;
 /// The bounds that shape replicated state, stamped by the leader on every batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Policy {
+    /// Longest queue of one resource.
     pub waiters_per_resource_max: u32,
+    /// Most waiters one tenant may have queued, over all its resources.
     pub waiters_per_tenant_max: u32,
+    /// How long a request_id keeps returning its original outcome, in ms.
     pub dedup_retention_ms: u64,
+    /// Most request_id records one tenant may have.
     pub dedup_records_per_tenant_max: u32,
+    /// Most active resources (held or with waiters) one tenant may have.
     pub active_resources_per_tenant_max: u32,
 }
 

@@ -75,9 +75,13 @@ pub struct LockTable {
 /// `mono_ms` on its monotonic clock.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ClockAnchor {
+    /// The Raft term of the stamping leader.
     pub term: u64,
+    /// The stamping process (random per process start).
     pub session: u64,
+    /// That process's monotonic clock reading, in ms.
     pub mono_ms: u64,
+    /// The table's clock at that reading, in ms.
     pub table_ms: i64,
 }
 
@@ -122,26 +126,39 @@ struct Waiter {
 /// What Describe shows of one resource. Never contains the lease id.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ResourceView {
+    /// Whether a lease holds the resource now.
     pub held: bool,
+    /// The lease's holder name (empty when not held).
     pub holder: String,
+    /// The lease's fencing token (0 when not held).
     pub fencing_token: FencingToken,
+    /// When the lease expires unless renewed, by the table's clock (0 when not held).
     pub expires_at_ms: i64,
+    /// Waiters queued for the resource, not counting those whose caller went away.
     pub waiters: u32,
 }
 
 /// Table-wide counters for Status and metrics.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct TableStats {
+    /// Resources held by a lease.
     pub active_locks: u64,
+    /// Waiters queued, over all resources.
     pub waiters: u64,
+    /// Resources the table tracks (held or with waiters).
     pub resources: u64,
+    /// request_id records kept for deduplication.
     pub dedup_records: u64,
+    /// The last fencing token issued.
     pub last_token: u64,
+    /// The table's clock, in ms (roughly Unix ms).
     pub now_ms: i64,
+    /// The Raft term of the last batch applied.
     pub term: u64,
 }
 
 impl LockTable {
+    /// An empty table, as a new cluster starts with.
     pub fn new() -> Self {
         Self::default()
     }
@@ -1016,6 +1033,7 @@ impl LockTable {
 
     // ---- reads ----
 
+    /// What Describe shows of `resource`; an unknown resource shows as not held, no waiters.
     pub fn describe(&self, resource: &ResourceName) -> ResourceView {
         let Some(state) = self.resources.get(resource) else {
             return ResourceView::default();
@@ -1042,6 +1060,7 @@ impl LockTable {
         &self.keys
     }
 
+    /// Table-wide counters, for Status and metrics.
     pub fn stats(&self) -> TableStats {
         TableStats {
             active_locks: self.held,

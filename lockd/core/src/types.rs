@@ -49,6 +49,7 @@ impl FromStr for LeaseId {
 pub struct RequestKey(pub u128);
 
 impl RequestKey {
+    /// The key of `request_id`.
     pub fn of(request_id: &str) -> Self {
         RequestKey(xxhash_rust::xxh3::xxh3_128(request_id.as_bytes()))
     }
@@ -65,6 +66,7 @@ impl ResourceName {
         ResourceName(name)
     }
 
+    /// The name as given.
     pub fn as_str(&self) -> &str {
         &self.0
     }

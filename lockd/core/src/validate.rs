@@ -8,7 +8,9 @@ use crate::types::{LeaseId, ResourceName};
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("invalid {field}: {reason}")]
 pub struct InvalidArgument {
+    /// The request field at fault, as the API names it.
     pub field: &'static str,
+    /// What is wrong with its value.
     pub reason: String,
 }
 

@@ -136,7 +136,13 @@ fn spawn(command: &[String], resource: &str, guard: &LeaseGuard) -> io::Result<C
     // If lockctl itself dies (SIGKILL, OOM), nobody renews the lease any more: the kernel kills
     // COMMAND too instead of leaving it to run without a lock.
     #[cfg(target_os = "linux")]
-    // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
+    // SAFETY: pre_exec runs the closure in the child between fork and exec, where only
+    // async-signal-safe work is sound: it calls prctl (async-signal-safe) and turns an errno
+    // into an io::Error without allocating.
+    #[allow(
+        unsafe_code,
+        reason = "pre_exec is unsafe: the closure runs after fork"
+    )]
     unsafe {
         cmd.pre_exec(|| nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).map_err(io::Error::from));
     }

@@ -1,6 +1,11 @@
 //! lockctl's behaviour without a cluster: flag errors, endpoint errors and the JSON error object.
 //! Every failure must be exactly one line on stderr with the documented exit code.
 
+#![allow(
+    clippy::unwrap_used,
+    reason = "test code: a failed unwrap is a failed test, with its message"
+)]
+
 use std::process::{Command, Output};
 
 const LOCKCTL: &str = env!("CARGO_BIN_EXE_lockctl");

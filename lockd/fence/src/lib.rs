@@ -55,10 +55,13 @@ impl fmt::Display for FencingToken {
 /// Why a token or fence value was rejected.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum FenceParseError {
+    /// The token is not plain decimal digits within u64.
     #[error("fencing token {0:?} is not a decimal number from 0 to 18446744073709551615")]
     BadToken(String),
+    /// The fence has no `:` between resource and token.
     #[error("fence {0:?} must look like <resource>:<token>")]
     MissingSeparator(String),
+    /// The resource name breaks lockd's naming policy.
     #[error("resource {0:?} must be 1 to 256 bytes without control characters")]
     BadResource(String),
 }
@@ -93,7 +96,9 @@ pub fn validate_resource(resource: &str) -> Result<(), FenceParseError> {
 /// A resource and the token a session presents for it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Fence {
+    /// The locked resource.
     pub resource: String,
+    /// The token the session's lease was granted.
     pub token: FencingToken,
 }
 

@@ -75,32 +75,55 @@ impl fmt::Display for KeyId {
 /// What a verified sequencer says.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Sequencer {
+    /// The resource the lease is for.
     pub resource: String,
+    /// The lease's fencing token.
     pub token: FencingToken,
+    /// When the lease expires, in Unix ms as lockd's table clock reckons it: informative only.
     pub expires_at_unix_ms: i64,
+    /// The key that signed it.
     pub key_id: KeyId,
 }
 
 /// Why a sequencer or a key was refused. Messages name the value, never echo key material.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SequencerError {
+    /// The text is not base64; the count is its length, not its content.
     #[error("sequencer is not valid base64 ({0} characters)")]
     NotBase64(usize),
+    /// The bytes decode but are not a sequencer; says which part is wrong.
     #[error("sequencer is malformed: {0}")]
     Malformed(&'static str),
+    /// Signed by a key the verifier was not given.
     #[error("sequencer is signed by key {0}, which is not among the verify keys")]
     UnknownKey(KeyId),
+    /// The signature does not match the content under that key.
     #[error("sequencer signature does not verify with key {0}")]
     BadSignature(KeyId),
+    /// The sequencer is for another resource than the write.
     #[error("sequencer names resource {found:?} but the write is for {expected:?}")]
-    WrongResource { expected: String, found: String },
+    WrongResource {
+        /// The write's resource.
+        expected: String,
+        /// The sequencer's resource.
+        found: String,
+    },
+    /// The sequencer carries another token than the write claims.
     #[error("sequencer carries token {found} but the write claims {expected}")]
     WrongToken {
+        /// The token the write claims.
         expected: FencingToken,
+        /// The token in the sequencer.
         found: FencingToken,
     },
+    /// A key file could not be read or is not a key of the expected kind.
     #[error("key {path}: {reason}")]
-    KeyFile { path: String, reason: String },
+    KeyFile {
+        /// The file.
+        path: String,
+        /// What is wrong with it.
+        reason: String,
+    },
 }
 
 /// The cluster's private signing key.
@@ -164,10 +187,12 @@ impl SigningKey {
         pem_encode("PRIVATE KEY", &self.pkcs8)
     }
 
+    /// The id of this key, which every sequencer it signs names.
     pub fn key_id(&self) -> KeyId {
         self.key_id
     }
 
+    /// The public half, to give verifiers.
     pub fn public_key(&self) -> PublicKey {
         let mut raw = [0u8; 32];
         raw.copy_from_slice(self.pair.public_key().as_ref());
@@ -205,6 +230,7 @@ pub struct PublicKey {
 }
 
 impl PublicKey {
+    /// The key from its 32 raw Ed25519 bytes.
     pub fn from_raw(raw: [u8; 32]) -> PublicKey {
         PublicKey {
             raw,
@@ -232,10 +258,12 @@ impl PublicKey {
         })
     }
 
+    /// The 32 raw Ed25519 bytes.
     pub fn raw(&self) -> &[u8; 32] {
         &self.raw
     }
 
+    /// The id sequencers signed by this key name.
     pub fn key_id(&self) -> KeyId {
         self.key_id
     }
@@ -255,6 +283,7 @@ pub struct VerifyKeys {
 }
 
 impl VerifyKeys {
+    /// Trusts exactly `keys`.
     pub fn new(keys: impl IntoIterator<Item = PublicKey>) -> VerifyKeys {
         VerifyKeys {
             keys: keys.into_iter().map(|k| (k.key_id, k)).collect(),
@@ -270,10 +299,12 @@ impl VerifyKeys {
         Ok(VerifyKeys::new(keys))
     }
 
+    /// Whether no key is trusted (nothing can verify).
     pub fn is_empty(&self) -> bool {
         self.keys.is_empty()
     }
 
+    /// The ids of the trusted keys, in order.
     pub fn key_ids(&self) -> impl Iterator<Item = KeyId> + '_ {
         self.keys.keys().copied()
     }

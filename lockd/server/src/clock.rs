@@ -1,7 +1,5 @@
 //! The time a leader stamps on batches.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use lockd_core::Stamp;
@@ -20,7 +18,7 @@ pub struct Clock {
     /// Random per process start, secret (see `Stamp::key_seed`).
     key_seed: u128,
     /// Test-only shift of the wall clock (fault injection of a wrong clock); 0 in production.
-    offset_ms: Arc<AtomicI64>,
+    offset_ms: i64,
 }
 
 impl Clock {
@@ -40,13 +38,8 @@ impl Clock {
             base: Instant::now(),
             session: rand::rng().random::<u64>(),
             key_seed: rand::rng().random::<u128>(),
-            offset_ms: Arc::new(AtomicI64::new(offset)),
+            offset_ms: offset,
         }
-    }
-
-    /// Wall-clock Unix ms (read once at start, then advanced by the monotonic clock).
-    pub fn now_ms(&self) -> i64 {
-        self.base_unix_ms + self.mono_ms() as i64 + self.offset_ms.load(Ordering::Relaxed)
     }
 
     /// Milliseconds of the monotonic clock since this process started.
@@ -61,7 +54,7 @@ impl Clock {
     /// The stamp of a batch proposed now by the leader of `term`, with the wall clock.
     pub fn stamp(&self, term: u64) -> (i64, Stamp) {
         let mono_ms = self.mono_ms();
-        let wall = self.base_unix_ms + mono_ms as i64 + self.offset_ms.load(Ordering::Relaxed);
+        let wall = self.base_unix_ms + mono_ms as i64 + self.offset_ms;
         (
             wall,
             Stamp {
@@ -71,10 +64,6 @@ impl Clock {
                 key_seed: self.key_seed,
             },
         )
-    }
-
-    pub fn set_offset_ms(&self, offset: i64) {
-        self.offset_ms.store(offset, Ordering::Relaxed);
     }
 }
 

@@ -14,7 +14,9 @@ use lockd_core::limits::{
 /// One peer: `ID=HOST:PORT`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Peer {
+    /// The peer's `--id`.
     pub id: u64,
+    /// Where the peer serves, `HOST:PORT`.
     pub addr: String,
 }
 
@@ -92,7 +94,7 @@ pub struct Tuning {
 }
 
 impl Tuning {
-    pub fn policy(&self) -> Policy {
+    pub(crate) fn policy(&self) -> Policy {
         Policy {
             waiters_per_resource_max: self.waiters_per_resource_max,
             waiters_per_tenant_max: self.waiters_per_tenant_max,
@@ -102,6 +104,9 @@ impl Tuning {
         }
     }
 
+    /// Refuses flag values that cannot work: an election timeout under three heartbeats, an
+    /// audit log cap under 4 KiB, snapshots more often than every 10 entries. The error names
+    /// the flag.
     pub fn validate(&self) -> Result<(), String> {
         if self.heartbeat_ms == 0 || self.election_timeout_ms < 3 * self.heartbeat_ms {
             return Err(format!(
@@ -128,19 +133,20 @@ impl Tuning {
 /// Everything one node needs to run.
 #[derive(Clone, Debug)]
 pub struct NodeConfig {
-    pub id: u64,
-    pub listen: SocketAddr,
-    pub peers: BTreeMap<u64, String>,
-    pub data_dir: PathBuf,
-    pub metrics_listen: Option<SocketAddr>,
-    pub audit: Option<crate::observe::audit::AuditTarget>,
+    pub(crate) id: u64,
+    pub(crate) listen: SocketAddr,
+    pub(crate) peers: BTreeMap<u64, String>,
+    pub(crate) data_dir: PathBuf,
+    pub(crate) metrics_listen: Option<SocketAddr>,
+    pub(crate) audit: Option<crate::observe::audit::AuditTarget>,
+    /// Limits, timing and logging of the node.
     pub tuning: Tuning,
     /// Names this cluster on every Raft message and in node certificate names.
-    pub cluster_id: String,
+    pub(crate) cluster_id: String,
     /// Certificates; `None` runs without TLS (replication unauthenticated).
-    pub tls: Option<crate::tls::TlsFiles>,
+    pub(crate) tls: Option<crate::tls::TlsFiles>,
     /// `--auth-policy` and `--auth-tokens`; `None` runs open (see `crate::auth`).
-    pub auth: Option<crate::auth::AuthFiles>,
+    pub(crate) auth: Option<crate::auth::AuthFiles>,
 }
 
 impl NodeConfig {

@@ -9,9 +9,12 @@ use tokio_util::sync::CancellationToken;
 use crate::config::{NodeConfig, Tuning};
 use crate::node;
 
-pub const DEV_LOCK_PORTS: [u16; 3] = [7001, 7002, 7003];
-pub const DEV_METRICS_PORTS: [u16; 3] = [9101, 9102, 9103];
+pub(crate) const DEV_LOCK_PORTS: [u16; 3] = [7001, 7002, 7003];
+pub(crate) const DEV_METRICS_PORTS: [u16; 3] = [9101, 9102, 9103];
 
+/// Runs `lockd dev`: three nodes on `host` (ports 7001-7003, metrics 9101-9103) with their data
+/// under `data_dir` (and, with `tls`, certificates made for them there), until `shutdown` is
+/// cancelled or a node fails.
 pub async fn run(
     data_dir: PathBuf,
     host: std::net::Ipv4Addr,

@@ -10,27 +10,29 @@
 //! - [`node`]: wiring of one node and its background tasks (reaper, leadership watcher).
 //! - [`raft`]: openraft type configuration and the peer network.
 //! - [`storage`]: the redb log store and the state machine with its snapshots.
-//! - [`proposer`]: group commit of client commands into Raft entries.
-//! - [`waiters`]: calls parked until the log grants them.
-//! - [`signing`]: signing grants with the replicated sequencer key, and installing it.
+//! - `proposer`: group commit of client commands into Raft entries.
+//! - `waiters`: calls parked until the log grants them.
+//! - `signing`: signing grants with the replicated sequencer key, and installing it.
 //! - [`service`]: the gRPC services and the status-code table.
-//! - [`observe`]: metrics and health endpoints.
-//! - [`clock`]: the leader's stamp clock.
+//! - `observe`: metrics and health endpoints.
+//! - `clock`: the leader's stamp clock.
 //! - [`dev`]: `lockd dev`, three nodes in one process.
+//!
+//! The modules named without a link are internal to the crate.
 
 pub mod auth;
-pub mod clock;
+pub(crate) mod clock;
 pub mod config;
 pub mod dev;
 pub mod node;
-pub mod observe;
-pub mod proposer;
+pub(crate) mod observe;
+pub(crate) mod proposer;
 pub mod raft;
 pub mod service;
-pub mod signing;
+pub(crate) mod signing;
 pub mod storage;
 pub mod tls;
-pub mod waiters;
+pub(crate) mod waiters;
 
 /// Resolves when the process receives SIGINT or SIGTERM.
 pub async fn shutdown_signal() {

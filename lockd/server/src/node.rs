@@ -37,10 +37,10 @@ const REAP_INTERVAL: Duration = Duration::from_millis(50);
 /// Resources reaped per round; the rest follow in the next round.
 const REAP_BATCH_MAX: usize = 2_000;
 /// Largest client message: requests are a few hundred bytes.
-pub const CLIENT_MESSAGE_MAX_BYTES: usize = 64 * 1024;
+pub(crate) const CLIENT_MESSAGE_MAX_BYTES: usize = 64 * 1024;
 
 /// Everything the RPC handlers and background tasks of one node share.
-pub struct NodeCtx {
+pub(crate) struct NodeCtx {
     pub id: NodeId,
     pub raft: Raft,
     pub sm: Arc<RwLock<SmState>>,
@@ -144,7 +144,7 @@ impl NodeCtx {
 
 /// Wakes waiting calls, counts state changes, writes the audit log and feeds the hot lists as
 /// entries apply.
-pub struct Hub {
+pub(crate) struct Hub {
     waits: Arc<WaitRegistry>,
     metrics: Arc<NodeMetrics>,
     audit: Option<AuditLog>,
@@ -159,12 +159,6 @@ impl Hub {
     /// See `lockd_clock_offset_seconds`.
     pub fn clock_offset_ms(&self) -> Option<i64> {
         Some(self.clock_offset_ms.load(Ordering::Relaxed)).filter(|v| *v != i64::MIN)
-    }
-
-    pub fn flush_audit(&self) {
-        if let Some(a) = &self.audit {
-            a.flush();
-        }
     }
 }
 
@@ -236,7 +230,10 @@ impl AppliedSink for Hub {
 
 /// A started node. Dropping it does not stop it: cancel the token given to [`start`].
 pub struct RunningNode {
-    pub ctx: Arc<NodeCtx>,
+    /// Held, not read: the node's shared state lives at least as long as this handle, as it
+    /// did when callers could reach it.
+    _ctx: Arc<NodeCtx>,
+    /// The node's main task; it ends when the node stops, with the error that stopped it.
     pub done: tokio::task::JoinHandle<anyhow::Result<()>>,
 }
 
@@ -536,7 +533,7 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
             }
         }
     });
-    Ok(RunningNode { ctx, done })
+    Ok(RunningNode { _ctx: ctx, done })
 }
 
 /// Concurrent gRPC calls one connection may have open (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS).

@@ -7,7 +7,7 @@
 //! from: `node-<id>.<cluster-id>.lockd` as a DNS subject alternative name. So a client certificate,
 //! a certificate of another cluster, or one node impersonating another gets UNAUTHENTICATED, and
 //! the message never reaches openraft. The cluster id is also sent on every Raft message
-//! ([`CLUSTER_ID_HEADER`]), so two clusters never mix even where TLS is off.
+//! (`CLUSTER_ID_HEADER`), so two clusters never mix even where TLS is off.
 //!
 //! A node's certificate serves three purposes: its server certificate on the port (so it must
 //! also name the address clients dial: a DNS or IP SAN), its client certificate towards peers,
@@ -21,18 +21,18 @@ use rustls_pki_types::{CertificateDer, ServerName, UnixTime};
 use crate::raft::NodeId;
 
 /// gRPC metadata carrying the sender's cluster id on every Raft message.
-pub const CLUSTER_ID_HEADER: &str = "lockd-cluster-id";
+pub(crate) const CLUSTER_ID_HEADER: &str = "lockd-cluster-id";
 
 /// The cluster id when `--cluster-id` is not given.
 pub const DEFAULT_CLUSTER_ID: &str = "lockd";
 
 /// The DNS name a node's certificate must carry: `node-<id>.<cluster_id>.lockd`.
-pub fn node_name(id: NodeId, cluster_id: &str) -> String {
+pub(crate) fn node_name(id: NodeId, cluster_id: &str) -> String {
     format!("node-{id}.{cluster_id}.lockd")
 }
 
 /// Checks `--cluster-id`: it becomes a DNS label in certificate names.
-pub fn validate_cluster_id(id: &str) -> Result<(), String> {
+pub(crate) fn validate_cluster_id(id: &str) -> Result<(), String> {
     let ok = !id.is_empty()
         && id.len() <= 63
         && id
@@ -52,7 +52,7 @@ pub fn validate_cluster_id(id: &str) -> Result<(), String> {
 
 /// The certificate files of `--tls-cert`, `--tls-key`, `--peer-ca` and `--tls-client-ca`.
 #[derive(Clone, Debug)]
-pub struct TlsFiles {
+pub(crate) struct TlsFiles {
     pub cert: PathBuf,
     pub key: PathBuf,
     pub peer_ca: PathBuf,
@@ -60,7 +60,7 @@ pub struct TlsFiles {
 }
 
 /// A node's TLS material, loaded and checked at start and again on every SIGHUP.
-pub struct NodeTls {
+pub(crate) struct NodeTls {
     cluster_id: String,
     /// The listener's rustls configuration: this node's certificate, and a certificate asked of
     /// every caller, checked against the peer CA and the client CA but not required (clients may
@@ -194,10 +194,6 @@ impl NodeTls {
         Ok(Arc::new(tls))
     }
 
-    pub fn cluster_id(&self) -> &str {
-        &self.cluster_id
-    }
-
     /// `--tls-client-ca` as trust anchors (empty without it).
     pub fn client_anchors(&self) -> &[rustls_pki_types::TrustAnchor<'static>] {
         &self.client_anchors
@@ -295,7 +291,7 @@ impl NodeTls {
 /// checks, swaps them in: new connections (inbound and to peers) use the new certificates,
 /// established ones keep theirs, so a rotation drops no call. A reload that fails leaves the
 /// previous material in place and says why in the log.
-pub struct TlsHandle {
+pub(crate) struct TlsHandle {
     files: TlsFiles,
     id: NodeId,
     cluster_id: String,
@@ -397,7 +393,7 @@ impl Handshakes {
 /// current at accept time, several at once, so a slow or silent client holds up no one else.
 /// Failed handshakes are dropped (logged at debug): they never reach the server. `peer_ips`
 /// are the members' addresses, never refused for their number of handshakes.
-pub fn incoming(
+pub(crate) fn incoming(
     listener: tokio::net::TcpListener,
     tls: Arc<TlsHandle>,
     server: fn(&NodeTls) -> Arc<rustls::ServerConfig>,
@@ -453,7 +449,7 @@ pub fn incoming(
 
 /// Dials peer `target` over TLS with the material current at connect time, checking that its
 /// certificate names `node-<target>.<cluster>.lockd`, from `local_ip` when given.
-pub fn peer_connector(
+pub(crate) fn peer_connector(
     tls: Arc<TlsHandle>,
     target: NodeId,
     local_ip: Option<std::net::IpAddr>,
@@ -504,7 +500,7 @@ fn names_dns(cert: &webpki::EndEntityCert<'_>, name: &str) -> bool {
 }
 
 /// Throwaway certificates for `lockd dev --tls`.
-pub mod dev {
+pub(crate) mod dev {
     use std::net::{IpAddr, Ipv4Addr};
     use std::path::{Path, PathBuf};
 
@@ -595,7 +591,7 @@ mod tests {
             client_ca: None,
         };
         let tls = NodeTls::load(&files, 1, DEFAULT_CLUSTER_ID).unwrap();
-        assert_eq!(tls.cluster_id(), DEFAULT_CLUSTER_ID);
+        assert_eq!(tls.cluster_id, DEFAULT_CLUSTER_ID);
         let chain2 = certs_in(&std::fs::read(certs.node(2).0).unwrap(), "node 2").unwrap();
         assert_eq!(tls.identify_member(&chain2, &[1, 2, 3]), Ok(2));
         let e = tls.identify_member(&chain2, &[1, 3]).unwrap_err();

@@ -52,12 +52,4 @@ impl WaitRegistry {
             let _ = tx.send(end);
         }
     }
-
-    pub fn len(&self) -> usize {
-        self.calls.lock().expect("waiters lock").len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
 }

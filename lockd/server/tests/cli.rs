@@ -1,6 +1,11 @@
 //! The `lockd` binary from the outside: flag errors are one line with a non-zero exit, and
 //! `lockd dev` starts a working three-replica cluster.
 
+#![allow(
+    clippy::unwrap_used,
+    reason = "test code: a failed unwrap is a failed test, with its message"
+)]
+
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};

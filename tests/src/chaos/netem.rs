@@ -57,8 +57,10 @@ impl std::fmt::Display for NetemSpec {
 /// Moves the calling thread into the network namespace bound at `path` (`/run/netns/NAME`).
 pub fn enter_netns(path: &str) -> std::io::Result<()> {
     let f = std::fs::File::open(path)?;
-    // SAFETY: setns on a valid descriptor; it changes this thread's namespace only.
-    if unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+    // SAFETY: setns on a descriptor `f` keeps open; it changes this thread's namespace only.
+    #[allow(unsafe_code, reason = "FFI: setns has no safe wrapper in libc")]
+    let rc = unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) };
+    if rc != 0 {
         return Err(std::io::Error::last_os_error());
     }
     Ok(())
@@ -66,10 +68,15 @@ pub fn enter_netns(path: &str) -> std::io::Result<()> {
 
 /// A raw socket on `ifname` of the current thread's namespace, with virtio headers, not seeing
 /// the frames it sends itself, with a receive timeout of [`POLL`].
+#[allow(
+    unsafe_code,
+    reason = "FFI: AF_PACKET sockets and their options have no safe wrapper"
+)]
 fn packet_socket(ifname: &str) -> std::io::Result<OwnedFd> {
     let err = std::io::Error::last_os_error;
     let name = CString::new(ifname).map_err(std::io::Error::other)?;
-    // SAFETY: plain libc calls with valid pointers and sizes; the descriptor is owned at once.
+    // SAFETY: plain libc calls with valid pointers and the sizes of what they point to; an
+    // all-zero sockaddr_ll is a valid value; the descriptor is owned as soon as it exists.
     unsafe {
         let ifindex = libc::if_nametoindex(name.as_ptr());
         if ifindex == 0 {
@@ -196,7 +203,8 @@ fn read_loop(
 ) {
     let mut buf = vec![0u8; FRAME_BYTES_MAX];
     while !stop.load(Ordering::SeqCst) {
-        // SAFETY: reads into a buffer of the length given.
+        // SAFETY: reads at most `buf.len()` bytes into `buf`.
+        #[allow(unsafe_code, reason = "FFI: recv on a raw AF_PACKET socket")]
         let n = unsafe {
             libc::recv(
                 fd.as_raw_fd(),
@@ -244,7 +252,8 @@ fn send_loop(fds: &[Arc<OwnedFd>; 2], stop: &AtomicBool, queue: &Queue) {
         };
         if let Some(Reverse((_, _, dir, bytes))) = frame {
             let out = &fds[1 - dir];
-            // SAFETY: sends a buffer of the length given. A failed send is a lost frame.
+            // SAFETY: reads `bytes.len()` bytes from `bytes`. A failed send is a lost frame.
+            #[allow(unsafe_code, reason = "FFI: send on a raw AF_PACKET socket")]
             unsafe {
                 libc::send(
                     out.as_raw_fd(),

@@ -81,7 +81,9 @@ fn ip(args: &[&str]) -> anyhow::Result<String> {
 /// Whether this process can make network namespaces; `Err` says why not (for skipping).
 pub fn available() -> Result<(), String> {
     // SAFETY: geteuid has no preconditions and cannot fail.
-    if unsafe { libc::geteuid() } != 0 {
+    #[allow(unsafe_code, reason = "FFI: geteuid has no safe wrapper in libc")]
+    let euid = unsafe { libc::geteuid() };
+    if euid != 0 {
         return Err("network namespaces need root (this process is not)".into());
     }
     // One name per call: runs of one process (`--jobs`) probe at the same moment.

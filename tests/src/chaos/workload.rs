@@ -165,7 +165,10 @@ struct Held {
 }
 
 impl Worker {
-    #[allow(clippy::too_many_arguments)]
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "each is one independent setting of a worker; one call site builds it"
+    )]
     pub fn new(
         id: usize,
         seed: u64,

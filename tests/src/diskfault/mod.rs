@@ -96,7 +96,12 @@ impl DiskFaultMount {
         };
         let path = std::ffi::CString::new(self.mountpoint.as_os_str().as_encoded_bytes())?;
         // Lazy: the name goes at once, the session ends when the last open file is closed.
-        // SAFETY: a valid NUL-terminated path; umount2 has no other preconditions.
+        // SAFETY: `path` is a NUL-terminated string that outlives the call; umount2 has no
+        // other preconditions.
+        #[allow(
+            unsafe_code,
+            reason = "FFI: umount2 with MNT_DETACH has no safe wrapper in libc"
+        )]
         unsafe {
             libc::umount2(path.as_ptr(), libc::MNT_DETACH);
         }

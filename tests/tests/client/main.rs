@@ -13,6 +13,11 @@
 //!   leader kill, dead endpoints, long waits, a lease that is gone.
 //! - `lockctl`: `lockctl hold` and the other commands, their errors and JSON output.
 
+#![allow(
+    clippy::unwrap_used,
+    reason = "test code: a failed unwrap is a failed test, with its message"
+)]
+
 mod guard;
 mod lockctl;
 

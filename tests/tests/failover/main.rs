@@ -6,6 +6,11 @@
 //! - `restart`: full restarts, log compaction, lagging and wiped nodes.
 //! - `clock`: nodes whose wall clocks are an hour ahead or behind take turns as leader.
 
+#![allow(
+    clippy::unwrap_used,
+    reason = "test code: a failed unwrap is a failed test, with its message"
+)]
+
 mod clock;
 mod leader;
 mod restart;

@@ -12,6 +12,11 @@
 //!   connection cap.
 //! - `readiness`: `/readyz` follows the epoch store and the upstream.
 
+#![allow(
+    clippy::unwrap_used,
+    reason = "test code: a failed unwrap is a failed test, with its message"
+)]
+
 mod checks;
 mod faults;
 mod readiness;

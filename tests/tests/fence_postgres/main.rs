@@ -15,6 +15,11 @@
 //! - `review_wire`, `review_roles_and_memory`: the adversarial review's raw-wire attacks, and its
 //!   attacks through database ownership and memory.
 
+#![allow(
+    clippy::unwrap_used,
+    reason = "test code: a failed unwrap is a failed test, with its message"
+)]
+
 mod bypass;
 mod commit;
 mod end_to_end;

@@ -13,6 +13,11 @@
 //! - `http`: the HTTP front end over HTTPS, and its epoch store over TLS.
 //! - `reload`: certificates, keys and upstream roots reloaded on SIGHUP.
 
+#![allow(
+    clippy::unwrap_used,
+    reason = "test code: a failed unwrap is a failed test, with its message"
+)]
+
 mod http;
 mod postgres;
 mod reload;

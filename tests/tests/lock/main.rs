@@ -7,6 +7,11 @@
 //! - `error_reasons`: the machine-readable reason every error status carries.
 //! - `reflection`: gRPC server reflection lists the public services.
 
+#![allow(
+    clippy::unwrap_used,
+    reason = "test code: a failed unwrap is a failed test, with its message"
+)]
+
 mod basic;
 mod error_reasons;
 mod reflection;

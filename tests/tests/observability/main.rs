@@ -5,6 +5,11 @@
 //! - `audit`: the audit log: each change once, in log order, without request ids.
 //! - `status`: `/readyz` and `lockctl status`.
 
+#![allow(
+    clippy::unwrap_used,
+    reason = "test code: a failed unwrap is a failed test, with its message"
+)]
+
 mod audit;
 mod metrics;
 mod status;

@@ -7,6 +7,11 @@
 //! - `transport`: `lockctl` over TLS, certificate reload under load.
 //! - `authz`: tenants, request ids, bearer tokens, forwarded identities and the policy's checks.
 
+#![allow(
+    clippy::unwrap_used,
+    reason = "test code: a failed unwrap is a failed test, with its message"
+)]
+
 mod authz;
 mod replication;
 mod transport;

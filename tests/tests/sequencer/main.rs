@@ -7,5 +7,10 @@
 //!   key rotation.
 //! - `proxy`: both front ends of fence-proxy verifying sequencers.
 
+#![allow(
+    clippy::unwrap_used,
+    reason = "test code: a failed unwrap is a failed test, with its message"
+)]
+
 mod proxy;
 mod server;

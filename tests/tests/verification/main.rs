@@ -11,6 +11,11 @@
 //!   misbehaving HTTP upstreams.
 //! - `disk_faults`: lockd on a FUSE layer that loses unsynced writes, fails fsyncs and fills up.
 
+#![allow(
+    clippy::unwrap_used,
+    reason = "test code: a failed unwrap is a failed test, with its message"
+)]
+
 mod chaos;
 mod disk_faults;
 mod fence_faults;

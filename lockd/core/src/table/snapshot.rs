@@ -25,14 +25,33 @@ const MAGIC_V3: &[u8] = b"\xff\xff\xff\xff\xff\xff\xff\xff\xff\xfflockd-table-3"
 /// Starts every format-2 snapshot.
 const MAGIC_V2: &[u8] = b"\xff\xff\xff\xff\xff\xff\xff\xff\xff\xfflockd-table-2";
 
+/// Why a snapshot could not be read back into a table.
 #[derive(Debug, thiserror::Error)]
 pub enum SnapshotError {
+    /// The bytes are not a table of that format.
     #[error("lock table snapshot (format {format}) does not decode: {source}")]
-    Decode { format: u8, source: postcard::Error },
+    Decode {
+        /// The snapshot format it was read as (from its magic prefix; 1 without one).
+        format: u8,
+        /// What postcard could not read.
+        source: postcard::Error,
+    },
+    /// The table decoded but bytes were left over.
     #[error("lock table snapshot (format {format}) has {count} bytes after the table")]
-    TrailingBytes { format: u8, count: usize },
+    TrailingBytes {
+        /// The snapshot format it was read as (from its magic prefix; 1 without one).
+        format: u8,
+        /// How many bytes were left over.
+        count: usize,
+    },
+    /// The table decoded but does not convert to the current table.
     #[error("lock table snapshot (format {format}) is invalid: {reason}")]
-    Invalid { format: u8, reason: String },
+    Invalid {
+        /// The snapshot format it was read as (from its magic prefix; 1 without one).
+        format: u8,
+        /// Why not.
+        reason: String,
+    },
 }
 
 /// A copy of the table taken for a snapshot, to encode off the apply path. Taking it is O(1)

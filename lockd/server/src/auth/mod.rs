@@ -16,11 +16,11 @@
 //! the start-up log says so.
 //!
 //! # Layout
-//! - [`policy`]: the policy file and its checks.
-//! - [`tokens`]: the tokens file of hashed secrets.
+//! - `policy`: the policy file and its checks.
+//! - `tokens`: the tokens file of hashed secrets.
 
-pub mod policy;
-pub mod tokens;
+pub(crate) mod policy;
+pub(crate) mod tokens;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -34,8 +34,8 @@ use sha2::{Digest, Sha256};
 use tonic::metadata::MetadataValue;
 use tonic::{Request, Status};
 
-pub use policy::{Operation, Policy};
-pub use tokens::Tokens;
+pub(crate) use policy::{Operation, Policy};
+pub(crate) use tokens::Tokens;
 
 use crate::observe::metrics::NodeMetrics;
 use crate::raft::NodeId;
@@ -58,14 +58,14 @@ const REFUSAL_LOG_EVERY_MS: u64 = 10_000;
 
 /// The files of `--auth-policy` and `--auth-tokens`.
 #[derive(Clone, Debug)]
-pub struct AuthFiles {
+pub(crate) struct AuthFiles {
     pub policy: PathBuf,
     pub tokens: Option<PathBuf>,
 }
 
 /// Who a call is from, put in the request's extensions by [`Auth::intercept`].
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Caller {
+pub(crate) struct Caller {
     /// `cert:<cn>`, `token:<name>`, `anonymous` or `node:<id>`; `None` without a policy (open
     /// mode identifies nobody).
     pub identity: Option<Arc<str>>,
@@ -88,7 +88,7 @@ enum CertIdentity {
 type Checked = (Result<CertIdentity, String>, Instant, u64);
 
 /// Identification and authorization of one node's client calls.
-pub struct Auth {
+pub(crate) struct Auth {
     /// `None`: open mode.
     policy: Option<Policy>,
     tokens: Tokens,
@@ -152,11 +152,6 @@ impl Auth {
             last_logged_ms: AtomicU64::new(0),
             started: Instant::now(),
         }))
-    }
-
-    /// Whether a policy is enforced.
-    pub fn enforcing(&self) -> bool {
-        self.policy.is_some()
     }
 
     /// The interceptor of the Lock and Cluster services: identifies the caller (or refuses it
@@ -430,7 +425,7 @@ fn client_certificate(
 
 /// The identity and the client's request id of a scoped request id (see
 /// [`Auth::scope_request_id`]); `(None, id)` for an id that is not scoped.
-pub fn split_request_id(id: &str) -> (Option<&str>, &str) {
+pub(crate) fn split_request_id(id: &str) -> (Option<&str>, &str) {
     id.strip_prefix(SCOPE_MARK)
         .and_then(|rest| rest.split_once(SCOPE_MARK))
         .map(|(identity, original)| (Some(identity), original))
@@ -438,7 +433,7 @@ pub fn split_request_id(id: &str) -> (Option<&str>, &str) {
 }
 
 /// `status` with the scoped request id in its message replaced by the client's own.
-pub fn unscope_status(status: Status, scoped: &str, original: &str) -> Status {
+pub(crate) fn unscope_status(status: Status, scoped: &str, original: &str) -> Status {
     if scoped == original {
         return status;
     }
@@ -449,7 +444,7 @@ pub fn unscope_status(status: Status, scoped: &str, original: &str) -> Status {
 }
 
 /// PERMISSION_DENIED for `identity` doing `op` (on `resource`).
-pub fn denied(identity: &str, op: Operation, resource: Option<&str>) -> Status {
+pub(crate) fn denied(identity: &str, op: Operation, resource: Option<&str>) -> Status {
     let what = match resource {
         Some(r) => format!("{} {r:?}", op.as_str()),
         None => format!("call {} on the cluster", op.as_str()),
@@ -466,7 +461,7 @@ pub fn denied(identity: &str, op: Operation, resource: Option<&str>) -> Status {
 }
 
 /// The request types whose resource authorization looks at.
-pub trait Resourced {
+pub(crate) trait Resourced {
     fn resource(&self) -> &str;
 }
 

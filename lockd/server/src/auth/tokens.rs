@@ -112,17 +112,17 @@ fn parse_hex32(hex: &str) -> Option<[u8; 32]> {
     Some(out)
 }
 
-/// SHA-256 hex of `secret`, as the tokens file wants it.
-pub fn digest_hex(secret: &str) -> String {
-    Sha256::digest(secret.as_bytes())
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// SHA-256 hex of `secret`, as the tokens file wants it.
+    fn digest_hex(secret: &str) -> String {
+        Sha256::digest(secret.as_bytes())
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    }
 
     #[test]
     fn a_token_is_found_by_its_secret_only() {

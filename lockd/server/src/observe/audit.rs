@@ -52,6 +52,10 @@ struct Line<'a> {
 
 enum Msg {
     Line(String),
+    #[cfg_attr(
+        not(test),
+        allow(dead_code, reason = "sent only by `flush`, which the unit tests use")
+    )]
     Flush(std::sync::mpsc::Sender<()>),
 }
 
@@ -279,6 +283,7 @@ impl AuditLog {
     }
 
     /// Waits until every line recorded so far is written and flushed.
+    #[cfg(test)]
     pub fn flush(&self) {
         let (tx, rx) = std::sync::mpsc::channel();
         if self.tx.send(Msg::Flush(tx)).is_ok() {

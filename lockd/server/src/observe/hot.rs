@@ -31,6 +31,10 @@ pub enum HotEvent {
     /// A snapshot replaced the table: these are now the longest queues.
     ResetQueues(Vec<(String, u32)>),
     /// Answered once every event before it is counted.
+    #[cfg_attr(
+        not(test),
+        allow(dead_code, reason = "sent only by `flush`, which the unit tests use")
+    )]
     Flush(std::sync::mpsc::Sender<()>),
 }
 
@@ -79,6 +83,7 @@ impl HotTracker {
     }
 
     /// Waits until every event reported so far is counted.
+    #[cfg(test)]
     pub fn flush(&self) {
         let (tx, rx) = std::sync::mpsc::channel();
         if self.tx.send(HotEvent::Flush(tx)).is_ok() {

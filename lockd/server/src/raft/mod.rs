@@ -1,8 +1,8 @@
 //! openraft type configuration, the network between nodes and the vote gate of a node that
 //! rejoins with an empty data dir.
 
-pub mod network;
-pub mod vote_gate;
+pub(crate) mod network;
+pub(crate) mod vote_gate;
 
 use lockd_core::{Batch, Outcome};
 use serde::{Deserialize, Serialize};
@@ -25,7 +25,11 @@ openraft::declare_raft_types!(
         AsyncRuntime = openraft::TokioRuntime,
 );
 
+/// A node's `--id`.
 pub type NodeId = u64;
+/// The openraft handle of a node.
 pub type Raft = openraft::Raft<TypeConfig>;
+/// A log position: the term of its leader and its index.
 pub type LogId = openraft::LogId<NodeId>;
+/// A storage failure as openraft reports it.
 pub type StorageError = openraft::StorageError<NodeId>;

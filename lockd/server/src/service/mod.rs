@@ -1,7 +1,7 @@
 //! gRPC services: the public `lockd.v1.Lock` and `lockd.v1.Cluster`, and the internal
 //! replication service. `errors` is the one table from outcome to status code.
 
-pub mod cluster;
-pub mod errors;
-pub mod lock;
+pub(crate) mod cluster;
+pub(crate) mod errors;
+pub(crate) mod lock;
 pub mod raft;

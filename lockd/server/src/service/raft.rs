@@ -20,6 +20,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 use tonic::service::interceptor::InterceptedService;
 
+/// The generated messages, client and server of the internal `lockd.raft.v1` service.
+#[allow(
+    missing_docs,
+    reason = "generated from proto/lockd/raft/v1/raft.proto, which documents it"
+)]
 pub mod pb {
     tonic::include_proto!("lockd.raft.v1");
 }
@@ -27,7 +32,7 @@ pub mod pb {
 use pb::RaftMessage;
 use pb::raft_server::RaftServer;
 
-pub struct RaftService {
+pub(crate) struct RaftService {
     raft: Raft,
     /// Set when this node started with an empty data dir: it may have voted in the current term
     /// before its disk was lost, so it grants no vote until every election of that term has
@@ -42,7 +47,7 @@ pub struct RaftService {
 /// Decides whether a Raft message comes from a member of this cluster (see `crate::tls`). It
 /// runs as an interceptor, on the request's headers, before tonic reads the body: an
 /// unauthenticated caller cannot make the node buffer a 64 MiB message.
-pub struct PeerAuth {
+pub(crate) struct PeerAuth {
     cluster_id: String,
     /// The other members: a message never comes from this node itself.
     members: Vec<NodeId>,

@@ -28,7 +28,7 @@ use tokio::sync::watch;
 
 use super::{
     KEY_COMMITTED, KEY_LAST_PURGED, KEY_REJOIN_PROOF, KEY_REJOINING, KEY_VOTE, LOG, META,
-    StorageObserver, Unobserved, blocking,
+    StorageObserver, blocking,
 };
 use crate::raft::{LogId, NodeId, StorageError, TypeConfig};
 
@@ -77,9 +77,10 @@ enum WriteOp {
 }
 
 impl LogStore {
-    /// A log store whose purges wait for `gate` (see [`SnapshotGate`]).
+    /// A log store whose purges wait for `gate` (see [`SnapshotGate`]), observed by no one.
+    #[cfg(test)]
     pub fn new(db: Arc<Database>, gate: SnapshotGate) -> Self {
-        Self::observed(db, gate, Arc::new(Unobserved))
+        Self::observed(db, gate, Arc::new(super::Unobserved))
     }
 
     /// [`LogStore::new`] that tells `observer` how long each durable write took.

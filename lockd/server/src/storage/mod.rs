@@ -4,17 +4,17 @@
 //! The snapshot is kept apart because redb has one writer per database: a snapshot is tens of
 //! megabytes, and writing it into the log's database would hold up every log append (and so
 //! every commit) until its fsync. A plain file also lets the snapshot be synced in small steps
-//! (see [`snapshot_file`]). The order of writes keeps the pair consistent: openraft purges log
+//! (see `snapshot_file`). The order of writes keeps the pair consistent: openraft purges log
 //! entries only after the snapshot covering them is durable.
 //!
 //! The state machine itself lives in memory; after a restart it is rebuilt from the snapshot plus
 //! the committed log entries after it, which openraft replays. Every write that openraft is told
 //! is durable was fsynced first.
 
-pub mod log_store;
-pub mod snapshot_data;
-pub mod snapshot_file;
-pub mod state_machine;
+pub(crate) mod log_store;
+pub(crate) mod snapshot_data;
+pub(crate) mod snapshot_file;
+pub(crate) mod state_machine;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -46,29 +46,31 @@ pub(crate) const KEY_REJOINING: &str = "rejoining";
 pub(crate) const KEY_REJOIN_PROOF: &str = "rejoin_proof";
 
 /// Name of the log database in the data dir.
-pub const LOG_FILE: &str = "lockd.redb";
+pub(crate) const LOG_FILE: &str = "lockd.redb";
 
 /// Hears how long storage work took, for metrics. Called on the storage threads, once per
 /// durable write batch or snapshot: it must be quick.
-pub trait StorageObserver: Send + Sync + 'static {
+pub(crate) trait StorageObserver: Send + Sync + 'static {
     /// A batch of log writes (appends, vote, committed index, truncation) became durable: the
     /// redb commit, whose time is mostly its fsync.
     fn log_synced(&self, took: Duration);
 }
 
-/// Observes nothing (unit tests, tools).
-pub struct Unobserved;
+/// Observes nothing (unit tests).
+#[cfg(test)]
+pub(crate) struct Unobserved;
 
+#[cfg(test)]
 impl StorageObserver for Unobserved {
     fn log_synced(&self, _: Duration) {}
 }
 
 /// A node's persistent state.
 pub struct Databases {
-    pub log: Arc<Database>,
-    pub snapshots: SnapshotFile,
+    pub(crate) log: Arc<Database>,
+    pub(crate) snapshots: SnapshotFile,
     /// Where snapshots were kept before `snapshot.bin` (moved on open if present).
-    pub legacy_snapshot_db: PathBuf,
+    pub(crate) legacy_snapshot_db: PathBuf,
 }
 
 /// Opens (or creates) the node's storage in `data_dir`.
@@ -192,7 +194,12 @@ pub(crate) async fn background<T: Send + 'static>(
 /// fails the work runs at normal priority.
 fn lower_thread_priority() {
     #[cfg(target_os = "linux")]
-    // SAFETY: setpriority has no memory-safety preconditions; gettid names the calling thread.
+    // SAFETY: gettid and setpriority take and return plain integers: no memory-safety
+    // preconditions; gettid names the calling thread.
+    #[allow(
+        unsafe_code,
+        reason = "FFI: setpriority of one thread has no safe wrapper"
+    )]
     unsafe {
         let tid = libc::gettid();
         libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, 10);
