@@ -33,6 +33,9 @@ pub struct ClusterOptions {
     pub clock_offsets_ms: Vec<i64>,
     /// Run the nodes with TLS: certificates made by [`Cluster::start`] under a peer CA.
     pub tls: bool,
+    /// Give each node its id, addresses, peers, data dir and timings in a TOML file
+    /// (`--config <dir>/node<id>.toml`) instead of flags.
+    pub config_file: bool,
 }
 
 /// The certificates of a TLS test cluster (see [`ClusterOptions::tls`]).
@@ -55,6 +58,7 @@ impl Default for ClusterOptions {
             extra_args: Vec::new(),
             clock_offsets_ms: Vec::new(),
             tls: false,
+            config_file: false,
         }
     }
 }
@@ -137,24 +141,36 @@ impl Cluster {
     pub fn start_node(&mut self, id: u64) -> anyhow::Result<()> {
         let o = &self.options;
         let mut cmd: Command = command("lockd");
-        cmd.arg("--id")
-            .arg(id.to_string())
-            .arg("--listen")
-            .arg(self.addr(id))
-            .arg("--data-dir")
-            .arg(self.data_dir(id))
-            .arg("--metrics-listen")
-            .arg(self.metrics_addr(id))
-            .arg("--heartbeat-ms")
-            .arg(o.heartbeat_ms.to_string())
-            .arg("--election-timeout-ms")
-            .arg(o.election_timeout_ms.to_string())
-            .arg("--snapshot-every")
-            .arg(o.snapshot_every.to_string())
-            .arg("--logs-kept-after-snapshot")
-            .arg(o.logs_kept_after_snapshot.to_string());
-        for peer in 1..=o.nodes {
-            cmd.arg("--peer").arg(format!("{peer}={}", self.addr(peer)));
+        // The settings every node has, as (flag, values).
+        let mut settings: Vec<(&str, Vec<String>)> = vec![
+            ("id", vec![id.to_string()]),
+            ("listen", vec![self.addr(id)]),
+            ("data-dir", vec![self.data_dir(id).display().to_string()]),
+            ("metrics-listen", vec![self.metrics_addr(id)]),
+            ("heartbeat", vec![format!("{}ms", o.heartbeat_ms)]),
+            ("election-timeout", vec![format!("{}ms", o.election_timeout_ms)]),
+            ("snapshot-every", vec![o.snapshot_every.to_string()]),
+            (
+                "logs-kept-after-snapshot",
+                vec![o.logs_kept_after_snapshot.to_string()],
+            ),
+        ];
+        settings.push((
+            "peer",
+            (1..=o.nodes)
+                .map(|peer| format!("{peer}={}", self.addr(peer)))
+                .collect(),
+        ));
+        if o.config_file {
+            let file = self.dir.path().join(format!("node{id}.toml"));
+            std::fs::write(&file, toml_text(&settings))?;
+            cmd.arg("--config").arg(file);
+        } else {
+            for (flag, values) in &settings {
+                for value in values {
+                    cmd.arg(format!("--{flag}")).arg(value);
+                }
+            }
         }
         if o.audit {
             cmd.arg("--audit-log")
@@ -388,4 +404,19 @@ where
         .map(|(_, b)| b.to_owned())
         .unwrap_or_default();
     Ok((status, body))
+}
+
+/// `settings` as a lockd config file: one key per flag, a list for a repeated flag.
+fn toml_text(settings: &[(&str, Vec<String>)]) -> String {
+    let quote = |v: &String| format!("{v:?}");
+    settings
+        .iter()
+        .map(|(flag, values)| match values.as_slice() {
+            [one] => format!("{flag} = {}\n", quote(one)),
+            many => format!(
+                "{flag} = [{}]\n",
+                many.iter().map(quote).collect::<Vec<_>>().join(", ")
+            ),
+        })
+        .collect()
 }

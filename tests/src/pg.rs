@@ -229,8 +229,8 @@ pub fn proxy_args(
         max_message_bytes: fence_proxy_postgres::limits::DEFAULT_MAX_MESSAGE_BYTES,
         // Two session threads whatever the machine, so sessions of one test share and split them.
         threads: 2,
-        connect_timeout_ms: 5_000,
-        startup_timeout_ms: 10_000,
+        connect_timeout: Duration::from_secs(5),
+        startup_timeout: Duration::from_secs(10),
         fence_table,
         access: Default::default(),
         verify_key: Vec::new(),

@@ -129,7 +129,7 @@ class Cluster:
 
     def start_node(self, i: int) -> None:
         args = [binary("lockd"), "--id", str(i), "--listen", self.addr(i), "--data-dir", str(self.tmp / ("node%d" % i))]
-        args += ["--heartbeat-ms", "100", "--election-timeout-ms", "600"]
+        args += ["--heartbeat", "100ms", "--election-timeout", "600ms"]
         if self.ca is not None:
             t = self.tmp / "tls"
             args += ["--tls-cert", str(t / ("node%d.pem" % i)), "--tls-key", str(t / ("node%d-key.pem" % i))]

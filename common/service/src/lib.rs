@@ -14,10 +14,14 @@
 //! - [`checks`]: [`checks::Readiness`], the `/readyz` answer kept up to date by background
 //!   probes, so that a request never waits for one.
 //! - [`flag_errors`]: clap's errors folded into one line, the tip included.
+//! - [`config_file`]: `--config FILE`, flag values from a TOML file, as defaults under flags and env.
+//! - [`durations`]: the one way binaries read durations (`30s`, `250ms`).
 //! - [`cli_docs`]: `completions SHELL` and `man` for every binary, generated from its clap flags.
 
 pub mod checks;
 pub mod cli_docs;
+pub mod config_file;
+pub mod durations;
 pub mod endpoints;
 pub mod flag_errors;
 pub mod log;

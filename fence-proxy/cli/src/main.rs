@@ -13,6 +13,7 @@ use anyhow::Context;
 use clap::{CommandFactory, Parser, Subcommand};
 use lockd_service_kit::checks::Readiness;
 use lockd_service_kit::cli_docs::DocsCommand;
+use lockd_service_kit::config_file::{self, ParseError};
 use lockd_service_kit::endpoints::{self, Endpoints};
 use lockd_service_kit::flag_errors::{self, FlagErrors};
 use lockd_service_kit::log::{LogFormat, init_tracing};
@@ -37,6 +38,13 @@ struct Cli {
     /// Log line format on stderr; the level comes from RUST_LOG (default `info`).
     #[arg(long, global = true, env = "FENCE_PROXY_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
+
+    /// TOML file of flag values: global keys at the top (`log-format`), each front end's in an
+    /// `[http]` or `[postgres]` table (`listen = "127.0.0.1:6432"`). Flags and environment
+    /// variables override it.
+    // Read by `config_file::parse` before clap parses; declared for --help and the parse.
+    #[arg(long = "config", global = true, env = "FENCE_PROXY_CONFIG", value_name = "FILE")]
+    _config: Option<std::path::PathBuf>,
 
     #[command(subcommand)]
     command: Command,
@@ -98,13 +106,28 @@ const REMOVED_POSTGRES_FLAGS: &[(&str, &str, &str)] = &[(
     "the proxy keeps no connection pool of its own any more (its start-up check opens one connection, client sessions never shared it): remove the setting",
 )];
 
-/// The subcommand `argv` names: its first word that is neither a flag nor the value of the one
-/// global flag that takes a separate value (`--log-format`).
+/// Environment variables of the Postgres front end renamed when durations took one form
+/// (`5s`); their flags' old names still work. (old, new, an example value).
+const RENAMED_POSTGRES_ENV: &[(&str, &str, &str)] = &[
+    (
+        "FENCE_PROXY_PG_CONNECT_TIMEOUT_MS",
+        "FENCE_PROXY_PG_CONNECT_TIMEOUT",
+        "5s",
+    ),
+    (
+        "FENCE_PROXY_PG_STARTUP_TIMEOUT_MS",
+        "FENCE_PROXY_PG_STARTUP_TIMEOUT",
+        "30s",
+    ),
+];
+
+/// The subcommand `argv` names: its first word that is neither a flag nor the value of a
+/// global flag that takes a separate value (`--log-format`, `--config`).
 fn subcommand(argv: &[std::ffi::OsString]) -> Option<&str> {
     let mut words = argv.iter().skip(1).map(|a| a.to_str());
     while let Some(word) = words.next() {
         let word = word?;
-        if word == "--log-format" {
+        if word == "--log-format" || word == "--config" {
             words.next();
         } else if !word.starts_with('-') {
             return Some(word);
@@ -113,7 +136,8 @@ fn subcommand(argv: &[std::ffi::OsString]) -> Option<&str> {
     None
 }
 
-/// The error for a removed flag of `fence-proxy postgres` in `argv` or the environment.
+/// The error for a removed flag of `fence-proxy postgres` in `argv` or the environment, or for
+/// a renamed environment variable.
 fn removed_flag(argv: &[std::ffi::OsString]) -> Option<String> {
     if subcommand(argv) != Some("postgres") {
         return None;
@@ -135,6 +159,13 @@ fn removed_flag(argv: &[std::ffi::OsString]) -> Option<String> {
             None
         }
     })
+    .or_else(|| {
+        RENAMED_POSTGRES_ENV.iter().find_map(|(old, new, example)| {
+            std::env::var_os(old).map(|_| {
+                format!("error: {old} was renamed {new}: give it as a duration like {example} (a bare number is milliseconds)")
+            })
+        })
+    })
 }
 
 fn main() -> ExitCode {
@@ -151,9 +182,13 @@ fn main() -> ExitCode {
         eprintln!("fence-proxy: {e}");
         return ExitCode::from(2);
     }
-    let cli = match Cli::try_parse() {
+    let cli: Cli = match config_file::parse(argv, "FENCE_PROXY_CONFIG") {
         Ok(cli) => cli,
-        Err(e) => return FLAG_ERRORS.report(e),
+        Err(ParseError::Flags(e)) => return FLAG_ERRORS.report(e),
+        Err(ParseError::Config(e)) => {
+            eprintln!("fence-proxy: error: {e}");
+            return ExitCode::from(2);
+        }
     };
     let front_end = match cli.command {
         Command::FrontEnd(front_end) => front_end,

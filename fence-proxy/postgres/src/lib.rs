@@ -48,6 +48,7 @@ use std::time::Duration;
 
 use fence_proxy_net::TlsReloader;
 use lockd_service_kit::checks::{Check, Readiness};
+use lockd_service_kit::durations::parse_duration_or_ms;
 use sqlx::Connection;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
@@ -95,20 +96,28 @@ pub struct Args {
     /// CPU.
     #[arg(long, default_value_t = 0, env = "FENCE_PROXY_PG_THREADS")]
     pub threads: usize,
-    /// Timeout for opening a TCP connection to the upstream, in milliseconds.
+    /// Timeout for opening a TCP connection to the upstream, like 5s. The old name
+    /// --connect-timeout-ms (a number of milliseconds) still works.
     #[arg(
         long,
-        default_value_t = 5_000,
-        env = "FENCE_PROXY_PG_CONNECT_TIMEOUT_MS"
+        alias = "connect-timeout-ms",
+        value_name = "DURATION",
+        default_value = "5s",
+        value_parser = parse_duration_or_ms,
+        env = "FENCE_PROXY_PG_CONNECT_TIMEOUT"
     )]
-    pub connect_timeout_ms: u64,
-    /// Time a client has to finish its startup and authentication, in milliseconds.
+    pub connect_timeout: Duration,
+    /// Time a client has to finish its startup and authentication, like 30s. The old name
+    /// --startup-timeout-ms (a number of milliseconds) still works.
     #[arg(
         long,
-        default_value_t = 30_000,
-        env = "FENCE_PROXY_PG_STARTUP_TIMEOUT_MS"
+        alias = "startup-timeout-ms",
+        value_name = "DURATION",
+        default_value = "30s",
+        value_parser = parse_duration_or_ms,
+        env = "FENCE_PROXY_PG_STARTUP_TIMEOUT"
     )]
-    pub startup_timeout_ms: u64,
+    pub startup_timeout: Duration,
     /// Table the fences are recorded in, as given to `fence-proxy postgres init`; the guard
     /// function is `<table>_guard` in the same schema. An unqualified name means `public`.
     #[arg(
@@ -279,8 +288,8 @@ pub async fn run_with_reload(
         fence_table,
         require_fence: args.require_fence,
         max_message_bytes: args.max_message_bytes,
-        connect_timeout: Duration::from_millis(args.connect_timeout_ms),
-        startup_timeout: Duration::from_millis(args.startup_timeout_ms),
+        connect_timeout: args.connect_timeout,
+        startup_timeout: args.startup_timeout,
         upstream_tls: upstream.tls.clone(),
         client_tls: args.access.server_tls()?,
         require_tls: args.access.tls_required(),

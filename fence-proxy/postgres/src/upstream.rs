@@ -225,7 +225,7 @@ pub fn parse(url: &str, what: &str) -> anyhow::Result<ParsedUpstream> {
                     .map(Duration::from_secs);
             }
             // Socket settings of libpq's: the proxy's own connections last a moment, and client
-            // sessions are bounded by --connect-timeout-ms; accepted for the URL to be usable
+            // sessions are bounded by --connect-timeout; accepted for the URL to be usable
             // with psql as well.
             "keepalives" => {
                 number::<u64>(&key, &value).map_err(value_error)?;

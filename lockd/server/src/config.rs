@@ -4,8 +4,10 @@
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::time::Duration;
 
 use lockd_core::Policy;
+use lockd_service_kit::durations::parse_duration_or_ms;
 use lockd_core::limits::{
     ACTIVE_RESOURCES_PER_TENANT_DEFAULT, DEDUP_RECORDS_PER_TENANT_DEFAULT,
     DEDUP_RETENTION_DEFAULT_MS, WAITERS_PER_RESOURCE_DEFAULT, WAITERS_PER_TENANT_DEFAULT,
@@ -48,13 +50,17 @@ pub use lockd_service_kit::log::LogFormat;
 /// Tuning shared by `lockd` and `lockd dev`.
 #[derive(Clone, Debug, clap::Args)]
 pub struct Tuning {
-    /// Raft heartbeat interval. openraft 0.9 also uses it as the timeout of each AppendEntries
-    /// call, so it must cover a follower's fsync of a full batch with room to spare.
-    #[arg(long, env = "LOCKD_HEARTBEAT_MS", default_value_t = 250)]
-    pub heartbeat_ms: u64,
-    /// Lower bound of the randomised election timeout. Upper bound is twice this.
-    #[arg(long, env = "LOCKD_ELECTION_TIMEOUT_MS", default_value_t = 1000)]
-    pub election_timeout_ms: u64,
+    /// Raft heartbeat interval, like 250ms. openraft 0.9 also uses it as the timeout of each
+    /// AppendEntries call, so it must cover a follower's fsync of a full batch with room to
+    /// spare. The old name --heartbeat-ms (a number of milliseconds) still works.
+    #[arg(long, env = "LOCKD_HEARTBEAT", alias = "heartbeat-ms", value_name = "DURATION",
+          default_value = "250ms", value_parser = parse_duration_or_ms)]
+    pub heartbeat: Duration,
+    /// Lower bound of the randomised election timeout, like 1s. Upper bound is twice this. The
+    /// old name --election-timeout-ms (a number of milliseconds) still works.
+    #[arg(long, env = "LOCKD_ELECTION_TIMEOUT", alias = "election-timeout-ms", value_name = "DURATION",
+          default_value = "1s", value_parser = parse_duration_or_ms)]
+    pub election_timeout: Duration,
     /// Build a snapshot (and purge the log before it) after this many log entries. A snapshot
     /// costs O(table) and a restart replays up to this many entries (of up to 512 commands each);
     /// how the default was chosen is in docs/benchmarks.md. Node N waits (N-1 mod 8)/8 of this
@@ -108,10 +114,10 @@ impl Tuning {
     /// audit log cap under 4 KiB, snapshots more often than every 10 entries. The error names
     /// the flag.
     pub fn validate(&self) -> Result<(), String> {
-        if self.heartbeat_ms == 0 || self.election_timeout_ms < 3 * self.heartbeat_ms {
+        if self.heartbeat.is_zero() || self.election_timeout < 3 * self.heartbeat {
             return Err(format!(
-                "--election-timeout-ms {} must be at least 3 x --heartbeat-ms {} (and heartbeat > 0)",
-                self.election_timeout_ms, self.heartbeat_ms
+                "--election-timeout {:?} must be at least 3 x --heartbeat {:?} (and heartbeat > 0)",
+                self.election_timeout, self.heartbeat
             ));
         }
         if self.audit_log_max_bytes < 4096 {

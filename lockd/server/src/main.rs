@@ -7,7 +7,8 @@ use std::process::ExitCode;
 use clap::{CommandFactory, Parser, Subcommand};
 use lockd_server::config::{NodeConfig, Peer, Tuning};
 use lockd_service_kit::cli_docs::DocsCommand;
-use lockd_service_kit::flag_errors::FlagErrors;
+use lockd_service_kit::config_file::{self, ParseError};
+use lockd_service_kit::flag_errors::{FlagErrors, USAGE_EXIT};
 use lockd_service_kit::log::init_tracing;
 use tokio_util::sync::CancellationToken;
 
@@ -24,6 +25,11 @@ use tokio_util::sync::CancellationToken;
 struct Cli {
     #[command(subcommand)]
     command: Option<Cmd>,
+    /// TOML file of flag values: each key a flag's name (`heartbeat = "250ms"`, `peer = [...]`),
+    /// the `dev` command's in a `[dev]` table. Flags and environment variables override it.
+    // Read by `config_file::parse` before clap parses; declared for --help and the parse.
+    #[arg(long = "config", env = "LOCKD_CONFIG", global = true, value_name = "FILE")]
+    _config: Option<PathBuf>,
     /// This node's id, as in the --peer list.
     #[arg(long, env = "LOCKD_ID", required = true)]
     id: Option<u64>,
@@ -102,15 +108,39 @@ const FLAG_ERRORS: FlagErrors = FlagErrors {
     missing_command: "a command or --id, --listen and --data-dir are required; see lockd --help",
 };
 
+/// Environment variables that were renamed when durations took one form (`250ms`): a setting
+/// that silently stopped working would mislead, so each is refused with its new name.
+const RENAMED_ENV: &[(&str, &str)] = &[
+    ("LOCKD_HEARTBEAT_MS", "LOCKD_HEARTBEAT"),
+    ("LOCKD_ELECTION_TIMEOUT_MS", "LOCKD_ELECTION_TIMEOUT"),
+];
+
+/// The error for a renamed environment variable that is set.
+fn renamed_env() -> Option<String> {
+    RENAMED_ENV.iter().find_map(|(old, new)| {
+        std::env::var_os(old).map(|_| {
+            format!("{old} was renamed {new}: give it as a duration like 250ms (a bare number is milliseconds)")
+        })
+    })
+}
+
 /// mimalloc rather than the system allocator: at thousands of calls per second allocation is a
 /// tenth of the CPU, and glibc's per-thread arenas fragment under the snapshot's large buffers.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
-    let cli = match Cli::try_parse() {
+    if let Some(e) = renamed_env() {
+        eprintln!("lockd: {e}");
+        return ExitCode::from(USAGE_EXIT);
+    }
+    let cli: Cli = match config_file::parse(std::env::args_os().collect(), "LOCKD_CONFIG") {
         Ok(cli) => cli,
-        Err(e) => return FLAG_ERRORS.report(e),
+        Err(ParseError::Flags(e)) => return FLAG_ERRORS.report(e),
+        Err(ParseError::Config(e)) => {
+            eprintln!("lockd: {e}");
+            return ExitCode::from(USAGE_EXIT);
+        }
     };
     // Completions and manual pages need no runtime.
     if let Some(Cmd::Docs(docs)) = &cli.command {

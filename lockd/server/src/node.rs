@@ -242,9 +242,9 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
     let t = &config.tuning;
     let raft_config = openraft::Config {
         cluster_name: "lockd".into(),
-        heartbeat_interval: t.heartbeat_ms,
-        election_timeout_min: t.election_timeout_ms,
-        election_timeout_max: t.election_timeout_ms * 2,
+        heartbeat_interval: millis(t.heartbeat),
+        election_timeout_min: millis(t.election_timeout),
+        election_timeout_max: millis(t.election_timeout) * 2,
         install_snapshot_timeout: 10_000,
         snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(staggered_snapshot_every(
             t.snapshot_every,
@@ -270,7 +270,7 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
             && log_store.get_log_state().await?.last_log_id.is_none()
     };
     let refuse_votes_until = started_empty
-        .then(|| std::time::Instant::now() + Duration::from_millis(4 * t.election_timeout_ms));
+        .then(|| std::time::Instant::now() + 4 * t.election_timeout);
     // Recorded before Raft starts, so a crash while catching up keeps the node from voting on a
     // partial log after its restart (see raft::vote_gate).
     if started_empty {
@@ -390,7 +390,7 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
         metrics,
         committed,
         peers,
-        election_timeout_max_ms: t.election_timeout_ms * 2,
+        election_timeout_max_ms: millis(t.election_timeout) * 2,
         hub,
         is_leader: tokio::sync::watch::Sender::new(false),
         signer: Default::default(),
@@ -570,6 +570,12 @@ async fn reload_on_sighup(
             }
         }
     }
+}
+
+/// A duration in whole milliseconds, as openraft's config takes them (saturating: no flag
+/// value comes near the limit).
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 /// Replicas that snapshot at the same log index encode and write at the same moment, and the

@@ -72,7 +72,7 @@ fn bad_flags_fail_with_one_line() {
             "--election-timeout-ms",
             "600",
         ],
-        "--election-timeout-ms",
+        "--election-timeout",
     );
     assert!(lockd().arg("--help").output().unwrap().status.success());
 }

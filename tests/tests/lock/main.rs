@@ -6,6 +6,7 @@
 //!   limits and retries across a leader change.
 //! - `error_reasons`: the machine-readable reason every error status carries.
 //! - `reflection`: gRPC server reflection lists the public services.
+//! - `config_file`: nodes configured by `--config` TOML files; flags and env win over them.
 
 #![allow(
     clippy::unwrap_used,
@@ -13,6 +14,7 @@
 )]
 
 mod basic;
+mod config_file;
 mod error_reasons;
 mod reflection;
 mod wait;

@@ -219,7 +219,7 @@ export class Cluster {
 
   startNode(i: number): void {
     const args = [binary('lockd'), '--id', String(i), '--listen', this.addr(i), '--data-dir', join(this.dir, `node${i}`)];
-    args.push('--heartbeat-ms', '100', '--election-timeout-ms', '600');
+    args.push('--heartbeat', '100ms', '--election-timeout', '600ms');
     if (this.ca !== undefined) {
       const t = join(this.dir, 'tls');
       args.push('--tls-cert', join(t, `node${i}.pem`), '--tls-key', join(t, `node${i}-key.pem`), '--peer-ca', this.ca);
