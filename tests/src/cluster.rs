@@ -148,7 +148,10 @@ impl Cluster {
             ("data-dir", vec![self.data_dir(id).display().to_string()]),
             ("metrics-listen", vec![self.metrics_addr(id)]),
             ("heartbeat", vec![format!("{}ms", o.heartbeat_ms)]),
-            ("election-timeout", vec![format!("{}ms", o.election_timeout_ms)]),
+            (
+                "election-timeout",
+                vec![format!("{}ms", o.election_timeout_ms)],
+            ),
             ("snapshot-every", vec![o.snapshot_every.to_string()]),
             (
                 "logs-kept-after-snapshot",

@@ -8,7 +8,7 @@
 //! default. An unknown key or a bad value stops the program with an error naming the file and
 //! the key.
 
-use std::ffi::{OsStr, OsString};
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
 /// The flag that names the file.
@@ -91,11 +91,13 @@ fn apply_table(
                 ));
             }
             let mut result = Ok(());
-            cmd = cmd.mut_subcommand(key, |s| match apply_table(s.clone(), sub, file, &format!("{name}.")) {
-                Ok(s) => s,
-                Err(e) => {
-                    result = Err(e);
-                    s
+            cmd = cmd.mut_subcommand(key, |s| {
+                match apply_table(s.clone(), sub, file, &format!("{name}.")) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        result = Err(e);
+                        s
+                    }
                 }
             });
             result?;
@@ -118,9 +120,17 @@ fn apply_table(
                 values.len()
             ));
         }
+        // Each value through the flag's own parser now, so that a bad one is named with the
+        // file and the key (clap would later report a bad default without either).
+        let probe = clap::Arg::new("value")
+            .long(key.to_owned())
+            .value_parser(arg.get_value_parser().clone());
         for value in &values {
-            arg.get_value_parser()
-                .parse_ref(&cmd, Some(&arg), OsStr::new(value))
+            clap::Command::new("--config")
+                .no_binary_name(true)
+                .disable_help_flag(true)
+                .arg(probe.clone())
+                .try_get_matches_from([format!("--{key}={value}")])
                 .map_err(|e| {
                     format!(
                         "--config {file}: {name} = {value:?}: {}",
@@ -232,7 +242,8 @@ mod tests {
 
     #[test]
     fn the_file_supplies_defaults_and_flags_win() {
-        let file = "id = 7\npeer = [\"1=a\", \"2=b\"]\nplain = true\nmode = \"b\"\n[dev]\nhost = \"h\"\n";
+        let file =
+            "id = 7\npeer = [\"1=a\", \"2=b\"]\nplain = true\nmode = \"b\"\n[dev]\nhost = \"h\"\n";
         let m = parse(file, &["sample"]).unwrap();
         assert_eq!(m.get_one::<u64>("id"), Some(&7));
         let peers: Vec<&String> = m.get_many("peer").unwrap().collect();
@@ -240,7 +251,11 @@ mod tests {
         assert!(m.get_flag("plain"));
         assert_eq!(m.get_one::<String>("mode").unwrap(), "b");
 
-        let m = parse(file, &["sample", "--id", "9", "--peer", "3=c", "--mode", "c"]).unwrap();
+        let m = parse(
+            file,
+            &["sample", "--id", "9", "--peer", "3=c", "--mode", "c"],
+        )
+        .unwrap();
         assert_eq!(m.get_one::<u64>("id"), Some(&9));
         let peers: Vec<&String> = m.get_many("peer").unwrap().collect();
         assert_eq!(peers, ["3=c"]);
@@ -264,9 +279,15 @@ mod tests {
         let e = parse("id = [1, 2]", &["sample"]).unwrap_err();
         assert!(e.contains("takes one value"), "{e}");
         let e = parse("[prod]\nhost = \"h\"", &["sample"]).unwrap_err();
-        assert!(e.contains("[prod]") && e.contains("known tables: dev"), "{e}");
+        assert!(
+            e.contains("[prod]") && e.contains("known tables: dev"),
+            "{e}"
+        );
         let e = parse("[dev]\nid = 1", &["sample"]).unwrap_err();
-        assert!(e.contains("\"dev.id\"") && e.contains("known keys: host"), "{e}");
+        assert!(
+            e.contains("\"dev.id\"") && e.contains("known keys: host"),
+            "{e}"
+        );
         let e = parse("id = ", &["sample"]).unwrap_err();
         assert!(e.contains("not TOML"), "{e}");
         let e = parse("config = \"other.toml\"", &["sample"]).unwrap_err();
@@ -286,7 +307,10 @@ mod tests {
             Some(PathBuf::from("y.toml"))
         );
         assert_eq!(
-            path_from(&argv(&["b", "hold", "r", "--", "x", "--config", "z"]), unset),
+            path_from(
+                &argv(&["b", "hold", "r", "--", "x", "--config", "z"]),
+                unset
+            ),
             None
         );
         assert_eq!(path_from(&argv(&["b"]), unset), None);

@@ -43,7 +43,12 @@ struct Cli {
     /// `[http]` or `[postgres]` table (`listen = "127.0.0.1:6432"`). Flags and environment
     /// variables override it.
     // Read by `config_file::parse` before clap parses; declared for --help and the parse.
-    #[arg(long = "config", global = true, env = "FENCE_PROXY_CONFIG", value_name = "FILE")]
+    #[arg(
+        long = "config",
+        global = true,
+        env = "FENCE_PROXY_CONFIG",
+        value_name = "FILE"
+    )]
     _config: Option<std::path::PathBuf>,
 
     #[command(subcommand)]

@@ -207,3 +207,60 @@ fn removed_pool_size_is_named() {
         "{stderr}"
     );
 }
+
+/// Goal: `--config FILE` gives a front end all its flags (here the HTTP front end runs from a
+/// file alone), a flag on the command line beats the file, and a bad file is refused on one
+/// line naming the file and the key.
+#[test]
+fn a_config_file_supplies_the_flags() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("proxy.toml");
+    let (listen, metrics) = (free_port(), free_port());
+    std::fs::write(
+        &file,
+        format!(
+            "log-format = \"json\"\n[http]\nlisten = \"127.0.0.1:{listen}\"\nupstream = \"http://127.0.0.1:1\"\nmetrics-listen = \"127.0.0.1:1\"\nstore = \"redb:{}\"\n",
+            dir.path().join("e.redb").display()
+        ),
+    )
+    .unwrap();
+    // The file's metrics address (port 1) is overridden on the command line.
+    let mut child = Command::new(BIN)
+        .arg("--config")
+        .arg(&file)
+        .args(["http", "--metrics-listen", &format!("127.0.0.1:{metrics}")])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let reply = loop {
+        if let (Some(_), Some(r)) = (get(metrics, "/healthz"), get(listen, "/x")) {
+            break r;
+        }
+        assert!(Instant::now() < deadline, "the proxy never came up");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    child.kill().unwrap();
+    child.wait().unwrap();
+    // Its upstream, from the file, does not answer.
+    assert!(reply.starts_with("HTTP/1.1 502"), "{reply}");
+
+    for (text, expected) in [
+        (
+            "[http]\nlisen = \"127.0.0.1:1\"\n",
+            "unknown key \"http.lisen\"",
+        ),
+        (
+            "[postgres]\npool-size = 2\n",
+            "unknown key \"postgres.pool-size\"",
+        ),
+        ("[http]\nlisten = \"nope\"\n", "http.listen = \"nope\""),
+        ("[htp]\n", "unknown table [htp]"),
+    ] {
+        std::fs::write(&file, text).unwrap();
+        let e = refused(&["--config", &file.display().to_string(), "http"]);
+        assert!(e.contains(&file.display().to_string()), "{e}");
+        assert!(e.contains(expected), "{text}: {e}");
+    }
+}

@@ -7,11 +7,11 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use lockd_core::Policy;
-use lockd_service_kit::durations::parse_duration_or_ms;
 use lockd_core::limits::{
     ACTIVE_RESOURCES_PER_TENANT_DEFAULT, DEDUP_RECORDS_PER_TENANT_DEFAULT,
     DEDUP_RETENTION_DEFAULT_MS, WAITERS_PER_RESOURCE_DEFAULT, WAITERS_PER_TENANT_DEFAULT,
 };
+use lockd_service_kit::durations::parse_duration_or_ms;
 
 /// One peer: `ID=HOST:PORT`.
 #[derive(Clone, Debug, PartialEq, Eq)]

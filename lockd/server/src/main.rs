@@ -28,7 +28,12 @@ struct Cli {
     /// TOML file of flag values: each key a flag's name (`heartbeat = "250ms"`, `peer = [...]`),
     /// the `dev` command's in a `[dev]` table. Flags and environment variables override it.
     // Read by `config_file::parse` before clap parses; declared for --help and the parse.
-    #[arg(long = "config", env = "LOCKD_CONFIG", global = true, value_name = "FILE")]
+    #[arg(
+        long = "config",
+        env = "LOCKD_CONFIG",
+        global = true,
+        value_name = "FILE"
+    )]
     _config: Option<PathBuf>,
     /// This node's id, as in the --peer list.
     #[arg(long, env = "LOCKD_ID", required = true)]

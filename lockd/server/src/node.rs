@@ -269,8 +269,8 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
         log_store.read_vote().await?.is_none()
             && log_store.get_log_state().await?.last_log_id.is_none()
     };
-    let refuse_votes_until = started_empty
-        .then(|| std::time::Instant::now() + 4 * t.election_timeout);
+    let refuse_votes_until =
+        started_empty.then(|| std::time::Instant::now() + 4 * t.election_timeout);
     // Recorded before Raft starts, so a crash while catching up keeps the node from voting on a
     // partial log after its restart (see raft::vote_gate).
     if started_empty {

@@ -37,7 +37,10 @@ async fn a_cluster_configured_by_files_serves_locks() {
 
     cluster.kill(leader);
     cluster.start_node(leader).unwrap();
-    let leader = cluster.wait_for_leader(Duration::from_secs(20)).await.unwrap();
+    let leader = cluster
+        .wait_for_leader(Duration::from_secs(20))
+        .await
+        .unwrap();
     let second = cluster
         .lock_client(leader)
         .await
@@ -56,9 +59,9 @@ async fn a_cluster_configured_by_files_serves_locks() {
 fn lockd(args: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String) {
     let out = std::process::Command::new(bin_path("lockd"))
         .args(args)
-        .envs(env.iter().copied())
         .env_remove("LOCKD_CONFIG")
         .env_remove("LOCKD_HEARTBEAT")
+        .envs(env.iter().copied())
         .output()
         .unwrap();
     (
@@ -85,10 +88,16 @@ fn flags_and_environment_win_over_the_file_and_bad_keys_are_named() {
     // The file's values reach the check.
     let (code, err) = lockd(&["dev", "--config", &path], &[]);
     assert_eq!(code, Some(1), "{err}");
-    assert!(err.contains("--election-timeout 1s") && err.contains("--heartbeat 500ms"), "{err}");
+    assert!(
+        err.contains("--election-timeout 1s") && err.contains("--heartbeat 500ms"),
+        "{err}"
+    );
 
     // A flag beats the file; so does the environment, and the flag beats the environment.
-    let (_, err) = lockd(&["dev", "--config", &path, "--election-timeout", "1200ms"], &[]);
+    let (_, err) = lockd(
+        &["dev", "--config", &path, "--election-timeout", "1200ms"],
+        &[],
+    );
     assert!(err.contains("--election-timeout 1.2s"), "{err}");
     let (_, err) = lockd(&["dev", "--config", &path], &[("LOCKD_HEARTBEAT", "400ms")]);
     assert!(err.contains("--heartbeat 400ms"), "{err}");
@@ -111,7 +120,10 @@ fn flags_and_environment_win_over_the_file_and_bad_keys_are_named() {
         std::fs::write(&file, text).unwrap();
         let (code, err) = lockd(&["dev", "--config", &path], &[]);
         assert_eq!(code, Some(2), "{text}: {err}");
-        assert!(err.starts_with("lockd: --config ") && err.contains(&path), "{err}");
+        assert!(
+            err.starts_with("lockd: --config ") && err.contains(&path),
+            "{err}"
+        );
         assert!(err.contains(expected), "{text}: {err}");
         assert_eq!(err.trim_end().lines().count(), 1, "{err}");
     }
@@ -122,5 +134,8 @@ fn flags_and_environment_win_over_the_file_and_bad_keys_are_named() {
     // A renamed environment variable is refused with its new name, not silently ignored.
     let (code, err) = lockd(&["dev"], &[("LOCKD_HEARTBEAT_MS", "100")]);
     assert_eq!(code, Some(2), "{err}");
-    assert!(err.contains("LOCKD_HEARTBEAT_MS was renamed LOCKD_HEARTBEAT"), "{err}");
+    assert!(
+        err.contains("LOCKD_HEARTBEAT_MS was renamed LOCKD_HEARTBEAT"),
+        "{err}"
+    );
 }
