@@ -98,14 +98,28 @@ pub struct PostgresStore {
     timing: Timing,
 }
 
+/// Whether the store URL (or PGSSLROOTCERT, which sqlx also reads) names a root certificate.
+fn names_root_cert(url: &str) -> bool {
+    let in_url = url.split_once('?').is_some_and(|(_, query)| {
+        query.split('&').any(|pair| {
+            pair.split_once('=')
+                .is_some_and(|(k, v)| k.eq_ignore_ascii_case("sslrootcert") && !v.is_empty())
+        })
+    });
+    in_url || std::env::var_os("PGSSLROOTCERT").is_some_and(|v| !v.is_empty())
+}
+
 /// Refuses a store connection that a machine in the network path could read or rewrite: the
 /// recorded tokens decide which writes pass, so one who rewrites `highest` lets a stale write
 /// through. A host other than loopback or a Unix socket needs `sslmode=verify-full` (the chain
 /// to `sslrootcert` and the host name checked); `prefer` and `require` check no certificate,
 /// and `verify-ca` under sqlx trusts every public CA as well.
-fn check_transport(options: &PgConnectOptions) -> Result<(), StoreError> {
+fn check_transport(options: &PgConnectOptions, url: &str) -> Result<(), StoreError> {
     let host = options.get_host();
+    // A Unix socket from the URL sets `socket`; one from PGHOST or sqlx's default host is a
+    // host that is a path.
     let local = options.get_socket().is_some()
+        || host.starts_with('/')
         || host == "localhost"
         || host
             .trim_start_matches('[')
@@ -113,8 +127,17 @@ fn check_transport(options: &PgConnectOptions) -> Result<(), StoreError> {
             .parse::<std::net::IpAddr>()
             .is_ok_and(|ip| ip.is_loopback());
     let mode = options.get_ssl_mode();
-    if local || matches!(mode, PgSslMode::VerifyFull) {
+    if local {
         return Ok(());
+    }
+    if matches!(mode, PgSslMode::VerifyFull) {
+        // Without a root of its own sqlx would trust any public CA for the host name.
+        if names_root_cert(url) {
+            return Ok(());
+        }
+        return Err(StoreError::Config(format!(
+            "postgres url: sslmode=verify-full for the host {host:?} needs sslrootcert=FILE (the CA that issued the server's certificate; without it any public CA would do)"
+        )));
     }
     Err(StoreError::Config(format!(
         "postgres url: sslmode={} for the host {host:?}: the store's tokens decide which writes pass, so a store beyond loopback needs sslmode=verify-full&sslrootcert=FILE (the CA that issued the server's certificate)",
@@ -160,7 +183,7 @@ impl PostgresStore {
                     ),
                 ),
             ]);
-        check_transport(&options)?;
+        check_transport(&options, url)?;
         let name = format!(
             "postgres://{}:{}/{}",
             options.get_host(),
@@ -616,10 +639,16 @@ mod tests {
         }
         // Without sslmode sqlx prefers TLS without checking it: refused as well.
         assert!(open("postgres://u@10.0.0.5/d").is_err());
+        // verify-full needs a root of its own, or any public CA would do.
+        match open("postgres://u@db.internal/d?sslmode=verify-full") {
+            Err(StoreError::Config(e)) => assert!(e.contains("sslrootcert"), "{e}"),
+            other => panic!("{:?}", other.err()),
+        }
         for url in [
             "postgres://u@127.0.0.1:5432/d",
             "postgres://u@localhost/d?sslmode=disable",
             "postgres://u@[::1]:5432/d",
+            "postgres://u@%2Fvar%2Frun%2Fpostgresql/d",
             "postgres://u@db.internal/d?sslmode=verify-full&sslrootcert=/nonexistent/ca.pem",
         ] {
             open(url).unwrap_or_else(|e| panic!("{url}: {e:?}"));

@@ -57,19 +57,10 @@ impl fmt::Debug for StoreSpec {
     }
 }
 
-/// Replaces the password of a URL's `user:password@` with `***`, for logs and errors.
+/// `url` with its passwords (`user:password@`, `password=`) replaced by `***`, for logs and
+/// errors.
 fn redact(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_owned();
-    };
-    let authority_end = rest.find('/').unwrap_or(rest.len());
-    match rest[..authority_end].rfind('@') {
-        Some(at) => match rest[..at].split_once(':') {
-            Some((user, _)) => format!("{scheme}://{user}:***{}", &rest[at..]),
-            None => url.to_owned(),
-        },
-        None => url.to_owned(),
-    }
+    lockd_service_kit::redact::connection_string(url)
 }
 
 /// Everything a store needs besides its spec.

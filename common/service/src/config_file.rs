@@ -1,15 +1,24 @@
 //! `--config FILE`: flag values from a TOML file, for lockd and fence-proxy.
 //!
-//! A key is a long flag's name without the dashes (`heartbeat = "250ms"`, `peer = ["1=a:7001",
-//! "2=b:7001"]`, `insecure-plaintext = true`); the flags of a subcommand go in a table named
-//! after it (`[dev]`, `[http]`, `[postgres]`). Values are checked by the flag's own parser, so
-//! they take the same forms as on the command line. The file only supplies defaults: a flag on
+//! A key is a long flag's name (or an alias of it) without the dashes (`heartbeat = "250ms"`,
+//! `peer = ["1=a:7001", "2=b:7001"]`, `insecure-plaintext = true`); the flags of a subcommand go
+//! in a table named after it (`[dev]`, `[http]`, `[postgres]`), and global flags stay at the top.
+//! Values are checked by the flag's own parser, so they take the same forms as on the command
+//! line. The file only supplies what the command line and the environment leave out: a flag on
 //! the command line wins, then its environment variable, then the file, then the built-in
-//! default. An unknown key or a bad value stops the program with an error naming the file and
-//! the key.
+//! default. A `true` in the file for an on/off flag can be undone only by its environment
+//! variable (`=false`), as such flags have no `--no-...` form.
+//!
+//! How: a first, lenient parse finds the subcommand and which flags the command line and the
+//! environment set; the file's values for the others then join the command line as words, and
+//! the real parse checks them exactly like typed ones (flags that need each other, conflicts,
+//! required flags). Values as defaults would skip those checks: a TLS certificate without its
+//! key would silently mean no TLS.
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
+
+use crate::redact::connection_string as redact;
 
 /// The flag that names the file.
 pub const FLAG: &str = "config";
@@ -18,24 +27,52 @@ pub const FLAG: &str = "config";
 /// variable `env`. Only looks; the binary's clap definition declares the flag itself, so that
 /// `--help` shows it and the parse accepts it.
 pub fn path_from(argv: &[OsString], env: &str) -> Option<PathBuf> {
+    use std::os::unix::ffi::OsStrExt;
     let long = format!("--{FLAG}");
     let with_value = format!("--{FLAG}=");
     let mut words = argv.iter().skip(1);
     while let Some(word) = words.next() {
-        // Past `--` every word belongs to a command being run (lockctl hold), not to us.
+        // Past `--` every word belongs to a command being run, not to us.
         if word == "--" {
             break;
         }
         if *word == *long {
             return words.next().map(PathBuf::from);
         }
-        if let Some(value) = word.to_str().and_then(|w| w.strip_prefix(&with_value)) {
-            return Some(PathBuf::from(value));
+        if let Some(value) = word.as_bytes().strip_prefix(with_value.as_bytes()) {
+            return Some(PathBuf::from(std::ffi::OsStr::from_bytes(value)));
         }
     }
     std::env::var_os(env)
         .filter(|v| !v.is_empty())
         .map(PathBuf::from)
+}
+
+/// `argv` without `--config FILE` / `--config=FILE` (read already): given before a subcommand
+/// it would count as an argument of the top-level command, which some binaries do not allow
+/// together with a subcommand.
+fn without_config_flag(argv: Vec<OsString>) -> Vec<OsString> {
+    use std::os::unix::ffi::OsStrExt;
+    let long = format!("--{FLAG}");
+    let with_value = format!("--{FLAG}=");
+    let mut out = Vec::with_capacity(argv.len());
+    let mut words = argv.into_iter();
+    let mut rest_is_literal = false;
+    while let Some(word) = words.next() {
+        if rest_is_literal || out.is_empty() {
+            out.push(word);
+            continue;
+        }
+        if word == "--" {
+            rest_is_literal = true;
+            out.push(word);
+        } else if word == *long {
+            words.next();
+        } else if !word.as_bytes().starts_with(with_value.as_bytes()) {
+            out.push(word);
+        }
+    }
+    out
 }
 
 /// Why the command line of a binary with `--config` could not be read.
@@ -47,103 +84,201 @@ pub enum ParseError {
     Config(String),
 }
 
+/// One flag's values from the file.
+#[derive(Clone, Debug)]
+struct Setting {
+    /// The subcommand whose table holds it; `None` for the top level.
+    table: Option<String>,
+    id: clap::Id,
+    long: String,
+    /// An on/off flag: `true` adds `--long`, `false` nothing.
+    switch: bool,
+    global: bool,
+    values: Vec<String>,
+}
+
 /// Parses `argv` as `C`, with the flag values of the `--config` file (or of the file the
-/// environment variable `env` names) as defaults.
+/// environment variable `env` names) for the flags the command line and environment leave out.
 pub fn parse<C: clap::Parser>(argv: Vec<OsString>, env: &str) -> Result<C, ParseError> {
-    let mut cmd = C::command();
-    if let Some(path) = path_from(&argv, env) {
-        cmd = apply(cmd, &path).map_err(ParseError::Config)?;
-    }
-    cmd.try_get_matches_from(argv)
+    let Some(path) = path_from(&argv, env) else {
+        return C::try_parse_from(argv).map_err(ParseError::Flags);
+    };
+    let settings = read(&C::command(), &path).map_err(ParseError::Config)?;
+    let argv = without_config_flag(argv);
+    let argv = with_file_words(C::command(), argv, &settings);
+    C::command()
+        .try_get_matches_from(argv)
         .and_then(|m| C::from_arg_matches(&m))
         .map_err(ParseError::Flags)
 }
 
-/// `cmd` with the values of the TOML file at `path` as its flags' defaults.
-pub fn apply(cmd: clap::Command, path: &Path) -> Result<clap::Command, String> {
+/// `argv` with the words of the settings that apply: those of the top level and of the
+/// subcommand being run, for flags neither the command line nor the environment set.
+fn with_file_words(cmd: clap::Command, argv: Vec<OsString>, settings: &[Setting]) -> Vec<OsString> {
+    // Lenient: only the subcommand and the sources are wanted here; the real parse reports
+    // any error (help and version included).
+    let Ok(matches) = cmd.ignore_errors(true).try_get_matches_from(&argv) else {
+        return argv;
+    };
+    let sub = matches.subcommand();
+    let explicit = |m: &clap::ArgMatches, id: &clap::Id| {
+        matches!(
+            m.value_source(id.as_str()),
+            Some(clap::parser::ValueSource::CommandLine | clap::parser::ValueSource::EnvVariable)
+        )
+    };
+    let words = |s: &Setting| -> Vec<OsString> {
+        if s.switch {
+            s.values
+                .iter()
+                .filter(|v| v.as_str() == "true")
+                .map(|_| OsString::from(format!("--{}", s.long)))
+                .collect()
+        } else {
+            s.values
+                .iter()
+                .map(|v| OsString::from(format!("--{}={v}", s.long)))
+                .collect()
+        }
+    };
+    let mut top = Vec::new();
+    let mut tail = Vec::new();
+    for s in settings {
+        match (&s.table, sub) {
+            // A top-level flag: only without a subcommand, unless it is global.
+            (None, None) => {
+                if !explicit(&matches, &s.id) {
+                    tail.extend(words(s));
+                }
+            }
+            (None, Some((_, sub_matches))) => {
+                if s.global && !explicit(sub_matches, &s.id) && !explicit(&matches, &s.id) {
+                    top.extend(words(s));
+                }
+            }
+            (Some(table), Some((name, sub_matches))) if table == name => {
+                if !explicit(sub_matches, &s.id) {
+                    tail.extend(words(s));
+                }
+            }
+            (Some(_), _) => {}
+        }
+    }
+    // Top-level words right after the program's name; the rest at the end, before a `--`.
+    let mut out: Vec<OsString> = Vec::with_capacity(argv.len() + top.len() + tail.len());
+    let mut argv = argv.into_iter();
+    out.extend(argv.next());
+    out.extend(top);
+    let rest: Vec<OsString> = argv.collect();
+    let literal = rest.iter().position(|w| w == "--").unwrap_or(rest.len());
+    out.extend(rest[..literal].iter().cloned());
+    out.extend(tail);
+    out.extend(rest[literal..].iter().cloned());
+    out
+}
+
+/// The settings of the TOML file at `path` for `cmd`, each value checked.
+fn read(cmd: &clap::Command, path: &Path) -> Result<Vec<Setting>, String> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| format!("--config {}: cannot read it: {e}", path.display()))?;
-    apply_text(cmd, &text, &path.display().to_string())
+    read_text(cmd, &text, &path.display().to_string())
 }
 
-/// [`apply`] on the file's text; `file` names it in errors.
-pub fn apply_text(cmd: clap::Command, text: &str, file: &str) -> Result<clap::Command, String> {
+/// [`read`] on the file's text; `file` names it in errors.
+fn read_text(cmd: &clap::Command, text: &str, file: &str) -> Result<Vec<Setting>, String> {
     let doc = toml_edit::Document::parse(text)
         .map_err(|e| format!("--config {file}: not TOML: {}", one_line(&e.to_string())))?;
-    apply_table(cmd, doc.as_table(), file, "")
+    let mut settings = Vec::new();
+    for (key, item) in doc.as_table().iter() {
+        match item.as_table() {
+            Some(table) => {
+                let Some(sub) = cmd.find_subcommand(key) else {
+                    return Err(format!(
+                        "--config {file}: unknown table [{key}] ({})",
+                        known_tables(cmd)
+                    ));
+                };
+                for (sub_key, sub_item) in table.iter() {
+                    if sub_item.is_table() {
+                        return Err(format!(
+                            "--config {file}: [{key}.{sub_key}]: tables go one level deep"
+                        ));
+                    }
+                    settings.push(setting(sub, Some(key), sub_key, sub_item, file)?);
+                }
+            }
+            None => settings.push(setting(cmd, None, key, item, file)?),
+        }
+    }
+    Ok(settings)
 }
 
-/// Sets the defaults of `cmd` from `table`; `at` is the table's name in errors (`""` for the
-/// file's top level, `"dev."` inside `[dev]`).
-fn apply_table(
-    mut cmd: clap::Command,
-    table: &toml_edit::Table,
+/// The setting of `key` in `cmd`'s table, its values checked by the flag's parser.
+fn setting(
+    cmd: &clap::Command,
+    table: Option<&str>,
+    key: &str,
+    item: &toml_edit::Item,
     file: &str,
-    at: &str,
-) -> Result<clap::Command, String> {
-    for (key, item) in table.iter() {
-        let name = format!("{at}{key}");
-        if let Some(sub) = item.as_table() {
-            if cmd.find_subcommand(key).is_none() {
-                return Err(format!(
-                    "--config {file}: unknown table [{name}] ({})",
-                    known_tables(&cmd)
-                ));
-            }
-            let mut result = Ok(());
-            cmd = cmd.mut_subcommand(key, |s| {
-                match apply_table(s.clone(), sub, file, &format!("{name}.")) {
-                    Ok(s) => s,
-                    Err(e) => {
-                        result = Err(e);
-                        s
-                    }
-                }
-            });
-            result?;
-            continue;
-        }
-        let Some(arg) = cmd
-            .get_arguments()
-            .find(|a| a.get_long() == Some(key) && !matches!(key, "help" | "version" | FLAG))
-            .cloned()
-        else {
-            return Err(format!(
-                "--config {file}: unknown key {name:?} ({})",
-                known_keys(&cmd, at)
-            ));
-        };
-        let values = values(item).map_err(|why| format!("--config {file}: {name}: {why}"))?;
-        if values.len() > 1 && !takes_many(&arg) {
-            return Err(format!(
-                "--config {file}: {name}: --{key} takes one value, the file gives {}",
-                values.len()
-            ));
-        }
-        // Each value through the flag's own parser now, so that a bad one is named with the
-        // file and the key (clap would later report a bad default without either).
-        let probe = clap::Arg::new("value")
-            .long(key.to_owned())
-            .value_parser(arg.get_value_parser().clone());
-        for value in &values {
-            clap::Command::new("--config")
-                .no_binary_name(true)
-                .disable_help_flag(true)
-                .arg(probe.clone())
-                .try_get_matches_from([format!("--{key}={value}")])
-                .map_err(|e| {
-                    format!(
-                        "--config {file}: {name} = {value:?}: {}",
-                        one_line(&e.to_string())
-                    )
-                })?;
-        }
-        // A required flag the file gives is no longer required on the command line.
-        cmd = cmd.mut_arg(arg.get_id().clone(), |a| {
-            a.required(false).default_values(values.clone())
-        });
+) -> Result<Setting, String> {
+    let name = match table {
+        Some(t) => format!("{t}.{key}"),
+        None => key.to_owned(),
+    };
+    let Some(arg) = cmd.get_arguments().find(|a| {
+        let long = a.get_long();
+        !matches!(long, Some("help" | "version" | FLAG) | None)
+            && (long == Some(key) || a.get_all_aliases().is_some_and(|al| al.contains(&key)))
+    }) else {
+        let prefix = table.map(|t| format!("{t}.")).unwrap_or_default();
+        return Err(format!(
+            "--config {file}: unknown key {name:?} ({})",
+            known_keys(cmd, &prefix)
+        ));
+    };
+    let values = values(item).map_err(|why| format!("--config {file}: {name}: {why}"))?;
+    if values.is_empty() {
+        return Err(format!(
+            "--config {file}: {name}: an empty list gives no value (leave the key out)"
+        ));
     }
-    Ok(cmd)
+    let long = arg.get_long().unwrap_or(key).to_owned();
+    if values.len() > 1 && !takes_many(arg) {
+        return Err(format!(
+            "--config {file}: {name}: --{long} takes one value, the file gives {}",
+            values.len()
+        ));
+    }
+    // Each value through the flag's own parser now, so that a bad one is named with the file
+    // and the key.
+    let mut probe = clap::Arg::new("value")
+        .long(long.clone())
+        .value_parser(arg.get_value_parser().clone());
+    if let Some(delimiter) = arg.get_value_delimiter() {
+        probe = probe.value_delimiter(delimiter).num_args(1..);
+    }
+    for value in &values {
+        clap::Command::new("--config")
+            .no_binary_name(true)
+            .disable_help_flag(true)
+            .arg(probe.clone())
+            .try_get_matches_from([format!("--{long}={value}")])
+            .map_err(|e| {
+                let shown = redact(value);
+                format!(
+                    "--config {file}: {name} = {shown:?}: {}",
+                    one_line(&e.to_string()).replace(value.as_str(), &shown)
+                )
+            })?;
+    }
+    Ok(Setting {
+        table: table.map(str::to_owned),
+        id: arg.get_id().clone(),
+        long,
+        switch: matches!(arg.get_action(), clap::ArgAction::SetTrue),
+        global: arg.is_global_set(),
+        values,
+    })
 }
 
 /// Whether `arg` keeps several values (a repeatable flag or a list).
@@ -217,6 +352,7 @@ mod tests {
 
     fn sample() -> Command {
         Command::new("sample")
+            .subcommand_negates_reqs(true)
             .arg(Arg::new("config").long("config"))
             .arg(
                 Arg::new("id")
@@ -232,12 +368,30 @@ mod tests {
                     .env("SAMPLE_PLAIN_FOR_TEST"),
             )
             .arg(Arg::new("mode").long("mode").default_value("a"))
+            .arg(Arg::new("cert").long("cert").requires("key"))
+            .arg(Arg::new("key").long("key"))
             .subcommand(Command::new("dev").arg(Arg::new("host").long("host")))
     }
 
     fn parse(file: &str, argv: &[&str]) -> Result<clap::ArgMatches, String> {
-        let cmd = apply_text(sample(), file, "s.toml")?;
-        cmd.try_get_matches_from(argv).map_err(|e| e.to_string())
+        let settings = read_text(&sample(), file, "s.toml")?;
+        let argv = without_config_flag(argv.iter().map(OsString::from).collect());
+        let argv = with_file_words(sample(), argv, &settings);
+        sample()
+            .try_get_matches_from(argv)
+            .map_err(|e| e.to_string())
+    }
+
+    /// Goal: flags that need each other are checked with the file's values as with typed
+    /// ones: a certificate without its key is refused, wherever each comes from.
+    #[test]
+    fn flags_that_need_each_other_are_checked() {
+        let e = parse("id = 1\ncert = \"c.pem\"\n", &["sample"]).unwrap_err();
+        assert!(e.contains("--key"), "{e}");
+        let m = parse("id = 1\nkey = \"k.pem\"\n", &["sample", "--cert", "c.pem"]).unwrap();
+        assert_eq!(m.get_one::<String>("key").unwrap(), "k.pem");
+        let m = parse("id = 1\n", &["sample", "--config", "s.toml", "dev"]).unwrap();
+        assert_eq!(m.subcommand_name(), Some("dev"));
     }
 
     #[test]
@@ -273,7 +427,7 @@ mod tests {
     fn errors_name_the_file_and_the_key() {
         let e = parse("hartbeat = 1", &["sample"]).unwrap_err();
         assert!(e.contains("s.toml") && e.contains("\"hartbeat\""), "{e}");
-        assert!(e.contains("known keys: id, peer, plain, mode"), "{e}");
+        assert!(e.contains("known keys: id, peer, plain, mode, cert, key"), "{e}");
         let e = parse("id = \"seven\"", &["sample"]).unwrap_err();
         assert!(e.contains("id = \"seven\"") && e.contains("s.toml"), "{e}");
         let e = parse("id = [1, 2]", &["sample"]).unwrap_err();

@@ -9,13 +9,25 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         .map_err(|e| format!("{s:?} is not a duration like 30s or 500ms ({e})"))
 }
 
-/// A duration like `30s`, or a bare number of milliseconds: the form of flags that used to be
-/// named `--NAME-ms` and still accept that name and its numbers.
+/// Longest timing flag: a day. Anything longer is a typo, and bounding it keeps arithmetic on
+/// the value (three heartbeats, twice the election timeout) from overflowing.
+pub const TIMING_MAX: Duration = Duration::from_secs(24 * 60 * 60);
+
+/// A duration like `30s`, or a bare number of milliseconds (the unit of the flags that used to
+/// be named `--NAME-ms` and still accept that name), in whole milliseconds and at most a day:
+/// these are timings of the Raft core and of connections, which work in milliseconds.
 pub fn parse_duration_or_ms(s: &str) -> Result<Duration, String> {
-    match s.trim().parse::<u64>() {
-        Ok(ms) => Ok(Duration::from_millis(ms)),
-        Err(_) => parse_duration(s),
+    let d = match s.trim().parse::<u64>() {
+        Ok(ms) => Duration::from_millis(ms),
+        Err(_) => parse_duration(s)?,
+    };
+    if d.subsec_nanos() % 1_000_000 != 0 {
+        return Err(format!("{s:?} is not a whole number of milliseconds"));
     }
+    if d > TIMING_MAX {
+        return Err(format!("{s:?} is longer than a day"));
+    }
+    Ok(d)
 }
 
 #[cfg(test)]
@@ -32,5 +44,11 @@ mod tests {
         assert_eq!(parse_duration_or_ms("250"), Ok(Duration::from_millis(250)));
         assert_eq!(parse_duration_or_ms("2s"), Ok(Duration::from_secs(2)));
         assert!(parse_duration_or_ms("-5").is_err());
+        let e = parse_duration_or_ms("500us").unwrap_err();
+        assert!(e.contains("whole number of milliseconds"), "{e}");
+        let e = parse_duration_or_ms("200000000000y").unwrap_err();
+        assert!(e.contains("\"200000000000y\""), "{e}");
+        assert!(parse_duration_or_ms("25h").is_err());
+        assert_eq!(parse_duration_or_ms("24h"), Ok(TIMING_MAX));
     }
 }

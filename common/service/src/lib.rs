@@ -16,6 +16,7 @@
 //! - [`flag_errors`]: clap's errors folded into one line, the tip included.
 //! - [`config_file`]: `--config FILE`, flag values from a TOML file, as defaults under flags and env.
 //! - [`durations`]: the one way binaries read durations (`30s`, `250ms`).
+//! - [`redact`]: connection strings with their passwords hidden, for errors and logs.
 //! - [`cli_docs`]: `completions SHELL` and `man` for every binary, generated from its clap flags.
 
 pub mod checks;
@@ -27,3 +28,4 @@ pub mod flag_errors;
 pub mod log;
 pub mod names;
 pub mod recorder;
+pub mod redact;

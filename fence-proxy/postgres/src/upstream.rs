@@ -551,38 +551,9 @@ impl Drop for AbortOnDrop {
     }
 }
 
-/// `url` with the password of `user:password@` and of `password=` replaced by `***`, for
-/// errors and logs.
+/// `url` with its passwords replaced by `***`, for errors and logs.
 pub fn redact(url: &str) -> String {
-    let (base, query) = match url.split_once('?') {
-        Some((b, q)) => (b, Some(q)),
-        None => (url, None),
-    };
-    let mut shown = match base.split_once("://") {
-        Some((scheme, rest)) => {
-            let authority_end = rest.find('/').unwrap_or(rest.len());
-            match rest[..authority_end].rfind('@') {
-                Some(at) => match rest[..at].split_once(':') {
-                    Some((user, _)) => format!("{scheme}://{user}:***{}", &rest[at..]),
-                    None => base.to_owned(),
-                },
-                None => base.to_owned(),
-            }
-        }
-        None => base.to_owned(),
-    };
-    if let Some(query) = query {
-        let pairs: Vec<String> = query
-            .split('&')
-            .map(|pair| match pair.split_once('=') {
-                Some((key, _)) if percent_decode(key) == "password" => format!("{key}=***"),
-                _ => pair.to_owned(),
-            })
-            .collect();
-        shown.push('?');
-        shown.push_str(&pairs.join("&"));
-    }
-    shown
+    lockd_service_kit::redact::connection_string(url)
 }
 
 /// A database's own message (what the operator needs), or sqlx's description of the failure.
