@@ -427,7 +427,10 @@ mod tests {
     fn errors_name_the_file_and_the_key() {
         let e = parse("hartbeat = 1", &["sample"]).unwrap_err();
         assert!(e.contains("s.toml") && e.contains("\"hartbeat\""), "{e}");
-        assert!(e.contains("known keys: id, peer, plain, mode, cert, key"), "{e}");
+        assert!(
+            e.contains("known keys: id, peer, plain, mode, cert, key"),
+            "{e}"
+        );
         let e = parse("id = \"seven\"", &["sample"]).unwrap_err();
         assert!(e.contains("id = \"seven\"") && e.contains("s.toml"), "{e}");
         let e = parse("id = [1, 2]", &["sample"]).unwrap_err();

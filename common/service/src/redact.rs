@@ -132,7 +132,10 @@ mod tests {
             r("postgres://app@h/d?sslmode=require&password=pw"),
             "postgres://app@h/d?sslmode=require&password=***"
         );
-        assert_eq!(r("postgres://app@h/d?pass%77ord=pw"), "postgres://app@h/d?pass%77ord=***");
+        assert_eq!(
+            r("postgres://app@h/d?pass%77ord=pw"),
+            "postgres://app@h/d?pass%77ord=***"
+        );
         // Unencoded '/', '?' and '#' in the password.
         for url in [
             "postgres://app:pa/ss@h/d",
@@ -140,14 +143,26 @@ mod tests {
             "postgres://app:pa#ss@h/d?sslmode=disable",
         ] {
             let shown = r(url);
-            assert!(!shown.contains("ss@") && !shown.contains("pa"), "{url}: {shown}");
+            assert!(
+                !shown.contains("ss@") && !shown.contains("pa"),
+                "{url}: {shown}"
+            );
             assert!(shown.starts_with("postgres://app:***@h"), "{url}: {shown}");
         }
         assert_eq!(r("postgres://app@h/d"), "postgres://app@h/d");
         assert_eq!(r("redb:/var/lib/e.redb"), "redb:/var/lib/e.redb");
         // libpq key=value strings.
-        assert_eq!(r("host=db password=s3cret user=app"), "host=db password=*** user=app");
-        assert_eq!(r("host=db password = 's3 cr\\'et' user=app"), "host=db password = *** user=app");
-        assert_eq!(r("password=a passwordx=b password=c"), "password=*** passwordx=b password=***");
+        assert_eq!(
+            r("host=db password=s3cret user=app"),
+            "host=db password=*** user=app"
+        );
+        assert_eq!(
+            r("host=db password = 's3 cr\\'et' user=app"),
+            "host=db password = *** user=app"
+        );
+        assert_eq!(
+            r("password=a passwordx=b password=c"),
+            "password=*** passwordx=b password=***"
+        );
     }
 }

@@ -247,4 +247,4 @@ async fn epoch_store_over_tls() {
     assert_eq!(service.writes().len(), 1);
 }
 
-// Certificate reload on SIGHUP (issue 15): files replaced in place, `kill -HUP <pid>`.
+// Certificate reload on SIGHUP: files replaced in place, `kill -HUP <pid>`.

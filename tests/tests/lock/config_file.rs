@@ -106,6 +106,9 @@ fn flags_and_environment_win_over_the_file_and_bad_keys_are_named() {
         &[("LOCKD_HEARTBEAT", "400ms")],
     );
     assert!(err.contains("--heartbeat 450ms"), "{err}");
+    // `--config` before the subcommand works too.
+    let (_, err) = lockd(&["--config", &path, "dev"], &[]);
+    assert!(err.contains("--heartbeat 500ms"), "{err}");
     // LOCKD_CONFIG names the file as well.
     let (_, err) = lockd(&["dev"], &[("LOCKD_CONFIG", &path)]);
     assert!(err.contains("--heartbeat 500ms"), "{err}");
