@@ -103,14 +103,42 @@ pub fn parse<C: clap::Parser>(argv: Vec<OsString>, env: &str) -> Result<C, Parse
     let Some(path) = path_from(&argv, env) else {
         return C::try_parse_from(argv).map_err(ParseError::Flags);
     };
-    let settings = read(&C::command(), &path).map_err(ParseError::Config)?;
+    let settings = match read(&C::command(), &path) {
+        Ok(settings) => settings,
+        // A broken file must not hide the help or the version.
+        Err(_)
+            if argv
+                .iter()
+                .skip(1)
+                .any(|w| w.to_str().is_some_and(|w| HELP_OR_VERSION.contains(&w))) =>
+        {
+            Vec::new()
+        }
+        Err(e) => return Err(ParseError::Config(e)),
+    };
     let argv = without_config_flag(argv);
+    let typed = argv.len();
     let argv = with_file_words(C::command(), argv, &settings);
+    let from_file = argv.len() > typed;
     C::command()
         .try_get_matches_from(argv)
         .and_then(|m| C::from_arg_matches(&m))
-        .map_err(ParseError::Flags)
+        .map_err(|e| match e.kind() {
+            // Say where a flag the user never typed came from.
+            clap::error::ErrorKind::DisplayHelp | clap::error::ErrorKind::DisplayVersion => {
+                ParseError::Flags(e)
+            }
+            _ if from_file => ParseError::Config(format!(
+                "{} (with flag values from --config {})",
+                one_line(&e.to_string()).trim_start_matches("error: "),
+                path.display()
+            )),
+            _ => ParseError::Flags(e),
+        })
 }
+
+/// Words that ask for the help or the version.
+const HELP_OR_VERSION: [&str; 4] = ["--help", "-h", "--version", "-V"];
 
 /// `argv` with the words of the settings that apply: those of the top level and of the
 /// subcommand being run, for flags neither the command line nor the environment set.
@@ -198,16 +226,38 @@ fn read_text(cmd: &clap::Command, text: &str, file: &str) -> Result<Vec<Setting>
                         known_tables(cmd)
                     ));
                 };
+                // The table under the subcommand's own name, should it have been an alias.
+                let table_name = sub.get_name();
                 for (sub_key, sub_item) in table.iter() {
                     if sub_item.is_table() {
                         return Err(format!(
                             "--config {file}: [{key}.{sub_key}]: tables go one level deep"
                         ));
                     }
-                    settings.push(setting(sub, Some(key), sub_key, sub_item, file)?);
+                    let global = cmd
+                        .get_arguments()
+                        .any(|a| a.is_global_set() && a.get_long() == Some(sub_key));
+                    if global {
+                        return Err(format!(
+                            "--config {file}: {key}.{sub_key}: --{sub_key} is a global flag: put it at the top of the file, before any table"
+                        ));
+                    }
+                    settings.push(setting(sub, Some(table_name), sub_key, sub_item, file)?);
                 }
             }
             None => settings.push(setting(cmd, None, key, item, file)?),
+        }
+    }
+    // A flag given twice (under its name and an alias) would be typed twice.
+    for (i, a) in settings.iter().enumerate() {
+        if settings[..i]
+            .iter()
+            .any(|b| b.table == a.table && b.id == a.id)
+        {
+            return Err(format!(
+                "--config {file}: --{} is given twice (under its name and an alias)",
+                a.long
+            ));
         }
     }
     Ok(settings)
@@ -267,7 +317,7 @@ fn setting(
                 let shown = redact(value);
                 format!(
                     "--config {file}: {name} = {shown:?}: {}",
-                    one_line(&e.to_string()).replace(value.as_str(), &shown)
+                    one_line(&e.to_string().replace(value.as_str(), &shown))
                 )
             })?;
     }
@@ -357,6 +407,7 @@ mod tests {
             .arg(
                 Arg::new("id")
                     .long("id")
+                    .alias("sample-alias")
                     .required(true)
                     .value_parser(clap::value_parser!(u64)),
             )
@@ -370,6 +421,7 @@ mod tests {
             .arg(Arg::new("mode").long("mode").default_value("a"))
             .arg(Arg::new("cert").long("cert").requires("key"))
             .arg(Arg::new("key").long("key"))
+            .arg(Arg::new("glob").long("glob").global(true))
             .subcommand(Command::new("dev").arg(Arg::new("host").long("host")))
     }
 
@@ -447,6 +499,10 @@ mod tests {
         );
         let e = parse("id = ", &["sample"]).unwrap_err();
         assert!(e.contains("not TOML"), "{e}");
+        let e = parse("id = 1\nsample-alias = 2\n", &["sample"]).unwrap_err();
+        assert!(e.contains("given twice"), "{e}");
+        let e = parse("[dev]\nglob = \"x\"\n", &["sample"]).unwrap_err();
+        assert!(e.contains("global flag: put it at the top"), "{e}");
         let e = parse("config = \"other.toml\"", &["sample"]).unwrap_err();
         assert!(e.contains("unknown key \"config\""), "{e}");
     }

@@ -9,6 +9,15 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         .map_err(|e| format!("{s:?} is not a duration like 30s or 500ms ({e})"))
 }
 
+/// A duration like `30s` of at most a day (see [`TIMING_MAX`]).
+pub fn parse_timing(s: &str) -> Result<Duration, String> {
+    let d = parse_duration(s)?;
+    if d > TIMING_MAX {
+        return Err(format!("{s:?} is longer than a day"));
+    }
+    Ok(d)
+}
+
 /// Longest timing flag: a day. Anything longer is a typo, and bounding it keeps arithmetic on
 /// the value (three heartbeats, twice the election timeout) from overflowing.
 pub const TIMING_MAX: Duration = Duration::from_secs(24 * 60 * 60);
@@ -50,5 +59,8 @@ mod tests {
         assert!(e.contains("\"200000000000y\""), "{e}");
         assert!(parse_duration_or_ms("25h").is_err());
         assert_eq!(parse_duration_or_ms("24h"), Ok(TIMING_MAX));
+        assert_eq!(parse_timing("1m"), Ok(Duration::from_secs(60)));
+        assert!(parse_timing("500000000000y").is_err());
+        assert!(parse_timing("2d").is_err());
     }
 }

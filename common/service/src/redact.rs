@@ -7,50 +7,62 @@
 /// last `@` before the query counts as the password, since an unencoded `/`, `?` or `#` in a
 /// password would otherwise leave part of it visible.
 pub fn connection_string(text: &str) -> String {
-    let Some((scheme, rest)) = text.split_once("://") else {
+    let Some((scheme, rest)) = text.split_once("://").filter(|(s, _)| is_scheme(s)) else {
         return key_value_string(text);
     };
-    let (before_query, query) = match rest.split_once('?') {
-        Some((b, q)) => (b, Some(q)),
-        None => (rest, None),
-    };
-    let (before_query, query) = match before_query.rfind('@') {
-        // The '@' of user information can only be followed by the host: a '?' before it is part
-        // of the password, so the query starts after it.
-        None if query.is_some_and(|q| q.contains('@')) => {
-            let at = rest.rfind('@').unwrap_or(rest.len());
-            let query_start = rest[at..].find('?').map(|i| at + i);
-            match query_start {
-                Some(q) => (&rest[..q], Some(&rest[q + 1..])),
-                None => (rest, None),
-            }
-        }
-        _ => (before_query, query),
-    };
+    let query_at = rest.find('?').unwrap_or(rest.len());
+    // User information ends at the last '@' before the query; a '?' inside a password ends the
+    // part before the query too early, and shows as an '@' after it with no parameter between.
+    let user_info_end = rest[..query_at].rfind('@').or_else(|| {
+        let after = &rest[query_at..];
+        let at = after.find('@')?;
+        (!after[..at].contains(['&', '='])).then_some(query_at + at)
+    });
     let mut shown = format!("{scheme}://");
-    match before_query.rfind('@') {
-        Some(at) => match before_query[..at].split_once(':') {
-            Some((user, _)) => {
-                shown.push_str(user);
-                shown.push_str(":***");
-                shown.push_str(&before_query[at..]);
+    match user_info_end {
+        Some(at) => {
+            match rest[..at].split_once(':') {
+                Some((user, _)) => {
+                    shown.push_str(user);
+                    shown.push_str(":***");
+                }
+                None => shown.push_str(&rest[..at]),
             }
-            None => shown.push_str(before_query),
-        },
-        None => shown.push_str(before_query),
+            shown.push_str(&rest[at..]);
+        }
+        None => shown.push_str(rest),
     }
-    if let Some(query) = query {
-        let pairs: Vec<String> = query
-            .split('&')
-            .map(|pair| match pair.split_once('=') {
-                Some((key, _)) if is_password_key(key) => format!("{key}=***"),
-                _ => pair.to_owned(),
-            })
-            .collect();
-        shown.push('?');
-        shown.push_str(&pairs.join("&"));
+    hide_password_parameters(&shown)
+}
+
+/// Whether `s` is a URL scheme (`postgres`, `postgresql`, `https`): a letter, then letters,
+/// digits, `+`, `-` or `.`.
+fn is_scheme(s: &str) -> bool {
+    let mut chars = s.chars();
+    chars.next().is_some_and(|c| c.is_ascii_alphabetic())
+        && chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'))
+}
+
+/// `url` with the value of every `password` or `sslpassword` parameter (the key also
+/// percent-encoded) after a `?` or `&` replaced by `***`, up to the next `&`.
+fn hide_password_parameters(url: &str) -> String {
+    let mut out = String::with_capacity(url.len());
+    let mut rest = url;
+    while let Some(i) = rest.find(['?', '&']) {
+        out.push_str(&rest[..=i]);
+        rest = &rest[i + 1..];
+        let pair_end = rest.find('&').unwrap_or(rest.len());
+        match rest[..pair_end].split_once('=') {
+            Some((key, _)) if is_password_key(key) => {
+                out.push_str(key);
+                out.push_str("=***");
+                rest = &rest[pair_end..];
+            }
+            _ => {}
+        }
     }
-    shown
+    out.push_str(rest);
+    out
 }
 
 /// A libpq `key=value key='value'` string with the value of `password` hidden (anything else
@@ -87,20 +99,27 @@ fn key_value_string(text: &str) -> String {
 
 /// Where a `password =` key starts in a key=value string.
 fn find_password_key(text: &str) -> Option<usize> {
+    let word_starts_at = |at: usize| at == 0 || text[..at].ends_with(char::is_whitespace);
     let mut from = 0;
     while let Some(i) = text[from..].find("password") {
         let at = from + i;
-        let starts_word = at == 0 || text[..at].ends_with(char::is_whitespace);
         let followed = text[at + "password".len()..].trim_start().starts_with('=');
-        if starts_word && followed {
-            return Some(at);
+        // `password`, or `sslpassword` (the client key's passphrase).
+        let start = if word_starts_at(at) {
+            Some(at)
+        } else {
+            at.checked_sub(3)
+                .filter(|&s| text.get(s..at) == Some("ssl") && word_starts_at(s))
+        };
+        if let (Some(start), true) = (start, followed) {
+            return Some(start);
         }
         from = at + "password".len();
     }
     None
 }
 
-/// `password`, also percent-encoded.
+/// `password` or `sslpassword`, also percent-encoded.
 fn is_password_key(key: &str) -> bool {
     let mut decoded = String::new();
     let bytes = key.as_bytes();
@@ -118,7 +137,7 @@ fn is_password_key(key: &str) -> bool {
         decoded.push(char::from(bytes[i]));
         i += 1;
     }
-    decoded.eq_ignore_ascii_case("password")
+    decoded.eq_ignore_ascii_case("password") || decoded.eq_ignore_ascii_case("sslpassword")
 }
 
 #[cfg(test)]
@@ -150,6 +169,21 @@ mod tests {
             assert!(shown.starts_with("postgres://app:***@h"), "{url}: {shown}");
         }
         assert_eq!(r("postgres://app@h/d"), "postgres://app@h/d");
+        // An '@' in a query value is not user information; the password after it is hidden.
+        for url in [
+            "postgres://db:5432/app?user=svc@corp&password=s3cret",
+            "postgres://db/app?user=svc@corp&password=s3cret",
+            "postgres://db/app?sslpassword=s3cret&user=a@b",
+        ] {
+            let shown = r(url);
+            assert!(!shown.contains("s3cret"), "{url}: {shown}");
+            assert!(shown.starts_with("postgres://db"), "{url}: {shown}");
+        }
+        // Not a URL though it holds "://": a key=value string.
+        assert_eq!(
+            r("host=db options='x://y' password=s3cret"),
+            "host=db options='x://y' password=***"
+        );
         assert_eq!(r("redb:/var/lib/e.redb"), "redb:/var/lib/e.redb");
         // libpq key=value strings.
         assert_eq!(
@@ -164,5 +198,6 @@ mod tests {
             r("password=a passwordx=b password=c"),
             "password=*** passwordx=b password=***"
         );
+        assert_eq!(r("host=h sslpassword=k"), "host=h sslpassword=***");
     }
 }

@@ -53,24 +53,24 @@ pub struct Args {
 
     /// Bound on one epoch-store operation (connecting, one statement); past it: 503.
     #[arg(long, env = "FENCE_PROXY_STORE_TIMEOUT", value_name = "DURATION",
-          default_value = "5s", value_parser = humantime::parse_duration)]
+          default_value = "5s", value_parser = lockd_service_kit::durations::parse_timing)]
     pub store_timeout: Duration,
 
     /// How long the upstream may take to answer a forwarded request; past it: 504.
     #[arg(long, env = "FENCE_PROXY_UPSTREAM_TIMEOUT", value_name = "DURATION",
-          default_value = "30s", value_parser = humantime::parse_duration)]
+          default_value = "30s", value_parser = lockd_service_kit::durations::parse_timing)]
     pub upstream_timeout: Duration,
 
     /// How long a write waits for the forward of another write of the same resource; past it:
     /// 503 resource-busy.
     #[arg(long, env = "FENCE_PROXY_LOCK_WAIT", value_name = "DURATION",
-          default_value = "10s", value_parser = humantime::parse_duration)]
+          default_value = "10s", value_parser = lockd_service_kit::durations::parse_timing)]
     pub lock_wait: Duration,
 
     /// How long a resource stays closed after a forward whose outcome is unknown (timeout or
     /// connection lost), in case the upstream still applies it.
     #[arg(long, env = "FENCE_PROXY_QUARANTINE", value_name = "DURATION",
-          default_value = "10s", value_parser = humantime::parse_duration)]
+          default_value = "10s", value_parser = lockd_service_kit::durations::parse_timing)]
     pub quarantine: Duration,
 
     /// Requests handled at once; more wait for a free slot.
@@ -111,7 +111,7 @@ pub struct Args {
 
 /// A duration greater than zero (a zero header timeout would close every connection at once).
 fn parse_positive_duration(s: &str) -> Result<Duration, String> {
-    let d = humantime::parse_duration(s).map_err(|e| format!("{s:?}: {e}"))?;
+    let d = lockd_service_kit::durations::parse_timing(s)?;
     if d.is_zero() {
         return Err(format!("{s:?}: must be greater than zero"));
     }

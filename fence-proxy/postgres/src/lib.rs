@@ -262,6 +262,15 @@ pub async fn run_with_reload(
     let fence_table = FenceTable::parse(&args.fence_table).map_err(|e| anyhow::anyhow!("{e}"))?;
     let upstream = upstream::parse(&args.upstream, "--upstream")?;
     anyhow::ensure!(args.max_sessions > 0, "--max-sessions must be at least 1");
+    // Zero would refuse every client (startup) or never reach the upstream (connect).
+    anyhow::ensure!(
+        !args.connect_timeout.is_zero(),
+        "--connect-timeout must be greater than zero"
+    );
+    anyhow::ensure!(
+        !args.startup_timeout.is_zero(),
+        "--startup-timeout must be greater than zero"
+    );
     let verify_flags = verify::VerifyFlags::from_flags(&args.verify_key, args.allow_unsigned)?;
     // The proof key travels on the --upstream connection: whoever reads it there can forge the
     // proofs the guard trusts. So with --verify-key that connection must be checked TLS, or stay
