@@ -18,6 +18,7 @@
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
+use crate::flag_errors::one_line;
 use crate::redact::connection_string as redact;
 
 /// The flag that names the file.
@@ -130,7 +131,7 @@ pub fn parse<C: clap::Parser>(argv: Vec<OsString>, env: &str) -> Result<C, Parse
             }
             _ if from_file => ParseError::Config(format!(
                 "{} (with flag values from --config {})",
-                one_line(&e.to_string()).trim_start_matches("error: "),
+                one_line(&e.to_string()),
                 path.display()
             )),
             _ => ParseError::Flags(e),
@@ -384,15 +385,6 @@ fn known_tables(cmd: &clap::Command) -> String {
         return "this command takes no tables".to_owned();
     }
     format!("known tables: {}", names.join(", "))
-}
-
-/// An error text on one line.
-fn one_line(text: &str) -> String {
-    text.lines()
-        .map(str::trim)
-        .filter(|l| !l.is_empty())
-        .collect::<Vec<_>>()
-        .join(" ")
 }
 
 #[cfg(test)]
