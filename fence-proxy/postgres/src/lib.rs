@@ -252,7 +252,7 @@ pub const UPSTREAM_CHECK: &str = "upstream";
 /// and `--upstream`'s `sslrootcert`) with `reloader`: after `reloader.reload()` new client
 /// handshakes and new upstream connections use the files as they are then; open sessions keep
 /// the TLS they have. Once it listens it starts `readiness`'s check that the upstream accepts
-/// TCP connections.
+/// a login and still has the guard function.
 pub async fn run_with_reload(
     args: Args,
     shutdown: CancellationToken,
@@ -344,11 +344,12 @@ pub async fn run_with_reload(
         "postgres front end listening"
     );
     if let Some(readiness) = readiness {
+        let (upstream, cfg) = (Arc::new(upstream), cfg.clone());
         readiness.start(
-            vec![Check::tcp_connect(
-                UPSTREAM_CHECK,
-                cfg.upstream_addr.clone(),
-            )],
+            vec![Check::new(UPSTREAM_CHECK, move || {
+                let (upstream, cfg) = (upstream.clone(), cfg.clone());
+                async move { probe_upstream(&upstream, &cfg).await }
+            })],
             shutdown.clone(),
         );
     }
@@ -477,6 +478,34 @@ async fn check_guard(
         });
     let _ = conn.close().await;
     result
+}
+
+/// One run of the `/readyz` upstream check: what a new session needs, not only an open port.
+/// It logs in as the proxy's own role with the TLS `--upstream` asks for (so a refused
+/// certificate, a `pg_hba.conf` change, a database that is gone or refuses connections all show)
+/// and checks that the guard function is still installed (without it every write is refused).
+async fn probe_upstream(upstream: &upstream::ParsedUpstream, cfg: &Config) -> Result<(), String> {
+    let addr = &cfg.upstream_addr;
+    let mut conn = upstream
+        .connect(cfg.connect_timeout)
+        .await
+        .map_err(|e| format!("{addr}: {e:#}"))?;
+    let exists = sqlx::query_scalar::<_, bool>(sqlx::AssertSqlSafe(cfg.fence_table.exists_sql()))
+        .fetch_one(&mut conn)
+        .await;
+    let _ = conn.close().await;
+    match exists {
+        Ok(true) => Ok(()),
+        Ok(false) => Err(format!(
+            "{addr}: the guard function {} is gone: run `fence-proxy postgres init --fence-table {}` again",
+            cfg.fence_table.guard_signature(),
+            cfg.fence_table.qualified()
+        )),
+        Err(e) => Err(format!(
+            "{addr}: checking the guard function: {}",
+            upstream::sqlx_message(&e)
+        )),
+    }
 }
 
 /// How long the start-up check's queries may take once connected.
