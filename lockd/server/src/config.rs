@@ -35,14 +35,68 @@ impl std::str::FromStr for Peer {
         if id == 0 {
             return Err(format!("peer {s:?}: id must be at least 1"));
         }
-        addr.parse::<SocketAddr>()
-            .map_err(|e| format!("peer {s:?}: address {addr:?} is not HOST:PORT ({e})"))?;
+        check_host_port(addr).map_err(|why| format!("peer {s:?}: address {addr:?} {why}"))?;
         Ok(Peer {
             id,
             addr: addr.to_owned(),
         })
     }
 }
+
+/// Checks a peer address: `HOST:PORT`, HOST an IPv4 address, an IPv6 address in brackets or a DNS
+/// name. A name is kept as written (in the Raft membership too) and resolved again on every
+/// connect, so a member that comes back on another IP under the same name (a replaced VM, a
+/// rescheduled StatefulSet pod) needs no change anywhere. The error says what is wrong; the caller
+/// names the value.
+pub(crate) fn check_host_port(addr: &str) -> Result<(), String> {
+    if addr.parse::<SocketAddr>().is_ok() {
+        return Ok(());
+    }
+    let (host, port) = addr
+        .rsplit_once(':')
+        .ok_or_else(|| "is not HOST:PORT (no port)".to_owned())?;
+    match port.parse::<u16>() {
+        Ok(p) if p > 0 => {}
+        _ => {
+            return Err(format!(
+                "is not HOST:PORT (port {port:?} is not 1 to 65535)"
+            ));
+        }
+    }
+    if host.starts_with('[') || host.contains(':') {
+        return Err(format!(
+            "is not HOST:PORT ({host:?} is not an IPv6 address in brackets)"
+        ));
+    }
+    let name = host.strip_suffix('.').unwrap_or(host);
+    let label_ok = |l: &str| {
+        !l.is_empty()
+            && l.len() <= DNS_LABEL_MAX_BYTES
+            && !l.starts_with('-')
+            && !l.ends_with('-')
+            && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+    };
+    if name.is_empty() || name.len() > DNS_NAME_MAX_BYTES || !name.split('.').all(label_ok) {
+        return Err(format!(
+            "is not HOST:PORT ({host:?} is neither an IP address nor a DNS name of letters, \
+             digits and '-' in dot-separated labels of at most {DNS_LABEL_MAX_BYTES} bytes)"
+        ));
+    }
+    // Labels all digits are a mistyped IPv4 address (10.0.0.256), never meant as a name.
+    if name
+        .split('.')
+        .all(|l| l.bytes().all(|b| b.is_ascii_digit()))
+    {
+        return Err(format!(
+            "is not HOST:PORT ({host:?} is not a valid IPv4 address)"
+        ));
+    }
+    Ok(())
+}
+
+/// Longest DNS name and label (RFC 1035).
+const DNS_NAME_MAX_BYTES: usize = 253;
+const DNS_LABEL_MAX_BYTES: usize = 63;
 
 /// `--log-format`: the same two formats as fence-proxy's.
 pub use lockd_service_kit::log::LogFormat;
@@ -311,6 +365,39 @@ mod tests {
                 .contains("\"x\"")
         );
         assert!("1=nohost".parse::<Peer>().unwrap_err().contains("nohost"));
+        // DNS names are kept as written; IPv6 only in brackets.
+        for ok in [
+            "3=lockd-2.lockd.default.svc.cluster.local:7001",
+            "3=node3:7001",
+            "3=node3.example.:7001",
+            "3=[::1]:7001",
+        ] {
+            let peer = ok.parse::<Peer>().unwrap_or_else(|e| panic!("{ok}: {e}"));
+            assert_eq!(peer.addr, ok[2..]);
+        }
+        for (bad, says) in [
+            ("3=node3", "no port"),
+            ("3=node3:0", "port \"0\""),
+            ("3=node3:70000", "port \"70000\""),
+            ("3=node_3:7001", "neither an IP address nor a DNS name"),
+            ("3=-node:7001", "neither an IP address nor a DNS name"),
+            ("3=a..b:7001", "neither an IP address nor a DNS name"),
+            ("3=:7001", "neither an IP address nor a DNS name"),
+            ("3=10.0.0.256:7001", "not a valid IPv4 address"),
+            ("3=::1:7001", "IPv6 address in brackets"),
+        ] {
+            let err = bad.parse::<Peer>().unwrap_err();
+            assert!(
+                err.contains(says) && err.contains(&bad[2..]),
+                "{bad}: {err}"
+            );
+        }
+        let long = format!("3={}.example:7001", "a".repeat(64));
+        assert!(
+            long.parse::<Peer>()
+                .unwrap_err()
+                .contains("at most 63 bytes")
+        );
         assert!("0=127.0.0.1:1".parse::<Peer>().is_err());
         assert!("127.0.0.1:1".parse::<Peer>().is_err());
     }

@@ -428,6 +428,7 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
             gate.rejoin(r, members, ask, s).await
         });
     }
+    let member_ips = peer_ips(&config).await;
     if let Some(addr) = config.metrics_listen {
         let std_listener = std::net::TcpListener::bind(addr)
             .map_err(|e| anyhow::anyhow!("binding --metrics-listen {addr}: {e}"))?;
@@ -436,7 +437,7 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
             ctx.clone(),
             tls.clone(),
             shutdown.clone(),
-            peer_ips(&config),
+            member_ips.clone(),
         );
         tokio::spawn(async move {
             if let Err(e) = crate::observe::http::serve(c, addr, t, p, s).await {
@@ -487,7 +488,7 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
                     listener,
                     tls.clone(),
                     crate::tls::NodeTls::grpc_server,
-                    peer_ips(&config),
+                    member_ips.clone(),
                     shutdown.clone(),
                 ),
                 stop,
@@ -585,16 +586,41 @@ fn staggered_snapshot_every(every: u64, id: NodeId) -> u64 {
     every + every * ((id.saturating_sub(1)) % 8) / 8
 }
 
-/// The members' IP addresses (of `--peer` values that are IP:port), which the TLS accept loop
-/// never turns away for their number of handshakes in progress.
-fn peer_ips(config: &NodeConfig) -> Vec<std::net::IpAddr> {
-    config
-        .peers
-        .values()
-        .filter_map(|a| a.parse::<std::net::SocketAddr>().ok())
-        .map(|a| a.ip())
-        .collect()
+/// The members' IP addresses, which the TLS accept loop never turns away for their number of
+/// handshakes in progress. A `--peer` DNS name is resolved here once, at start; one that does not
+/// resolve yet is only warned about (its node may not exist yet, as with a StatefulSet's pods),
+/// since every connect to it resolves again. A member that moves to a new IP under its name
+/// keeps working, but loses this exemption on this node until its next restart.
+async fn peer_ips(config: &NodeConfig) -> Vec<std::net::IpAddr> {
+    let mut ips = Vec::new();
+    for (id, addr) in &config.peers {
+        if let Ok(a) = addr.parse::<std::net::SocketAddr>() {
+            ips.push(a.ip());
+            continue;
+        }
+        let found =
+            tokio::time::timeout(NAME_LOOKUP_TIMEOUT, tokio::net::lookup_host(addr.as_str()));
+        match found.await {
+            Ok(Ok(found)) => {
+                let before = ips.len();
+                ips.extend(found.map(|a| a.ip()));
+                if ips.len() == before {
+                    tracing::warn!(peer = id, address = %addr, "--peer {id}={addr} resolves to no address yet; retrying on every connect");
+                }
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(peer = id, address = %addr, error = %e, "--peer {id}={addr} does not resolve yet; retrying on every connect")
+            }
+            Err(_) => {
+                tracing::warn!(peer = id, address = %addr, "--peer {id}={addr}: no answer from the resolver within {} s; retrying on every connect", NAME_LOOKUP_TIMEOUT.as_secs())
+            }
+        }
+    }
+    ips
 }
+
+/// Bound on resolving one `--peer` name at start.
+const NAME_LOOKUP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// The listen IP as the source of connections to peers, unless it is a wildcard.
 fn source_ip(config: &NodeConfig) -> Option<std::net::IpAddr> {

@@ -471,20 +471,14 @@ pub(crate) fn peer_connector(
             let port = uri
                 .port_u16()
                 .ok_or_else(|| bad("no port in peer address"))?;
-            let addr = tokio::net::lookup_host((host.trim_matches(['[', ']']), port))
-                .await?
-                .next()
-                .ok_or_else(|| bad("peer address resolves to nothing"))?;
-            let socket = if addr.is_ipv4() {
-                tokio::net::TcpSocket::new_v4()?
-            } else {
-                tokio::net::TcpSocket::new_v6()?
-            };
-            if let Some(ip) = local_ip {
-                socket.bind(std::net::SocketAddr::new(ip, 0))?;
-            }
-            let stream = socket.connect(addr).await?;
-            stream.set_nodelay(true)?;
+            // Resolved on every connect: a member back on another IP under its name is found.
+            let addrs: Vec<std::net::SocketAddr> =
+                tokio::net::lookup_host((host.trim_matches(['[', ']']), port))
+                    .await?
+                    .collect();
+            let stream = dial_first(&addrs, local_ip)
+                .await
+                .map_err(|e| std::io::Error::new(e.kind(), format!("{uri}: {e}")))?;
             let node = tls.current();
             let name = ServerName::try_from(node_name(target, &node.cluster_id))
                 .map_err(|e| bad(&format!("node name: {e}")))?;
@@ -493,6 +487,48 @@ pub(crate) fn peer_connector(
             Ok(hyper_util::rt::TokioIo::new(stream))
         }
     })
+}
+
+/// Connects to the first of `addrs` (a name's addresses, in the resolver's order) that accepts,
+/// from `local_ip` when given; addresses of the other IP family than `local_ip` are skipped, as
+/// they cannot be reached from it. A name that resolves to `::1` before `127.0.0.1` (localhost)
+/// or to a dead address before a live one still connects.
+async fn dial_first(
+    addrs: &[std::net::SocketAddr],
+    local_ip: Option<std::net::IpAddr>,
+) -> std::io::Result<tokio::net::TcpStream> {
+    let mut failures = Vec::new();
+    for addr in addrs {
+        if let Some(ip) = local_ip
+            && ip.is_ipv4() != addr.is_ipv4()
+        {
+            failures.push(format!("{addr}: not reachable from {ip}"));
+            continue;
+        }
+        let socket = if addr.is_ipv4() {
+            tokio::net::TcpSocket::new_v4()?
+        } else {
+            tokio::net::TcpSocket::new_v6()?
+        };
+        if let Some(ip) = local_ip {
+            socket.bind(std::net::SocketAddr::new(ip, 0))?;
+        }
+        match socket.connect(*addr).await {
+            Ok(stream) => {
+                stream.set_nodelay(true)?;
+                return Ok(stream);
+            }
+            Err(e) => failures.push(format!("{addr}: {e}")),
+        }
+    }
+    Err(std::io::Error::new(
+        std::io::ErrorKind::ConnectionRefused,
+        if failures.is_empty() {
+            "resolves to no address".to_owned()
+        } else {
+            failures.join("; ")
+        },
+    ))
 }
 
 fn names_dns(cert: &webpki::EndEntityCert<'_>, name: &str) -> bool {
@@ -575,6 +611,36 @@ pub(crate) mod dev {
 
 #[cfg(test)]
 mod tests {
+    /// Goal: a peer name's dead or unreachable addresses before a live one do not stop the dial,
+    /// and when none answers the error names each address and why.
+    #[tokio::test]
+    async fn dial_first_tries_every_address_of_a_name() {
+        let live = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let dead = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap()
+        };
+        let v6: std::net::SocketAddr = "[::1]:7001".parse().unwrap();
+        let from = Some("127.0.0.1".parse().unwrap());
+        let stream = super::dial_first(&[v6, dead, live.local_addr().unwrap()], from)
+            .await
+            .unwrap();
+        assert_eq!(stream.peer_addr().unwrap(), live.local_addr().unwrap());
+
+        let err = super::dial_first(&[v6, dead], from).await.unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains("[::1]:7001: not reachable from 127.0.0.1")
+                && text.contains(&dead.to_string()),
+            "{text}"
+        );
+        let none = super::dial_first(&[], None).await.unwrap_err();
+        assert!(
+            none.to_string().contains("resolves to no address"),
+            "{none}"
+        );
+    }
+
     use super::*;
 
     /// The certificates `lockd dev --tls` makes pass the check peers make, each only for its

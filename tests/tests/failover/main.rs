@@ -5,6 +5,7 @@
 //! - `leader`: leader loss, lost replies and quorum loss.
 //! - `restart`: full restarts, log compaction, lagging and wiped nodes.
 //! - `clock`: nodes whose wall clocks are an hour ahead or behind take turns as leader.
+//! - `names`: members named by DNS names; one comes back on another IP under its name.
 
 #![allow(
     clippy::unwrap_used,
@@ -13,6 +14,7 @@
 
 mod clock;
 mod leader;
+mod names;
 mod restart;
 
 use std::time::{Duration, Instant};
