@@ -7,6 +7,7 @@ use tonic::{Request, Response, Status};
 use std::sync::Arc;
 
 use crate::raft::NodeId;
+use crate::raft::restore_id::{self, RestoreIdentity};
 use crate::raft::vote_gate::{Standing, VoteGate, VoteReport};
 use crate::raft::{Raft, TypeConfig};
 use crate::service::errors;
@@ -42,6 +43,8 @@ pub(crate) struct RaftService {
     gate: Arc<VoteGate>,
     /// This node's log, for `CurrentVote`.
     log: LogStore,
+    /// Raft messages are accepted only from peers with this node's restore id.
+    restore: Arc<RestoreIdentity>,
 }
 
 /// Decides whether a Raft message comes from a member of this cluster (see `crate::tls`). It
@@ -188,7 +191,8 @@ impl PeerAuth {
 
 impl RaftService {
     /// Authenticates the caller before decoding anything, then checks that the decoded message
-    /// claims to come from it (`claimed`: the leader or candidate it names).
+    /// claims to come from it (`claimed`: the leader or candidate it names), and that the sender
+    /// has this node's restore id (FAILED_PRECONDITION naming both ids otherwise).
     fn authorized<T: DeserializeOwned>(
         &self,
         req: Request<RaftMessage>,
@@ -196,9 +200,23 @@ impl RaftService {
     ) -> Result<T, Status> {
         // Set by the interceptor; missing only if the service was built without it: refuse.
         let Caller(cert) = *req.extensions().get::<Caller>().ok_or_else(refused)?;
+        let theirs = restore_id::from_metadata(req.metadata()).map(str::to_owned);
         let rpc: T = decode(req)?;
-        PeerAuth::matches(cert, claimed(&rpc))?;
+        let sender = claimed(&rpc);
+        PeerAuth::matches(cert, sender)?;
+        let peer = sender.map_or_else(|| "the sender".to_owned(), |id| format!("node {id}"));
+        if let Err(why) = self.restore.check(&peer, theirs.as_deref()) {
+            self.restore.log_mismatch(&why);
+            return Err(errors::precondition("restore_id", why));
+        }
         Ok(rpc)
+    }
+
+    /// A reply, with this node's restore id (the sender checks it).
+    fn reply<T: Serialize>(&self, v: &T) -> Result<Response<RaftMessage>, Status> {
+        let mut response = encode(v)?;
+        self.restore.attach(response.metadata_mut());
+        Ok(response)
     }
 }
 
@@ -209,12 +227,14 @@ impl RaftService {
         gate: Arc<VoteGate>,
         log: LogStore,
         auth: Arc<PeerAuth>,
+        restore: Arc<RestoreIdentity>,
     ) -> InterceptedService<RaftServer<Self>, impl tonic::service::Interceptor + Clone> {
         let server = RaftServer::new(RaftService {
             raft,
             refuse_votes_until,
             gate,
             log,
+            restore,
         })
         .max_decoding_message_size(crate::raft::network::RAFT_MESSAGE_MAX_BYTES)
         .max_encoding_message_size(crate::raft::network::RAFT_MESSAGE_MAX_BYTES);
@@ -253,7 +273,7 @@ impl pb::raft_server::Raft for RaftService {
         ) {
             self.gate.observe_append(term, commit);
         }
-        encode(&reply)
+        self.reply(&reply)
     }
 
     async fn vote(&self, req: Request<RaftMessage>) -> Result<Response<RaftMessage>, Status> {
@@ -271,7 +291,7 @@ impl pb::raft_server::Raft for RaftService {
         self.gate
             .admits_candidate(rpc.vote.leader_id.term, rpc.last_log_id)
             .map_err(errors::no_quorum)?;
-        encode(&self.raft.vote(rpc).await)
+        self.reply(&self.raft.vote(rpc).await)
     }
 
     async fn install_snapshot(
@@ -285,7 +305,7 @@ impl pb::raft_server::Raft for RaftService {
         self.gate
             .admits_leader(rpc.vote.leader_id.term)
             .map_err(errors::no_quorum)?;
-        encode(&self.raft.install_snapshot(rpc).await)
+        self.reply(&self.raft.install_snapshot(rpc).await)
     }
 
     /// Read-only: what a peer that rejoins with an empty data dir needs to relearn the term, and
@@ -317,12 +337,16 @@ impl pb::raft_server::Raft for RaftService {
             vote,
             last_log_id,
             standing: Standing::default(), // not encoded: sent in `kept_log`
+            restore_id: None,              // not encoded: sent in `restore_id`
         })
         .map_err(|e| errors::internal(format!("encoding raft reply: {e}")))?;
+        // Answered whatever the asker's restore id: read-only, and a wiped node asks before it
+        // knows one. The asker decides which answers count (see `raft::vote_gate`).
         Ok(Response::new(pb::CurrentVoteReply {
             data,
             kept_log: Some(!rejoining),
             node_id: Some(node_id),
+            restore_id: self.restore.get().map(str::to_owned),
         }))
     }
 }
