@@ -4,6 +4,8 @@
 //! # Layout
 //! - `leader`: leader loss, lost replies and quorum loss.
 //! - `restart`: full restarts, log compaction, lagging and wiped nodes.
+//! - `backup_restore`: a backup under load, every member restored with a token floor, members of
+//!   another restore or of the old cluster refused.
 //! - `clock`: nodes whose wall clocks are an hour ahead or behind take turns as leader.
 
 #![allow(
@@ -13,6 +15,7 @@
 
 mod clock;
 mod leader;
+mod backup_restore;
 mod restart;
 
 use std::time::{Duration, Instant};
