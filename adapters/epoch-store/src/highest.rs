@@ -63,18 +63,29 @@ fn redb_max(path: &Path) -> Result<EpochsMax, StoreError> {
             path.display()
         ))
     };
-    let txn = match ReadOnlyDatabase::open(path) {
-        Ok(db) => db.begin_read().map_err(|e| unavailable(&e))?,
+    // The database must outlive the read transaction: a transaction of a dropped database
+    // reads nothing ("Database has been closed").
+    enum Opened {
+        ReadOnly(ReadOnlyDatabase),
+        Repaired(Database),
+    }
+    let opened = match ReadOnlyDatabase::open(path) {
+        Ok(db) => Opened::ReadOnly(db),
         Err(DatabaseError::DatabaseAlreadyOpen) => return Err(held()),
         // Left by a process that did not close it (a killed proxy): a read-only open cannot
         // repair it, a read-write open does, as the proxy would on its next start.
         Err(DatabaseError::RepairAborted) => match Database::open(path) {
-            Ok(db) => db.begin_read().map_err(|e| unavailable(&e))?,
+            Ok(db) => Opened::Repaired(db),
             Err(DatabaseError::DatabaseAlreadyOpen) => return Err(held()),
             Err(e) => return Err(unavailable(&format!("opening to repair it: {e}"))),
         },
         Err(e) => return Err(unavailable(&format!("opening: {e}"))),
     };
+    let txn = match &opened {
+        Opened::ReadOnly(db) => db.begin_read(),
+        Opened::Repaired(db) => db.begin_read(),
+    }
+    .map_err(|e| unavailable(&e))?;
     let table = match txn.open_table(EPOCHS) {
         Ok(t) => t,
         // A file the proxy created but never wrote to.

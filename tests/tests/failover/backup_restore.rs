@@ -277,12 +277,15 @@ async fn backup_under_load_then_restore_every_member_with_a_floor() {
     // Nothing but the backup beside it (no temporary file left).
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
 
-    // Phase 3: disaster. Node 3's data dir of the old cluster is kept for phase 7.
+    // Phase 3: disaster. A follower's data dir of the old cluster is kept for phase 7 (a
+    // follower: restarted, it campaigns; an old leader would restart as leader of its term).
+    let old_leader = cluster.leader().await.unwrap();
+    let old = (1..=3).find(|n| *n != old_leader).unwrap();
     for n in 1..=3 {
         cluster.kill(n);
     }
-    let old3 = dir.path().join("old-node3");
-    copy_dir(&cluster.data_dir(3), &old3);
+    let old_dir = dir.path().join("old-node");
+    copy_dir(&cluster.data_dir(old), &old_dir);
     for n in 1..=3 {
         cluster.wipe(n).unwrap();
     }
@@ -457,61 +460,72 @@ async fn backup_under_load_then_restore_every_member_with_a_floor() {
         "active locks per node: {locks:?}"
     );
 
-    // Phase 7: node 3 comes back on its data dir of the old cluster. The restored members refuse
-    // its messages (no restore id) and it refuses theirs: their term does not move while its
-    // own climbs with every election it starts.
-    cluster.kill(3);
-    std::fs::remove_dir_all(cluster.data_dir(3)).unwrap();
-    copy_dir(&old3, &cluster.data_dir(3));
-    let leader = cluster.leader().await.unwrap();
-    let terms = (term(&cluster, 1).await, term(&cluster, 2).await);
-    cluster.start_node(3).unwrap();
+    // Phase 7: node `old` comes back on its data dir of the old cluster. The restored members
+    // refuse its messages (no restore id) and it refuses theirs: their terms do not move while
+    // its own climbs past them with every election it starts.
+    let restored: Vec<u64> = (1..=3).filter(|n| *n != old).collect();
+    cluster.kill(old);
+    let leader = leader_of(&cluster, &restored).await;
+    std::fs::remove_dir_all(cluster.data_dir(old)).unwrap();
+    copy_dir(&old_dir, &cluster.data_dir(old));
+    let terms = (
+        term(&cluster, restored[0]).await,
+        term(&cluster, restored[1]).await,
+    );
+    cluster.start_node(old).unwrap();
     let restore_id = restore_ids[0].as_str();
     wait_logged(
-        "node 3 (old data dir)",
-        || cluster.stderr(3),
+        "the old cluster's node",
+        || cluster.stderr(old),
         &["restore id mismatch", restore_id, "no restore id"],
     )
     .await;
-    let others = [1u64, 2];
+    let old_name = format!("node {old}");
     wait_logged(
         "a restored member",
-        || others.iter().map(|n| cluster.stderr(*n)).collect(),
-        &["restore id mismatch", "node 3", restore_id, "no restore id"],
+        || restored.iter().map(|n| cluster.stderr(*n)).collect(),
+        &["restore id mismatch", &old_name, restore_id, "no restore id"],
     )
     .await;
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    let old_term = term(&cluster, 3).await;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let old_term = loop {
+        let t = term(&cluster, old).await;
+        if t > terms.0.max(terms.1) + 1 {
+            break t;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "node {old} of the old cluster should campaign past the restored term (it is at \
+             {t}, they at {terms:?})"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
     assert_eq!(
-        (term(&cluster, 1).await, term(&cluster, 2).await),
+        (
+            term(&cluster, restored[0]).await,
+            term(&cluster, restored[1]).await
+        ),
         terms,
-        "the restored members' terms moved (node 3, of the old cluster, is at term {old_term})"
+        "the restored members' terms moved (node {old}, of the old cluster, is at term {old_term})"
     );
-    assert!(
-        old_term > terms.0.max(terms.1),
-        "node 3 should have campaigned past the restored term (it is at {old_term}, they at {terms:?})"
-    );
-    assert_eq!(leader_of(&cluster, &[1, 2]).await, leader);
-    let during = acquire_retrying(&cluster, &[1, 2], "after/old-node", "after-old", 10_000).await;
+    assert_eq!(leader_of(&cluster, &restored).await, leader);
+    let during = acquire_retrying(&cluster, &restored, "after/old-node", "after-old", 10_000).await;
     assert!(during.fencing_token > first.fencing_token);
 
-    // Phase 8: node 3 started empty is a wiped node: it learns the restore id from the restored
-    // members and catches up; then it counts toward a quorum (node 1 down).
-    cluster.wipe(3).unwrap();
-    cluster.start_node(3).unwrap();
-    let s1 = cluster.status(1).await.unwrap();
+    // Phase 8: node `old` started empty is a wiped node: it learns the restore id from the
+    // restored members and catches up; then it counts toward a quorum (one of them down).
+    cluster.wipe(old).unwrap();
+    cluster.start_node(old).unwrap();
+    let s = cluster.status(leader).await.unwrap();
     cluster
-        .wait_applied(s1.applied_index, Duration::from_secs(30))
+        .wait_applied(s.applied_index, Duration::from_secs(30))
         .await
         .unwrap();
-    assert_eq!(
-        cluster.status(3).await.unwrap().active_locks,
-        s1.active_locks
-    );
-    let keep = if leader == 1 { 2 } else { leader };
-    let down = if keep == 1 { 2 } else { 1 };
+    assert_eq!(cluster.status(old).await.unwrap().active_locks, s.active_locks);
+    let down = restored[0];
+    let keep = restored[1];
     cluster.kill(down);
-    let last = acquire_retrying(&cluster, &[keep, 3], "after/wiped", "after-wiped", 10_000).await;
+    let last = acquire_retrying(&cluster, &[keep, old], "after/wiped", "after-wiped", 10_000).await;
     assert!(last.fencing_token > during.fencing_token);
 }
 
