@@ -164,7 +164,10 @@ mod tests {
                 "a file held by a running store cannot be opened"
             );
             let e = spec.epochs_max(&StoreOptions::default()).await.unwrap_err();
-            assert!(e.to_string().contains("held open by a running process"), "{e}");
+            assert!(
+                e.to_string().contains("held open by a running process"),
+                "{e}"
+            );
             drop(store);
         }
         let max = spec.epochs_max(&StoreOptions::default()).await.unwrap();

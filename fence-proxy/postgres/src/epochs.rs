@@ -28,9 +28,10 @@ pub async fn fence_table_max(upstream: &str, fence_table: &str) -> anyhow::Resul
         FenceTable::parse(fence_table).map_err(|e| anyhow::anyhow!("--fence-table: {e}"))?;
     let parsed = crate::upstream::parse(upstream, "--upstream")?;
     let shown = crate::upstream::redact(upstream);
-    let mut conn = parsed.connect(CONNECT_TIMEOUT).await.map_err(|e| {
-        anyhow::anyhow!("connecting to --upstream {shown:?}: {e:#}")
-    })?;
+    let mut conn = parsed
+        .connect(CONNECT_TIMEOUT)
+        .await
+        .map_err(|e| anyhow::anyhow!("connecting to --upstream {shown:?}: {e:#}"))?;
     let qualified = table.qualified();
     // The name is validated plain identifiers (FenceTable::parse), so it is safe in the text.
     let result: Result<Option<(i64, String, i64)>, sqlx::Error> =

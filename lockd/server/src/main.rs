@@ -241,9 +241,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             lockd_server::dev::run(data_dir, host, tuning, tls, shutdown).await
         }
         Some(Cmd::Docs(docs)) => docs.run(Cli::command()).map_err(anyhow::Error::msg),
-        Some(Cmd::Restore { .. }) => Err(anyhow::anyhow!(
-            "restore runs before the runtime starts"
-        )),
+        Some(Cmd::Restore { .. }) => Err(anyhow::anyhow!("restore runs before the runtime starts")),
         None => {
             let missing = |flag: &str| {
                 anyhow::anyhow!("{flag} is required (or run `lockd dev`); see lockd --help")

@@ -287,7 +287,10 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
     // Kept for good once set (see backup::restore); peers of another restore never mix.
     let restore = Arc::new(RestoreIdentity::new(log_store.restore_id()?));
     if let Some(id) = restore.get() {
-        tracing::info!(restore_id = id, "restored from a backup: Raft traffic only with members of this restore id");
+        tracing::info!(
+            restore_id = id,
+            "restored from a backup: Raft traffic only with members of this restore id"
+        );
     }
     let vote_gate = Arc::new(if log_store.rejoining()? {
         VoteGate::rejoining(log_store.clone(), restore.clone())?

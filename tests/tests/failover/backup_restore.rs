@@ -107,7 +107,10 @@ async fn load(mut c: LockClient<Channel>, stop: Arc<AtomicBool>, node: u64) -> V
     while !stop.load(Ordering::Relaxed) {
         i += 1;
         let resource = format!("load/{node}/{}", i % 20);
-        match c.acquire(req(&resource, &format!("load-{node}-{i}"), 5_000)).await {
+        match c
+            .acquire(req(&resource, &format!("load-{node}-{i}"), 5_000))
+            .await
+        {
             Ok(r) => {
                 let r = r.into_inner();
                 tokens.push(r.fencing_token);
@@ -221,8 +224,14 @@ async fn backup_under_load_then_restore_every_member_with_a_floor() {
     let mut before = BTreeMap::new();
     for i in 0..120u64 {
         let resource = format!("held/{i}");
-        let g = acquire_retrying(&cluster, &[1, 2, 3], &resource, &format!("held-{i}"), 300_000)
-            .await;
+        let g = acquire_retrying(
+            &cluster,
+            &[1, 2, 3],
+            &resource,
+            &format!("held-{i}"),
+            300_000,
+        )
+        .await;
         before.insert(i, (resource, g));
     }
     let mut c = cluster.lock_client(leader).await.unwrap();
@@ -484,7 +493,12 @@ async fn backup_under_load_then_restore_every_member_with_a_floor() {
     wait_logged(
         "a restored member",
         || restored.iter().map(|n| cluster.stderr(*n)).collect(),
-        &["restore id mismatch", &old_name, restore_id, "no restore id"],
+        &[
+            "restore id mismatch",
+            &old_name,
+            restore_id,
+            "no restore id",
+        ],
     )
     .await;
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -521,7 +535,10 @@ async fn backup_under_load_then_restore_every_member_with_a_floor() {
         .wait_applied(s.applied_index, Duration::from_secs(30))
         .await
         .unwrap();
-    assert_eq!(cluster.status(old).await.unwrap().active_locks, s.active_locks);
+    assert_eq!(
+        cluster.status(old).await.unwrap().active_locks,
+        s.active_locks
+    );
     let down = restored[0];
     let keep = restored[1];
     cluster.kill(down);
@@ -542,7 +559,14 @@ async fn members_restored_with_different_floors_refuse_each_other() {
     .await
     .unwrap();
     for i in 0..5 {
-        acquire_retrying(&cluster, &[1, 2, 3], &format!("r/{i}"), &format!("r-{i}"), 60_000).await;
+        acquire_retrying(
+            &cluster,
+            &[1, 2, 3],
+            &format!("r/{i}"),
+            &format!("r-{i}"),
+            60_000,
+        )
+        .await;
     }
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("backup.lockd");
@@ -578,7 +602,10 @@ async fn members_restored_with_different_floors_refuse_each_other() {
     let leader = leader_of(&cluster, &[1, 2]).await;
     assert!(leader == 1 || leader == 2, "leader {leader}");
     let s3 = cluster.status(3).await.unwrap();
-    assert_ne!(s3.leader_id, leader, "node 3 follows the other restore: {s3:?}");
+    assert_ne!(
+        s3.leader_id, leader,
+        "node 3 follows the other restore: {s3:?}"
+    );
     assert!(
         s3.applied_index < cluster.status(leader).await.unwrap().applied_index,
         "node 3 applied the other restore's entries: {s3:?}"

@@ -13,9 +13,9 @@
     reason = "test code: a failed unwrap is a failed test, with its message"
 )]
 
+mod backup_restore;
 mod clock;
 mod leader;
-mod backup_restore;
 mod restart;
 
 use std::time::{Duration, Instant};

@@ -62,8 +62,7 @@ async fn epochs_max_prints_the_highest_token_of_every_kind_of_store() {
     );
     // Killed: the file needs redb's repair, which `epochs max` does.
     proxy.kill();
-    let (code, stdout, stderr) =
-        fence_proxy(&["epochs", "max", "--store", &store, "--json"]).await;
+    let (code, stdout, stderr) = fence_proxy(&["epochs", "max", "--store", &store, "--json"]).await;
     assert_eq!(code, Some(0), "{stderr}");
     let j = json(&stdout);
     assert_eq!(j["highest_token"].as_u64(), Some(4242), "{j}");

@@ -479,7 +479,10 @@ mod tests {
         let e = restore(&opts(&file, &data, Some(too_high)))
             .unwrap_err()
             .to_string();
-        assert!(e.contains(&too_high.to_string()) && e.contains("2^62"), "{e}");
+        assert!(
+            e.contains(&too_high.to_string()) && e.contains("2^62"),
+            "{e}"
+        );
         assert!(!data.exists());
         restore(&opts(&file, &data, Some(1 << 62))).unwrap();
     }

@@ -286,9 +286,9 @@ impl PeerClient {
                     .check(&peer, restore_id::from_metadata(r.metadata()))
                 {
                     self.dial.restore.log_mismatch(&why);
-                    return Err(RPCError::Network(NetworkError::new(&std::io::Error::other(
-                        why,
-                    ))));
+                    return Err(RPCError::Network(NetworkError::new(
+                        &std::io::Error::other(why),
+                    )));
                 }
                 r.into_inner()
             }

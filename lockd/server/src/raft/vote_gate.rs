@@ -106,8 +106,8 @@
 //! cluster waits).
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use openraft::storage::RaftLogStorage;
@@ -797,7 +797,8 @@ mod tests {
         let db = crate::storage::open(dir.path()).unwrap().log;
         let store = LogStore::new(db.clone(), snapshots());
         store.start_rejoining().await.unwrap();
-        let gate = VoteGate::rejoining(store.clone(), Arc::new(RestoreIdentity::new(None))).unwrap();
+        let gate =
+            VoteGate::rejoining(store.clone(), Arc::new(RestoreIdentity::new(None))).unwrap();
         assert!(gate.admits_leader(3).is_err(), "nothing learned yet");
         let proof = Proof {
             term: 3,
@@ -808,7 +809,8 @@ mod tests {
 
         let store = LogStore::new(db.clone(), snapshots());
         assert!(store.rejoining().unwrap());
-        let gate = VoteGate::rejoining(store.clone(), Arc::new(RestoreIdentity::new(None))).unwrap();
+        let gate =
+            VoteGate::rejoining(store.clone(), Arc::new(RestoreIdentity::new(None))).unwrap();
         assert!(!gate.is_open());
         assert_eq!(gate.learned().proof, Some(proof));
         assert!(gate.admits_leader(3).is_ok());
@@ -831,7 +833,13 @@ mod tests {
         let store = LogStore::new(db, snapshots());
         assert!(!store.rejoining().unwrap());
         assert_eq!(store.rejoin_proof::<Proof>().unwrap(), None);
-        assert_eq!(VoteGate::rejoining(store, Arc::new(RestoreIdentity::new(None))).unwrap().learned().proof, None);
+        assert_eq!(
+            VoteGate::rejoining(store, Arc::new(RestoreIdentity::new(None)))
+                .unwrap()
+                .learned()
+                .proof,
+            None
+        );
     }
 
     /// Rule 1: only a candidate in a newer term whose log reaches
@@ -921,7 +929,10 @@ mod tests {
         assert_eq!(proof_for(3, &[a1.clone(), old.clone()], Some("a")), None);
         // A wiped node: the id whose answers prove, with the bound of those answers only.
         let (p, id) = proof_for(3, &[old.clone(), a1.clone(), a2.clone()], None).unwrap();
-        assert_eq!((p.term, p.log, id.as_deref()), (5, Some(log_id(5, 40)), Some("a")));
+        assert_eq!(
+            (p.term, p.log, id.as_deref()),
+            (5, Some(log_id(5, 40)), Some("a"))
+        );
         assert_eq!(proof_for(3, &[a1.clone(), old.clone()], None), None);
         assert_eq!(proof_for(3, &[a1, b], None), None);
         // Never restored: as before.

@@ -27,8 +27,8 @@ use tokio::sync::oneshot;
 use tokio::sync::watch;
 
 use super::{
-    KEY_COMMITTED, KEY_LAST_PURGED, KEY_REJOIN_PROOF, KEY_REJOINING, KEY_RESTORE_ID, KEY_VOTE, LOG, META,
-    StorageObserver, blocking,
+    KEY_COMMITTED, KEY_LAST_PURGED, KEY_REJOIN_PROOF, KEY_REJOINING, KEY_RESTORE_ID, KEY_VOTE, LOG,
+    META, StorageObserver, blocking,
 };
 use crate::raft::{LogId, NodeId, StorageError, TypeConfig};
 

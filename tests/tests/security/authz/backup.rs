@@ -71,14 +71,25 @@ fn non_loopback_ip() -> Option<std::net::IpAddr> {
 }
 
 /// A one-node lockd on `ip` without TLS or policy (`--insecure-plaintext`), plus `extra`.
-fn single_node(ip: std::net::IpAddr, port: u16, dir: &std::path::Path, extra: &[&str]) -> ChildGuard {
+fn single_node(
+    ip: std::net::IpAddr,
+    port: u16,
+    dir: &std::path::Path,
+    extra: &[&str],
+) -> ChildGuard {
     let addr = format!("{ip}:{port}");
     let mut cmd = command("lockd");
     cmd.args(["--id", "1", "--listen", &addr, "--peer"])
         .arg(format!("1={addr}"))
         .arg("--data-dir")
         .arg(dir)
-        .args(["--insecure-plaintext", "--heartbeat", "100ms", "--election-timeout", "600ms"])
+        .args([
+            "--insecure-plaintext",
+            "--heartbeat",
+            "100ms",
+            "--election-timeout",
+            "600ms",
+        ])
         .args(extra);
     if std::env::var_os("RUST_LOG").is_none() {
         cmd.env("RUST_LOG", "warn,openraft=off");
@@ -130,7 +141,12 @@ async fn open_mode_refuses_remote_backups_unless_allowed() {
         "{st:?}"
     );
     node.kill();
-    let _node = single_node(ip, port, &dir.path().join("n1"), &["--allow-remote-snapshot"]);
+    let _node = single_node(
+        ip,
+        port,
+        &dir.path().join("n1"),
+        &["--allow-remote-snapshot"],
+    );
     let stream = save_snapshot(&addr)
         .await
         .expect("allowed with --allow-remote-snapshot");
