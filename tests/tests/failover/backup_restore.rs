@@ -455,19 +455,24 @@ async fn backup_under_load_then_restore_every_member_with_a_floor() {
         );
     }
     assert_eq!(key_ids(&cluster, 3).await, keys_before);
-    let s1 = cluster.status(1).await.unwrap();
-    cluster
-        .wait_applied(s1.applied_index, Duration::from_secs(30))
-        .await
-        .unwrap();
-    let mut locks = Vec::new();
-    for n in 1..=3 {
-        locks.push(cluster.status(n).await.unwrap().active_locks);
+    // Every member holds the same table at the same applied index (compared at one index:
+    // leases of the load, 5 s, expire meanwhile).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let mut seen = Vec::new();
+        for n in 1..=3 {
+            let st = cluster.status(n).await.unwrap();
+            seen.push((st.applied_index, st.active_locks));
+        }
+        if seen.iter().all(|x| *x == seen[0]) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "(applied index, active locks) per node: {seen:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert!(
-        locks.iter().all(|l| *l == locks[0]),
-        "active locks per node: {locks:?}"
-    );
 
     // Phase 7: node `old` comes back on its data dir of the old cluster. The restored members
     // refuse its messages (no restore id) and it refuses theirs: their terms do not move while
@@ -535,10 +540,23 @@ async fn backup_under_load_then_restore_every_member_with_a_floor() {
         .wait_applied(s.applied_index, Duration::from_secs(30))
         .await
         .unwrap();
-    assert_eq!(
-        cluster.status(old).await.unwrap().active_locks,
-        s.active_locks
-    );
+    // Same table as the leader's at the same applied index (leases of 10 s expire meanwhile,
+    // so the counts are compared at one index).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (a, b) = (
+            cluster.status(leader).await.unwrap(),
+            cluster.status(old).await.unwrap(),
+        );
+        if (a.applied_index, a.active_locks) == (b.applied_index, b.active_locks) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "node {old} does not match the leader: {b:?} vs {a:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     let down = restored[0];
     let keep = restored[1];
     cluster.kill(down);
