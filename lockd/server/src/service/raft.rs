@@ -64,6 +64,12 @@ pub(crate) struct PeerAuth {
     started: Instant,
 }
 
+/// Who sent a Raft message: the node it names, and the restore id in its metadata.
+struct Sender {
+    node: Option<NodeId>,
+    restore_id: Option<String>,
+}
+
 /// A certificate check's outcome (the member, or why not), when it was made, and the TLS
 /// generation it was made with (a reload on SIGHUP may change the peer CA).
 type CheckedCert = (Result<NodeId, String>, Instant, u64);
@@ -191,25 +197,36 @@ impl PeerAuth {
 
 impl RaftService {
     /// Authenticates the caller before decoding anything, then checks that the decoded message
-    /// claims to come from it (`claimed`: the leader or candidate it names), and that the sender
-    /// has this node's restore id (FAILED_PRECONDITION naming both ids otherwise).
+    /// claims to come from it (`claimed`: the leader or candidate it names). Returns the message
+    /// and who sent it, for [`RaftService::same_restore`].
     fn authorized<T: DeserializeOwned>(
         &self,
         req: Request<RaftMessage>,
         claimed: impl FnOnce(&T) -> Option<NodeId>,
-    ) -> Result<T, Status> {
+    ) -> Result<(T, Sender), Status> {
         // Set by the interceptor; missing only if the service was built without it: refuse.
         let Caller(cert) = *req.extensions().get::<Caller>().ok_or_else(refused)?;
-        let theirs = restore_id::from_metadata(req.metadata()).map(str::to_owned);
+        let restore_id = restore_id::from_metadata(req.metadata()).map(str::to_owned);
         let rpc: T = decode(req)?;
-        let sender = claimed(&rpc);
-        PeerAuth::matches(cert, sender)?;
-        let peer = sender.map_or_else(|| "the sender".to_owned(), |id| format!("node {id}"));
-        if let Err(why) = self.restore.check(&peer, theirs.as_deref()) {
-            self.restore.log_mismatch(&why);
-            return Err(errors::precondition("restore_id", why));
-        }
-        Ok(rpc)
+        let node = claimed(&rpc);
+        PeerAuth::matches(cert, node)?;
+        Ok((rpc, Sender { node, restore_id }))
+    }
+
+    /// The sender must have this node's restore id (FAILED_PRECONDITION naming both ids
+    /// otherwise). Checked after the vote gate, right before the message reaches openraft: a
+    /// wiped node that has not learned the id yet refuses everything at its gate anyway, and
+    /// saying "not proven yet" there is the truth, not a mismatch.
+    fn same_restore(&self, sender: &Sender) -> Result<(), Status> {
+        let peer = sender
+            .node
+            .map_or_else(|| "the sender".to_owned(), |id| format!("node {id}"));
+        self.restore
+            .check(&peer, sender.restore_id.as_deref())
+            .map_err(|why| {
+                self.restore.log_mismatch(&why);
+                errors::precondition("restore_id", why)
+            })
     }
 
     /// A reply, with this node's restore id (the sender checks it).
@@ -259,12 +276,13 @@ impl pb::raft_server::Raft for RaftService {
         &self,
         req: Request<RaftMessage>,
     ) -> Result<Response<RaftMessage>, Status> {
-        let rpc = self.authorized(
+        let (rpc, sender) = self.authorized(
             req,
             |r: &openraft::raft::AppendEntriesRequest<TypeConfig>| r.vote.leader_id.voted_for(),
         )?;
         let (term, commit) = (rpc.vote.leader_id.term, rpc.leader_commit);
         self.gate.admits_leader(term).map_err(errors::no_quorum)?;
+        self.same_restore(&sender)?;
         let reply = self.raft.append_entries(rpc).await;
         if matches!(
             reply,
@@ -285,12 +303,13 @@ impl pb::raft_server::Raft for RaftService {
                 "node started with an empty data dir; not voting yet",
             ));
         }
-        let rpc = self.authorized(req, |r: &openraft::raft::VoteRequest<NodeId>| {
+        let (rpc, sender) = self.authorized(req, |r: &openraft::raft::VoteRequest<NodeId>| {
             r.vote.leader_id.voted_for()
         })?;
         self.gate
             .admits_candidate(rpc.vote.leader_id.term, rpc.last_log_id)
             .map_err(errors::no_quorum)?;
+        self.same_restore(&sender)?;
         self.reply(&self.raft.vote(rpc).await)
     }
 
@@ -298,13 +317,14 @@ impl pb::raft_server::Raft for RaftService {
         &self,
         req: Request<RaftMessage>,
     ) -> Result<Response<RaftMessage>, Status> {
-        let rpc = self.authorized(
+        let (rpc, sender) = self.authorized(
             req,
             |r: &openraft::raft::InstallSnapshotRequest<TypeConfig>| r.vote.leader_id.voted_for(),
         )?;
         self.gate
             .admits_leader(rpc.vote.leader_id.term)
             .map_err(errors::no_quorum)?;
+        self.same_restore(&sender)?;
         self.reply(&self.raft.install_snapshot(rpc).await)
     }
 
