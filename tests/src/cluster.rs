@@ -36,6 +36,9 @@ pub struct ClusterOptions {
     /// Give each node its id, addresses, peers, data dir and timings in a TOML file
     /// (`--config <dir>/node<id>.toml`) instead of flags.
     pub config_file: bool,
+    /// Append each node's stderr to `<dir>/node<id>.stderr` (across restarts) instead of the
+    /// test's, for tests that read what a node logged ([`Cluster::stderr`]).
+    pub stderr_files: bool,
 }
 
 /// The certificates of a TLS test cluster (see [`ClusterOptions::tls`]).
@@ -59,6 +62,7 @@ impl Default for ClusterOptions {
             clock_offsets_ms: Vec::new(),
             tls: false,
             config_file: false,
+            stderr_files: false,
         }
     }
 }
@@ -199,9 +203,27 @@ impl Cluster {
         if std::env::var_os("RUST_LOG").is_none() {
             cmd.env("RUST_LOG", "warn,openraft=off");
         }
+        if o.stderr_files {
+            let log = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(self.stderr_path(id))?;
+            cmd.stderr(log);
+        }
         let guard = ChildGuard::spawn(format!("lockd-{id}"), cmd)?;
         self.nodes[id as usize - 1] = Some(guard);
         Ok(())
+    }
+
+    /// Where node `id`'s stderr goes with [`ClusterOptions::stderr_files`].
+    pub fn stderr_path(&self, id: u64) -> PathBuf {
+        self.dir.path().join(format!("node{id}.stderr"))
+    }
+
+    /// What node `id` wrote to stderr so far (with [`ClusterOptions::stderr_files`]; empty
+    /// before it started).
+    pub fn stderr(&self, id: u64) -> String {
+        std::fs::read_to_string(self.stderr_path(id)).unwrap_or_default()
     }
 
     /// kill -9.

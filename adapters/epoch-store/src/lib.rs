@@ -30,8 +30,11 @@
 //! - [`redb_store`]: [`RedbStore`], the embedded default.
 //! - [`postgres_store`]: [`PostgresStore`], shared by many proxy replicas.
 //! - [`spec`]: [`StoreSpec`], parsing `redb:PATH` / `postgres://...` and opening the store.
+//! - [`highest`]: [`EpochsMax`], the highest token of a store over all resources (the floor of a
+//!   lock cluster restored from a backup).
 
 pub mod error;
+pub mod highest;
 pub mod postgres_store;
 pub mod redb_store;
 pub mod slots;
@@ -39,6 +42,7 @@ pub mod spec;
 pub mod store;
 
 pub use error::StoreError;
+pub use highest::EpochsMax;
 pub use lockd_fence::FencingToken;
 pub use postgres_store::PostgresStore;
 pub use redb_store::RedbStore;

@@ -86,7 +86,7 @@ impl Statements {
 /// the advisory lock, but its `busy_until` still makes the next writer wait out the forward it
 /// may have left in flight.
 pub struct PostgresStore {
-    pool: PgPool,
+    pub(crate) pool: PgPool,
     /// `host:port/database` (never the password), for error messages.
     name: String,
     table: String,
@@ -257,7 +257,7 @@ impl PostgresStore {
     }
 
     /// Runs one statement with the store timeout, mapping every failure to `Unavailable`.
-    async fn bounded<T>(
+    pub(crate) async fn bounded<T>(
         &self,
         what: &str,
         fut: impl Future<Output = Result<T, sqlx::Error>>,

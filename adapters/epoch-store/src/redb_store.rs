@@ -11,7 +11,7 @@ use crate::{Admission, EpochStore, ForwardOutcome, Permit, PermitRelease, SlotGu
 use crate::{StoreError, Timing};
 
 /// Resource name to the highest token accepted for it.
-const EPOCHS: TableDefinition<&str, u64> = TableDefinition::new("fence_proxy_epochs");
+pub(crate) const EPOCHS: TableDefinition<&str, u64> = TableDefinition::new("fence_proxy_epochs");
 
 /// Epoch store in an embedded redb file.
 ///

@@ -4,6 +4,7 @@
 //! # Layout
 //! - `main.rs`: flags, the metrics and health listener (`/metrics`, `/healthz`, `/readyz`).
 //! - `reload`: SIGHUP, certificate reloads and their metrics.
+//! - `epochs`: `fence-proxy epochs max`, the highest token a store has accepted.
 
 use std::net::SocketAddr;
 use std::process::ExitCode;
@@ -21,13 +22,14 @@ use lockd_service_kit::recorder;
 use metrics_exporter_prometheus::PrometheusHandle;
 use tokio_util::sync::CancellationToken;
 
+mod epochs;
 mod reload;
 
 /// Bad flags: one line, like the proxy's other errors.
 const FLAG_ERRORS: FlagErrors = FlagErrors {
     prefix: "fence-proxy: error: ",
     suffix: "",
-    missing_command: "a front end is required: fence-proxy http|postgres ... (see --help)",
+    missing_command: "a command is required: fence-proxy http|postgres|epochs ... (see --help)",
 };
 
 /// The fencing write proxy: rejects writes whose fencing token is lower than the highest the
@@ -60,8 +62,23 @@ enum Command {
     // Boxed: the front ends' flags are large, and a command is parsed once.
     #[command(flatten)]
     FrontEnd(Box<FrontEnd>),
+    /// The tokens a store has accepted: `epochs max` prints the highest over all resources, the
+    /// floor for `lockd restore --token-floor`.
+    Epochs {
+        #[command(subcommand)]
+        command: EpochsCommand,
+    },
     #[command(flatten)]
     Docs(DocsCommand),
+}
+
+/// `fence-proxy epochs ...`.
+#[derive(Subcommand, Debug)]
+enum EpochsCommand {
+    /// Print the highest token accepted for any resource: of an epoch store (`--store`, the
+    /// HTTP front end's) or of a fence table (`--upstream`, the Postgres front end's). Reads
+    /// only.
+    Max(epochs::MaxArgs),
 }
 
 /// The two front ends, each a proxy of its own.
@@ -197,6 +214,12 @@ fn main() -> ExitCode {
     };
     let front_end = match cli.command {
         Command::FrontEnd(front_end) => front_end,
+        Command::Epochs {
+            command: EpochsCommand::Max(args),
+        } => {
+            init_tracing(cli.log_format, "warn");
+            return epochs::run_max(&args);
+        }
         Command::Docs(docs) => {
             return match docs.run(Cli::command()) {
                 Ok(()) => ExitCode::SUCCESS,

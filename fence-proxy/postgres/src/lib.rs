@@ -26,11 +26,13 @@
 //! - `verify`: signed sequencers in `lockd.fence` (`--verify-key`) and the proofs for the guard.
 //! - `error`: proxy-made errors and their SQLSTATE table.
 //! - `metrics_names`: metric names.
+//! - [`epochs`]: the highest token of a fence table (`fence-proxy epochs max --upstream`).
 
 mod access;
 pub mod classify;
 mod codec;
 mod config;
+pub mod epochs;
 mod error;
 pub mod fence_sql;
 mod fence_value;

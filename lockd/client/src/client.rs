@@ -614,6 +614,8 @@ impl Client {
     }
 }
 
+mod snapshot;
+
 /// Refuses to send a resource name the server would reject anyway, naming it.
 fn check_resource(resource: &str) -> Result<(), Error> {
     lockd_fence::validate_resource(resource).map_err(|e| Error::InvalidArgument {

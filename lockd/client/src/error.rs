@@ -36,6 +36,8 @@ pub enum Op {
     SigningKeys,
     /// Admin: rotate the sequencer signing key.
     RotateSigningKey,
+    /// Admin: stream a backup of the state machine.
+    SaveSnapshot,
 }
 
 impl Op {
@@ -58,6 +60,7 @@ impl fmt::Display for Op {
             Op::Status => "status",
             Op::SigningKeys => "signing keys",
             Op::RotateSigningKey => "rotate signing key",
+            Op::SaveSnapshot => "snapshot save",
         })
     }
 }

@@ -42,5 +42,7 @@ pub use command::{Batch, Command, EndWaitReason, Event, EventKind, Grant, Limit,
 pub use keys::{KeyRecord, SigningKeys};
 pub use limits::Policy;
 pub use lockd_fence::FencingToken;
-pub use table::{ClockAnchor, LockTable, ResourceView, SnapshotCopy, SnapshotError, TableStats};
+pub use table::{
+    ClockAnchor, LockTable, ResourceView, RestoreReport, SnapshotCopy, SnapshotError, TableStats,
+};
 pub use types::{LeaseId, RequestKey, ResourceName};

@@ -240,6 +240,12 @@ impl LockTable {
     /// keeps every lease at least as long as its holder counts.
     fn begin_term(&mut self, term: u64) {
         self.term = term;
+        self.extend_leases_to_full_ttl();
+    }
+
+    /// Makes every lease end no earlier than the table's time plus its ttl (a new legacy term,
+    /// and a restore from a backup); returns how many leases it extended.
+    fn extend_leases_to_full_ttl(&mut self) -> u64 {
         let now = self.now_ms;
         let short: Vec<(ResourceName, i64, i64)> = self
             .resources
@@ -250,6 +256,7 @@ impl LockTable {
                 (lease.expires_at_ms < floor).then(|| (name.clone(), lease.expires_at_ms, floor))
             })
             .collect();
+        let extended = short.len() as u64;
         for (name, old, floor) in short {
             if let Some(lease) = self.resources.get_mut(&name).and_then(|s| s.lease.as_mut()) {
                 lease.expires_at_ms = floor;
@@ -257,6 +264,7 @@ impl LockTable {
             self.expiries.remove(&(old, name.clone()));
             self.expiries.insert((floor, name));
         }
+        extended
     }
 
     fn apply_command(
@@ -1286,9 +1294,11 @@ struct AcquireArgs<'a> {
 }
 
 mod dedup;
+mod restore;
 mod snapshot;
 #[cfg(test)]
 mod tests;
 
 use dedup::{DedupState, DedupWindow, Ident};
+pub use restore::RestoreReport;
 pub use snapshot::{SnapshotCopy, SnapshotError};

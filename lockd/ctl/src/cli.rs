@@ -98,8 +98,22 @@ pub enum Command {
         #[arg(required = true, last = true, value_name = "COMMAND")]
         command: Vec<String>,
     },
+    /// Backups (admin): `snapshot save FILE`.
+    Snapshot {
+        #[command(subcommand)]
+        command: SnapshotCommand,
+    },
     #[command(flatten)]
     Docs(lockd_service_kit::cli_docs::DocsCommand),
+}
+
+/// `lockctl snapshot ...`: backups of the replicated state (admin).
+#[derive(Subcommand, Debug)]
+pub enum SnapshotCommand {
+    /// Stream a consistent backup from the leader into FILE (written whole or not at all, mode
+    /// 0600: it holds lease ids and the signing keys), verify its SHA-256, and print its size,
+    /// last applied index and highest fencing token. `lockd restore FILE` seeds a new cluster.
+    Save { file: std::path::PathBuf },
 }
 
 /// `lockctl keys ...`: admin operations on the sequencer signing keys.
@@ -138,7 +152,7 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
 pub const FLAG_ERRORS: FlagErrors = FlagErrors {
     prefix: "lockctl: ",
     suffix: " (see lockctl --help)",
-    missing_command: "a command is required: acquire, renew, release, describe, status, keys or hold",
+    missing_command: "a command is required: acquire, renew, release, describe, status, keys, hold or snapshot",
 };
 
 /// Prints help/version as clap does; every real parse error as one line, exit code

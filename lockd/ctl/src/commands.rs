@@ -241,6 +241,9 @@ pub async fn run(cli: Cli) -> Result<u8, Failure> {
             let opts = acquire_options(&lease, cli.timeout);
             hold::hold(&client, &resource, opts, &command, json).await
         }
+        Command::Snapshot { command } => {
+            crate::snapshot::run(&client, command, cli.timeout, json).await
+        }
     }
 }
 

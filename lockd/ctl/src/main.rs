@@ -1,4 +1,4 @@
-//! `lockctl`: the command-line client of lockd (acquire, renew, release, describe, status, keys, hold).
+//! `lockctl`: the command-line client of lockd (acquire, renew, release, describe, status, keys, hold, snapshot).
 //!
 //! It holds no lock logic of its own: every command is a thin layer over `lockd-client`, plus, for
 //! `hold`, supervision of a child process.
@@ -9,12 +9,14 @@
 //! - [`commands`]: acquire, renew, release, describe, status and their text/JSON output.
 //! - [`hold`]: `hold -- COMMAND`: run a command under a lease, stop it when the lease is lost.
 //! - [`keys`]: `keys list | export DIR | rotate`, the sequencer signing keys (admin).
+//! - [`snapshot`]: `snapshot save FILE`, a verified backup written atomically (admin).
 
 mod cli;
 mod commands;
 mod exit;
 mod hold;
 mod keys;
+mod snapshot;
 
 use std::process::ExitCode;
 

@@ -207,6 +207,8 @@ pub struct NodeConfig {
     pub(crate) tls: Option<crate::tls::TlsFiles>,
     /// `--auth-policy` and `--auth-tokens`; `None` runs open (see `crate::auth`).
     pub(crate) auth: Option<crate::auth::AuthFiles>,
+    /// `--allow-remote-snapshot`: without a policy, backups also for callers off loopback.
+    pub(crate) allow_remote_snapshot: bool,
 }
 
 impl NodeConfig {
@@ -259,6 +261,7 @@ impl NodeConfig {
             cluster_id: crate::tls::DEFAULT_CLUSTER_ID.to_owned(),
             tls: None,
             auth: None,
+            allow_remote_snapshot: false,
         })
     }
 
@@ -314,6 +317,13 @@ impl NodeConfig {
             }
         };
         Ok(self)
+    }
+
+    /// Sets `--allow-remote-snapshot`: without `--auth-policy`, `Cluster.SaveSnapshot` also
+    /// answers callers that are not on a loopback address (see `service::snapshot::may_save`).
+    pub fn allow_remote_snapshot(mut self, allow: bool) -> Self {
+        self.allow_remote_snapshot = allow;
+        self
     }
 
     /// Sets `--auth-policy` and `--auth-tokens` (after [`NodeConfig::with_security`]). A policy

@@ -17,10 +17,13 @@
 //! - `observe`: metrics and health endpoints.
 //! - `clock`: the leader's stamp clock.
 //! - [`dev`]: `lockd dev`, three nodes in one process.
+//! - [`backup`]: the backup file (`Cluster.SaveSnapshot`, `lockctl snapshot save`) and
+//!   `lockd restore`, which seeds a new cluster from it.
 //!
 //! The modules named without a link are internal to the crate.
 
 pub mod auth;
+pub mod backup;
 pub(crate) mod clock;
 pub mod config;
 pub mod dev;

@@ -81,6 +81,12 @@ struct Cli {
     /// `authorization: Bearer <secret>` is `token:NAME`. Needs --auth-policy.
     #[arg(long, env = "LOCKD_AUTH_TOKENS")]
     auth_tokens: Option<PathBuf>,
+    /// Without --auth-policy, also answer `lockctl snapshot save` from callers that are not on
+    /// a loopback address. A backup holds the private signing keys and every lease id: by
+    /// default only an operator on a node's host may take one. With a policy, its `admin`
+    /// operation decides and this flag changes nothing.
+    #[arg(long, env = "LOCKD_ALLOW_REMOTE_SNAPSHOT")]
+    allow_remote_snapshot: bool,
     #[command(flatten)]
     tuning: Tuning,
 }
@@ -101,6 +107,28 @@ enum Cmd {
         tls: bool,
         #[command(flatten)]
         tuning: Tuning,
+    },
+    /// Seed one member's data dir from a backup (`lockctl snapshot save FILE`). Run it for EVERY
+    /// member, with the same FILE, --token-floor and --peer list; then start the members as
+    /// usual. The token counter starts above the backup's last token and --token-floor.
+    Restore {
+        /// The backup file.
+        file: PathBuf,
+        /// The data dir to seed: must be missing or empty.
+        #[arg(long, value_name = "DIR")]
+        data_dir: PathBuf,
+        /// Required decision: the highest fencing token any fence store has accepted (see
+        /// `fence-proxy epochs max`), plus a margin for grants after the backup; 0 only if no
+        /// fence store is in use. At most 2^62. Every token of the restored cluster is above it.
+        #[arg(long, value_name = "N")]
+        token_floor: Option<u64>,
+        /// The members of the restored cluster as ID=HOST:PORT, repeated (default: the backup's
+        /// members and addresses). Give the same list on every member.
+        #[arg(long = "peer", value_delimiter = ',')]
+        peers: Vec<Peer>,
+        /// Print one JSON object instead of text.
+        #[arg(long)]
+        json: bool,
     },
     #[command(flatten)]
     Docs(DocsCommand),
@@ -147,6 +175,25 @@ fn main() -> ExitCode {
             return ExitCode::from(USAGE_EXIT);
         }
     };
+    // A restore is offline: no runtime, no node.
+    if let Some(Cmd::Restore {
+        file,
+        data_dir,
+        token_floor,
+        peers,
+        json,
+    }) = &cli.command
+    {
+        return restore(
+            lockd_server::backup::restore::RestoreOptions {
+                file: file.clone(),
+                data_dir: data_dir.clone(),
+                token_floor: *token_floor,
+                peers: peers.clone(),
+            },
+            *json,
+        );
+    }
     // Completions and manual pages need no runtime.
     if let Some(Cmd::Docs(docs)) = &cli.command {
         return match docs.run(Cli::command()) {
@@ -194,6 +241,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             lockd_server::dev::run(data_dir, host, tuning, tls, shutdown).await
         }
         Some(Cmd::Docs(docs)) => docs.run(Cli::command()).map_err(anyhow::Error::msg),
+        Some(Cmd::Restore { .. }) => Err(anyhow::anyhow!("restore runs before the runtime starts")),
         None => {
             let missing = |flag: &str| {
                 anyhow::anyhow!("{flag} is required (or run `lockd dev`); see lockd --help")
@@ -220,10 +268,88 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 )
             })
             .and_then(|c| c.with_auth(cli.auth_policy, cli.auth_tokens))
+            .map(|c| c.allow_remote_snapshot(cli.allow_remote_snapshot))
             .map_err(|e| anyhow::anyhow!(e))?;
             init_tracing(config.tuning.log_format, "info,openraft=warn");
             let node = lockd_server::node::start(config, shutdown).await?;
             node.done.await?
         }
     }
+}
+
+/// `lockd restore`: offline, no runtime needed. Prints what it did and what to do next.
+fn restore(opts: lockd_server::backup::restore::RestoreOptions, json: bool) -> ExitCode {
+    use lockd_server::backup::file::hex;
+    let started = std::time::Instant::now();
+    let r = match lockd_server::backup::restore::restore(&opts) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("lockd: restore: {e:#}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let members: Vec<String> = r
+        .members
+        .iter()
+        .map(|(id, a)| format!("{id}={a}"))
+        .collect();
+    let elapsed_ms = started.elapsed().as_millis() as u64;
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "file": opts.file.display().to_string(),
+                "data_dir": opts.data_dir.display().to_string(),
+                "size_bytes": r.size,
+                "sha256": hex(&r.digest),
+                "restore_id": r.restore_id,
+                "last_applied_index": r.last_log_id.index,
+                "last_applied_term": r.last_log_id.leader_id.term,
+                "made_by_node": r.header.node_id,
+                "created_unix_ms": r.header.created_unix_ms,
+                "backup_last_fencing_token": r.report.backup_last_token,
+                "token_floor": r.report.token_floor,
+                "first_fencing_token": r.report.last_token + 1,
+                "leases": r.report.leases,
+                "leases_extended": r.report.leases_extended,
+                "waiters": r.report.waiters,
+                "dedup_records": r.report.dedup_records,
+                "members": members,
+                "elapsed_ms": elapsed_ms,
+            })
+        );
+    } else {
+        println!(
+            "restored             {} into {}",
+            opts.file.display(),
+            opts.data_dir.display()
+        );
+        println!(
+            "backup               {} bytes, sha256 {}",
+            r.size,
+            hex(&r.digest)
+        );
+        println!(
+            "covers               log index {} (term {}), made by node {}",
+            r.last_log_id.index, r.last_log_id.leader_id.term, r.header.node_id
+        );
+        println!(
+            "fencing tokens       backup's last {}, floor {}: the first grant gets {}",
+            r.report.backup_last_token,
+            r.report.token_floor,
+            r.report.last_token + 1
+        );
+        println!(
+            "kept                 {} leases ({} now last a full ttl from the restart), {} waiters, {} request ids",
+            r.report.leases, r.report.leases_extended, r.report.waiters, r.report.dedup_records
+        );
+        println!("members              {}", members.join(" "));
+        println!("restore id           {}", r.restore_id);
+        println!("took                 {elapsed_ms} ms");
+        println!(
+            "next                 restore every other member the same way (same file, floor and \
+             --peer list: same restore id), then start all members as usual"
+        );
+    }
+    ExitCode::SUCCESS
 }

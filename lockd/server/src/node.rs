@@ -23,6 +23,7 @@ use crate::observe::metrics::NodeMetrics;
 use crate::proposer::Proposer;
 use crate::raft::network::Network;
 use crate::raft::network::PeerDial;
+use crate::raft::restore_id::RestoreIdentity;
 use crate::raft::vote_gate::VoteGate;
 use crate::raft::{NodeId, Raft};
 use crate::service::cluster::ClusterService;
@@ -63,6 +64,8 @@ pub(crate) struct NodeCtx {
     pub auth: Arc<crate::auth::Auth>,
     /// This node's data dir, for the disk and log-size gauges.
     pub data_dir: std::path::PathBuf,
+    /// `--allow-remote-snapshot` (see `service::snapshot::may_save`).
+    pub allow_remote_snapshot: bool,
 }
 
 impl NodeCtx {
@@ -281,10 +284,18 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
             )
         })?;
     }
+    // Kept for good once set (see backup::restore); peers of another restore never mix.
+    let restore = Arc::new(RestoreIdentity::new(log_store.restore_id()?));
+    if let Some(id) = restore.get() {
+        tracing::info!(
+            restore_id = id,
+            "restored from a backup: Raft traffic only with members of this restore id"
+        );
+    }
     let vote_gate = Arc::new(if log_store.rejoining()? {
-        VoteGate::rejoining(log_store.clone())?
+        VoteGate::rejoining(log_store.clone(), restore.clone())?
     } else {
-        VoteGate::open()
+        VoteGate::open(restore.clone())
     });
     let committed = log_store.committed_index();
     let waits = Arc::new(WaitRegistry::default());
@@ -333,7 +344,12 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
         config.peers.keys().copied(),
         metrics.clone(),
     )?;
-    let dial = PeerDial::new(source_ip(&config), tls.clone(), &config.cluster_id)?;
+    let dial = PeerDial::new(
+        source_ip(&config),
+        tls.clone(),
+        &config.cluster_id,
+        restore.clone(),
+    )?;
     let raft_log = log_store.clone();
     // A rejoining node starts with elections off; VoteGate::rejoin turns them on (rule 2).
     let raft_config = openraft::Config {
@@ -397,6 +413,7 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
         cluster_peers,
         auth: auth.clone(),
         data_dir: config.data_dir.clone(),
+        allow_remote_snapshot: config.allow_remote_snapshot,
     });
 
     let listener = tokio::net::TcpListener::bind(config.listen)
@@ -477,6 +494,7 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
             vote_gate.clone(),
             raft_log,
             crate::service::raft::PeerAuth::new(&config, tls.clone()),
+            restore.clone(),
         ));
     let stop = shutdown.clone().cancelled_owned();
     let server: futures::future::BoxFuture<'static, Result<(), tonic::transport::Error>> =

@@ -4,6 +4,8 @@
 //! # Layout
 //! - `leader`: leader loss, lost replies and quorum loss.
 //! - `restart`: full restarts, log compaction, lagging and wiped nodes.
+//! - `backup_restore`: a backup under load, every member restored with a token floor, members of
+//!   another restore or of the old cluster refused.
 //! - `clock`: nodes whose wall clocks are an hour ahead or behind take turns as leader.
 //! - `names`: members named by DNS names; one comes back on another IP under its name.
 
@@ -12,6 +14,7 @@
     reason = "test code: a failed unwrap is a failed test, with its message"
 )]
 
+mod backup_restore;
 mod clock;
 mod leader;
 mod names;

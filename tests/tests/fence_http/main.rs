@@ -11,6 +11,8 @@
 //! - `slow_clients`: trickling bodies, stalled and disconnected writers, slow headers and the
 //!   connection cap.
 //! - `readiness`: `/readyz` follows the epoch store and the upstream.
+//! - `epochs`: `fence-proxy epochs max` over a redb store (also a killed proxy's), a Postgres
+//!   store and a fence table.
 
 #![allow(
     clippy::unwrap_used,
@@ -18,6 +20,7 @@
 )]
 
 mod checks;
+mod epochs;
 mod faults;
 mod readiness;
 mod slow_clients;

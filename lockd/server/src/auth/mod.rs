@@ -349,6 +349,17 @@ impl Auth {
         Err(status)
     }
 
+    /// Whether a policy (`--auth-policy`) decides who may do what; `false` in open mode.
+    pub fn has_policy(&self) -> bool {
+        self.policy.is_some()
+    }
+
+    /// Whether a forwarded call is known to come from a member (TLS with node certificates);
+    /// without TLS the forward mark is taken as given.
+    pub fn authenticates_nodes(&self) -> bool {
+        self.tls.is_some()
+    }
+
     /// Marks a call this node forwards to the leader: by this node, for `caller`.
     pub fn mark_forwarded<T>(&self, node: NodeId, caller: &Caller, req: &mut Request<T>) {
         let md = req.metadata_mut();

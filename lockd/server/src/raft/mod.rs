@@ -1,7 +1,8 @@
-//! openraft type configuration, the network between nodes and the vote gate of a node that
-//! rejoins with an empty data dir.
+//! openraft type configuration, the network between nodes, the vote gate of a node that
+//! rejoins with an empty data dir, and the restore id that keeps restored clusters apart.
 
 pub(crate) mod network;
+pub(crate) mod restore_id;
 pub(crate) mod vote_gate;
 
 use lockd_core::{Batch, Outcome};

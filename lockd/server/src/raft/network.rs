@@ -18,6 +18,7 @@ use std::sync::Arc;
 
 use tonic::metadata::{Ascii, MetadataValue};
 
+use super::restore_id::{self, RestoreIdentity};
 use super::vote_gate::{Standing, VoteReport};
 use super::{NodeId, TypeConfig};
 use crate::service::raft::pb::{RaftMessage, raft_client::RaftClient};
@@ -47,6 +48,8 @@ pub struct PeerDial {
     pub tls: Option<Arc<TlsHandle>>,
     /// Sent on every Raft message ([`CLUSTER_ID_HEADER`]).
     pub cluster_id: MetadataValue<Ascii>,
+    /// This node's restore id: sent on every Raft message, and required on every reply.
+    pub restore: Arc<RestoreIdentity>,
     /// One Raft channel per peer address, with the TLS generation it was made in. openraft asks
     /// for a new client for every vote round and every linearizable read; without this each
     /// would be a new TCP and TLS handshake (a client calling Describe in a loop could make the
@@ -62,10 +65,12 @@ impl PeerDial {
         local_ip: Option<std::net::IpAddr>,
         tls: Option<Arc<TlsHandle>>,
         cluster_id: &str,
+        restore: Arc<RestoreIdentity>,
     ) -> anyhow::Result<Self> {
         Ok(PeerDial {
             local_ip,
             tls,
+            restore,
             raft_channels: Arc::default(),
             cluster_id: cluster_id
                 .parse()
@@ -131,12 +136,13 @@ impl PeerDial {
             .max_encoding_message_size(RAFT_MESSAGE_MAX_BYTES))
     }
 
-    /// Wraps a Raft message for sending: with the cluster id.
+    /// Wraps a Raft message for sending: with the cluster id and the restore id.
     fn request(&self, data: Vec<u8>) -> tonic::Request<RaftMessage> {
         let mut request = tonic::Request::new(RaftMessage { data });
         request
             .metadata_mut()
             .insert(CLUSTER_ID_HEADER, self.cluster_id.clone());
+        self.restore.attach(request.metadata_mut());
         request
     }
 }
@@ -189,6 +195,7 @@ pub async fn ask_votes(
                         // and then counts for nothing (see vote_gate).
                         Ok(report) => Some(VoteReport {
                             standing: Standing::from_kept_log(r.kept_log),
+                            restore_id: r.restore_id,
                             ..report
                         }),
                         Err(e) => {
@@ -269,12 +276,38 @@ impl PeerClient {
             Method::Snapshot => client.install_snapshot(request).await,
         };
         let reply = match result {
-            Ok(r) => r.into_inner(),
+            Ok(r) => {
+                // A reply of another restore (or of a node without the id) must not reach
+                // openraft: a higher term in it would make this node step down.
+                let peer = format!("node {}", self.target);
+                if let Err(why) = self
+                    .dial
+                    .restore
+                    .check(&peer, restore_id::from_metadata(r.metadata()))
+                {
+                    self.dial.restore.log_mismatch(&why);
+                    return Err(RPCError::Network(NetworkError::new(
+                        &std::io::Error::other(why),
+                    )));
+                }
+                r.into_inner()
+            }
             Err(status) if status.code() == tonic::Code::Unavailable => {
                 tracing::debug!(peer = self.target, %status, "peer unreachable");
                 return Err(RPCError::Unreachable(Unreachable::new(&status)));
             }
-            Err(status) => return Err(RPCError::Network(NetworkError::new(&status))),
+            Err(status) => {
+                if status.code() == tonic::Code::FailedPrecondition
+                    && status.message().contains("restore id mismatch")
+                {
+                    self.dial.restore.log_mismatch(&format!(
+                        "node {} refused this node's message: {}",
+                        self.target,
+                        status.message()
+                    ));
+                }
+                return Err(RPCError::Network(NetworkError::new(&status)));
+            }
         };
         let decoded: Result<Resp, RaftError<NodeId, E>> = postcard::from_bytes(&reply.data)
             .map_err(|e| RPCError::Network(NetworkError::new(&e)))?;

@@ -54,6 +54,17 @@
 //! beside older peers waits until they are upgraded. Upgrade every node before re-provisioning a
 //! disk.
 //!
+//! # Restored clusters
+//!
+//! Members of a cluster restored from a backup share a *restore id* (`raft::restore_id`,
+//! `backup::restore`). Only answers that carry this node's restore id count, toward the proof
+//! and toward a first bootstrap; an answer of a member of another restore, or of the old cluster,
+//! says nothing about what this cluster committed. A wiped node has no restore id (it was on the
+//! lost disk): it groups the answers by restore id, and if the answers of one id make a proof it
+//! records that id durably, before the proof, and keeps it for good. At most one id can make a
+//! proof: it takes `n - majority + 1` answers, and two such groups do not fit among `n - 1`
+//! peers.
+//!
 //! # Restarts while rejoining
 //!
 //! The proof is kept in the data dir beside the rejoining flag, and a node restarted before it
@@ -95,8 +106,8 @@
 //! cluster waits).
 
 use std::collections::BTreeMap;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use openraft::storage::RaftLogStorage;
@@ -104,6 +115,7 @@ use openraft::{BasicNode, ServerState};
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
+use super::restore_id::RestoreIdentity;
 use super::{LogId, NodeId, Raft};
 use crate::storage::log_store::LogStore;
 
@@ -124,6 +136,9 @@ pub struct VoteReport {
     /// nodes send and read.
     #[serde(skip)]
     pub standing: Standing,
+    /// The answering node's restore id, carried in `CurrentVoteReply.restore_id`.
+    #[serde(skip)]
+    pub restore_id: Option<String>,
 }
 
 /// What a peer's `CurrentVote` answer says about its own log.
@@ -177,6 +192,8 @@ pub struct VoteGate {
     learned: Mutex<Learned>,
     /// Where the rejoining flag is kept, to clear it once caught up, and this node's log.
     store: Option<LogStore>,
+    /// This node's restore id: only answers with it count; a wiped node learns it here.
+    restore: Arc<RestoreIdentity>,
 }
 
 #[derive(Default)]
@@ -189,18 +206,19 @@ struct Learned {
 
 impl VoteGate {
     /// A gate that is open for good: the node kept its data dir.
-    pub fn open() -> Self {
+    pub fn open(restore: Arc<RestoreIdentity>) -> Self {
         VoteGate {
             open: AtomicBool::new(true),
             learned: Mutex::new(Learned::default()),
             store: None,
+            restore,
         }
     }
 
     /// A gate closed until [`VoteGate::rejoin`] sees the node caught up; `store` holds the
     /// durable rejoining flag it clears then, and the proof if the node learned one before a
     /// restart (then it needs no new answers: see "Restarts while rejoining" in the module docs).
-    pub fn rejoining(store: LogStore) -> anyhow::Result<Self> {
+    pub fn rejoining(store: LogStore, restore: Arc<RestoreIdentity>) -> anyhow::Result<Self> {
         let proof = store.rejoin_proof::<Proof>()?;
         Ok(VoteGate {
             open: AtomicBool::new(false),
@@ -209,6 +227,7 @@ impl VoteGate {
                 proof,
             }),
             store: Some(store),
+            restore,
         })
     }
 
@@ -287,9 +306,37 @@ impl VoteGate {
                 proof
             }
             None => {
-                let Some(proof) = ask_until_proven(cluster_size, &mut ask, &shutdown).await else {
+                let Some((proof, restore_id)) =
+                    ask_until_proven(cluster_size, &mut ask, &self.restore, &shutdown).await
+                else {
                     return;
                 };
+                if let Some(id) = restore_id
+                    && self.restore.get().is_none()
+                {
+                    // On disk before anything depends on it: a restart must not forget which
+                    // restored cluster vouched for this node.
+                    while let Err(e) = store.set_restore_id(&id).await {
+                        tracing::error!(
+                            error = %e,
+                            "lockd: recording the restore id learned from peers; taking no part \
+                             in replication until it is on disk"
+                        );
+                        tokio::select! {
+                            _ = shutdown.cancelled() => return,
+                            _ = tokio::time::sleep(ASK_RETRY) => {}
+                        }
+                    }
+                    if let Err(e) = self.restore.adopt(&id) {
+                        tracing::error!(error = %e, "lockd: taking the restore id");
+                        return;
+                    }
+                    tracing::info!(
+                        restore_id = %id,
+                        "rejoining: the peers that vouched were restored from a backup; this \
+                         node keeps their restore id"
+                    );
+                }
                 tracing::info!(
                     term = proof.term,
                     log = ?proof.log,
@@ -358,12 +405,14 @@ impl VoteGate {
     }
 }
 
-/// Asks the peers until their answers make a proof; `None` on shutdown.
+/// Asks the peers until their answers make a proof; `None` on shutdown. With the proof, the
+/// restore id of the answers that made it.
 async fn ask_until_proven<F, Fut>(
     cluster_size: usize,
     ask: &mut F,
+    restore: &RestoreIdentity,
     shutdown: &CancellationToken,
-) -> Option<Proof>
+) -> Option<(Proof, Option<String>)>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Vec<VoteReport>>,
@@ -374,8 +423,8 @@ where
             _ = shutdown.cancelled() => return None,
             r = ask() => r,
         };
-        if let Some(proof) = proof_from(cluster_size, &reports) {
-            return Some(proof);
+        if let Some(found) = proof_for(cluster_size, &reports, restore.get()) {
+            return Some(found);
         }
         if last_log.elapsed() >= WAIT_LOG_EVERY {
             last_log = tokio::time::Instant::now();
@@ -383,9 +432,14 @@ where
                 .iter()
                 .filter(|r| r.standing == Standing::KeptLog)
                 .count();
+            let other_restore = reports
+                .iter()
+                .filter(|r| restore.get().is_some() && r.restore_id.as_deref() != restore.get())
+                .count();
             tracing::warn!(
                 answers = reports.len(),
                 from_peers_that_kept_their_log = kept,
+                from_peers_of_another_restore = other_restore,
                 needed = answers_needed(cluster_size),
                 "rejoining after an empty data dir: too few peers that kept their log \
                  answered to know what the lost disk held (answers of peers that are \
@@ -465,6 +519,32 @@ fn answers_needed(cluster_size: usize) -> usize {
     cluster_size - majority + 1
 }
 
+/// What the answers of the peers with this node's restore id (`own`) prove; a node without one
+/// (a wiped node) tries the answers of each restore id, and gets back the id whose answers
+/// proved (see "Restored clusters" in the module docs).
+fn proof_for(
+    cluster_size: usize,
+    reports: &[VoteReport],
+    own: Option<&str>,
+) -> Option<(Proof, Option<String>)> {
+    let mut ids: Vec<Option<&str>> = vec![own];
+    if own.is_none() {
+        for r in reports {
+            if !ids.contains(&r.restore_id.as_deref()) {
+                ids.push(r.restore_id.as_deref());
+            }
+        }
+    }
+    ids.into_iter().find_map(|id| {
+        let group: Vec<VoteReport> = reports
+            .iter()
+            .filter(|r| r.restore_id.as_deref() == id)
+            .cloned()
+            .collect();
+        proof_from(cluster_size, &group).map(|p| (p, id.map(str::to_owned)))
+    })
+}
+
 /// What the answers prove, if there are enough of them: `n - majority + 1` from peers that kept
 /// their log, or, for a first bootstrap, answers of every peer, each rejoining and holding
 /// nothing past the initial membership entry (see the module docs). Answers of older nodes,
@@ -514,6 +594,7 @@ mod tests {
             vote: openraft::Vote::new(term, 1),
             last_log_id: last.map(|(t, i)| log_id(t, i)),
             standing: Standing::KeptLog,
+            restore_id: None,
         }
     }
 
@@ -533,6 +614,7 @@ mod tests {
                 proof,
             }),
             store: None,
+            restore: Arc::new(RestoreIdentity::new(None)),
         }
     }
 
@@ -715,7 +797,8 @@ mod tests {
         let db = crate::storage::open(dir.path()).unwrap().log;
         let store = LogStore::new(db.clone(), snapshots());
         store.start_rejoining().await.unwrap();
-        let gate = VoteGate::rejoining(store.clone()).unwrap();
+        let gate =
+            VoteGate::rejoining(store.clone(), Arc::new(RestoreIdentity::new(None))).unwrap();
         assert!(gate.admits_leader(3).is_err(), "nothing learned yet");
         let proof = Proof {
             term: 3,
@@ -726,7 +809,8 @@ mod tests {
 
         let store = LogStore::new(db.clone(), snapshots());
         assert!(store.rejoining().unwrap());
-        let gate = VoteGate::rejoining(store.clone()).unwrap();
+        let gate =
+            VoteGate::rejoining(store.clone(), Arc::new(RestoreIdentity::new(None))).unwrap();
         assert!(!gate.is_open());
         assert_eq!(gate.learned().proof, Some(proof));
         assert!(gate.admits_leader(3).is_ok());
@@ -749,7 +833,13 @@ mod tests {
         let store = LogStore::new(db, snapshots());
         assert!(!store.rejoining().unwrap());
         assert_eq!(store.rejoin_proof::<Proof>().unwrap(), None);
-        assert_eq!(VoteGate::rejoining(store).unwrap().learned().proof, None);
+        assert_eq!(
+            VoteGate::rejoining(store, Arc::new(RestoreIdentity::new(None)))
+                .unwrap()
+                .learned()
+                .proof,
+            None
+        );
     }
 
     /// Rule 1: only a candidate in a newer term whose log reaches
@@ -817,5 +907,36 @@ mod tests {
         gate.open.store(true, Ordering::Release);
         assert!(gate.admits_leader(1).is_ok(), "open");
         assert!(gate.admits_candidate(1, None).is_ok(), "open");
+    }
+
+    /// Goal: only answers of this node's restore id count; a wiped node without one takes the
+    /// id whose answers prove, never a mix, and an old member's answer (no id) does not make a
+    /// proof beside restored members.
+    #[test]
+    fn answers_count_only_within_one_restore_id() {
+        let with = |id: Option<&str>, r: VoteReport| VoteReport {
+            restore_id: id.map(str::to_owned),
+            ..r
+        };
+        let a1 = with(Some("a"), report(5, Some((5, 40))));
+        let a2 = with(Some("a"), report(5, Some((5, 40))));
+        let b = with(Some("b"), report(9, Some((9, 90))));
+        let old = with(None, report(9, Some((9, 90))));
+        // A restored node: its own id only.
+        let (p, id) = proof_for(3, &[a1.clone(), a2.clone(), b.clone()], Some("a")).unwrap();
+        assert_eq!((p.term, id.as_deref()), (5, Some("a")));
+        assert_eq!(proof_for(3, &[a1.clone(), b.clone()], Some("a")), None);
+        assert_eq!(proof_for(3, &[a1.clone(), old.clone()], Some("a")), None);
+        // A wiped node: the id whose answers prove, with the bound of those answers only.
+        let (p, id) = proof_for(3, &[old.clone(), a1.clone(), a2.clone()], None).unwrap();
+        assert_eq!(
+            (p.term, p.log, id.as_deref()),
+            (5, Some(log_id(5, 40)), Some("a"))
+        );
+        assert_eq!(proof_for(3, &[a1.clone(), old.clone()], None), None);
+        assert_eq!(proof_for(3, &[a1, b], None), None);
+        // Never restored: as before.
+        let (_, id) = proof_for(3, &[old.clone(), old], None).unwrap();
+        assert_eq!(id, None);
     }
 }

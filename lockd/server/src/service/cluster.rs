@@ -2,6 +2,8 @@
 //! forwarded, so an operator can ask every node what it sees), and the admin calls on the
 //! sequencer signing keys (`SigningKeys`, `RotateSigningKey`), which the leader answers.
 //!
+//! `SaveSnapshot` (admin) streams a backup from the leader (`service/snapshot.rs`).
+//!
 //! The signing-key calls are admin operations: an authorization policy must allow them only to
 //! operators (the policy's `admin` operation, README "Authorization"), never to every client.
 
@@ -12,8 +14,8 @@ use std::time::Duration;
 
 use lockd_api::FORWARDED_HEADER;
 use lockd_api::v1::{
-    HotResource, Member, RotateSigningKeyRequest, RotateSigningKeyResponse, SigningKeyInfo,
-    SigningKeysRequest, SigningKeysResponse, StatusRequest, StatusResponse,
+    HotResource, Member, RotateSigningKeyRequest, RotateSigningKeyResponse, SaveSnapshotRequest,
+    SigningKeyInfo, SigningKeysRequest, SigningKeysResponse, StatusRequest, StatusResponse,
     cluster_server::Cluster,
 };
 use lockd_core::Outcome;
@@ -230,6 +232,8 @@ fn parse_key_id(hex: &str) -> Result<[u8; 8], Status> {
 
 #[tonic::async_trait]
 impl Cluster for ClusterService {
+    type SaveSnapshotStream = super::snapshot::SnapshotStream;
+
     // Admin operations: the policy's "admin" (open without a policy).
     async fn signing_keys(
         &self,
@@ -267,6 +271,42 @@ impl Cluster for ClusterService {
                     .rotate_signing_key(self.forward_request(req.into_inner(), &caller))
                     .await
                     .map_err(|s| self.forward_error(leader, s))
+            }
+        }
+    }
+
+    // Admin: a backup of the state machine, from the leader (service/snapshot.rs).
+    async fn save_snapshot(
+        &self,
+        req: Request<SaveSnapshotRequest>,
+    ) -> Result<Response<Self::SaveSnapshotStream>, Status> {
+        let caller = self
+            .ctx
+            .auth
+            .authorize(&req, crate::auth::Operation::Admin, None)?;
+        super::snapshot::may_save(
+            self.ctx.auth.has_policy(),
+            self.ctx.allow_remote_snapshot,
+            self.ctx.auth.authenticates_nodes() && caller.forwarded,
+            req.remote_addr(),
+        )?;
+        match self.route(&req).await? {
+            Route::Local => super::snapshot::save_local(&self.ctx)
+                .await
+                .map(Response::new),
+            Route::Forward(leader) => {
+                let mut client = self.ctx.cluster_peers[&leader].1.clone();
+                let mut forwarded = self.forward_request(req.into_inner(), &caller);
+                forwarded.set_timeout(super::snapshot::FORWARD_TIMEOUT);
+                let stream = client
+                    .save_snapshot(forwarded)
+                    .await
+                    .map_err(|s| self.forward_error(leader, s))?
+                    .into_inner();
+                // Relayed as it comes; an error mid-stream is the leader's (or the transport's)
+                // and ends the caller's stream too.
+                let stream: super::snapshot::SnapshotStream = Box::pin(stream);
+                Ok(Response::new(stream))
             }
         }
     }

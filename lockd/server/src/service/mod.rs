@@ -5,3 +5,4 @@ pub(crate) mod cluster;
 pub(crate) mod errors;
 pub(crate) mod lock;
 pub mod raft;
+pub(crate) mod snapshot;

@@ -7,6 +7,7 @@ use tonic::{Request, Response, Status};
 use std::sync::Arc;
 
 use crate::raft::NodeId;
+use crate::raft::restore_id::{self, RestoreIdentity};
 use crate::raft::vote_gate::{Standing, VoteGate, VoteReport};
 use crate::raft::{Raft, TypeConfig};
 use crate::service::errors;
@@ -42,6 +43,8 @@ pub(crate) struct RaftService {
     gate: Arc<VoteGate>,
     /// This node's log, for `CurrentVote`.
     log: LogStore,
+    /// Raft messages are accepted only from peers with this node's restore id.
+    restore: Arc<RestoreIdentity>,
 }
 
 /// Decides whether a Raft message comes from a member of this cluster (see `crate::tls`). It
@@ -59,6 +62,12 @@ pub(crate) struct PeerAuth {
     /// When a refusal was last logged (ms since `started`), to log at most one per interval.
     last_logged_ms: AtomicU64,
     started: Instant,
+}
+
+/// Who sent a Raft message: the node it names, and the restore id in its metadata.
+struct Sender {
+    node: Option<NodeId>,
+    restore_id: Option<String>,
 }
 
 /// A certificate check's outcome (the member, or why not), when it was made, and the TLS
@@ -188,17 +197,43 @@ impl PeerAuth {
 
 impl RaftService {
     /// Authenticates the caller before decoding anything, then checks that the decoded message
-    /// claims to come from it (`claimed`: the leader or candidate it names).
+    /// claims to come from it (`claimed`: the leader or candidate it names). Returns the message
+    /// and who sent it, for [`RaftService::same_restore`].
     fn authorized<T: DeserializeOwned>(
         &self,
         req: Request<RaftMessage>,
         claimed: impl FnOnce(&T) -> Option<NodeId>,
-    ) -> Result<T, Status> {
+    ) -> Result<(T, Sender), Status> {
         // Set by the interceptor; missing only if the service was built without it: refuse.
         let Caller(cert) = *req.extensions().get::<Caller>().ok_or_else(refused)?;
+        let restore_id = restore_id::from_metadata(req.metadata()).map(str::to_owned);
         let rpc: T = decode(req)?;
-        PeerAuth::matches(cert, claimed(&rpc))?;
-        Ok(rpc)
+        let node = claimed(&rpc);
+        PeerAuth::matches(cert, node)?;
+        Ok((rpc, Sender { node, restore_id }))
+    }
+
+    /// The sender must have this node's restore id (FAILED_PRECONDITION naming both ids
+    /// otherwise). Checked after the vote gate, right before the message reaches openraft: a
+    /// wiped node that has not learned the id yet refuses everything at its gate anyway, and
+    /// saying "not proven yet" there is the truth, not a mismatch.
+    fn same_restore(&self, sender: &Sender) -> Result<(), Status> {
+        let peer = sender
+            .node
+            .map_or_else(|| "the sender".to_owned(), |id| format!("node {id}"));
+        self.restore
+            .check(&peer, sender.restore_id.as_deref())
+            .map_err(|why| {
+                self.restore.log_mismatch(&why);
+                errors::precondition("restore_id", why)
+            })
+    }
+
+    /// A reply, with this node's restore id (the sender checks it).
+    fn reply<T: Serialize>(&self, v: &T) -> Result<Response<RaftMessage>, Status> {
+        let mut response = encode(v)?;
+        self.restore.attach(response.metadata_mut());
+        Ok(response)
     }
 }
 
@@ -209,12 +244,14 @@ impl RaftService {
         gate: Arc<VoteGate>,
         log: LogStore,
         auth: Arc<PeerAuth>,
+        restore: Arc<RestoreIdentity>,
     ) -> InterceptedService<RaftServer<Self>, impl tonic::service::Interceptor + Clone> {
         let server = RaftServer::new(RaftService {
             raft,
             refuse_votes_until,
             gate,
             log,
+            restore,
         })
         .max_decoding_message_size(crate::raft::network::RAFT_MESSAGE_MAX_BYTES)
         .max_encoding_message_size(crate::raft::network::RAFT_MESSAGE_MAX_BYTES);
@@ -239,12 +276,13 @@ impl pb::raft_server::Raft for RaftService {
         &self,
         req: Request<RaftMessage>,
     ) -> Result<Response<RaftMessage>, Status> {
-        let rpc = self.authorized(
+        let (rpc, sender) = self.authorized(
             req,
             |r: &openraft::raft::AppendEntriesRequest<TypeConfig>| r.vote.leader_id.voted_for(),
         )?;
         let (term, commit) = (rpc.vote.leader_id.term, rpc.leader_commit);
         self.gate.admits_leader(term).map_err(errors::no_quorum)?;
+        self.same_restore(&sender)?;
         let reply = self.raft.append_entries(rpc).await;
         if matches!(
             reply,
@@ -253,7 +291,7 @@ impl pb::raft_server::Raft for RaftService {
         ) {
             self.gate.observe_append(term, commit);
         }
-        encode(&reply)
+        self.reply(&reply)
     }
 
     async fn vote(&self, req: Request<RaftMessage>) -> Result<Response<RaftMessage>, Status> {
@@ -265,27 +303,29 @@ impl pb::raft_server::Raft for RaftService {
                 "node started with an empty data dir; not voting yet",
             ));
         }
-        let rpc = self.authorized(req, |r: &openraft::raft::VoteRequest<NodeId>| {
+        let (rpc, sender) = self.authorized(req, |r: &openraft::raft::VoteRequest<NodeId>| {
             r.vote.leader_id.voted_for()
         })?;
         self.gate
             .admits_candidate(rpc.vote.leader_id.term, rpc.last_log_id)
             .map_err(errors::no_quorum)?;
-        encode(&self.raft.vote(rpc).await)
+        self.same_restore(&sender)?;
+        self.reply(&self.raft.vote(rpc).await)
     }
 
     async fn install_snapshot(
         &self,
         req: Request<RaftMessage>,
     ) -> Result<Response<RaftMessage>, Status> {
-        let rpc = self.authorized(
+        let (rpc, sender) = self.authorized(
             req,
             |r: &openraft::raft::InstallSnapshotRequest<TypeConfig>| r.vote.leader_id.voted_for(),
         )?;
         self.gate
             .admits_leader(rpc.vote.leader_id.term)
             .map_err(errors::no_quorum)?;
-        encode(&self.raft.install_snapshot(rpc).await)
+        self.same_restore(&sender)?;
+        self.reply(&self.raft.install_snapshot(rpc).await)
     }
 
     /// Read-only: what a peer that rejoins with an empty data dir needs to relearn the term, and
@@ -317,12 +357,16 @@ impl pb::raft_server::Raft for RaftService {
             vote,
             last_log_id,
             standing: Standing::default(), // not encoded: sent in `kept_log`
+            restore_id: None,              // not encoded: sent in `restore_id`
         })
         .map_err(|e| errors::internal(format!("encoding raft reply: {e}")))?;
+        // Answered whatever the asker's restore id: read-only, and a wiped node asks before it
+        // knows one. The asker decides which answers count (see `raft::vote_gate`).
         Ok(Response::new(pb::CurrentVoteReply {
             data,
             kept_log: Some(!rejoining),
             node_id: Some(node_id),
+            restore_id: self.restore.get().map(str::to_owned),
         }))
     }
 }

@@ -27,8 +27,8 @@ use tokio::sync::oneshot;
 use tokio::sync::watch;
 
 use super::{
-    KEY_COMMITTED, KEY_LAST_PURGED, KEY_REJOIN_PROOF, KEY_REJOINING, KEY_VOTE, LOG, META,
-    StorageObserver, blocking,
+    KEY_COMMITTED, KEY_LAST_PURGED, KEY_REJOIN_PROOF, KEY_REJOINING, KEY_RESTORE_ID, KEY_VOTE, LOG,
+    META, StorageObserver, blocking,
 };
 use crate::raft::{LogId, NodeId, StorageError, TypeConfig};
 
@@ -145,6 +145,24 @@ impl LogStore {
         let value = encode(&Some(proof)).map_err(io)?;
         self.submit(|done| WriteOp::Meta {
             key: KEY_REJOIN_PROOF,
+            value,
+            done: Some(done),
+        })
+        .await
+    }
+
+    /// The restore id this node keeps for good (see `crate::backup::restore`): written by
+    /// `lockd restore`, or learned by a wiped node from the peers that vouched for its proof.
+    /// `None` for a node of a cluster that was never restored.
+    pub fn restore_id(&self) -> anyhow::Result<Option<String>> {
+        self.read_meta::<String>(KEY_RESTORE_ID)
+    }
+
+    /// Records durably the restore id a wiped node learned from its peers.
+    pub async fn set_restore_id(&self, id: &str) -> Result<(), std::io::Error> {
+        let value = encode(&id.to_owned()).map_err(io)?;
+        self.submit(|done| WriteOp::Meta {
+            key: KEY_RESTORE_ID,
             value,
             done: Some(done),
         })

@@ -26,8 +26,9 @@ use snapshot_file::SnapshotFile;
 
 /// Log entries by index, each a postcard-encoded `openraft::Entry`.
 pub(crate) const LOG: TableDefinition<u64, &[u8]> = TableDefinition::new("raft_log");
-/// Small records by name: `vote`, `committed`, `last_purged`, `rejoining`, `rejoin_proof` (and
-/// `snapshot` in data dirs written before snapshots moved out of the log database).
+/// Small records by name: `vote`, `committed`, `last_purged`, `rejoining`, `rejoin_proof`,
+/// `restore_id` (and `snapshot` in data dirs written before snapshots moved out of the log
+/// database).
 pub(crate) const META: TableDefinition<&str, &[u8]> = TableDefinition::new("raft_meta");
 /// In `snapshot.redb`, where snapshots were kept before `snapshot.bin`: the latest snapshot's
 /// meta and encoded table. Read once, to move them.
@@ -44,6 +45,10 @@ pub(crate) const KEY_REJOINING: &str = "rejoining";
 /// What a rejoining node learned from its peers about its lost disk (see `raft::vote_gate`), kept
 /// beside the flag so a restart while catching up does not need the peers to vouch again.
 pub(crate) const KEY_REJOIN_PROOF: &str = "rejoin_proof";
+
+/// The restore id of a node restored from a backup, or that learned it while rejoining beside
+/// restored members (see `backup::restore`); kept for good.
+pub(crate) const KEY_RESTORE_ID: &str = "restore_id";
 
 /// Name of the log database in the data dir.
 pub(crate) const LOG_FILE: &str = "lockd.redb";
@@ -75,6 +80,15 @@ pub struct Databases {
 
 /// Opens (or creates) the node's storage in `data_dir`.
 pub fn open(data_dir: &Path) -> anyhow::Result<Databases> {
+    let marker = data_dir.join(crate::backup::restore::RESTORE_MARKER);
+    if marker.exists() {
+        anyhow::bail!(
+            "data dir {} holds an interrupted `lockd restore` ({} is present): delete its \
+             contents and run the restore again",
+            data_dir.display(),
+            marker.display()
+        );
+    }
     // Owner only: the log and snapshots hold every lease id and the sequencer signing key.
     use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
     // The folders this call creates, outermost first: each new name needs its parent synced.

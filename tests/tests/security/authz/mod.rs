@@ -8,6 +8,7 @@
 //! - `cert:ops (client)`: status and admin only;
 //! - `anonymous`: status only (the harness waits for a leader with anonymous status calls).
 
+mod backup;
 mod identity;
 mod tenants;
 
