@@ -480,7 +480,7 @@ async fn backup_under_load_then_restore_every_member_with_a_floor() {
     // its own climbs past them with every election it starts.
     let restored: Vec<u64> = (1..=3).filter(|n| *n != old).collect();
     cluster.kill(old);
-    let leader = leader_of(&cluster, &restored).await;
+    leader_of(&cluster, &restored).await;
     std::fs::remove_dir_all(cluster.data_dir(old)).unwrap();
     copy_dir(&old_dir, &cluster.data_dir(old));
     let terms = (
@@ -507,10 +507,14 @@ async fn backup_under_load_then_restore_every_member_with_a_floor() {
         ],
     )
     .await;
-    let deadline = Instant::now() + Duration::from_secs(20);
+    // Its term climbs with every election it starts; a restored member that took one of its
+    // messages would have adopted that term. The restored members may hold an election of their
+    // own on a loaded machine (a term or two), so the test lets the old node get well ahead and
+    // then checks that they stayed below it, rather than that they did not move at all.
+    let deadline = Instant::now() + Duration::from_secs(30);
     let old_term = loop {
         let t = term(&cluster, old).await;
-        if t > terms.0.max(terms.1) + 1 {
+        if t > terms.0.max(terms.1) + 3 {
             break t;
         }
         assert!(
@@ -520,15 +524,17 @@ async fn backup_under_load_then_restore_every_member_with_a_floor() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
-    assert_eq!(
-        (
-            term(&cluster, restored[0]).await,
-            term(&cluster, restored[1]).await
-        ),
-        terms,
-        "the restored members' terms moved (node {old}, of the old cluster, is at term {old_term})"
+    let now = (
+        term(&cluster, restored[0]).await,
+        term(&cluster, restored[1]).await,
     );
-    assert_eq!(leader_of(&cluster, &restored).await, leader);
+    assert!(
+        now.0 < old_term && now.1 < old_term,
+        "a restored member took a term of node {old}, of the old cluster: restored members at \
+         {now:?} (were {terms:?}), node {old} at {old_term}"
+    );
+    // Still a leader among the restored members (the same one unless they held an election).
+    let leader = leader_of(&cluster, &restored).await;
     let during = acquire_retrying(&cluster, &restored, "after/old-node", "after-old", 10_000).await;
     assert!(during.fencing_token > first.fencing_token);
 
