@@ -33,27 +33,13 @@ async fn readyz_follows_the_upstream() {
         ))
         .env("RUST_LOG", "warn");
     let _proxy = ChildGuard::spawn("fence-proxy postgres", cmd).unwrap();
-    let readyz_becomes = |status: u16, text: &'static str| async move {
-        lockd_tests::poll::until_async(
-            &format!("/readyz {status} with {text:?}"),
-            Duration::from_secs(20),
-            || async {
-                match lockd_tests::fence_proxy::get(&format!("http://{metrics}/readyz")).await {
-                    Ok(r) if r.status == status && r.body.contains(text) => Ok(r.body),
-                    Ok(r) => Err(format!("{} {:?}", r.status, r.body)),
-                    Err(e) => Err(format!("no answer: {e}")),
-                }
-            },
-        )
-        .await
-    };
 
     // Phase 1: the upstream answers (the proxy checked its guard through the relay at start).
-    assert_eq!(readyz_becomes(200, "ready").await, "ready\n");
+    assert_eq!(readyz_becomes(metrics, 200, "ready").await, "ready\n");
 
     // Phase 2: the upstream's port closes; the reason names it and its address.
     relay.take();
-    let body = readyz_becomes(503, "upstream").await;
+    let body = readyz_becomes(metrics, 503, "upstream").await;
     assert!(
         body.starts_with("not ready: upstream: ") && body.contains(&front.to_string()),
         "{body}"
@@ -61,7 +47,7 @@ async fn readyz_follows_the_upstream() {
 
     // Phase 3: back.
     relay = Some(Relay::start(front, pg_addr).await.unwrap());
-    readyz_becomes(200, "ready").await;
+    readyz_becomes(metrics, 200, "ready").await;
     drop(relay);
 }
 
