@@ -20,6 +20,9 @@ pub struct EpochsMax {
     /// The highest recorded token and its resource (the first by name among equals); `None`
     /// for an empty store.
     pub highest: Option<(String, FencingToken)>,
+    /// The schema-qualified table read (a Postgres store's table is found through the
+    /// connection's search_path, so the operator can check it is the proxy's); `None` for redb.
+    pub table: Option<String>,
 }
 
 impl StoreSpec {
@@ -91,6 +94,7 @@ fn redb_max(path: &Path) -> Result<EpochsMax, StoreError> {
         // A file the proxy created but never wrote to.
         Err(redb::TableError::TableDoesNotExist(_)) => {
             return Ok(EpochsMax {
+                table: None,
                 resources: 0,
                 highest: None,
             });
@@ -98,6 +102,7 @@ fn redb_max(path: &Path) -> Result<EpochsMax, StoreError> {
         Err(e) => return Err(unavailable(&e)),
     };
     let mut max = EpochsMax {
+        table: None,
         resources: 0,
         highest: None,
     };
@@ -116,25 +121,33 @@ impl PostgresStore {
     /// See [`StoreSpec::epochs_max`].
     pub async fn epochs_max(&self) -> Result<EpochsMax, StoreError> {
         let table = self.table();
-        let row: Option<(i64, String, i64)> = self
+        // One row whatever the table holds; the name is a validated plain identifier.
+        let (qualified, count, resource, token): (
+            Option<String>,
+            i64,
+            Option<String>,
+            Option<i64>,
+        ) = self
             .bounded(
                 "reading the highest token",
                 sqlx::query_as(AssertSqlSafe(format!(
-                    "SELECT (SELECT count(*) FROM {table})::bigint, resource, token FROM {table} \
-                     ORDER BY token DESC, resource LIMIT 1"
+                    "SELECT (SELECT format('%I.%I', n.nspname, c.relname) FROM pg_class c \
+                       JOIN pg_namespace n ON n.oid = c.relnamespace \
+                       WHERE c.oid = to_regclass('{table}')), \
+                     (SELECT count(*) FROM {table})::bigint, m.resource, m.token \
+                     FROM (SELECT 1) AS one LEFT JOIN \
+                       (SELECT resource, token FROM {table} ORDER BY token DESC, resource LIMIT 1) \
+                       AS m ON true"
                 )))
-                .fetch_optional(&self.pool),
+                .fetch_one(&self.pool),
             )
             .await?;
-        Ok(match row {
-            Some((count, resource, token)) => EpochsMax {
-                resources: count as u64,
-                highest: Some((resource, FencingToken(token as u64))),
-            },
-            None => EpochsMax {
-                resources: 0,
-                highest: None,
-            },
+        Ok(EpochsMax {
+            table: qualified,
+            resources: count as u64,
+            highest: resource
+                .zip(token)
+                .map(|(r, t)| (r, FencingToken(t as u64))),
         })
     }
 }
@@ -175,7 +188,8 @@ mod tests {
             max,
             EpochsMax {
                 resources: 0,
-                highest: None
+                highest: None,
+                table: None,
             }
         );
         {
@@ -194,7 +208,8 @@ mod tests {
             max,
             EpochsMax {
                 resources: 3,
-                highest: Some(("b".to_owned(), FencingToken(91)))
+                highest: Some(("b".to_owned(), FencingToken(91))),
+                table: None,
             }
         );
     }

@@ -34,6 +34,8 @@ pub struct MaxArgs {
 /// What was read: the source's name, resources, and the highest token with its resource.
 struct Read {
     source: String,
+    /// The schema-qualified table read (Postgres only).
+    table: Option<String>,
     resources: u64,
     highest: Option<(String, u64)>,
 }
@@ -57,6 +59,7 @@ pub fn run_max(args: &MaxArgs) -> ExitCode {
                     "{}",
                     serde_json::json!({
                         "source": read.source,
+                        "table": read.table,
                         "resources": read.resources,
                         "highest_token": highest,
                         "resource": read.highest.as_ref().map(|(r, _)| r.clone()),
@@ -91,8 +94,15 @@ async fn read(args: &MaxArgs) -> anyhow::Result<Read> {
             ..StoreOptions::default()
         };
         let max = spec.epochs_max(&options).await?;
+        // The table found through the search_path, schema-qualified, so the operator can check
+        // it is the one the proxy writes (its --store-table, under the same role).
+        let source = match &max.table {
+            Some(table) => format!("{spec}, table {table}"),
+            None => spec.to_string(),
+        };
         return Ok(Read {
-            source: spec.to_string(),
+            source,
+            table: max.table,
             resources: max.resources,
             highest: max.highest.map(|(r, t)| (r, t.0)),
         });
@@ -106,6 +116,7 @@ async fn read(args: &MaxArgs) -> anyhow::Result<Read> {
     let max = fence_proxy_postgres::epochs::fence_table_max(upstream, &args.fence_table).await?;
     Ok(Read {
         source: format!("fence table {}", max.table),
+        table: Some(max.table),
         resources: max.resources,
         highest: max.highest,
     })

@@ -207,8 +207,8 @@ pub struct NodeConfig {
     pub(crate) tls: Option<crate::tls::TlsFiles>,
     /// `--auth-policy` and `--auth-tokens`; `None` runs open (see `crate::auth`).
     pub(crate) auth: Option<crate::auth::AuthFiles>,
-    /// `--allow-remote-snapshot`: without a policy, backups also for callers off loopback.
-    pub(crate) allow_remote_snapshot: bool,
+    /// `--allow-backup-without-policy`: without a policy, backups for anyone who reaches the port.
+    pub(crate) allow_backup_without_policy: bool,
 }
 
 impl NodeConfig {
@@ -261,7 +261,7 @@ impl NodeConfig {
             cluster_id: crate::tls::DEFAULT_CLUSTER_ID.to_owned(),
             tls: None,
             auth: None,
-            allow_remote_snapshot: false,
+            allow_backup_without_policy: false,
         })
     }
 
@@ -319,10 +319,10 @@ impl NodeConfig {
         Ok(self)
     }
 
-    /// Sets `--allow-remote-snapshot`: without `--auth-policy`, `Cluster.SaveSnapshot` also
-    /// answers callers that are not on a loopback address (see `service::snapshot::may_save`).
-    pub fn allow_remote_snapshot(mut self, allow: bool) -> Self {
-        self.allow_remote_snapshot = allow;
+    /// Sets `--allow-backup-without-policy`: without `--auth-policy`, `Cluster.SaveSnapshot`
+    /// answers any caller (see `service::snapshot::may_save`); without it, it answers none.
+    pub fn allow_backup_without_policy(mut self, allow: bool) -> Self {
+        self.allow_backup_without_policy = allow;
         self
     }
 

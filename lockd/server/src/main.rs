@@ -81,12 +81,13 @@ struct Cli {
     /// `authorization: Bearer <secret>` is `token:NAME`. Needs --auth-policy.
     #[arg(long, env = "LOCKD_AUTH_TOKENS")]
     auth_tokens: Option<PathBuf>,
-    /// Without --auth-policy, also answer `lockctl snapshot save` from callers that are not on
-    /// a loopback address. A backup holds the private signing keys and every lease id: by
-    /// default only an operator on a node's host may take one. With a policy, its `admin`
-    /// operation decides and this flag changes nothing.
-    #[arg(long, env = "LOCKD_ALLOW_REMOTE_SNAPSHOT")]
-    allow_remote_snapshot: bool,
+    /// Without --auth-policy, answer `lockctl snapshot save` at all. A backup holds the private
+    /// sequencer signing keys and every lease id: with this flag ANYONE who reaches the port (or
+    /// any sidecar, TLS terminator, tunnel or port-forward in front of it) can download them and
+    /// forge sequencers. Without it, and without a policy, backups are refused. With a policy, its
+    /// `admin` operation decides and this flag changes nothing.
+    #[arg(long, env = "LOCKD_ALLOW_BACKUP_WITHOUT_POLICY")]
+    allow_backup_without_policy: bool,
     #[command(flatten)]
     tuning: Tuning,
 }
@@ -117,9 +118,11 @@ enum Cmd {
         /// The data dir to seed: must be missing or empty.
         #[arg(long, value_name = "DIR")]
         data_dir: PathBuf,
-        /// Required decision: the highest fencing token any fence store has accepted (see
-        /// `fence-proxy epochs max`), plus a margin for grants after the backup; 0 only if no
-        /// fence store is in use. At most 2^62. Every token of the restored cluster is above it.
+        /// Required decision: the backup's last fencing token plus a margin for the grants
+        /// made after the backup (grant rate x the backup's age), and no less than the highest
+        /// token any fence store has accepted (see `fence-proxy epochs max`) plus that margin.
+        /// Below the backup's last token is refused; equal to it is warned about. At most 2^62.
+        /// Every token of the restored cluster is above it.
         #[arg(long, value_name = "N")]
         token_floor: Option<u64>,
         /// The members of the restored cluster as ID=HOST:PORT, repeated (default: the backup's
@@ -268,7 +271,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 )
             })
             .and_then(|c| c.with_auth(cli.auth_policy, cli.auth_tokens))
-            .map(|c| c.allow_remote_snapshot(cli.allow_remote_snapshot))
+            .map(|c| c.allow_backup_without_policy(cli.allow_backup_without_policy))
             .map_err(|e| anyhow::anyhow!(e))?;
             init_tracing(config.tuning.log_format, "info,openraft=warn");
             let node = lockd_server::node::start(config, shutdown).await?;
@@ -288,6 +291,10 @@ fn restore(opts: lockd_server::backup::restore::RestoreOptions, json: bool) -> E
             return ExitCode::FAILURE;
         }
     };
+    // On stderr in both forms, so that a script reading the JSON still shows it to a person.
+    if let Some(w) = &r.warning {
+        eprintln!("lockd: restore: warning: {w}");
+    }
     let members: Vec<String> = r
         .members
         .iter()
@@ -309,7 +316,8 @@ fn restore(opts: lockd_server::backup::restore::RestoreOptions, json: bool) -> E
                 "created_unix_ms": r.header.created_unix_ms,
                 "backup_last_fencing_token": r.report.backup_last_token,
                 "token_floor": r.report.token_floor,
-                "first_fencing_token": r.report.last_token + 1,
+                "first_fencing_token": r.report.last_token.saturating_add(1),
+                "warning": r.warning,
                 "leases": r.report.leases,
                 "leases_extended": r.report.leases_extended,
                 "waiters": r.report.waiters,
@@ -337,7 +345,7 @@ fn restore(opts: lockd_server::backup::restore::RestoreOptions, json: bool) -> E
             "fencing tokens       backup's last {}, floor {}: the first grant gets {}",
             r.report.backup_last_token,
             r.report.token_floor,
-            r.report.last_token + 1
+            r.report.last_token.saturating_add(1)
         );
         println!(
             "kept                 {} leases ({} now last a full ttl from the restart), {} waiters, {} request ids",

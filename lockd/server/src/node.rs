@@ -64,8 +64,8 @@ pub(crate) struct NodeCtx {
     pub auth: Arc<crate::auth::Auth>,
     /// This node's data dir, for the disk and log-size gauges.
     pub data_dir: std::path::PathBuf,
-    /// `--allow-remote-snapshot` (see `service::snapshot::may_save`).
-    pub allow_remote_snapshot: bool,
+    /// `--allow-backup-without-policy` (see `service::snapshot::may_save`).
+    pub allow_backup_without_policy: bool,
 }
 
 impl NodeCtx {
@@ -413,7 +413,7 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
         cluster_peers,
         auth: auth.clone(),
         data_dir: config.data_dir.clone(),
-        allow_remote_snapshot: config.allow_remote_snapshot,
+        allow_backup_without_policy: config.allow_backup_without_policy,
     });
 
     let listener = tokio::net::TcpListener::bind(config.listen)

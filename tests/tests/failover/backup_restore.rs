@@ -213,6 +213,8 @@ async fn wait_logged(what: &str, text: impl Fn() -> String, needles: &[&str]) {
 async fn backup_under_load_then_restore_every_member_with_a_floor() {
     let mut cluster = Cluster::start(ClusterOptions {
         stderr_files: true,
+        // Open mode: backups are refused to everyone without this flag.
+        extra_args: vec!["--allow-backup-without-policy".into()],
         ..ClusterOptions::default()
     })
     .await
@@ -308,10 +310,58 @@ async fn backup_under_load_then_restore_every_member_with_a_floor() {
     assert!(
         r.stderr.contains("--token-floor is required")
             && r.stderr.contains("fence-proxy epochs max")
-            && r.stderr.contains("--token-floor 0"),
+            && r.stderr.contains("last fencing token plus a margin"),
         "{}",
         r.stderr
     );
+    // A floor below the backup's last token is refused naming both (a fresh dir, untouched).
+    let below = (backup_last_token - 1).to_string();
+    let r = run(
+        "lockd",
+        &[
+            "restore",
+            file_s,
+            "--data-dir",
+            node1_s,
+            "--token-floor",
+            &below,
+        ],
+    )
+    .await;
+    assert_eq!(r.code, Some(1), "{}", r.stderr);
+    assert!(
+        r.stderr
+            .contains(&format!("--token-floor {below} is below"))
+            && r.stderr.contains(&backup_last_token.to_string()),
+        "{}",
+        r.stderr
+    );
+    assert!(dir_is_empty_or_missing(&node1));
+    // Equal to it: restored, with a warning on stderr (JSON on stdout carries it too).
+    let scratch = dir.path().join("equal-floor");
+    let equal = backup_last_token.to_string();
+    let r = run(
+        "lockd",
+        &[
+            "restore",
+            file_s,
+            "--data-dir",
+            scratch.to_str().unwrap(),
+            "--token-floor",
+            &equal,
+            "--json",
+        ],
+    )
+    .await;
+    r.ok();
+    assert!(
+        r.stderr.contains("warning")
+            && r.stderr.contains("granted nothing after the backup")
+            && r.json()["warning"].is_string(),
+        "{}",
+        r.stderr
+    );
+    std::fs::remove_dir_all(&scratch).unwrap();
     let too_high = ((1u64 << 62) + 1).to_string();
     let r = run(
         "lockd",
@@ -340,6 +390,7 @@ async fn backup_under_load_then_restore_every_member_with_a_floor() {
     std::fs::write(&damaged, &flipped).unwrap();
     let cut = dir.path().join("cut.lockd");
     std::fs::write(&cut, &bytes[..bytes.len() * 2 / 3]).unwrap();
+    let good_floor = (max_ever + 1_000).to_string();
     for (bad, why) in [(&damaged, "checksum mismatch"), (&cut, "truncated")] {
         let bad_s = bad.to_str().unwrap();
         let r = run(
@@ -350,7 +401,7 @@ async fn backup_under_load_then_restore_every_member_with_a_floor() {
                 "--data-dir",
                 node1_s,
                 "--token-floor",
-                "0",
+                &good_floor,
             ],
         )
         .await;
@@ -373,7 +424,7 @@ async fn backup_under_load_then_restore_every_member_with_a_floor() {
             "--data-dir",
             used.to_str().unwrap(),
             "--token-floor",
-            "0",
+            &good_floor,
         ],
     )
     .await;
@@ -579,6 +630,8 @@ async fn backup_under_load_then_restore_every_member_with_a_floor() {
 async fn members_restored_with_different_floors_refuse_each_other() {
     let mut cluster = Cluster::start(ClusterOptions {
         stderr_files: true,
+        // Open mode: backups are refused to everyone without this flag.
+        extra_args: vec!["--allow-backup-without-policy".into()],
         ..ClusterOptions::default()
     })
     .await

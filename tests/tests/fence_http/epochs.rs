@@ -128,8 +128,15 @@ async fn epochs_max_prints_the_highest_token_of_every_kind_of_store() {
     let j = json(&store_run.1);
     assert_eq!(j["highest_token"].as_u64(), Some(9_000_000_000), "{j}");
     assert_eq!(j["resources"].as_u64(), Some(3));
+    // The table it read, schema-qualified (found through the search_path), to compare with the
+    // proxy's --store-table.
+    let qualified = format!("public.{epochs}");
+    assert_eq!(j["table"].as_str(), Some(qualified.as_str()), "{j}");
+    assert!(j["source"].as_str().unwrap().contains(&qualified), "{j}");
     assert_eq!(table_run.0, Some(0), "{}", table_run.2);
     let j = json(&table_run.1);
     assert_eq!(j["highest_token"].as_u64(), Some(31), "{j}");
     assert_eq!(j["resource"].as_str(), Some("x"));
+    let qualified = format!("public.{fences}");
+    assert_eq!(j["table"].as_str(), Some(qualified.as_str()), "{j}");
 }

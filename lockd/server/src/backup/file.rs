@@ -200,6 +200,7 @@ impl Backup {
                 header.last_token
             ));
         }
+        check_header(name, &header)?;
         Ok(Backup {
             header,
             table,
@@ -207,6 +208,50 @@ impl Backup {
             size: len as u64,
         })
     }
+}
+
+/// What the digest cannot vouch for (a buggy or crafted writer computes a valid one): values a
+/// restored cluster would crash on or misuse. The last token must leave room to grant (the same
+/// 2^62 cap as `--token-floor`: the restored counter is the larger of the two, and every grant
+/// adds one); every voter must have an address; the membership must not come from after the
+/// backup's last entry.
+fn check_header(name: &str, header: &BackupHeader) -> anyhow::Result<()> {
+    use super::restore::TOKEN_FLOOR_MAX;
+    if header.last_token > TOKEN_FLOOR_MAX {
+        anyhow::bail!(
+            "{name}: its last fencing token {} is above 2^62 = {TOKEN_FLOOR_MAX}, which no lockd \
+             issues; the file was made by a faulty or tampered writer and is not restored",
+            header.last_token
+        );
+    }
+    let membership = header.membership.membership();
+    for id in membership.voter_ids() {
+        match membership.get_node(&id) {
+            Some(node) if !node.addr.is_empty() => {}
+            Some(_) => anyhow::bail!("{name}: voter {id} of its membership has an empty address"),
+            None => anyhow::bail!(
+                "{name}: voter {id} of its membership has no node entry (no address); the file \
+                 is damaged or crafted"
+            ),
+        }
+    }
+    let membership_at = *header.membership.log_id();
+    if membership_at > header.last_log_id {
+        anyhow::bail!(
+            "{name}: its membership is from log id {} but the backup ends at {}: the file is \
+             damaged or crafted",
+            show_log_id(membership_at),
+            show_log_id(header.last_log_id)
+        );
+    }
+    Ok(())
+}
+
+fn show_log_id(id: Option<LogId>) -> String {
+    id.map_or_else(
+        || "none".to_owned(),
+        |l| format!("index {} (term {})", l.index, l.leader_id.term),
+    )
 }
 
 #[cfg(test)]
@@ -242,10 +287,9 @@ mod tests {
         table
     }
 
-    fn sample() -> (Vec<u8>, [u8; DIGEST_LEN], u64) {
-        let table = table();
+    fn header_of(table: &LockTable) -> BackupHeader {
         let stats = table.stats();
-        let header = BackupHeader {
+        BackupHeader {
             created_unix_ms: 5,
             node_id: 1,
             lockd_version: "test".into(),
@@ -255,11 +299,107 @@ mod tests {
             active_locks: stats.active_locks,
             waiters: stats.waiters,
             dedup_records: stats.dedup_records,
-        };
-        let mut w = BackupWriter::start(Vec::new(), &header).unwrap();
+        }
+    }
+
+    /// A well-formed file (valid digest) of `table` under `header`, as a faulty or crafted
+    /// writer could make it.
+    fn write(table: &LockTable, header: &BackupHeader) -> (Vec<u8>, [u8; DIGEST_LEN], u64) {
+        let mut w = BackupWriter::start(Vec::new(), header).unwrap();
         table.snapshot_copy().encode_to(&mut w).unwrap();
-        let (bytes, digest, size) = w.finish().unwrap();
-        (bytes, digest, size)
+        w.finish().unwrap()
+    }
+
+    fn sample() -> (Vec<u8>, [u8; DIGEST_LEN], u64) {
+        let table = table();
+        write(&table, &header_of(&table))
+    }
+
+    /// A membership whose voter 3 has no node entry: `Membership::new` would fill one in, a
+    /// crafted file need not (serde checks nothing). Same field order as openraft's.
+    fn voter_without_node() -> StoredMembership<NodeId, BasicNode> {
+        #[derive(Serialize)]
+        struct Raw {
+            configs: Vec<std::collections::BTreeSet<NodeId>>,
+            nodes: std::collections::BTreeMap<NodeId, BasicNode>,
+        }
+        #[derive(Serialize)]
+        struct RawStored {
+            log_id: Option<LogId>,
+            membership: Raw,
+        }
+        let raw = RawStored {
+            log_id: Some(LogId::new(CommittedLeaderId::new(1, 1), 1)),
+            membership: Raw {
+                configs: vec![[1, 2, 3].into_iter().collect()],
+                nodes: [1, 2]
+                    .into_iter()
+                    .map(|i| (i, BasicNode::new(format!("127.0.0.1:{}", 7000 + i))))
+                    .collect(),
+            },
+        };
+        let m: StoredMembership<NodeId, BasicNode> =
+            postcard::from_bytes(&postcard::to_allocvec(&raw).unwrap()).unwrap();
+        assert!(m.membership().get_node(&3).is_none());
+        m
+    }
+
+    /// Goal: a file whose digest is valid but whose content a restored cluster would crash on
+    /// or misuse is refused naming the value (review finding 4: the last token was unbounded,
+    /// so `last_token + 1` could overflow in the state machine of every restored member): a
+    /// last token above 2^62, a voter without an address, a membership from after the
+    /// backup's last entry. A last token of exactly 2^62 passes.
+    #[test]
+    fn crafted_headers_are_refused_naming_the_value() {
+        let cap = super::super::restore::TOKEN_FLOOR_MAX;
+        for (last, ok) in [(cap, true), (cap + 1, false), (u64::MAX, false)] {
+            let mut t = table();
+            t.prepare_restore(last);
+            let (bytes, _, _) = write(&t, &header_of(&t));
+            match Backup::verify("b.lockd", &bytes) {
+                Ok(b) => assert!(ok && b.header.last_token == last),
+                Err(e) => {
+                    let e = e.to_string();
+                    assert!(!ok, "{last}: {e}");
+                    assert!(
+                        e.contains(&last.to_string())
+                            && e.contains("2^62")
+                            && e.contains("b.lockd"),
+                        "{e}"
+                    );
+                }
+            }
+        }
+
+        let t = table();
+        let mut h = header_of(&t);
+        h.membership = voter_without_node();
+        let e = Backup::verify("b.lockd", &write(&t, &h).0)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("voter 3") && e.contains("no node entry"), "{e}");
+
+        let mut h = header_of(&t);
+        let nodes: std::collections::BTreeMap<NodeId, BasicNode> =
+            [(1, BasicNode::new("127.0.0.1:7001"))]
+                .into_iter()
+                .collect();
+        h.membership = StoredMembership::new(
+            Some(LogId::new(CommittedLeaderId::new(2, 1), 41)),
+            openraft::Membership::new(vec![[1].into_iter().collect()], nodes.clone()),
+        );
+        let e = Backup::verify("b.lockd", &write(&t, &h).0)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("index 41") && e.contains("index 40"), "{e}");
+        // At the backup's last entry, or before it: fine.
+        h.membership = StoredMembership::new(
+            Some(LogId::new(CommittedLeaderId::new(2, 1), 40)),
+            openraft::Membership::new(vec![[1].into_iter().collect()], nodes),
+        );
+        Backup::verify("b.lockd", &write(&t, &h).0).unwrap();
     }
 
     #[test]

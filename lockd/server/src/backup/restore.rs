@@ -52,12 +52,13 @@ pub const RESTORE_MARKER: &str = "restore.incomplete";
 
 /// Why `--token-floor` has no default: said whenever it is missing.
 pub const TOKEN_FLOOR_REQUIRED: &str = "--token-floor is required: a backup does not know the \
-tokens issued after it was taken. Give the highest fencing token any fence store has accepted \
-(`fence-proxy epochs max --store SPEC` prints it for a fence-proxy epoch store, \
-`fence-proxy epochs max --upstream URL` for the fence table of the Postgres front end), plus a \
-margin for grants made after the backup that no store has seen; the restored cluster's tokens \
-start above both this floor and the backup's last token. If no fence store is in use, say so \
-with --token-floor 0";
+tokens issued after it was taken, and their holders may still use them (fence stores, \
+`lockctl hold`'s LOCKD_FENCING_TOKEN, conditional updates keyed on a token). Give the backup's \
+last fencing token plus a margin for the grants made after the backup (grant rate x the \
+backup's age), and no less than the highest token any fence store has accepted plus that \
+margin (`fence-proxy epochs max --store SPEC` prints it for a fence-proxy epoch store, \
+`fence-proxy epochs max --upstream URL` for the fence table of the Postgres front end); the \
+restored cluster's tokens start above the floor";
 
 /// The highest floor accepted: 2^62. Tokens are 63-bit numbers in several places (a Postgres
 /// `bigint` in fence tables), and a floor near the top would leave no room to grant.
@@ -93,6 +94,8 @@ pub struct Restored {
     pub members: Vec<(NodeId, String)>,
     /// The restore id (hex) kept in the data dir; the same on every member restored alike.
     pub restore_id: String,
+    /// Said to the operator, not refused: a floor equal to the backup's last token.
+    pub warning: Option<String>,
 }
 
 /// The restore id: SHA-256 over a domain tag, the backup's digest, the floor and the
@@ -118,6 +121,7 @@ pub fn restore(opts: &RestoreOptions) -> anyhow::Result<Restored> {
     let floor = opts
         .token_floor
         .ok_or_else(|| anyhow::anyhow!(TOKEN_FLOOR_REQUIRED))?;
+    // Checked before the file is read: the value is wrong whatever the backup holds.
     if floor > TOKEN_FLOOR_MAX {
         anyhow::bail!(
             "--token-floor {floor} is above the highest floor accepted, 2^62 = {TOKEN_FLOOR_MAX}: \
@@ -135,6 +139,7 @@ pub fn restore(opts: &RestoreOptions) -> anyhow::Result<Restored> {
         size,
     } = Backup::verify(&name, &bytes)?;
     drop(bytes);
+    let warning = check_floor(floor, &header, now_unix_ms())?;
     let last_log_id = header.last_log_id.ok_or_else(|| {
         anyhow::anyhow!("{name}: the backup covers no log entry, so there is nothing to restore")
     })?;
@@ -191,7 +196,44 @@ pub fn restore(opts: &RestoreOptions) -> anyhow::Result<Restored> {
         last_log_id,
         members,
         restore_id,
+        warning,
     })
+}
+
+/// Wall clock now, for the backup's age in messages (informative only).
+fn now_unix_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}
+
+/// The floor against the backup's last token M. Below M is refused: the counter would start at
+/// M, leaving no margin for the grants made after the backup, and such a floor was not worked
+/// out from this backup (the old guidance "0 without a fence store" reissued tokens that clients
+/// still hold through `lockctl hold` or conditional updates). Exactly M is accepted with a warning (safe only if
+/// nothing was granted after the backup). Above M is what the runbook asks for.
+fn check_floor(floor: u64, header: &BackupHeader, now_ms: i64) -> anyhow::Result<Option<String>> {
+    let last = header.last_token;
+    let age_s = (now_ms.saturating_sub(header.created_unix_ms) / 1000).max(0);
+    if floor < last {
+        anyhow::bail!(
+            "--token-floor {floor} is below the backup's last fencing token {last}: it leaves no \
+             room for the grants made after the backup, whose tokens (above {last}) their \
+             holders may still use, and the restored cluster would issue them again. Give {last} \
+             plus a margin of the grant rate (grants per second) x the backup's age ({age_s} s \
+             by the clock of the node that made it), and no less than the highest token of \
+             every fence store (`fence-proxy epochs max`) plus that margin; tokens are 63-bit \
+             numbers, so a generous margin costs nothing"
+        );
+    }
+    Ok((floor == last).then(|| {
+        format!(
+            "--token-floor {floor} equals the backup's last fencing token: this is safe only if \
+             the cluster granted nothing after the backup was taken ({age_s} s ago by the clock of \
+             the node that made it); any later grant's token will be issued again. If unsure, \
+             restore every member again with a floor of {last} plus a margin"
+        )
+    }))
 }
 
 /// Refuses a data dir that holds anything: a restore seeds a new node, never mixes with one.
@@ -239,10 +281,29 @@ fn seed(
     last: LogId,
     restore_id: &str,
 ) -> anyhow::Result<()> {
-    let dbs = crate::storage::open(dir)?;
+    seed_with(dir, meta, table, last, restore_id, |_| Ok(()))
+}
+
+/// [`seed`], with `after_open` run once the storage files exist (tests stop there, as a crash
+/// would). The marker is made durable before anything else is put in the data dir: a restore
+/// interrupted at any later point leaves a dir that lockd refuses to start on and `lockd
+/// restore` names as interrupted, never a `lockd.redb` without a marker.
+fn seed_with(
+    dir: &Path,
+    meta: SnapshotMeta<NodeId, BasicNode>,
+    table: Vec<u8>,
+    last: LogId,
+    restore_id: &str,
+    after_open: impl FnOnce(&Path) -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
+    crate::storage::create_data_dir(dir)?;
     let marker = dir.join(RESTORE_MARKER);
-    File::create(&marker).with_context(|| format!("creating {}", marker.display()))?;
+    File::create(&marker)
+        .and_then(|f| f.sync_all())
+        .with_context(|| format!("creating {}", marker.display()))?;
     sync_dir(dir)?;
+    let dbs = crate::storage::open_unmarked(dir)?;
+    after_open(dir)?;
     dbs.snapshots.write(&StoredSnapshot { meta, table })?;
     // The records a node has after a snapshot at `last` and a purge of its whole log, in one
     // durable commit, encoded as the log store reads them, and the restore id. The vote is the
@@ -398,21 +459,23 @@ mod tests {
 
         let e = restore(&opts(&file, &data, None)).unwrap_err().to_string();
         assert!(
-            e.contains("--token-floor is required") && e.contains("--token-floor 0"),
+            e.contains("--token-floor is required")
+                && e.contains("last fencing token plus a margin")
+                && !e.contains("--token-floor 0"),
             "{e}"
         );
         assert!(!data.exists());
 
         std::fs::create_dir(&data).unwrap();
         std::fs::write(data.join("lockd.redb"), b"x").unwrap();
-        let e = restore(&opts(&file, &data, Some(0)))
+        let e = restore(&opts(&file, &data, Some(500)))
             .unwrap_err()
             .to_string();
         assert!(e.contains("not empty") && e.contains("lockd.redb"), "{e}");
 
         std::fs::remove_file(data.join("lockd.redb")).unwrap();
         std::fs::write(data.join(RESTORE_MARKER), b"").unwrap();
-        let e = restore(&opts(&file, &data, Some(0)))
+        let e = restore(&opts(&file, &data, Some(500)))
             .unwrap_err()
             .to_string();
         assert!(e.contains("interrupted restore"), "{e}");
@@ -425,12 +488,12 @@ mod tests {
         let at = bytes.len() / 2;
         bytes[at] ^= 1;
         std::fs::write(&file, &bytes).unwrap();
-        let e = restore(&opts(&file, &data, Some(0)))
+        let e = restore(&opts(&file, &data, Some(500)))
             .unwrap_err()
             .to_string();
         assert!(e.contains("checksum mismatch"), "{e}");
         std::fs::write(&file, &bytes[..at]).unwrap();
-        let e = restore(&opts(&file, &data, Some(0)))
+        let e = restore(&opts(&file, &data, Some(500)))
             .unwrap_err()
             .to_string();
         assert!(e.contains("truncated"), "{e}");
@@ -493,7 +556,7 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let file = backup_file(tmp.path());
         let data = tmp.path().join("node1");
-        let mut o = opts(&file, &data, Some(0));
+        let mut o = opts(&file, &data, Some(500));
         o.peers = vec![
             "1=127.0.0.9:7101".parse().unwrap(),
             "2=127.0.0.9:7102".parse().unwrap(),
@@ -506,5 +569,72 @@ mod tests {
                 (2, "127.0.0.9:7102".to_owned())
             ]
         );
+    }
+
+    /// Goal: a floor below the backup's last token is refused naming both values and the
+    /// margin to add (review finding 3: "--token-floor 0 without a fence store" reissued tokens
+    /// that clients of `lockctl hold` or conditional updates still held); a floor equal to it is
+    /// accepted with a warning that it is safe only if nothing was granted after the backup; a
+    /// floor above it restores without a word.
+    #[test]
+    fn a_floor_below_the_backups_last_token_is_refused_and_equal_is_warned() {
+        let tmp = tempfile::tempdir().unwrap();
+        let file = backup_file(tmp.path());
+        for floor in [0, 9] {
+            let data = tmp.path().join(format!("below{floor}"));
+            let e = restore(&opts(&file, &data, Some(floor)))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains(&format!("--token-floor {floor} is below"))
+                    && e.contains("last fencing token 10")
+                    && e.contains("grant rate")
+                    && e.contains("backup's age"),
+                "{e}"
+            );
+            assert!(!data.exists());
+        }
+        let equal = restore(&opts(&file, &tmp.path().join("equal"), Some(10))).unwrap();
+        assert_eq!(equal.report.last_token, 10);
+        let w = equal
+            .warning
+            .expect("a warning for a floor equal to the last token");
+        assert!(
+            w.contains("--token-floor 10") && w.contains("granted nothing after the backup"),
+            "{w}"
+        );
+        let above = restore(&opts(&file, &tmp.path().join("above"), Some(11))).unwrap();
+        assert_eq!(above.warning, None);
+        assert_eq!(above.report.last_token, 11);
+    }
+
+    /// Goal: a restore interrupted once the storage files exist leaves a data dir that lockd
+    /// refuses to start on and that `lockd restore` names as interrupted (review finding 5: the
+    /// storage was opened, creating `lockd.redb`, before the marker existed, so a crash in
+    /// between left a dir lockd would start on as a new node). Method: `seed_with` stops right
+    /// after opening the storage, as a crash would.
+    #[test]
+    fn a_restore_interrupted_after_the_storage_opened_leaves_the_marker() {
+        let tmp = tempfile::tempdir().unwrap();
+        let data = tmp.path().join("node1");
+        let meta = SnapshotMeta {
+            last_log_id: Some(last()),
+            last_membership: StoredMembership::default(),
+            snapshot_id: "t".into(),
+        };
+        let e = seed_with(&data, meta, Vec::new(), last(), "id", |dir| {
+            assert!(dir.join("lockd.redb").exists());
+            anyhow::bail!("crash")
+        })
+        .unwrap_err();
+        assert_eq!(e.to_string(), "crash");
+        assert!(data.join(RESTORE_MARKER).exists());
+        let e = crate::storage::open(&data).err().unwrap().to_string();
+        assert!(e.contains("interrupted"), "{e}");
+        let file = backup_file(tmp.path());
+        let e = restore(&opts(&file, &data, Some(500)))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("interrupted restore"), "{e}");
     }
 }

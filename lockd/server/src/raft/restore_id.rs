@@ -81,12 +81,21 @@ impl RestoreIdentity {
         if ours == theirs {
             return Ok(());
         }
+        let what = if ours.is_some() && theirs.is_some() {
+            "the two were restored from a different backup file, --token-floor or --peer list, \
+             and never exchange Raft messages (they would disagree on the token counter or the \
+             log). Do not restore the odd one again with the others' floor: those others may \
+             already form a cluster that granted tokens above it. Stop EVERY member and restore \
+             all of them again from one file with one floor: the highest floor used so far and \
+             above every token granted since (`lockctl describe`, `fence-proxy epochs max`)"
+        } else {
+            "one side is a member of a cluster that was never restored (the old cluster, or an \
+             older lockd) and the other a restored member; they never exchange Raft messages. \
+             Stop the old cluster's member and start it with an empty data dir (it then learns \
+             the restore id from the restored members), or restore it like the others"
+        };
         Err(format!(
-            "lockd: restore id mismatch: this node has {}, {peer} has {}; members restored from \
-             different backups or with a different --token-floor or --peer list, and members of \
-             the old cluster, never exchange Raft messages. Restore every member with the same \
-             `lockd restore FILE --token-floor N` (same --peer list), or start a member with an \
-             empty data dir so that it learns the restore id from the others",
+            "lockd: restore id mismatch: this node has {}, {peer} has {}: {what}",
             show(ours),
             show(theirs)
         ))
@@ -138,8 +147,18 @@ mod tests {
             e.contains("node 3") && e.contains("aaaa") && e.contains("bbbb"),
             "{e}"
         );
+        assert!(
+            e.contains("different backup file, --token-floor or --peer list")
+                && e.contains("Stop EVERY member")
+                && e.contains("highest floor"),
+            "{e}"
+        );
         let e = restored.check("node 3", None).unwrap_err();
         assert!(e.contains("no restore id") && e.contains("aaaa"), "{e}");
+        assert!(
+            e.contains("never restored") && e.contains("empty data dir"),
+            "{e}"
+        );
         let never = RestoreIdentity::new(None);
         assert!(never.check("node 2", None).is_ok());
         assert!(never.check("node 2", Some("aaaa")).is_err());

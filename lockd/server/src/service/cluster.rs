@@ -286,7 +286,7 @@ impl Cluster for ClusterService {
             .authorize(&req, crate::auth::Operation::Admin, None)?;
         super::snapshot::may_save(
             self.ctx.auth.has_policy(),
-            self.ctx.allow_remote_snapshot,
+            self.ctx.allow_backup_without_policy,
             self.ctx.auth.authenticates_nodes() && caller.forwarded,
             req.remote_addr(),
         )?;

@@ -32,37 +32,35 @@ pub const FORWARD_TIMEOUT: Duration = Duration::from_secs(600);
 pub type SnapshotStream = Pin<Box<dyn Stream<Item = Result<SaveSnapshotResponse, Status>> + Send>>;
 
 /// Who may take a backup besides the policy's `admin` (checked by the caller first). A backup
-/// holds every lease id and the private signing keys, so open mode (no `--auth-policy`) does not
-/// hand it to anyone who reaches the port: only to a caller on a loopback address (an operator on
-/// a node's host), to a call forwarded by a member authenticated by its node certificate (the
-/// member it came to checked its caller), or to anyone with `--allow-remote-snapshot`. Without
-/// TLS a forwarded call is judged by the forwarding node's address, which is loopback only on one
-/// host. PERMISSION_DENIED says which way to take.
+/// holds every lease id and the private signing keys (with them anyone can forge a sequencer that
+/// `fence-proxy --verify-key` accepts), so open mode (no `--auth-policy`) hands it to no one:
+/// only to a call forwarded by a member authenticated by its node certificate (the member it came
+/// to checked its caller), or to anyone at all with `--allow-backup-without-policy`. There is no
+/// exemption for loopback callers: behind a sidecar proxy, a TLS terminator, an SSH tunnel or
+/// `kubectl port-forward`, every remote client arrives from loopback. PERMISSION_DENIED names the
+/// caller's address and the two ways out.
 pub fn may_save(
     has_policy: bool,
-    allow_remote: bool,
+    allow_without_policy: bool,
     forwarded_by_member: bool,
     remote: Option<std::net::SocketAddr>,
 ) -> Result<(), Status> {
-    if has_policy || allow_remote || forwarded_by_member {
+    if has_policy || allow_without_policy || forwarded_by_member {
         return Ok(());
     }
-    match remote {
-        Some(addr) if addr.ip().is_loopback() => Ok(()),
-        _ => Err(errors::permission_denied(
-            format!(
-                "snapshot save refused: this node runs without --auth-policy and the caller ({}) \
-                 is not on a loopback address; a backup holds the private signing keys and every \
-                 lease id. Run lockctl on a node's host against 127.0.0.1, give the nodes \
-                 --auth-policy (the backup is the `admin` operation), or start them with \
-                 --allow-remote-snapshot",
-                remote.map_or_else(|| "address unknown".to_owned(), |a| a.to_string())
-            ),
-            "anonymous",
-            "admin",
-            None,
-        )),
-    }
+    Err(errors::permission_denied(
+        format!(
+            "snapshot save refused: this node runs without --auth-policy, so it cannot tell who \
+             the caller ({}) is, and a backup holds the private signing keys and every lease id. \
+             Give the nodes --auth-policy (the backup is the `admin` operation), or start them \
+             with --allow-backup-without-policy (then anyone who reaches the port can download \
+             the keys)",
+            remote.map_or_else(|| "address unknown".to_owned(), |a| a.to_string())
+        ),
+        "anonymous",
+        "admin",
+        None,
+    ))
 }
 
 /// On the leader: fixes the backup's point, then streams the file.
@@ -198,24 +196,30 @@ impl std::io::Write for ChunkSink {
 mod tests {
     use super::*;
 
-    /// Goal: open mode hands a backup to loopback callers, to calls a TLS-authenticated member
-    /// forwarded, and to anyone with --allow-remote-snapshot; a remote or unknown caller is
-    /// refused with PERMISSION_DENIED naming its address and the ways out. A policy decides by
-    /// itself (its `admin` check runs before this one).
+    /// Goal: open mode hands a backup to no caller by its address, loopback included (behind
+    /// a sidecar or a port-forward every remote client is on loopback): only to calls a
+    /// TLS-authenticated member forwarded, and to anyone with --allow-backup-without-policy. A
+    /// refusal is PERMISSION_DENIED naming the caller's address and the two ways out. A policy
+    /// decides by itself (its `admin` check runs before this one).
     #[test]
-    fn open_mode_backups_only_for_loopback_forwarded_or_allowed() {
+    fn open_mode_backups_only_forwarded_by_a_member_or_with_the_flag() {
         let remote: std::net::SocketAddr = "192.0.2.7:5000".parse().unwrap();
-        let local: std::net::SocketAddr = "127.3.4.5:5000".parse().unwrap();
-        assert!(may_save(false, false, false, Some(local)).is_ok());
-        assert!(may_save(false, false, false, Some("[::1]:9".parse().unwrap())).is_ok());
-        let e = may_save(false, false, false, Some(remote)).unwrap_err();
-        assert_eq!(e.code(), tonic::Code::PermissionDenied);
-        assert!(
-            e.message().contains("192.0.2.7:5000")
-                && e.message().contains("--allow-remote-snapshot")
-                && e.message().contains("--auth-policy"),
-            "{e:?}"
-        );
+        for caller in [
+            "127.3.4.5:5000",
+            "[::1]:9",
+            "[::ffff:127.0.0.1]:9",
+            "192.0.2.7:5000",
+        ] {
+            let addr: std::net::SocketAddr = caller.parse().unwrap();
+            let e = may_save(false, false, false, Some(addr)).unwrap_err();
+            assert_eq!(e.code(), tonic::Code::PermissionDenied);
+            assert!(
+                e.message().contains(&addr.to_string())
+                    && e.message().contains("--allow-backup-without-policy")
+                    && e.message().contains("--auth-policy"),
+                "{e:?}"
+            );
+        }
         assert!(may_save(false, false, false, None).is_err());
         assert!(may_save(false, true, false, Some(remote)).is_ok());
         assert!(may_save(false, false, true, Some(remote)).is_ok());

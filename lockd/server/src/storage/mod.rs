@@ -89,6 +89,31 @@ pub fn open(data_dir: &Path) -> anyhow::Result<Databases> {
             marker.display()
         );
     }
+    open_unmarked(data_dir)
+}
+
+/// [`open`] without the check for an interrupted restore: for `lockd restore` itself, which
+/// puts the marker there first.
+pub(crate) fn open_unmarked(data_dir: &Path) -> anyhow::Result<Databases> {
+    create_data_dir(data_dir)?;
+    let log = create(&data_dir.join(LOG_FILE), LOG_CACHE_BYTES, |txn| {
+        txn.open_table(LOG)?;
+        txn.open_table(META)?;
+        Ok(())
+    })?;
+    sync_dir(data_dir)?;
+    let snapshots = SnapshotFile::new(data_dir);
+    snapshots.remove_leftovers()?;
+    Ok(Databases {
+        log,
+        snapshots,
+        legacy_snapshot_db: data_dir.join("snapshot.redb"),
+    })
+}
+
+/// Creates `data_dir` (and missing parents) for its owner only, or restricts it to its owner,
+/// and makes every new name durable.
+pub(crate) fn create_data_dir(data_dir: &Path) -> anyhow::Result<()> {
     // Owner only: the log and snapshots hold every lease id and the sequencer signing key.
     use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
     // The folders this call creates, outermost first: each new name needs its parent synced.
@@ -121,19 +146,7 @@ pub fn open(data_dir: &Path) -> anyhow::Result<Databases> {
             _ => sync_dir(Path::new("."))?,
         }
     }
-    let log = create(&data_dir.join(LOG_FILE), LOG_CACHE_BYTES, |txn| {
-        txn.open_table(LOG)?;
-        txn.open_table(META)?;
-        Ok(())
-    })?;
-    sync_dir(data_dir)?;
-    let snapshots = SnapshotFile::new(data_dir);
-    snapshots.remove_leftovers()?;
-    Ok(Databases {
-        log,
-        snapshots,
-        legacy_snapshot_db: data_dir.join("snapshot.redb"),
-    })
+    Ok(())
 }
 
 /// Makes the names in `dir` (a create, a rename) durable.

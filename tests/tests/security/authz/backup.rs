@@ -1,6 +1,7 @@
 //! Who may take a backup (`Cluster.SaveSnapshot`): it holds every lease id and the private
-//! signing keys. Under a policy it is the `admin` operation; without one, only callers on a
-//! loopback address, unless the node runs with `--allow-remote-snapshot`.
+//! signing keys. Under a policy it is the `admin` operation; without one, no caller at all (a
+//! loopback address proves nothing: sidecars, TLS terminators, tunnels and port-forwards make
+//! every remote client local), unless the node runs with `--allow-backup-without-policy`.
 
 use std::time::Duration;
 
@@ -61,16 +62,7 @@ async fn backup_is_the_policys_admin_operation() {
     read_backup(stream).await;
 }
 
-/// A non-loopback address of this machine (the source of a route out), if it has one.
-fn non_loopback_ip() -> Option<std::net::IpAddr> {
-    let socket = std::net::UdpSocket::bind("0.0.0.0:0").ok()?;
-    // No packet is sent: connecting a UDP socket only picks the route and its source address.
-    socket.connect("203.0.113.1:9").ok()?;
-    let ip = socket.local_addr().ok()?.ip();
-    (!ip.is_loopback() && !ip.is_unspecified()).then_some(ip)
-}
-
-/// A one-node lockd on `ip` without TLS or policy (`--insecure-plaintext`), plus `extra`.
+/// A one-node lockd on `ip` without TLS or policy, plus `extra`.
 fn single_node(
     ip: std::net::IpAddr,
     port: u16,
@@ -118,16 +110,14 @@ async fn save_snapshot(
     }
 }
 
-/// Goal: without a policy a backup is refused to a caller that is not on a loopback address,
-/// with PERMISSION_DENIED naming its address and the ways out; `--allow-remote-snapshot` lifts
-/// that. Method: one node listening on this machine's non-loopback address (the caller's
-/// source address is then that address too), first without, then with the flag.
+/// Goal: without a policy a backup is refused to every caller, one on a loopback address too
+/// (regression: the review of the backup feature found that a loopback exemption hands the
+/// signing keys to every client behind a sidecar or a port-forward), with PERMISSION_DENIED
+/// naming its address and the ways out; `--allow-backup-without-policy` lifts that. Method: one
+/// node on a loopback address, called from that address, first without, then with the flag.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn open_mode_refuses_remote_backups_unless_allowed() {
-    let Some(ip) = non_loopback_ip() else {
-        lockd_tests::skip::report("this machine has no non-loopback address to call from");
-        return;
-    };
+async fn open_mode_refuses_backups_even_on_loopback_unless_allowed() {
+    let ip = std::net::IpAddr::V4(lockd_tests::process::random_loopback_ip());
     let dir = tempfile::tempdir().unwrap();
     let port = lockd_tests::pg::free_port();
     let addr = std::net::SocketAddr::new(ip, port).to_string();
@@ -135,8 +125,9 @@ async fn open_mode_refuses_remote_backups_unless_allowed() {
     let st = save_snapshot(&addr).await.unwrap_err();
     assert_eq!(st.code(), Code::PermissionDenied, "{st:?}");
     assert!(
-        st.message().contains(&ip.to_string())
-            && st.message().contains("--allow-remote-snapshot")
+        // The caller's address: a loopback one (the kernel picks 127.0.0.1 as the source).
+        st.message().contains("caller (127.")
+            && st.message().contains("--allow-backup-without-policy")
             && st.message().contains("--auth-policy"),
         "{st:?}"
     );
@@ -145,10 +136,10 @@ async fn open_mode_refuses_remote_backups_unless_allowed() {
         ip,
         port,
         &dir.path().join("n1"),
-        &["--allow-remote-snapshot"],
+        &["--allow-backup-without-policy"],
     );
     let stream = save_snapshot(&addr)
         .await
-        .expect("allowed with --allow-remote-snapshot");
+        .expect("allowed with --allow-backup-without-policy");
     read_backup(stream).await;
 }
