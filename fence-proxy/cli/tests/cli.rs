@@ -32,7 +32,7 @@ fn refused(args: &[&str]) -> String {
 /// Goal: every bad invocation names what is wrong, on one line, with a non-zero status.
 #[test]
 fn bad_flags_give_one_line_and_non_zero_exit() {
-    assert!(refused(&[]).contains("front end is required"));
+    assert!(refused(&[]).contains("a command is required"));
     assert!(refused(&["bogus"]).contains("'bogus'"));
     assert!(refused(&["http", "--upstream", "http://127.0.0.1:1"]).contains("--listen"));
     assert!(refused(&["http", "--listen", "nope", "--upstream", "http://h"]).contains("'nope'"));

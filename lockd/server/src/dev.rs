@@ -13,13 +13,14 @@ pub(crate) const DEV_LOCK_PORTS: [u16; 3] = [7001, 7002, 7003];
 pub(crate) const DEV_METRICS_PORTS: [u16; 3] = [9101, 9102, 9103];
 
 /// Runs `lockd dev`: three nodes on `host` (ports 7001-7003, metrics 9101-9103) with their data
-/// under `data_dir` (and, with `tls`, certificates made for them there), until `shutdown` is
-/// cancelled or a node fails.
+/// under `data_dir` (and, with `tls`, certificates made for them there), answering backups when
+/// `allow_backup_without_policy`, until `shutdown` is cancelled or a node fails.
 pub async fn run(
     data_dir: PathBuf,
     host: std::net::Ipv4Addr,
     tuning: Tuning,
     tls: bool,
+    allow_backup_without_policy: bool,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
     let certs = if tls {
@@ -59,6 +60,7 @@ pub async fn run(
             }
             None => Ok(c),
         })
+        .map(|c| c.allow_backup_without_policy(allow_backup_without_policy))
         .map_err(|e| anyhow::anyhow!(e))?;
         nodes.push(node::start(config, shutdown.clone()).await?);
     }

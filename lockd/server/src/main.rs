@@ -106,6 +106,11 @@ enum Cmd {
         /// lockctl needs as --cacert).
         #[arg(long)]
         tls: bool,
+        /// Answer `lockctl snapshot save` (dev clusters run without a policy). Off by default as
+        /// for `lockd`: a backup holds the signing keys, and anyone who reaches the ports can
+        /// take one while this is on.
+        #[arg(long)]
+        allow_backup_without_policy: bool,
         #[command(flatten)]
         tuning: Tuning,
     },
@@ -235,13 +240,22 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             data_dir,
             host,
             tls,
+            allow_backup_without_policy,
             tuning,
         }) => {
             tuning.validate().map_err(|e| anyhow::anyhow!(e))?;
             // In one process the nodes start one after another, and openraft logs every refused
             // connection of that moment as an error: quiet it unless RUST_LOG asks.
             init_tracing(tuning.log_format, "info,openraft=off");
-            lockd_server::dev::run(data_dir, host, tuning, tls, shutdown).await
+            lockd_server::dev::run(
+                data_dir,
+                host,
+                tuning,
+                tls,
+                allow_backup_without_policy,
+                shutdown,
+            )
+            .await
         }
         Some(Cmd::Docs(docs)) => docs.run(Cli::command()).map_err(anyhow::Error::msg),
         Some(Cmd::Restore { .. }) => Err(anyhow::anyhow!("restore runs before the runtime starts")),
