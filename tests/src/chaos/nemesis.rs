@@ -111,6 +111,10 @@ pub const NETNS: [Fault; 6] = [
 
 /// How long a network fault of [`NETNS`] is held, ms.
 const NET_FAULT_HOLD_MS: (u64, u64) = (1_500, 5_000);
+
+/// How long a wipe waits for the other nodes to catch up before it is skipped
+/// (`Nemesis::others_caught_up`).
+const CAUGHT_UP_WAIT: Duration = Duration::from_secs(15);
 /// Loss drawn for [`Fault::PacketLoss`], percent: enough that TCP retransmits all the time, not
 /// so much that the link is as good as cut (that is what the partitions are for).
 const LOSS_PCT: (u32, u32) = (5, 30);
@@ -195,6 +199,36 @@ impl Nemesis {
     fn other(&mut self, not: u64) -> u64 {
         let k = self.rng.random_range(1..NODES);
         (not + k - 1) % NODES + 1
+    }
+
+    /// Before a fault deletes node `victim`'s data dir: waits until every other node has applied
+    /// what the leader has committed, so that none of them is still rejoining after a wipe of its
+    /// own. Two nodes without their log at once is beyond what Raft tolerates, and lockd then
+    /// waits for good by design (seed 10093: node 1 was wiped while node 3, wiped 8.5 s before,
+    /// had not yet caught up, and the cluster never had a quorum again). Gives up after
+    /// [`CAUGHT_UP_WAIT`], and the caller then skips the wipe; the history says which.
+    async fn others_caught_up(&self, cluster: &ChaosCluster, victim: u64) -> bool {
+        let deadline = Instant::now() + CAUGHT_UP_WAIT;
+        loop {
+            if let Some(leader) = cluster.current_leader().await
+                && let Ok(l) = cluster.status(leader).await
+            {
+                let mut all = true;
+                for id in (1..=NODES).filter(|n| *n != victim) {
+                    match cluster.status(id).await {
+                        Ok(s) if s.applied_index >= l.commit_index && s.applied_index > 0 => {}
+                        _ => all = false,
+                    }
+                }
+                if all {
+                    return true;
+                }
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 
     /// The node that is neither `a` nor `b` (two different nodes).
@@ -328,6 +362,13 @@ impl Nemesis {
                 } else {
                     self.other(leader)
                 };
+                if !self.others_caught_up(cluster, id).await {
+                    self.note(format!(
+                        "skip wiping node {id}: another node has not caught up (a second lost log)"
+                    ));
+                    self.injected.pop();
+                    return Ok(());
+                }
                 self.note(format!(
                     "kill -9 node {id} (leader was {leader}) and delete its data dir"
                 ));
@@ -384,6 +425,13 @@ impl Nemesis {
             Fault::PauseLeaderInSnapshotInstall => {
                 let leader = self.leader(cluster).await;
                 let follower = self.other(leader);
+                if !self.others_caught_up(cluster, follower).await {
+                    self.note(format!(
+                        "skip wiping follower {follower}: another node has not caught up (a second lost log)"
+                    ));
+                    self.injected.pop();
+                    return Ok(());
+                }
                 self.note(format!(
                     "kill -9 follower {follower} (leader {leader}) and delete its data dir"
                 ));
@@ -480,6 +528,13 @@ impl Nemesis {
             Fault::WipeWhilePartitioned => {
                 let (cut, leader) = self.leader_or_other(cluster).await;
                 let wiped = self.other(cut);
+                if !self.others_caught_up(cluster, wiped).await {
+                    self.note(format!(
+                        "skip wiping node {wiped}: another node has not caught up (a second lost log)"
+                    ));
+                    self.injected.pop();
+                    return Ok(());
+                }
                 self.note(format!("isolate node {cut} (leader was {leader})"));
                 cluster.isolate(cut)?;
                 self.sleep_ms(300, 1_000).await;
