@@ -3,7 +3,7 @@
 //! a token floor.
 //!
 //! # Layout
-//! - [`file`]: the file format (header, table, end marker, length, SHA-256) and its verification.
+//! - [`mod@file`]: the file format (header, table, end marker, length, SHA-256) and its verification.
 //! - [`restore`]: `lockd restore`: refuses without a floor decision or into a used data dir,
 //!   raises the token counter, writes `snapshot.bin` and the log records.
 
