@@ -58,6 +58,13 @@ done
 [ -x "$BIN" ] || { echo "callgrind-per-op.sh: LOCKD_BIN $BIN is not an executable" >&2; exit 1; }
 [ -x "$B" ] || { echo "callgrind-per-op.sh: BENCH_BIN $B is not an executable" >&2; exit 1; }
 
+# Two runs at once would share ports and data dirs (and the second would delete the first's).
+for i in 1 2 3; do
+    if curl -s --max-time 2 -o /dev/null "http://$IP:910$i/metrics"; then
+        echo "callgrind-per-op.sh: something already answers on $IP:910$i (another run?)" >&2
+        exit 1
+    fi
+done
 res="$OUT/$name"
 rm -rf "$res" "$DIR"
 mkdir -p "$res" "$DIR"
@@ -94,15 +101,26 @@ done
 # Let the new leader's first entries (membership, clock anchor, signing key) settle.
 sleep 5
 
+# callgrind_control, retried: on a loaded machine vgdb sometimes does not reach the process.
+cg() {
+    local _
+    for _ in 1 2 3 4 5; do
+        if callgrind_control "$@" >/dev/null 2>&1; then return 0; fi
+        sleep 2
+    done
+    echo "callgrind-per-op.sh: callgrind_control $* failed 5 times" >&2
+    return 1
+}
+
 # Zero (-z) or dump (-d) the counters of every node; dumps are renamed to $res/node<i>.<what>.cg.
 control() {
     local what=$1 i
     for i in 1 2 3; do
         if [ "$what" = zero ]; then
-            callgrind_control -z "${pids[$((i - 1))]}" >/dev/null
+            cg -z "${pids[$((i - 1))]}"
         else
             rm -f "$DIR/cg.node$i".*
-            callgrind_control -d "$what" "${pids[$((i - 1))]}" >/dev/null
+            cg -d "$what" "${pids[$((i - 1))]}"
             local f
             for _ in $(seq 1 60); do
                 f=$(ls "$DIR/cg.node$i".* 2>/dev/null | head -1 || true)
