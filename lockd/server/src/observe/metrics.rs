@@ -81,7 +81,8 @@ impl NodeMetrics {
             .expect("non-empty bucket list")
             .build_recorder();
         let handle = recorder.handle();
-        let hot = metrics::with_local_recorder(&recorder as &dyn Recorder, || HotSeries {
+        let hot = metrics::with_local_recorder(&recorder as &dyn Recorder, || {
+            HotSeries {
             requests: OPS.map(|op| {
                 OUTCOMES.map(|outcome| {
                     metrics::counter!("lockd_requests_total", "op" => op.as_str(), "outcome" => outcome)
@@ -91,6 +92,7 @@ impl NodeMetrics {
                 .map(|op| metrics::histogram!("lockd_request_duration_seconds", "op" => op.as_str())),
             renew_failures: metrics::counter!("lockd_renew_failures_total"),
             log_fsync: metrics::histogram!("lockd_log_fsync_duration_seconds"),
+        }
         });
         let m = NodeMetrics {
             recorder,
@@ -137,7 +139,10 @@ impl NodeMetrics {
     }
 
     pub fn request(&self, op: Op, outcome: &'static str, elapsed: Duration) {
-        let o = OPS.iter().position(|x| *x == op).expect("every op is in OPS");
+        let o = OPS
+            .iter()
+            .position(|x| *x == op)
+            .expect("every op is in OPS");
         match OUTCOMES.iter().position(|x| *x == outcome) {
             Some(i) => self.hot.requests[o][i].increment(1),
             // Not an outcome outcome_label gives; counted all the same.
