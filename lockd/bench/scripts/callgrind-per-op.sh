@@ -76,8 +76,13 @@ stop() {
 }
 trap stop EXIT
 
-metric() { # node name -> value (empty when the node does not answer)
-    curl -s --max-time 10 "http://$IP:910$1/metrics" 2>/dev/null | awk -v m="$2" '$1 == m {print $2; exit}'
+metric() { # node name -> value (empty when the node does not answer, after a few tries)
+    local v _
+    for _ in 1 2 3; do
+        v=$(curl -s --max-time 10 "http://$IP:910$1/metrics" 2>/dev/null | awk -v m="$2" '$1 == m {print $2; exit}' || true)
+        if [ -n "$v" ]; then echo "$v"; return 0; fi
+        sleep 1
+    done
 }
 
 for i in 1 2 3; do
@@ -154,11 +159,19 @@ entries_after=$(metric "$leader" lockd_raft_commit_index)
 
 calls=$(jq .calls_total "$res/bench.json")
 errors=$(jq '.errors + .warmup_errors' "$res/bench.json")
-entries=$((entries_after - entries_before[$leader]))
+# Raft entries committed in the window: the leader's commit index moved by that much. A metrics
+# read that failed leaves it unknown (the leader's number of proposer::stamped calls in its load
+# file is the same figure).
+entries=$((${entries_after:-0} - ${entries_before[$leader]:-0}))
+[ -n "$entries_after" ] && [ -n "${entries_before[$leader]}" ] || entries=0
 {
     echo "name $name: target $target, rate $rate ops/s, duration $duration, lockd flags: $lockd_flags"
     echo "binary $(realpath "$BIN") ($(stat -c %y "$BIN"))"
-    echo "calls $calls (errors $errors), raft entries $entries, commands per entry $(echo "scale=1; $calls / $entries" | bc)"
+    if [ "$entries" -gt 0 ]; then
+        echo "calls $calls (errors $errors), raft entries $entries, commands per entry $(echo "scale=1; $calls / $entries" | bc)"
+    else
+        echo "calls $calls (errors $errors), raft entries unknown (a metrics read failed)"
+    fi
     echo "idle window ${idle_s}s, load window ${load_s}s"
     for i in 1 2 3; do
         role=follower
