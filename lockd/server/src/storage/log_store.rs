@@ -628,6 +628,50 @@ mod tests {
         panic!("log starts at {:?}, want {want:?}", first_index(db));
     }
 
+    fn durable_committed(db: &Database) -> Option<LogId> {
+        read_meta::<Option<LogId>>(db, KEY_COMMITTED)
+            .unwrap()
+            .flatten()
+    }
+
+    /// Goal: the committed index, which waits for a durable write to ride on (`RIDE_WAIT`), is
+    /// still written when none comes. Method: report it on an otherwise idle store and read redb
+    /// directly until it is there; a writer that held it for the next append would never write it.
+    #[tokio::test]
+    async fn a_committed_index_alone_is_written_after_the_ride_wait() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = crate::storage::open(dir.path()).unwrap().log;
+        let mut store = LogStore::new(db.clone(), open_gate());
+        store.save_committed(Some(log_id(7))).await.unwrap();
+        for _ in 0..500 {
+            if durable_committed(&db) == Some(log_id(7)) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!(
+            "committed index not durable 5 s after save_committed: {:?}",
+            durable_committed(&db)
+        );
+    }
+
+    /// Goal: a durable write that follows the committed index carries it (or finds it written):
+    /// once the vote's save returns, both are in redb, and a restart reads both back.
+    #[tokio::test]
+    async fn a_committed_index_is_durable_once_a_later_vote_is() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = crate::storage::open(dir.path()).unwrap().log;
+        let mut store = LogStore::new(db.clone(), open_gate());
+        store.save_committed(Some(log_id(9))).await.unwrap();
+        let vote = Vote::new_committed(1, 1);
+        store.save_vote(&vote).await.unwrap();
+        assert_eq!(durable_committed(&db), Some(log_id(9)));
+        drop(store);
+        let mut reopened = LogStore::new(db, open_gate());
+        assert_eq!(reopened.read_committed().await.unwrap(), Some(log_id(9)));
+        assert_eq!(reopened.read_vote().await.unwrap(), Some(vote));
+    }
+
     /// Goal: a purge is recorded at once and its entries are deleted in chunks, also after a
     /// restart, while the entries after it stay readable.
     #[tokio::test]
