@@ -514,7 +514,7 @@ pub async fn run(cli: &Cli, args: &MixedArgs) -> anyhow::Result<()> {
         .take(duration.as_secs() as usize)
         .map(|w| w.load(Ordering::Relaxed) as f64 / 1000.0)
         .collect();
-    let line = json!({
+    let mut line = json!({
         "bench": "mixed",
         "target_rate": rate,
         "duration_s": duration.as_secs_f64(),
@@ -541,15 +541,30 @@ pub async fn run(cli: &Cli, args: &MixedArgs) -> anyhow::Result<()> {
         "status": status.ops_json()[STATUS_OP],
     });
 
-    if !args.keep_held {
-        cleanup(&ctx).await;
-    }
+    // Every call of the run, warmup and cleanup included, for per-operation costs measured on
+    // the nodes over the whole run (lockd/bench/scripts/callgrind-per-op.sh).
+    let cleanup_calls = if args.keep_held {
+        0
+    } else {
+        cleanup(&ctx).await
+    };
+    line["warmup_ok"] = json!(warm.ok_total());
+    line["cleanup_calls"] = json!(cleanup_calls);
+    line["calls_total"] = json!(
+        warm.ok_total()
+            + warm.error_total()
+            + report.ok_total()
+            + report.error_total()
+            + unfinished
+            + cleanup_calls
+    );
     println!("{line}");
     Ok(())
 }
 
 /// Releases every idle lease (unmeasured), so that the next run starts from free resources.
-async fn cleanup(ctx: &Arc<Ctx>) {
+/// Returns the number of release calls made.
+async fn cleanup(ctx: &Arc<Ctx>) -> u64 {
     let leases: Vec<(u32, Arc<str>)> = {
         let mut table = ctx.table.lock().expect("table lock");
         let held = table.held.clone();
@@ -590,4 +605,5 @@ async fn cleanup(ctx: &Arc<Ctx>) {
             ""
         }
     );
+    total as u64
 }

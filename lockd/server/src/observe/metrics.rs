@@ -37,9 +37,35 @@ impl Op {
     }
 }
 
+/// Every `outcome` label of `lockd_requests_total` (see `service::errors::outcome_label`).
+const OUTCOMES: [&str; 7] = [
+    "ok",
+    "held",
+    "timeout",
+    "not_found",
+    "invalid",
+    "exhausted",
+    "unavailable",
+];
+const OPS: [Op; 4] = [Op::Acquire, Op::Renew, Op::Release, Op::Describe];
+
 pub struct NodeMetrics {
     recorder: PrometheusRecorder,
     handle: PrometheusHandle,
+    /// The series written on every call and every log commit, registered once: through the
+    /// macros each write builds its key and looks it up in the registry again.
+    hot: HotSeries,
+}
+
+/// Handles of the series written on the hot paths; they write to the same storage the
+/// macros find, so rendering and upkeep see no difference.
+struct HotSeries {
+    /// `lockd_requests_total` by op (index in `OPS`) and outcome (index in `OUTCOMES`).
+    requests: [[metrics::Counter; OUTCOMES.len()]; OPS.len()],
+    /// `lockd_request_duration_seconds` by op.
+    durations: [metrics::Histogram; OPS.len()],
+    renew_failures: metrics::Counter,
+    log_fsync: metrics::Histogram,
 }
 
 impl NodeMetrics {
@@ -55,7 +81,24 @@ impl NodeMetrics {
             .expect("non-empty bucket list")
             .build_recorder();
         let handle = recorder.handle();
-        let m = NodeMetrics { recorder, handle };
+        let hot = metrics::with_local_recorder(&recorder as &dyn Recorder, || {
+            HotSeries {
+            requests: OPS.map(|op| {
+                OUTCOMES.map(|outcome| {
+                    metrics::counter!("lockd_requests_total", "op" => op.as_str(), "outcome" => outcome)
+                })
+            }),
+            durations: OPS
+                .map(|op| metrics::histogram!("lockd_request_duration_seconds", "op" => op.as_str())),
+            renew_failures: metrics::counter!("lockd_renew_failures_total"),
+            log_fsync: metrics::histogram!("lockd_log_fsync_duration_seconds"),
+        }
+        });
+        let m = NodeMetrics {
+            recorder,
+            handle,
+            hot,
+        };
         m.with(|| {
             metrics::describe_counter!("lockd_requests_total", "Client calls answered by this node, by op and outcome.");
             metrics::describe_histogram!("lockd_request_duration_seconds", "Client call latency at this node, by op.");
@@ -78,13 +121,13 @@ impl NodeMetrics {
             metrics::describe_gauge!("lockd_replication_lag_entries", "On the leader: log entries a member has not yet acknowledged, by peer.");
             metrics::describe_gauge!("lockd_clock_offset_seconds", "This node's wall clock minus the leader's stamp on the last applied entry (includes the replication delay; the stamp never goes back).");
             metrics::gauge!("lockd_build_info", "version" => env!("CARGO_PKG_VERSION")).set(1.0);
-            for op in [Op::Acquire, Op::Renew, Op::Release, Op::Describe] {
-                for outcome in ["ok", "held", "timeout", "not_found", "invalid", "exhausted", "unavailable"] {
-                    metrics::counter!("lockd_requests_total", "op" => op.as_str(), "outcome" => outcome).absolute(0);
+            for counters in &m.hot.requests {
+                for counter in counters {
+                    counter.absolute(0);
                 }
             }
             metrics::counter!("lockd_lease_expirations_total").absolute(0);
-            metrics::counter!("lockd_renew_failures_total").absolute(0);
+            m.hot.renew_failures.absolute(0);
             metrics::counter!("lockd_leader_changes_total").absolute(0);
         });
         m
@@ -96,15 +139,22 @@ impl NodeMetrics {
     }
 
     pub fn request(&self, op: Op, outcome: &'static str, elapsed: Duration) {
-        self.with(|| {
-            metrics::counter!("lockd_requests_total", "op" => op.as_str(), "outcome" => outcome)
-                .increment(1);
-            metrics::histogram!("lockd_request_duration_seconds", "op" => op.as_str())
-                .record(elapsed.as_secs_f64());
-            if op == Op::Renew && outcome == "not_found" {
-                metrics::counter!("lockd_renew_failures_total").increment(1);
-            }
-        });
+        let o = OPS
+            .iter()
+            .position(|x| *x == op)
+            .expect("every op is in OPS");
+        match OUTCOMES.iter().position(|x| *x == outcome) {
+            Some(i) => self.hot.requests[o][i].increment(1),
+            // Not an outcome outcome_label gives; counted all the same.
+            None => self.with(|| {
+                metrics::counter!("lockd_requests_total", "op" => op.as_str(), "outcome" => outcome)
+                    .increment(1)
+            }),
+        }
+        self.hot.durations[o].record(elapsed.as_secs_f64());
+        if op == Op::Renew && outcome == "not_found" {
+            self.hot.renew_failures.increment(1);
+        }
     }
 
     pub fn render(&self) -> String {
@@ -122,9 +172,7 @@ impl NodeMetrics {
 
 impl crate::storage::StorageObserver for NodeMetrics {
     fn log_synced(&self, took: Duration) {
-        self.with(|| {
-            metrics::histogram!("lockd_log_fsync_duration_seconds").record(took.as_secs_f64())
-        });
+        self.hot.log_fsync.record(took.as_secs_f64());
     }
 }
 
