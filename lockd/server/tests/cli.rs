@@ -171,17 +171,26 @@ async fn dev_serves_three_replicas(tls: bool, last_octet: u8) {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let mut lock = LockClient::new(channel(ca, &format!("{host}:7002")).await);
-    let lease = lock
-        .acquire(AcquireRequest {
-            resource: "dev/smoke".into(),
-            request_id: "dev-smoke-1".into(),
-            lease_ttl_ms: 0,
-            wait_timeout_ms: 0,
-            holder: "cli-test".into(),
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    // Node 1 knowing the leader does not mean node 2 does yet (an election of the first start
+    // may still be settling): retry UNAVAILABLE with the same request id, as a client does.
+    let lease = loop {
+        let reply = lock
+            .acquire(AcquireRequest {
+                resource: "dev/smoke".into(),
+                request_id: "dev-smoke-1".into(),
+                lease_ttl_ms: 0,
+                wait_timeout_ms: 0,
+                holder: "cli-test".into(),
+            })
+            .await;
+        match reply {
+            Ok(r) => break r.into_inner(),
+            Err(s) if s.code() == tonic::Code::Unavailable && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(s) => panic!("acquire through node 2: {s:?}"),
+        }
+    };
     assert_eq!(lease.lease_ttl_ms, 30_000);
     assert!(dir.path().join("1").join("lockd.redb").exists());
 }
