@@ -41,15 +41,9 @@ struct Read {
 }
 
 pub fn run_max(args: &MaxArgs) -> ExitCode {
-    let runtime = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
+    let runtime = match crate::one_shot_runtime() {
         Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("fence-proxy: error: starting the Tokio runtime: {e}");
-            return ExitCode::FAILURE;
-        }
+        Err(code) => return code,
     };
     match runtime.block_on(read(args)) {
         Ok(read) => {

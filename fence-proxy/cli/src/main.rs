@@ -257,15 +257,9 @@ fn run_init(rest: Vec<std::ffi::OsString>) -> ExitCode {
         Ok(cli) => cli,
         Err(e) => return FLAG_ERRORS.report(e),
     };
-    let runtime = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
+    let runtime = match crate::one_shot_runtime() {
         Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("fence-proxy: error: starting the Tokio runtime: {e}");
-            return ExitCode::FAILURE;
-        }
+        Err(code) => return code,
     };
     match runtime.block_on(fence_proxy_postgres::init(&cli.args)) {
         Ok(report) => {
@@ -374,6 +368,18 @@ async fn cancel_on_signal(shutdown: CancellationToken) {
     }
     tracing::info!("signal received, shutting down");
     shutdown.cancel();
+}
+
+/// The single-threaded runtime of a one-shot command (`postgres init`, `epochs max`); on failure
+/// the error is printed and the exit code returned.
+fn one_shot_runtime() -> Result<tokio::runtime::Runtime, ExitCode> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| {
+            eprintln!("fence-proxy: error: starting the Tokio runtime: {e}");
+            ExitCode::FAILURE
+        })
 }
 
 #[cfg(test)]
