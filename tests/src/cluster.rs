@@ -39,6 +39,9 @@ pub struct ClusterOptions {
     /// Append each node's stderr to `<dir>/node<id>.stderr` (across restarts) instead of the
     /// test's, for tests that read what a node logged ([`Cluster::stderr`]).
     pub stderr_files: bool,
+    /// The `lockd` executable every node runs (another build, for the upgrade test); `None`:
+    /// this build's.
+    pub binary: Option<PathBuf>,
 }
 
 /// The certificates of a TLS test cluster (see [`ClusterOptions::tls`]).
@@ -63,6 +66,7 @@ impl Default for ClusterOptions {
             tls: false,
             config_file: false,
             stderr_files: false,
+            binary: None,
         }
     }
 }
@@ -72,6 +76,8 @@ pub struct Cluster {
     pub options: ClusterOptions,
     dir: tempfile::TempDir,
     nodes: Vec<Option<ChildGuard>>,
+    /// Nodes that run another `lockd` than this build's (see [`Cluster::set_binary`]).
+    binaries: std::collections::HashMap<u64, PathBuf>,
     /// Set when the options ask for TLS.
     pub tls: Option<ClusterTls>,
 }
@@ -91,6 +97,7 @@ impl Cluster {
             options,
             dir: tempfile::tempdir()?,
             nodes: Vec::new(),
+            binaries: std::collections::HashMap::new(),
             tls: None,
         };
         if cluster.options.tls {
@@ -141,10 +148,19 @@ impl Cluster {
         self.dir.path().join(format!("node{id}.audit.log"))
     }
 
+    /// The `lockd` executable node `id` runs from its next start on, instead of
+    /// [`ClusterOptions::binary`] or this build's.
+    pub fn set_binary(&mut self, id: u64, binary: PathBuf) {
+        self.binaries.insert(id, binary);
+    }
+
     /// Starts (or restarts) node `id` with its data dir as it is.
     pub fn start_node(&mut self, id: u64) -> anyhow::Result<()> {
         let o = &self.options;
-        let mut cmd: Command = command("lockd");
+        let mut cmd: Command = match self.binaries.get(&id).or(o.binary.as_ref()) {
+            Some(path) => Command::new(path),
+            None => command("lockd"),
+        };
         // The settings every node has, as (flag, values).
         let mut settings: Vec<(&str, Vec<String>)> = vec![
             ("id", vec![id.to_string()]),
@@ -224,6 +240,24 @@ impl Cluster {
     /// before it started).
     pub fn stderr(&self, id: u64) -> String {
         std::fs::read_to_string(self.stderr_path(id)).unwrap_or_default()
+    }
+
+    /// SIGTERM, as a service manager stops a node, and waits up to `within` for it to exit;
+    /// kill -9 after that. Returns whether it exited on its own.
+    pub async fn stop(&mut self, id: u64, within: Duration) -> bool {
+        let Some(mut node) = self.nodes[id as usize - 1].take() else {
+            return true;
+        };
+        node.signal(Signal::SIGTERM);
+        let deadline = Instant::now() + within;
+        while Instant::now() < deadline {
+            if !node.is_running() {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        node.kill();
+        false
     }
 
     /// kill -9.

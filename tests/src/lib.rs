@@ -17,6 +17,8 @@
 //!   restarts, misbehaving HTTP upstreams), checked for stale or lost writes (`fence-faults`).
 //! - [`fence_proxy`]: `fence-proxy http` as a child process, and an HTTP client for it.
 //! - [`poll`]: waiting for a condition, instead of a fixed sleep, before an assert.
+//! - [`previous`]: the `lockd` of an earlier commit, built from git history, for the rolling
+//!   upgrade test.
 //! - [`skip`]: how a test that cannot run on this machine says why (and [`skip_without_postgres`]).
 //! - [`pg`]: the local Postgres, an in-process fence-proxy Postgres front end, psql, a private
 //!   password-protected cluster.
@@ -40,6 +42,7 @@ pub mod fencegen;
 pub mod http_upstream;
 pub mod pg;
 pub mod poll;
+pub mod previous;
 pub mod process;
 pub mod skip;
 pub mod tls;

@@ -23,6 +23,7 @@ use crate::observe::metrics::NodeMetrics;
 use crate::proposer::Proposer;
 use crate::raft::network::Network;
 use crate::raft::network::PeerDial;
+use crate::raft::peer_protocol::PeerProtocols;
 use crate::raft::restore_id::RestoreIdentity;
 use crate::raft::vote_gate::VoteGate;
 use crate::raft::{NodeId, Raft};
@@ -66,6 +67,8 @@ pub(crate) struct NodeCtx {
     pub data_dir: std::path::PathBuf,
     /// `--allow-backup-without-policy` (see `service::snapshot::may_save`).
     pub allow_backup_without_policy: bool,
+    /// The peer protocol version each member announced (see `raft::peer_protocol`).
+    pub protocols: Arc<PeerProtocols>,
 }
 
 impl NodeCtx {
@@ -107,11 +110,18 @@ impl NodeCtx {
             metrics::gauge!("lockd_raft_commit_index")
                 .set(self.committed.load(Ordering::Relaxed) as f64);
             metrics::gauge!("lockd_raft_term").set(m.current_term as f64);
+            let members = m.membership_config.membership().nodes().map(|(id, _)| *id);
+            metrics::gauge!("lockd_cluster_peer_protocol")
+                .set(f64::from(self.protocols.cluster(self.id, members)));
             // Only the leader knows how far each member is; the others report 0, so a former
             // leader's last figures do not linger (alerts read the leader's series).
             for peer in m.membership_config.membership().nodes().map(|(id, _)| *id) {
                 if peer == self.id {
                     continue;
+                }
+                if let Some(version) = self.protocols.of(peer) {
+                    metrics::gauge!("lockd_peer_protocol", "peer" => peer.to_string())
+                        .set(f64::from(version));
                 }
                 let lag = match (m.last_log_index, &m.replication) {
                     (Some(last), Some(replication)) => {
@@ -344,11 +354,13 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
         config.peers.keys().copied(),
         metrics.clone(),
     )?;
+    let protocols = Arc::new(PeerProtocols::default());
     let dial = PeerDial::new(
         source_ip(&config),
         tls.clone(),
         &config.cluster_id,
         restore.clone(),
+        protocols.clone(),
     )?;
     let raft_log = log_store.clone();
     // A rejoining node starts with elections off; VoteGate::rejoin turns them on (rule 2).
@@ -414,6 +426,7 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
         auth: auth.clone(),
         data_dir: config.data_dir.clone(),
         allow_backup_without_policy: config.allow_backup_without_policy,
+        protocols: protocols.clone(),
     });
 
     let listener = tokio::net::TcpListener::bind(config.listen)
@@ -495,6 +508,7 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
             raft_log,
             crate::service::raft::PeerAuth::new(&config, tls.clone()),
             restore.clone(),
+            protocols.clone(),
         ));
     let stop = shutdown.clone().cancelled_owned();
     let server: futures::future::BoxFuture<'static, Result<(), tonic::transport::Error>> =

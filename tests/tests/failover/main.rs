@@ -8,6 +8,8 @@
 //!   another restore or of the old cluster refused.
 //! - `clock`: nodes whose wall clocks are an hour ahead or behind take turns as leader.
 //! - `names`: members named by DNS names; one comes back on another IP under its name.
+//! - `upgrade`: a rolling upgrade from the previous format's lockd (built from git history) to
+//!   this build, one node at a time under load.
 
 #![allow(
     clippy::unwrap_used,
@@ -19,6 +21,7 @@ mod clock;
 mod leader;
 mod names;
 mod restart;
+mod upgrade;
 
 use std::time::{Duration, Instant};
 

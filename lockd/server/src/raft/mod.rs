@@ -1,7 +1,9 @@
 //! openraft type configuration, the network between nodes, the vote gate of a node that
-//! rejoins with an empty data dir, and the restore id that keeps restored clusters apart.
+//! rejoins with an empty data dir, the restore id that keeps restored clusters apart, and the
+//! peer protocol version that lets two releases run side by side.
 
 pub(crate) mod network;
+pub(crate) mod peer_protocol;
 pub(crate) mod restore_id;
 pub(crate) mod vote_gate;
 

@@ -18,6 +18,7 @@ use std::sync::Arc;
 
 use tonic::metadata::{Ascii, MetadataValue};
 
+use super::peer_protocol::{self, PeerProtocols};
 use super::restore_id::{self, RestoreIdentity};
 use super::vote_gate::{Standing, VoteReport};
 use super::{NodeId, TypeConfig};
@@ -50,6 +51,8 @@ pub struct PeerDial {
     pub cluster_id: MetadataValue<Ascii>,
     /// This node's restore id: sent on every Raft message, and required on every reply.
     pub restore: Arc<RestoreIdentity>,
+    /// What each peer announced on its replies (see `peer_protocol`).
+    pub protocols: Arc<PeerProtocols>,
     /// One Raft channel per peer address, with the TLS generation it was made in. openraft asks
     /// for a new client for every vote round and every linearizable read; without this each
     /// would be a new TCP and TLS handshake (a client calling Describe in a loop could make the
@@ -66,11 +69,13 @@ impl PeerDial {
         tls: Option<Arc<TlsHandle>>,
         cluster_id: &str,
         restore: Arc<RestoreIdentity>,
+        protocols: Arc<PeerProtocols>,
     ) -> anyhow::Result<Self> {
         Ok(PeerDial {
             local_ip,
             tls,
             restore,
+            protocols,
             raft_channels: Arc::default(),
             cluster_id: cluster_id
                 .parse()
@@ -136,14 +141,28 @@ impl PeerDial {
             .max_encoding_message_size(RAFT_MESSAGE_MAX_BYTES))
     }
 
-    /// Wraps a Raft message for sending: with the cluster id and the restore id.
+    /// Wraps a Raft message for sending: with the cluster id, the restore id and this node's
+    /// peer protocol version.
     fn request(&self, data: Vec<u8>) -> tonic::Request<RaftMessage> {
         let mut request = tonic::Request::new(RaftMessage { data });
         request
             .metadata_mut()
             .insert(CLUSTER_ID_HEADER, self.cluster_id.clone());
         self.restore.attach(request.metadata_mut());
+        peer_protocol::attach(request.metadata_mut());
         request
+    }
+
+    /// Checks and records the peer protocol version a reply of `peer` announced.
+    fn accept_protocol(
+        &self,
+        peer: NodeId,
+        md: &tonic::metadata::MetadataMap,
+    ) -> Result<(), String> {
+        let version = peer_protocol::announced(md)
+            .and_then(|v| peer_protocol::check(&format!("node {peer}"), v).map(|()| v))?;
+        self.protocols.record(peer, version);
+        Ok(())
     }
 }
 
@@ -178,6 +197,10 @@ pub async fn ask_votes(
             let reply = tokio::time::timeout(VOTE_ASK_TIMEOUT, client.current_vote(request)).await;
             match reply {
                 Ok(Ok(r)) => {
+                    if let Err(why) = dial.accept_protocol(*id, r.metadata()) {
+                        tracing::warn!(peer = id, "CurrentVote answer does not count: {why}");
+                        return None;
+                    }
                     let r = r.into_inner();
                     if let Some(answered) = r.node_id
                         && answered != *id
@@ -290,6 +313,12 @@ impl PeerClient {
                         &std::io::Error::other(why),
                     )));
                 }
+                if let Err(why) = self.dial.accept_protocol(self.target, r.metadata()) {
+                    self.dial.protocols.log_refusal(&why);
+                    return Err(RPCError::Network(NetworkError::new(
+                        &std::io::Error::other(why),
+                    )));
+                }
                 r.into_inner()
             }
             Err(status) if status.code() == tonic::Code::Unavailable => {
@@ -297,6 +326,15 @@ impl PeerClient {
                 return Err(RPCError::Unreachable(Unreachable::new(&status)));
             }
             Err(status) => {
+                if status.code() == tonic::Code::FailedPrecondition
+                    && status.message().contains("peer protocol mismatch")
+                {
+                    self.dial.protocols.log_refusal(&format!(
+                        "node {} refused this node's message: {}",
+                        self.target,
+                        status.message()
+                    ));
+                }
                 if status.code() == tonic::Code::FailedPrecondition
                     && status.message().contains("restore id mismatch")
                 {

@@ -7,6 +7,7 @@ use tonic::{Request, Response, Status};
 use std::sync::Arc;
 
 use crate::raft::NodeId;
+use crate::raft::peer_protocol::{self, PeerProtocols};
 use crate::raft::restore_id::{self, RestoreIdentity};
 use crate::raft::vote_gate::{Standing, VoteGate, VoteReport};
 use crate::raft::{Raft, TypeConfig};
@@ -45,6 +46,8 @@ pub(crate) struct RaftService {
     log: LogStore,
     /// Raft messages are accepted only from peers with this node's restore id.
     restore: Arc<RestoreIdentity>,
+    /// What each member announced (see `raft::peer_protocol`).
+    protocols: Arc<PeerProtocols>,
 }
 
 /// Decides whether a Raft message comes from a member of this cluster (see `crate::tls`). It
@@ -207,9 +210,20 @@ impl RaftService {
         // Set by the interceptor; missing only if the service was built without it: refuse.
         let Caller(cert) = *req.extensions().get::<Caller>().ok_or_else(refused)?;
         let restore_id = restore_id::from_metadata(req.metadata()).map(str::to_owned);
+        // Before decoding: a payload of a protocol this build does not read is not parsed.
+        let protocol = peer_protocol::announced(req.metadata())
+            .map_err(|why| errors::precondition("peer_protocol", why))?;
         let rpc: T = decode(req)?;
         let node = claimed(&rpc);
         PeerAuth::matches(cert, node)?;
+        let peer = node.map_or_else(|| "the sender".to_owned(), |id| format!("node {id}"));
+        peer_protocol::check(&peer, protocol).map_err(|why| {
+            self.protocols.log_refusal(&why);
+            errors::precondition("peer_protocol", why)
+        })?;
+        if let Some(node) = node {
+            self.protocols.record(node, protocol);
+        }
         Ok((rpc, Sender { node, restore_id }))
     }
 
@@ -229,10 +243,11 @@ impl RaftService {
             })
     }
 
-    /// A reply, with this node's restore id (the sender checks it).
+    /// A reply, with this node's restore id and peer protocol version (the sender checks both).
     fn reply<T: Serialize>(&self, v: &T) -> Result<Response<RaftMessage>, Status> {
         let mut response = encode(v)?;
         self.restore.attach(response.metadata_mut());
+        peer_protocol::attach(response.metadata_mut());
         Ok(response)
     }
 }
@@ -245,6 +260,7 @@ impl RaftService {
         log: LogStore,
         auth: Arc<PeerAuth>,
         restore: Arc<RestoreIdentity>,
+        protocols: Arc<PeerProtocols>,
     ) -> InterceptedService<RaftServer<Self>, impl tonic::service::Interceptor + Clone> {
         let server = RaftServer::new(RaftService {
             raft,
@@ -252,6 +268,7 @@ impl RaftService {
             gate,
             log,
             restore,
+            protocols,
         })
         .max_decoding_message_size(crate::raft::network::RAFT_MESSAGE_MAX_BYTES)
         .max_encoding_message_size(crate::raft::network::RAFT_MESSAGE_MAX_BYTES);
@@ -362,11 +379,13 @@ impl pb::raft_server::Raft for RaftService {
         .map_err(|e| errors::internal(format!("encoding raft reply: {e}")))?;
         // Answered whatever the asker's restore id: read-only, and a wiped node asks before it
         // knows one. The asker decides which answers count (see `raft::vote_gate`).
-        Ok(Response::new(pb::CurrentVoteReply {
+        let mut response = Response::new(pb::CurrentVoteReply {
             data,
             kept_log: Some(!rejoining),
             node_id: Some(node_id),
             restore_id: self.restore.get().map(str::to_owned),
-        }))
+        });
+        peer_protocol::attach(response.metadata_mut());
+        Ok(response)
     }
 }
