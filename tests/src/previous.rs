@@ -90,9 +90,30 @@ fn cache_root() -> anyhow::Result<PathBuf> {
     Ok(PathBuf::from(home).join(".cache/lockd-ci/previous"))
 }
 
-/// `git archive COMMIT | tar -x -C dir`, from the repository this crate lives in.
+/// `git archive COMMIT | tar -x -C dir`, from the repository this crate lives in. A shallow
+/// clone lacks the commit: it is fetched from `origin` first.
 fn export_commit(dir: &Path) -> anyhow::Result<()> {
     let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let has_commit = |repo: &Path| {
+        Command::new("git")
+            .arg("-C")
+            .arg(repo)
+            .args([
+                "cat-file",
+                "-e",
+                &format!("{PREVIOUS_FORMAT_COMMIT}^{{commit}}"),
+            ])
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if !has_commit(&repo) {
+        let _ = Command::new("git")
+            .arg("-C")
+            .arg(&repo)
+            .args(["fetch", "--quiet", "origin", PREVIOUS_FORMAT_COMMIT])
+            .status();
+    }
     let mut git = Command::new("git")
         .arg("-C")
         .arg(&repo)
