@@ -1,14 +1,19 @@
 //! `lockd-fill`: fills a lockd cluster with held resources, each acquired once with its own
-//! request id (so the table also holds as many request-id records), for the backup and restore
-//! figures of docs/operations.md. Calls go to the leader (found with `Cluster.Status`), many at
-//! once. Prints one JSON line: resources, seconds, acquires/s, last fencing token.
+//! request id (so the table also holds as many request-id records), for the backup, restore and
+//! node replacement figures of docs/operations.md. With `--request-ids N` above the number of
+//! resources, the acquires past the first round go to held resources again with fresh ids and
+//! are refused (`LOCK_HELD`), each leaving a request-id record too: a full 10-minute window at
+//! 2,000 acquires/s is `--request-ids 1200000`. Calls go to the leader (found with
+//! `Cluster.Status`), many at once. Prints one JSON line: resources, request ids, refused,
+//! seconds, acquires/s, last fencing token.
 //!
 //! ```sh
 //! lockd-fill --endpoints 127.0.0.1:7001,127.0.0.1:7002,127.0.0.1:7003 --resources 100000
 //! ```
 //!
 //! Flags: `--endpoints LIST`, `--resources N` (100000), `--prefix P` (`fill`; names are
-//! `P/N`), `--ttl-ms MS` (300000, the longest lease), `--concurrency C` (128).
+//! `P/N`), `--request-ids N` (as many as resources), `--ttl-ms MS` (300000, the longest
+//! lease), `--concurrency C` (128).
 //! Exits 0 when every resource is held, 1 otherwise, 2 on bad flags.
 
 use std::process::ExitCode;
@@ -24,6 +29,7 @@ use tonic::transport::Channel;
 struct Args {
     endpoints: Vec<String>,
     resources: u64,
+    request_ids: Option<u64>,
     prefix: String,
     ttl_ms: u64,
     concurrency: u64,
@@ -33,6 +39,7 @@ fn parse() -> Result<Args, String> {
     let mut a = Args {
         endpoints: vec!["127.0.0.1:7001".into()],
         resources: 100_000,
+        request_ids: None,
         prefix: "fill".into(),
         ttl_ms: 300_000,
         concurrency: 128,
@@ -44,6 +51,7 @@ fn parse() -> Result<Args, String> {
         match flag.as_str() {
             "--endpoints" => a.endpoints = value()?.split(',').map(str::to_owned).collect(),
             "--resources" => a.resources = number(value()?, "--resources")?,
+            "--request-ids" => a.request_ids = Some(number(value()?, "--request-ids")?),
             "--prefix" => a.prefix = value()?,
             "--ttl-ms" => a.ttl_ms = number(value()?, "--ttl-ms")?,
             "--concurrency" => a.concurrency = number(value()?, "--concurrency")?.max(1),
@@ -53,6 +61,17 @@ fn parse() -> Result<Args, String> {
                 ));
             }
         }
+    }
+    if a.resources == 0 {
+        return Err("--resources must be at least 1".into());
+    }
+    if let Some(ids) = a.request_ids
+        && ids < a.resources
+    {
+        return Err(format!(
+            "--request-ids {ids} is below --resources {}: every resource takes one",
+            a.resources
+        ));
     }
     Ok(a)
 }
@@ -90,16 +109,19 @@ async fn fill(a: Args) -> Result<bool, String> {
     let next = Arc::new(AtomicU64::new(0));
     let last_token = Arc::new(AtomicU64::new(0));
     let failed = Arc::new(AtomicU64::new(0));
+    let refused = Arc::new(AtomicU64::new(0));
+    let total = a.request_ids.unwrap_or(a.resources);
     let started = Instant::now();
     let workers: Vec<_> = (0..a.concurrency)
         .map(|_| {
-            let (mut client, next, last_token, failed) = (
+            let (mut client, next, last_token, failed, refused) = (
                 client.clone(),
                 next.clone(),
                 last_token.clone(),
                 failed.clone(),
+                refused.clone(),
             );
-            let (n, prefix, ttl_ms) = (a.resources, a.prefix.clone(), a.ttl_ms);
+            let (n, resources, prefix, ttl_ms) = (total, a.resources, a.prefix.clone(), a.ttl_ms);
             tokio::spawn(async move {
                 loop {
                     let i = next.fetch_add(1, Ordering::Relaxed);
@@ -107,7 +129,7 @@ async fn fill(a: Args) -> Result<bool, String> {
                         return;
                     }
                     let request = AcquireRequest {
-                        resource: format!("{prefix}/{i}"),
+                        resource: format!("{prefix}/{}", i % resources),
                         request_id: format!("{prefix}-{i}"),
                         lease_ttl_ms: ttl_ms,
                         wait_timeout_ms: 0,
@@ -121,6 +143,12 @@ async fn fill(a: Args) -> Result<bool, String> {
                             Ok(r) => {
                                 last_token
                                     .fetch_max(r.into_inner().fencing_token, Ordering::Relaxed);
+                                break;
+                            }
+                            // Past the first round every resource is held: the refusal is
+                            // what was asked for (it keeps a request-id record).
+                            Err(s) if i >= resources && s.code() == tonic::Code::Aborted => {
+                                refused.fetch_add(1, Ordering::Relaxed);
                                 break;
                             }
                             Err(s) if s.code() == tonic::Code::Unavailable && tries < 20 => {
@@ -143,9 +171,10 @@ async fn fill(a: Args) -> Result<bool, String> {
     let secs = started.elapsed().as_secs_f64();
     let failed = failed.load(Ordering::Relaxed);
     println!(
-        "{{\"resources\":{},\"failed\":{failed},\"seconds\":{secs:.1},\"acquires_per_s\":{:.0},\"last_fencing_token\":{}}}",
+        "{{\"resources\":{},\"request_ids\":{total},\"refused\":{},\"failed\":{failed},\"seconds\":{secs:.1},\"acquires_per_s\":{:.0},\"last_fencing_token\":{}}}",
         a.resources,
-        a.resources as f64 / secs,
+        refused.load(Ordering::Relaxed),
+        total as f64 / secs,
         last_token.load(Ordering::Relaxed)
     );
     Ok(failed == 0)
