@@ -113,7 +113,7 @@ impl NodeMetrics {
             metrics::describe_gauge!("lockd_raft_term", "Current Raft term of this node.");
             metrics::describe_gauge!("lockd_build_info", "Always 1; the version of this lockd in the `version` label.");
             metrics::describe_gauge!("lockd_peer_protocol", "The peer protocol version a member last announced on its Raft messages, by peer (1: a lockd before the announcement).");
-            metrics::describe_gauge!("lockd_cluster_peer_protocol", "The peer protocol version every member speaks (members not heard from count as the oldest this build supports); a rolling upgrade is complete when it reaches this build's.");
+            metrics::describe_gauge!("lockd_cluster_peer_protocol", "The peer protocol version every member speaks (members not heard from count as the oldest this build supports); read on the leader, which hears from every member: a rolling upgrade is complete when the leader's reaches this build's.");
             metrics::describe_histogram!("lockd_log_fsync_duration_seconds", "Time to make one batch of Raft log writes durable (the redb commit, mostly its fsync).");
             metrics::describe_histogram!("lockd_snapshot_duration_seconds", "Time to make a snapshot durable, by kind: build (from the table) or install (from the leader).");
             metrics::describe_gauge!("lockd_snapshot_size_bytes", "Size of the latest snapshot this node built or installed.");

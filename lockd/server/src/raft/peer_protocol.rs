@@ -22,7 +22,8 @@
 //!
 //! Version 2 changes no encoding: it is the first to announce itself. What each node last
 //! announced is exported as `lockd_peer_protocol{peer}`, and the version every member speaks as
-//! `lockd_cluster_peer_protocol`: an upgrade is complete when the latter reads [`CURRENT`].
+//! `lockd_cluster_peer_protocol`: an upgrade is complete when the leader's reads [`CURRENT`]
+//! (a follower hears only from the leader and counts the other followers as [`OLDEST`]).
 
 use std::collections::HashMap;
 use std::sync::Mutex;
