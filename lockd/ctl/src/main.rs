@@ -10,6 +10,7 @@
 //! - [`hold`]: `hold -- COMMAND`: run a command under a lease, stop it when the lease is lost.
 //! - [`keys`]: `keys list | export DIR | rotate`, the sequencer signing keys (admin).
 //! - [`snapshot`]: `snapshot save FILE`, a verified backup written atomically (admin).
+//! - [`members`]: `member list | add | promote | remove`, `leader transfer` (admin).
 
 mod cli;
 mod commands;
@@ -17,6 +18,7 @@ mod exit;
 mod hold;
 mod keys;
 mod snapshot;
+mod members;
 
 use std::process::ExitCode;
 

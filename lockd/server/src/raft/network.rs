@@ -55,7 +55,14 @@ pub struct PeerDial {
     /// would be a new TCP and TLS handshake (a client calling Describe in a loop could make the
     /// leader run out of ephemeral ports).
     raft_channels: Arc<std::sync::Mutex<RaftChannels>>,
+    /// Replies to this node's AppendEntries and InstallSnapshot, by peer.
+    pub acks: PeerAcks,
 }
+
+/// When each peer last answered an AppendEntries or InstallSnapshot of this node: a leader's
+/// evidence that a follower is alive (openraft 0.9 reports matched log indexes only, and on an
+/// idle cluster a dead follower's index matches too).
+pub type PeerAcks = Arc<std::sync::Mutex<HashMap<NodeId, std::time::Instant>>>;
 
 /// Raft channels by (peer id, address): the TLS generation each was made in, and the channel.
 type RaftChannels = HashMap<(NodeId, String), (u64, Channel)>;
@@ -72,6 +79,7 @@ impl PeerDial {
             tls,
             restore,
             raft_channels: Arc::default(),
+            acks: Arc::default(),
             cluster_id: cluster_id
                 .parse()
                 .map_err(|e| anyhow::anyhow!("cluster id {cluster_id:?}: {e}"))?,
@@ -136,6 +144,11 @@ impl PeerDial {
             .max_encoding_message_size(RAFT_MESSAGE_MAX_BYTES))
     }
 
+    /// A Raft message for sending to a peer: with the cluster id and the restore id.
+    pub fn raft_request(&self, data: Vec<u8>) -> tonic::Request<RaftMessage> {
+        self.request(data)
+    }
+
     /// Wraps a Raft message for sending: with the cluster id and the restore id.
     fn request(&self, data: Vec<u8>) -> tonic::Request<RaftMessage> {
         let mut request = tonic::Request::new(RaftMessage { data });
@@ -164,15 +177,20 @@ impl RaftNetworkFactory<TypeConfig> for Network {
     }
 }
 
-/// Asks every peer at once for its current vote; returns the answers that came within
+/// Asks every peer at once for its current vote; returns who answered what within
 /// `VOTE_ASK_TIMEOUT`. Used by a node that rejoins with an empty data dir (see `vote_gate`).
-pub async fn ask_votes(
-    dial: &PeerDial,
-    peers: &[(NodeId, RaftClient<Channel>)],
-) -> Vec<VoteReport> {
-    let asks = peers.iter().map(|(id, client)| {
-        let mut client = client.clone();
+/// Addresses may be DNS names: each connect resolves them again.
+pub async fn ask_votes(dial: &PeerDial, peers: Vec<(NodeId, String)>) -> Vec<(NodeId, VoteReport)> {
+    let asks = peers.into_iter().map(|(id, addr)| {
+        let client = dial.raft_client(id, &addr);
         async move {
+            let mut client = match client {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!(peer = id, address = %addr, error = %e, "lockd: bad peer address");
+                    return None;
+                }
+            };
             let mut request = dial.request(Vec::new());
             request.set_timeout(VOTE_ASK_TIMEOUT);
             let reply = tokio::time::timeout(VOTE_ASK_TIMEOUT, client.current_vote(request)).await;
@@ -180,7 +198,7 @@ pub async fn ask_votes(
                 Ok(Ok(r)) => {
                     let r = r.into_inner();
                     if let Some(answered) = r.node_id
-                        && answered != *id
+                        && answered != id
                     {
                         tracing::warn!(
                             peer = id,
@@ -190,14 +208,17 @@ pub async fn ask_votes(
                         );
                         return None;
                     }
-                    match postcard::from_bytes::<VoteReport>(&r.data) {
+                    match VoteReport::decode(&r.data) {
                         // The flag travels beside the payload: an older node's reply has none,
                         // and then counts for nothing (see vote_gate).
-                        Ok(report) => Some(VoteReport {
-                            standing: Standing::from_kept_log(r.kept_log),
-                            restore_id: r.restore_id,
-                            ..report
-                        }),
+                        Ok(report) => Some((
+                            id,
+                            VoteReport {
+                                standing: Standing::from_kept_log(r.kept_log),
+                                restore_id: r.restore_id,
+                                ..report
+                            },
+                        )),
                         Err(e) => {
                             tracing::warn!(peer = id, error = %e, "undecodable CurrentVote reply");
                             None
@@ -289,6 +310,13 @@ impl PeerClient {
                     return Err(RPCError::Network(NetworkError::new(
                         &std::io::Error::other(why),
                     )));
+                }
+                if matches!(method, Method::Append | Method::Snapshot) {
+                    self.dial
+                        .acks
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert(self.target, std::time::Instant::now());
                 }
                 r.into_inner()
             }
