@@ -28,7 +28,7 @@ pub mod backup;
 pub(crate) mod clock;
 pub mod config;
 pub mod dev;
-pub mod members;
+pub(crate) mod members;
 pub mod node;
 pub(crate) mod observe;
 pub(crate) mod proposer;

@@ -268,7 +268,13 @@ mod tests {
     use std::collections::BTreeSet;
 
     fn dial() -> PeerDial {
-        PeerDial::new(None, None, "test").unwrap()
+        PeerDial::new(
+            None,
+            None,
+            "test",
+            Arc::new(crate::raft::restore_id::RestoreIdentity::new(None)),
+        )
+        .unwrap()
     }
 
     #[tokio::test]

@@ -240,7 +240,6 @@ pub struct RunningNode {
     pub done: tokio::task::JoinHandle<anyhow::Result<()>>,
 }
 
-/// Starts a node and returns once its ports are bound; it runs until `shutdown` is cancelled.
 /// Whether this node's log holds neither a vote nor an entry.
 async fn log_is_empty(log_store: &mut LogStore) -> anyhow::Result<bool> {
     use openraft::storage::RaftLogStorage;
@@ -268,6 +267,19 @@ pub async fn init(
         peers.contains_key(&id),
         "lockd init: --peer must name this node ({id}) too"
     );
+    let dbs = storage::open(data_dir)?;
+    let mut log_store = LogStore::observed(
+        dbs.log.clone(),
+        dbs.snapshots.durable(),
+        Arc::new(NodeMetrics::new()),
+    );
+    if !log_is_empty(&mut log_store).await? || log_store.founding()?.is_some() {
+        anyhow::bail!(
+            "lockd init: {} already holds this node's state (or was initialized already); a \
+             node keeps its cluster across restarts, and `lockd init` is for a new cluster only",
+            data_dir.display()
+        );
+    }
     anyhow::ensure!(
         peers.len() == 1,
         "lockd init: --peer names nodes {:?}; `lockd init` founds a single-node cluster (this \
@@ -276,15 +288,6 @@ pub async fn init(
          `lockd init`",
         peers.keys().collect::<Vec<_>>()
     );
-    let dbs = storage::open(data_dir)?;
-    let mut log_store = LogStore::new(dbs.log.clone(), dbs.snapshots.durable());
-    if !log_is_empty(&mut log_store).await? || log_store.founding()?.is_some() {
-        anyhow::bail!(
-            "lockd init: {} already holds this node's state (or was initialized already); a \
-             node keeps its cluster across restarts, and `lockd init` is for a new cluster only",
-            data_dir.display()
-        );
-    }
     let incarnation = crate::raft::restore_id::new_incarnation_id();
     log_store.set_restore_id(&incarnation).await?;
     log_store
@@ -293,6 +296,7 @@ pub async fn init(
     Ok(())
 }
 
+/// Starts a node and returns once its ports are bound; it runs until `shutdown` is cancelled.
 pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::Result<RunningNode> {
     let t = &config.tuning;
     let raft_config = openraft::Config {
@@ -695,7 +699,9 @@ fn staggered_snapshot_every(every: u64, id: NodeId) -> u64 {
 /// handshakes in progress. A `--peer` DNS name is resolved here once, at start; one that does not
 /// resolve yet is only warned about (its node may not exist yet, as with a StatefulSet's pods),
 /// since every connect to it resolves again. A member that moves to a new IP under its name
-/// keeps working, but loses this exemption on this node until its next restart.
+/// keeps working, but loses this exemption on this node until its next restart; so does a member
+/// added at runtime (`lockctl member add`) until this node restarts with it in `--peer`: the
+/// exemption only spares members the per-source handshake limit, replication works without it.
 async fn peer_ips(config: &NodeConfig) -> Vec<std::net::IpAddr> {
     let mut ips = Vec::new();
     for (id, addr) in &config.peers {

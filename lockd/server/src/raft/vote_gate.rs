@@ -147,6 +147,21 @@
 //! candidate's. If a one-way partition lets a candidate's term climb past the live leader's, the
 //! wiped node refuses that leader until the partition heals (safe, but with a second fault the
 //! cluster waits).
+//!
+//! Known limit, the same one from another side (review finding on the membership patch, not
+//! fixed): a removed member that missed its removal keeps campaigning in ever higher terms (the
+//! members refuse its votes while their leader lease runs, so their own terms stay). A wiped node
+//! whose `--peer` list names it asks it, and the proof takes the highest term of the answers, so
+//! rule 3 refuses the real leader until the cluster's term passes that one, which may be never.
+//! It founds nothing and loses nothing; it waits. Not fixed because dropping such answers is not
+//! shown safe: the membership that shows the node removed may be uncommitted when a peer reports
+//! it, and a removed node's term may be the term of a vote this node cast before its disk was
+//! lost, which rule 1 keeps it from casting twice. Bounding the term by the voters of the newest
+//! committed configuration alone would need each answer's membership log id and commit state and
+//! an argument that no vote for a removed candidate can still elect it; the usual answer, pre-vote
+//! so that a removed node cannot raise anyone's term (etcd, openraft 0.10), is not in openraft
+//! 0.9. The runbook stops a removed node and takes it out of every `--peer` list
+//! (docs/operations.md, "What the checks cannot catch").
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};

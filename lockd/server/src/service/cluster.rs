@@ -312,7 +312,7 @@ impl Cluster for ClusterService {
                 .await
                 .map(Response::new),
             Route::Forward(leader) => {
-                let mut client = self.ctx.cluster_peers[&leader].1.clone();
+                let mut client = self.leader_cluster_client(leader)?;
                 let mut forwarded = self.forward_request(req.into_inner(), &caller);
                 forwarded.set_timeout(super::snapshot::FORWARD_TIMEOUT);
                 let stream = client

@@ -465,7 +465,9 @@ impl pb::raft_server::Raft for RaftService {
 /// The payload of `Elect`: who asks, in which term.
 #[derive(Clone, Copy, Debug, serde::Serialize, serde::Deserialize)]
 pub struct ElectRequest {
+    /// The leader that asks (it stepped down in favour of the receiver).
     pub leader: NodeId,
+    /// The term it led in; the receiver campaigns only if it is still in that term.
     pub term: u64,
 }
 
