@@ -17,8 +17,8 @@ mod commands;
 mod exit;
 mod hold;
 mod keys;
-mod snapshot;
 mod members;
+mod snapshot;
 
 use std::process::ExitCode;
 

@@ -241,7 +241,10 @@ async fn issue15_forged_raft_messages_are_refused_and_change_nothing() {
     // Control: the real node 2 (with the cluster's incarnation id, as node 2 sends it) may send
     // what it likes; node 1 follows "leader 2" in term 1000.
     let id = incarnation(channel(&cluster, 1, Some(&node2)), "test").await;
-    assert!(id.is_some(), "a cluster founded by its peers has an incarnation id");
+    assert!(
+        id.is_some(),
+        "a cluster founded by its peers has an incarnation id"
+    );
     let (method, data) = forged().swap_remove(0);
     send_as(
         channel(&cluster, 1, Some(&node2)),
@@ -322,7 +325,10 @@ async fn issue16_a_node_of_another_incarnation_moves_neither_term_nor_log() {
         let ch = Channel::from_shared(format!("http://{}", cluster.addr(id)))
             .unwrap()
             .connect_lazy();
-        assert_eq!(incarnation(ch, "lockd").await.as_deref(), Some(own.as_str()));
+        assert_eq!(
+            incarnation(ch, "lockd").await.as_deref(),
+            Some(own.as_str())
+        );
     }
     let before = terms(&cluster).await;
     let commit_before = cluster.status(1).await.unwrap().commit_index;
@@ -351,8 +357,7 @@ async fn issue16_a_node_of_another_incarnation_moves_neither_term_nor_log() {
                 "{method} with {incarnation_sent:?}: {status:?}"
             );
             assert!(
-                status.message().contains(&own)
-                    && status.message().contains("different clusters"),
+                status.message().contains(&own) && status.message().contains("different clusters"),
                 "{status:?}"
             );
             if let Some(other) = incarnation_sent {
@@ -363,12 +368,18 @@ async fn issue16_a_node_of_another_incarnation_moves_neither_term_nor_log() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     let after = terms(&cluster).await;
     assert_eq!(before, after, "terms or leaders moved");
-    assert!(after.iter().all(|(t, l)| *t < 1000 && *l == leader), "{after:?}");
+    assert!(
+        after.iter().all(|(t, l)| *t < 1000 && *l == leader),
+        "{after:?}"
+    );
     let s = cluster.status(1).await.unwrap();
     assert!(s.commit_index >= commit_before, "{s:?}");
     let token_before = acquire_token(&cluster, "incarnation/a").await;
     let token_after = acquire_token(&cluster, "incarnation/b").await;
-    assert!(token_after > token_before, "{token_before} then {token_after}");
+    assert!(
+        token_after > token_before,
+        "{token_before} then {token_after}"
+    );
 
     // Control: with the cluster's own id the same message reaches Raft.
     let (method, data) = forged().swap_remove(0);
@@ -381,10 +392,8 @@ async fn issue16_a_node_of_another_incarnation_moves_neither_term_nor_log() {
 /// Acquires `resource` through any node (retrying UNAVAILABLE with the same request id); its
 /// fencing token.
 async fn acquire_token(cluster: &Cluster, resource: &str) -> u64 {
-    let client = lockd_client::Client::new(
-        (1..=3).map(|id| cluster.addr(id)).collect::<Vec<_>>(),
-    )
-    .unwrap();
+    let client =
+        lockd_client::Client::new((1..=3).map(|id| cluster.addr(id)).collect::<Vec<_>>()).unwrap();
     let lease = client
         .acquire(
             resource,

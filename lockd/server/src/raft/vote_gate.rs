@@ -481,7 +481,9 @@ impl VoteGate {
                 proof
             }
             None => {
-                let Some(learned) = self.ask_until_proven(&raft, me, &members, &mut ask, &shutdown).await
+                let Some(learned) = self
+                    .ask_until_proven(&raft, me, &members, &mut ask, &shutdown)
+                    .await
                 else {
                     return;
                 };
@@ -942,7 +944,9 @@ fn may_found(
         }
         // A founder: nothing past the initial membership entry, which is exactly our list.
         let founded = r.last_log_id.is_some_and(|l| l.index == 0)
-            && r.membership.as_ref().is_some_and(|m| same_as_flags(m, flags));
+            && r.membership
+                .as_ref()
+                .is_some_and(|m| same_as_flags(m, flags));
         match (&r.restore_id, founded) {
             (Some(x), true) => {
                 founded_ids.insert(x.clone());
@@ -993,7 +997,8 @@ fn same_as_flags(
     m.get_joint_config().len() == 1
         && m.get_joint_config()[0] == voters
         && m.nodes().count() == flags.len()
-        && m.nodes().all(|(id, n)| flags.get(id).is_some_and(|f| f.addr == n.addr))
+        && m.nodes()
+            .all(|(id, n)| flags.get(id).is_some_and(|f| f.addr == n.addr))
 }
 
 /// The nodes of the memberships the answers report, if this node is in none of them (it was
@@ -1349,7 +1354,13 @@ mod tests {
         let e = may_found(2, &flags(&ids), &me, own, &[new(1), new(3)]).unwrap_err();
         assert!(e.contains("node 1"), "{e}");
         assert_eq!(
-            may_found(2, &flags(&ids), &me, own, &[(1, founded(&ids, "x1")), new(3)]),
+            may_found(
+                2,
+                &flags(&ids),
+                &me,
+                own,
+                &[(1, founded(&ids, "x1")), new(3)]
+            ),
             Ok(FoundingId::Adopt("x1".into()))
         );
         // Two founders with different ids: refused.
@@ -1459,8 +1470,7 @@ mod tests {
         let db = crate::storage::open(dir.path()).unwrap().log;
         let store = LogStore::new(db.clone(), snapshots());
         store.start_rejoining().await.unwrap();
-        let gate =
-            VoteGate::rejoining(
+        let gate = VoteGate::rejoining(
             store.clone(),
             Arc::new(RestoreIdentity::new(None)),
             founding(&[1, 2, 3], false),
@@ -1476,8 +1486,7 @@ mod tests {
 
         let store = LogStore::new(db.clone(), snapshots());
         assert!(store.rejoining().unwrap());
-        let gate =
-            VoteGate::rejoining(
+        let gate = VoteGate::rejoining(
             store.clone(),
             Arc::new(RestoreIdentity::new(None)),
             founding(&[1, 2, 3], false),
@@ -1511,9 +1520,9 @@ mod tests {
                 Arc::new(RestoreIdentity::new(None)),
                 founding(&[1, 2, 3], false)
             )
-                .unwrap()
-                .learned()
-                .proof,
+            .unwrap()
+            .learned()
+            .proof,
             None
         );
     }

@@ -353,9 +353,10 @@ impl pb::raft_server::Raft for RaftService {
     async fn vote(&self, req: Request<RaftMessage>) -> Result<Response<RaftMessage>, Status> {
         // A candidate is no sign of a running cluster: the founders of a new one campaign
         // before any of them leads (see `raft::vote_gate`, founding).
-        let (rpc, sender) = self.authorized(req, false, |r: &openraft::raft::VoteRequest<NodeId>| {
-            r.vote.leader_id.voted_for()
-        })?;
+        let (rpc, sender) =
+            self.authorized(req, false, |r: &openraft::raft::VoteRequest<NodeId>| {
+                r.vote.leader_id.voted_for()
+            })?;
         if self
             .refuse_votes_until
             .is_some_and(|t| std::time::Instant::now() < t)
