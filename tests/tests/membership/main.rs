@@ -161,6 +161,38 @@ fn voters(fleet: &Fleet, endpoints: &[u64]) -> Vec<u64> {
         .collect()
 }
 
+/// The cluster incarnation id node `id` reports in its `CurrentVote` answer
+/// (`lockd.raft.v1.Raft`, read-only).
+async fn incarnation(f: &Fleet, id: u64) -> Option<String> {
+    use lockd_server::service::raft::pb::{RaftMessage, raft_client::RaftClient};
+    let channel = tonic::transport::Channel::from_shared(format!("http://{}", f.ip_addr(id)))
+        .unwrap()
+        .connect_lazy();
+    let mut req = tonic::Request::new(RaftMessage { data: Vec::new() });
+    req.metadata_mut()
+        .insert("lockd-cluster-id", "lockd".parse().unwrap());
+    RaftClient::new(channel)
+        .current_vote(req)
+        .await
+        .unwrap()
+        .into_inner()
+        .restore_id
+}
+
+/// Every node of `ids` has one and the same cluster incarnation id (joiners take the id of the
+/// cluster that adds them).
+async fn assert_one_incarnation(f: &Fleet, ids: &[u64]) {
+    let mut seen = Vec::new();
+    for id in ids {
+        seen.push((*id, incarnation(f, *id).await));
+    }
+    let first = seen[0].1.clone();
+    assert!(
+        first.as_ref().is_some_and(|x| x.len() == 32) && seen.iter().all(|(_, x)| *x == first),
+        "incarnation ids: {seen:?}"
+    );
+}
+
 /// Acquires one fresh resource through `endpoints` within `within`.
 async fn acquire_within(endpoints: Vec<String>, within: Duration) -> u64 {
     let client = Client::new(endpoints).unwrap();
@@ -237,6 +269,7 @@ async fn a_node_is_replaced_the_cluster_grows_and_shrinks_and_leadership_moves_u
             .unwrap();
     }
     assert_eq!(voters(&f, &[1, 2, 4]), [1, 2, 4, 5, 6]);
+    assert_one_incarnation(&f, &[1, 2, 4, 5, 6]).await;
 
     // Phase 3: leadership to node 6 (five voters: the followers' leases add to the time).
     let started = Instant::now();
@@ -501,6 +534,8 @@ async fn review_membership_a_wiped_lone_first_voter_never_founds_a_second_cluste
             .unwrap();
     }
     assert_eq!(voters(&f, &[1, 2, 3]), [1, 2, 3]);
+    // `lockd init` drew the cluster's incarnation id; the joiners took it.
+    assert_one_incarnation(&f, &[1, 2, 3]).await;
     let mut before = 0;
     for _ in 0..5 {
         before = acquire_within(f.endpoints(&[1, 2, 3]), Duration::from_secs(10)).await;
@@ -534,6 +569,8 @@ async fn review_membership_a_wiped_lone_first_voter_never_founds_a_second_cluste
     assert!(after > during, "token {after} after {during}");
     let s = f.status(1).await.unwrap();
     assert!([1, 3].contains(&s.leader_id), "node 1 rejoined: {s:?}");
+    // Wiped, it took the incarnation id again from the members that vouched for it.
+    assert_one_incarnation(&f, &[1, 3]).await;
 
     // Phase 3: `lockd init` on a data dir that holds state is refused.
     f.kill(1);

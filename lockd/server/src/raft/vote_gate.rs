@@ -395,7 +395,7 @@ impl VoteGate {
         membership: openraft::Membership<NodeId, BasicNode>,
     ) -> VoteReport {
         VoteReport {
-            founding: self.founding.answer(last_log_id, vote.leader_id().term),
+            founding: self.founding_answer(last_log_id, vote.leader_id().term),
             vote,
             last_log_id,
             standing: Standing::default(),
@@ -403,6 +403,16 @@ impl VoteGate {
             membership: Some(membership),
             joining: self.founding.join,
         }
+    }
+
+    /// [`Founding::answer`], and never for a node that has an incarnation or restore id: it
+    /// belongs to a cluster already (restored, prepared by `lockd init`, or learned from the
+    /// peers that vouched for it), even before its log holds anything.
+    fn founding_answer(&self, last_log: Option<LogId>, vote_term: u64) -> Option<[u8; 32]> {
+        if self.restore.get().is_some() {
+            return None;
+        }
+        self.founding.answer(last_log, vote_term)
     }
 
     pub fn is_open(&self) -> bool {
@@ -644,7 +654,7 @@ impl VoteGate {
                 Err(why) => why,
             };
             let own_answer = match own_log.get_log_state().await {
-                Ok(s) => self.founding.answer(s.last_log_id, vote_term),
+                Ok(s) => self.founding_answer(s.last_log_id, vote_term),
                 Err(e) => {
                     tracing::error!(error = %e, "lockd: reading the log state");
                     None
@@ -1417,6 +1427,18 @@ mod tests {
         let alone = founding(&[1], false);
         let e = may_found(1, &flags(&[1]), &alone, alone.answer(None, 0), &[]).unwrap_err();
         assert!(e.contains("lockd init"), "{e}");
+    }
+
+    /// A node that has an incarnation (or restore) id belongs to a cluster: it never offers to
+    /// found, even with an empty log (a wiped node that learned the id before any entry).
+    #[test]
+    fn a_node_with_an_incarnation_id_never_offers_to_found() {
+        let gate = closed_gate(None);
+        let empty = openraft::Vote::default();
+        assert!(gate.report(empty, None, none()).founding.is_some());
+        gate.restore.adopt("x1").unwrap();
+        assert!(gate.report(empty, None, none()).founding.is_none());
+        assert_eq!(gate.founding_answer(None, 0), None);
     }
 
     /// A configuration whose only voter is this node is never proven; a membership that names
