@@ -103,11 +103,30 @@ impl Fleet {
             let out = fleet.init(1)?;
             anyhow::ensure!(out.status.success(), "lockd init: {out:?}");
         }
-        for id in ids {
+        for id in ids.clone() {
             fleet.spawn(id)?;
         }
-        fleet.wait_for_leader(Duration::from_secs(30)).await?;
-        Ok(fleet)
+        // Every node, not only those that already list themselves: a node that has not caught
+        // up yet would otherwise be a test's first casualty.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let leader = fleet.wait_for_leader(Duration::from_secs(30)).await?;
+            let mut following = 0;
+            for id in &ids {
+                if fleet.status(*id).await.is_ok_and(|s| s.leader_id == leader) {
+                    following += 1;
+                }
+            }
+            if following == ids.len() {
+                return Ok(fleet);
+            }
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "{following} of {} nodes follow leader {leader} after 30 s",
+                ids.len()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 
     pub fn name(&self, id: u64) -> String {

@@ -106,6 +106,8 @@
 //! log, even without TLS, whatever their log ids. The founders agree on one id without a round
 //! of their own: the node with the lowest id of the `--peer` list draws it once every other node
 //! answered new; every other node founds only once a founded peer shows the id, and takes it.
+//! A founder keeps its elections off until every other `--peer` node answers with the id (or a
+//! leader is known), so no leader is elected before the last founder has taken it.
 //! A wiped node or a joiner takes the id of the answers that make its proof ("Restored
 //! clusters" below).
 //!
@@ -560,6 +562,12 @@ impl VoteGate {
                     if let Err(e) = raft.initialize(members.clone()).await {
                         tracing::info!(error = %e, "initialize skipped");
                     }
+                    if !self
+                        .wait_for_cofounders(&raft, me, &members, &mut ask, &shutdown)
+                        .await
+                    {
+                        return;
+                    }
                 }
                 proof
             }
@@ -603,6 +611,63 @@ impl VoteGate {
                 _ = shutdown.cancelled() => return,
                 changed = rx.changed() => if changed.is_err() { return },
                 _ = poll.tick() => {}
+            }
+        }
+    }
+
+    /// After founding, keeps elections off until every other `--peer` node has founded too
+    /// (answers with this node's incarnation id and nothing past the initial membership entry),
+    /// or a leader is known; `false` on shutdown. Without it the first founders could elect a
+    /// leader before the last one took the id: its own leader's heartbeats would then keep it
+    /// from founding, and it would need two peers that caught up to vouch for it, so one founder
+    /// lost right after the start would leave it waiting (seen in the membership suite).
+    async fn wait_for_cofounders<F, Fut>(
+        &self,
+        raft: &Raft,
+        me: NodeId,
+        flags: &BTreeMap<NodeId, BasicNode>,
+        ask: &mut F,
+        shutdown: &CancellationToken,
+    ) -> bool
+    where
+        F: FnMut(Vec<(NodeId, String)>) -> Fut,
+        Fut: std::future::Future<Output = Vec<(NodeId, VoteReport)>>,
+    {
+        let mut last_log = tokio::time::Instant::now();
+        loop {
+            if raft.metrics().borrow().current_leader.is_some() {
+                return true;
+            }
+            let reports = tokio::select! {
+                _ = shutdown.cancelled() => return false,
+                r = ask(whom_to_ask(me, flags, &[])) => r,
+            };
+            let waiting: Vec<NodeId> = flags
+                .keys()
+                .filter(|id| **id != me)
+                .filter(|id| {
+                    !reports.iter().any(|(p, r)| {
+                        p == *id
+                            && r.restore_id.as_deref() == self.restore.get()
+                            && r.last_log_id.is_some()
+                    })
+                })
+                .copied()
+                .collect();
+            if waiting.is_empty() {
+                return true;
+            }
+            if last_log.elapsed() >= WAIT_LOG_EVERY {
+                last_log = tokio::time::Instant::now();
+                tracing::warn!(
+                    ?waiting,
+                    "lockd: founded a new cluster; not campaigning until every --peer node has \
+                     founded it too"
+                );
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => return false,
+                _ = tokio::time::sleep(ASK_RETRY) => {}
             }
         }
     }
@@ -807,6 +872,11 @@ fn proof_for(
             .filter(|(_, r)| r.restore_id.as_deref() == id)
             .cloned()
             .collect();
+        // A wiped node's own "no id" group is empty beside restored or founded peers: its error
+        // ("no answer holds a membership") would hide the one that says what is missing.
+        if group.is_empty() && own_id.is_none() && !reports.is_empty() {
+            continue;
+        }
         match proof_from(me, flags, own, &group) {
             Ok(p) => return Ok((p, id.map(str::to_owned))),
             Err(e) => {
