@@ -10,6 +10,7 @@
 //! - [`cluster`]: a real multi-process lockd cluster that tests can kill, pause and wipe.
 //! - [`diskfault`]: a FUSE layer under a node's data dir that drops unsynced writes on a simulated
 //!   power loss, fails fsyncs and fills the disk; and the runs that check lockd under it.
+//! - [`fleet`]: a cluster of named members (test-only DNS names) that grows, shrinks and moves.
 //! - [`process`]: locating built binaries and owning child processes.
 //! - [`http_upstream`]: an in-process HTTP upstream that logs every request it applied, in order.
 //! - [`fencegen`]: the adversarial session generator for the Postgres front end (`fence-gen`).
@@ -39,6 +40,7 @@ pub mod diskfault;
 pub mod fence_proxy;
 pub mod fencefaults;
 pub mod fencegen;
+pub mod fleet;
 pub mod http_upstream;
 pub mod pg;
 pub mod poll;

@@ -25,6 +25,9 @@ use crate::lease::{Lease, LeaseId, default_safety_margin};
 use crate::request_id::RequestId;
 use crate::retry::{backoff, next_delay, remaining};
 
+/// Membership admin calls (`member list | add | promote | remove`, `leader transfer`).
+mod members;
+
 /// The server's default ttl (docs/api.md, "Limits and policy"), assumed only if a reply leaves
 /// `lease_ttl_ms` empty.
 const SERVER_DEFAULT_TTL: Duration = Duration::from_millis(30_000);

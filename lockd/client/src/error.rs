@@ -38,6 +38,12 @@ pub enum Op {
     RotateSigningKey,
     /// Admin: stream a backup of the state machine.
     SaveSnapshot,
+    /// Admin: list the members.
+    ListMembers,
+    /// Admin: add, promote or remove a member.
+    ChangeMembers,
+    /// Admin: move leadership to another voter.
+    TransferLeader,
 }
 
 impl Op {
@@ -45,7 +51,12 @@ impl Op {
     pub fn mutates(self) -> bool {
         matches!(
             self,
-            Op::Acquire | Op::Renew | Op::Release | Op::RotateSigningKey
+            Op::Acquire
+                | Op::Renew
+                | Op::Release
+                | Op::RotateSigningKey
+                | Op::ChangeMembers
+                | Op::TransferLeader
         )
     }
 }
@@ -61,6 +72,9 @@ impl fmt::Display for Op {
             Op::SigningKeys => "signing keys",
             Op::RotateSigningKey => "rotate signing key",
             Op::SaveSnapshot => "snapshot save",
+            Op::ListMembers => "list members",
+            Op::ChangeMembers => "change members",
+            Op::TransferLeader => "transfer leader",
         })
     }
 }

@@ -103,6 +103,16 @@ pub enum Command {
         #[command(subcommand)]
         command: SnapshotCommand,
     },
+    /// Cluster membership (admin): list, add, promote, remove.
+    Member {
+        #[command(subcommand)]
+        command: MemberCommand,
+    },
+    /// Leadership (admin): transfer.
+    Leader {
+        #[command(subcommand)]
+        command: LeaderCommand,
+    },
     #[command(flatten)]
     Docs(lockd_service_kit::cli_docs::DocsCommand),
 }
@@ -114,6 +124,71 @@ pub enum SnapshotCommand {
     /// 0600: it holds lease ids and the signing keys), verify its SHA-256, and print its size,
     /// last applied index and highest fencing token. `lockd restore FILE` seeds a new cluster.
     Save { file: std::path::PathBuf },
+}
+
+/// `lockctl member ...`: admin operations on the cluster membership.
+#[derive(Subcommand, Debug)]
+pub enum MemberCommand {
+    /// Every member: id, address, voter or learner, matched log index and lag behind the leader.
+    List,
+    /// Add a node (started with `lockd --join`) as a learner and wait until it has caught up
+    /// (by snapshot when far behind). It does not vote until `member promote`.
+    Add {
+        /// The new member, as its peers dial it: ID=HOST:PORT (HOST may be a DNS name).
+        member: MemberSpec,
+        /// Return once the learner is added, without waiting for it to catch up.
+        #[arg(long)]
+        no_wait: bool,
+        /// How long to wait for the learner to catch up.
+        #[arg(long, value_parser = parse_duration, default_value = "10m")]
+        catch_up_timeout: Duration,
+    },
+    /// Make a caught-up learner a voter (joint consensus). Refused while it lags.
+    Promote { id: u64 },
+    /// Remove a member. Refused for the last voter and when the voters left would have no
+    /// up-to-date majority; removing the leader hands leadership over first.
+    Remove { id: u64 },
+}
+
+/// `lockctl leader ...`.
+#[derive(Subcommand, Debug)]
+pub enum LeaderCommand {
+    /// Move leadership to voter ID (default: the most up-to-date other voter).
+    Transfer { id: Option<u64> },
+}
+
+/// `ID=HOST:PORT` of `member add`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MemberSpec {
+    pub id: u64,
+    pub address: String,
+}
+
+impl std::str::FromStr for MemberSpec {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let (id, address) = s
+            .split_once('=')
+            .ok_or_else(|| format!("member {s:?} must look like ID=HOST:PORT"))?;
+        let id: u64 = id
+            .parse()
+            .ok()
+            .filter(|id| *id > 0)
+            .ok_or_else(|| format!("member {s:?}: id {id:?} is not a positive integer"))?;
+        let port_ok = address.rsplit_once(':').is_some_and(|(host, port)| {
+            !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p > 0)
+        });
+        if !port_ok {
+            return Err(format!(
+                "member {s:?}: address {address:?} is not HOST:PORT"
+            ));
+        }
+        Ok(MemberSpec {
+            id,
+            address: address.to_owned(),
+        })
+    }
 }
 
 /// `lockctl keys ...`: admin operations on the sequencer signing keys.
@@ -152,7 +227,7 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
 pub const FLAG_ERRORS: FlagErrors = FlagErrors {
     prefix: "lockctl: ",
     suffix: " (see lockctl --help)",
-    missing_command: "a command is required: acquire, renew, release, describe, status, keys, hold or snapshot",
+    missing_command: "a command is required: acquire, renew, release, describe, status, keys, hold, snapshot, member or leader",
 };
 
 /// Prints help/version as clap does; every real parse error as one line, exit code
@@ -243,6 +318,41 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn member_specs_parse_and_name_bad_values() {
+        let cli =
+            Cli::try_parse_from(["lockctl", "member", "add", "4=lockd-4.example:7004"]).unwrap();
+        match cli.command {
+            Command::Member {
+                command:
+                    MemberCommand::Add {
+                        member, no_wait, ..
+                    },
+            } => {
+                assert_eq!(
+                    member,
+                    MemberSpec {
+                        id: 4,
+                        address: "lockd-4.example:7004".into()
+                    }
+                );
+                assert!(!no_wait);
+            }
+            other => panic!("{other:?}"),
+        }
+        for bad in ["4", "x=h:1", "0=h:1", "4=h", "4=h:0", "4=:7"] {
+            let e = bad.parse::<MemberSpec>().unwrap_err();
+            assert!(e.contains(&format!("{bad:?}")), "{bad}: {e}");
+        }
+        let cli = Cli::try_parse_from(["lockctl", "leader", "transfer"]).unwrap();
+        assert!(matches!(
+            cli.command,
+            Command::Leader {
+                command: LeaderCommand::Transfer { id: None }
+            }
+        ));
     }
 
     #[test]

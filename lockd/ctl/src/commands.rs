@@ -233,6 +233,8 @@ pub async fn run(cli: Cli) -> Result<u8, Failure> {
             .run(<Cli as clap::CommandFactory>::command())
             .map(|()| exit::OK)
             .map_err(|e| Failure::new(exit::INTERNAL, "internal", e)),
+        Command::Member { command } => crate::members::member(&client, command, json).await,
+        Command::Leader { command } => crate::members::leader(&client, command, json).await,
         Command::Hold {
             resource,
             lease,

@@ -10,12 +10,14 @@
 //! - [`hold`]: `hold -- COMMAND`: run a command under a lease, stop it when the lease is lost.
 //! - [`keys`]: `keys list | export DIR | rotate`, the sequencer signing keys (admin).
 //! - [`snapshot`]: `snapshot save FILE`, a verified backup written atomically (admin).
+//! - [`members`]: `member list | add | promote | remove`, `leader transfer` (admin).
 
 mod cli;
 mod commands;
 mod exit;
 mod hold;
 mod keys;
+mod members;
 mod snapshot;
 
 use std::process::ExitCode;

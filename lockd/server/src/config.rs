@@ -209,6 +209,9 @@ pub struct NodeConfig {
     pub(crate) auth: Option<crate::auth::AuthFiles>,
     /// `--allow-backup-without-policy`: without a policy, backups for anyone who reaches the port.
     pub(crate) allow_backup_without_policy: bool,
+    /// `--join`: this node is being added to a running cluster (`lockctl member add`). It never
+    /// proposes an initial membership, whatever its peers answer; it waits for the leader.
+    pub(crate) join: bool,
 }
 
 impl NodeConfig {
@@ -262,7 +265,22 @@ impl NodeConfig {
             tls: None,
             auth: None,
             allow_backup_without_policy: false,
+            join: false,
         })
+    }
+
+    /// Sets `--join`: the node waits to be added by the leader and never forms a cluster of its
+    /// own. It needs another member in `--peer` to learn the cluster from.
+    pub fn with_join(mut self, join: bool) -> Result<Self, String> {
+        if join && self.peers.keys().all(|p| *p == self.id) {
+            return Err(format!(
+                "--join needs at least one existing member in --peer besides this node ({}); \
+                 list the members `lockctl member list` shows",
+                self.id
+            ));
+        }
+        self.join = join;
+        Ok(self)
     }
 
     /// Sets the cluster id and the certificates (`--cluster-id`, `--tls-cert`, `--tls-key`,

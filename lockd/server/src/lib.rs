@@ -9,6 +9,7 @@
 //! - [`config`]: flags and tuning of a node.
 //! - [`node`]: wiring of one node and its background tasks (reaper, leadership watcher).
 //! - [`raft`]: openraft type configuration and the peer network.
+//! - `members`: the other members, from the Raft membership, and channels to them.
 //! - [`storage`]: the redb log store and the state machine with its snapshots.
 //! - `proposer`: group commit of client commands into Raft entries.
 //! - `waiters`: calls parked until the log grants them.
@@ -27,6 +28,7 @@ pub mod backup;
 pub(crate) mod clock;
 pub mod config;
 pub mod dev;
+pub(crate) mod members;
 pub mod node;
 pub(crate) mod observe;
 pub(crate) mod proposer;

@@ -88,12 +88,39 @@ struct Cli {
     /// `admin` operation decides and this flag changes nothing.
     #[arg(long, env = "LOCKD_ALLOW_BACKUP_WITHOUT_POLICY")]
     allow_backup_without_policy: bool,
+    /// Join a running cluster instead of forming one: start with an empty --data-dir, list this
+    /// node and the current members in --peer, then run `lockctl member add ID=HOST:PORT`. The
+    /// node never proposes a membership of its own.
+    #[arg(long, env = "LOCKD_JOIN")]
+    join: bool,
     #[command(flatten)]
     tuning: Tuning,
 }
 
 #[derive(Subcommand, Debug)]
 enum Cmd {
+    /// Prepare an empty data dir to found a new cluster of the --peer nodes on its next start,
+    /// without asking them: needed once for a single-node cluster (a --peer list of this node
+    /// alone), then start `lockd` as usual. Refused on a data dir that holds state. The founding
+    /// lives in the data dir, never in the flags of the running node, so a node that later
+    /// loses its disk waits for its cluster instead of founding a second one whose tokens start
+    /// again from 1.
+    Init {
+        /// This node's id, as in the --peer list.
+        #[arg(long, env = "LOCKD_ID")]
+        id: u64,
+        /// The data dir to prepare (the node's --data-dir).
+        #[arg(long, env = "LOCKD_DATA_DIR")]
+        data_dir: PathBuf,
+        /// A founding member as ID=HOST:PORT; repeat for every one, this node included.
+        #[arg(
+            long = "peer",
+            env = "LOCKD_PEERS",
+            value_delimiter = ',',
+            required = true
+        )]
+        peers: Vec<Peer>,
+    },
     /// Three replicas in one process on 127.0.0.1:7001-7003 (metrics on 9101-9103).
     Dev {
         /// Folder for the three nodes' data.
@@ -236,6 +263,25 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         on_signal.cancel();
     });
     match cli.command {
+        Some(Cmd::Init {
+            id,
+            data_dir,
+            peers,
+        }) => {
+            let mut members = std::collections::BTreeMap::new();
+            for p in peers {
+                if members.insert(p.id, p.addr).is_some() {
+                    anyhow::bail!("lockd init: --peer names node {} twice", p.id);
+                }
+            }
+            lockd_server::node::init(&data_dir, id, &members).await?;
+            println!(
+                "lockd: {} will found a cluster of nodes {:?} on its next start",
+                data_dir.display(),
+                members.keys().collect::<Vec<_>>()
+            );
+            Ok(())
+        }
         Some(Cmd::Dev {
             data_dir,
             host,
@@ -286,6 +332,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             })
             .and_then(|c| c.with_auth(cli.auth_policy, cli.auth_tokens))
             .map(|c| c.allow_backup_without_policy(cli.allow_backup_without_policy))
+            .and_then(|c| c.with_join(cli.join))
             .map_err(|e| anyhow::anyhow!(e))?;
             init_tracing(config.tuning.log_format, "info,openraft=warn");
             let node = lockd_server::node::start(config, shutdown).await?;

@@ -5,18 +5,16 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use lockd_api::v1::cluster_client::ClusterClient;
 use lockd_api::v1::cluster_server::ClusterServer;
-use lockd_api::v1::lock_client::LockClient;
 use lockd_api::v1::lock_server::LockServer;
 use lockd_core::{Command, Event, EventKind, ResourceName};
 use openraft::{BasicNode, ServerState};
 use tokio_util::sync::CancellationToken;
 use tonic::service::interceptor::InterceptedService;
-use tonic::transport::Channel;
 
 use crate::clock::Clock;
 use crate::config::NodeConfig;
+use crate::members::Members;
 use crate::observe::audit::{AuditKey, AuditLog};
 use crate::observe::hot::{HotEvent, HotTracker};
 use crate::observe::metrics::NodeMetrics;
@@ -25,7 +23,7 @@ use crate::raft::network::Network;
 use crate::raft::network::PeerDial;
 use crate::raft::peer_protocol::PeerProtocols;
 use crate::raft::restore_id::RestoreIdentity;
-use crate::raft::vote_gate::VoteGate;
+use crate::raft::vote_gate::{Founding, VoteGate};
 use crate::raft::{NodeId, Raft};
 use crate::service::cluster::ClusterService;
 use crate::service::lock::LockService;
@@ -51,16 +49,18 @@ pub(crate) struct NodeCtx {
     pub clock: Clock,
     pub metrics: Arc<NodeMetrics>,
     pub committed: Arc<AtomicU64>,
-    /// Client channels to the other nodes, for forwarding calls to the leader.
-    pub peers: BTreeMap<NodeId, (String, LockClient<Channel>)>,
+    /// The other members and channels to them (forwarding to the leader), kept current from
+    /// the Raft membership.
+    pub members: Arc<Members>,
     pub election_timeout_max_ms: u64,
+    /// When each peer last answered this node's replication (`member remove` counts only
+    /// voters that answered within `election_timeout_max_ms`).
+    pub acks: crate::raft::network::PeerAcks,
     pub hub: Arc<Hub>,
     /// True while this node is the leader; changes only on a change of role.
     pub is_leader: tokio::sync::watch::Sender<bool>,
     /// The replicated sequencer key, parsed, for signing grants.
     pub signer: crate::signing::Signer,
-    /// Cluster-service channels to the other nodes, for forwarding admin calls to the leader.
-    pub cluster_peers: BTreeMap<NodeId, (String, ClusterClient<Channel>)>,
     /// Who calls and what they may do (`--auth-policy`).
     pub auth: Arc<crate::auth::Auth>,
     /// This node's data dir, for the disk and log-size gauges.
@@ -250,6 +250,62 @@ pub struct RunningNode {
     pub done: tokio::task::JoinHandle<anyhow::Result<()>>,
 }
 
+/// Whether this node's log holds neither a vote nor an entry.
+async fn log_is_empty(log_store: &mut LogStore) -> anyhow::Result<bool> {
+    use openraft::storage::RaftLogStorage;
+    Ok(log_store.read_vote().await?.is_none()
+        && log_store.get_log_state().await?.last_log_id.is_none())
+}
+
+/// `lockd init`: prepares an empty data dir to found a new single-node cluster of `peers` (this
+/// node alone) on its next start; the only way to found a single-node cluster, which then grows
+/// with `lockd --join` and `lockctl member add`. Refused on a data dir that holds state or was
+/// prepared already. The founding is recorded in the data dir, not given as a flag of the
+/// running node: a flag left in a service file would found a second cluster the day the node
+/// lost its disk. The new cluster's incarnation id (`raft::restore_id`) is drawn here and
+/// written before anything else, so the node never takes part in Raft without it.
+///
+/// Several nodes are refused: nodes started with the same `--peer` list found a multi-node
+/// cluster by themselves, agreeing on one incarnation id (`raft::vote_gate`, founding); a
+/// prepared node among them would lead alone at index 0 with an id of its own.
+pub async fn init(
+    data_dir: &std::path::Path,
+    id: NodeId,
+    peers: &BTreeMap<NodeId, String>,
+) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        peers.contains_key(&id),
+        "lockd init: --peer must name this node ({id}) too"
+    );
+    let dbs = storage::open(data_dir)?;
+    let mut log_store = LogStore::observed(
+        dbs.log.clone(),
+        dbs.snapshots.durable(),
+        Arc::new(NodeMetrics::new()),
+    );
+    if !log_is_empty(&mut log_store).await? || log_store.founding()?.is_some() {
+        anyhow::bail!(
+            "lockd init: {} already holds this node's state (or was initialized already); a \
+             node keeps its cluster across restarts, and `lockd init` is for a new cluster only",
+            data_dir.display()
+        );
+    }
+    anyhow::ensure!(
+        peers.len() == 1,
+        "lockd init: --peer names nodes {:?}; `lockd init` founds a single-node cluster (this \
+         node alone), which then grows with `lockd --join` and `lockctl member add`. Nodes \
+         started with the same --peer list found a multi-node cluster by themselves, without \
+         `lockd init`",
+        peers.keys().collect::<Vec<_>>()
+    );
+    let incarnation = crate::raft::restore_id::new_incarnation_id();
+    log_store.set_restore_id(&incarnation).await?;
+    log_store
+        .set_founding(peers.iter().map(|(id, a)| (*id, a.clone())).collect())
+        .await?;
+    Ok(())
+}
+
 /// Starts a node and returns once its ports are bound; it runs until `shutdown` is cancelled.
 pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::Result<RunningNode> {
     let t = &config.tuning;
@@ -277,16 +333,27 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
     let metrics = Arc::new(NodeMetrics::new());
     let mut log_store =
         LogStore::observed(dbs.log.clone(), dbs.snapshots.durable(), metrics.clone());
-    let started_empty = {
-        use openraft::storage::RaftLogStorage;
-        log_store.read_vote().await?.is_none()
-            && log_store.get_log_state().await?.last_log_id.is_none()
+    let started_empty = log_is_empty(&mut log_store).await?;
+    // Founding alone is never a flag of the running node: `lockd init` records it in the data
+    // dir, so a node that loses its disk loses it too and waits for its cluster instead of
+    // founding a second one whose tokens would start again from 1.
+    let founding_members = if started_empty {
+        log_store.founding()?
+    } else {
+        None
     };
-    let refuse_votes_until =
-        started_empty.then(|| std::time::Instant::now() + 4 * t.election_timeout);
+    if config.join && founding_members.is_some() {
+        anyhow::bail!(
+            "lockd: {} was prepared by `lockd init` to found a new cluster, and --join joins a \
+             running one: give one",
+            config.data_dir.display()
+        );
+    }
+    let rejoin = started_empty && founding_members.is_none();
+    let refuse_votes_until = rejoin.then(|| std::time::Instant::now() + 4 * t.election_timeout);
     // Recorded before Raft starts, so a crash while catching up keeps the node from voting on a
     // partial log after its restart (see raft::vote_gate).
-    if started_empty {
+    if rejoin {
         log_store.start_rejoining().await.map_err(|e| {
             anyhow::anyhow!(
                 "lockd: recording the rejoining flag in {}: {e}",
@@ -294,18 +361,23 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
             )
         })?;
     }
-    // Kept for good once set (see backup::restore); peers of another restore never mix.
+    // The cluster incarnation id (see `raft::restore_id`): kept for good once set; peers of
+    // another incarnation never mix.
     let restore = Arc::new(RestoreIdentity::new(log_store.restore_id()?));
     if let Some(id) = restore.get() {
         tracing::info!(
             restore_id = id,
-            "restored from a backup: Raft traffic only with members of this restore id"
+            "cluster incarnation id: Raft traffic only with members of this id"
         );
     }
+    // A running cluster that counts this node as a member sends it heartbeats well within one
+    // maximum election timeout (2 x --election-timeout); two of them leave room for a slow
+    // start. It runs alongside refuse_votes_until, so a first formation takes no longer.
+    let founding = Founding::new(config.join, &config.peers, 4 * t.election_timeout);
     let vote_gate = Arc::new(if log_store.rejoining()? {
-        VoteGate::rejoining(log_store.clone(), restore.clone())?
+        VoteGate::rejoining(log_store.clone(), restore.clone(), founding)?
     } else {
-        VoteGate::open(restore.clone())
+        VoteGate::open(restore.clone(), founding)
     });
     let committed = log_store.committed_index();
     let waits = Arc::new(WaitRegistry::default());
@@ -347,13 +419,6 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
             None
         }
     };
-    let auth = crate::auth::Auth::load(
-        config.auth.as_ref(),
-        tls.clone(),
-        config.id,
-        config.peers.keys().copied(),
-        metrics.clone(),
-    )?;
     let protocols = Arc::new(PeerProtocols::default());
     let dial = PeerDial::new(
         source_ip(&config),
@@ -362,6 +427,25 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
         restore.clone(),
         protocols.clone(),
     )?;
+    let members = Members::new(config.id, &config.peers, dial.clone());
+    tokio::spawn(crate::members::check_names(config.peers.clone()));
+    let auth = crate::auth::Auth::load(
+        config.auth.as_ref(),
+        tls.clone(),
+        members.clone(),
+        metrics.clone(),
+    )?;
+    // After the checks of the files (so their errors come first): a node that lost its disk and
+    // names itself alone has nobody to learn its cluster from.
+    if rejoin && config.peers.keys().all(|id| *id == config.id) {
+        anyhow::bail!(
+            "lockd: --data-dir {} is empty and --peer names this node alone: to found a new \
+             single-node cluster run `lockd init` on its data dir once before its first start; \
+             to bring back a member that \
+             lost its disk, list the current members in --peer (`lockctl member list`)",
+            config.data_dir.display()
+        );
+    }
     let raft_log = log_store.clone();
     // A rejoining node starts with elections off; VoteGate::rejoin turns them on (rule 2).
     let raft_config = openraft::Config {
@@ -378,36 +462,35 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
     .await
     .map_err(|e| anyhow::anyhow!("starting raft: {e}"))?;
 
-    // Nodes started with the same --peer list form the cluster with no separate init step: each
-    // proposes the same initial membership, which openraft accepts once and ignores afterwards.
-    // A node that started empty does so only once its peers show the cluster is new (vote_gate).
-    let members: BTreeMap<NodeId, BasicNode> = config
+    // Nodes started with the same --peer list form the cluster with no separate init step: a
+    // node that started empty proposes the initial membership only once every peer shows the
+    // cluster is new (vote_gate), and a node started with --join never does. A data dir that
+    // `lockd init` prepared proposes the membership it recorded at once.
+    let initial: BTreeMap<NodeId, BasicNode> = config
         .peers
         .iter()
         .map(|(id, addr)| (*id, BasicNode { addr: addr.clone() }))
         .collect();
-    if vote_gate.is_open()
+    if let Some(members) = founding_members
         && !raft.is_initialized().await?
-        && let Err(e) = raft.initialize(members.clone()).await
     {
-        tracing::info!(error = %e, "initialize skipped");
+        let founded: BTreeMap<NodeId, BasicNode> = members
+            .into_iter()
+            .map(|(id, addr)| (id, BasicNode { addr }))
+            .collect();
+        tracing::info!(members = ?founded.keys().collect::<Vec<_>>(), "lockd: founding the cluster `lockd init` prepared");
+        if let Err(e) = raft.initialize(founded).await {
+            tracing::info!(error = %e, "initialize skipped");
+        }
     }
 
     let clock = Clock::new();
     let proposer = Proposer::start(raft.clone(), clock.clone(), t.policy(), metrics.clone());
-    let mut peers = BTreeMap::new();
-    let mut cluster_peers = BTreeMap::new();
-    for (id, addr) in &config.peers {
-        if *id == config.id {
-            continue;
-        }
-        let channel = dial.channel(*id, addr)?;
-        let client = LockClient::new(channel.clone())
-            .max_decoding_message_size(CLIENT_MESSAGE_MAX_BYTES)
-            .max_encoding_message_size(CLIENT_MESSAGE_MAX_BYTES);
-        peers.insert(*id, (addr.clone(), client));
-        cluster_peers.insert(*id, (addr.clone(), ClusterClient::new(channel)));
-    }
+    tokio::spawn(members.clone().follow(raft.clone(), shutdown.clone()));
+    tokio::spawn(crate::service::membership::finish_joint_changes(
+        raft.clone(),
+        shutdown.clone(),
+    ));
     let ctx = Arc::new(NodeCtx {
         id: config.id,
         raft: raft.clone(),
@@ -417,12 +500,12 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
         clock,
         metrics,
         committed,
-        peers,
+        members: members.clone(),
         election_timeout_max_ms: millis(t.election_timeout) * 2,
+        acks: dial.acks.clone(),
         hub,
         is_leader: tokio::sync::watch::Sender::new(false),
         signer: Default::default(),
-        cluster_peers,
         auth: auth.clone(),
         data_dir: config.data_dir.clone(),
         allow_backup_without_policy: config.allow_backup_without_policy,
@@ -440,22 +523,30 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
     ));
     tokio::spawn(reap(ctx.clone(), shutdown.clone()));
     if !vote_gate.is_open() {
-        let mut raft_peers = Vec::new();
-        for (id, addr) in config.peers.iter().filter(|(id, _)| **id != config.id) {
-            let client = dial
-                .raft_client(*id, addr)
-                .map_err(|e| anyhow::anyhow!("lockd: --peer {id}={addr}: {e}"))?;
-            raft_peers.push((*id, client));
-        }
-        let (gate, r, s, d) = (
+        let (gate, r, s, d, m) = (
             vote_gate.clone(),
             raft.clone(),
             shutdown.clone(),
             dial.clone(),
+            members.clone(),
         );
+        let me = config.id;
         tokio::spawn(async move {
-            let ask = || crate::raft::network::ask_votes(&d, &raft_peers);
-            gate.rejoin(r, members, ask, s).await
+            // The memberships the peers report also tell `members` whom to accept replication
+            // from before this node has a membership of its own.
+            let ask = |targets: Vec<(NodeId, String)>| {
+                let (d, m) = (d.clone(), m.clone());
+                async move {
+                    let reports = crate::raft::network::ask_votes(&d, targets).await;
+                    for (_, r) in &reports {
+                        if let Some(membership) = &r.membership {
+                            m.learn(membership);
+                        }
+                    }
+                    reports
+                }
+            };
+            gate.rejoin(r, me, initial, ask, s).await
         });
     }
     let member_ips = peer_ips(&config).await;
@@ -506,7 +597,7 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
             refuse_votes_until,
             vote_gate.clone(),
             raft_log,
-            crate::service::raft::PeerAuth::new(&config, tls.clone()),
+            crate::service::raft::PeerAuth::new(&config, tls.clone(), members.clone()),
             restore.clone(),
             protocols.clone(),
         ));
@@ -622,7 +713,9 @@ fn staggered_snapshot_every(every: u64, id: NodeId) -> u64 {
 /// handshakes in progress. A `--peer` DNS name is resolved here once, at start; one that does not
 /// resolve yet is only warned about (its node may not exist yet, as with a StatefulSet's pods),
 /// since every connect to it resolves again. A member that moves to a new IP under its name
-/// keeps working, but loses this exemption on this node until its next restart.
+/// keeps working, but loses this exemption on this node until its next restart; so does a member
+/// added at runtime (`lockctl member add`) until this node restarts with it in `--peer`: the
+/// exemption only spares members the per-source handshake limit, replication works without it.
 async fn peer_ips(config: &NodeConfig) -> Vec<std::net::IpAddr> {
     let mut ips = Vec::new();
     for (id, addr) in &config.peers {

@@ -239,6 +239,14 @@ impl NodeTls {
         }
     }
 
+    /// Whether `chain` is a node certificate issued by the peer CA, whichever node it names:
+    /// a message from such a sender shows a cluster runs even when the sender is not a member
+    /// in this node's view (see `service::raft`).
+    pub fn is_node_certificate(&self, chain: &[CertificateDer<'static>]) -> bool {
+        self.verify_chain(chain, webpki::KeyUsage::client_auth())
+            .is_ok()
+    }
+
     /// Checks the leaf of `chain` against the peer CA alone, for `usage`.
     fn verify_chain<'a>(
         &self,
@@ -662,6 +670,12 @@ mod tests {
         assert_eq!(tls.identify_member(&chain2, &[1, 2, 3]), Ok(2));
         let e = tls.identify_member(&chain2, &[1, 3]).unwrap_err();
         assert!(e.contains("names no member"), "{e}");
+        // Not a member in this view, yet a node certificate of the peer CA (H3 of the
+        // membership review: its messages still count as traffic of a running cluster).
+        assert!(tls.is_node_certificate(&chain2));
+        let other = dev::make(&dir.path().join("other"), std::net::Ipv4Addr::LOCALHOST, 2).unwrap();
+        let foreign = certs_in(&std::fs::read(other.node(2).0).unwrap(), "node 2").unwrap();
+        assert!(!tls.is_node_certificate(&foreign));
         // Loading node 1's files as node 3 fails at start, naming the file.
         let e = NodeTls::load(&files, 3, DEFAULT_CLUSTER_ID)
             .err()

@@ -527,8 +527,9 @@ async fn backup_under_load_then_restore_every_member_with_a_floor() {
     }
 
     // Phase 7: node `old` comes back on its data dir of the old cluster. The restored members
-    // refuse its messages (no restore id) and it refuses theirs: their terms do not move while
-    // its own climbs past them with every election it starts.
+    // refuse its messages (the old cluster's incarnation id, drawn when its peers founded it,
+    // is not the restore id) and it refuses theirs: their terms do not move while its own
+    // climbs past them with every election it starts.
     let restored: Vec<u64> = (1..=3).filter(|n| *n != old).collect();
     cluster.kill(old);
     leader_of(&cluster, &restored).await;
@@ -543,7 +544,7 @@ async fn backup_under_load_then_restore_every_member_with_a_floor() {
     wait_logged(
         "the old cluster's node",
         || cluster.stderr(old),
-        &["restore id mismatch", restore_id, "no restore id"],
+        &["restore id mismatch", restore_id, "different clusters"],
     )
     .await;
     let old_name = format!("node {old}");
@@ -554,7 +555,7 @@ async fn backup_under_load_then_restore_every_member_with_a_floor() {
             "restore id mismatch",
             &old_name,
             restore_id,
-            "no restore id",
+            "different clusters",
         ],
     )
     .await;

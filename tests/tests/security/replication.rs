@@ -65,18 +65,34 @@ fn channel(cluster: &Cluster, id: u64, identity: Option<&Issued>) -> Channel {
         .connect_lazy()
 }
 
-/// Sends one raw Raft message; the gRPC outcome.
+/// Sends one raw Raft message without a cluster incarnation id; the gRPC outcome.
 async fn send(
     ch: Channel,
     method: &str,
     data: Vec<u8>,
     cluster_id: &str,
 ) -> Result<Vec<u8>, tonic::Status> {
+    send_as(ch, method, data, cluster_id, None).await
+}
+
+/// Sends one raw Raft message with `incarnation` in the `lockd-restore-id` header (the cluster
+/// incarnation id, see lockd/server/src/raft/restore_id.rs); the gRPC outcome.
+async fn send_as(
+    ch: Channel,
+    method: &str,
+    data: Vec<u8>,
+    cluster_id: &str,
+    incarnation: Option<&str>,
+) -> Result<Vec<u8>, tonic::Status> {
     let mut client = RaftClient::new(ch);
     let mut req = tonic::Request::new(RaftMessage { data });
     if !cluster_id.is_empty() {
         req.metadata_mut()
             .insert("lockd-cluster-id", cluster_id.parse().unwrap());
+    }
+    if let Some(id) = incarnation {
+        req.metadata_mut()
+            .insert("lockd-restore-id", id.parse().unwrap());
     }
     req.set_timeout(Duration::from_secs(3));
     let reply = match method {
@@ -86,6 +102,20 @@ async fn send(
         other => panic!("unknown method {other}"),
     };
     reply.map(|r| r.into_inner().data)
+}
+
+/// The cluster incarnation id node `target` reports in its `CurrentVote` answer (read-only,
+/// answered to any member).
+async fn incarnation(ch: Channel, cluster_id: &str) -> Option<String> {
+    let mut req = tonic::Request::new(RaftMessage { data: Vec::new() });
+    req.metadata_mut()
+        .insert("lockd-cluster-id", cluster_id.parse().unwrap());
+    RaftClient::new(ch)
+        .current_vote(req)
+        .await
+        .unwrap()
+        .into_inner()
+        .restore_id
 }
 
 /// (term, leader) as every node reports it.
@@ -208,11 +238,23 @@ async fn issue15_forged_raft_messages_are_refused_and_change_nothing() {
         "{after:?}"
     );
 
-    // Control: the real node 2 may send what it likes; node 1 follows "leader 2" in term 1000.
+    // Control: the real node 2 (with the cluster's incarnation id, as node 2 sends it) may send
+    // what it likes; node 1 follows "leader 2" in term 1000.
+    let id = incarnation(channel(&cluster, 1, Some(&node2)), "test").await;
+    assert!(
+        id.is_some(),
+        "a cluster founded by its peers has an incarnation id"
+    );
     let (method, data) = forged().swap_remove(0);
-    send(channel(&cluster, 1, Some(&node2)), method, data, "test")
-        .await
-        .expect("node 2's own certificate is accepted");
+    send_as(
+        channel(&cluster, 1, Some(&node2)),
+        method,
+        data,
+        "test",
+        id.as_deref(),
+    )
+    .await
+    .expect("node 2's own certificate is accepted");
     let s = cluster.status(1).await.unwrap();
     assert_eq!(s.term, 1000, "{s:?}");
 }
@@ -257,4 +299,120 @@ async fn issue15_plaintext_checks_the_cluster_id_and_stays_on_loopback() {
         err.contains("192.0.2.1:7001") && err.contains("--insecure-plaintext"),
         "{err}"
     );
+}
+
+/// Goal: a node of another cluster incarnation (same node ids, same addresses: for example a
+/// second cluster founded on these addresses, or a node added to the wrong cluster) is refused
+/// and cannot move the term or the log, without TLS, where nothing but the incarnation id tells
+/// the two apart (issue 16, review finding). Method: a plaintext cluster founded by its peers;
+/// node 2's AppendEntries (term 1000, with an entry that would overwrite index 1), Vote and
+/// InstallSnapshot to node 1, with another incarnation's id and with none (a cluster founded by
+/// an older lockd), are refused with FAILED_PRECONDITION naming both ids; terms, leaders and
+/// the commit index stay, and a grant made after carries the next token. Control: the same
+/// AppendEntries with the cluster's own id moves node 1 to term 1000.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue16_a_node_of_another_incarnation_moves_neither_term_nor_log() {
+    let mut cluster = Cluster::start_default().await.unwrap();
+    let leader = cluster.leader().await.unwrap();
+    let ch = || {
+        Channel::from_shared(format!("http://{}", cluster.addr(1)))
+            .unwrap()
+            .connect_lazy()
+    };
+    let own = incarnation(ch(), "lockd").await.expect("incarnation id");
+    assert_eq!(own.len(), 32, "{own}");
+    for id in 2..=3 {
+        let ch = Channel::from_shared(format!("http://{}", cluster.addr(id)))
+            .unwrap()
+            .connect_lazy();
+        assert_eq!(
+            incarnation(ch, "lockd").await.as_deref(),
+            Some(own.as_str())
+        );
+    }
+    let before = terms(&cluster).await;
+    let commit_before = cluster.status(1).await.unwrap().commit_index;
+
+    let other = "0123456789abcdef0123456789abcdef";
+    let mut messages = forged();
+    // An entry at index 1 of term 1000: accepted, it would replace this cluster's entry 1.
+    let overwrite = AppendEntriesRequest::<TypeConfig> {
+        vote: Vote::new_committed(1000, 2),
+        prev_log_id: Some(LogId::new(CommittedLeaderId::new(0, 0), 0)),
+        entries: vec![openraft::Entry {
+            log_id: LogId::new(CommittedLeaderId::new(1000, 2), 1),
+            payload: openraft::EntryPayload::Blank,
+        }],
+        leader_commit: Some(LogId::new(CommittedLeaderId::new(1000, 2), 1)),
+    };
+    messages.push(("AppendEntries", postcard::to_allocvec(&overwrite).unwrap()));
+    for incarnation_sent in [Some(other), None] {
+        for (method, data) in messages.clone() {
+            let status = send_as(ch(), method, data, "lockd", incarnation_sent)
+                .await
+                .expect_err(&format!("{method} with {incarnation_sent:?} was accepted"));
+            assert_eq!(
+                status.code(),
+                Code::FailedPrecondition,
+                "{method} with {incarnation_sent:?}: {status:?}"
+            );
+            assert!(
+                status.message().contains(&own) && status.message().contains("different clusters"),
+                "{status:?}"
+            );
+            if let Some(other) = incarnation_sent {
+                assert!(status.message().contains(other), "{status:?}");
+            }
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let after = terms(&cluster).await;
+    assert_eq!(before, after, "terms or leaders moved");
+    assert!(
+        after.iter().all(|(t, l)| *t < 1000 && *l == leader),
+        "{after:?}"
+    );
+    let s = cluster.status(1).await.unwrap();
+    assert!(s.commit_index >= commit_before, "{s:?}");
+    let token_before = acquire_token(&cluster, "incarnation/a").await;
+    let token_after = acquire_token(&cluster, "incarnation/b").await;
+    assert!(
+        token_after > token_before,
+        "{token_before} then {token_after}"
+    );
+
+    // Control: with the cluster's own id the same message reaches Raft.
+    let (method, data) = forged().swap_remove(0);
+    send_as(ch(), method, data, "lockd", Some(&own))
+        .await
+        .expect("a message with the cluster's own incarnation id is accepted");
+    // The term reaches the node's status a moment after the reply (metrics), and may pass 1000
+    // if the node then campaigns against the silent "leader 2": poll for at least 1000.
+    let deadline = std::time::Instant::now() + Duration::from_secs(3);
+    loop {
+        let term = cluster.status(1).await.unwrap().term;
+        if term >= 1000 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "node 1 stays in term {term}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Acquires `resource` through any node (retrying UNAVAILABLE with the same request id); its
+/// fencing token.
+async fn acquire_token(cluster: &Cluster, resource: &str) -> u64 {
+    let client =
+        lockd_client::Client::new((1..=3).map(|id| cluster.addr(id)).collect::<Vec<_>>()).unwrap();
+    let lease = client
+        .acquire(
+            resource,
+            lockd_client::AcquireOptions::default().ttl(Duration::from_secs(5)),
+        )
+        .await
+        .unwrap();
+    lease.fencing_token.0
 }

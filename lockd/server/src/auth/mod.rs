@@ -82,10 +82,10 @@ enum CertIdentity {
     Client(String),
 }
 
-/// A certificate check's outcome and when it was made.
-/// A check's outcome, when it was made, and the TLS generation it was made with (a reload on
-/// SIGHUP may change the CAs).
-type Checked = (Result<CertIdentity, String>, Instant, u64);
+/// A check's outcome, when it was made, and the TLS and membership generations it was made with
+/// (a reload on SIGHUP may change the CAs; a member added or removed changes which node
+/// certificates count).
+type Checked = (Result<CertIdentity, String>, Instant, (u64, u64));
 
 /// Identification and authorization of one node's client calls.
 pub(crate) struct Auth {
@@ -96,8 +96,8 @@ pub(crate) struct Auth {
     /// anchors: the listener trusts it and the peer CA alike, so a client certificate is checked
     /// again against this CA alone.
     tls: Option<Arc<TlsHandle>>,
-    /// The other members: the only nodes that forward calls here.
-    members: Vec<NodeId>,
+    /// The other members, from the Raft membership: the only nodes that forward calls here.
+    members: Arc<crate::members::Members>,
     /// Certificate checks by SHA-256 of the leaf: a connection presents the same certificate on
     /// every call, so a call costs one hash.
     checked: Mutex<HashMap<[u8; 32], Checked>>,
@@ -113,8 +113,7 @@ impl Auth {
     pub fn load(
         files: Option<&AuthFiles>,
         tls: Option<Arc<TlsHandle>>,
-        id: NodeId,
-        members: impl IntoIterator<Item = NodeId>,
+        members: Arc<crate::members::Members>,
         metrics: Arc<NodeMetrics>,
     ) -> anyhow::Result<Arc<Auth>> {
         let (policy, tokens) = match files {
@@ -146,7 +145,7 @@ impl Auth {
             policy,
             tokens,
             tls,
-            members: members.into_iter().filter(|m| *m != id).collect(),
+            members,
             checked: Mutex::new(HashMap::new()),
             metrics,
             last_logged_ms: AtomicU64::new(0),
@@ -269,7 +268,7 @@ impl Auth {
         let chain = req.peer_certs()?;
         let leaf = chain.first()?;
         let key: [u8; 32] = Sha256::digest(leaf.as_ref()).into();
-        let generation = tls.generation();
+        let generation = (tls.generation(), self.members.generation());
         {
             let checked = self.checked.lock().unwrap_or_else(|e| e.into_inner());
             if let Some((outcome, at, made_with)) = checked.get(&key)
@@ -281,7 +280,7 @@ impl Auth {
         }
         // Outside the lock: signature checks, with the material current now.
         let material = tls.current();
-        let outcome = match material.identify_member(&chain, &self.members) {
+        let outcome = match material.identify_member(&chain, &self.members.others()) {
             Ok(id) => Ok(CertIdentity::Node(id)),
             Err(_) => {
                 client_certificate(material.client_anchors(), &chain).map(CertIdentity::Client)

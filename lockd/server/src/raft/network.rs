@@ -58,7 +58,14 @@ pub struct PeerDial {
     /// would be a new TCP and TLS handshake (a client calling Describe in a loop could make the
     /// leader run out of ephemeral ports).
     raft_channels: Arc<std::sync::Mutex<RaftChannels>>,
+    /// Replies to this node's AppendEntries and InstallSnapshot, by peer.
+    pub acks: PeerAcks,
 }
+
+/// When each peer last answered an AppendEntries or InstallSnapshot of this node: a leader's
+/// evidence that a follower is alive (openraft 0.9 reports matched log indexes only, and on an
+/// idle cluster a dead follower's index matches too).
+pub type PeerAcks = Arc<std::sync::Mutex<HashMap<NodeId, std::time::Instant>>>;
 
 /// Raft channels by (peer id, address): the TLS generation each was made in, and the channel.
 type RaftChannels = HashMap<(NodeId, String), (u64, Channel)>;
@@ -77,6 +84,7 @@ impl PeerDial {
             restore,
             protocols,
             raft_channels: Arc::default(),
+            acks: Arc::default(),
             cluster_id: cluster_id
                 .parse()
                 .map_err(|e| anyhow::anyhow!("cluster id {cluster_id:?}: {e}"))?,
@@ -141,6 +149,12 @@ impl PeerDial {
             .max_encoding_message_size(RAFT_MESSAGE_MAX_BYTES))
     }
 
+    /// A Raft message for sending to a peer: with the cluster id, the restore id and this
+    /// node's peer protocol version.
+    pub fn raft_request(&self, data: Vec<u8>) -> tonic::Request<RaftMessage> {
+        self.request(data)
+    }
+
     /// Wraps a Raft message for sending: with the cluster id, the restore id and this node's
     /// peer protocol version.
     fn request(&self, data: Vec<u8>) -> tonic::Request<RaftMessage> {
@@ -183,27 +197,32 @@ impl RaftNetworkFactory<TypeConfig> for Network {
     }
 }
 
-/// Asks every peer at once for its current vote; returns the answers that came within
+/// Asks every peer at once for its current vote; returns who answered what within
 /// `VOTE_ASK_TIMEOUT`. Used by a node that rejoins with an empty data dir (see `vote_gate`).
-pub async fn ask_votes(
-    dial: &PeerDial,
-    peers: &[(NodeId, RaftClient<Channel>)],
-) -> Vec<VoteReport> {
-    let asks = peers.iter().map(|(id, client)| {
-        let mut client = client.clone();
+/// Addresses may be DNS names: each connect resolves them again.
+pub async fn ask_votes(dial: &PeerDial, peers: Vec<(NodeId, String)>) -> Vec<(NodeId, VoteReport)> {
+    let asks = peers.into_iter().map(|(id, addr)| {
+        let client = dial.raft_client(id, &addr);
         async move {
+            let mut client = match client {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!(peer = id, address = %addr, error = %e, "lockd: bad peer address");
+                    return None;
+                }
+            };
             let mut request = dial.request(Vec::new());
             request.set_timeout(VOTE_ASK_TIMEOUT);
             let reply = tokio::time::timeout(VOTE_ASK_TIMEOUT, client.current_vote(request)).await;
             match reply {
                 Ok(Ok(r)) => {
-                    if let Err(why) = dial.accept_protocol(*id, r.metadata()) {
+                    if let Err(why) = dial.accept_protocol(id, r.metadata()) {
                         tracing::warn!(peer = id, "CurrentVote answer does not count: {why}");
                         return None;
                     }
                     let r = r.into_inner();
                     if let Some(answered) = r.node_id
-                        && answered != *id
+                        && answered != id
                     {
                         tracing::warn!(
                             peer = id,
@@ -213,14 +232,17 @@ pub async fn ask_votes(
                         );
                         return None;
                     }
-                    match postcard::from_bytes::<VoteReport>(&r.data) {
+                    match VoteReport::decode(&r.data) {
                         // The flag travels beside the payload: an older node's reply has none,
                         // and then counts for nothing (see vote_gate).
-                        Ok(report) => Some(VoteReport {
-                            standing: Standing::from_kept_log(r.kept_log),
-                            restore_id: r.restore_id,
-                            ..report
-                        }),
+                        Ok(report) => Some((
+                            id,
+                            VoteReport {
+                                standing: Standing::from_kept_log(r.kept_log),
+                                restore_id: r.restore_id,
+                                ..report
+                            },
+                        )),
                         Err(e) => {
                             tracing::warn!(peer = id, error = %e, "undecodable CurrentVote reply");
                             None
@@ -318,6 +340,13 @@ impl PeerClient {
                     return Err(RPCError::Network(NetworkError::new(
                         &std::io::Error::other(why),
                     )));
+                }
+                if matches!(method, Method::Append | Method::Snapshot) {
+                    self.dial
+                        .acks
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert(self.target, std::time::Instant::now());
                 }
                 r.into_inner()
             }

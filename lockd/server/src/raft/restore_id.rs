@@ -1,5 +1,28 @@
-//! The restore id on the peer protocol: members of a cluster restored from a backup exchange Raft
-//! messages only with members restored alike (see `crate::backup::restore`).
+//! The restore id on the peer protocol, which is also the *cluster incarnation id*: members of a
+//! cluster restored from a backup exchange Raft messages only with members restored alike (see
+//! `crate::backup::restore`), and members of a cluster founded by this release only with members
+//! of the same founding.
+//!
+//! Where an id comes from: `lockd restore` derives one from the backup, the floor and the
+//! membership; a cluster founded by its `--peer` nodes gets a random one, drawn by the founder
+//! with the lowest id and taken by the others from its `CurrentVote` answer (`raft::vote_gate`,
+//! "Founding"); `lockd init` draws one for a single-node cluster ([`new_incarnation_id`]). Each
+//! is written to the data dir before the node takes part in Raft. A wiped node or a joiner
+//! (`--join`) takes, once, the id of the peers whose answers make its proof, and keeps it. A
+//! cluster founded by an older lockd has none, and stays without one (an older node sends no
+//! header): nothing changes for it, and its wiped nodes and joiners take "none" like any id.
+//!
+//! Why one id for both, under the wire names of the restore id (`lockd-restore-id`,
+//! `CurrentVoteReply.restore_id`): both answer the same question, "is this message from my
+//! cluster's history?", with the same rules, and a node needs one answer; a restored cluster is
+//! a new incarnation of the old one. Keeping the names keeps the wire as it is for the nodes that
+//! already send them. Internals keep the name `RestoreIdentity` for the same reason: one concept,
+//! documented here.
+//!
+//! Without TLS this is what keeps a second cluster out: two clusters founded on the same
+//! addresses, or a node added to the wrong cluster, have log ids that can collide with this
+//! cluster's (both start at term 1, index 0), and Raft alone would take one's entries for the
+//! other's.
 //!
 //! A node that has a restore id sends it on every Raft message ([`RESTORE_ID_HEADER`]) and in
 //! every Raft reply, and in its `CurrentVote` replies (`CurrentVoteReply.restore_id`). A node
@@ -17,6 +40,16 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use tonic::metadata::MetadataMap;
+
+/// Random bytes of an incarnation id drawn at founding (128 bits: two clusters never draw the
+/// same one).
+const INCARNATION_ID_BYTES: usize = 16;
+
+/// A new random cluster incarnation id, in hex (`lockd init`, or the founder that draws it).
+pub fn new_incarnation_id() -> String {
+    let bytes: [u8; INCARNATION_ID_BYTES] = rand::random();
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
 
 /// gRPC metadata of every Raft message and reply of a node that has a restore id.
 pub(crate) const RESTORE_ID_HEADER: &str = "lockd-restore-id";
@@ -81,7 +114,14 @@ impl RestoreIdentity {
         if ours == theirs {
             return Ok(());
         }
-        let what = if ours.is_some() && theirs.is_some() {
+        let what = if ours.is_some_and(is_incarnation) || theirs.is_some_and(is_incarnation) {
+            "the two belong to different clusters (cluster incarnation ids differ: founded \
+             separately, on the same addresses or node ids, or one was restored from a backup); \
+             they never exchange Raft messages, or one would take the other's log for its own. \
+             Check --peer and `lockctl member list` on both; a node that belongs to the other \
+             cluster must be started with an empty data dir and added with --join and `lockctl \
+             member add`"
+        } else if ours.is_some() && theirs.is_some() {
             "the two were restored from a different backup file, --token-floor or --peer list, \
              and never exchange Raft messages (they would disagree on the token counter or the \
              log). Do not restore the odd one again with the others' floor: those others may \
@@ -113,7 +153,8 @@ impl RestoreIdentity {
         {
             tracing::error!(
                 reason = why,
-                "lockd: refused Raft traffic of another restore (further refusals in the next 10 s \
+                "lockd: refused Raft traffic of another restore or cluster incarnation (further \
+                 refusals in the next 10 s \
                  are not logged)"
             );
         }
@@ -125,11 +166,17 @@ pub fn from_metadata(md: &MetadataMap) -> Option<&str> {
     md.get(RESTORE_ID_HEADER).and_then(|v| v.to_str().ok())
 }
 
+/// Whether an id was drawn at founding ([`new_incarnation_id`]) rather than derived by a
+/// restore (SHA-256, 64 hex digits): only for the advice in a mismatch.
+fn is_incarnation(id: &str) -> bool {
+    id.len() == 2 * INCARNATION_ID_BYTES
+}
+
 fn show(id: Option<&str>) -> String {
     match id {
         Some(id) => format!("restore id {id}"),
-        None => "no restore id (a node of a cluster that was never restored from a backup, or \
-                 an older lockd)"
+        None => "no restore id (a node of a cluster that was never restored from a backup and \
+                 was founded by an older lockd, or an older lockd)"
             .to_owned(),
     }
 }
@@ -162,6 +209,24 @@ mod tests {
         let never = RestoreIdentity::new(None);
         assert!(never.check("node 2", None).is_ok());
         assert!(never.check("node 2", Some("aaaa")).is_err());
+    }
+
+    #[test]
+    fn incarnation_ids_are_random_and_their_mismatch_says_different_clusters() {
+        let (a, b) = (new_incarnation_id(), new_incarnation_id());
+        assert_ne!(a, b);
+        assert_eq!(a.len(), 32);
+        assert!(a.bytes().all(|c| c.is_ascii_hexdigit()));
+        let node = RestoreIdentity::new(Some(a.clone()));
+        assert!(node.check("node 2", Some(&a)).is_ok());
+        let e = node.check("node 2", Some(&b)).unwrap_err();
+        assert!(e.contains("different clusters") && e.contains(&b), "{e}");
+        let e = node.check("node 2", None).unwrap_err();
+        assert!(e.contains("different clusters"), "{e}");
+        let e = RestoreIdentity::new(None)
+            .check("node 2", Some(&a))
+            .unwrap_err();
+        assert!(e.contains("different clusters"), "{e}");
     }
 
     #[test]

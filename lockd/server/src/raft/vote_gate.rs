@@ -57,7 +57,8 @@
 //! # Restored clusters
 //!
 //! Members of a cluster restored from a backup share a *restore id* (`raft::restore_id`,
-//! `backup::restore`). Only answers that carry this node's restore id count, toward the proof
+//! `backup::restore`), as the members of a cluster founded by this release share an incarnation
+//! id (the same field and the same rules; see "Founding" above). Only answers that carry this node's restore id count, toward the proof
 //! and toward a first bootstrap; an answer of a member of another restore, or of the old cluster,
 //! says nothing about what this cluster committed. A wiped node has no restore id (it was on the
 //! lost disk): it groups the answers by restore id, and if the answers of one id make a proof it
@@ -76,39 +77,98 @@
 //! no later event changes; what the node did since (votes, entries) is on its disk like any
 //! node's. The proof is cleared with the flag once the node has caught up.
 //!
-//! # First bootstrap
+//! # Founding a new cluster
 //!
-//! A first-ever bootstrap starts every node empty, so every node is rejoining and every answer is
-//! a rejoining one. It is recognised when **every** peer answered, each rejoining and holding
-//! nothing past the initial membership entry (or when `n - majority + 1` peers that kept their
-//! log hold nothing past it); only then does the node propose the initial membership
-//! (`initialize`) and campaign. Every peer, not only `n - majority + 1`: an empty, rejoining
-//! answer does not mean a lost disk. Right after a first bootstrap a follower that has not yet
-//! applied a commit of the leader's term, or a node that started late, answers exactly that
-//! while the cluster has history; with five voters, answers of two such nodes and of one wiped
-//! node would otherwise pass for a new cluster while the node that holds the commit is slow to
-//! answer (review). When every node is empty, every node that held an entry lost its disk: a
-//! majority at once, beyond what Raft tolerates. A peer that kept its log but lags at index 0
-//! cannot fake a new cluster either: its answer only counts among `n - majority + 1` answers of
-//! such peers, which include a member of every commit quorum. The price: a new cluster forms only
-//! once every node has started, and with one node wiped and another lost the wiped node accepts
-//! nothing until a node that holds the log returns, which is the Raft answer to two failures out
-//! of three.
+//! A first-ever start also finds every node empty, and an empty node cannot tell a first start
+//! from a lost disk by itself. It founds a new cluster (`initialize` with its `--peer` list, then
+//! campaigns) only when *every* other node of its `--peer` list has answered, and each one is
+//! either **new** (rejoining, no log, no vote, started without `--join`, with the same `--peer`
+//! list (a SHA-256 digest of it is in the answer), and quiet for two maximum election timeouts:
+//! no leader's AppendEntries or InstallSnapshot reached it, which a running cluster that counts
+//! it as a member sends within that time) or **founded** (rejoining, holding nothing past the
+//! initial membership entry, whose membership is exactly the `--peer` list, with a cluster
+//! incarnation id), and this node is new itself. Anything else (a peer with history, a joiner,
+//! another list, a silent peer, an older lockd that does not say) means no founding: the node
+//! waits as a rejoiner and says why every few seconds, with what the operator should do. Every
+//! peer, not only `n - majority + 1`: an empty answer does not mean a lost disk (a node that
+//! started late, or a follower that has not caught up, answers alike while the cluster has
+//! history). When every other node is new or founded and this one is empty, every node that
+//! held an entry past the initial membership lost its disk: a majority at once, beyond what Raft
+//! tolerates. So neither the word of joiners nor `--peer` flags older than the membership can
+//! make a node found a second cluster, whose tokens would start again from 1; a peer that holds
+//! the log always stops it. A `--peer` list of one node has nobody to ask: such a cluster is
+//! founded only explicitly, with `lockd init` (see `node::init`).
 //!
-//! Known limit: beyond tolerance the bootstrap test can be fooled. If every disk is lost (or all
-//! but nodes that lag at the initial membership entry), the empty nodes form a new cluster and
-//! issue tokens from the start again. Only an explicit bootstrap step would tell that apart from
-//! a first start.
+//! **The incarnation id.** A founded cluster gets a random *cluster incarnation id* (the restore
+//! id of `raft::restore_id`, which a restore sets too), written to the data dir before the node
+//! proposes the membership, and carried on every Raft message: so a second cluster founded on
+//! the same addresses, or a node added to the wrong cluster, can never move this one's term or
+//! log, even without TLS, whatever their log ids. The founders agree on one id without a round
+//! of their own: the node with the lowest id of the `--peer` list draws it once every other node
+//! answered new; every other node founds only once a founded peer shows the id, and takes it.
+//! A founder keeps its elections off until every other `--peer` node answers with the id (or a
+//! leader is known), so no leader is elected before the last founder has taken it.
+//! A wiped node or a joiner takes the id of the answers that make its proof ("Restored
+//! clusters" below).
+//!
+//! # Membership
+//!
+//! Which peers to ask, and how many answers are enough, come from the Raft membership, not from
+//! `--peer`: members are added, promoted and removed at runtime (see `service::membership`), and
+//! the flags of a node may be years old. Every `CurrentVote` answer carries the answering peer's
+//! effective membership (both configurations while a joint change is in progress). The node asks
+//! everyone it has heard of (its `--peer` list, plus every node of every reported membership) and
+//! needs, for *every* voter configuration any answer reported (and its own, if its log holds
+//! one), `n - majority + 1` answers from that configuration's voters other than itself that kept
+//! their log. Why the reported configurations suffice, even when the answering peers lag: an
+//! entry or an election this node took part in was made under some configuration `C` it knew.
+//! If the cluster has moved on from `C` since, it did so by committing the joint configuration
+//! `(C, C')`, which needs a majority of `C`; the answers from `C` include a member of that
+//! majority, which then reports `C'` (or later), so `C'` is checked too, and so on to the current
+//! configuration. Checking a configuration that is no longer current only asks for more answers,
+//! never fewer. The `--peer` list stands for a configuration only in the answers of a lockd that
+//! predates runtime membership (it has a log but reports no membership; its membership is its
+//! flags). A configuration whose only voter is this node is never proven: its lost disk held the
+//! only copy of the commits, and a restore from backup is the way back.
+//!
+//! **Joining.** A node added at runtime (`lockd --join`, then `lockctl member add`) starts with
+//! an empty data dir like a wiped node and goes through the same gate: it never was a voter, so
+//! the gate costs it nothing but the `CurrentVote` round, and a joiner that is wiped again after
+//! its promotion is then protected like any other voter. With `--join` the node never proposes
+//! an initial membership, and says so in its `CurrentVote` answers, which then never count
+//! towards founding: it only ever waits for the leader to add it, so a mistyped `--peer` cannot
+//! make it form a cluster of its own, nor help another node form one.
+//!
+//! Known limit: beyond tolerance the founding test can be fooled. If every disk is lost (or all
+//! but nodes that never got past the initial membership entry), the empty nodes form a new
+//! cluster and issue tokens from the start again; its new incarnation id at least keeps any
+//! surviving member of the old one out of it. Only a restore from backup brings the old state
+//! back.
 //!
 //! Known limit: the proof's term is the highest any peer reports, which can be a failed
 //! candidate's. If a one-way partition lets a candidate's term climb past the live leader's, the
 //! wiped node refuses that leader until the partition heals (safe, but with a second fault the
 //! cluster waits).
+//!
+//! Known limit, the same one from another side (review finding on the membership patch, not
+//! fixed): a removed member that missed its removal keeps campaigning in ever higher terms (the
+//! members refuse its votes while their leader lease runs, so their own terms stay). A wiped node
+//! whose `--peer` list names it asks it, and the proof takes the highest term of the answers, so
+//! rule 3 refuses the real leader until the cluster's term passes that one, which may be never.
+//! It founds nothing and loses nothing; it waits. Not fixed because dropping such answers is not
+//! shown safe: the membership that shows the node removed may be uncommitted when a peer reports
+//! it, and a removed node's term may be the term of a vote this node cast before its disk was
+//! lost, which rule 1 keeps it from casting twice. Bounding the term by the voters of the newest
+//! committed configuration alone would need each answer's membership log id and commit state and
+//! an argument that no vote for a removed candidate can still elect it; the usual answer, pre-vote
+//! so that a removed node cannot raise anyone's term (etcd, openraft 0.10), is not in openraft
+//! 0.9. The runbook stops a removed node and takes it out of every `--peer` list
+//! (docs/operations.md, "What the checks cannot catch").
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use openraft::storage::RaftLogStorage;
 use openraft::{BasicNode, ServerState};
@@ -139,6 +199,43 @@ pub struct VoteReport {
     /// The answering node's restore id, carried in `CurrentVoteReply.restore_id`.
     #[serde(skip)]
     pub restore_id: Option<String>,
+    /// The peer's effective membership (its latest, committed or not); `None` from a lockd that
+    /// predates runtime membership. Appended after the fields older nodes read, so they still
+    /// decode the rest (postcard ignores trailing bytes), and [`VoteReport::decode`] reads their
+    /// shorter answers.
+    pub membership: Option<openraft::Membership<NodeId, BasicNode>>,
+    /// The peer was started with `--join`: it waits to be added and never founds.
+    pub joining: bool,
+    /// The digest of the peer's `--peer` list if it is new and would found a cluster now (see
+    /// [`Founding`]); `None` if it holds or has seen anything, or is a joiner.
+    pub founding: Option<[u8; 32]>,
+}
+
+/// The answer of a lockd that predates runtime membership.
+#[derive(Deserialize)]
+struct VoteReportWithoutMembership {
+    vote: openraft::Vote<NodeId>,
+    last_log_id: Option<LogId>,
+}
+
+impl VoteReport {
+    /// Decodes the postcard payload of an answer of this release or of one before runtime
+    /// membership (`standing` and `restore_id` travel beside it and are set by the caller).
+    pub fn decode(bytes: &[u8]) -> Result<Self, postcard::Error> {
+        postcard::from_bytes::<VoteReport>(bytes).or_else(|e| {
+            postcard::from_bytes::<VoteReportWithoutMembership>(bytes)
+                .map(|old| VoteReport {
+                    vote: old.vote,
+                    last_log_id: old.last_log_id,
+                    standing: Standing::default(),
+                    restore_id: None,
+                    membership: None,
+                    joining: false,
+                    founding: None,
+                })
+                .map_err(|_| e)
+        })
+    }
 }
 
 /// What a peer's `CurrentVote` answer says about its own log.
@@ -176,11 +273,56 @@ struct Proof {
     log: Option<LogId>,
 }
 
-impl Proof {
-    /// Nothing past the initial membership entry was ever committed: a first bootstrap.
-    fn fresh_cluster(&self) -> bool {
-        self.log.is_none_or(|l| l.index == 0)
+/// What decides whether this node founds a new cluster, or tells a peer that it would (see
+/// "Founding" in the module docs).
+pub struct Founding {
+    /// `--join`: never founds.
+    join: bool,
+    /// SHA-256 of the sorted `--peer` list (`id=address` lines).
+    digest: [u8; 32],
+    /// Before this, a running cluster may not have reached this node yet.
+    quiet_until: Instant,
+    /// A leader's AppendEntries or InstallSnapshot reached this node (or an answer showed a
+    /// cluster with history): some cluster runs, whatever the flags say.
+    seen_traffic: AtomicBool,
+}
+
+impl Founding {
+    /// `quiet` is how long a running cluster may take to reach a member (two maximum election
+    /// timeouts: heartbeats come far more often).
+    pub fn new(join: bool, peers: &BTreeMap<NodeId, String>, quiet: Duration) -> Self {
+        use sha2::{Digest, Sha256};
+        let mut h = Sha256::new();
+        for (id, addr) in peers {
+            h.update(format!("{id}={addr}\n").as_bytes());
+        }
+        Founding {
+            join,
+            digest: h.finalize().into(),
+            quiet_until: Instant::now() + quiet,
+            seen_traffic: AtomicBool::new(false),
+        }
     }
+
+    /// What this node says about founding in `CurrentVote`, given its own log and vote: the
+    /// digest if it holds nothing, has seen nothing, is no joiner and has been quiet long enough.
+    fn answer(&self, last_log: Option<LogId>, vote_term: u64) -> Option<[u8; 32]> {
+        (!self.join
+            && last_log.is_none()
+            && vote_term == 0
+            && !self.seen_traffic.load(Ordering::Acquire)
+            && Instant::now() >= self.quiet_until)
+            .then_some(self.digest)
+    }
+}
+
+/// Which incarnation id a founding node takes (see "Founding" in the module docs).
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum FoundingId {
+    /// This node has the lowest id of the `--peer` list and no peer founded yet: draw a new one.
+    Draw,
+    /// A founded peer shows it.
+    Adopt(String),
 }
 
 /// Whether this node may vote, campaign and follow; shared by the Raft service and the task that
@@ -194,6 +336,8 @@ pub struct VoteGate {
     store: Option<LogStore>,
     /// This node's restore id: only answers with it count; a wiped node learns it here.
     restore: Arc<RestoreIdentity>,
+    /// Whether this node founds a new cluster or tells its peers it would.
+    founding: Founding,
 }
 
 #[derive(Default)]
@@ -205,20 +349,26 @@ struct Learned {
 }
 
 impl VoteGate {
-    /// A gate that is open for good: the node kept its data dir.
-    pub fn open(restore: Arc<RestoreIdentity>) -> Self {
+    /// A gate that is open for good: the node kept its data dir (or founds as `lockd init`
+    /// prepared it).
+    pub fn open(restore: Arc<RestoreIdentity>, founding: Founding) -> Self {
         VoteGate {
             open: AtomicBool::new(true),
             learned: Mutex::new(Learned::default()),
             store: None,
             restore,
+            founding,
         }
     }
 
     /// A gate closed until [`VoteGate::rejoin`] sees the node caught up; `store` holds the
     /// durable rejoining flag it clears then, and the proof if the node learned one before a
     /// restart (then it needs no new answers: see "Restarts while rejoining" in the module docs).
-    pub fn rejoining(store: LogStore, restore: Arc<RestoreIdentity>) -> anyhow::Result<Self> {
+    pub fn rejoining(
+        store: LogStore,
+        restore: Arc<RestoreIdentity>,
+        founding: Founding,
+    ) -> anyhow::Result<Self> {
         let proof = store.rejoin_proof::<Proof>()?;
         Ok(VoteGate {
             open: AtomicBool::new(false),
@@ -228,7 +378,43 @@ impl VoteGate {
             }),
             store: Some(store),
             restore,
+            founding,
         })
+    }
+
+    /// Records that a leader's message reached this node, which then never founds a cluster
+    /// nor tells a peer it would.
+    pub fn note_traffic(&self) {
+        self.founding.seen_traffic.store(true, Ordering::Release);
+    }
+
+    /// This node's `CurrentVote` answer (`standing` and `restore_id` are set by the caller,
+    /// in fields of their own beside the payload).
+    pub fn report(
+        &self,
+        vote: openraft::Vote<NodeId>,
+        last_log_id: Option<LogId>,
+        membership: openraft::Membership<NodeId, BasicNode>,
+    ) -> VoteReport {
+        VoteReport {
+            founding: self.founding_answer(last_log_id, vote.leader_id().term),
+            vote,
+            last_log_id,
+            standing: Standing::default(),
+            restore_id: None,
+            membership: Some(membership),
+            joining: self.founding.join,
+        }
+    }
+
+    /// [`Founding::answer`], and never for a node that has an incarnation or restore id: it
+    /// belongs to a cluster already (restored, prepared by `lockd init`, or learned from the
+    /// peers that vouched for it), even before its log holds anything.
+    fn founding_answer(&self, last_log: Option<LogId>, vote_term: u64) -> Option<[u8; 32]> {
+        if self.restore.get().is_some() {
+            return None;
+        }
+        self.founding.answer(last_log, vote_term)
     }
 
     pub fn is_open(&self) -> bool {
@@ -275,25 +461,26 @@ impl VoteGate {
         admits_candidate_while_rejoining(term, candidate_last_log, self.learned().proof)
     }
 
-    /// Runs a rejoining node until it has caught up: learns the proof from the peers, proposes
-    /// the initial membership if the cluster is new, keeps elections off until the node's log is
-    /// complete (rule 2), and opens the gate once caught up, clearing the durable flag first.
-    /// `ask` asks every peer once; `members` is the initial membership.
+    /// Runs a rejoining node until it has caught up: learns the proof from the peers, or founds
+    /// a new cluster when every peer shows it is new (see the module docs), keeps elections off
+    /// until the node's log is complete (rule 2), and opens the gate once caught up, clearing
+    /// the durable flag first. `ask` asks the given peers once and returns who answered what;
+    /// `members` is the `--peer` list (this node included), the initial membership.
     pub async fn rejoin<F, Fut>(
         &self,
         raft: Raft,
+        me: NodeId,
         members: BTreeMap<NodeId, BasicNode>,
         mut ask: F,
         shutdown: CancellationToken,
     ) where
-        F: FnMut() -> Fut,
-        Fut: std::future::Future<Output = Vec<VoteReport>>,
+        F: FnMut(Vec<(NodeId, String)>) -> Fut,
+        Fut: std::future::Future<Output = Vec<(NodeId, VoteReport)>>,
     {
         let Some(store) = self.store.clone() else {
             return;
         };
         raft.runtime_config().elect(false);
-        let cluster_size = members.len();
         let kept = self.learned().proof;
         let proof = match kept {
             Some(proof) => {
@@ -306,21 +493,29 @@ impl VoteGate {
                 proof
             }
             None => {
-                let Some((proof, restore_id)) =
-                    ask_until_proven(cluster_size, &mut ask, &self.restore, &shutdown).await
+                let Some(learned) = self
+                    .ask_until_proven(&raft, me, &members, &mut ask, &shutdown)
+                    .await
                 else {
                     return;
+                };
+                let (proof, restore_id, found) = match learned {
+                    Answers::Proof(proof, id) => (proof, id, false),
+                    Answers::Found(proof, FoundingId::Adopt(id)) => (proof, Some(id), true),
+                    Answers::Found(proof, FoundingId::Draw) => {
+                        (proof, Some(super::restore_id::new_incarnation_id()), true)
+                    }
                 };
                 if let Some(id) = restore_id
                     && self.restore.get().is_none()
                 {
                     // On disk before anything depends on it: a restart must not forget which
-                    // restored cluster vouched for this node.
+                    // cluster incarnation vouched for this node (or which one it founded).
                     while let Err(e) = store.set_restore_id(&id).await {
                         tracing::error!(
                             error = %e,
-                            "lockd: recording the restore id learned from peers; taking no part \
-                             in replication until it is on disk"
+                            "lockd: recording the cluster incarnation id; taking no part in \
+                             replication until it is on disk"
                         );
                         tokio::select! {
                             _ = shutdown.cancelled() => return,
@@ -328,13 +523,13 @@ impl VoteGate {
                         }
                     }
                     if let Err(e) = self.restore.adopt(&id) {
-                        tracing::error!(error = %e, "lockd: taking the restore id");
+                        tracing::error!(error = %e, "lockd: taking the cluster incarnation id");
                         return;
                     }
                     tracing::info!(
                         restore_id = %id,
-                        "rejoining: the peers that vouched were restored from a backup; this \
-                         node keeps their restore id"
+                        "rejoining: this node keeps the cluster incarnation id of the peers that \
+                         vouched for it (or the one it founded with)"
                     );
                 }
                 tracing::info!(
@@ -358,13 +553,29 @@ impl VoteGate {
                     }
                 }
                 self.learned().proof = Some(proof);
+                if found {
+                    tracing::info!(
+                        peers = ?members.keys().collect::<Vec<_>>(),
+                        "lockd: every --peer node answered new (or founded with the same --peer \
+                         list): founding a new cluster"
+                    );
+                    if let Err(e) = raft.initialize(members.clone()).await {
+                        tracing::info!(error = %e, "initialize skipped");
+                    }
+                    if !self
+                        .wait_for_cofounders(&raft, me, &members, &mut ask, &shutdown)
+                        .await
+                    {
+                        return;
+                    }
+                }
                 proof
             }
         };
-        if proof.fresh_cluster()
-            && let Err(e) = raft.initialize(members).await
-        {
-            tracing::info!(error = %e, "initialize skipped");
+        if self.founding.join {
+            tracing::info!(
+                "lockd: --join: waiting for the leader to add this node (lockctl member add)"
+            );
         }
 
         let mut rx = raft.metrics();
@@ -403,55 +614,171 @@ impl VoteGate {
             }
         }
     }
-}
 
-/// Asks the peers until their answers make a proof; `None` on shutdown. With the proof, the
-/// restore id of the answers that made it.
-async fn ask_until_proven<F, Fut>(
-    cluster_size: usize,
-    ask: &mut F,
-    restore: &RestoreIdentity,
-    shutdown: &CancellationToken,
-) -> Option<(Proof, Option<String>)>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Vec<VoteReport>>,
-{
-    let mut last_log = tokio::time::Instant::now();
-    loop {
-        let reports = tokio::select! {
-            _ = shutdown.cancelled() => return None,
-            r = ask() => r,
-        };
-        if let Some(found) = proof_for(cluster_size, &reports, restore.get()) {
-            return Some(found);
-        }
-        if last_log.elapsed() >= WAIT_LOG_EVERY {
-            last_log = tokio::time::Instant::now();
-            let kept = reports
-                .iter()
-                .filter(|r| r.standing == Standing::KeptLog)
-                .count();
-            let other_restore = reports
-                .iter()
-                .filter(|r| restore.get().is_some() && r.restore_id.as_deref() != restore.get())
-                .count();
-            tracing::warn!(
-                answers = reports.len(),
-                from_peers_that_kept_their_log = kept,
-                from_peers_of_another_restore = other_restore,
-                needed = answers_needed(cluster_size),
-                "rejoining after an empty data dir: too few peers that kept their log \
-                 answered to know what the lost disk held (answers of peers that are \
-                 rejoining themselves count only when all are empty, as in a first \
-                 bootstrap); taking no part in replication until they do"
-            );
-        }
-        tokio::select! {
-            _ = shutdown.cancelled() => return None,
-            _ = tokio::time::sleep(ASK_RETRY) => {}
+    /// After founding, keeps elections off until every other `--peer` node has founded too
+    /// (answers with this node's incarnation id and nothing past the initial membership entry),
+    /// or a leader is known; `false` on shutdown. Without it the first founders could elect a
+    /// leader before the last one took the id: its own leader's heartbeats would then keep it
+    /// from founding, and it would need two peers that caught up to vouch for it, so one founder
+    /// lost right after the start would leave it waiting (seen in the membership suite).
+    async fn wait_for_cofounders<F, Fut>(
+        &self,
+        raft: &Raft,
+        me: NodeId,
+        flags: &BTreeMap<NodeId, BasicNode>,
+        ask: &mut F,
+        shutdown: &CancellationToken,
+    ) -> bool
+    where
+        F: FnMut(Vec<(NodeId, String)>) -> Fut,
+        Fut: std::future::Future<Output = Vec<(NodeId, VoteReport)>>,
+    {
+        let mut last_log = tokio::time::Instant::now();
+        loop {
+            if raft.metrics().borrow().current_leader.is_some() {
+                return true;
+            }
+            let reports = tokio::select! {
+                _ = shutdown.cancelled() => return false,
+                r = ask(whom_to_ask(me, flags, &[])) => r,
+            };
+            let waiting: Vec<NodeId> = flags
+                .keys()
+                .filter(|id| **id != me)
+                .filter(|id| {
+                    !reports.iter().any(|(p, r)| {
+                        p == *id
+                            && r.restore_id.as_deref() == self.restore.get()
+                            && r.last_log_id.is_some()
+                    })
+                })
+                .copied()
+                .collect();
+            if waiting.is_empty() {
+                return true;
+            }
+            if last_log.elapsed() >= WAIT_LOG_EVERY {
+                last_log = tokio::time::Instant::now();
+                tracing::warn!(
+                    ?waiting,
+                    "lockd: founded a new cluster; not campaigning until every --peer node has \
+                     founded it too"
+                );
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => return false,
+                _ = tokio::time::sleep(ASK_RETRY) => {}
+            }
         }
     }
+
+    /// Asks the peers until their answers make a proof, or show a new cluster to found; `None`
+    /// on shutdown.
+    async fn ask_until_proven<F, Fut>(
+        &self,
+        raft: &Raft,
+        me: NodeId,
+        flags: &BTreeMap<NodeId, BasicNode>,
+        ask: &mut F,
+        shutdown: &CancellationToken,
+    ) -> Option<Answers>
+    where
+        F: FnMut(Vec<(NodeId, String)>) -> Fut,
+        Fut: std::future::Future<Output = Vec<(NodeId, VoteReport)>>,
+    {
+        let mut last_log = tokio::time::Instant::now();
+        let mut reports: Vec<(NodeId, VoteReport)> = Vec::new();
+        // Everyone heard of so far: the flags and every node of every reported membership (kept
+        // across rounds, so a peer that does not answer once is not forgotten).
+        let mut known: BTreeMap<NodeId, String> = BTreeMap::new();
+        let mut own_log = self.store.clone()?;
+        loop {
+            known.extend(whom_to_ask(me, flags, &reports));
+            reports = tokio::select! {
+                _ = shutdown.cancelled() => return None,
+                r = ask(known.clone().into_iter().collect()) => r,
+            };
+            // A membership in this node's own log (it caught up partly before a crash) is a
+            // configuration it was part of, like a reported one.
+            let (own, vote_term) = {
+                let m = raft.metrics().borrow().clone();
+                (
+                    m.membership_config.membership().clone(),
+                    m.vote.leader_id().term,
+                )
+            };
+            if reports
+                .iter()
+                .any(|(_, r)| r.last_log_id.is_some_and(|l| l.index > 0))
+            {
+                // A cluster with history exists: this node tells its peers it is not new.
+                self.note_traffic();
+            }
+            let not_proven = match proof_for(me, flags, &own, &reports, self.restore.get()) {
+                Ok((proof, id)) => return Some(Answers::Proof(proof, id)),
+                Err(why) => why,
+            };
+            let own_answer = match own_log.get_log_state().await {
+                Ok(s) => self.founding_answer(s.last_log_id, vote_term),
+                Err(e) => {
+                    tracing::error!(error = %e, "lockd: reading the log state");
+                    None
+                }
+            };
+            let not_founding = match may_found(me, flags, &self.founding, own_answer, &reports) {
+                Ok(id) => {
+                    let proof = Proof {
+                        term: reports
+                            .iter()
+                            .map(|(_, r)| r.vote.leader_id().term)
+                            .max()
+                            .unwrap_or(0),
+                        log: None,
+                    };
+                    return Some(Answers::Found(proof, id));
+                }
+                Err(why) => why,
+            };
+            if last_log.elapsed() >= WAIT_LOG_EVERY {
+                last_log = tokio::time::Instant::now();
+                let kept = reports
+                    .iter()
+                    .filter(|(_, r)| r.standing == Standing::KeptLog)
+                    .count();
+                tracing::warn!(
+                    answered = ?reports.iter().map(|(id, _)| *id).collect::<Vec<_>>(),
+                    from_peers_that_kept_their_log = kept,
+                    "lockd: rejoining after an empty data dir: too few peers that kept their log \
+                     answered to know what the lost disk held ({not_proven}); not founding a new \
+                     cluster either ({not_founding}); taking no part in replication until then"
+                );
+                if self.founding.join {
+                    tracing::warn!(
+                        "lockd: --join: no member of a running cluster has vouched yet; check \
+                         that --peer names current members"
+                    );
+                } else if let Some(nodes) = not_a_member(me, &reports) {
+                    tracing::warn!(
+                        "lockd: this node ({me}) is not in the membership its peers report \
+                         (nodes {nodes:?}): `lockctl member add {me}=HOST:PORT` it and restart \
+                         it with --join"
+                    );
+                }
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => return None,
+                _ = tokio::time::sleep(ASK_RETRY) => {}
+            }
+        }
+    }
+}
+
+/// What a rejoining node learned from its peers' answers.
+enum Answers {
+    /// The proof, and the restore id of the answers that made it.
+    Proof(Proof, Option<String>),
+    /// A new cluster to found, with the incarnation id to take.
+    Found(Proof, FoundingId),
 }
 
 /// Rule 3: nothing before the proof, and no leader of an older term after it.
@@ -513,66 +840,287 @@ fn may_campaign(own_last_log: Option<LogId>, proof: &Proof) -> bool {
 }
 
 /// Peers whose answers always include a member of any majority other than this node:
-/// `n - majority + 1`, where the majority counts this node.
+/// `n - majority + 1` of a configuration of `n` voters, where the majority counts this node.
 fn answers_needed(cluster_size: usize) -> usize {
     let majority = cluster_size / 2 + 1;
     cluster_size - majority + 1
 }
 
-/// What the answers of the peers with this node's restore id (`own`) prove; a node without one
-/// (a wiped node) tries the answers of each restore id, and gets back the id whose answers
-/// proved (see "Restored clusters" in the module docs).
+/// What the answers of the peers with this node's restore id (`own_id`) prove; a node without
+/// one (a wiped node, a joiner) tries the answers of each restore id, and gets back the id whose
+/// answers proved (see "Restored clusters" in the module docs). The error says what is missing,
+/// for the log.
 fn proof_for(
-    cluster_size: usize,
-    reports: &[VoteReport],
-    own: Option<&str>,
-) -> Option<(Proof, Option<String>)> {
-    let mut ids: Vec<Option<&str>> = vec![own];
-    if own.is_none() {
-        for r in reports {
+    me: NodeId,
+    flags: &BTreeMap<NodeId, BasicNode>,
+    own: &openraft::Membership<NodeId, BasicNode>,
+    reports: &[(NodeId, VoteReport)],
+    own_id: Option<&str>,
+) -> Result<(Proof, Option<String>), String> {
+    let mut ids: Vec<Option<&str>> = vec![own_id];
+    if own_id.is_none() {
+        for (_, r) in reports {
             if !ids.contains(&r.restore_id.as_deref()) {
                 ids.push(r.restore_id.as_deref());
             }
         }
     }
-    ids.into_iter().find_map(|id| {
-        let group: Vec<VoteReport> = reports
+    let mut first_error = None;
+    for id in ids {
+        let group: Vec<(NodeId, VoteReport)> = reports
             .iter()
-            .filter(|r| r.restore_id.as_deref() == id)
+            .filter(|(_, r)| r.restore_id.as_deref() == id)
             .cloned()
             .collect();
-        proof_from(cluster_size, &group).map(|p| (p, id.map(str::to_owned)))
+        // A wiped node's own "no id" group is empty beside restored or founded peers: its error
+        // ("no answer holds a membership") would hide the one that says what is missing.
+        if group.is_empty() && own_id.is_none() && !reports.is_empty() {
+            continue;
+        }
+        match proof_from(me, flags, own, &group) {
+            Ok(p) => return Ok((p, id.map(str::to_owned))),
+            Err(e) => {
+                first_error.get_or_insert(e);
+            }
+        }
+    }
+    Err(first_error.unwrap_or_else(|| "no answer".to_owned()))
+}
+
+/// What the answers prove, if there are enough of them for every configuration this node's log
+/// and the answers hold: `n - majority + 1` answers of its voters other than this node, from
+/// peers that kept their log (see the module docs). Answers of rejoining peers and of older
+/// nodes, which do not say, never count; their terms and log ids still enter the bound (they
+/// come from real candidates and leaders, so they can only raise it). Otherwise which
+/// configuration lacks answers, for the log.
+fn proof_from(
+    me: NodeId,
+    flags: &BTreeMap<NodeId, BasicNode>,
+    own: &openraft::Membership<NodeId, BasicNode>,
+    reports: &[(NodeId, VoteReport)],
+) -> Result<Proof, String> {
+    let configs = configurations(flags, own, reports);
+    if configs.is_empty() {
+        return Err("no answer holds a membership".to_owned());
+    }
+    for config in configs {
+        if config.len() == 1 && config.contains(&me) {
+            return Err(format!(
+                "node {me} was the only voter and lost its disk, so the only copy of what was \
+                 committed is gone; restore the cluster from a backup"
+            ));
+        }
+        let answered = reports
+            .iter()
+            .filter(|(id, r)| *id != me && config.contains(id) && r.standing == Standing::KeptLog)
+            .count();
+        let needed = answers_needed(config.len());
+        if answered < needed {
+            return Err(format!(
+                "{needed} of voters {:?} (other than node {me}) that kept their log, {answered} \
+                 answered",
+                config.iter().collect::<Vec<_>>()
+            ));
+        }
+    }
+    Ok(Proof {
+        term: reports
+            .iter()
+            .map(|(_, r)| r.vote.leader_id().term)
+            .max()
+            .unwrap_or(0),
+        log: reports.iter().filter_map(|(_, r)| r.last_log_id).max(),
     })
 }
 
-/// What the answers prove, if there are enough of them: `n - majority + 1` from peers that kept
-/// their log, or, for a first bootstrap, answers of every peer, each rejoining and holding
-/// nothing past the initial membership entry (see the module docs). Answers of older nodes,
-/// which do not say, count for neither.
-fn proof_from(cluster_size: usize, reports: &[VoteReport]) -> Option<Proof> {
-    let needed = answers_needed(cluster_size);
-    let holding = reports
+/// Every voter configuration this node's log and the answers hold (both halves of a joint one).
+/// A lockd before runtime membership reports none: its configuration is the `--peer` list, which
+/// it could never change.
+fn configurations(
+    flags: &BTreeMap<NodeId, BasicNode>,
+    own: &openraft::Membership<NodeId, BasicNode>,
+    reports: &[(NodeId, VoteReport)],
+) -> BTreeSet<BTreeSet<NodeId>> {
+    let mut configs: BTreeSet<BTreeSet<NodeId>> = reports
         .iter()
-        .filter(|r| r.standing == Standing::KeptLog)
-        .count();
-    let first_bootstrap = reports.len() >= cluster_size - 1
-        && reports.iter().all(|r| {
-            r.standing == Standing::Rejoining && r.last_log_id.is_none_or(|l| l.index == 0)
-        });
-    // A single node that lost its disk has nobody to ask: it is a new cluster.
-    if cluster_size > 1 && holding < needed && !first_bootstrap {
+        .filter_map(|(_, r)| r.membership.as_ref())
+        .chain(std::iter::once(own))
+        .flat_map(|m| m.get_joint_config().iter().cloned())
+        .filter(|c| !c.is_empty())
+        .collect();
+    if reports
+        .iter()
+        .any(|(_, r)| r.membership.is_none() && r.last_log_id.is_some())
+    {
+        configs.insert(flags.keys().copied().collect());
+    }
+    configs
+}
+
+/// Whether this node may found a new cluster now, and with which incarnation id: it is new
+/// itself (`own_answer`), its `--peer` list names another node, and every other node of it
+/// answered new with the same list or founded with exactly that membership (see "Founding" in
+/// the module docs). The error says why not and what the operator should do, for the log.
+fn may_found(
+    me: NodeId,
+    flags: &BTreeMap<NodeId, BasicNode>,
+    founding: &Founding,
+    own_answer: Option<[u8; 32]>,
+    reports: &[(NodeId, VoteReport)],
+) -> Result<FoundingId, String> {
+    const ADVICE: &str = "if this node is a member of a running cluster that lost its disk, \
+        restart it with the current members in --peer (`lockctl member list`); if it is not a \
+        member, `lockctl member add` it and restart it with --join";
+    if founding.join {
+        return Err("--join never founds".to_owned());
+    }
+    if flags.keys().all(|id| *id == me) {
+        return Err(format!(
+            "--peer names this node alone, and a single-node cluster is founded only by `lockd \
+             init` on its data dir before its first start; {ADVICE}"
+        ));
+    }
+    if own_answer.is_none() {
+        return Err(format!(
+            "this node has seen a leader's messages or a peer with history (or is still waiting \
+             out its quiet period); {ADVICE}"
+        ));
+    }
+    let mut silent = Vec::new();
+    let mut founded_ids = BTreeSet::new();
+    for id in flags.keys().filter(|id| **id != me) {
+        let Some((_, r)) = reports.iter().find(|(p, _)| p == id) else {
+            silent.push(*id);
+            continue;
+        };
+        if r.joining {
+            return Err(format!(
+                "--peer node {id} was started with --join, so a cluster exists that this node's \
+                 --peer list does not name; {ADVICE}"
+            ));
+        }
+        if r.standing != Standing::Rejoining {
+            return Err(format!(
+                "--peer node {id} kept a log (or is an older lockd that does not say); {ADVICE}"
+            ));
+        }
+        if r.last_log_id.is_none() {
+            match r.founding {
+                Some(d) if d == founding.digest && r.vote.leader_id().term == 0 => {}
+                Some(d) if d != founding.digest => {
+                    return Err(format!(
+                        "--peer node {id} was started with another --peer list; give every node \
+                         of a new cluster the same list"
+                    ));
+                }
+                _ => {
+                    return Err(format!(
+                        "--peer node {id} is not new (it has seen a leader's messages or a peer \
+                         with history, or is still waiting out its quiet period); {ADVICE}"
+                    ));
+                }
+            }
+            continue;
+        }
+        // A founder: nothing past the initial membership entry, which is exactly our list.
+        let founded = r.last_log_id.is_some_and(|l| l.index == 0)
+            && r.membership
+                .as_ref()
+                .is_some_and(|m| same_as_flags(m, flags));
+        match (&r.restore_id, founded) {
+            (Some(x), true) => {
+                founded_ids.insert(x.clone());
+            }
+            _ => {
+                return Err(format!(
+                    "--peer node {id} holds a log that is not the founding of this --peer list; \
+                     {ADVICE}"
+                ));
+            }
+        }
+    }
+    if !silent.is_empty() {
+        return Err(format!(
+            "waiting for every --peer node to answer before founding a new cluster (not yet: \
+             {silent:?}); a node holding the cluster's log would show this one is rejoining"
+        ));
+    }
+    let mut ids = founded_ids.into_iter();
+    match (ids.next(), ids.next()) {
+        (Some(x), None) => Ok(FoundingId::Adopt(x)),
+        (Some(x), Some(y)) => Err(format!(
+            "the founders answered with two cluster incarnation ids ({x} and {y}): two clusters \
+             were founded on these addresses; stop them, wipe the data dirs of the one to drop \
+             and start its nodes again"
+        )),
+        (None, _) => {
+            let first = flags.keys().next().copied().unwrap_or(me);
+            if first == me {
+                Ok(FoundingId::Draw)
+            } else {
+                Err(format!(
+                    "every --peer node answered new; node {first}, the lowest id of the list, \
+                     founds first and draws the cluster incarnation id, and this node then takes it"
+                ))
+            }
+        }
+    }
+}
+
+/// Whether a reported membership is exactly the `--peer` list: one configuration of all its
+/// nodes as voters, at the same addresses (the initial membership a founder proposed).
+fn same_as_flags(
+    m: &openraft::Membership<NodeId, BasicNode>,
+    flags: &BTreeMap<NodeId, BasicNode>,
+) -> bool {
+    let voters: BTreeSet<NodeId> = flags.keys().copied().collect();
+    m.get_joint_config().len() == 1
+        && m.get_joint_config()[0] == voters
+        && m.nodes().count() == flags.len()
+        && m.nodes()
+            .all(|(id, n)| flags.get(id).is_some_and(|f| f.addr == n.addr))
+}
+
+/// The nodes of the memberships the answers report, if this node is in none of them (it was
+/// removed, or its flags predate the cluster it talks to).
+fn not_a_member(me: NodeId, reports: &[(NodeId, VoteReport)]) -> Option<Vec<NodeId>> {
+    let memberships: Vec<_> = reports
+        .iter()
+        .filter_map(|(_, r)| r.membership.as_ref())
+        .filter(|m| m.nodes().next().is_some())
+        .collect();
+    if memberships.is_empty()
+        || memberships
+            .iter()
+            .any(|m| m.nodes().any(|(id, _)| *id == me))
+    {
         return None;
     }
-    // The bound comes from the holding answers; a rejoining peer's vote and entries came from
-    // real candidates and leaders, so counting them too can only raise it.
-    Some(Proof {
-        term: reports
-            .iter()
-            .map(|r| r.vote.leader_id().term)
-            .max()
-            .unwrap_or(0),
-        log: reports.iter().filter_map(|r| r.last_log_id).max(),
-    })
+    let nodes: BTreeSet<NodeId> = memberships
+        .iter()
+        .flat_map(|m| m.nodes().map(|(id, _)| *id))
+        .collect();
+    Some(nodes.into_iter().collect())
+}
+
+/// The peers to ask: the `--peer` list and every node of every reported membership (its address
+/// there, which is the cluster's, before the flag's).
+fn whom_to_ask(
+    me: NodeId,
+    flags: &BTreeMap<NodeId, BasicNode>,
+    reports: &[(NodeId, VoteReport)],
+) -> Vec<(NodeId, String)> {
+    let mut targets: BTreeMap<NodeId, String> =
+        flags.iter().map(|(id, n)| (*id, n.addr.clone())).collect();
+    for (_, r) in reports {
+        if let Some(m) = &r.membership {
+            for (id, node) in m.nodes().filter(|(_, n)| !n.addr.is_empty()) {
+                targets.insert(*id, node.addr.clone());
+            }
+        }
+    }
+    targets.remove(&me);
+    targets.into_iter().collect()
 }
 
 /// Caught up: applied the learned target, or leading (a leader holds every committed entry).
@@ -589,12 +1137,17 @@ mod tests {
         LogId::new(CommittedLeaderId::new(term, 1), index)
     }
 
+    /// The answer of a peer that kept its log, without a membership (set one with
+    /// [`with_membership`]; [`prove`] gives every answer the membership of the `--peer` list).
     fn report(term: u64, last: Option<(u64, u64)>) -> VoteReport {
         VoteReport {
             vote: openraft::Vote::new(term, 1),
             last_log_id: last.map(|(t, i)| log_id(t, i)),
             standing: Standing::KeptLog,
             restore_id: None,
+            membership: None,
+            joining: false,
+            founding: None,
         }
     }
 
@@ -606,6 +1159,83 @@ mod tests {
         }
     }
 
+    /// No membership in this node's own log.
+    fn none() -> openraft::Membership<NodeId, BasicNode> {
+        openraft::Membership::new(vec![BTreeSet::new()], ())
+    }
+
+    /// A `--peer` list of nodes `ids`.
+    fn flags(ids: &[NodeId]) -> BTreeMap<NodeId, BasicNode> {
+        ids.iter()
+            .map(|id| (*id, BasicNode::new(format!("node{id}:7000"))))
+            .collect()
+    }
+
+    fn founding(ids: &[NodeId], join: bool) -> Founding {
+        let peers: BTreeMap<NodeId, String> =
+            flags(ids).into_iter().map(|(id, n)| (id, n.addr)).collect();
+        Founding::new(join, &peers, Duration::ZERO)
+    }
+
+    /// The answer of an empty node with `--peer` list `ids` (a new one if `join` is false).
+    fn empty(ids: &[NodeId], join: bool) -> VoteReport {
+        let f = founding(ids, join);
+        VoteReport {
+            vote: openraft::Vote::default(),
+            last_log_id: None,
+            standing: Standing::Rejoining,
+            restore_id: None,
+            membership: Some(none()),
+            joining: join,
+            founding: f.answer(None, 0),
+        }
+    }
+
+    /// The answer of a node that founded a cluster of `ids` with incarnation id `id` and has not
+    /// caught up yet.
+    fn founded(ids: &[NodeId], id: &str) -> VoteReport {
+        VoteReport {
+            restore_id: Some(id.to_owned()),
+            ..with_membership(rejoining(1, Some((0, 0))), &[ids], &[])
+        }
+    }
+
+    /// Answers from `ids`, all alike.
+    fn from(ids: &[NodeId], r: VoteReport) -> Vec<(NodeId, VoteReport)> {
+        ids.iter().map(|id| (*id, r.clone())).collect()
+    }
+
+    fn with_membership(
+        mut r: VoteReport,
+        configs: &[&[NodeId]],
+        learners: &[NodeId],
+    ) -> VoteReport {
+        let joint: Vec<BTreeSet<NodeId>> = configs
+            .iter()
+            .map(|c| c.iter().copied().collect())
+            .collect();
+        let nodes: BTreeMap<NodeId, BasicNode> = joint
+            .iter()
+            .flatten()
+            .chain(learners)
+            .map(|id| (*id, BasicNode::new(format!("node{id}:7000"))))
+            .collect();
+        r.membership = Some(openraft::Membership::new(joint, nodes));
+        r
+    }
+
+    /// Node 1 of `n` voters (1..=n) asks; the answers come from nodes 2, 3, ... in order, each
+    /// with the membership of all `n` (as a peer of this release reports it).
+    fn prove(n: u64, answers: &[VoteReport]) -> Option<Proof> {
+        let ids: Vec<NodeId> = (1..=n).collect();
+        let answers: Vec<(NodeId, VoteReport)> = answers
+            .iter()
+            .zip(2..)
+            .map(|(r, id)| (id, with_membership(r.clone(), &[&ids], &[])))
+            .collect();
+        proof_from(1, &flags(&ids), &none(), &answers).ok()
+    }
+
     fn closed_gate(proof: Option<Proof>) -> VoteGate {
         VoteGate {
             open: AtomicBool::new(false),
@@ -615,6 +1245,7 @@ mod tests {
             }),
             store: None,
             restore: Arc::new(RestoreIdentity::new(None)),
+            founding: founding(&[1, 2, 3], false),
         }
     }
 
@@ -645,25 +1276,40 @@ mod tests {
         assert_eq!(answers_needed(1), 1);
         assert_eq!(answers_needed(3), 2);
         assert_eq!(answers_needed(5), 3);
-        // A single node that lost its disk is a new cluster.
-        assert!(proof_from(1, &[]).unwrap().fresh_cluster());
+        // A single node that lost its disk has nobody to ask: nothing is proven.
+        assert!(proof_from(1, &flags(&[1]), &none(), &[]).is_err());
         // Three nodes: one answer is not enough, whatever it says: the silent peer may hold
         // the log (review: a peer lagging at index 0 looks like a new cluster).
-        assert_eq!(proof_from(3, &[report(4, Some((4, 90)))]), None);
-        assert_eq!(proof_from(3, &[report(1, Some((0, 0)))]), None);
-        assert_eq!(proof_from(3, &[]), None);
-        let p = proof_from(3, &[report(4, Some((4, 90))), report(9, Some((0, 0)))]).unwrap();
+        assert_eq!(prove(3, &[report(4, Some((4, 90)))]), None);
+        assert_eq!(prove(3, &[report(1, Some((0, 0)))]), None);
+        assert_eq!(prove(3, &[]), None);
+        let p = prove(3, &[report(4, Some((4, 90))), report(9, Some((0, 0)))]).unwrap();
         assert_eq!(p.term, 9);
         assert_eq!(p.log, Some(log_id(4, 90)));
-        assert!(!p.fresh_cluster());
-        // Every answering peer holds at most the initial membership: a first bootstrap.
-        let p = proof_from(3, &[report(1, Some((0, 0))), report(0, None)]).unwrap();
-        assert!(p.fresh_cluster());
         // Five nodes: three answers.
-        assert_eq!(
-            proof_from(5, &[report(1, Some((1, 5))), report(1, None)]),
-            None
+        assert_eq!(prove(5, &[report(1, Some((1, 5))), report(1, None)]), None);
+        assert!(
+            prove(
+                5,
+                &[
+                    report(1, Some((1, 5))),
+                    report(1, None),
+                    report(1, Some((1, 4)))
+                ]
+            )
+            .is_some()
         );
+        // (Answers of a lockd before runtime membership: its configuration is the --peer list.)
+        let three = flags(&[1, 2, 3]);
+        let old = vec![(2, report(4, Some((4, 90)))), (3, report(9, Some((0, 0))))];
+        assert_eq!(
+            proof_from(1, &three, &none(), &old).unwrap().log,
+            Some(log_id(4, 90))
+        );
+        assert!(proof_from(1, &three, &none(), &old[..1]).is_err());
+        // Answers of empty nodes carry no membership: they prove nothing, however many.
+        let answers = vec![(2, empty(&[1, 2, 3], false)), (3, empty(&[1, 2, 3], false))];
+        assert!(proof_from(1, &three, &none(), &answers).is_err());
     }
 
     /// Five voters; entry 3-100 committed by {1, 4, 5}; nodes 4 and 5 lose their disks (two
@@ -678,20 +1324,11 @@ mod tests {
         // Node 5 empty, or partway through catching up: either way its answer does not count.
         for n5 in [rejoining(0, None), rejoining(3, Some((3, 60)))] {
             let early = [n2.clone(), n3.clone(), n5.clone()];
-            assert_eq!(proof_from(5, &early), None, "node 5 answered {n5:?}");
-            let p = proof_from(5, &[n2.clone(), n3.clone(), n5, n1.clone()]).unwrap();
+            assert_eq!(prove(5, &early), None, "node 5 answered {n5:?}");
+            let p = prove(5, &[n2.clone(), n3.clone(), n5, n1.clone()]).unwrap();
             assert_eq!(p.log, Some(log_id(3, 100)));
             assert_eq!(p.term, 3);
-            assert!(!p.fresh_cluster());
         }
-        // Two peers lagging at the initial membership entry and a rejoining one: not a new
-        // cluster, whatever they say (node 1 may hold commits they never saw).
-        let lagging = [
-            report(1, Some((0, 0))),
-            report(1, Some((0, 0))),
-            rejoining(0, None),
-        ];
-        assert_eq!(proof_from(5, &lagging), None);
     }
 
     /// Three voters: one wiped node and another wiped node is beyond what Raft tolerates (an
@@ -702,85 +1339,213 @@ mod tests {
     fn three_nodes_a_second_wiped_node_does_not_complete_the_proof() {
         let holder = report(4, Some((4, 90)));
         for other in [rejoining(0, None), rejoining(4, Some((4, 30)))] {
-            assert_eq!(proof_from(3, &[other.clone(), holder.clone()]), None);
+            assert_eq!(prove(3, &[other.clone(), holder.clone()]), None);
         }
-        // Even if the only node that kept its log lags at the initial membership entry.
         assert_eq!(
-            proof_from(3, &[rejoining(0, None), report(1, Some((0, 0)))]),
+            prove(3, &[rejoining(0, None), report(1, Some((0, 0)))]),
             None
         );
-        let p = proof_from(3, &[report(4, Some((4, 90))), holder]).unwrap();
+        let p = prove(3, &[report(4, Some((4, 90))), holder]).unwrap();
         assert_eq!(p.log, Some(log_id(4, 90)));
     }
 
-    /// A first bootstrap: every node starts empty, so every answer is a rejoining one, and the
-    /// cluster still forms once every peer answered, all empty.
+    /// An older node's answer (no `kept_log`) vouches for nothing: not for what the cluster
+    /// committed, and not for founding.
     #[test]
-    fn a_first_bootstrap_forms_on_rejoining_answers_that_are_all_empty() {
-        let p = proof_from(3, &[rejoining(0, None), rejoining(1, Some((0, 0)))]).unwrap();
-        assert!(p.fresh_cluster());
-        assert_eq!(p.term, 1);
-        assert_eq!(
-            proof_from(3, &[rejoining(0, None)]),
-            None,
-            "too few answers"
-        );
-        // Five voters: every peer must answer, not only three. Review schedule: nodes 1-3
-        // committed tokens while 4 and 5 had not caught up; nodes 1 and 2 lose their disks; node
-        // 3, which holds the commits, is slow to answer. Node 2 hears only the empty nodes 1, 4
-        // and 5, and must not take that for a new cluster.
-        let empty = || rejoining(0, None);
-        assert_eq!(proof_from(5, &[empty(), empty(), empty()]), None);
-        let p = proof_from(5, &[empty(), empty(), empty(), empty()]);
-        assert!(p.unwrap().fresh_cluster());
-        assert_eq!(
-            proof_from(5, &[empty(), empty(), empty(), rejoining(1, Some((1, 2)))]),
-            None,
-            "node 3 answers: the cluster has history"
-        );
-        // A rejoining peer that already holds entries: the cluster has history.
-        assert_eq!(
-            proof_from(3, &[rejoining(0, None), rejoining(2, Some((2, 7)))]),
-            None
-        );
-    }
-
-    /// The answer of an older node, which does not say whether it kept its log.
-    fn older(term: u64, last: Option<(u64, u64)>) -> VoteReport {
-        VoteReport {
+    fn an_older_nodes_answer_counts_for_neither_proof_nor_founding() {
+        let older = |term, last| VoteReport {
             standing: Standing::Unknown,
             ..report(term, last)
-        }
-    }
-
-    /// An older node's answer (no `kept_log`) vouches for nothing: not for what the cluster
-    /// committed, and not for a first bootstrap. Read as "kept its log", it would reopen the
-    /// five-voter hole in a mixed cluster; read as "rejoining", an older peer lagging at the
-    /// initial membership entry would pass for a new cluster.
-    #[test]
-    fn an_older_nodes_answer_counts_for_neither_proof_nor_bootstrap() {
+        };
         assert_eq!(Standing::from_kept_log(None), Standing::Unknown);
         assert_eq!(Standing::from_kept_log(Some(true)), Standing::KeptLog);
         assert_eq!(Standing::from_kept_log(Some(false)), Standing::Rejoining);
         let (n2, n3) = (report(3, Some((3, 99))), report(3, Some((3, 99))));
         assert_eq!(
-            proof_from(5, &[n2.clone(), n3.clone(), older(3, Some((3, 99)))]),
+            prove(5, &[n2.clone(), n3.clone(), older(3, Some((3, 99)))]),
             None
         );
-        assert!(proof_from(5, &[n2, n3, report(3, Some((3, 100)))]).is_some());
+        assert!(prove(5, &[n2, n3, report(3, Some((3, 100)))]).is_some());
+        let ids = [1, 2, 3];
+        let me = founding(&ids, false);
+        let own = me.answer(None, 0);
+        let answers = vec![(2, empty(&ids, false)), (3, older(0, None))];
+        assert!(may_found(1, &flags(&ids), &me, own, &answers).is_err());
+    }
+
+    /// With runtime membership the configuration comes from the answers, not from `--peer`.
+    #[test]
+    fn the_reported_membership_decides_whom_to_ask_and_how_many_must_answer() {
+        // Node 4 joins with `--peer 4=.. --peer 1=..`; the cluster is {1, 2, 3}.
+        let joiner = flags(&[4, 1]);
+        let c123 = with_membership(report(5, Some((5, 700))), &[&[1, 2, 3]], &[]);
+        // Node 1 alone reports {1, 2, 3}: two of them must answer, and 2 and 3 are asked next.
+        let answers = from(&[1], c123.clone());
+        let e = proof_from(4, &joiner, &none(), &answers).unwrap_err();
+        assert!(e.contains("[1, 2, 3]") && e.contains("1 answered"), "{e}");
+        let asked: Vec<NodeId> = whom_to_ask(4, &joiner, &answers)
+            .into_iter()
+            .map(|(id, _)| id)
+            .collect();
+        assert_eq!(asked, [1, 2, 3]);
+        let p = proof_from(4, &joiner, &none(), &from(&[1, 3], c123.clone())).unwrap();
+        assert_eq!(p.log, Some(log_id(5, 700)));
+        // A rejoining member's answer does not count.
+        let c123_rejoining = VoteReport {
+            standing: Standing::Rejoining,
+            ..c123.clone()
+        };
+        let answers = vec![(1, c123.clone()), (3, c123_rejoining)];
+        assert!(proof_from(4, &joiner, &none(), &answers).is_err());
+        // A joint change reported by one peer needs answers from both halves.
+        let joint = with_membership(report(6, Some((6, 800))), &[&[1, 2, 3], &[1, 2, 4]], &[]);
+        let answers = vec![(1, joint.clone()), (3, c123.clone())];
+        let e = proof_from(5, &flags(&[5, 1]), &none(), &answers).unwrap_err();
+        assert!(e.contains("[1, 2, 4]"), "{e}");
+        let answers = vec![(1, joint.clone()), (2, joint), (3, c123)];
+        assert!(proof_from(5, &flags(&[5, 1]), &none(), &answers).is_ok());
+        // Learners are asked but not counted: only voters hold commits.
+        let with_learner = with_membership(report(6, Some((6, 900))), &[&[1, 2, 3]], &[7]);
+        let answers = vec![(1, with_learner.clone()), (7, with_learner)];
+        assert!(proof_from(4, &joiner, &none(), &answers).is_err());
+        assert!(
+            whom_to_ask(4, &joiner, &answers)
+                .iter()
+                .any(|(id, addr)| *id == 7 && addr == "node7:7000")
+        );
+    }
+
+    /// Founding needs every other `--peer` node to answer new with the same list, or founded
+    /// with exactly that membership; the word of a joiner, a peer with a log, a vote or another
+    /// list, a silent peer or a lone flag never founds (the HIGH finding on the membership
+    /// patch). The lowest id draws the incarnation id; the others take it from a founder.
+    #[test]
+    fn a_new_cluster_is_founded_only_when_every_peer_answers_new_with_the_same_list() {
+        let ids = [1, 2, 3];
+        let me = founding(&ids, false);
+        let own = me.answer(None, 0);
+        assert!(own.is_some());
+        let new = |id| (id, empty(&ids, false));
         assert_eq!(
-            proof_from(
-                5,
-                &[
-                    rejoining(0, None),
-                    rejoining(0, None),
-                    rejoining(0, None),
-                    older(1, Some((0, 0)))
-                ]
-            ),
-            None
+            may_found(1, &flags(&ids), &me, own, &[new(2), new(3)]),
+            Ok(FoundingId::Draw)
         );
-        assert_eq!(proof_from(3, &[older(0, None), older(0, None)]), None);
+        // Not the lowest id: wait for node 1 to found, then take its id.
+        let e = may_found(2, &flags(&ids), &me, own, &[new(1), new(3)]).unwrap_err();
+        assert!(e.contains("node 1"), "{e}");
+        assert_eq!(
+            may_found(
+                2,
+                &flags(&ids),
+                &me,
+                own,
+                &[(1, founded(&ids, "x1")), new(3)]
+            ),
+            Ok(FoundingId::Adopt("x1".into()))
+        );
+        // Two founders with different ids: refused.
+        let two = [(1, founded(&ids, "x1")), (3, founded(&ids, "x3"))];
+        assert!(may_found(2, &flags(&ids), &me, own, &two).is_err());
+        // A founder of another list, or one that kept its log, or one past index 0: refused.
+        let other = (1, founded(&[1, 2, 3, 4], "x1"));
+        assert!(may_found(2, &flags(&ids), &me, own, &[other, new(3)]).is_err());
+        let kept = VoteReport {
+            standing: Standing::KeptLog,
+            ..founded(&ids, "x1")
+        };
+        assert!(may_found(2, &flags(&ids), &me, own, &[(1, kept), new(3)]).is_err());
+        let past = VoteReport {
+            last_log_id: Some(log_id(1, 1)),
+            ..founded(&ids, "x1")
+        };
+        assert!(may_found(2, &flags(&ids), &me, own, &[(1, past), new(3)]).is_err());
+        // A silent peer: wait (it may hold the log).
+        let e = may_found(1, &flags(&ids), &me, own, &[new(2)]).unwrap_err();
+        assert!(e.contains("[3]"), "{e}");
+        // A joiner's answer never counts.
+        let e = may_found(1, &flags(&ids), &me, own, &[new(2), (3, empty(&ids, true))]);
+        assert!(e.unwrap_err().contains("--join"));
+        // A peer with a log or a vote.
+        let with_log = (3, rejoining(0, Some((0, 0))));
+        assert!(may_found(1, &flags(&ids), &me, own, &[new(2), with_log]).is_err());
+        let mut voted = empty(&ids, false);
+        voted.vote = openraft::Vote::new(4, 2);
+        voted.founding = None;
+        assert!(may_found(1, &flags(&ids), &me, own, &[new(2), (3, voted)]).is_err());
+        // Another --peer list.
+        let other = (3, empty(&[1, 2, 3, 4], false));
+        let e = may_found(1, &flags(&ids), &me, own, &[new(2), other]).unwrap_err();
+        assert!(e.contains("another"), "{e}");
+        // A peer that says it is not new (it saw a leader's messages).
+        let mut seen = empty(&ids, false);
+        seen.founding = None;
+        assert!(may_found(1, &flags(&ids), &me, own, &[new(2), (3, seen)]).is_err());
+        // This node saw a leader's messages, or is itself a joiner.
+        me.seen_traffic.store(true, Ordering::Release);
+        assert_eq!(me.answer(None, 0), None);
+        assert!(may_found(1, &flags(&ids), &me, None, &[new(2), new(3)]).is_err());
+        let joiner = founding(&ids, true);
+        assert_eq!(joiner.answer(None, 0), None);
+        assert!(may_found(1, &flags(&ids), &joiner, None, &[new(2), new(3)]).is_err());
+        // A node with a log, a vote, or within its quiet period does not offer to found.
+        let f = founding(&ids, false);
+        assert_eq!(f.answer(Some(log_id(0, 0)), 0), None);
+        assert_eq!(f.answer(None, 1), None);
+        let quiet = Founding::new(false, &BTreeMap::new(), Duration::from_secs(60));
+        assert_eq!(quiet.answer(None, 0), None);
+        // One node alone founds only by `lockd init`.
+        let alone = founding(&[1], false);
+        let e = may_found(1, &flags(&[1]), &alone, alone.answer(None, 0), &[]).unwrap_err();
+        assert!(e.contains("lockd init"), "{e}");
+    }
+
+    /// A node that has an incarnation (or restore) id belongs to a cluster: it never offers to
+    /// found, even with an empty log (a wiped node that learned the id before any entry).
+    #[test]
+    fn a_node_with_an_incarnation_id_never_offers_to_found() {
+        let gate = closed_gate(None);
+        let empty = openraft::Vote::default();
+        assert!(gate.report(empty, None, none()).founding.is_some());
+        gate.restore.adopt("x1").unwrap();
+        assert!(gate.report(empty, None, none()).founding.is_none());
+        assert_eq!(gate.founding_answer(None, 0), None);
+    }
+
+    /// A configuration whose only voter is this node is never proven; a membership that names
+    /// this node nowhere is reported.
+    #[test]
+    fn a_lost_sole_voter_is_never_proven() {
+        let sole = with_membership(report(3, Some((3, 50))), &[&[1]], &[2]);
+        let e = proof_from(1, &flags(&[1]), &none(), &[(2, sole)]).unwrap_err();
+        assert!(e.contains("only voter"), "{e}");
+        let c245 = with_membership(report(3, Some((3, 50))), &[&[2, 4, 5]], &[]);
+        assert_eq!(not_a_member(1, &[(2, c245.clone())]), Some(vec![2, 4, 5]));
+        assert_eq!(not_a_member(4, &[(2, c245)]), None);
+    }
+
+    /// An answer of a lockd before runtime membership still decodes, and a new answer's leading
+    /// fields decode as the old type.
+    #[test]
+    fn vote_reports_decode_across_releases() {
+        #[derive(Serialize, Deserialize, PartialEq, Debug)]
+        struct Old {
+            vote: openraft::Vote<NodeId>,
+            last_log_id: Option<LogId>,
+        }
+        let old = Old {
+            vote: openraft::Vote::new(3, 2),
+            last_log_id: Some(log_id(3, 40)),
+        };
+        let decoded = VoteReport::decode(&postcard::to_allocvec(&old).unwrap()).unwrap();
+        assert_eq!(decoded.vote, old.vote);
+        assert_eq!(decoded.membership, None);
+        let new = with_membership(report(3, Some((3, 40))), &[&[1, 2, 3]], &[]);
+        let bytes = postcard::to_allocvec(&new).unwrap();
+        let back = VoteReport::decode(&bytes).unwrap();
+        assert_eq!(back.membership, new.membership);
+        assert_eq!(back.last_log_id, new.last_log_id);
+        let as_old: Old = postcard::from_bytes(&bytes).unwrap();
+        assert_eq!(as_old.last_log_id, new.last_log_id);
     }
 
     /// Goal: a node restarted while rejoining resumes with the proof it learned before, from its
@@ -797,8 +1562,12 @@ mod tests {
         let db = crate::storage::open(dir.path()).unwrap().log;
         let store = LogStore::new(db.clone(), snapshots());
         store.start_rejoining().await.unwrap();
-        let gate =
-            VoteGate::rejoining(store.clone(), Arc::new(RestoreIdentity::new(None))).unwrap();
+        let gate = VoteGate::rejoining(
+            store.clone(),
+            Arc::new(RestoreIdentity::new(None)),
+            founding(&[1, 2, 3], false),
+        )
+        .unwrap();
         assert!(gate.admits_leader(3).is_err(), "nothing learned yet");
         let proof = Proof {
             term: 3,
@@ -809,8 +1578,12 @@ mod tests {
 
         let store = LogStore::new(db.clone(), snapshots());
         assert!(store.rejoining().unwrap());
-        let gate =
-            VoteGate::rejoining(store.clone(), Arc::new(RestoreIdentity::new(None))).unwrap();
+        let gate = VoteGate::rejoining(
+            store.clone(),
+            Arc::new(RestoreIdentity::new(None)),
+            founding(&[1, 2, 3], false),
+        )
+        .unwrap();
         assert!(!gate.is_open());
         assert_eq!(gate.learned().proof, Some(proof));
         assert!(gate.admits_leader(3).is_ok());
@@ -834,10 +1607,14 @@ mod tests {
         assert!(!store.rejoining().unwrap());
         assert_eq!(store.rejoin_proof::<Proof>().unwrap(), None);
         assert_eq!(
-            VoteGate::rejoining(store, Arc::new(RestoreIdentity::new(None)))
-                .unwrap()
-                .learned()
-                .proof,
+            VoteGate::rejoining(
+                store,
+                Arc::new(RestoreIdentity::new(None)),
+                founding(&[1, 2, 3], false)
+            )
+            .unwrap()
+            .learned()
+            .proof,
             None
         );
     }
@@ -914,29 +1691,34 @@ mod tests {
     /// proof beside restored members.
     #[test]
     fn answers_count_only_within_one_restore_id() {
+        let ids = [1, 2, 3];
         let with = |id: Option<&str>, r: VoteReport| VoteReport {
             restore_id: id.map(str::to_owned),
-            ..r
+            ..with_membership(r, &[&ids], &[])
         };
-        let a1 = with(Some("a"), report(5, Some((5, 40))));
-        let a2 = with(Some("a"), report(5, Some((5, 40))));
-        let b = with(Some("b"), report(9, Some((9, 90))));
-        let old = with(None, report(9, Some((9, 90))));
-        // A restored node: its own id only.
-        let (p, id) = proof_for(3, &[a1.clone(), a2.clone(), b.clone()], Some("a")).unwrap();
-        assert_eq!((p.term, id.as_deref()), (5, Some("a")));
-        assert_eq!(proof_for(3, &[a1.clone(), b.clone()], Some("a")), None);
-        assert_eq!(proof_for(3, &[a1.clone(), old.clone()], Some("a")), None);
+        let a1 = (2, with(Some("a"), report(5, Some((5, 40)))));
+        let a2 = (3, with(Some("a"), report(5, Some((5, 40)))));
+        let b = (3, with(Some("b"), report(9, Some((9, 90)))));
+        let old = (2, with(None, report(9, Some((9, 90)))));
+        let old3 = (3, with(None, report(9, Some((9, 90)))));
+        let p = |answers: &[(NodeId, VoteReport)], own: Option<&str>| {
+            proof_for(1, &flags(&ids), &none(), answers, own).ok()
+        };
+        // A restored node (or one of a founded incarnation): its own id only.
+        let (pr, id) = p(&[a1.clone(), a2.clone(), b.clone()], Some("a")).unwrap();
+        assert_eq!((pr.term, id.as_deref()), (5, Some("a")));
+        assert_eq!(p(&[a1.clone(), b.clone()], Some("a")), None);
+        assert_eq!(p(&[a1.clone(), old3.clone()], Some("a")), None);
         // A wiped node: the id whose answers prove, with the bound of those answers only.
-        let (p, id) = proof_for(3, &[old.clone(), a1.clone(), a2.clone()], None).unwrap();
+        let (pr, id) = p(&[old.clone(), a1.clone(), a2.clone()], None).unwrap();
         assert_eq!(
-            (p.term, p.log, id.as_deref()),
+            (pr.term, pr.log, id.as_deref()),
             (5, Some(log_id(5, 40)), Some("a"))
         );
-        assert_eq!(proof_for(3, &[a1.clone(), old.clone()], None), None);
-        assert_eq!(proof_for(3, &[a1, b], None), None);
-        // Never restored: as before.
-        let (_, id) = proof_for(3, &[old.clone(), old], None).unwrap();
+        assert_eq!(p(&[a1.clone(), old3.clone()], None), None);
+        assert_eq!(p(&[a1, b], None), None);
+        // Never restored nor founded by this release: as before.
+        let (_, id) = p(&[old, old3], None).unwrap();
         assert_eq!(id, None);
     }
 }

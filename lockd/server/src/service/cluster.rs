@@ -3,6 +3,8 @@
 //! sequencer signing keys (`SigningKeys`, `RotateSigningKey`), which the leader answers.
 //!
 //! `SaveSnapshot` (admin) streams a backup from the leader (`service/snapshot.rs`).
+//! The membership calls (`ListMembers`, `AddMember`, `PromoteMember`, `RemoveMember`,
+//! `TransferLeader`) are in `service::membership`.
 //!
 //! The signing-key calls are admin operations: an authorization policy must allow them only to
 //! operators (the policy's `admin` operation, README "Authorization"), never to every client.
@@ -49,14 +51,18 @@ impl ClusterService {
 }
 
 /// Where an admin call is served.
-enum Route {
+pub(super) enum Route {
     Local,
     Forward(NodeId),
 }
 
 impl ClusterService {
+    pub(super) fn ctx(&self) -> &NodeCtx {
+        &self.ctx
+    }
+
     /// The leader, waiting up to [`ADMIN_LEADER_WAIT`]; a forwarded call is never forwarded again.
-    async fn route<T>(&self, req: &Request<T>) -> Result<Route, Status> {
+    pub(super) async fn route<T>(&self, req: &Request<T>) -> Result<Route, Status> {
         let forwarded = req.metadata().contains_key(FORWARDED_HEADER);
         let deadline = tokio::time::Instant::now() + ADMIN_LEADER_WAIT;
         let mut rx = self.ctx.raft.metrics();
@@ -69,11 +75,7 @@ impl ClusterService {
                 Some(l) if l == self.ctx.id && state == ServerState::Leader => {
                     return Ok(Route::Local);
                 }
-                Some(l)
-                    if l != self.ctx.id
-                        && !forwarded
-                        && self.ctx.cluster_peers.contains_key(&l) =>
-                {
+                Some(l) if l != self.ctx.id && !forwarded && self.ctx.members.contains(l) => {
                     return Ok(Route::Forward(l));
                 }
                 Some(l) if l != self.ctx.id && forwarded => {
@@ -99,19 +101,19 @@ impl ClusterService {
 
     /// The call as forwarded to the leader: marked as forwarded by this node, for `caller`, whom
     /// the leader authorizes again.
-    fn forward_request<T>(&self, msg: T, caller: &crate::auth::Caller) -> Request<T> {
+    pub(super) fn forward_request<T>(&self, msg: T, caller: &crate::auth::Caller) -> Request<T> {
         let mut req = Request::new(msg);
         self.ctx.auth.mark_forwarded(self.ctx.id, caller, &mut req);
         req.set_timeout(ADMIN_FORWARD_TIMEOUT);
         req
     }
 
-    fn forward_error(&self, leader: NodeId, status: Status) -> Status {
+    pub(super) fn forward_error(&self, leader: NodeId, status: Status) -> Status {
         // Statuses from the leader are its answer; transport failures are not.
         if errors::is_from_lockd(&status) {
             return status;
         }
-        let addr = &self.ctx.cluster_peers[&leader].0;
+        let addr = self.ctx.members.addr(leader).unwrap_or_default();
         let msg = format!(
             "forwarding from node {} to leader {leader} at {addr} failed ({}: {})",
             self.ctx.id,
@@ -119,6 +121,21 @@ impl ClusterService {
             status.message()
         );
         errors::forward_failed(msg, &status)
+    }
+
+    /// The leader's Cluster service; it may have left the membership since `route` saw it.
+    fn leader_cluster_client(
+        &self,
+        leader: NodeId,
+    ) -> Result<lockd_api::v1::cluster_client::ClusterClient<tonic::transport::Channel>, Status>
+    {
+        self.ctx
+            .members
+            .cluster_client(leader)
+            .map(|(_, c)| c)
+            .ok_or_else(|| {
+                errors::no_quorum(format!("leader {leader} is no longer a member; retry"))
+            })
     }
 
     async fn signing_keys_local(&self) -> Result<SigningKeysResponse, Status> {
@@ -246,7 +263,7 @@ impl Cluster for ClusterService {
         match self.route(&req).await? {
             Route::Local => self.signing_keys_local().await.map(Response::new),
             Route::Forward(leader) => {
-                let mut client = self.ctx.cluster_peers[&leader].1.clone();
+                let mut client = self.leader_cluster_client(leader)?;
                 client
                     .signing_keys(self.forward_request(req.into_inner(), &caller))
                     .await
@@ -266,7 +283,7 @@ impl Cluster for ClusterService {
         match self.route(&req).await? {
             Route::Local => self.rotate_local(req.into_inner()).await.map(Response::new),
             Route::Forward(leader) => {
-                let mut client = self.ctx.cluster_peers[&leader].1.clone();
+                let mut client = self.leader_cluster_client(leader)?;
                 client
                     .rotate_signing_key(self.forward_request(req.into_inner(), &caller))
                     .await
@@ -295,7 +312,7 @@ impl Cluster for ClusterService {
                 .await
                 .map(Response::new),
             Route::Forward(leader) => {
-                let mut client = self.ctx.cluster_peers[&leader].1.clone();
+                let mut client = self.leader_cluster_client(leader)?;
                 let mut forwarded = self.forward_request(req.into_inner(), &caller);
                 forwarded.set_timeout(super::snapshot::FORWARD_TIMEOUT);
                 let stream = client
@@ -371,5 +388,41 @@ impl Cluster for ClusterService {
                 })
                 .collect(),
         }))
+    }
+
+    // Membership (admin; `service::membership`).
+    async fn list_members(
+        &self,
+        req: Request<lockd_api::v1::ListMembersRequest>,
+    ) -> Result<Response<lockd_api::v1::ListMembersResponse>, Status> {
+        self.list_members_rpc(req).await
+    }
+
+    async fn add_member(
+        &self,
+        req: Request<lockd_api::v1::AddMemberRequest>,
+    ) -> Result<Response<lockd_api::v1::AddMemberResponse>, Status> {
+        self.add_member_rpc(req).await
+    }
+
+    async fn promote_member(
+        &self,
+        req: Request<lockd_api::v1::PromoteMemberRequest>,
+    ) -> Result<Response<lockd_api::v1::PromoteMemberResponse>, Status> {
+        self.promote_member_rpc(req).await
+    }
+
+    async fn remove_member(
+        &self,
+        req: Request<lockd_api::v1::RemoveMemberRequest>,
+    ) -> Result<Response<lockd_api::v1::RemoveMemberResponse>, Status> {
+        self.remove_member_rpc(req).await
+    }
+
+    async fn transfer_leader(
+        &self,
+        req: Request<lockd_api::v1::TransferLeaderRequest>,
+    ) -> Result<Response<lockd_api::v1::TransferLeaderResponse>, Status> {
+        self.transfer_leader_rpc(req).await
     }
 }

@@ -77,7 +77,7 @@ impl LockService {
                 Some(l) if l == self.ctx.id && state == ServerState::Leader => {
                     return Ok(Route::Local);
                 }
-                Some(l) if l != self.ctx.id && !forwarded && self.ctx.peers.contains_key(&l) => {
+                Some(l) if l != self.ctx.id && !forwarded && self.ctx.members.contains(l) => {
                     return Ok(Route::Forward(l));
                 }
                 Some(l) if l != self.ctx.id && forwarded => {
@@ -101,9 +101,9 @@ impl LockService {
         }
     }
 
-    fn peer(&self, id: NodeId) -> (String, LockClient<Channel>) {
-        let (addr, client) = &self.ctx.peers[&id];
-        (addr.clone(), client.clone())
+    /// The Lock service of member `id`; `None` if it left the membership meanwhile.
+    fn peer(&self, id: NodeId) -> Option<(String, LockClient<Channel>)> {
+        self.ctx.members.lock_client(id)
     }
 
     /// The call as forwarded to the leader: marked with this node and the caller it acts for.
@@ -487,16 +487,19 @@ impl LockService {
                     ))),
                 }
             }
-            Ok(Route::Forward(leader)) => match forward_timeout(deadline) {
-                Some(timeout) => {
-                    let (addr, client) = self.peer(leader);
+            Ok(Route::Forward(leader)) => match (forward_timeout(deadline), self.peer(leader)) {
+                (Some(timeout), Some((addr, client))) => {
                     let fwd = self.forward_request(req.into_inner(), timeout, &caller);
                     forward(client, fwd)
                         .await
                         .map(Response::into_inner)
                         .map_err(|s| self.forward_error(leader, &addr, s))
                 }
-                None => Err(errors::no_quorum(format!(
+                (_, None) => Err(errors::no_quorum(format!(
+                    "node {} found leader {leader}, which is no longer a member; nothing was done, retry",
+                    self.ctx.id
+                ))),
+                (None, _) => Err(errors::no_quorum(format!(
                     "node {} found leader {leader} too late to forward within {} ms; nothing was done, retry",
                     self.ctx.id,
                     budget.as_millis()

@@ -4,5 +4,6 @@
 pub(crate) mod cluster;
 pub(crate) mod errors;
 pub(crate) mod lock;
+pub(crate) mod membership;
 pub mod raft;
 pub(crate) mod snapshot;

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use crate::raft::NodeId;
 use crate::raft::peer_protocol::{self, PeerProtocols};
 use crate::raft::restore_id::{self, RestoreIdentity};
-use crate::raft::vote_gate::{Standing, VoteGate, VoteReport};
+use crate::raft::vote_gate::VoteGate;
 use crate::raft::{Raft, TypeConfig};
 use crate::service::errors;
 use crate::storage::log_store::LogStore;
@@ -55,8 +55,9 @@ pub(crate) struct RaftService {
 /// unauthenticated caller cannot make the node buffer a 64 MiB message.
 pub(crate) struct PeerAuth {
     cluster_id: String,
-    /// The other members: a message never comes from this node itself.
-    members: Vec<NodeId>,
+    /// The other members, from the Raft membership (`crate::members`): a message never comes
+    /// from this node itself, nor from a node that was removed.
+    members: Arc<crate::members::Members>,
     tls: Option<Arc<TlsHandle>>,
     /// Outcomes of certificate checks, by SHA-256 of the leaf, with when they were made. A
     /// connection presents the same certificate on every message, so a peer's messages cost one
@@ -74,15 +75,28 @@ struct Sender {
 }
 
 /// A certificate check's outcome (the member, or why not), when it was made, and the TLS
-/// generation it was made with (a reload on SIGHUP may change the peer CA).
-type CheckedCert = (Result<NodeId, String>, Instant, u64);
+/// generation and membership generation it was made with (a reload on SIGHUP may change the
+/// peer CA; a member added or removed changes who counts).
+type CheckedCert = (Result<NodeId, String>, Instant, (u64, u64));
 
 /// The node a request's certificate authenticates (`None` without TLS), put in the request's
 /// extensions by [`PeerAuth::intercept`].
 #[derive(Clone, Copy)]
 struct Caller(Option<NodeId>);
 
-/// How long a certificate check is trusted without checking again (expiry, mostly).
+/// Put in a request's extensions by [`PeerAuth::intercept`] instead of [`Caller`] when the
+/// sender is not a member in this node's view but holds a node certificate of the peer CA and
+/// names this cluster: a node of a running cluster whose membership this node does not know
+/// (a wiped node restarted with stale `--peer` flags). The handlers refuse it, but its
+/// AppendEntries, Vote and InstallSnapshot first count as Raft traffic, so this node never
+/// founds a cluster beside the running one (`raft::vote_gate`). Its `CurrentVote` does not
+/// count: wiped nodes ask one another that. Such a sender's body is read before the refusal,
+/// which only holders of a node certificate can cause.
+#[derive(Clone, Copy)]
+struct Outsider;
+
+/// How long a certificate check is trusted without checking again (expiry, mostly); a change of
+/// membership or of certificates drops it at once.
 const CHECKED_FOR: Duration = Duration::from_secs(60);
 /// Checks remembered at most; the cache is cleared when full.
 const CHECKED_MAX: usize = 256;
@@ -97,15 +111,14 @@ fn refused() -> Status {
 }
 
 impl PeerAuth {
-    pub fn new(config: &crate::config::NodeConfig, tls: Option<Arc<TlsHandle>>) -> Arc<Self> {
+    pub fn new(
+        config: &crate::config::NodeConfig,
+        tls: Option<Arc<TlsHandle>>,
+        members: Arc<crate::members::Members>,
+    ) -> Arc<Self> {
         Arc::new(PeerAuth {
             cluster_id: config.cluster_id.clone(),
-            members: config
-                .peers
-                .keys()
-                .copied()
-                .filter(|id| *id != config.id)
-                .collect(),
+            members,
             tls,
             checked: Mutex::new(HashMap::new()),
             last_logged_ms: AtomicU64::new(0),
@@ -122,9 +135,30 @@ impl PeerAuth {
             }
             Err(why) => {
                 self.log_refusal(&req, &why);
+                if self.certified_outsider(&req) {
+                    req.extensions_mut().insert(Outsider);
+                    return Ok(req);
+                }
                 Err(refused())
             }
         }
+    }
+
+    /// Whether a refused request names this cluster and comes with a node certificate of the
+    /// peer CA (see [`Outsider`]).
+    fn certified_outsider(&self, req: &Request<()>) -> bool {
+        let Some(tls) = &self.tls else {
+            return false;
+        };
+        let names_cluster = req
+            .metadata()
+            .get(CLUSTER_ID_HEADER)
+            .and_then(|v| v.to_str().ok())
+            == Some(self.cluster_id.as_str());
+        names_cluster
+            && req
+                .peer_certs()
+                .is_some_and(|chain| tls.current().is_node_certificate(&chain))
     }
 
     fn log_refusal(&self, req: &Request<()>, why: &str) {
@@ -163,7 +197,7 @@ impl PeerAuth {
             .first()
             .ok_or_else(|| "the caller sent an empty certificate chain".to_owned())?;
         let key: [u8; 32] = Sha256::digest(leaf.as_ref()).into();
-        let generation = tls.generation();
+        let generation = (tls.generation(), self.members.generation());
         {
             let checked = self.checked.lock().unwrap_or_else(|e| e.into_inner());
             if let Some((outcome, at, made_with)) = checked.get(&key)
@@ -174,7 +208,9 @@ impl PeerAuth {
             }
         }
         // Outside the lock: one chain check, however many members.
-        let outcome = tls.current().identify_member(&chain, &self.members);
+        let outcome = tls
+            .current()
+            .identify_member(&chain, &self.members.others());
         let mut checked = self.checked.lock().unwrap_or_else(|e| e.into_inner());
         if checked.len() >= CHECKED_MAX {
             checked.clear();
@@ -201,14 +237,16 @@ impl PeerAuth {
 impl RaftService {
     /// Authenticates the caller before decoding anything, then checks that the decoded message
     /// claims to come from it (`claimed`: the leader or candidate it names). Returns the message
-    /// and who sent it, for [`RaftService::same_restore`].
+    /// and who sent it, for [`RaftService::same_restore`]. `traffic`: whether the message, from
+    /// an [`Outsider`] too, shows that a cluster runs (a leader's AppendEntries or
+    /// InstallSnapshot).
     fn authorized<T: DeserializeOwned>(
         &self,
         req: Request<RaftMessage>,
+        traffic: bool,
         claimed: impl FnOnce(&T) -> Option<NodeId>,
     ) -> Result<(T, Sender), Status> {
-        // Set by the interceptor; missing only if the service was built without it: refuse.
-        let Caller(cert) = *req.extensions().get::<Caller>().ok_or_else(refused)?;
+        let Caller(cert) = admitted(req.extensions(), &self.gate, traffic)?;
         let restore_id = restore_id::from_metadata(req.metadata()).map(str::to_owned);
         // Before decoding: a payload of a protocol this build does not read is not parsed.
         let protocol = peer_protocol::announced(req.metadata())
@@ -250,6 +288,22 @@ impl RaftService {
         peer_protocol::attach(response.metadata_mut());
         Ok(response)
     }
+}
+
+/// The caller the interceptor admitted; an [`Outsider`] is refused, after counting as traffic
+/// when `traffic`. No mark at all means the service was built without the interceptor: refuse.
+fn admitted(
+    extensions: &tonic::Extensions,
+    gate: &VoteGate,
+    traffic: bool,
+) -> Result<Caller, Status> {
+    if let Some(caller) = extensions.get::<Caller>() {
+        return Ok(*caller);
+    }
+    if traffic && extensions.get::<Outsider>().is_some() {
+        gate.note_traffic();
+    }
+    Err(refused())
 }
 
 impl RaftService {
@@ -295,9 +349,11 @@ impl pb::raft_server::Raft for RaftService {
     ) -> Result<Response<RaftMessage>, Status> {
         let (rpc, sender) = self.authorized(
             req,
+            true,
             |r: &openraft::raft::AppendEntriesRequest<TypeConfig>| r.vote.leader_id.voted_for(),
         )?;
         let (term, commit) = (rpc.vote.leader_id.term, rpc.leader_commit);
+        self.gate.note_traffic();
         self.gate.admits_leader(term).map_err(errors::no_quorum)?;
         self.same_restore(&sender)?;
         let reply = self.raft.append_entries(rpc).await;
@@ -312,6 +368,12 @@ impl pb::raft_server::Raft for RaftService {
     }
 
     async fn vote(&self, req: Request<RaftMessage>) -> Result<Response<RaftMessage>, Status> {
+        // A candidate is no sign of a running cluster: the founders of a new one campaign
+        // before any of them leads (see `raft::vote_gate`, founding).
+        let (rpc, sender) =
+            self.authorized(req, false, |r: &openraft::raft::VoteRequest<NodeId>| {
+                r.vote.leader_id.voted_for()
+            })?;
         if self
             .refuse_votes_until
             .is_some_and(|t| std::time::Instant::now() < t)
@@ -320,9 +382,6 @@ impl pb::raft_server::Raft for RaftService {
                 "node started with an empty data dir; not voting yet",
             ));
         }
-        let (rpc, sender) = self.authorized(req, |r: &openraft::raft::VoteRequest<NodeId>| {
-            r.vote.leader_id.voted_for()
-        })?;
         self.gate
             .admits_candidate(rpc.vote.leader_id.term, rpc.last_log_id)
             .map_err(errors::no_quorum)?;
@@ -336,8 +395,10 @@ impl pb::raft_server::Raft for RaftService {
     ) -> Result<Response<RaftMessage>, Status> {
         let (rpc, sender) = self.authorized(
             req,
+            true,
             |r: &openraft::raft::InstallSnapshotRequest<TypeConfig>| r.vote.leader_id.voted_for(),
         )?;
+        self.gate.note_traffic();
         self.gate
             .admits_leader(rpc.vote.leader_id.term)
             .map_err(errors::no_quorum)?;
@@ -352,15 +413,15 @@ impl pb::raft_server::Raft for RaftService {
         &self,
         req: Request<RaftMessage>,
     ) -> Result<Response<pb::CurrentVoteReply>, Status> {
-        req.extensions().get::<Caller>().ok_or_else(refused)?;
+        admitted(req.extensions(), &self.gate, false)?;
         // Read before the vote and log: the gate only ever opens, so a vote and log read after
         // it reported open are those of a node that caught up. Read after, a gate opening in
         // between would vouch for a log read while still partial.
         let rejoining = !self.gate.is_open();
-        let (vote, node_id) = {
+        let (vote, node_id, membership) = {
             let m = self.raft.metrics();
             let m = m.borrow();
-            (m.vote, m.id)
+            (m.vote, m.id, m.membership_config.membership().clone())
         };
         // The log id, not only the index: a rejoining peer compares candidates' logs with it.
         let last_log_id = self
@@ -370,13 +431,11 @@ impl pb::raft_server::Raft for RaftService {
             .await
             .map_err(|e| errors::no_quorum(format!("reading the log state: {e}")))?
             .last_log_id;
-        let data = postcard::to_allocvec(&VoteReport {
-            vote,
-            last_log_id,
-            standing: Standing::default(), // not encoded: sent in `kept_log`
-            restore_id: None,              // not encoded: sent in `restore_id`
-        })
-        .map_err(|e| errors::internal(format!("encoding raft reply: {e}")))?;
+        // Standing and restore id are not in the postcard payload (older nodes read it): they
+        // travel in `kept_log` and `restore_id`.
+        let report = self.gate.report(vote, last_log_id, membership);
+        let data = postcard::to_allocvec(&report)
+            .map_err(|e| errors::internal(format!("encoding raft reply: {e}")))?;
         // Answered whatever the asker's restore id: read-only, and a wiped node asks before it
         // knows one. The asker decides which answers count (see `raft::vote_gate`).
         let mut response = Response::new(pb::CurrentVoteReply {
@@ -387,5 +446,100 @@ impl pb::raft_server::Raft for RaftService {
         });
         peer_protocol::attach(response.metadata_mut());
         Ok(response)
+    }
+
+    /// Campaigns now, when the leader of this node's current term asks (leadership transfer,
+    /// `service::membership`). The leader has already voted for this node in the next term.
+    async fn elect(&self, req: Request<RaftMessage>) -> Result<Response<RaftMessage>, Status> {
+        let (ask, sender): (ElectRequest, _) =
+            self.authorized(req, false, |r: &ElectRequest| Some(r.leader))?;
+        self.same_restore(&sender)?;
+        if !self.gate.is_open() {
+            return Err(errors::no_quorum(
+                "lockd: node is still catching up after an empty data dir; not campaigning",
+            ));
+        }
+        let (term, leader) = {
+            let m = self.raft.metrics().borrow().clone();
+            (m.current_term, m.current_leader)
+        };
+        if ask.term != term || leader != Some(ask.leader) {
+            return Err(errors::precondition(
+                "term",
+                format!(
+                    "lockd: asked to campaign by node {} of term {}, but this node is in term \
+                     {term} with leader {leader:?}",
+                    ask.leader, ask.term
+                ),
+            ));
+        }
+        self.raft
+            .trigger()
+            .elect()
+            .await
+            .map_err(|e| errors::internal(format!("lockd: starting an election: {e}")))?;
+        self.reply(&())
+    }
+}
+
+/// The payload of `Elect`: who asks, in which term.
+#[derive(Clone, Copy, Debug, serde::Serialize, serde::Deserialize)]
+pub struct ElectRequest {
+    /// The leader that asks (it stepped down in favour of the receiver).
+    pub leader: NodeId,
+    /// The term it led in; the receiver campaigns only if it is still in that term.
+    pub term: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::raft::vote_gate::Founding;
+    use std::collections::BTreeMap;
+
+    /// H3 of the membership review: a Raft message from a sender outside this node's member
+    /// view but with a node certificate of the peer CA is refused, yet counts as traffic of a
+    /// running cluster (so the node never offers to found); its `CurrentVote` does not count.
+    #[test]
+    fn an_outsiders_raft_message_is_refused_but_counts_as_traffic() {
+        let peers: BTreeMap<NodeId, String> =
+            (1..=3).map(|i| (i, format!("127.0.0.1:{i}"))).collect();
+        let gate = VoteGate::open(
+            Arc::new(RestoreIdentity::new(None)),
+            Founding::new(false, &peers, Duration::ZERO),
+        );
+        assert!(
+            gate.report(Default::default(), None, Default::default())
+                .founding
+                .is_some()
+        );
+
+        let mut outsider = tonic::Extensions::new();
+        outsider.insert(Outsider);
+        // CurrentVote and Elect: refused, not traffic.
+        assert!(admitted(&outsider, &gate, false).is_err());
+        assert!(
+            gate.report(Default::default(), None, Default::default())
+                .founding
+                .is_some()
+        );
+        // AppendEntries and InstallSnapshot: refused, and traffic (Vote is admitted with
+        // `traffic` false, like CurrentVote).
+        let e = admitted(&outsider, &gate, true).err().unwrap();
+        assert_eq!(e.code(), tonic::Code::Unauthenticated);
+        assert!(
+            gate.report(Default::default(), None, Default::default())
+                .founding
+                .is_none()
+        );
+
+        // A member passes; no mark at all is refused.
+        let mut member = tonic::Extensions::new();
+        member.insert(Caller(Some(2)));
+        assert!(matches!(
+            admitted(&member, &gate, true),
+            Ok(Caller(Some(2)))
+        ));
+        assert!(admitted(&tonic::Extensions::new(), &gate, true).is_err());
     }
 }

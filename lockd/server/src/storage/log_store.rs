@@ -27,8 +27,8 @@ use tokio::sync::oneshot;
 use tokio::sync::watch;
 
 use super::{
-    KEY_COMMITTED, KEY_LAST_PURGED, KEY_REJOIN_PROOF, KEY_REJOINING, KEY_RESTORE_ID, KEY_VOTE, LOG,
-    META, StorageObserver, blocking,
+    KEY_COMMITTED, KEY_FOUNDING, KEY_LAST_PURGED, KEY_REJOIN_PROOF, KEY_REJOINING, KEY_RESTORE_ID,
+    KEY_VOTE, LOG, META, StorageObserver, blocking,
 };
 use crate::raft::{LogId, NodeId, StorageError, TypeConfig};
 
@@ -152,6 +152,24 @@ impl LogStore {
         let value = encode(&Some(proof)).map_err(io)?;
         self.submit(|done| WriteOp::Meta {
             key: KEY_REJOIN_PROOF,
+            value,
+            done: Some(done),
+        })
+        .await
+    }
+
+    /// The membership (id, address) `lockd init` recorded for this node to found a cluster of;
+    /// `None` when it was never initialized that way.
+    pub fn founding(&self) -> anyhow::Result<Option<Vec<(u64, String)>>> {
+        self.read_meta::<Vec<(u64, String)>>(KEY_FOUNDING)
+    }
+
+    /// Records durably that this node founds a cluster of `members` on its next start
+    /// (`lockd init`).
+    pub async fn set_founding(&self, members: Vec<(u64, String)>) -> Result<(), std::io::Error> {
+        let value = encode(&members).map_err(io)?;
+        self.submit(|done| WriteOp::Meta {
+            key: KEY_FOUNDING,
             value,
             done: Some(done),
         })

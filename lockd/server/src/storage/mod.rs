@@ -69,6 +69,9 @@ pub(crate) struct Unobserved;
 impl StorageObserver for Unobserved {
     fn log_synced(&self, _: Duration) {}
 }
+/// The membership `lockd init` recorded: the node founds a cluster of it on its next start if
+/// its log is still empty. Kept in the data dir, so a node that loses its disk loses it too.
+pub(crate) const KEY_FOUNDING: &str = "founding";
 
 /// A node's persistent state.
 pub struct Databases {

@@ -70,6 +70,18 @@ fn single_node(
     extra: &[&str],
 ) -> ChildGuard {
     let addr = format!("{ip}:{port}");
+    // A single-node cluster is founded by `lockd init` on its empty data dir (a lone --peer
+    // never founds one by itself: see docs/operations.md, "Forming a cluster").
+    if !dir.exists() {
+        let out = command("lockd")
+            .args(["init", "--id", "1", "--data-dir"])
+            .arg(dir)
+            .arg("--peer")
+            .arg(format!("1={addr}"))
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "lockd init: {out:?}");
+    }
     let mut cmd = command("lockd");
     cmd.args(["--id", "1", "--listen", &addr, "--peer"])
         .arg(format!("1={addr}"))

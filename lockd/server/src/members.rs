@@ -1,0 +1,340 @@
+//! The members this node knows of and client channels to them, kept current from the Raft
+//! membership.
+//!
+//! Members are added, promoted and removed at runtime (`service::membership`), so nothing that
+//! needs "the other nodes" may read the `--peer` flags once Raft knows a membership: forwarding a
+//! call to the leader (which may be a node added last week), trusting a forwarded identity or a
+//! replication message from a member's certificate. The view is the `--peer` list until this node
+//! holds a membership (a new or wiped node), then every node of its effective membership: both
+//! configurations of a joint change and the learners, so that a node being added or removed is
+//! still a member while the change is in progress. A removed node drops out of the view, so its
+//! certificate no longer counts as a member's.
+//!
+//! Addresses are kept as written (DNS names included) and resolved on every connect by
+//! [`PeerDial`], so a member that moves to another IP under the same name needs no change here.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, RwLock};
+
+use lockd_api::v1::cluster_client::ClusterClient;
+use lockd_api::v1::lock_client::LockClient;
+use openraft::{BasicNode, Membership};
+use tokio_util::sync::CancellationToken;
+use tonic::transport::Channel;
+
+use crate::node::CLIENT_MESSAGE_MAX_BYTES;
+use crate::raft::network::PeerDial;
+use crate::raft::{NodeId, Raft};
+
+/// One other member: its address and its client stubs (`None` if the address cannot be dialled,
+/// which [`crate::config::check_host_port`] rules out for flags and `AddMember`).
+#[derive(Clone)]
+struct Peer {
+    addr: String,
+    clients: Option<(LockClient<Channel>, ClusterClient<Channel>)>,
+}
+
+/// See the module docs.
+pub struct Members {
+    /// This node, never in the view.
+    id: NodeId,
+    /// `--peer`, this node excluded: the view until Raft knows a membership.
+    flags: BTreeMap<NodeId, String>,
+    /// Nodes of the memberships peers reported to this node while it had none of its own (a
+    /// wiped or joining node asking `CurrentVote`): a member added since its flags were written
+    /// may be the leader it must accept replication from.
+    reported: Mutex<BTreeMap<NodeId, String>>,
+    /// The other members with channels to them, replaced whole on every change; a forwarded
+    /// call costs one read lock and a clone.
+    view: RwLock<Arc<BTreeMap<NodeId, Peer>>>,
+    /// Whether the view comes from Raft's membership (then `reported` no longer counts).
+    from_raft: std::sync::atomic::AtomicBool,
+    /// How peers are dialled (TLS, source address, cluster id).
+    dial: PeerDial,
+    /// Bumped on every change of the view, so caches of "is this caller a member" (the peer
+    /// certificate checks of `service::raft`) are dropped when a member is added or removed.
+    generation: std::sync::atomic::AtomicU64,
+}
+
+impl Members {
+    pub fn new(id: NodeId, flags: &BTreeMap<NodeId, String>, dial: PeerDial) -> Arc<Self> {
+        let flags: BTreeMap<NodeId, String> = flags
+            .iter()
+            .filter(|(p, _)| **p != id)
+            .map(|(p, a)| (*p, a.clone()))
+            .collect();
+        let members = Arc::new(Members {
+            id,
+            flags: flags.clone(),
+            reported: Mutex::new(BTreeMap::new()),
+            view: RwLock::new(Arc::new(BTreeMap::new())),
+            from_raft: std::sync::atomic::AtomicBool::new(false),
+            dial,
+            generation: std::sync::atomic::AtomicU64::new(0),
+        });
+        members.set(flags);
+        members
+    }
+
+    fn view(&self) -> Arc<BTreeMap<NodeId, Peer>> {
+        self.view.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Changes whenever the view does.
+    pub fn generation(&self) -> u64 {
+        self.generation.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// The other members' ids.
+    pub fn others(&self) -> Vec<NodeId> {
+        self.view().keys().copied().collect()
+    }
+
+    pub fn contains(&self, id: NodeId) -> bool {
+        self.view().contains_key(&id)
+    }
+
+    /// The address of member `id` as the membership names it.
+    pub fn addr(&self, id: NodeId) -> Option<String> {
+        self.view().get(&id).map(|p| p.addr.clone())
+    }
+
+    /// How this node dials its peers.
+    pub fn dial(&self) -> &PeerDial {
+        &self.dial
+    }
+
+    /// The Lock service of member `id`, for forwarding, with its address (for messages).
+    pub fn lock_client(&self, id: NodeId) -> Option<(String, LockClient<Channel>)> {
+        let view = self.view();
+        let p = view.get(&id)?;
+        p.clients.as_ref().map(|(l, _)| (p.addr.clone(), l.clone()))
+    }
+
+    /// The Cluster service of member `id`, for forwarding admin calls, with its address.
+    pub fn cluster_client(&self, id: NodeId) -> Option<(String, ClusterClient<Channel>)> {
+        let view = self.view();
+        let p = view.get(&id)?;
+        p.clients.as_ref().map(|(_, c)| (p.addr.clone(), c.clone()))
+    }
+
+    /// Replaces the view with `wanted`, keeping the channels of members whose address is the
+    /// same.
+    fn set(&self, wanted: BTreeMap<NodeId, String>) {
+        let current = self.view();
+        let same = current.len() == wanted.len()
+            && current
+                .iter()
+                .zip(&wanted)
+                .all(|((a, p), (b, addr))| a == b && p.addr == *addr);
+        if same {
+            return;
+        }
+        let view: BTreeMap<NodeId, Peer> = wanted
+            .into_iter()
+            .map(|(id, addr)| {
+                let peer = match current.get(&id) {
+                    Some(p) if p.addr == addr => p.clone(),
+                    _ => self.connect(id, addr),
+                };
+                (id, peer)
+            })
+            .collect();
+        tracing::info!(
+            members = ?view.iter().map(|(id, p)| (*id, p.addr.as_str())).collect::<Vec<_>>(),
+            "lockd: members"
+        );
+        *self.view.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(view);
+        self.generation
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+    }
+
+    fn connect(&self, id: NodeId, addr: String) -> Peer {
+        let clients = match self.dial.channel(id, &addr) {
+            Ok(channel) => Some((
+                LockClient::new(channel.clone())
+                    .max_decoding_message_size(CLIENT_MESSAGE_MAX_BYTES)
+                    .max_encoding_message_size(CLIENT_MESSAGE_MAX_BYTES),
+                ClusterClient::new(channel),
+            )),
+            Err(e) => {
+                tracing::warn!(peer = id, address = %addr, error = %e, "lockd: cannot dial member");
+                None
+            }
+        };
+        Peer { addr, clients }
+    }
+
+    /// Takes the view from `membership`; while it has no node (this node has not joined yet),
+    /// the flags and the reported nodes.
+    pub fn update(&self, membership: &Membership<NodeId, BasicNode>) {
+        let from_raft = membership.nodes().next().is_some();
+        self.from_raft
+            .store(from_raft, std::sync::atomic::Ordering::Release);
+        let wanted = if from_raft {
+            membership
+                .nodes()
+                .filter(|(id, _)| **id != self.id)
+                .map(|(id, n)| (*id, n.addr.clone()))
+                .collect()
+        } else {
+            self.before_raft()
+        };
+        self.set(wanted);
+    }
+
+    /// Learns the nodes of a membership a peer reported (`CurrentVote`); they count only while
+    /// Raft has no membership here.
+    pub fn learn(&self, membership: &Membership<NodeId, BasicNode>) {
+        {
+            let mut reported = self.reported.lock().unwrap_or_else(|e| e.into_inner());
+            for (id, n) in membership.nodes() {
+                if *id != self.id && !n.addr.is_empty() {
+                    reported.insert(*id, n.addr.clone());
+                }
+            }
+        }
+        if !self.from_raft.load(std::sync::atomic::Ordering::Acquire) {
+            self.set(self.before_raft());
+        }
+    }
+
+    /// The flags, with the reported nodes added (a reported address wins: it is the cluster's).
+    fn before_raft(&self) -> BTreeMap<NodeId, String> {
+        let mut wanted = self.flags.clone();
+        let reported = self.reported.lock().unwrap_or_else(|e| e.into_inner());
+        wanted.extend(reported.iter().map(|(id, a)| (*id, a.clone())));
+        wanted
+    }
+
+    /// Keeps the view current with Raft's effective membership until `shutdown`.
+    pub async fn follow(self: Arc<Self>, raft: Raft, shutdown: CancellationToken) {
+        let mut rx = raft.metrics();
+        // Metrics change on every commit; the membership only with its log id.
+        let mut seen = None;
+        let mut first = true;
+        loop {
+            let changed = {
+                let m = rx.borrow_and_update();
+                let log_id = *m.membership_config.log_id();
+                (first || log_id != seen).then(|| {
+                    seen = log_id;
+                    m.membership_config.membership().clone()
+                })
+            };
+            first = false;
+            if let Some(membership) = changed {
+                self.update(&membership);
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                changed = rx.changed() => if changed.is_err() { return },
+            }
+        }
+    }
+}
+
+/// Resolves the `--peer` addresses once at start and warns about names that do not resolve yet.
+/// Nothing depends on it: every connect resolves again, and an unresolvable peer is retried like an
+/// unreachable one, so a node may start before its peers' names exist (a StatefulSet's pods).
+pub async fn check_names(peers: BTreeMap<NodeId, String>) {
+    for (id, addr) in peers {
+        if addr.parse::<std::net::SocketAddr>().is_ok() {
+            continue;
+        }
+        match tokio::net::lookup_host(addr.as_str())
+            .await
+            .map(|mut found| found.next().is_some())
+        {
+            Ok(true) => {}
+            Ok(false) => tracing::warn!(
+                peer = id,
+                address = %addr,
+                "lockd: --peer {id}={addr} resolves to no address yet; retrying on every connect"
+            ),
+            Err(e) => tracing::warn!(
+                peer = id,
+                address = %addr,
+                error = %e,
+                "lockd: --peer {id}={addr} does not resolve yet; retrying on every connect"
+            ),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeSet;
+
+    fn dial() -> PeerDial {
+        PeerDial::new(
+            None,
+            None,
+            "test",
+            Arc::new(crate::raft::restore_id::RestoreIdentity::new(None)),
+            Arc::default(),
+        )
+        .unwrap()
+    }
+
+    #[tokio::test]
+    async fn the_view_follows_the_raft_membership_once_there_is_one() {
+        let flags: BTreeMap<NodeId, String> = [(1, "a:1"), (2, "b:2"), (3, "c:3")]
+            .into_iter()
+            .map(|(i, a)| (i, a.to_owned()))
+            .collect();
+        let m = Members::new(1, &flags, dial());
+        assert_eq!(m.others(), [2, 3]);
+        assert!(m.cluster_client(2).is_some());
+        // An empty membership (a node that has not joined yet) keeps the flags.
+        m.update(&Membership::new(vec![BTreeSet::new()], ()));
+        assert_eq!(m.others(), [2, 3]);
+        // Node 3 replaced by node 4 under a name; learner 5 counts as a member.
+        let nodes: BTreeMap<NodeId, BasicNode> =
+            [(1, "a:1"), (2, "b:2"), (4, "d.example:4"), (5, "e:5")]
+                .into_iter()
+                .map(|(i, a)| (i, BasicNode::new(a)))
+                .collect();
+        let before = m.generation();
+        m.update(&Membership::new(
+            vec![BTreeSet::from([1, 2, 4])],
+            nodes.clone(),
+        ));
+        assert_eq!(m.others(), [2, 4, 5]);
+        assert_ne!(
+            m.generation(),
+            before,
+            "a change is seen by the certificate cache"
+        );
+        let after = m.generation();
+        m.update(&Membership::new(vec![BTreeSet::from([1, 2, 4])], nodes));
+        assert_eq!(m.generation(), after, "no change, no new generation");
+        assert!(!m.contains(3), "a removed node is no member");
+        assert_eq!(m.addr(4).as_deref(), Some("d.example:4"));
+        assert!(m.lock_client(3).is_none());
+        assert!(m.lock_client(4).is_some());
+    }
+
+    /// A wiped node whose flags predate a replacement learns the new member from its peers'
+    /// answers, so it accepts the new leader's messages; once Raft has a membership, that rules.
+    #[tokio::test]
+    async fn reported_members_count_only_until_raft_has_a_membership() {
+        let flags: BTreeMap<NodeId, String> = [(1, "a:1"), (2, "b:2"), (3, "c:3")]
+            .into_iter()
+            .map(|(i, a)| (i, a.to_owned()))
+            .collect();
+        let m = Members::new(1, &flags, dial());
+        let nodes: BTreeMap<NodeId, BasicNode> = [(1, "a:1"), (2, "b:2"), (4, "d:4")]
+            .into_iter()
+            .map(|(i, a)| (i, BasicNode::new(a)))
+            .collect();
+        let reported = Membership::new(vec![BTreeSet::from([1, 2, 4])], nodes);
+        m.learn(&reported);
+        assert_eq!(m.others(), [2, 3, 4]);
+        m.update(&reported);
+        assert_eq!(m.others(), [2, 4]);
+        m.learn(&Membership::new(vec![BTreeSet::from([1, 2, 5])], ()));
+        assert_eq!(m.others(), [2, 4], "reports no longer count");
+    }
+}

@@ -1,0 +1,375 @@
+//! A lockd cluster whose members are named, not numbered by IP: node `i` is
+//! `node<i>.<run>.lockd.test:<7000 + i>` in every `--peer` flag and in the Raft membership, and
+//! each node listens on an IP of its own. The names resolve through a hosts file of this run
+//! only, read by nss_wrapper (`LD_PRELOAD=libnss_wrapper.so`, `NSS_WRAPPER_HOSTS`) in the lockd
+//! processes: nothing global such as /etc/hosts changes, and a name can be moved to another IP
+//! while the other nodes run (nss_wrapper reads the file again when it changes). Nodes can be
+//! added with `--join`, killed, wiped, restarted (also with other flags) and moved; membership
+//! commands run through `lockctl`. Each node's output goes to `node<i>.log` in the run's
+//! directory ([`Fleet::log`]), so a test can check what a node said.
+
+use std::collections::BTreeMap;
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use lockd_api::v1::StatusRequest;
+use lockd_api::v1::StatusResponse;
+use lockd_api::v1::cluster_client::ClusterClient;
+use tonic::transport::Channel;
+
+use crate::process::{ChildGuard, command, random_loopback_ip};
+
+/// Where Debian's libnss-wrapper puts its library.
+const NSS_WRAPPER_PATHS: &[&str] = &[
+    "/usr/lib/x86_64-linux-gnu/libnss_wrapper.so",
+    "/usr/lib/aarch64-linux-gnu/libnss_wrapper.so",
+    "/usr/lib64/libnss_wrapper.so",
+    "/usr/lib/libnss_wrapper.so",
+];
+
+/// Client port of node `id` on its own IP.
+pub fn port(id: u64) -> u16 {
+    7000 + id as u16
+}
+
+/// The nss_wrapper library; the suite cannot run without it.
+pub fn nss_wrapper() -> anyhow::Result<PathBuf> {
+    NSS_WRAPPER_PATHS
+        .iter()
+        .map(PathBuf::from)
+        .find(|p| p.exists())
+        .ok_or_else(|| {
+            anyhow::anyhow!(
+                "libnss_wrapper.so not found in {NSS_WRAPPER_PATHS:?}: install it \
+                 (apt-get install libnss-wrapper); the membership suite resolves test names \
+                 with it"
+            )
+        })
+}
+
+/// One node: where it listens and its process.
+struct FleetNode {
+    ip: Ipv4Addr,
+    /// The ids in its `--peer` list (itself included).
+    peers: Vec<u64>,
+    join: bool,
+    process: Option<ChildGuard>,
+}
+
+pub struct Fleet {
+    dir: tempfile::TempDir,
+    /// `<run>.lockd.test`: unique per fleet, so concurrent runs never share a name.
+    domain: String,
+    hosts: PathBuf,
+    nss_wrapper: PathBuf,
+    nodes: BTreeMap<u64, FleetNode>,
+    /// Extra flags of every node (timings).
+    pub args: Vec<String>,
+}
+
+impl Fleet {
+    /// Starts nodes `1..=n` as one cluster and waits for a leader. A single node's data dir is
+    /// prepared with `lockd init` first (it has nobody to ask).
+    pub async fn start(n: u64, args: &[&str]) -> anyhow::Result<Fleet> {
+        let dir = tempfile::tempdir()?;
+        let run: u32 = {
+            use rand::RngExt;
+            rand::rng().random()
+        };
+        let mut fleet = Fleet {
+            hosts: dir.path().join("hosts"),
+            dir,
+            domain: format!("r{run:08x}.lockd.test"),
+            nss_wrapper: nss_wrapper()?,
+            nodes: BTreeMap::new(),
+            args: args.iter().map(|a| a.to_string()).collect(),
+        };
+        let ids: Vec<u64> = (1..=n).collect();
+        for id in &ids {
+            fleet.nodes.insert(
+                *id,
+                FleetNode {
+                    ip: random_loopback_ip(),
+                    peers: ids.clone(),
+                    join: false,
+                    process: None,
+                },
+            );
+        }
+        fleet.write_hosts()?;
+        if n == 1 {
+            let out = fleet.init(1)?;
+            anyhow::ensure!(out.status.success(), "lockd init: {out:?}");
+        }
+        for id in ids.clone() {
+            fleet.spawn(id)?;
+        }
+        // Every node, not only those that already list themselves: a node that has not caught
+        // up yet would otherwise be a test's first casualty.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let leader = fleet.wait_for_leader(Duration::from_secs(30)).await?;
+            let mut following = 0;
+            for id in &ids {
+                if fleet.status(*id).await.is_ok_and(|s| s.leader_id == leader) {
+                    following += 1;
+                }
+            }
+            if following == ids.len() {
+                return Ok(fleet);
+            }
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "{following} of {} nodes follow leader {leader} after 30 s",
+                ids.len()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    pub fn name(&self, id: u64) -> String {
+        format!("node{id}.{}", self.domain)
+    }
+
+    /// `name:port`, the address in `--peer` and in the membership.
+    pub fn member_addr(&self, id: u64) -> String {
+        format!("{}:{}", self.name(id), port(id))
+    }
+
+    /// `ip:port`, what the test itself dials (it does not resolve test names).
+    pub fn ip_addr(&self, id: u64) -> String {
+        format!("{}:{}", self.nodes[&id].ip, port(id))
+    }
+
+    pub fn data_dir(&self, id: u64) -> PathBuf {
+        self.dir.path().join(format!("node{id}"))
+    }
+
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Endpoints of the given nodes, as lockctl and the client take them.
+    pub fn endpoints(&self, ids: &[u64]) -> Vec<String> {
+        ids.iter().map(|id| self.ip_addr(*id)).collect()
+    }
+
+    /// Writes the hosts file whole and renames it into place, so a reader never sees half of it.
+    fn write_hosts(&self) -> anyhow::Result<()> {
+        let text: String = self
+            .nodes
+            .iter()
+            .map(|(id, n)| format!("{} {}\n", n.ip, self.name(*id)))
+            .collect();
+        let tmp = self.hosts.with_extension("tmp");
+        std::fs::write(&tmp, text)?;
+        std::fs::rename(&tmp, &self.hosts)?;
+        Ok(())
+    }
+
+    /// Where node `id` writes its output (appended across restarts).
+    pub fn log_path(&self, id: u64) -> PathBuf {
+        self.dir.path().join(format!("node{id}.log"))
+    }
+
+    /// Everything node `id` has written so far.
+    pub fn log(&self, id: u64) -> String {
+        std::fs::read_to_string(self.log_path(id)).unwrap_or_default()
+    }
+
+    fn spawn(&mut self, id: u64) -> anyhow::Result<()> {
+        let out = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log_path(id))?;
+        let node = &self.nodes[&id];
+        let mut cmd: Command = command("lockd");
+        cmd.arg("--id")
+            .arg(id.to_string())
+            .arg("--listen")
+            .arg(format!("{}:{}", node.ip, port(id)))
+            .arg("--data-dir")
+            .arg(self.data_dir(id));
+        for p in &node.peers {
+            cmd.arg("--peer")
+                .arg(format!("{p}={}", self.member_addr(*p)));
+        }
+        if node.join {
+            cmd.arg("--join");
+        }
+        cmd.stdout(out.try_clone()?).stderr(out);
+        cmd.args(&self.args)
+            .env("LD_PRELOAD", &self.nss_wrapper)
+            .env("NSS_WRAPPER_HOSTS", &self.hosts);
+        if std::env::var_os("RUST_LOG").is_none() {
+            cmd.env("RUST_LOG", "warn,openraft=off");
+        }
+        let guard = ChildGuard::spawn(format!("lockd-{id}"), cmd)?;
+        self.nodes.get_mut(&id).expect("node").process = Some(guard);
+        Ok(())
+    }
+
+    /// Starts a new node `id` with an empty data dir and `--join`, its `--peer` list being itself
+    /// and `peers`; it waits to be added with `member add`.
+    pub fn start_joining(&mut self, id: u64, peers: &[u64]) -> anyhow::Result<()> {
+        anyhow::ensure!(!self.nodes.contains_key(&id), "node {id} exists");
+        let mut list = vec![id];
+        list.extend_from_slice(peers);
+        self.nodes.insert(
+            id,
+            FleetNode {
+                ip: random_loopback_ip(),
+                peers: list,
+                join: true,
+                process: None,
+            },
+        );
+        self.write_hosts()?;
+        self.spawn(id)
+    }
+
+    /// kill -9.
+    pub fn kill(&mut self, id: u64) {
+        if let Some(mut p) = self.nodes.get_mut(&id).and_then(|n| n.process.take()) {
+            p.kill();
+        }
+    }
+
+    /// Sends `sig` (SIGSTOP, SIGCONT...) to node `id`'s process.
+    pub fn signal(&self, id: u64, sig: nix::sys::signal::Signal) {
+        if let Some(p) = self.nodes.get(&id).and_then(|n| n.process.as_ref()) {
+            p.signal(sig);
+        }
+    }
+
+    /// Restarts a stopped node with its data dir.
+    pub fn restart(&mut self, id: u64) -> anyhow::Result<()> {
+        self.spawn(id)
+    }
+
+    /// Deletes a stopped node's data dir: the disk is lost.
+    pub fn wipe(&mut self, id: u64) -> anyhow::Result<()> {
+        anyhow::ensure!(!self.is_running(id), "node {id} is running");
+        match std::fs::remove_dir_all(self.data_dir(id)) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e.into()),
+            _ => Ok(()),
+        }
+    }
+
+    /// Changes the flags node `id` is started with next: its `--peer` list (itself and
+    /// `peers`) and `--join`.
+    pub fn set_flags(&mut self, id: u64, peers: &[u64], join: bool) {
+        let node = self.nodes.get_mut(&id).expect("node");
+        node.peers = std::iter::once(id)
+            .chain(peers.iter().copied().filter(|p| *p != id))
+            .collect();
+        node.join = join;
+    }
+
+    /// Runs `lockd init` on node `id`'s data dir with its `--peer` list; its output.
+    pub fn init(&self, id: u64) -> anyhow::Result<std::process::Output> {
+        let node = &self.nodes[&id];
+        let mut cmd: Command = command("lockd");
+        cmd.args(["init", "--id", &id.to_string(), "--data-dir"])
+            .arg(self.data_dir(id));
+        for p in &node.peers {
+            cmd.arg("--peer")
+                .arg(format!("{p}={}", self.member_addr(*p)));
+        }
+        Ok(cmd.output()?)
+    }
+
+    /// The exit status of node `id` if its process has ended.
+    pub fn exited(&mut self, id: u64) -> Option<std::process::ExitStatus> {
+        self.nodes
+            .get_mut(&id)
+            .and_then(|n| n.process.as_mut())
+            .and_then(|p| p.try_wait())
+    }
+
+    /// Moves a stopped node's name to a new IP (the hosts file changes at once for every node);
+    /// returns the new IP.
+    pub fn move_to_new_ip(&mut self, id: u64) -> anyhow::Result<Ipv4Addr> {
+        let old = self.nodes[&id].ip;
+        let mut ip = random_loopback_ip();
+        while ip == old {
+            ip = random_loopback_ip();
+        }
+        self.nodes.get_mut(&id).expect("node").ip = ip;
+        self.write_hosts()?;
+        Ok(ip)
+    }
+
+    pub fn is_running(&mut self, id: u64) -> bool {
+        self.nodes
+            .get_mut(&id)
+            .and_then(|n| n.process.as_mut())
+            .is_some_and(|p| p.is_running())
+    }
+
+    pub fn running(&mut self) -> Vec<u64> {
+        let ids: Vec<u64> = self.nodes.keys().copied().collect();
+        ids.into_iter().filter(|id| self.is_running(*id)).collect()
+    }
+
+    pub async fn status(&self, id: u64) -> anyhow::Result<StatusResponse> {
+        let channel = Channel::from_shared(format!("http://{}", self.ip_addr(id)))?
+            .connect_timeout(Duration::from_secs(1))
+            .connect_lazy();
+        let mut req = tonic::Request::new(StatusRequest {});
+        req.set_timeout(Duration::from_secs(2));
+        Ok(ClusterClient::new(channel).status(req).await?.into_inner())
+    }
+
+    /// Waits until a running node leads and every running member agrees (nodes that are not
+    /// members yet, or no longer, are not asked).
+    pub async fn wait_for_leader(&mut self, within: Duration) -> anyhow::Result<u64> {
+        let deadline = Instant::now() + within;
+        loop {
+            let running = self.running();
+            let mut seen = Vec::new();
+            for id in &running {
+                if let Ok(s) = self.status(*id).await
+                    && s.members.iter().any(|m| m.id == *id)
+                    && s.role != "learner"
+                {
+                    seen.push((*id, s.leader_id, s.role == "leader"));
+                }
+            }
+            if let Some((leader, _, _)) = seen.iter().find(|(_, _, is)| *is).copied()
+                && seen.iter().all(|(_, l, _)| *l == leader)
+            {
+                return Ok(leader);
+            }
+            if Instant::now() > deadline {
+                anyhow::bail!("no agreed leader within {within:?}: (node, leader, leads) {seen:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Runs lockctl against the given endpoints; returns stdout, or the error with stderr.
+    pub fn lockctl(&self, endpoints: &[u64], args: &[&str]) -> anyhow::Result<String> {
+        let out = command("lockctl")
+            .arg("--endpoints")
+            .arg(self.endpoints(endpoints).join(","))
+            .args(args)
+            .output()?;
+        anyhow::ensure!(
+            out.status.success(),
+            "lockctl {args:?} exited with {}: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// `lockctl --json member list`, parsed.
+    pub fn members(&self, endpoints: &[u64]) -> anyhow::Result<serde_json::Value> {
+        Ok(serde_json::from_str(
+            &self.lockctl(endpoints, &["--json", "member", "list"])?,
+        )?)
+    }
+}
