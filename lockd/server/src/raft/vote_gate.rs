@@ -338,6 +338,13 @@ pub struct VoteGate {
     restore: Arc<RestoreIdentity>,
     /// Whether this node founds a new cluster or tells its peers it would.
     founding: Founding,
+    /// Set from this node's founding until every other `--peer` node has founded too: it
+    /// grants no vote meanwhile. openraft campaigns at once after `initialize`, so without
+    /// this the first founders could elect a leader before the last one took the incarnation
+    /// id; that one would then refuse the leader's messages, and, once it saw a peer with
+    /// history, could not found any more: a founder lost right after the start would leave the
+    /// other two without a quorum for good.
+    cofounding: AtomicBool,
 }
 
 #[derive(Default)]
@@ -358,6 +365,7 @@ impl VoteGate {
             store: None,
             restore,
             founding,
+            cofounding: AtomicBool::new(false),
         }
     }
 
@@ -379,6 +387,7 @@ impl VoteGate {
             store: Some(store),
             restore,
             founding,
+            cofounding: AtomicBool::new(false),
         })
     }
 
@@ -455,6 +464,12 @@ impl VoteGate {
         term: u64,
         candidate_last_log: Option<LogId>,
     ) -> Result<(), String> {
+        if self.cofounding.load(Ordering::Acquire) {
+            return Err(
+                "lockd: founding a new cluster; not voting until every --peer node has founded it"
+                    .to_owned(),
+            );
+        }
         if self.is_open() {
             return Ok(());
         }
@@ -559,13 +574,15 @@ impl VoteGate {
                         "lockd: every --peer node answered new (or founded with the same --peer \
                          list): founding a new cluster"
                     );
+                    self.cofounding.store(true, Ordering::Release);
                     if let Err(e) = raft.initialize(members.clone()).await {
                         tracing::info!(error = %e, "initialize skipped");
                     }
-                    if !self
+                    let all_founded = self
                         .wait_for_cofounders(&raft, me, &members, &mut ask, &shutdown)
-                        .await
-                    {
+                        .await;
+                    self.cofounding.store(false, Ordering::Release);
+                    if !all_founded {
                         return;
                     }
                 }
@@ -634,6 +651,9 @@ impl VoteGate {
         Fut: std::future::Future<Output = Vec<(NodeId, VoteReport)>>,
     {
         let mut last_log = tokio::time::Instant::now();
+        // A peer seen founded counts for good: one lost after it founded does not hold the
+        // others back (it has the id; it comes back as a member).
+        let mut founded: BTreeSet<NodeId> = BTreeSet::new();
         loop {
             if raft.metrics().borrow().current_leader.is_some() {
                 return true;
@@ -642,16 +662,14 @@ impl VoteGate {
                 _ = shutdown.cancelled() => return false,
                 r = ask(whom_to_ask(me, flags, &[])) => r,
             };
+            for (p, r) in &reports {
+                if r.restore_id.as_deref() == self.restore.get() && r.last_log_id.is_some() {
+                    founded.insert(*p);
+                }
+            }
             let waiting: Vec<NodeId> = flags
                 .keys()
-                .filter(|id| **id != me)
-                .filter(|id| {
-                    !reports.iter().any(|(p, r)| {
-                        p == *id
-                            && r.restore_id.as_deref() == self.restore.get()
-                            && r.last_log_id.is_some()
-                    })
-                })
+                .filter(|id| **id != me && !founded.contains(id))
                 .copied()
                 .collect();
             if waiting.is_empty() {
@@ -1246,7 +1264,26 @@ mod tests {
             store: None,
             restore: Arc::new(RestoreIdentity::new(None)),
             founding: founding(&[1, 2, 3], false),
+            cofounding: AtomicBool::new(false),
         }
+    }
+
+    #[test]
+    fn a_founder_grants_no_vote_until_every_peer_has_founded() {
+        let gate = closed_gate(None);
+        gate.cofounding.store(true, Ordering::Release);
+        let e = gate.admits_candidate(1, None).unwrap_err();
+        assert!(
+            e.contains("not voting until every --peer node has founded"),
+            "{e}"
+        );
+        gate.open.store(true, Ordering::Release);
+        assert!(
+            gate.admits_candidate(1, None).is_err(),
+            "open or not, founding refuses"
+        );
+        gate.cofounding.store(false, Ordering::Release);
+        assert!(gate.admits_candidate(1, None).is_ok());
     }
 
     #[test]
