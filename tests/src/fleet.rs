@@ -67,12 +67,26 @@ pub struct Fleet {
     nodes: BTreeMap<u64, FleetNode>,
     /// Extra flags of every node (timings).
     pub args: Vec<String>,
+    /// Whether nodes run with `--allow-membership-without-policy`: a fleet has no policy, so
+    /// without it `lockctl member add/promote/remove` and `leader transfer` are refused.
+    allow_membership: bool,
 }
 
 impl Fleet {
     /// Starts nodes `1..=n` as one cluster and waits for a leader. A single node's data dir is
-    /// prepared with `lockd init` first (it has nobody to ask).
+    /// prepared with `lockd init` first (it has nobody to ask). The nodes run with
+    /// `--allow-membership-without-policy`, so membership commands work without a policy.
     pub async fn start(n: u64, args: &[&str]) -> anyhow::Result<Fleet> {
+        Fleet::start_with(n, args, true).await
+    }
+
+    /// [`Fleet::start`], with `--allow-membership-without-policy` on every node only if
+    /// `allow_membership`.
+    pub async fn start_with(
+        n: u64,
+        args: &[&str],
+        allow_membership: bool,
+    ) -> anyhow::Result<Fleet> {
         let dir = tempfile::tempdir()?;
         let run: u32 = {
             use rand::RngExt;
@@ -85,6 +99,7 @@ impl Fleet {
             nss_wrapper: nss_wrapper()?,
             nodes: BTreeMap::new(),
             args: args.iter().map(|a| a.to_string()).collect(),
+            allow_membership,
         };
         let ids: Vec<u64> = (1..=n).collect();
         for id in &ids {
@@ -198,6 +213,9 @@ impl Fleet {
         }
         if node.join {
             cmd.arg("--join");
+        }
+        if self.allow_membership {
+            cmd.arg("--allow-membership-without-policy");
         }
         cmd.stdout(out.try_clone()?).stderr(out);
         cmd.args(&self.args)

@@ -66,6 +66,8 @@ pub(crate) struct NodeCtx {
     pub data_dir: std::path::PathBuf,
     /// `--allow-backup-without-policy` (see `service::snapshot::may_save`).
     pub allow_backup_without_policy: bool,
+    /// `--allow-membership-without-policy` (see `service::membership::may_change`).
+    pub allow_membership_without_policy: bool,
 }
 
 impl NodeCtx {
@@ -497,6 +499,7 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
         auth: auth.clone(),
         data_dir: config.data_dir.clone(),
         allow_backup_without_policy: config.allow_backup_without_policy,
+        allow_membership_without_policy: config.allow_membership_without_policy,
     });
 
     let listener = tokio::net::TcpListener::bind(config.listen)

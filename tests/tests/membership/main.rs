@@ -725,3 +725,41 @@ async fn review_m1_a_change_whose_caller_gave_up_is_completed() {
     f.lockctl(&live, &["member", "remove", "4"]).unwrap();
     assert_eq!(voters(&f, &live), [1, 2, 3]);
 }
+
+/// Goal: without `--auth-policy`, a node refuses every caller the calls that change the
+/// membership or move leadership, unless it runs with `--allow-membership-without-policy`
+/// (review of the membership branch, M-C: repeated `member remove` shrank {1,2,3} to {1}, a
+/// `leader transfer` loop kept the cluster leaderless). `member list` still answers.
+/// Method: three nodes without the flag; `member remove`, `member promote`, `member add` and
+/// `leader transfer` through every node must fail naming the flag, the voters and the leader
+/// stay. (Every other test of this file runs with the flag: the control.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review_m_c_open_mode_refuses_membership_changes_without_the_flag() {
+    let mut f = Fleet::start_with(3, ARGS, false).await.unwrap();
+    let leader = f.wait_for_leader(Duration::from_secs(20)).await.unwrap();
+    let other = [1u64, 2, 3].into_iter().find(|i| *i != leader).unwrap();
+    let add = format!("4={}", f.member_addr(3).replace(":7003", ":7004"));
+    for node in [1, 2, 3] {
+        for args in [
+            vec!["member", "remove", "3"],
+            vec!["member", "remove", &leader.to_string()],
+            vec!["member", "promote", "3"],
+            vec!["member", "add", &add],
+            vec!["leader", "transfer", &other.to_string()],
+            vec!["leader", "transfer"],
+        ] {
+            let e = f.lockctl(&[node], &args).unwrap_err().to_string();
+            assert!(
+                e.contains("--allow-membership-without-policy") && e.contains("--auth-policy"),
+                "node {node}, {args:?}: {e}"
+            );
+        }
+    }
+    assert_eq!(voters(&f, &[1, 2, 3]), [1, 2, 3]);
+    let ids: Vec<u64> = members(&f, &[1, 2, 3]).iter().map(|m| m.0).collect();
+    assert_eq!(ids, [1, 2, 3]);
+    assert_eq!(
+        f.wait_for_leader(Duration::from_secs(5)).await.unwrap(),
+        leader
+    );
+}

@@ -32,7 +32,9 @@
 //!   leader keeps its own elections off meanwhile, so it does not compete. Every vote still
 //!   passes openraft's log check, so a transfer cannot elect a node that lacks a committed entry.
 //!
-//! All of them are `admin` under an authorization policy.
+//! All of them are `admin` under an authorization policy. Without a policy the four that
+//! change something are refused unless the node runs with `--allow-membership-without-policy`
+//! ([`may_change`]); `ListMembers` answers anyone.
 
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -137,6 +139,39 @@ pub async fn finish_joint_changes(
         }
         seen = None;
     }
+}
+
+/// Who may call `AddMember`, `PromoteMember`, `RemoveMember` or `TransferLeader` besides the
+/// policy's `admin` (checked by the caller first). Without a policy nobody is identified, and
+/// these calls shrink a cluster to one voter or keep it leaderless in a transfer loop, so open
+/// mode (no `--auth-policy`) answers them only for a call forwarded by a member authenticated by
+/// its node certificate (the member it came to checked its caller), or for anyone with
+/// `--allow-membership-without-policy`. No exemption for loopback callers, for the reason
+/// `service::snapshot::may_save` gives. PERMISSION_DENIED names the call, the caller's address
+/// and the two ways out.
+pub fn may_change(
+    call: &str,
+    has_policy: bool,
+    allow_without_policy: bool,
+    forwarded_by_member: bool,
+    remote: Option<std::net::SocketAddr>,
+) -> Result<(), Status> {
+    if has_policy || allow_without_policy || forwarded_by_member {
+        return Ok(());
+    }
+    Err(errors::permission_denied(
+        format!(
+            "{call} refused: this node runs without --auth-policy, so it cannot tell who the \
+             caller ({}) is, and a membership change or leader transfer can take the cluster's \
+             quorum away. Give the nodes --auth-policy (these calls are the `admin` operation), \
+             or start them with --allow-membership-without-policy (then anyone who reaches the \
+             port can change the membership)",
+            remote.map_or_else(|| "address unknown".to_owned(), |a| a.to_string())
+        ),
+        "anonymous",
+        "admin",
+        None,
+    ))
 }
 
 /// What the leader knows of one node.
@@ -577,6 +612,23 @@ impl ClusterService {
         }
     }
 
+    /// [`may_change`] for this node and this call.
+    fn may_change<T>(
+        &self,
+        call: &str,
+        req: &Request<T>,
+        caller: &crate::auth::Caller,
+    ) -> Result<(), Status> {
+        let ctx = self.ctx();
+        may_change(
+            call,
+            ctx.auth.has_policy(),
+            ctx.allow_membership_without_policy,
+            ctx.auth.authenticates_nodes() && caller.forwarded,
+            req.remote_addr(),
+        )
+    }
+
     /// A membership call as forwarded to the leader.
     fn forward_membership<T>(&self, msg: T, caller: &crate::auth::Caller) -> Request<T> {
         let mut req = self.forward_request(msg, caller);
@@ -624,6 +676,7 @@ impl ClusterService {
             .ctx()
             .auth
             .authorize(&req, crate::auth::Operation::Admin, None)?;
+        self.may_change("AddMember", &req, &caller)?;
         match self.route(&req).await? {
             Route::Local => self.add_local(req.into_inner()).await.map(Response::new),
             Route::Forward(leader) => self
@@ -642,6 +695,7 @@ impl ClusterService {
             .ctx()
             .auth
             .authorize(&req, crate::auth::Operation::Admin, None)?;
+        self.may_change("PromoteMember", &req, &caller)?;
         match self.route(&req).await? {
             Route::Local => self
                 .promote_local(req.into_inner())
@@ -663,6 +717,7 @@ impl ClusterService {
             .ctx()
             .auth
             .authorize(&req, crate::auth::Operation::Admin, None)?;
+        self.may_change("RemoveMember", &req, &caller)?;
         let forwarded = req.metadata().contains_key(lockd_api::FORWARDED_HEADER);
         let msg = match self.route(&req).await? {
             Route::Local => {
@@ -704,6 +759,7 @@ impl ClusterService {
             .ctx()
             .auth
             .authorize(&req, crate::auth::Operation::Admin, None)?;
+        self.may_change("TransferLeader", &req, &caller)?;
         match self.route(&req).await? {
             Route::Local => {
                 let id = req.into_inner().id;
@@ -752,6 +808,31 @@ mod tests {
         ));
         m.last_applied = log_id(applied);
         m
+    }
+
+    /// Goal (review of the membership branch, M-C): open mode refuses the calls that change the
+    /// membership or move leadership to every caller, loopback included, unless the node runs
+    /// with --allow-membership-without-policy or a TLS-authenticated member forwarded the call;
+    /// the refusal is PERMISSION_DENIED naming the call, the caller and both ways out.
+    #[test]
+    fn open_mode_membership_changes_only_forwarded_by_a_member_or_with_the_flag() {
+        let remote: std::net::SocketAddr = "192.0.2.7:5000".parse().unwrap();
+        for caller in ["127.3.4.5:5000", "[::1]:9", "192.0.2.7:5000"] {
+            let addr: std::net::SocketAddr = caller.parse().unwrap();
+            let e = may_change("RemoveMember", false, false, false, Some(addr)).unwrap_err();
+            assert_eq!(e.code(), tonic::Code::PermissionDenied);
+            assert!(
+                e.message().contains("RemoveMember")
+                    && e.message().contains(&addr.to_string())
+                    && e.message().contains("--allow-membership-without-policy")
+                    && e.message().contains("--auth-policy"),
+                "{e:?}"
+            );
+        }
+        assert!(may_change("TransferLeader", false, false, false, None).is_err());
+        assert!(may_change("AddMember", false, true, false, Some(remote)).is_ok());
+        assert!(may_change("AddMember", false, false, true, Some(remote)).is_ok());
+        assert!(may_change("AddMember", true, false, false, Some(remote)).is_ok());
     }
 
     /// M1 of the membership review: a committed joint configuration left as the newest one is
