@@ -763,3 +763,73 @@ async fn review_m_c_open_mode_refuses_membership_changes_without_the_flag() {
         leader
     );
 }
+
+/// Goal: a leader transfer whose caller gives up after the leader stepped down leaves the old
+/// leader's elections on (review of the membership branch, M-B: the hand-over turned them off
+/// and back on only if the call completed, so after `lockctl --timeout 1s leader transfer` or a
+/// Ctrl-C the old leader never campaigned again until restarted).
+/// Method: three nodes, idle; the target is stopped (SIGSTOP: its log still matches the
+/// leader's), then `TransferLeader` to it is sent straight to the leader with a 1 s deadline:
+/// the leader steps down and waits for the target, which never answers, and the call is dropped.
+/// After 1.5 s the third node is stopped too: the old leader must then lead again (it won an
+/// election meanwhile) or, alone, campaign, so its term must rise within a few election
+/// timeouts. Last, every node is resumed and a leader is elected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review_m_b_a_transfer_whose_caller_gave_up_leaves_elections_on() {
+    use lockd_api::v1::TransferLeaderRequest;
+    use lockd_api::v1::cluster_client::ClusterClient;
+    use nix::sys::signal::Signal;
+    let mut f = Fleet::start(3, ARGS).await.unwrap();
+    let old = f.wait_for_leader(Duration::from_secs(20)).await.unwrap();
+    let others: Vec<u64> = [1, 2, 3].into_iter().filter(|i| *i != old).collect();
+    let (target, third) = (others[0], others[1]);
+    // The leader grants no vote (so does not step down) within its lease since its election.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    f.signal(target, Signal::SIGSTOP);
+    let term_before = f.status(old).await.unwrap().term;
+    let channel = tonic::transport::Channel::from_shared(format!("http://{}", f.ip_addr(old)))
+        .unwrap()
+        .connect_lazy();
+    let mut req = tonic::Request::new(TransferLeaderRequest { id: target });
+    req.set_timeout(Duration::from_secs(1));
+    let answer = tokio::time::timeout(
+        Duration::from_secs(1),
+        ClusterClient::new(channel).transfer_leader(req),
+    )
+    .await;
+    assert!(
+        !matches!(answer, Ok(Ok(_))),
+        "the transfer to a stopped node succeeded: {answer:?}"
+    );
+    let s = f.status(old).await.unwrap();
+    assert!(
+        s.role != "leader" && s.term > term_before,
+        "node {old} did not step down for node {target}: {s:?}"
+    );
+    // The third node or the old leader takes over meanwhile; then the third stops too.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    f.signal(third, Signal::SIGSTOP);
+    let alone = f.status(old).await.unwrap().term;
+    let deadline = Instant::now() + Duration::from_secs(6);
+    loop {
+        // Leading again (it won an election since stepping down) or campaigning alone: either
+        // way its elections are on.
+        let s = f.status(old).await.unwrap();
+        if s.role == "leader" || s.term > alone + 1 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "node {old}, alone, has not campaigned in 6 s (term {} then {}): its elections \
+             stayed off after the dropped transfer; its log:\n{}",
+            alone,
+            s.term,
+            f.log(old)
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    f.signal(target, Signal::SIGCONT);
+    f.signal(third, Signal::SIGCONT);
+    f.wait_for_leader(Duration::from_secs(20)).await.unwrap();
+    acquire_within(f.endpoints(&[1, 2, 3]), Duration::from_secs(20)).await;
+}

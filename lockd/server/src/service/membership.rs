@@ -174,6 +174,24 @@ pub fn may_change(
     ))
 }
 
+/// Keeps this node's elections off while it lives: a transfer's hand-over holds one, so the old
+/// leader does not compete with the target, and elections come back on however the hand-over
+/// ends, a dropped call included.
+struct ElectionsOff(crate::raft::Raft);
+
+impl ElectionsOff {
+    fn new(raft: crate::raft::Raft) -> Self {
+        raft.runtime_config().elect(false);
+        ElectionsOff(raft)
+    }
+}
+
+impl Drop for ElectionsOff {
+    fn drop(&mut self) {
+        self.0.runtime_config().elect(true);
+    }
+}
+
 /// What the leader knows of one node.
 struct Known {
     info: MemberInfo,
@@ -524,13 +542,15 @@ impl ClusterService {
             tokio::time::sleep(TRANSFER_POLL).await;
         };
         let stepped_down = tokio::time::Instant::now();
-        // This node must not compete with the target while it campaigns.
-        raft.runtime_config().elect(false);
+        // This node must not compete with the target while it campaigns. The guard turns its
+        // elections back on also when this future is dropped (the caller gave up, a
+        // grpc-timeout ran out): otherwise the old leader would never campaign again.
+        let elections_off = ElectionsOff::new(raft.clone());
         let voters = voters.len();
         let result = self
             .hand_over(me, target, term, voters, stepped_down, deadline)
             .await;
-        raft.runtime_config().elect(true);
+        drop(elections_off);
         result.map(|()| {
             let elapsed_ms = started.elapsed().as_millis() as u64;
             tracing::info!(target, elapsed_ms, "lockd: leadership transferred");
