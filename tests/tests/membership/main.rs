@@ -833,3 +833,45 @@ async fn review_m_b_a_transfer_whose_caller_gave_up_leaves_elections_on() {
     f.wait_for_leader(Duration::from_secs(20)).await.unwrap();
     acquire_within(f.endpoints(&[1, 2, 3]), Duration::from_secs(20)).await;
 }
+
+/// Goal: two membership calls sent to the leader at the same moment run one after the other,
+/// each checked against the membership the other left (review of the membership branch, L-2:
+/// check and change ran without a lock, so both could pass checks meant for one, and the second
+/// change met the first one's joint configuration).
+/// Method: three nodes and a caught-up learner 4; `PromoteMember 4` and `RemoveMember` of a
+/// follower go to the leader concurrently. Both must succeed and leave a uniform membership
+/// whose voters are the three others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review_l_2_concurrent_membership_calls_run_one_after_the_other() {
+    use lockd_api::v1::cluster_client::ClusterClient;
+    use lockd_api::v1::{PromoteMemberRequest, RemoveMemberRequest};
+    let mut f = Fleet::start(3, ARGS).await.unwrap();
+    f.start_joining(4, &[1, 2, 3]).unwrap();
+    let add = format!("4={}", f.member_addr(4));
+    f.lockctl(
+        &[1, 2, 3],
+        &["member", "add", &add, "--catch-up-timeout", "60s"],
+    )
+    .unwrap();
+    let leader = f.wait_for_leader(Duration::from_secs(20)).await.unwrap();
+    let removed = [1, 2, 3].into_iter().find(|i| *i != leader).unwrap();
+    let channel = tonic::transport::Channel::from_shared(format!("http://{}", f.ip_addr(leader)))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let (mut a, mut b) = (
+        ClusterClient::new(channel.clone()),
+        ClusterClient::new(channel),
+    );
+    let (promoted, removal) = tokio::join!(
+        a.promote_member(PromoteMemberRequest { id: 4 }),
+        b.remove_member(RemoveMemberRequest { id: removed }),
+    );
+    promoted.expect("promote 4");
+    removal.unwrap_or_else(|e| panic!("remove {removed}: {e:?}"));
+    let list = f.members(&[leader]).unwrap();
+    assert_eq!(list["joint"], serde_json::Value::Bool(false), "{list}");
+    let expected: Vec<u64> = [1, 2, 3, 4].into_iter().filter(|i| *i != removed).collect();
+    assert_eq!(voters(&f, &[leader]), expected);
+}

@@ -15,6 +15,8 @@
 //!   refuses removing the last voter. Removing a node that is not a member succeeds (a retry
 //!   after a lost reply). The leader removes itself only after handing leadership to another
 //!   voter, so the cluster never waits out an election timeout.
+//! - **One at a time**: the leader holds a lock from a call's checks to the end of its change
+//!   (or transfer), so two concurrent calls never both pass checks that only one may pass.
 //! - **Joint configurations** are never left behind for good: each change runs in a task of its
 //!   own (a caller's timeout never drops it between its two steps), and a leader that finds a
 //!   committed joint configuration as its newest completes it ([`finish_joint_changes`]).
@@ -62,6 +64,9 @@ const MEMBERSHIP_FORWARD_TIMEOUT: Duration = Duration::from_secs(12);
 const TRANSFER_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long a membership change may take to commit (two entries: joint, then uniform).
 const CHANGE_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a membership call waits for another one on the leader to end before refusing: one
+/// change may take [`CHANGE_TIMEOUT`], a removal of the leader a transfer too.
+const LOCK_WAIT: Duration = Duration::from_secs(6);
 /// How long a removal waits for the leader to see an up-to-date majority among the voters left
 /// before refusing: a leader elected a moment ago has not heard from every follower yet.
 const REMOVE_SETTLE: Duration = Duration::from_secs(1);
@@ -632,6 +637,23 @@ impl ClusterService {
         }
     }
 
+    /// Takes the leader's membership lock ([`NodeCtx::membership_lock`]); the checks of the
+    /// call run after it, so they see the membership the previous call left.
+    ///
+    /// [`NodeCtx::membership_lock`]: crate::node::NodeCtx::membership_lock
+    async fn lock_membership(&self) -> Result<tokio::sync::MutexGuard<'_, ()>, Status> {
+        tokio::time::timeout(LOCK_WAIT, self.ctx().membership_lock.lock())
+            .await
+            .map_err(|_| {
+                errors::no_quorum(format!(
+                    "another membership change or leader transfer on node {} did not end \
+                     within {} ms; nothing was done, retry",
+                    self.ctx().id,
+                    LOCK_WAIT.as_millis()
+                ))
+            })
+    }
+
     /// [`may_change`] for this node and this call.
     fn may_change<T>(
         &self,
@@ -698,7 +720,10 @@ impl ClusterService {
             .authorize(&req, crate::auth::Operation::Admin, None)?;
         self.may_change("AddMember", &req, &caller)?;
         match self.route(&req).await? {
-            Route::Local => self.add_local(req.into_inner()).await.map(Response::new),
+            Route::Local => {
+                let _changing = self.lock_membership().await?;
+                self.add_local(req.into_inner()).await.map(Response::new)
+            }
             Route::Forward(leader) => self
                 .leader_client(leader)?
                 .add_member(self.forward_membership(req.into_inner(), &caller))
@@ -717,10 +742,12 @@ impl ClusterService {
             .authorize(&req, crate::auth::Operation::Admin, None)?;
         self.may_change("PromoteMember", &req, &caller)?;
         match self.route(&req).await? {
-            Route::Local => self
-                .promote_local(req.into_inner())
-                .await
-                .map(Response::new),
+            Route::Local => {
+                let _changing = self.lock_membership().await?;
+                self.promote_local(req.into_inner())
+                    .await
+                    .map(Response::new)
+            }
             Route::Forward(leader) => self
                 .leader_client(leader)?
                 .promote_member(self.forward_membership(req.into_inner(), &caller))
@@ -742,9 +769,12 @@ impl ClusterService {
         let msg = match self.route(&req).await? {
             Route::Local => {
                 let msg = req.into_inner();
+                // Released before the call goes on to the new leader below.
+                let changing = self.lock_membership().await?;
                 if let Some(done) = self.remove_local(msg.id).await? {
                     return Ok(Response::new(done));
                 }
+                drop(changing);
                 msg
             }
             Route::Forward(leader) => {
@@ -783,6 +813,7 @@ impl ClusterService {
         match self.route(&req).await? {
             Route::Local => {
                 let id = req.into_inner().id;
+                let _changing = self.lock_membership().await?;
                 self.transfer_local((id != 0).then_some(id))
                     .await
                     .map(Response::new)
