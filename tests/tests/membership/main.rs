@@ -875,3 +875,57 @@ async fn review_l_2_concurrent_membership_calls_run_one_after_the_other() {
     let expected: Vec<u64> = [1, 2, 3, 4].into_iter().filter(|i| *i != removed).collect();
     assert_eq!(voters(&f, &[leader]), expected);
 }
+
+/// Goal: under mTLS, a node that replays the log from its start accepts a leader that was added
+/// at runtime (review of the membership branch, M-A: after the first batch of entries the node
+/// took the founding membership {1, 2, 3} as its list of allowed senders and refused leader 4
+/// with UNAUTHENTICATED for good).
+/// Method: three nodes with TLS (node certificates of one peer CA, no snapshots in the run, so
+/// a joiner gets the whole log from index 1); 400 grants put the founding membership 25
+/// batches of 16 entries before node 4's addition. Node 4 joins and is promoted, node 3 removed and stopped, leadership
+/// moves to node 4. Then node 5 joins: `member add` must see it caught up within 30 s, and it
+/// must be promoted and follow leader 4.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review_m_a_under_tls_a_joiner_replaying_the_log_accepts_a_leader_added_later() {
+    let args = &["--heartbeat", "100ms", "--election-timeout", "600ms"];
+    let mut f = Fleet::start_tls(3, args).await.unwrap();
+    let leader = f.wait_for_leader(Duration::from_secs(10)).await.unwrap();
+    let mut locks = lockd_api::v1::lock_client::LockClient::new(f.channel(leader).unwrap());
+    for n in 0..400 {
+        locks
+            .acquire(lockd_api::v1::AcquireRequest {
+                resource: format!("m-a/{n}"),
+                request_id: format!("m-a-{n}"),
+                lease_ttl_ms: 30_000,
+                wait_timeout_ms: 0,
+                holder: "m-a".into(),
+            })
+            .await
+            .unwrap();
+    }
+    f.start_joining(4, &[1, 2, 3]).unwrap();
+    let add = format!("4={}", f.member_addr(4));
+    f.lockctl(
+        &[1, 2, 3],
+        &["member", "add", &add, "--catch-up-timeout", "60s"],
+    )
+    .unwrap();
+    f.lockctl(&[1, 2, 3], &["member", "promote", "4"]).unwrap();
+    f.lockctl(&[1, 2, 4], &["member", "remove", "3"]).unwrap();
+    f.kill(3);
+    // A leader grants no vote within its lease since its election.
+    tokio::time::sleep(Duration::from_millis(1_300)).await;
+    f.lockctl(&[1, 2, 4], &["leader", "transfer", "4"]).unwrap();
+    assert_eq!(f.wait_for_leader(Duration::from_secs(10)).await.unwrap(), 4);
+
+    f.start_joining(5, &[1, 2, 4]).unwrap();
+    let add = format!("5={}", f.member_addr(5));
+    f.lockctl(
+        &[1, 2, 4],
+        &["member", "add", &add, "--catch-up-timeout", "30s"],
+    )
+    .unwrap_or_else(|e| panic!("node 5 did not catch up from leader 4: {e}\n{}", f.log(5)));
+    f.lockctl(&[1, 2, 4], &["member", "promote", "5"]).unwrap();
+    assert_eq!(voters(&f, &[1, 2, 4]), [1, 2, 4, 5]);
+    assert_eq!(f.status(5).await.unwrap().leader_id, 4);
+}
