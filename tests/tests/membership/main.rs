@@ -929,3 +929,29 @@ async fn review_m_a_under_tls_a_joiner_replaying_the_log_accepts_a_leader_added_
     assert_eq!(voters(&f, &[1, 2, 4]), [1, 2, 4, 5]);
     assert_eq!(f.status(5).await.unwrap().leader_id, 4);
 }
+
+/// Goal: `member add` refuses an address another member already uses, naming that member
+/// (review of the membership branch, LOW: two members at one address).
+/// Method: three nodes; adding node 4 at node 2's address must fail naming node 2, and the
+/// membership stays 1-3; adding node 4 at its own address then succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review_low_member_add_refuses_an_address_in_use() {
+    let mut f = Fleet::start(3, ARGS).await.unwrap();
+    let taken = format!("4={}", f.member_addr(2));
+    let e = f
+        .lockctl(&[1, 2, 3], &["member", "add", &taken, "--no-wait"])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("node 2 already uses address") && e.contains(&f.member_addr(2)),
+        "{e}"
+    );
+    let ids: Vec<u64> = members(&f, &[1, 2, 3]).iter().map(|m| m.0).collect();
+    assert_eq!(ids, [1, 2, 3]);
+    f.start_joining(4, &[1, 2, 3]).unwrap();
+    let own = format!("4={}", f.member_addr(4));
+    f.lockctl(&[1, 2, 3], &["member", "add", &own, "--no-wait"])
+        .unwrap();
+    let ids: Vec<u64> = members(&f, &[1, 2, 3]).iter().map(|m| m.0).collect();
+    assert_eq!(ids, [1, 2, 3, 4]);
+}

@@ -332,6 +332,18 @@ impl ClusterService {
                 ),
             ));
         }
+        // Two members at one address would make the leader replicate to one node twice, and
+        // the node there refuse the messages meant for the other (its certificate names one).
+        if let Some(other) = list.members.iter().find(|i| i.address == req.address) {
+            return Err(errors::precondition(
+                "address",
+                format!(
+                    "node {} already uses address {:?}; a new member needs an address of its \
+                     own (remove node {} first if it moved)",
+                    other.id, req.address, other.id
+                ),
+            ));
+        }
         Self::refuse_during_joint(&list)?;
         let node = BasicNode::new(req.address.clone());
         let raft = self.ctx().raft.clone();
