@@ -67,13 +67,50 @@ pub struct Fleet {
     nodes: BTreeMap<u64, FleetNode>,
     /// Extra flags of every node (timings).
     pub args: Vec<String>,
+    /// Whether nodes run with `--allow-membership-without-policy`: a fleet has no policy, so
+    /// without it `lockctl member add/promote/remove` and `leader transfer` are refused.
+    allow_membership: bool,
+    /// With TLS: the peer CA that issues every node a certificate (naming
+    /// `node-<id>.lockd.lockd` and its IP) when it starts; clients trust it.
+    tls: Option<crate::tls::TestCa>,
 }
 
 impl Fleet {
     /// Starts nodes `1..=n` as one cluster and waits for a leader. A single node's data dir is
-    /// prepared with `lockd init` first (it has nobody to ask).
+    /// prepared with `lockd init` first (it has nobody to ask). The nodes run with
+    /// `--allow-membership-without-policy`, so membership commands work without a policy.
     pub async fn start(n: u64, args: &[&str]) -> anyhow::Result<Fleet> {
+        Fleet::start_with(n, args, true).await
+    }
+
+    /// [`Fleet::start`], with `--allow-membership-without-policy` on every node only if
+    /// `allow_membership`.
+    pub async fn start_with(
+        n: u64,
+        args: &[&str],
+        allow_membership: bool,
+    ) -> anyhow::Result<Fleet> {
+        Fleet::start_inner(n, args, allow_membership, false).await
+    }
+
+    /// [`Fleet::start`] with TLS: node certificates of one peer CA, which the test's clients
+    /// and lockctl trust; no client certificates, no policy.
+    pub async fn start_tls(n: u64, args: &[&str]) -> anyhow::Result<Fleet> {
+        Fleet::start_inner(n, args, true, true).await
+    }
+
+    async fn start_inner(
+        n: u64,
+        args: &[&str],
+        allow_membership: bool,
+        tls: bool,
+    ) -> anyhow::Result<Fleet> {
         let dir = tempfile::tempdir()?;
+        let tls = if tls {
+            Some(crate::tls::TestCa::new(dir.path(), "peer")?)
+        } else {
+            None
+        };
         let run: u32 = {
             use rand::RngExt;
             rand::rng().random()
@@ -85,6 +122,8 @@ impl Fleet {
             nss_wrapper: nss_wrapper()?,
             nodes: BTreeMap::new(),
             args: args.iter().map(|a| a.to_string()).collect(),
+            allow_membership,
+            tls,
         };
         let ids: Vec<u64> = (1..=n).collect();
         for id in &ids {
@@ -198,6 +237,18 @@ impl Fleet {
         }
         if node.join {
             cmd.arg("--join");
+        }
+        if self.allow_membership {
+            cmd.arg("--allow-membership-without-policy");
+        }
+        if let Some(ca) = &self.tls {
+            let issued = ca.issue_node("lockd", id, std::net::IpAddr::V4(node.ip))?;
+            cmd.arg("--tls-cert")
+                .arg(&issued.cert)
+                .arg("--tls-key")
+                .arg(&issued.key)
+                .arg("--peer-ca")
+                .arg(&ca.cert_path);
         }
         cmd.stdout(out.try_clone()?).stderr(out);
         cmd.args(&self.args)
@@ -314,10 +365,29 @@ impl Fleet {
         ids.into_iter().filter(|id| self.is_running(*id)).collect()
     }
 
+    /// A client channel to node `id`, over TLS trusting the peer CA when the fleet has TLS.
+    pub fn channel(&self, id: u64) -> anyhow::Result<Channel> {
+        let Some(ca) = &self.tls else {
+            return Ok(
+                Channel::from_shared(format!("http://{}", self.ip_addr(id)))?
+                    .connect_timeout(Duration::from_secs(1))
+                    .connect_lazy(),
+            );
+        };
+        let pem = std::fs::read(&ca.cert_path)?;
+        Ok(
+            Channel::from_shared(format!("https://{}", self.ip_addr(id)))?
+                .tls_config(
+                    tonic::transport::ClientTlsConfig::new()
+                        .ca_certificate(tonic::transport::Certificate::from_pem(pem)),
+                )?
+                .connect_timeout(Duration::from_secs(1))
+                .connect_lazy(),
+        )
+    }
+
     pub async fn status(&self, id: u64) -> anyhow::Result<StatusResponse> {
-        let channel = Channel::from_shared(format!("http://{}", self.ip_addr(id)))?
-            .connect_timeout(Duration::from_secs(1))
-            .connect_lazy();
+        let channel = self.channel(id)?;
         let mut req = tonic::Request::new(StatusRequest {});
         req.set_timeout(Duration::from_secs(2));
         Ok(ClusterClient::new(channel).status(req).await?.into_inner())
@@ -352,11 +422,13 @@ impl Fleet {
 
     /// Runs lockctl against the given endpoints; returns stdout, or the error with stderr.
     pub fn lockctl(&self, endpoints: &[u64], args: &[&str]) -> anyhow::Result<String> {
-        let out = command("lockctl")
-            .arg("--endpoints")
-            .arg(self.endpoints(endpoints).join(","))
-            .args(args)
-            .output()?;
+        let mut cmd = command("lockctl");
+        cmd.arg("--endpoints")
+            .arg(self.endpoints(endpoints).join(","));
+        if let Some(ca) = &self.tls {
+            cmd.arg("--cacert").arg(&ca.cert_path);
+        }
+        let out = cmd.args(args).output()?;
         anyhow::ensure!(
             out.status.success(),
             "lockctl {args:?} exited with {}: {}",

@@ -209,6 +209,9 @@ pub struct NodeConfig {
     pub(crate) auth: Option<crate::auth::AuthFiles>,
     /// `--allow-backup-without-policy`: without a policy, backups for anyone who reaches the port.
     pub(crate) allow_backup_without_policy: bool,
+    /// `--allow-membership-without-policy`: without a policy, membership changes and leader
+    /// transfers for anyone who reaches the port.
+    pub(crate) allow_membership_without_policy: bool,
     /// `--join`: this node is being added to a running cluster (`lockctl member add`). It never
     /// proposes an initial membership, whatever its peers answer; it waits for the leader.
     pub(crate) join: bool,
@@ -265,6 +268,7 @@ impl NodeConfig {
             tls: None,
             auth: None,
             allow_backup_without_policy: false,
+            allow_membership_without_policy: false,
             join: false,
         })
     }
@@ -341,6 +345,14 @@ impl NodeConfig {
     /// answers any caller (see `service::snapshot::may_save`); without it, it answers none.
     pub fn allow_backup_without_policy(mut self, allow: bool) -> Self {
         self.allow_backup_without_policy = allow;
+        self
+    }
+
+    /// Sets `--allow-membership-without-policy`: without `--auth-policy`, `AddMember`,
+    /// `PromoteMember`, `RemoveMember` and `TransferLeader` answer any caller (see
+    /// `service::membership::may_change`); without it, they answer none.
+    pub fn allow_membership_without_policy(mut self, allow: bool) -> Self {
+        self.allow_membership_without_policy = allow;
         self
     }
 

@@ -14,7 +14,8 @@ pub(crate) const DEV_METRICS_PORTS: [u16; 3] = [9101, 9102, 9103];
 
 /// Runs `lockd dev`: three nodes on `host` (ports 7001-7003, metrics 9101-9103) with their data
 /// under `data_dir` (and, with `tls`, certificates made for them there), answering backups when
-/// `allow_backup_without_policy`, until `shutdown` is cancelled or a node fails.
+/// `allow_backup_without_policy` and membership changes from any caller (a dev cluster has no
+/// policy), until `shutdown` is cancelled or a node fails.
 pub async fn run(
     data_dir: PathBuf,
     host: std::net::Ipv4Addr,
@@ -61,6 +62,8 @@ pub async fn run(
             None => Ok(c),
         })
         .map(|c| c.allow_backup_without_policy(allow_backup_without_policy))
+        // A dev cluster on loopback is the place to try `lockctl member` and `leader transfer`.
+        .map(|c| c.allow_membership_without_policy(true))
         .map_err(|e| anyhow::anyhow!(e))?;
         nodes.push(node::start(config, shutdown.clone()).await?);
     }

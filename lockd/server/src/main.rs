@@ -88,6 +88,13 @@ struct Cli {
     /// `admin` operation decides and this flag changes nothing.
     #[arg(long, env = "LOCKD_ALLOW_BACKUP_WITHOUT_POLICY")]
     allow_backup_without_policy: bool,
+    /// Without --auth-policy, answer `lockctl member add/promote/remove` and `lockctl leader
+    /// transfer` at all: with this flag ANYONE who reaches the port can remove voters down to one
+    /// or move leadership in a loop. Without it, and without a policy, they are refused
+    /// (`member list` still answers). With a policy, its `admin` operation decides and this flag
+    /// changes nothing.
+    #[arg(long, env = "LOCKD_ALLOW_MEMBERSHIP_WITHOUT_POLICY")]
+    allow_membership_without_policy: bool,
     /// Join a running cluster instead of forming one: start with an empty --data-dir, list this
     /// node and the current members in --peer, then run `lockctl member add ID=HOST:PORT`. The
     /// node never proposes a membership of its own.
@@ -332,6 +339,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             })
             .and_then(|c| c.with_auth(cli.auth_policy, cli.auth_tokens))
             .map(|c| c.allow_backup_without_policy(cli.allow_backup_without_policy))
+            .map(|c| c.allow_membership_without_policy(cli.allow_membership_without_policy))
             .and_then(|c| c.with_join(cli.join))
             .map_err(|e| anyhow::anyhow!(e))?;
             init_tracing(config.tuning.log_format, "info,openraft=warn");

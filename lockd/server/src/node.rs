@@ -69,6 +69,12 @@ pub(crate) struct NodeCtx {
     pub allow_backup_without_policy: bool,
     /// The peer protocol version each member announced (see `raft::peer_protocol`).
     pub protocols: Arc<PeerProtocols>,
+    /// `--allow-membership-without-policy` (see `service::membership::may_change`).
+    pub allow_membership_without_policy: bool,
+    /// Held by the leader from a membership call's check to the end of its change, so two
+    /// concurrent calls cannot both pass a check that only one of them may pass (two removals
+    /// each leaving a majority, together not). Async: it is held across the change.
+    pub membership_lock: tokio::sync::Mutex<()>,
 }
 
 impl NodeCtx {
@@ -510,6 +516,8 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
         data_dir: config.data_dir.clone(),
         allow_backup_without_policy: config.allow_backup_without_policy,
         protocols: protocols.clone(),
+        allow_membership_without_policy: config.allow_membership_without_policy,
+        membership_lock: tokio::sync::Mutex::new(()),
     });
 
     let listener = tokio::net::TcpListener::bind(config.listen)

@@ -725,3 +725,233 @@ async fn review_m1_a_change_whose_caller_gave_up_is_completed() {
     f.lockctl(&live, &["member", "remove", "4"]).unwrap();
     assert_eq!(voters(&f, &live), [1, 2, 3]);
 }
+
+/// Goal: without `--auth-policy`, a node refuses every caller the calls that change the
+/// membership or move leadership, unless it runs with `--allow-membership-without-policy`
+/// (review of the membership branch, M-C: repeated `member remove` shrank {1,2,3} to {1}, a
+/// `leader transfer` loop kept the cluster leaderless). `member list` still answers.
+/// Method: three nodes without the flag; `member remove`, `member promote`, `member add` and
+/// `leader transfer` through every node must fail naming the flag, the voters and the leader
+/// stay. (Every other test of this file runs with the flag: the control.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review_m_c_open_mode_refuses_membership_changes_without_the_flag() {
+    let mut f = Fleet::start_with(3, ARGS, false).await.unwrap();
+    let leader = f.wait_for_leader(Duration::from_secs(20)).await.unwrap();
+    let other = [1u64, 2, 3].into_iter().find(|i| *i != leader).unwrap();
+    let add = format!("4={}", f.member_addr(3).replace(":7003", ":7004"));
+    for node in [1, 2, 3] {
+        for args in [
+            vec!["member", "remove", "3"],
+            vec!["member", "remove", &leader.to_string()],
+            vec!["member", "promote", "3"],
+            vec!["member", "add", &add],
+            vec!["leader", "transfer", &other.to_string()],
+            vec!["leader", "transfer"],
+        ] {
+            let e = f.lockctl(&[node], &args).unwrap_err().to_string();
+            assert!(
+                e.contains("--allow-membership-without-policy") && e.contains("--auth-policy"),
+                "node {node}, {args:?}: {e}"
+            );
+        }
+    }
+    assert_eq!(voters(&f, &[1, 2, 3]), [1, 2, 3]);
+    let ids: Vec<u64> = members(&f, &[1, 2, 3]).iter().map(|m| m.0).collect();
+    assert_eq!(ids, [1, 2, 3]);
+    assert_eq!(
+        f.wait_for_leader(Duration::from_secs(5)).await.unwrap(),
+        leader
+    );
+}
+
+/// Goal: a leader transfer whose caller gives up after the leader stepped down leaves the old
+/// leader's elections on (review of the membership branch, M-B: the hand-over turned them off
+/// and back on only if the call completed, so after `lockctl --timeout 1s leader transfer` or a
+/// Ctrl-C the old leader never campaigned again until restarted).
+/// Method: three nodes, idle; the target is stopped (SIGSTOP: its log still matches the
+/// leader's), then `TransferLeader` to it is sent straight to the leader with a 1 s deadline:
+/// the leader steps down and waits for the target, which never answers, and the call is dropped.
+/// After 1.5 s the third node is stopped too: the old leader must then lead again (it won an
+/// election meanwhile) or, alone, campaign, so its term must rise within a few election
+/// timeouts. Last, every node is resumed and a leader is elected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review_m_b_a_transfer_whose_caller_gave_up_leaves_elections_on() {
+    use lockd_api::v1::TransferLeaderRequest;
+    use lockd_api::v1::cluster_client::ClusterClient;
+    use nix::sys::signal::Signal;
+    let mut f = Fleet::start(3, ARGS).await.unwrap();
+    let old = f.wait_for_leader(Duration::from_secs(20)).await.unwrap();
+    let others: Vec<u64> = [1, 2, 3].into_iter().filter(|i| *i != old).collect();
+    let (target, third) = (others[0], others[1]);
+    // The leader grants no vote (so does not step down) within its lease since its election.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    f.signal(target, Signal::SIGSTOP);
+    let term_before = f.status(old).await.unwrap().term;
+    let channel = tonic::transport::Channel::from_shared(format!("http://{}", f.ip_addr(old)))
+        .unwrap()
+        .connect_lazy();
+    let mut req = tonic::Request::new(TransferLeaderRequest { id: target });
+    req.set_timeout(Duration::from_secs(1));
+    let answer = tokio::time::timeout(
+        Duration::from_secs(1),
+        ClusterClient::new(channel).transfer_leader(req),
+    )
+    .await;
+    assert!(
+        !matches!(answer, Ok(Ok(_))),
+        "the transfer to a stopped node succeeded: {answer:?}"
+    );
+    let s = f.status(old).await.unwrap();
+    assert!(
+        s.role != "leader" && s.term > term_before,
+        "node {old} did not step down for node {target}: {s:?}"
+    );
+    // The third node or the old leader takes over meanwhile; then the third stops too.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    f.signal(third, Signal::SIGSTOP);
+    let alone = f.status(old).await.unwrap().term;
+    let deadline = Instant::now() + Duration::from_secs(6);
+    loop {
+        // Leading again (it won an election since stepping down) or campaigning alone: either
+        // way its elections are on.
+        let s = f.status(old).await.unwrap();
+        if s.role == "leader" || s.term > alone + 1 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "node {old}, alone, has not campaigned in 6 s (term {} then {}): its elections \
+             stayed off after the dropped transfer; its log:\n{}",
+            alone,
+            s.term,
+            f.log(old)
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    f.signal(target, Signal::SIGCONT);
+    f.signal(third, Signal::SIGCONT);
+    f.wait_for_leader(Duration::from_secs(20)).await.unwrap();
+    acquire_within(f.endpoints(&[1, 2, 3]), Duration::from_secs(20)).await;
+}
+
+/// Goal: two membership calls sent to the leader at the same moment run one after the other,
+/// each checked against the membership the other left (review of the membership branch, L-2:
+/// check and change ran without a lock, so both could pass checks meant for one, and the second
+/// change met the first one's joint configuration).
+/// Method: three nodes and a caught-up learner 4; `PromoteMember 4` and `RemoveMember` of a
+/// follower go to the leader concurrently. Both must succeed and leave a uniform membership
+/// whose voters are the three others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review_l_2_concurrent_membership_calls_run_one_after_the_other() {
+    use lockd_api::v1::cluster_client::ClusterClient;
+    use lockd_api::v1::{PromoteMemberRequest, RemoveMemberRequest};
+    let mut f = Fleet::start(3, ARGS).await.unwrap();
+    f.start_joining(4, &[1, 2, 3]).unwrap();
+    let add = format!("4={}", f.member_addr(4));
+    f.lockctl(
+        &[1, 2, 3],
+        &["member", "add", &add, "--catch-up-timeout", "60s"],
+    )
+    .unwrap();
+    let leader = f.wait_for_leader(Duration::from_secs(20)).await.unwrap();
+    let removed = [1, 2, 3].into_iter().find(|i| *i != leader).unwrap();
+    let channel = tonic::transport::Channel::from_shared(format!("http://{}", f.ip_addr(leader)))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let (mut a, mut b) = (
+        ClusterClient::new(channel.clone()),
+        ClusterClient::new(channel),
+    );
+    let (promoted, removal) = tokio::join!(
+        a.promote_member(PromoteMemberRequest { id: 4 }),
+        b.remove_member(RemoveMemberRequest { id: removed }),
+    );
+    promoted.expect("promote 4");
+    removal.unwrap_or_else(|e| panic!("remove {removed}: {e:?}"));
+    let list = f.members(&[leader]).unwrap();
+    assert_eq!(list["joint"], serde_json::Value::Bool(false), "{list}");
+    let expected: Vec<u64> = [1, 2, 3, 4].into_iter().filter(|i| *i != removed).collect();
+    assert_eq!(voters(&f, &[leader]), expected);
+}
+
+/// Goal: under mTLS, a node that replays the log from its start accepts a leader that was added
+/// at runtime (review of the membership branch, M-A: after the first batch of entries the node
+/// took the founding membership {1, 2, 3} as its list of allowed senders and refused leader 4
+/// with UNAUTHENTICATED for good).
+/// Method: three nodes with TLS (node certificates of one peer CA, no snapshots in the run, so
+/// a joiner gets the whole log from index 1); 400 grants put the founding membership 25
+/// batches of 16 entries before node 4's addition. Node 4 joins and is promoted, node 3 removed and stopped, leadership
+/// moves to node 4. Then node 5 joins: `member add` must see it caught up within 30 s, and it
+/// must be promoted and follow leader 4.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review_m_a_under_tls_a_joiner_replaying_the_log_accepts_a_leader_added_later() {
+    let args = &["--heartbeat", "100ms", "--election-timeout", "600ms"];
+    let mut f = Fleet::start_tls(3, args).await.unwrap();
+    let leader = f.wait_for_leader(Duration::from_secs(10)).await.unwrap();
+    let mut locks = lockd_api::v1::lock_client::LockClient::new(f.channel(leader).unwrap());
+    for n in 0..400 {
+        locks
+            .acquire(lockd_api::v1::AcquireRequest {
+                resource: format!("m-a/{n}"),
+                request_id: format!("m-a-{n}"),
+                lease_ttl_ms: 30_000,
+                wait_timeout_ms: 0,
+                holder: "m-a".into(),
+            })
+            .await
+            .unwrap();
+    }
+    f.start_joining(4, &[1, 2, 3]).unwrap();
+    let add = format!("4={}", f.member_addr(4));
+    f.lockctl(
+        &[1, 2, 3],
+        &["member", "add", &add, "--catch-up-timeout", "60s"],
+    )
+    .unwrap();
+    f.lockctl(&[1, 2, 3], &["member", "promote", "4"]).unwrap();
+    f.lockctl(&[1, 2, 4], &["member", "remove", "3"]).unwrap();
+    f.kill(3);
+    // A leader grants no vote within its lease since its election.
+    tokio::time::sleep(Duration::from_millis(1_300)).await;
+    f.lockctl(&[1, 2, 4], &["leader", "transfer", "4"]).unwrap();
+    assert_eq!(f.wait_for_leader(Duration::from_secs(10)).await.unwrap(), 4);
+
+    f.start_joining(5, &[1, 2, 4]).unwrap();
+    let add = format!("5={}", f.member_addr(5));
+    f.lockctl(
+        &[1, 2, 4],
+        &["member", "add", &add, "--catch-up-timeout", "30s"],
+    )
+    .unwrap_or_else(|e| panic!("node 5 did not catch up from leader 4: {e}\n{}", f.log(5)));
+    f.lockctl(&[1, 2, 4], &["member", "promote", "5"]).unwrap();
+    assert_eq!(voters(&f, &[1, 2, 4]), [1, 2, 4, 5]);
+    assert_eq!(f.status(5).await.unwrap().leader_id, 4);
+}
+
+/// Goal: `member add` refuses an address another member already uses, naming that member
+/// (review of the membership branch, LOW: two members at one address).
+/// Method: three nodes; adding node 4 at node 2's address must fail naming node 2, and the
+/// membership stays 1-3; adding node 4 at its own address then succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review_low_member_add_refuses_an_address_in_use() {
+    let mut f = Fleet::start(3, ARGS).await.unwrap();
+    let taken = format!("4={}", f.member_addr(2));
+    let e = f
+        .lockctl(&[1, 2, 3], &["member", "add", &taken, "--no-wait"])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("node 2 already uses address") && e.contains(&f.member_addr(2)),
+        "{e}"
+    );
+    let ids: Vec<u64> = members(&f, &[1, 2, 3]).iter().map(|m| m.0).collect();
+    assert_eq!(ids, [1, 2, 3]);
+    f.start_joining(4, &[1, 2, 3]).unwrap();
+    let own = format!("4={}", f.member_addr(4));
+    f.lockctl(&[1, 2, 3], &["member", "add", &own, "--no-wait"])
+        .unwrap();
+    let ids: Vec<u64> = members(&f, &[1, 2, 3]).iter().map(|m| m.0).collect();
+    assert_eq!(ids, [1, 2, 3, 4]);
+}

@@ -1,7 +1,10 @@
 //! Membership admin calls of [`Client`]: list, add, promote and remove members, transfer
-//! leadership. Each is answered by the leader (any node forwards) and is safe to retry: adding a
-//! member that exists at the same address, promoting a voter and transferring to the leader
-//! change nothing.
+//! leadership. Each is answered by the leader (any node forwards). Most are safe to retry:
+//! adding a member that exists at the same address, promoting a voter and transferring to the
+//! node that already leads change nothing. Two are not: a transfer without a target id moves
+//! leadership again on every retry (to whichever other voter is most up to date), and
+//! `remove N` retried after node N was added again removes the new node N. Retry those only
+//! after `list_members` shows the first call did not apply.
 
 use lockd_api::v1::cluster_client::ClusterClient;
 use lockd_api::v1::{

@@ -15,6 +15,8 @@
 //!   refuses removing the last voter. Removing a node that is not a member succeeds (a retry
 //!   after a lost reply). The leader removes itself only after handing leadership to another
 //!   voter, so the cluster never waits out an election timeout.
+//! - **One at a time**: the leader holds a lock from a call's checks to the end of its change
+//!   (or transfer), so two concurrent calls never both pass checks that only one may pass.
 //! - **Joint configurations** are never left behind for good: each change runs in a task of its
 //!   own (a caller's timeout never drops it between its two steps), and a leader that finds a
 //!   committed joint configuration as its newest completes it ([`finish_joint_changes`]).
@@ -32,7 +34,9 @@
 //!   leader keeps its own elections off meanwhile, so it does not compete. Every vote still
 //!   passes openraft's log check, so a transfer cannot elect a node that lacks a committed entry.
 //!
-//! All of them are `admin` under an authorization policy.
+//! All of them are `admin` under an authorization policy. Without a policy the four that
+//! change something are refused unless the node runs with `--allow-membership-without-policy`
+//! ([`may_change`]); `ListMembers` answers anyone.
 
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -60,6 +64,9 @@ const MEMBERSHIP_FORWARD_TIMEOUT: Duration = Duration::from_secs(12);
 const TRANSFER_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long a membership change may take to commit (two entries: joint, then uniform).
 const CHANGE_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a membership call waits for another one on the leader to end before refusing: one
+/// change may take [`CHANGE_TIMEOUT`], a removal of the leader a transfer too.
+const LOCK_WAIT: Duration = Duration::from_secs(6);
 /// How long a removal waits for the leader to see an up-to-date majority among the voters left
 /// before refusing: a leader elected a moment ago has not heard from every follower yet.
 const REMOVE_SETTLE: Duration = Duration::from_secs(1);
@@ -136,6 +143,57 @@ pub async fn finish_joint_changes(
             }
         }
         seen = None;
+    }
+}
+
+/// Who may call `AddMember`, `PromoteMember`, `RemoveMember` or `TransferLeader` besides the
+/// policy's `admin` (checked by the caller first). Without a policy nobody is identified, and
+/// these calls shrink a cluster to one voter or keep it leaderless in a transfer loop, so open
+/// mode (no `--auth-policy`) answers them only for a call forwarded by a member authenticated by
+/// its node certificate (the member it came to checked its caller), or for anyone with
+/// `--allow-membership-without-policy`. No exemption for loopback callers, for the reason
+/// `service::snapshot::may_save` gives. PERMISSION_DENIED names the call, the caller's address
+/// and the two ways out.
+pub fn may_change(
+    call: &str,
+    has_policy: bool,
+    allow_without_policy: bool,
+    forwarded_by_member: bool,
+    remote: Option<std::net::SocketAddr>,
+) -> Result<(), Status> {
+    if has_policy || allow_without_policy || forwarded_by_member {
+        return Ok(());
+    }
+    Err(errors::permission_denied(
+        format!(
+            "{call} refused: this node runs without --auth-policy, so it cannot tell who the \
+             caller ({}) is, and a membership change or leader transfer can take the cluster's \
+             quorum away. Give the nodes --auth-policy (these calls are the `admin` operation), \
+             or start them with --allow-membership-without-policy (then anyone who reaches the \
+             port can change the membership)",
+            remote.map_or_else(|| "address unknown".to_owned(), |a| a.to_string())
+        ),
+        "anonymous",
+        "admin",
+        None,
+    ))
+}
+
+/// Keeps this node's elections off while it lives: a transfer's hand-over holds one, so the old
+/// leader does not compete with the target, and elections come back on however the hand-over
+/// ends, a dropped call included.
+struct ElectionsOff(crate::raft::Raft);
+
+impl ElectionsOff {
+    fn new(raft: crate::raft::Raft) -> Self {
+        raft.runtime_config().elect(false);
+        ElectionsOff(raft)
+    }
+}
+
+impl Drop for ElectionsOff {
+    fn drop(&mut self) {
+        self.0.runtime_config().elect(true);
     }
 }
 
@@ -271,6 +329,18 @@ impl ClusterService {
                     "node {} is already a member at {:?}, not {:?}; a member keeps its address \
                      (give it a DNS name to move it), or remove it first",
                     req.id, k.info.address, req.address
+                ),
+            ));
+        }
+        // Two members at one address would make the leader replicate to one node twice, and
+        // the node there refuse the messages meant for the other (its certificate names one).
+        if let Some(other) = list.members.iter().find(|i| i.address == req.address) {
+            return Err(errors::precondition(
+                "address",
+                format!(
+                    "node {} already uses address {:?}; a new member needs an address of its \
+                     own (remove node {} first if it moved)",
+                    other.id, req.address, other.id
                 ),
             ));
         }
@@ -489,13 +559,15 @@ impl ClusterService {
             tokio::time::sleep(TRANSFER_POLL).await;
         };
         let stepped_down = tokio::time::Instant::now();
-        // This node must not compete with the target while it campaigns.
-        raft.runtime_config().elect(false);
+        // This node must not compete with the target while it campaigns. The guard turns its
+        // elections back on also when this future is dropped (the caller gave up, a
+        // grpc-timeout ran out): otherwise the old leader would never campaign again.
+        let elections_off = ElectionsOff::new(raft.clone());
         let voters = voters.len();
         let result = self
             .hand_over(me, target, term, voters, stepped_down, deadline)
             .await;
-        raft.runtime_config().elect(true);
+        drop(elections_off);
         result.map(|()| {
             let elapsed_ms = started.elapsed().as_millis() as u64;
             tracing::info!(target, elapsed_ms, "lockd: leadership transferred");
@@ -577,6 +649,40 @@ impl ClusterService {
         }
     }
 
+    /// Takes the leader's membership lock ([`NodeCtx::membership_lock`]); the checks of the
+    /// call run after it, so they see the membership the previous call left.
+    ///
+    /// [`NodeCtx::membership_lock`]: crate::node::NodeCtx::membership_lock
+    async fn lock_membership(&self) -> Result<tokio::sync::MutexGuard<'_, ()>, Status> {
+        tokio::time::timeout(LOCK_WAIT, self.ctx().membership_lock.lock())
+            .await
+            .map_err(|_| {
+                errors::no_quorum(format!(
+                    "another membership change or leader transfer on node {} did not end \
+                     within {} ms; nothing was done, retry",
+                    self.ctx().id,
+                    LOCK_WAIT.as_millis()
+                ))
+            })
+    }
+
+    /// [`may_change`] for this node and this call.
+    fn may_change<T>(
+        &self,
+        call: &str,
+        req: &Request<T>,
+        caller: &crate::auth::Caller,
+    ) -> Result<(), Status> {
+        let ctx = self.ctx();
+        may_change(
+            call,
+            ctx.auth.has_policy(),
+            ctx.allow_membership_without_policy,
+            ctx.auth.authenticates_nodes() && caller.forwarded,
+            req.remote_addr(),
+        )
+    }
+
     /// A membership call as forwarded to the leader.
     fn forward_membership<T>(&self, msg: T, caller: &crate::auth::Caller) -> Request<T> {
         let mut req = self.forward_request(msg, caller);
@@ -624,8 +730,12 @@ impl ClusterService {
             .ctx()
             .auth
             .authorize(&req, crate::auth::Operation::Admin, None)?;
+        self.may_change("AddMember", &req, &caller)?;
         match self.route(&req).await? {
-            Route::Local => self.add_local(req.into_inner()).await.map(Response::new),
+            Route::Local => {
+                let _changing = self.lock_membership().await?;
+                self.add_local(req.into_inner()).await.map(Response::new)
+            }
             Route::Forward(leader) => self
                 .leader_client(leader)?
                 .add_member(self.forward_membership(req.into_inner(), &caller))
@@ -642,11 +752,14 @@ impl ClusterService {
             .ctx()
             .auth
             .authorize(&req, crate::auth::Operation::Admin, None)?;
+        self.may_change("PromoteMember", &req, &caller)?;
         match self.route(&req).await? {
-            Route::Local => self
-                .promote_local(req.into_inner())
-                .await
-                .map(Response::new),
+            Route::Local => {
+                let _changing = self.lock_membership().await?;
+                self.promote_local(req.into_inner())
+                    .await
+                    .map(Response::new)
+            }
             Route::Forward(leader) => self
                 .leader_client(leader)?
                 .promote_member(self.forward_membership(req.into_inner(), &caller))
@@ -663,13 +776,17 @@ impl ClusterService {
             .ctx()
             .auth
             .authorize(&req, crate::auth::Operation::Admin, None)?;
+        self.may_change("RemoveMember", &req, &caller)?;
         let forwarded = req.metadata().contains_key(lockd_api::FORWARDED_HEADER);
         let msg = match self.route(&req).await? {
             Route::Local => {
                 let msg = req.into_inner();
+                // Released before the call goes on to the new leader below.
+                let changing = self.lock_membership().await?;
                 if let Some(done) = self.remove_local(msg.id).await? {
                     return Ok(Response::new(done));
                 }
+                drop(changing);
                 msg
             }
             Route::Forward(leader) => {
@@ -704,9 +821,11 @@ impl ClusterService {
             .ctx()
             .auth
             .authorize(&req, crate::auth::Operation::Admin, None)?;
+        self.may_change("TransferLeader", &req, &caller)?;
         match self.route(&req).await? {
             Route::Local => {
                 let id = req.into_inner().id;
+                let _changing = self.lock_membership().await?;
                 self.transfer_local((id != 0).then_some(id))
                     .await
                     .map(Response::new)
@@ -752,6 +871,31 @@ mod tests {
         ));
         m.last_applied = log_id(applied);
         m
+    }
+
+    /// Goal (review of the membership branch, M-C): open mode refuses the calls that change the
+    /// membership or move leadership to every caller, loopback included, unless the node runs
+    /// with --allow-membership-without-policy or a TLS-authenticated member forwarded the call;
+    /// the refusal is PERMISSION_DENIED naming the call, the caller and both ways out.
+    #[test]
+    fn open_mode_membership_changes_only_forwarded_by_a_member_or_with_the_flag() {
+        let remote: std::net::SocketAddr = "192.0.2.7:5000".parse().unwrap();
+        for caller in ["127.3.4.5:5000", "[::1]:9", "192.0.2.7:5000"] {
+            let addr: std::net::SocketAddr = caller.parse().unwrap();
+            let e = may_change("RemoveMember", false, false, false, Some(addr)).unwrap_err();
+            assert_eq!(e.code(), tonic::Code::PermissionDenied);
+            assert!(
+                e.message().contains("RemoveMember")
+                    && e.message().contains(&addr.to_string())
+                    && e.message().contains("--allow-membership-without-policy")
+                    && e.message().contains("--auth-policy"),
+                "{e:?}"
+            );
+        }
+        assert!(may_change("TransferLeader", false, false, false, None).is_err());
+        assert!(may_change("AddMember", false, true, false, Some(remote)).is_ok());
+        assert!(may_change("AddMember", false, false, true, Some(remote)).is_ok());
+        assert!(may_change("AddMember", true, false, false, Some(remote)).is_ok());
     }
 
     /// M1 of the membership review: a committed joint configuration left as the newest one is

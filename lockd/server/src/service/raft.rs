@@ -87,13 +87,22 @@ struct Caller(Option<NodeId>);
 /// Put in a request's extensions by [`PeerAuth::intercept`] instead of [`Caller`] when the
 /// sender is not a member in this node's view but holds a node certificate of the peer CA and
 /// names this cluster: a node of a running cluster whose membership this node does not know
-/// (a wiped node restarted with stale `--peer` flags). The handlers refuse it, but its
-/// AppendEntries, Vote and InstallSnapshot first count as Raft traffic, so this node never
-/// founds a cluster beside the running one (`raft::vote_gate`). Its `CurrentVote` does not
-/// count: wiped nodes ask one another that. Such a sender's body is read before the refusal,
-/// which only holders of a node certificate can cause.
-#[derive(Clone, Copy)]
-struct Outsider;
+/// yet. A node that replays the log from its start (a joiner, a wiped node), installs an older
+/// snapshot, or was down while a member was added, takes older memberships on the way, and the
+/// leader may be a node added after them (review of the membership branch, M-A). So its
+/// AppendEntries and InstallSnapshot are accepted when the certificate names the leader the
+/// message claims to come from ([`RaftService::authorized`]); the restore id check, the vote gate
+/// and Raft's term and log rules still apply, and a stale sender is refused by them. Its Vote,
+/// CurrentVote and Elect are refused: only known members take part in elections. AppendEntries,
+/// Vote and InstallSnapshot first count as Raft traffic, so this node never founds a cluster
+/// beside the running one (`raft::vote_gate`); CurrentVote does not count: wiped nodes ask one
+/// another that. Such a sender's body is read before any refusal, which only holders of a node
+/// certificate can cause.
+#[derive(Clone)]
+struct Outsider {
+    /// Whether the caller's certificate names node `id` of this cluster (`None` in unit tests).
+    names: Option<Arc<dyn Fn(NodeId) -> bool + Send + Sync>>,
+}
 
 /// How long a certificate check is trusted without checking again (expiry, mostly); a change of
 /// membership or of certificates drops it at once.
@@ -136,7 +145,16 @@ impl PeerAuth {
             Err(why) => {
                 self.log_refusal(&req, &why);
                 if self.certified_outsider(&req) {
-                    req.extensions_mut().insert(Outsider);
+                    let names = self.tls.as_ref().zip(req.peer_certs()).map(|(tls, chain)| {
+                        let material = tls.current();
+                        // With a second id, so that a certificate naming several nodes (a
+                        // wildcard) is refused, as it is among members.
+                        Arc::new(move |id: NodeId| {
+                            let other = id.checked_add(1).unwrap_or(id - 1);
+                            material.identify_member(&chain, &[id, other]) == Ok(id)
+                        }) as Arc<dyn Fn(NodeId) -> bool + Send + Sync>
+                    });
+                    req.extensions_mut().insert(Outsider { names });
                     return Ok(req);
                 }
                 Err(refused())
@@ -246,23 +264,58 @@ impl RaftService {
         traffic: bool,
         claimed: impl FnOnce(&T) -> Option<NodeId>,
     ) -> Result<(T, Sender), Status> {
-        let Caller(cert) = admitted(req.extensions(), &self.gate, traffic)?;
+        let (cert, outsider) = match admitted(req.extensions(), &self.gate, traffic) {
+            Ok(Caller(cert)) => (cert, None),
+            // A leader this node does not know as a member yet (see `Outsider`).
+            Err(refusal) => match req.extensions().get::<Outsider>() {
+                Some(Outsider { names: Some(names) }) if traffic => (None, Some(names.clone())),
+                _ => return Err(refusal),
+            },
+        };
         let restore_id = restore_id::from_metadata(req.metadata()).map(str::to_owned);
-        // Before decoding: a payload of a protocol this build does not read is not parsed.
-        let protocol = peer_protocol::announced(req.metadata())
-            .map_err(|why| errors::precondition("peer_protocol", why))?;
-        let rpc: T = decode(req)?;
+        // A member's message of a protocol this build does not read is not parsed; a
+        // non-member's is judged once the leader it claims to be is checked, so it learns
+        // nothing before that.
+        let protocol = peer_protocol::announced(req.metadata());
+        if outsider.is_none() {
+            let sender = cert.map_or_else(|| "the sender".to_owned(), |id| format!("node {id}"));
+            self.supported_protocol(&sender, protocol.clone())?;
+        }
+        // A non-member learns nothing from the answer, not even that its body was read.
+        let rpc: T = match (decode(req), &outsider) {
+            (Ok(rpc), _) => rpc,
+            (Err(_), Some(_)) => return Err(refused()),
+            (Err(e), None) => return Err(e),
+        };
         let node = claimed(&rpc);
-        PeerAuth::matches(cert, node)?;
+        match outsider {
+            Some(names) => match node {
+                Some(id) if names(id) => {}
+                _ => return Err(refused()),
+            },
+            None => PeerAuth::matches(cert, node)?,
+        }
         let peer = node.map_or_else(|| "the sender".to_owned(), |id| format!("node {id}"));
-        peer_protocol::check(&peer, protocol).map_err(|why| {
-            self.protocols.log_refusal(&why);
-            errors::precondition("peer_protocol", why)
-        })?;
+        let protocol = self.supported_protocol(&peer, protocol)?;
         if let Some(node) = node {
             self.protocols.record(node, protocol);
         }
         Ok((rpc, Sender { node, restore_id }))
+    }
+
+    /// The peer protocol version a message announced, if this build works with it
+    /// (FAILED_PRECONDITION naming both versions otherwise; see `raft::peer_protocol`).
+    fn supported_protocol(
+        &self,
+        sender: &str,
+        announced: Result<u32, String>,
+    ) -> Result<u32, Status> {
+        let version = announced.map_err(|why| errors::precondition("peer_protocol", why))?;
+        peer_protocol::check(sender, version).map_err(|why| {
+            self.protocols.log_refusal(&why);
+            errors::precondition("peer_protocol", why)
+        })?;
+        Ok(version)
     }
 
     /// The sender must have this node's restore id (FAILED_PRECONDITION naming both ids
@@ -515,7 +568,7 @@ mod tests {
         );
 
         let mut outsider = tonic::Extensions::new();
-        outsider.insert(Outsider);
+        outsider.insert(Outsider { names: None });
         // CurrentVote and Elect: refused, not traffic.
         assert!(admitted(&outsider, &gate, false).is_err());
         assert!(
