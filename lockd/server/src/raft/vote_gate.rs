@@ -106,8 +106,10 @@
 //! log, even without TLS, whatever their log ids. The founders agree on one id without a round
 //! of their own: the node with the lowest id of the `--peer` list draws it once every other node
 //! answered new; every other node founds only once a founded peer shows the id, and takes it.
-//! A founder keeps its elections off until every other `--peer` node answers with the id (or a
-//! leader is known), so no leader is elected before the last founder has taken it.
+//! A founder keeps its elections off, and grants no vote, until every other `--peer` node has
+//! answered with the id once (or a leader is known): openraft campaigns right after
+//! `initialize`, and without the refusal two founders elected a leader before the third took the
+//! id, which then could never found, so losing that leader left two nodes without a quorum.
 //! A wiped node or a joiner takes the id of the answers that make its proof ("Restored
 //! clusters" below).
 //!
