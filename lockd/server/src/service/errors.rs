@@ -140,6 +140,33 @@ pub fn unauthenticated(msg: impl std::fmt::Display) -> Status {
     )
 }
 
+/// What an admin call is answered in open mode (no `--auth-policy`) when it may not run there:
+/// PERMISSION_DENIED naming the call (`what`), the caller's address, why open mode refuses it
+/// (`danger`), and the two ways out: a policy, whose `admin` operation covers `covered`, or
+/// `flag`, after which `anyone_then` (shared by `service::snapshot::may_save` and
+/// `service::membership::may_change`).
+pub fn open_mode_refused(
+    what: &str,
+    danger: &str,
+    covered: &str,
+    flag: &str,
+    anyone_then: &str,
+    remote: Option<std::net::SocketAddr>,
+) -> Status {
+    permission_denied(
+        format!(
+            "{what} refused: this node runs without --auth-policy, so it cannot tell who the \
+             caller ({}) is, and {danger}. Give the nodes --auth-policy ({covered} the `admin` \
+             operation), or start them with {flag} (then anyone who reaches the port can \
+             {anyone_then})",
+            remote.map_or_else(|| "address unknown".to_owned(), |a| a.to_string())
+        ),
+        "anonymous",
+        "admin",
+        None,
+    )
+}
+
 /// `PERMISSION_DENIED` for `identity` doing `operation` (on `resource`), all three in the metadata.
 pub fn permission_denied(
     msg: impl std::fmt::Display,

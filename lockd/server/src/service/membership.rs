@@ -164,18 +164,13 @@ pub fn may_change(
     if has_policy || allow_without_policy || forwarded_by_member {
         return Ok(());
     }
-    Err(errors::permission_denied(
-        format!(
-            "{call} refused: this node runs without --auth-policy, so it cannot tell who the \
-             caller ({}) is, and a membership change or leader transfer can take the cluster's \
-             quorum away. Give the nodes --auth-policy (these calls are the `admin` operation), \
-             or start them with --allow-membership-without-policy (then anyone who reaches the \
-             port can change the membership)",
-            remote.map_or_else(|| "address unknown".to_owned(), |a| a.to_string())
-        ),
-        "anonymous",
-        "admin",
-        None,
+    Err(errors::open_mode_refused(
+        call,
+        "a membership change or leader transfer can take the cluster's quorum away",
+        "these calls are",
+        "--allow-membership-without-policy",
+        "change the membership",
+        remote,
     ))
 }
 

@@ -48,18 +48,13 @@ pub fn may_save(
     if has_policy || allow_without_policy || forwarded_by_member {
         return Ok(());
     }
-    Err(errors::permission_denied(
-        format!(
-            "snapshot save refused: this node runs without --auth-policy, so it cannot tell who \
-             the caller ({}) is, and a backup holds the private signing keys and every lease id. \
-             Give the nodes --auth-policy (the backup is the `admin` operation), or start them \
-             with --allow-backup-without-policy (then anyone who reaches the port can download \
-             the keys)",
-            remote.map_or_else(|| "address unknown".to_owned(), |a| a.to_string())
-        ),
-        "anonymous",
-        "admin",
-        None,
+    Err(errors::open_mode_refused(
+        "snapshot save",
+        "a backup holds the private signing keys and every lease id",
+        "the backup is",
+        "--allow-backup-without-policy",
+        "download the keys",
+        remote,
     ))
 }
 
