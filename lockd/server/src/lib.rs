@@ -12,6 +12,7 @@
 //! - `members`: the other members, from the Raft membership, and channels to them.
 //! - [`storage`]: the redb log store and the state machine with its snapshots.
 //! - `proposer`: group commit of client commands into Raft entries.
+//! - `forwarder`: a follower's calls to the leader, many per message on one stream.
 //! - `waiters`: calls parked until the log grants them.
 //! - `signing`: signing grants with the replicated sequencer key, and installing it.
 //! - [`service`]: the gRPC services and the status-code table.
@@ -26,6 +27,7 @@
 pub mod auth;
 pub mod backup;
 pub(crate) mod clock;
+pub(crate) mod forwarder;
 pub mod config;
 pub mod dev;
 pub(crate) mod members;

@@ -25,13 +25,22 @@ use tonic::transport::Channel;
 use crate::node::CLIENT_MESSAGE_MAX_BYTES;
 use crate::raft::network::PeerDial;
 use crate::raft::{NodeId, Raft};
+use crate::service::raft::pb::forward_client::ForwardClient;
 
 /// One other member: its address and its client stubs (`None` if the address cannot be dialled,
 /// which [`crate::config::check_host_port`] rules out for flags and `AddMember`).
 #[derive(Clone)]
 struct Peer {
     addr: String,
-    clients: Option<(LockClient<Channel>, ClusterClient<Channel>)>,
+    clients: Option<Clients>,
+}
+
+/// The stubs of one member, on one channel (one HTTP/2 connection).
+#[derive(Clone)]
+struct Clients {
+    lock: LockClient<Channel>,
+    cluster: ClusterClient<Channel>,
+    forward: ForwardClient<Channel>,
 }
 
 /// See the module docs.
@@ -108,14 +117,21 @@ impl Members {
     pub fn lock_client(&self, id: NodeId) -> Option<(String, LockClient<Channel>)> {
         let view = self.view();
         let p = view.get(&id)?;
-        p.clients.as_ref().map(|(l, _)| (p.addr.clone(), l.clone()))
+        p.clients.as_ref().map(|c| (p.addr.clone(), c.lock.clone()))
+    }
+
+    /// The forward stream service of member `id` (see `crate::forwarder`), with its address.
+    pub fn forward_client(&self, id: NodeId) -> Option<(String, ForwardClient<Channel>)> {
+        let view = self.view();
+        let p = view.get(&id)?;
+        p.clients.as_ref().map(|c| (p.addr.clone(), c.forward.clone()))
     }
 
     /// The Cluster service of member `id`, for forwarding admin calls, with its address.
     pub fn cluster_client(&self, id: NodeId) -> Option<(String, ClusterClient<Channel>)> {
         let view = self.view();
         let p = view.get(&id)?;
-        p.clients.as_ref().map(|(_, c)| (p.addr.clone(), c.clone()))
+        p.clients.as_ref().map(|c| (p.addr.clone(), c.cluster.clone()))
     }
 
     /// Replaces the view with `wanted`, keeping the channels of members whose address is the
@@ -151,12 +167,13 @@ impl Members {
 
     fn connect(&self, id: NodeId, addr: String) -> Peer {
         let clients = match self.dial.channel(id, &addr) {
-            Ok(channel) => Some((
-                LockClient::new(channel.clone())
+            Ok(channel) => Some(Clients {
+                lock: LockClient::new(channel.clone())
                     .max_decoding_message_size(CLIENT_MESSAGE_MAX_BYTES)
                     .max_encoding_message_size(CLIENT_MESSAGE_MAX_BYTES),
-                ClusterClient::new(channel),
-            )),
+                cluster: ClusterClient::new(channel.clone()),
+                forward: ForwardClient::new(channel),
+            }),
             Err(e) => {
                 tracing::warn!(peer = id, address = %addr, error = %e, "lockd: cannot dial member");
                 None

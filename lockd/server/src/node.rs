@@ -75,6 +75,8 @@ pub(crate) struct NodeCtx {
     /// concurrent calls cannot both pass a check that only one of them may pass (two removals
     /// each leaving a majority, together not). Async: it is held across the change.
     pub membership_lock: tokio::sync::Mutex<()>,
+    /// A follower's link to the leader for forwarded calls (see `crate::forwarder`).
+    pub forwarder: crate::forwarder::Forwarder,
 }
 
 impl NodeCtx {
@@ -518,6 +520,11 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
         protocols: protocols.clone(),
         allow_membership_without_policy: config.allow_membership_without_policy,
         membership_lock: tokio::sync::Mutex::new(()),
+        forwarder: crate::forwarder::Forwarder::new(
+            members.clone(),
+            protocols.clone(),
+            shutdown.clone(),
+        ),
     });
 
     let listener = tokio::net::TcpListener::bind(config.listen)
@@ -579,6 +586,8 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
         tokio::spawn(reload_on_sighup(config.id, tls.clone(), shutdown.clone()));
     }
     let (reflection_v1, reflection_v1alpha) = reflection()?;
+    // One for the internal services (Raft, Forward): one cache of peer certificate checks.
+    let peer_auth = crate::service::raft::PeerAuth::new(&config, tls.clone(), members.clone());
     let router = tonic::transport::Server::builder()
         // Bounds what one connection can make this node hold at once.
         .max_concurrent_streams(STREAMS_PER_CONNECTION_MAX)
@@ -600,12 +609,17 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
                 move |req| auth.intercept(req),
             )
         })
+        .add_service(crate::service::forward::ForwardService::server(
+            ctx.clone(),
+            peer_auth.clone(),
+            shutdown.clone(),
+        ))
         .add_service(RaftService::server(
             raft.clone(),
             refuse_votes_until,
             vote_gate.clone(),
             raft_log,
-            crate::service::raft::PeerAuth::new(&config, tls.clone(), members.clone()),
+            peer_auth,
             restore.clone(),
             protocols.clone(),
         ));

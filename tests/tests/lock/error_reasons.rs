@@ -92,8 +92,9 @@ async fn check_refusals(c: &mut LockClient<Channel>, tag: &str) {
     .unwrap();
 }
 
-/// Goal: a program can branch on reasons, and forwarding keeps them. Method: provoke each
-/// refusal once on the leader and once through a follower.
+/// Goal: a program can branch on reasons, and forwarding keeps them, on the follower's forward
+/// stream too. Method: provoke each refusal once on the leader and once through a follower; the
+/// follower's `lockd_forwarded_total` shows which way each call went.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refusals_carry_their_reason_on_the_leader_and_through_a_follower() {
     let mut cluster = Cluster::start_default().await.unwrap();
@@ -103,6 +104,26 @@ async fn refusals_carry_their_reason_on_the_leader_and_through_a_follower() {
     check_refusals(&mut on_leader, "leader").await;
     let mut on_follower = cluster.lock_client(follower).await.unwrap();
     check_refusals(&mut on_follower, "follower").await;
+    // The refusals came over the follower's forward stream (the statuses the leader sent back on
+    // it, details and all), the waiting acquire as a call of its own.
+    let metrics = cluster.metrics_text(follower).await.unwrap();
+    let forwarded = |via: &str| -> u64 {
+        let series = format!("lockd_forwarded_total{{via=\"{via}\"}} ");
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(&series))
+            .unwrap_or_else(|| panic!("no {series} in {metrics}"))
+            .trim()
+            .parse()
+            .unwrap()
+    };
+    assert_eq!(forwarded("stream"), 6, "{metrics}");
+    assert_eq!(forwarded("call"), 1, "{metrics}");
+    let metrics = cluster.metrics_text(leader).await.unwrap();
+    assert!(
+        metrics.contains("lockd_forwarded_total{via=\"stream\"} 0"),
+        "the leader forwards nothing: {metrics}"
+    );
 }
 
 /// Goal: a node without a quorum says "nothing was done" (NO_QUORUM), which a client may retry

@@ -6,7 +6,11 @@
 use std::time::Duration;
 
 use lockd_server::raft::TypeConfig;
-use lockd_server::service::raft::pb::RaftMessage;
+use lockd_api::v1::{AcquireRequest, DescribeRequest};
+use lockd_server::service::raft::pb::forward_client::ForwardClient;
+use lockd_server::service::raft::pb::{
+    ForwardBatch, ForwardedCall, RaftMessage, forward_reply, forwarded_call,
+};
 use lockd_server::service::raft::pb::raft_client::RaftClient;
 use lockd_tests::cluster::{Cluster, ClusterOptions};
 use lockd_tests::tls::{Issued, TestCa};
@@ -104,6 +108,56 @@ async fn send_as(
     reply.map(|r| r.into_inner().data)
 }
 
+/// Opens a forward stream (the calls a follower forwards to the leader) and sends one Acquire of
+/// `resource` on it, claiming to act for `cert:bob`; the leader's answer, or the refusal.
+async fn forward_acquire(
+    ch: Channel,
+    cluster_id: &str,
+    resource: &str,
+) -> Result<forward_reply::Result, tonic::Status> {
+    let call = ForwardedCall {
+        id: 7,
+        timeout_ms: 3_000,
+        identity: Some("cert:bob".into()),
+        call: Some(forwarded_call::Call::Acquire(AcquireRequest {
+            resource: resource.into(),
+            request_id: format!("forged-{resource}"),
+            lease_ttl_ms: 30_000,
+            wait_timeout_ms: 0,
+            holder: "mallory".into(),
+        })),
+    };
+    let mut req = tonic::Request::new(futures::stream::iter([ForwardBatch { calls: vec![call] }]));
+    if !cluster_id.is_empty() {
+        req.metadata_mut()
+            .insert("lockd-cluster-id", cluster_id.parse().unwrap());
+    }
+    req.set_timeout(Duration::from_secs(3));
+    let mut replies = ForwardClient::new(ch).calls(req).await?.into_inner();
+    let batch = replies
+        .message()
+        .await?
+        .expect("a forward stream that was accepted answers its call");
+    assert_eq!(batch.replies.len(), 1, "{batch:?}");
+    assert_eq!(batch.replies[0].id, 7, "{batch:?}");
+    Ok(batch.replies[0].result.clone().unwrap())
+}
+
+/// Whether `resource` is held, as node `id` (the leader) reports it.
+async fn held(cluster: &Cluster, id: u64, resource: &str) -> bool {
+    cluster
+        .lock_client(id)
+        .await
+        .unwrap()
+        .describe(DescribeRequest {
+            resource: resource.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .held
+}
+
 /// The cluster incarnation id node `target` reports in its `CurrentVote` answer (read-only,
 /// answered to any member).
 async fn incarnation(ch: Channel, cluster_id: &str) -> Option<String> {
@@ -134,7 +188,9 @@ async fn terms(cluster: &Cluster) -> Vec<(u64, u64)> {
 /// own certificate, a certificate of another CA naming node 2, or node 2's certificate with
 /// another cluster's id. Method: a TLS cluster; every (sender, message) pair against every node;
 /// terms and leaders before and after. Control: node 2's own certificate does move a node to
-/// term 1000, so the refusals come from the check and not from a malformed message.
+/// term 1000, so the refusals come from the check and not from a malformed message. The same
+/// senders cannot open the leader's forward stream (calls forwarded in the name of another
+/// identity); a member can.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn issue15_forged_raft_messages_are_refused_and_change_nothing() {
     let extra = tempfile::tempdir().unwrap();
@@ -229,6 +285,39 @@ async fn issue15_forged_raft_messages_are_refused_and_change_nothing() {
             }
         }
     }
+    // The forward stream (calls a follower forwards, each naming the identity it acts for) has
+    // the same boundary: none of these senders gets a call through it (node 3 is a member:
+    // it may, and is the control below when it is not the leader).
+    for (who, identity, cluster_id) in senders.iter().filter(|s| !s.0.starts_with("node 3")) {
+        let r = forward_acquire(
+            channel(&cluster, leader, *identity),
+            cluster_id,
+            "forged/forward",
+        )
+        .await;
+        let status = r.expect_err(&format!("a forward stream from {who} was accepted"));
+        if *who != "another CA's node-2 certificate" {
+            assert_eq!(status.code(), Code::Unauthenticated, "{who}: {status:?}");
+            assert!(!status.message().contains("test"), "{status:?}");
+        }
+    }
+    assert!(!held(&cluster, leader, "forged/forward").await);
+    // Control: a member may forward on it (without a policy, for anyone).
+    let member = (1..=3).find(|i| *i != leader).unwrap();
+    let member_cert = cluster.tls.as_ref().unwrap().nodes[member as usize - 1].clone();
+    let granted = forward_acquire(
+        channel(&cluster, leader, Some(&member_cert)),
+        "test",
+        "member/forward",
+    )
+    .await
+    .expect("a member's forward stream is accepted");
+    assert!(
+        matches!(&granted, forward_reply::Result::Acquire(a) if a.fencing_token > 0),
+        "{granted:?}"
+    );
+    assert!(held(&cluster, leader, "member/forward").await);
+
     // Nothing to wait for: the forged messages must move nothing, so give them time to do harm.
     tokio::time::sleep(Duration::from_millis(500)).await;
     let after = terms(&cluster).await;
@@ -272,14 +361,24 @@ async fn issue15_plaintext_checks_the_cluster_id_and_stays_on_loopback() {
             .unwrap()
             .connect_lazy();
         let (method, data) = forged().swap_remove(0);
-        let status = send(ch, method, data, cluster_id).await.unwrap_err();
+        let status = send(ch.clone(), method, data, cluster_id).await.unwrap_err();
         assert_eq!(
             status.code(),
             Code::Unauthenticated,
             "{cluster_id:?}: {status:?}"
         );
+        let status = forward_acquire(ch, cluster_id, "plain/forward")
+            .await
+            .unwrap_err();
+        assert_eq!(
+            status.code(),
+            Code::Unauthenticated,
+            "forward stream, {cluster_id:?}: {status:?}"
+        );
     }
     assert_eq!(before, terms(&cluster).await);
+    let leader = before[0].1;
+    assert!(!held(&cluster, leader, "plain/forward").await);
 
     let out = lockd_tests::process::command("lockd")
         .args([

@@ -164,7 +164,7 @@ impl Auth {
             Err(status) => {
                 self.metrics
                     .with(|| metrics::counter!("lockd_auth_unauthenticated_total").increment(1));
-                self.log_refusal(&req, status.message());
+                self.log_refusal(req.remote_addr(), status.message());
                 Err(status)
             }
         }
@@ -318,6 +318,48 @@ impl Auth {
                 ));
             }
         };
+        self.decide(caller, op, resource, req.remote_addr())
+    }
+
+    /// Authorizes a call that node `from` forwarded on its forward stream (`service::forward`),
+    /// for the caller it names: the same decision as [`Auth::authorize`] makes for a forwarded
+    /// unary call, whose identity header the stream's `identity` field replaces. Under a policy a
+    /// call without an identity is refused (UNAUTHENTICATED), as the unary forward is.
+    pub fn authorize_forwarded(
+        &self,
+        from: Option<NodeId>,
+        identity: Option<&str>,
+        op: Operation,
+        resource: Option<&str>,
+    ) -> Result<Caller, Status> {
+        let caller = match (&self.policy, identity.filter(|i| !i.is_empty())) {
+            (None, _) => Caller {
+                identity: None,
+                forwarded: true,
+            },
+            (Some(_), Some(identity)) => Caller {
+                identity: Some(identity.into()),
+                forwarded: true,
+            },
+            (Some(_), None) => {
+                return Err(errors::unauthenticated(format!(
+                    "a call forwarded by node {} names no caller",
+                    from.map_or_else(|| "?".to_owned(), |n| n.to_string())
+                )));
+            }
+        };
+        self.decide(caller, op, resource, None)
+    }
+
+    /// The policy's decision on `caller` doing `op` (on `resource`); refusals are counted and
+    /// logged (with `remote`, the caller's address, when known).
+    fn decide(
+        &self,
+        caller: Caller,
+        op: Operation,
+        resource: Option<&str>,
+        remote: Option<std::net::SocketAddr>,
+    ) -> Result<Caller, Status> {
         let Some(policy) = &self.policy else {
             return Ok(caller);
         };
@@ -344,7 +386,7 @@ impl Auth {
                 .increment(1)
         });
         let status = denied(identity, op, resource);
-        self.log_refusal(req, status.message());
+        self.log_refusal(remote, status.message());
         Err(status)
     }
 
@@ -390,7 +432,7 @@ impl Auth {
     }
 
     /// Logs a refusal, at most one per [`REFUSAL_LOG_EVERY_MS`].
-    fn log_refusal<T>(&self, req: &Request<T>, why: &str) {
+    fn log_refusal(&self, remote: Option<std::net::SocketAddr>, why: &str) {
         let now = self.started.elapsed().as_millis() as u64;
         let last = self.last_logged_ms.load(Ordering::Relaxed);
         if (last == 0 || now.saturating_sub(last) >= REFUSAL_LOG_EVERY_MS)
@@ -400,7 +442,7 @@ impl Auth {
                 .is_ok()
         {
             tracing::warn!(
-                remote = ?req.remote_addr(),
+                remote = ?remote,
                 reason = why,
                 "lockd: refused a client call (further refusals in the next 10 s are not logged)"
             );

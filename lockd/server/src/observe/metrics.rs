@@ -66,6 +66,8 @@ struct HotSeries {
     durations: [metrics::Histogram; OPS.len()],
     renew_failures: metrics::Counter,
     log_fsync: metrics::Histogram,
+    /// `lockd_forwarded_total` by `via`: stream, call.
+    forwarded: [metrics::Counter; 2],
 }
 
 impl NodeMetrics {
@@ -92,6 +94,8 @@ impl NodeMetrics {
                 .map(|op| metrics::histogram!("lockd_request_duration_seconds", "op" => op.as_str())),
             renew_failures: metrics::counter!("lockd_renew_failures_total"),
             log_fsync: metrics::histogram!("lockd_log_fsync_duration_seconds"),
+            forwarded: ["stream", "call"]
+                .map(|via| metrics::counter!("lockd_forwarded_total", "via" => via)),
         }
         });
         let m = NodeMetrics {
@@ -106,6 +110,7 @@ impl NodeMetrics {
             metrics::describe_gauge!("lockd_waiters", "Queued waiters in this node's copy of the lock table.");
             metrics::describe_counter!("lockd_lease_expirations_total", "Leases that expired without release (applied on this node).");
             metrics::describe_counter!("lockd_renew_failures_total", "Renew calls answered NOT_FOUND by this node.");
+            metrics::describe_counter!("lockd_forwarded_total", "Client calls this node forwarded to the leader, by how: on its forward stream (many calls per message) or as a call of their own (waiting acquires, Describe, a leader of an older release).");
             metrics::describe_gauge!("lockd_is_leader", "1 while this node is the Raft leader.");
             metrics::describe_counter!("lockd_leader_changes_total", "Leader changes observed by this node.");
             metrics::describe_histogram!("lockd_raft_commit_duration_seconds", "Time from proposing a batch to its apply.");
@@ -130,6 +135,9 @@ impl NodeMetrics {
             }
             metrics::counter!("lockd_lease_expirations_total").absolute(0);
             m.hot.renew_failures.absolute(0);
+            for counter in &m.hot.forwarded {
+                counter.absolute(0);
+            }
             metrics::counter!("lockd_leader_changes_total").absolute(0);
         });
         m
@@ -157,6 +165,11 @@ impl NodeMetrics {
         if op == Op::Renew && outcome == "not_found" {
             self.hot.renew_failures.increment(1);
         }
+    }
+
+    /// Counts a call this node forwarded: on the forward stream, or as a call of its own.
+    pub fn forwarded(&self, streamed: bool) {
+        self.hot.forwarded[usize::from(!streamed)].increment(1);
     }
 
     pub fn render(&self) -> String {

@@ -20,7 +20,10 @@
 //! - [`OLDEST`] rises to the previous [`CURRENT`] one release later, when the older forms'
 //!   writers go.
 //!
-//! Version 2 changes no encoding: it is the first to announce itself. What each node last
+//! Version 2 changes no encoding: it is the first to announce itself. Version 3 changes none
+//! either: its nodes serve the forward stream (`lockd.raft.v1.Forward`), which a follower uses
+//! only with a leader that announced 3 or later (`crate::forwarder`); with an older leader it
+//! forwards one call at a time, as before. What each node last
 //! announced is exported as `lockd_peer_protocol{peer}`, and the version every member speaks as
 //! `lockd_cluster_peer_protocol`: an upgrade is complete when the leader's reads [`CURRENT`]
 //! (a follower hears only from the leader and counts the other followers as [`OLDEST`]).
@@ -37,7 +40,7 @@ use super::NodeId;
 pub(crate) const HEADER: &str = "lockd-peer-protocol";
 
 /// The version this build writes when every member speaks it.
-pub const CURRENT: u32 = 2;
+pub const CURRENT: u32 = 3;
 
 /// The oldest version this build reads and writes; members below it are refused.
 pub const OLDEST: u32 = 1;

@@ -21,6 +21,7 @@ use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
 use super::errors;
+use super::raft::pb;
 use crate::auth::{self, Caller, Operation, Resourced};
 use crate::node::NodeCtx;
 use crate::observe::metrics::Op;
@@ -465,7 +466,7 @@ impl LockService {
         forward: impl FnOnce(LockClient<Channel>, Request<Req>) -> FwdFut,
     ) -> Result<Response<Resp>, Status>
     where
-        Req: Resourced,
+        Req: Resourced + Streamable<Response = Resp>,
         LocalFut: Future<Output = Result<Resp, Status>>,
         FwdFut: Future<Output = Result<Response<Resp>, Status>>,
     {
@@ -478,22 +479,38 @@ impl LockService {
         let deadline = tokio::time::Instant::now() + budget;
         let result = match self.route(forwarded, deadline).await {
             Ok(Route::Local) => {
-                match tokio::time::timeout_at(deadline, local(req.into_inner(), caller)).await {
-                    Ok(r) => r,
-                    Err(_) => Err(errors::outcome_unknown(format!(
-                        "node {} found no answer within {} ms; outcome unknown, retry with the same request_id",
-                        self.ctx.id,
-                        budget.as_millis()
-                    ))),
-                }
+                self.within(deadline, budget, local(req.into_inner(), caller))
+                    .await
             }
             Ok(Route::Forward(leader)) => match (forward_timeout(deadline), self.peer(leader)) {
                 (Some(timeout), Some((addr, client))) => {
-                    let fwd = self.forward_request(req.into_inner(), timeout, &caller);
-                    forward(client, fwd)
-                        .await
-                        .map(Response::into_inner)
-                        .map_err(|s| self.forward_error(leader, &addr, s))
+                    let msg = req.into_inner();
+                    let streamed = if self.ctx.forwarder.streams_to(leader) {
+                        msg.streamed()
+                    } else {
+                        Err(msg)
+                    };
+                    let answer = match streamed {
+                        Ok(call) => {
+                            self.ctx.metrics.forwarded(true);
+                            let call = pb::ForwardedCall {
+                                id: 0,
+                                timeout_ms: 0,
+                                identity: caller.identity.as_deref().map(str::to_owned),
+                                call: Some(call),
+                            };
+                            match self.ctx.forwarder.call(leader, call, timeout).await {
+                                Ok(result) => Req::answer(result),
+                                Err(s) => Err(s),
+                            }
+                        }
+                        Err(msg) => {
+                            self.ctx.metrics.forwarded(false);
+                            let fwd = self.forward_request(msg, timeout, &caller);
+                            forward(client, fwd).await.map(Response::into_inner)
+                        }
+                    };
+                    answer.map_err(|s| self.forward_error(leader, &addr, s))
                 }
                 (_, None) => Err(errors::no_quorum(format!(
                     "node {} found leader {leader}, which is no longer a member; nothing was done, retry",
@@ -509,6 +526,164 @@ impl LockService {
         };
         self.record(op, forwarded, started, &result);
         result.map(Response::new)
+    }
+}
+
+impl LockService {
+    /// The local part of a call, within what is left of its budget.
+    async fn within<Resp>(
+        &self,
+        deadline: tokio::time::Instant,
+        budget: Duration,
+        local: impl Future<Output = Result<Resp, Status>>,
+    ) -> Result<Resp, Status> {
+        match tokio::time::timeout_at(deadline, local).await {
+            Ok(r) => r,
+            Err(_) => Err(errors::outcome_unknown(format!(
+                "node {} found no answer within {} ms; outcome unknown, retry with the same request_id",
+                self.ctx.id,
+                budget.as_millis()
+            ))),
+        }
+    }
+
+    /// A call of a forward stream (`service::forward`), on the leader: authorized again for the
+    /// identity the sending node names, then served here as a unary forwarded call is (never
+    /// forwarded again: a node that is not the leader refuses it), within the budget the
+    /// sending node had left, capped at this node's own.
+    pub(crate) async fn serve_streamed(
+        &self,
+        from: Option<NodeId>,
+        call: pb::ForwardedCall,
+    ) -> pb::ForwardReply {
+        use pb::forward_reply::Result as Reply;
+        use pb::forwarded_call::Call;
+        let budget = Duration::from_millis(call.timeout_ms.into()).min(CALL_BUDGET);
+        let identity = call.identity.as_deref();
+        let result = match call.call {
+            Some(Call::Acquire(r)) if r.wait_timeout_ms == 0 => self
+                .streamed(Op::Acquire, from, identity, r, budget, |r, c| {
+                    self.acquire_local(r, c)
+                })
+                .await
+                .map(Reply::Acquire),
+            Some(Call::Acquire(_)) => Err(errors::invalid_field(
+                "wait_timeout_ms",
+                "a waiting Acquire is forwarded as a call of its own, not on a forward stream",
+            )),
+            Some(Call::Renew(r)) => self
+                .streamed(Op::Renew, from, identity, r, budget, |r, _| {
+                    self.renew_local(r)
+                })
+                .await
+                .map(Reply::Renew),
+            Some(Call::Release(r)) => self
+                .streamed(Op::Release, from, identity, r, budget, |r, _| {
+                    self.release_local(r)
+                })
+                .await
+                .map(Reply::Release),
+            None => Err(errors::invalid(
+                "a forwarded call carries no request this node knows",
+            )),
+        };
+        pb::ForwardReply {
+            id: call.id,
+            result: Some(result.unwrap_or_else(|s| {
+                Reply::Status(pb::ForwardedStatus {
+                    code: s.code() as i32,
+                    message: s.message().to_owned(),
+                    details: s.details().to_vec(),
+                })
+            })),
+        }
+    }
+
+    async fn streamed<Req: Resourced, Resp, Fut>(
+        &self,
+        op: Op,
+        from: Option<NodeId>,
+        identity: Option<&str>,
+        req: Req,
+        budget: Duration,
+        local: impl FnOnce(Req, Caller) -> Fut,
+    ) -> Result<Resp, Status>
+    where
+        Fut: Future<Output = Result<Resp, Status>>,
+    {
+        let caller = self.ctx.auth.authorize_forwarded(
+            from,
+            identity,
+            operation(op),
+            Some(req.resource()),
+        )?;
+        let deadline = tokio::time::Instant::now() + budget;
+        match self.route(true, deadline).await? {
+            Route::Local => self.within(deadline, budget, local(req, caller)).await,
+            Route::Forward(leader) => Err(errors::internal(format!(
+                "node {} would forward a forwarded call again (to {leader})",
+                self.ctx.id
+            ))),
+        }
+    }
+}
+
+/// How a request travels on a forward stream (`crate::forwarder`), if it does.
+pub(crate) trait Streamable: Sized {
+    type Response;
+    /// The request as a call of a forward stream, or itself back if it is forwarded alone.
+    fn streamed(self) -> Result<pb::forwarded_call::Call, Self>;
+    /// The leader's answer as this request's response or status.
+    fn answer(result: pb::forward_reply::Result) -> Result<Self::Response, Status>;
+}
+
+/// A status the leader sent back on a forward stream, as the client would have received it.
+fn forwarded_status(s: pb::ForwardedStatus) -> Status {
+    Status::with_details(tonic::Code::from_i32(s.code), s.message, s.details.into())
+}
+
+macro_rules! streamable {
+    ($req:ty, $resp:ty, $variant:ident, $streams:expr) => {
+        impl Streamable for $req {
+            type Response = $resp;
+            fn streamed(self) -> Result<pb::forwarded_call::Call, Self> {
+                let streams: fn(&Self) -> bool = $streams;
+                if streams(&self) {
+                    Ok(pb::forwarded_call::Call::$variant(self))
+                } else {
+                    Err(self)
+                }
+            }
+            fn answer(result: pb::forward_reply::Result) -> Result<$resp, Status> {
+                match result {
+                    pb::forward_reply::Result::$variant(r) => Ok(r),
+                    pb::forward_reply::Result::Status(s) => Err(forwarded_status(s)),
+                    other => Err(errors::internal(format!(
+                        "the leader answered a forwarded {} with {other:?}",
+                        stringify!($variant)
+                    ))),
+                }
+            }
+        }
+    };
+}
+
+// A waiting Acquire is forwarded alone: if its caller goes away, dropping the unary call ends
+// the wait on the leader (its `WaitGuard`).
+streamable!(AcquireRequest, AcquireResponse, Acquire, |r| r.wait_timeout_ms == 0);
+streamable!(RenewRequest, RenewResponse, Renew, |_| true);
+streamable!(ReleaseRequest, ReleaseResponse, Release, |_| true);
+
+/// Describe needs a linearizable read per call on the leader; it is forwarded alone.
+impl Streamable for DescribeRequest {
+    type Response = DescribeResponse;
+    fn streamed(self) -> Result<pb::forwarded_call::Call, Self> {
+        Err(self)
+    }
+    fn answer(result: pb::forward_reply::Result) -> Result<DescribeResponse, Status> {
+        Err(errors::internal(format!(
+            "the leader answered a Describe that was not sent on a forward stream: {result:?}"
+        )))
     }
 }
 

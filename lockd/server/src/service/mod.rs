@@ -3,6 +3,7 @@
 
 pub(crate) mod cluster;
 pub(crate) mod errors;
+pub(crate) mod forward;
 pub(crate) mod lock;
 pub(crate) mod membership;
 pub mod raft;

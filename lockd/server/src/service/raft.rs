@@ -359,6 +359,16 @@ fn admitted(
     Err(refused())
 }
 
+/// The member that sent `req`, for the other internal services behind [`PeerAuth`] (the forward
+/// stream): `Ok(None)` without TLS (any caller naming this cluster), refused for a caller that is
+/// not a member in this node's view (an [`Outsider`] may replicate, nothing else).
+pub(crate) fn authenticated_member<T>(req: &Request<T>) -> Result<Option<NodeId>, Status> {
+    match req.extensions().get::<Caller>() {
+        Some(Caller(node)) => Ok(*node),
+        None => Err(refused()),
+    }
+}
+
 impl RaftService {
     pub fn server(
         raft: Raft,
