@@ -27,9 +27,9 @@
 pub mod auth;
 pub mod backup;
 pub(crate) mod clock;
-pub(crate) mod forwarder;
 pub mod config;
 pub mod dev;
+pub(crate) mod forwarder;
 pub(crate) mod members;
 pub mod node;
 pub(crate) mod observe;

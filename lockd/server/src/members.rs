@@ -35,7 +35,8 @@ struct Peer {
     clients: Option<Clients>,
 }
 
-/// The stubs of one member, on one channel (one HTTP/2 connection).
+/// The stubs of one member: the Lock and Cluster services on one channel (one HTTP/2
+/// connection), the forward stream on another.
 #[derive(Clone)]
 struct Clients {
     lock: LockClient<Channel>,
@@ -124,14 +125,18 @@ impl Members {
     pub fn forward_client(&self, id: NodeId) -> Option<(String, ForwardClient<Channel>)> {
         let view = self.view();
         let p = view.get(&id)?;
-        p.clients.as_ref().map(|c| (p.addr.clone(), c.forward.clone()))
+        p.clients
+            .as_ref()
+            .map(|c| (p.addr.clone(), c.forward.clone()))
     }
 
     /// The Cluster service of member `id`, for forwarding admin calls, with its address.
     pub fn cluster_client(&self, id: NodeId) -> Option<(String, ClusterClient<Channel>)> {
         let view = self.view();
         let p = view.get(&id)?;
-        p.clients.as_ref().map(|c| (p.addr.clone(), c.cluster.clone()))
+        p.clients
+            .as_ref()
+            .map(|c| (p.addr.clone(), c.cluster.clone()))
     }
 
     /// Replaces the view with `wanted`, keeping the channels of members whose address is the
@@ -167,13 +172,22 @@ impl Members {
 
     fn connect(&self, id: NodeId, addr: String) -> Peer {
         let clients = match self.dial.channel(id, &addr) {
-            Ok(channel) => Some(Clients {
-                lock: LockClient::new(channel.clone())
-                    .max_decoding_message_size(CLIENT_MESSAGE_MAX_BYTES)
-                    .max_encoding_message_size(CLIENT_MESSAGE_MAX_BYTES),
-                cluster: ClusterClient::new(channel.clone()),
-                forward: ForwardClient::new(channel),
-            }),
+            // The forward stream gets a connection of its own: a stream the leader stops
+            // reading (its calls in flight at the bound) would otherwise hold the connection's
+            // flow-control window, and the unary forwards beside it would wait.
+            Ok(channel) => match self.dial.channel(id, &addr) {
+                Ok(stream_channel) => Some(Clients {
+                    lock: LockClient::new(channel.clone())
+                        .max_decoding_message_size(CLIENT_MESSAGE_MAX_BYTES)
+                        .max_encoding_message_size(CLIENT_MESSAGE_MAX_BYTES),
+                    cluster: ClusterClient::new(channel),
+                    forward: ForwardClient::new(stream_channel),
+                }),
+                Err(e) => {
+                    tracing::warn!(peer = id, address = %addr, error = %e, "lockd: cannot dial member");
+                    None
+                }
+            },
             Err(e) => {
                 tracing::warn!(peer = id, address = %addr, error = %e, "lockd: cannot dial member");
                 None

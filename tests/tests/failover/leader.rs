@@ -233,3 +233,52 @@ async fn quorum_loss_answers_unavailable_and_grants_nothing() {
     let b = acquire_retrying(&cluster, &[1, 2, 3], "quorum/b", "q-b2", 60_000).await;
     assert!(b.fencing_token > retry.fencing_token);
 }
+
+/// Goal: calls through a follower answer within the promised bound when the leader stops
+/// answering while the follower still takes it for the leader: the follower's forward stream
+/// then holds calls it cannot send, and each must still get its answer in time (review of the
+/// forward stream, HIGH-2: a call waited for room in the stream's queue with no deadline).
+/// Method: stop the leader with SIGSTOP, then 1,500 concurrent acquires at a follower over four
+/// connections (more than the stream keeps open at once, 1,024); every call answers within
+/// the bound, with a grant (a new leader was found in time) or UNAVAILABLE.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_leader_keeps_no_forwarded_call_past_its_bound() {
+    let mut cluster = Cluster::start_default().await.unwrap();
+    let leader = cluster.leader().await.unwrap();
+    let follower = others(leader)[0];
+    let mut clients = Vec::new();
+    for _ in 0..4 {
+        let channel =
+            tonic::transport::Channel::from_shared(format!("http://{}", cluster.addr(follower)))
+                .unwrap()
+                .connect()
+                .await
+                .unwrap();
+        clients.push(lockd_api::v1::lock_client::LockClient::new(channel));
+    }
+    cluster.pause(leader);
+    let calls = (0..1_500).map(|i| {
+        let mut c = clients[i % 4].clone();
+        async move {
+            let started = Instant::now();
+            let r = c
+                .acquire(req(&format!("paused/{i}"), &format!("paused-{i}"), 30_000))
+                .await;
+            (started.elapsed(), r.map(|_| ()).map_err(|s| s.code()))
+        }
+    });
+    let results = futures::future::join_all(calls).await;
+    cluster.resume(leader);
+    let slowest = results.iter().map(|(t, _)| *t).max().unwrap();
+    for (took, r) in &results {
+        assert!(
+            *took <= UNAVAILABLE_BOUND + Duration::from_millis(500),
+            "a call took {took:?} ({r:?})"
+        );
+        assert!(
+            matches!(r, Ok(()) | Err(Code::Unavailable)),
+            "{r:?} after {took:?}"
+        );
+    }
+    eprintln!("slowest of 1,500 forwarded calls with the leader paused: {slowest:?}");
+}

@@ -5,13 +5,13 @@
 
 use std::time::Duration;
 
-use lockd_server::raft::TypeConfig;
 use lockd_api::v1::{AcquireRequest, DescribeRequest};
+use lockd_server::raft::TypeConfig;
 use lockd_server::service::raft::pb::forward_client::ForwardClient;
+use lockd_server::service::raft::pb::raft_client::RaftClient;
 use lockd_server::service::raft::pb::{
     ForwardBatch, ForwardedCall, RaftMessage, forward_reply, forwarded_call,
 };
-use lockd_server::service::raft::pb::raft_client::RaftClient;
 use lockd_tests::cluster::{Cluster, ClusterOptions};
 use lockd_tests::tls::{Issued, TestCa};
 use openraft::raft::{AppendEntriesRequest, InstallSnapshotRequest, VoteRequest};
@@ -361,7 +361,9 @@ async fn issue15_plaintext_checks_the_cluster_id_and_stays_on_loopback() {
             .unwrap()
             .connect_lazy();
         let (method, data) = forged().swap_remove(0);
-        let status = send(ch.clone(), method, data, cluster_id).await.unwrap_err();
+        let status = send(ch.clone(), method, data, cluster_id)
+            .await
+            .unwrap_err();
         assert_eq!(
             status.code(),
             Code::Unauthenticated,
@@ -514,4 +516,88 @@ async fn acquire_token(cluster: &Cluster, resource: &str) -> u64 {
         .await
         .unwrap();
     lease.fencing_token.0
+}
+
+/// Goal: a forward stream is checked on every message, not only when it opens: a member removed
+/// while its stream is open forwards nothing more on it, in anyone's name (review of the forward
+/// stream, HIGH-1: the stream was authenticated once, at open).
+/// Method: a TLS cluster that allows membership calls without a policy; with a follower's node
+/// certificate, open a forward stream to the leader and send one Acquire: granted (control).
+/// Remove that follower with RemoveMember; send a second Acquire on the same stream: answered
+/// UNAUTHENTICATED, the stream ends, and the resource is not held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forward_stream_of_a_removed_member_is_refused_mid_stream() {
+    use lockd_api::v1::RemoveMemberRequest;
+    let mut cluster = Cluster::start(ClusterOptions {
+        tls: true,
+        extra_args: vec!["--allow-membership-without-policy".into()],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let leader = cluster.leader().await.unwrap();
+    let removed = (1..=3).find(|i| *i != leader).unwrap();
+    let cert = cluster.tls.as_ref().unwrap().nodes[removed as usize - 1].clone();
+    let (tx, rx) = tokio::sync::mpsc::channel::<ForwardBatch>(4);
+    let mut req = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+    req.metadata_mut()
+        .insert("lockd-cluster-id", "test".parse().unwrap());
+    let call = |id: u64, resource: &str| ForwardBatch {
+        calls: vec![ForwardedCall {
+            id,
+            timeout_ms: 3_000,
+            identity: None,
+            call: Some(forwarded_call::Call::Acquire(AcquireRequest {
+                resource: resource.into(),
+                request_id: format!("removed-{id}"),
+                lease_ttl_ms: 30_000,
+                wait_timeout_ms: 0,
+                holder: "removed-node".into(),
+            })),
+        }],
+    };
+    tx.send(call(1, "removed/before")).await.unwrap();
+    let mut replies = ForwardClient::new(channel(&cluster, leader, Some(&cert)))
+        .calls(req)
+        .await
+        .expect("a member opens a forward stream")
+        .into_inner();
+    let first = replies.message().await.unwrap().unwrap();
+    assert!(
+        matches!(
+            &first.replies[0].result,
+            Some(forward_reply::Result::Acquire(_))
+        ),
+        "{first:?}"
+    );
+
+    cluster
+        .cluster_client(leader)
+        .await
+        .unwrap()
+        .remove_member(RemoveMemberRequest { id: removed })
+        .await
+        .unwrap();
+    tx.send(call(2, "removed/after")).await.unwrap();
+    let second = tokio::time::timeout(Duration::from_secs(10), replies.message())
+        .await
+        .expect("the leader answers or ends the stream");
+    match second {
+        Ok(Some(batch)) => {
+            assert_eq!(batch.replies.len(), 1, "{batch:?}");
+            match &batch.replies[0].result {
+                Some(forward_reply::Result::Status(s)) => {
+                    assert_eq!(s.code, Code::Unauthenticated as i32, "{s:?}");
+                }
+                other => panic!("a removed member's call was served: {other:?}"),
+            }
+            let end = tokio::time::timeout(Duration::from_secs(10), replies.message())
+                .await
+                .expect("the stream ends");
+            assert!(matches!(end, Ok(None) | Err(_)), "{end:?}");
+        }
+        Ok(None) | Err(_) => {}
+    }
+    assert!(held(&cluster, leader, "removed/before").await);
+    assert!(!held(&cluster, leader, "removed/after").await);
 }

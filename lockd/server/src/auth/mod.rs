@@ -342,6 +342,8 @@ impl Auth {
                 forwarded: true,
             },
             (Some(_), None) => {
+                self.metrics
+                    .with(|| metrics::counter!("lockd_auth_unauthenticated_total").increment(1));
                 return Err(errors::unauthenticated(format!(
                     "a call forwarded by node {} names no caller",
                     from.map_or_else(|| "?".to_owned(), |n| n.to_string())

@@ -7,9 +7,14 @@
 //! a decode and an encode on a stream that is already open, instead of an HTTP/2 stream of its
 //! own (HEADERS, HPACK, trailers) and a pass through the gRPC stack.
 //!
-//! Bounds: at most [`IN_FLIGHT_MAX`] calls of one stream are served at once; past that the
-//! stream is not read, so HTTP/2 flow control holds the sender back. A message is at most
-//! [`MESSAGE_MAX_BYTES`]. Only members send here (the Raft service's [`PeerAuth`]).
+//! Bounds: at most [`IN_FLIGHT_MAX`] calls of one stream are served or wait to be sent back at
+//! once; past that the stream is not read, so HTTP/2 flow control holds the sender back. A
+//! message is at most [`MESSAGE_MAX_BYTES`].
+//!
+//! Only members send here: the Raft service's [`PeerAuth`] checks the caller when the stream
+//! opens, and again before every message with the membership and certificates current then (a
+//! removed member, a certificate revoked by a reload or expired, is refused mid-stream: its calls
+//! are answered UNAUTHENTICATED unserved, and the stream ends).
 //!
 //! [`PeerAuth`]: crate::service::raft::PeerAuth
 
@@ -17,18 +22,19 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use futures::Stream;
-use tokio::sync::{Semaphore, mpsc};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 use tonic::service::interceptor::InterceptedService;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::lock::LockService;
-use super::raft::{PeerAuth, authenticated_member, pb};
+use super::raft::{PeerAuth, PeerCredentials, authenticated_member, pb};
 use crate::node::NodeCtx;
 use crate::raft::peer_protocol;
 
-/// Calls of one stream served at once (the proposer's queue is 8,192 commands for all callers).
-pub(crate) const IN_FLIGHT_MAX: usize = 4_096;
+/// Calls of one stream served at once, as many as one connection may have unary calls open
+/// (`node::STREAMS_PER_CONNECTION_MAX`); the proposer's queue holds 8,192 for all callers.
+pub(crate) const IN_FLIGHT_MAX: usize = 1_024;
 /// Largest message either way: a batch is cut at [`BATCH_BYTES_MAX`] plus one call, and a call
 /// is a client request of at most 64 KiB.
 pub(crate) const MESSAGE_MAX_BYTES: usize = 2 * 1024 * 1024;
@@ -39,6 +45,8 @@ const REPLIES_PER_MESSAGE_MAX: usize = 1_024;
 
 pub(crate) struct ForwardService {
     lock: Arc<LockService>,
+    /// Checks the sender again before each message.
+    auth: Arc<PeerAuth>,
     ctx: Arc<NodeCtx>,
     /// The node's shutdown: open streams end with it, so that a graceful stop is not held up by a
     /// follower's stream, which never ends by itself.
@@ -56,6 +64,7 @@ impl ForwardService {
     > {
         let server = pb::forward_server::ForwardServer::new(ForwardService {
             lock: Arc::new(LockService::new(ctx.clone())),
+            auth: auth.clone(),
             ctx,
             shutdown,
         })
@@ -82,13 +91,18 @@ impl pb::forward_server::Forward for ForwardService {
         peer_protocol::check(&sender, version)
             .map_err(|why| super::errors::precondition("peer_protocol", why))?;
 
+        let credentials = PeerCredentials::of(&req);
         let mut inbound = req.into_inner();
-        let (replies_tx, replies_rx) = mpsc::unbounded_channel::<pb::ForwardReply>();
+        // A reply travels with its call's permit, so replies not yet sent back count too.
+        let (replies_tx, replies_rx) = mpsc::unbounded_channel::<Answered>();
         let permits = Arc::new(Semaphore::new(IN_FLIGHT_MAX));
-        let (lock, shutdown, id) = (self.lock.clone(), self.shutdown.clone(), self.ctx.id);
+        let (lock, auth, shutdown, id) = (
+            self.lock.clone(),
+            self.auth.clone(),
+            self.shutdown.clone(),
+            self.ctx.id,
+        );
         // Reads the calls and serves each in a task of its own; replies meet in `replies_tx`.
-        // The channel is unbounded, but what is in it is bounded by the permits: a reply is sent
-        // by a task that still holds one.
         tokio::spawn(async move {
             loop {
                 let batch = tokio::select! {
@@ -103,15 +117,35 @@ impl pb::forward_server::Forward for ForwardService {
                         return;
                     }
                 };
+                let still = auth.identify_credentials(&credentials);
+                if still != Ok(from) {
+                    tracing::warn!(
+                        node = id,
+                        sender = ?from,
+                        reason = ?still,
+                        "lockd: ended a forward stream whose sender is no longer authenticated as a member"
+                    );
+                    for call in batch.calls {
+                        let refused = super::errors::unauthenticated(
+                            "forwarded call refused: the forwarding node is no longer \
+                             authenticated as a member of this cluster; nothing was done",
+                        );
+                        let _ = replies_tx.send((status_reply(call.id, refused), None));
+                    }
+                    return;
+                }
                 for call in batch.calls {
-                    let Ok(permit) = permits.clone().acquire_owned().await else {
-                        return;
+                    let permit = tokio::select! {
+                        _ = shutdown.cancelled() => return,
+                        p = permits.clone().acquire_owned() => match p {
+                            Ok(p) => p,
+                            Err(_) => return,
+                        },
                     };
                     let (lock, tx) = (lock.clone(), replies_tx.clone());
                     tokio::spawn(async move {
                         let reply = lock.serve_streamed(from, call).await;
-                        let _ = tx.send(reply);
-                        drop(permit);
+                        let _ = tx.send((reply, Some(permit)));
                     });
                 }
             }
@@ -123,15 +157,30 @@ impl pb::forward_server::Forward for ForwardService {
     }
 }
 
+/// A reply and the permit of its call, released when the reply is taken into a message.
+type Answered = (pb::ForwardReply, Option<OwnedSemaphorePermit>);
+
+/// A call's reply carrying `status`, as the client would receive it.
+pub(crate) fn status_reply(id: u64, status: Status) -> pb::ForwardReply {
+    pb::ForwardReply {
+        id,
+        result: Some(pb::forward_reply::Result::Status(pb::ForwardedStatus {
+            code: status.code() as i32,
+            message: status.message().to_owned(),
+            details: status.details().to_vec(),
+        })),
+    }
+}
+
 /// The replies as they come, each message holding every reply that was ready when it was cut.
 /// Ends when the node shuts down or when every call of the stream was answered and the sender
 /// closed its side.
 fn reply_batches(
-    rx: mpsc::UnboundedReceiver<pb::ForwardReply>,
+    rx: mpsc::UnboundedReceiver<Answered>,
     shutdown: CancellationToken,
 ) -> impl Stream<Item = Result<pb::ForwardReplies, Status>> + Send {
     futures::stream::unfold((rx, shutdown), |(mut rx, shutdown)| async move {
-        let first = tokio::select! {
+        let (first, _permit) = tokio::select! {
             _ = shutdown.cancelled() => return None,
             r = rx.recv() => r?,
         };
@@ -139,7 +188,7 @@ fn reply_batches(
         let mut replies = vec![first];
         while replies.len() < REPLIES_PER_MESSAGE_MAX && bytes < BATCH_BYTES_MAX {
             match rx.try_recv() {
-                Ok(r) => {
+                Ok((r, _permit)) => {
                     bytes += prost::Message::encoded_len(&r);
                     replies.push(r);
                 }

@@ -36,7 +36,7 @@ const LEADER_WAIT: Duration = Duration::from_secs(2);
 /// before they shared it, a forward got a fresh 4.5 s after up to 2 s of waiting.
 const CALL_BUDGET: Duration = Duration::from_millis(4_500);
 /// Shortest forward worth starting: with less budget left the answer is UNAVAILABLE at once.
-const FORWARD_MIN: Duration = Duration::from_millis(50);
+pub(crate) const FORWARD_MIN: Duration = Duration::from_millis(50);
 /// Grace after a waiter's own deadline before its call proposes the timeout itself; normally the
 /// leader's reaper times it out first.
 const WAIT_BACKSTOP: Duration = Duration::from_secs(1);
@@ -558,7 +558,8 @@ impl LockService {
     ) -> pb::ForwardReply {
         use pb::forward_reply::Result as Reply;
         use pb::forwarded_call::Call;
-        let budget = Duration::from_millis(call.timeout_ms.into()).min(CALL_BUDGET);
+        // At most what a unary forward of the same call gets (see `Lock::acquire`).
+        let budget = Duration::from_millis(call.timeout_ms.into()).min(CALL_BUDGET + WAIT_BACKSTOP);
         let identity = call.identity.as_deref();
         let result = match call.call {
             Some(Call::Acquire(r)) if r.wait_timeout_ms == 0 => self
@@ -587,15 +588,12 @@ impl LockService {
                 "a forwarded call carries no request this node knows",
             )),
         };
-        pb::ForwardReply {
-            id: call.id,
-            result: Some(result.unwrap_or_else(|s| {
-                Reply::Status(pb::ForwardedStatus {
-                    code: s.code() as i32,
-                    message: s.message().to_owned(),
-                    details: s.details().to_vec(),
-                })
-            })),
+        match result {
+            Ok(reply) => pb::ForwardReply {
+                id: call.id,
+                result: Some(reply),
+            },
+            Err(status) => super::forward::status_reply(call.id, status),
         }
     }
 
@@ -670,7 +668,9 @@ macro_rules! streamable {
 
 // A waiting Acquire is forwarded alone: if its caller goes away, dropping the unary call ends
 // the wait on the leader (its `WaitGuard`).
-streamable!(AcquireRequest, AcquireResponse, Acquire, |r| r.wait_timeout_ms == 0);
+streamable!(AcquireRequest, AcquireResponse, Acquire, |r| r
+    .wait_timeout_ms
+    == 0);
 streamable!(RenewRequest, RenewResponse, Renew, |_| true);
 streamable!(ReleaseRequest, ReleaseResponse, Release, |_| true);
 

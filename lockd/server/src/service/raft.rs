@@ -200,16 +200,26 @@ impl PeerAuth {
     /// certificate must be a node certificate of the peer CA naming one other member. `None`
     /// without TLS (the sender is unknown). The error is the reason, for the log.
     fn identify<T>(&self, req: &Request<T>) -> Result<Option<NodeId>, String> {
-        match req.metadata().get(CLUSTER_ID_HEADER).map(|v| v.to_str()) {
-            Some(Ok(id)) if id == self.cluster_id => {}
+        self.identify_credentials(&PeerCredentials::of(req))
+    }
+
+    /// [`PeerAuth::identify`] on credentials taken from a request earlier: a forward stream is
+    /// checked again on every message, with the membership and certificates current then.
+    pub(crate) fn identify_credentials(
+        &self,
+        credentials: &PeerCredentials,
+    ) -> Result<Option<NodeId>, String> {
+        match credentials.cluster_id.as_ref() {
+            Some(Ok(id)) if *id == self.cluster_id => {}
             Some(Ok(id)) => return Err(format!("it is for cluster {id:?}")),
             _ => return Err(format!("no {CLUSTER_ID_HEADER} header")),
         }
         let Some(tls) = &self.tls else {
             return Ok(None);
         };
-        let chain = req
-            .peer_certs()
+        let chain = credentials
+            .chain
+            .clone()
             .ok_or_else(|| "the caller sent no certificate".to_owned())?;
         let leaf = chain
             .first()
@@ -357,6 +367,26 @@ fn admitted(
         gate.note_traffic();
     }
     Err(refused())
+}
+
+/// What a request presented to [`PeerAuth`]: its cluster id header and its certificate chain.
+#[derive(Clone)]
+pub(crate) struct PeerCredentials {
+    /// The header's value; `Err` when it is not visible ASCII.
+    cluster_id: Option<Result<String, ()>>,
+    chain: Option<Arc<Vec<rustls_pki_types::CertificateDer<'static>>>>,
+}
+
+impl PeerCredentials {
+    pub(crate) fn of<T>(req: &Request<T>) -> Self {
+        PeerCredentials {
+            cluster_id: req
+                .metadata()
+                .get(CLUSTER_ID_HEADER)
+                .map(|v| v.to_str().map(str::to_owned).map_err(|_| ())),
+            chain: req.peer_certs(),
+        }
+    }
 }
 
 /// The member that sent `req`, for the other internal services behind [`PeerAuth`] (the forward
