@@ -7,6 +7,7 @@ use futures::future::BoxFuture;
 use lockd_fence::FencingToken;
 use redb::{Database, Durability, ReadableDatabase, ReadableTable, TableDefinition};
 
+use crate::slots::Share;
 use crate::{Admission, EpochStore, ForwardOutcome, Permit, PermitRelease, SlotGuard, Slots};
 use crate::{StoreError, Timing};
 
@@ -15,8 +16,9 @@ pub(crate) const EPOCHS: TableDefinition<&str, u64> = TableDefinition::new("fenc
 
 /// Epoch store in an embedded redb file.
 ///
-/// Writes of one resource are serialised by an in-process mutex held for the whole forward; the
-/// token is committed durably (fsync) before the forward starts. A redb file is opened by one
+/// Writes of one resource hold an in-process grant for the whole forward ([`Slots::share`]):
+/// writes of the same token share it, a write of another token waits until all of them have
+/// ended. The token is committed durably (fsync) before the forward starts. A redb file is opened by one
 /// process at a time, so this store serves exactly one proxy; use [`crate::PostgresStore`] for
 /// several replicas.
 pub struct RedbStore {
@@ -78,7 +80,28 @@ impl RedbStore {
         resource: &str,
         token: FencingToken,
     ) -> Result<Admission, StoreError> {
-        let guard = self.slots.lock(resource, self.timing.lock_wait).await?;
+        let guard = match self
+            .slots
+            .share(resource, token, self.timing.lock_wait)
+            .await?
+        {
+            Share::Granted(guard) => guard,
+            Share::Stale(highest) => return Ok(Admission::Stale { highest }),
+        };
+        let permit = |guard| {
+            Admission::Accepted(Permit::new(
+                resource,
+                token,
+                RedbPermit {
+                    guard,
+                    quarantine: self.timing.quarantine,
+                },
+            ))
+        };
+        // Another write of this token recorded it while the resource was in use: it is durable.
+        if guard.recorded() {
+            return Ok(permit(guard));
+        }
         let db = self.db.clone();
         let key = resource.to_owned();
         let decided = tokio::task::spawn_blocking(move || check_and_record(&db, &key, token))
@@ -86,15 +109,14 @@ impl RedbStore {
             .map_err(|e| self.unavailable(e))?
             .map_err(|e| self.unavailable(e))?;
         Ok(match decided {
-            Ok(()) => Admission::Accepted(Permit::new(
-                resource,
-                token,
-                RedbPermit {
-                    guard,
-                    quarantine: self.timing.quarantine,
-                },
-            )),
-            Err(highest) => Admission::Stale { highest },
+            Ok(()) => {
+                guard.note_recorded(token);
+                permit(guard)
+            }
+            Err(highest) => {
+                guard.note_recorded(highest);
+                Admission::Stale { highest }
+            }
         })
     }
 }
