@@ -32,6 +32,7 @@
 //! - [`slots`]: the in-process per-resource grant table (shared by one token, or exclusive) with
 //!   quarantine, shared by the stores.
 //! - [`redb_store`]: [`RedbStore`], the embedded default.
+//! - [`redb_writer`]: the redb store's commit thread (group commit of admissions).
 //! - [`postgres_store`]: [`PostgresStore`], shared by many proxy replicas.
 //! - [`spec`]: [`StoreSpec`], parsing `redb:PATH` / `postgres://...` and opening the store.
 //! - [`highest`]: [`EpochsMax`], the highest token of a store over all resources (the floor of a
@@ -41,6 +42,7 @@ pub mod error;
 pub mod highest;
 pub mod postgres_store;
 pub mod redb_store;
+pub mod redb_writer;
 pub mod slots;
 pub mod spec;
 pub mod store;

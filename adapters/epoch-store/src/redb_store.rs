@@ -5,8 +5,9 @@ use std::sync::Arc;
 
 use futures::future::BoxFuture;
 use lockd_fence::FencingToken;
-use redb::{Database, Durability, ReadableDatabase, ReadableTable, TableDefinition};
+use redb::{Database, ReadableDatabase, TableDefinition};
 
+use crate::redb_writer::RedbWriter;
 use crate::slots::Share;
 use crate::{Admission, EpochStore, ForwardOutcome, Permit, PermitRelease, SlotGuard, Slots};
 use crate::{StoreError, Timing};
@@ -18,12 +19,16 @@ pub(crate) const EPOCHS: TableDefinition<&str, u64> = TableDefinition::new("fenc
 ///
 /// Writes of one resource hold an in-process grant for the whole forward ([`Slots::share`]):
 /// writes of the same token share it, a write of another token waits until all of them have
-/// ended. The token is committed durably (fsync) before the forward starts. A redb file is opened by one
-/// process at a time, so this store serves exactly one proxy; use [`crate::PostgresStore`] for
-/// several replicas.
+/// ended. The token is committed durably (fsync) before the forward starts; admissions that
+/// raise tokens at the same time share one commit (group commit, [`crate::redb_writer`]). A
+/// redb file is opened by one process at a time, so this store serves exactly one proxy; use
+/// [`crate::PostgresStore`] for several replicas.
 pub struct RedbStore {
-    /// The open database; `Arc` because commits run on the blocking thread pool.
+    /// The open database; `Arc` because reads run on the blocking thread pool and writes on the
+    /// commit thread.
     db: Arc<Database>,
+    /// The commit thread, which records raised tokens in batches.
+    writer: RedbWriter,
     /// Where the file lives, for error messages.
     path: PathBuf,
     /// Per-resource exclusion and quarantine.
@@ -39,17 +44,30 @@ impl RedbStore {
             store: format!("redb:{}", path.display()),
             detail: format!("opening: {e}"),
         })?;
-        let store = RedbStore {
-            db: Arc::new(db),
+        let unavailable = |e: &dyn std::fmt::Display| StoreError::Unavailable {
+            store: format!("redb:{}", path.display()),
+            detail: e.to_string(),
+        };
+        // Create the table now, so that a read before the first write finds it.
+        let txn = db.begin_write().map_err(|e| unavailable(&e))?;
+        txn.open_table(EPOCHS).map_err(|e| unavailable(&e))?;
+        txn.commit().map_err(|e| unavailable(&e))?;
+        let db = Arc::new(db);
+        let writer = RedbWriter::start(db.clone())
+            .map_err(|e| unavailable(&format!("starting the commit thread: {e}")))?;
+        Ok(RedbStore {
+            db,
+            writer,
             path,
             slots: Slots::new(),
             timing,
-        };
-        // Create the table now, so that a read before the first write finds it.
-        let txn = store.db.begin_write().map_err(|e| store.unavailable(e))?;
-        txn.open_table(EPOCHS).map_err(|e| store.unavailable(e))?;
-        txn.commit().map_err(|e| store.unavailable(e))?;
-        Ok(store)
+        })
+    }
+
+    /// Durable commits made since the store was opened: fewer than the admissions that raised a
+    /// token when they were grouped.
+    pub fn commits(&self) -> u64 {
+        self.writer.commits()
     }
 
     /// The highest token recorded for `resource`, if any.
@@ -102,11 +120,10 @@ impl RedbStore {
         if guard.recorded() {
             return Ok(permit(guard));
         }
-        let db = self.db.clone();
-        let key = resource.to_owned();
-        let decided = tokio::task::spawn_blocking(move || check_and_record(&db, &key, token))
+        let decided = self
+            .writer
+            .raise(resource, token)
             .await
-            .map_err(|e| self.unavailable(e))?
             .map_err(|e| self.unavailable(e))?;
         Ok(match decided {
             Ok(()) => {
@@ -119,43 +136,6 @@ impl RedbStore {
             }
         })
     }
-}
-
-/// Records `token` for `resource` unless a higher one is recorded; the inner `Err` carries that
-/// higher token. Runs on a blocking thread: a durable redb commit waits for fsync.
-fn check_and_record(
-    db: &Database,
-    resource: &str,
-    token: FencingToken,
-) -> Result<Result<(), FencingToken>, redb::Error> {
-    // An equal token is the common case of a holder writing again: answer it from a read
-    // transaction without paying for a commit.
-    {
-        let txn = db.begin_read()?;
-        let table = txn.open_table(EPOCHS)?;
-        if let Some(current) = table.get(resource)?.map(|v| v.value()) {
-            if current > token.0 {
-                return Ok(Err(FencingToken(current)));
-            }
-            if current == token.0 {
-                return Ok(Ok(()));
-            }
-        }
-    }
-    let mut txn = db.begin_write()?;
-    // Immediate is redb's default; it is set here anyway because a recorded token that a crash
-    // could lower would let an older write through after a newer one was forwarded.
-    txn.set_durability(Durability::Immediate)?;
-    {
-        let mut table = txn.open_table(EPOCHS)?;
-        let current = table.get(resource)?.map(|v| v.value());
-        if let Some(current) = current.filter(|c| *c > token.0) {
-            return Ok(Err(FencingToken(current)));
-        }
-        table.insert(resource, token.0)?;
-    }
-    txn.commit()?;
-    Ok(Ok(()))
 }
 
 /// The release half of a redb permit: the in-process guard.
@@ -254,6 +234,65 @@ mod tests {
         let store = RedbStore::open(&path, timing()).unwrap();
         assert_eq!(store.highest("a").await.unwrap(), Some(FencingToken(7)));
         assert_eq!(store.highest("b").await.unwrap(), None);
+    }
+
+    /// Goal (issue 17, group commit): admissions that raise tokens of distinct resources at the
+    /// same time share commits, each gets its own answer (a stale one among them is refused
+    /// with the highest token), and every accepted token is on disk after reopening.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_raises_share_commits_and_are_durable() {
+        const RESOURCES: u64 = 64;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("e.redb");
+        {
+            let store = Arc::new(RedbStore::open(&path, timing()).unwrap());
+            accepted(&store, "old", 10)
+                .await
+                .release(ForwardOutcome::Answered)
+                .await
+                .unwrap();
+            let before = store.commits();
+            let mut tasks = tokio::task::JoinSet::new();
+            for i in 0..RESOURCES {
+                let store = store.clone();
+                tasks.spawn(async move {
+                    let (resource, token) = if i == RESOURCES / 2 {
+                        ("old".to_owned(), 5)
+                    } else {
+                        (format!("r{i}"), i + 1)
+                    };
+                    let admission = store.admit(&resource, FencingToken(token)).await.unwrap();
+                    let answer = match admission {
+                        Admission::Accepted(p) => {
+                            p.release(ForwardOutcome::Answered).await.unwrap();
+                            None
+                        }
+                        Admission::Stale { highest } => Some(highest),
+                    };
+                    (resource, token, answer)
+                });
+            }
+            while let Some(done) = tasks.join_next().await {
+                let (resource, token, answer) = done.unwrap();
+                let expected = (resource == "old").then_some(FencingToken(10));
+                assert_eq!(answer, expected, "{resource}:{token}");
+            }
+            let commits = store.commits() - before;
+            eprintln!("{} raises in {commits} commits", RESOURCES - 1);
+            assert!(
+                commits < RESOURCES - 1,
+                "every raise had its own commit ({commits})"
+            );
+        }
+        let store = RedbStore::open(&path, timing()).unwrap();
+        assert_eq!(store.highest("old").await.unwrap(), Some(FencingToken(10)));
+        for i in (0..RESOURCES).filter(|i| *i != RESOURCES / 2) {
+            assert_eq!(
+                store.highest(&format!("r{i}")).await.unwrap(),
+                Some(FencingToken(i + 1)),
+                "r{i}"
+            );
+        }
     }
 
     #[tokio::test]
