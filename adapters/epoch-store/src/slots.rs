@@ -170,10 +170,10 @@ impl Slots {
             let id = table.next_id;
             table.next_id += 1;
             let entry = table.entries.entry(resource.to_owned()).or_default();
-            if let (Want::Shared(token), Some(highest)) = (want, entry.recorded) {
-                if token < highest {
-                    return Ok(Share::Stale(highest));
-                }
+            if let (Want::Shared(token), Some(highest)) = (want, entry.recorded)
+                && token < highest
+            {
+                return Ok(Share::Stale(highest));
             }
             let now = Instant::now();
             let quarantined = entry.quarantined_until.filter(|until| *until > now);
