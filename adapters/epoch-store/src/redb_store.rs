@@ -98,7 +98,7 @@ impl RedbStore {
         resource: &str,
         token: FencingToken,
     ) -> Result<Admission, StoreError> {
-        let guard = match self
+        let mut guard = match self
             .slots
             .share(resource, token, self.timing.lock_wait)
             .await?
@@ -120,6 +120,7 @@ impl RedbStore {
         if guard.recorded() {
             return Ok(permit(guard));
         }
+        guard.recording();
         let decided = self
             .writer
             .raise(resource, token)

@@ -121,6 +121,9 @@ pub struct SlotGuard {
     recorded: bool,
     /// Set by [`SlotGuard::quarantine`]; applied on drop.
     quarantine: Option<std::time::Duration>,
+    /// Set by [`SlotGuard::recording`] until [`SlotGuard::note_recorded`]: the store may have
+    /// recorded a token the table was not told of, so a drop then forgets what it knows.
+    unsure: bool,
     table: Arc<Mutex<Table>>,
 }
 
@@ -271,6 +274,7 @@ impl Slots {
             },
             recorded,
             quarantine: None,
+            unsure: false,
             table: self.table.clone(),
         }
     }
@@ -415,9 +419,18 @@ impl SlotGuard {
         self.recorded
     }
 
+    /// The store is about to record this guard's token. If the guard is dropped before
+    /// [`SlotGuard::note_recorded`] (the admission was cancelled, or the store failed after
+    /// perhaps writing), the table forgets the token it knew recorded, so that it never
+    /// vouches for a token below one the store holds.
+    pub fn recording(&mut self) {
+        self.unsure = true;
+    }
+
     /// The store has recorded `highest` for this resource durably (or found it recorded):
     /// writes with a lower token, waiting or to come, are refused without asking it again.
-    pub fn note_recorded(&self, highest: FencingToken) {
+    pub fn note_recorded(&mut self, highest: FencingToken) {
+        self.unsure = false;
         let mut table = self.table.lock().expect("slot table poisoned");
         let entry = table
             .entries
@@ -441,6 +454,9 @@ impl Drop for SlotGuard {
         let Some(entry) = table.entries.get_mut(&self.resource) else {
             unreachable!("an entry with a grant is never removed");
         };
+        if self.unsure {
+            entry.recorded = None;
+        }
         if let Some(period) = self.quarantine {
             let until = Instant::now() + period;
             entry.quarantined_until = Some(entry.quarantined_until.map_or(until, |q| q.max(until)));
@@ -557,7 +573,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_waiting_higher_token_closes_the_resource_to_lower_ones() {
         let slots = Slots::new();
-        let five = granted(&slots, "r", 5, WAIT).await;
+        let mut five = granted(&slots, "r", 5, WAIT).await;
         five.note_recorded(t(5));
         let mut seven = Box::pin(slots.share("r", t(7), WAIT));
         assert!(pending(&mut seven).await);
@@ -572,7 +588,7 @@ mod tests {
             Share::Stale(h) if h == t(5)
         ));
         drop(five);
-        let seven = match seven.await.unwrap() {
+        let mut seven = match seven.await.unwrap() {
             Share::Granted(g) => g,
             other => panic!("{other:?}"),
         };
@@ -587,6 +603,35 @@ mod tests {
         let again = granted(&slots, "r", 7, WAIT).await;
         assert!(again.recorded());
         drop((seven, again));
+        assert!(slots.is_empty());
+    }
+
+    /// Goal: a grant dropped while the store was recording its token (cancelled, or the store
+    /// failed after perhaps writing) makes the table forget the token it knew recorded, so that
+    /// writes of that token go back to the store instead of trusting the table.
+    #[tokio::test(start_paused = true)]
+    async fn a_grant_dropped_while_recording_forgets_what_was_recorded() {
+        let slots = Slots::new();
+        // The table learns that 5 is recorded; a quarantine keeps the entry.
+        let mut five = granted(&slots, "r", 5, WAIT).await;
+        five.note_recorded(t(5));
+        five.quarantine(Duration::from_millis(100));
+        drop(five);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        // 7 is granted and the store starts recording it; a 5 waits behind it.
+        let mut seven = granted(&slots, "r", 7, WAIT).await;
+        seven.recording();
+        let mut late5 = Box::pin(slots.share("r", t(5), WAIT));
+        assert!(pending(&mut late5).await);
+        // 7's admission goes away before the store answered: the store may hold 7 now.
+        drop(seven);
+        match late5.await.unwrap() {
+            Share::Granted(g) => assert!(
+                !g.recorded(),
+                "the table vouched for 5 although the store may hold 7"
+            ),
+            Share::Stale(h) => panic!("stale {h}: the table never learned of 7"),
+        }
         assert!(slots.is_empty());
     }
 
