@@ -16,7 +16,7 @@
 //! holder.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use lockd_fence::FencingToken;
 use tokio::sync::oneshot;
@@ -29,6 +29,30 @@ use crate::StoreError;
 /// whose quarantine expired while nobody used them linger; sweeping past this size bounds them
 /// without paying a scan on every release.
 const SWEEP_ABOVE_ENTRIES: usize = 1024;
+
+/// Why a write found the resource closed by a quarantine.
+const QUARANTINED: &str = "quarantined after a forward with an unknown outcome";
+
+/// Where [`Slots::acquire`] lets a test hook run (between two critical sections).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Pause {
+    /// The waiter has queued and released the table lock.
+    Queued,
+    /// The waiter's sleep ended, before it locks the table again.
+    Woke,
+}
+
+/// Test hooks, each run once at its pause point.
+#[cfg(test)]
+#[derive(Clone, Default)]
+struct Hooks(Arc<Mutex<Vec<(Pause, Box<dyn FnOnce() + Send>)>>>);
+
+#[cfg(test)]
+impl std::fmt::Debug for Hooks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Hooks")
+    }
+}
 
 /// What a write asks of a resource.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -73,7 +97,10 @@ struct Entry {
     quarantined_until: Option<Instant>,
     /// The grants held; `None` when nobody forwards.
     holders: Option<Holders>,
-    /// Writes waiting, in arrival order. Bounded by the requests the front end handles at once.
+    /// Writes waiting, in arrival order. No count bounds it: the front end's `--max-in-flight`
+    /// bounds the requests it handles, but a write's task outlives a client that went away, so
+    /// clients that disconnect and retry add waiters. Each leaves after at most its wait bound
+    /// (`--lock-wait`), which bounds how long they pile up.
     queue: VecDeque<Waiter>,
     /// The highest token the store told this table it has recorded durably for the resource
     /// (see [`SlotGuard::note_recorded`]); lower tokens are refused without asking the store.
@@ -98,6 +125,8 @@ struct Table {
 pub struct Slots {
     /// A std mutex: it is held only to decide, never across an await.
     table: Arc<Mutex<Table>>,
+    #[cfg(test)]
+    hooks: Hooks,
 }
 
 /// The answer to [`Slots::share`].
@@ -168,7 +197,7 @@ impl Slots {
     ) -> Result<Share, StoreError> {
         let started = Instant::now();
         let deadline = started + wait_max;
-        let (id, decided) = {
+        let (id, decided, quarantine_started) = {
             let mut table = self.lock_table();
             let id = table.next_id;
             table.next_id += 1;
@@ -189,14 +218,16 @@ impl Slots {
                 // Nobody is queued for it: drop the entry if it only held this lookup.
                 return Err(StoreError::busy(
                     resource,
-                    "quarantined after a forward with an unknown outcome",
+                    QUARANTINED,
                     started.elapsed(),
                     wait_max,
                 ));
             }
             let (tell, decided) = oneshot::channel();
             entry.queue.push_back(Waiter { id, want, tell });
-            (id, decided)
+            // Taken now: once the lock is released the entry may be decided and removed by
+            // others (a stale waiter is swept, the last grant dropped) before this task runs.
+            (id, decided, entry.quarantine_started.clone())
         };
         // Leaves the queue if this future is dropped, and gives back a grant it was handed but
         // never took.
@@ -206,21 +237,29 @@ impl Slots {
             id,
             decided: Some(decided),
         };
-        let quarantine_started = self.lock_table().entries[resource]
-            .quarantine_started
-            .clone();
+        self.pause(Pause::Queued);
         loop {
             let started_now = quarantine_started.notified();
             tokio::pin!(started_now);
             let quarantine_end = {
-                let table = self.lock_table();
+                let mut table = self.lock_table();
                 // Registered under the lock that a quarantine is set under: either it is read
                 // here, or this future is woken.
                 started_now.as_mut().enable();
-                table
+                let quarantine_end = table
                     .entries
                     .get(resource)
-                    .and_then(|e| e.quarantined_until)
+                    .and_then(|e| e.quarantined_until);
+                // A quarantine that outlasts this waiter's bound (it may have started after the
+                // waiter queued): refused now rather than at the deadline. If the waiter was
+                // decided meanwhile, its answer is in the channel.
+                if quarantine_end.is_some_and(|end| end > deadline)
+                    && let Some(why) = give_up(&mut table, resource, id, want)
+                {
+                    waiting.decided = None;
+                    return Err(StoreError::busy(resource, why, started.elapsed(), wait_max));
+                }
+                quarantine_end
             };
             let wake = quarantine_end.map_or(deadline, |q| q.min(deadline));
             let decided = waiting.decided.as_mut().expect("taken only on return");
@@ -229,34 +268,38 @@ impl Slots {
                 biased;
                 told = decided => {
                     waiting.decided = None;
-                    return Ok(match told.expect("a queued waiter is told before it leaves the queue") {
-                        Decision::Granted(recorded) => Share::Granted(self.guard(resource, want, recorded)),
-                        Decision::Stale(highest) => Share::Stale(highest),
-                    });
+                    return match told {
+                        Ok(Decision::Granted(recorded)) => {
+                            Ok(Share::Granted(self.guard(resource, want, recorded)))
+                        }
+                        Ok(Decision::Stale(highest)) => Ok(Share::Stale(highest)),
+                        // Every path that takes a waiter out of the queue answers it first; fail
+                        // closed rather than panic if that ever changes.
+                        Err(_) => Err(StoreError::busy(
+                            resource,
+                            "left the queue without an answer",
+                            started.elapsed(),
+                            wait_max,
+                        )),
+                    };
                 }
                 _ = tokio::time::sleep_until(wake) => {
+                    self.pause(Pause::Woke);
                     let mut table = self.lock_table();
                     let Some(entry) = table.entries.get_mut(resource) else {
-                        unreachable!("an entry with a waiter is never removed");
+                        // Decided and removed since the select looked (swept as stale, say): the
+                        // answer is in the channel.
+                        continue;
                     };
                     if Instant::now() < deadline {
                         // The quarantine ended: whoever is first may go now.
                         grant_waiters(entry);
                         continue;
                     }
-                    let Some(at) = entry.queue.iter().position(|w| w.id == id) else {
+                    let Some(why) = give_up(&mut table, resource, id, want) else {
                         // Decided in the same instant; the answer is in the channel.
                         continue;
                     };
-                    entry.queue.remove(at);
-                    // This waiter may have been the one blocking those behind it.
-                    grant_waiters(entry);
-                    let why = if entry.quarantined_until.is_some_and(|q| q > Instant::now()) {
-                        "quarantined after a forward with an unknown outcome"
-                    } else {
-                        "a write of it with another token is being forwarded or waits ahead"
-                    };
-                    remove_if_idle(&mut table, resource);
                     waiting.decided = None;
                     return Err(StoreError::busy(resource, why, started.elapsed(), wait_max));
                 }
@@ -264,6 +307,26 @@ impl Slots {
             }
         }
     }
+
+    /// Runs the test hook set for `at`, if any: lets a test interleave others between two
+    /// critical sections of [`Slots::acquire`] deterministically.
+    #[cfg(test)]
+    fn pause(&self, at: Pause) {
+        let hook = {
+            let mut hooks = self.hooks.0.lock().unwrap();
+            hooks
+                .iter()
+                .position(|(p, _)| *p == at)
+                .map(|i| hooks.remove(i).1)
+        };
+        if let Some(hook) = hook {
+            hook();
+        }
+    }
+
+    #[cfg(not(test))]
+    #[inline(always)]
+    fn pause(&self, _at: Pause) {}
 
     fn guard(&self, resource: &str, want: Want, recorded: bool) -> SlotGuard {
         SlotGuard {
@@ -279,7 +342,7 @@ impl Slots {
         }
     }
 
-    fn lock_table(&self) -> std::sync::MutexGuard<'_, Table> {
+    fn lock_table(&self) -> MutexGuard<'_, Table> {
         self.table.lock().expect("slot table poisoned")
     }
 
@@ -365,6 +428,27 @@ fn remove_if_idle(table: &mut Table, resource: &str) {
     }
 }
 
+/// Takes waiter `id` out of the queue of `resource` when it gives up, and says what kept it
+/// waiting; `None` if it is no longer queued (it was decided: its answer is in its channel).
+fn give_up(table: &mut Table, resource: &str, id: u64, want: Want) -> Option<&'static str> {
+    let entry = table.entries.get_mut(resource)?;
+    let at = entry.queue.iter().position(|w| w.id == id)?;
+    entry.queue.remove(at);
+    // This waiter may have been the one blocking those behind it.
+    grant_waiters(entry);
+    let why = if entry.quarantined_until.is_some_and(|q| q > Instant::now()) {
+        QUARANTINED
+    } else {
+        match want {
+            // The Postgres store's writes are all exclusive: any other write of it.
+            Want::Exclusive => "another write of it is being forwarded",
+            Want::Shared(_) => "a write of it with another token is being forwarded or waits ahead",
+        }
+    };
+    remove_if_idle(table, resource);
+    Some(why)
+}
+
 /// A waiter in a queue; dropping it before it was decided takes it out of the queue, and gives
 /// back a grant that was counted for it while it went away.
 struct Waiting<'a> {
@@ -380,7 +464,7 @@ impl Drop for Waiting<'_> {
         let Some(mut decided) = self.decided.take() else {
             return;
         };
-        let mut table = self.slots.lock_table();
+        let mut table = lock_in_drop(&self.slots.table);
         let Some(entry) = table.entries.get_mut(self.resource) else {
             return;
         };
@@ -395,12 +479,19 @@ impl Drop for Waiting<'_> {
     }
 }
 
+/// Locks the table in a drop: a panic elsewhere must not turn a release into a second panic (an
+/// abort), so a poisoned lock is taken as it is.
+fn lock_in_drop(table: &Mutex<Table>) -> MutexGuard<'_, Table> {
+    table.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
 /// Takes one grant off the entry's count.
 fn release_one(entry: &mut Entry) {
-    let holders = entry
-        .holders
-        .as_mut()
-        .expect("a grant being released is counted in its entry");
+    // Counted whenever a grant exists; never panic here, it runs in drops under the lock.
+    let Some(holders) = entry.holders.as_mut() else {
+        debug_assert!(false, "a grant being released is not counted in its entry");
+        return;
+    };
     holders.count -= 1;
     if holders.count == 0 {
         entry.holders = None;
@@ -431,11 +522,11 @@ impl SlotGuard {
     /// writes with a lower token, waiting or to come, are refused without asking it again.
     pub fn note_recorded(&mut self, highest: FencingToken) {
         self.unsure = false;
-        let mut table = self.table.lock().expect("slot table poisoned");
-        let entry = table
-            .entries
-            .get_mut(&self.resource)
-            .expect("an entry with a grant is never removed");
+        let mut table = self.table.lock().unwrap_or_else(PoisonError::into_inner);
+        // An entry with a grant is never removed; if it were, knowing less is the safe side.
+        let Some(entry) = table.entries.get_mut(&self.resource) else {
+            return;
+        };
         if entry.recorded.is_none_or(|r| r < highest) {
             entry.recorded = Some(highest);
             grant_waiters(entry);
@@ -450,9 +541,10 @@ impl SlotGuard {
 
 impl Drop for SlotGuard {
     fn drop(&mut self) {
-        let mut table = self.table.lock().expect("slot table poisoned");
+        let mut table = lock_in_drop(&self.table);
+        // An entry with a grant is never removed; nothing to release if it were.
         let Some(entry) = table.entries.get_mut(&self.resource) else {
-            unreachable!("an entry with a grant is never removed");
+            return;
         };
         if self.unsure {
             entry.recorded = None;
@@ -543,13 +635,18 @@ mod tests {
         let a = granted(&slots, "r", 5, WAIT).await;
         let b = granted(&slots, "r", 5, WAIT).await;
         let short = Duration::from_millis(50);
-        for err in [
-            slots.share("r", t(6), short).await.unwrap_err(),
-            slots.share("r", t(4), short).await.unwrap_err(),
-            slots.lock("r", short).await.unwrap_err(),
+        for (err, why) in [
+            (slots.share("r", t(6), short).await, "another token"),
+            (slots.share("r", t(4), short).await, "another token"),
+            // The Postgres store's exclusive writes: no token to speak of (review L4).
+            (
+                slots.lock("r", short).await.map(Share::Granted),
+                "another write of it",
+            ),
         ] {
+            let err = err.unwrap_err();
             assert!(matches!(err, StoreError::Busy { .. }), "{err}");
-            assert!(err.to_string().contains("another token"), "{err}");
+            assert!(err.to_string().contains(why), "{err}");
         }
         let mut six = Box::pin(slots.share("r", t(6), WAIT));
         assert!(pending(&mut six).await);
@@ -731,6 +828,83 @@ mod tests {
         drop(six);
         drop(nine);
         assert!(slots.is_empty(), "a grant nobody took is still counted");
+    }
+
+    impl Slots {
+        /// Runs `hook` once when a waiter reaches `at`.
+        fn hook(&self, at: Pause, hook: impl FnOnce() + Send + 'static) {
+            self.hooks.0.lock().unwrap().push((at, Box::new(hook)));
+        }
+    }
+
+    /// A hook that tells the table the store holds `highest` (the raise of `guard`'s token was
+    /// refused with it), then drops the grant, as the redb store's admission does.
+    fn refused_and_dropped(guard: SlotGuard, highest: u64) -> impl FnOnce() + Send + 'static {
+        move || {
+            let mut guard = guard;
+            guard.note_recorded(t(highest));
+            drop(guard);
+        }
+    }
+
+    /// Goal (review H1): a waiter that is swept as stale, and whose entry is then removed,
+    /// between queueing and its next look at the table, gets its answer. It used to index the
+    /// missing entry under the table lock: a panic that poisoned the lock, then a second one in
+    /// the waiter's drop, which aborts the process.
+    #[tokio::test(start_paused = true)]
+    async fn a_waiter_decided_and_removed_right_after_queueing_gets_its_answer() {
+        let slots = Slots::new();
+        // The store holds 9; the table knows nothing. 8 is granted and goes to the store.
+        let mut eight = granted(&slots, "r", 8, WAIT).await;
+        eight.recording();
+        slots.hook(Pause::Queued, refused_and_dropped(eight, 9));
+        match slots.share("r", t(5), WAIT).await.unwrap() {
+            Share::Stale(h) => assert_eq!(h, t(9)),
+            Share::Granted(_) => panic!("5 granted although 9 is recorded"),
+        }
+        assert!(slots.is_empty());
+    }
+
+    /// Goal (review H1): the same when it happens after the waiter's sleep ended and before it
+    /// locks the table (it used to be `unreachable!` under the lock).
+    #[tokio::test(start_paused = true)]
+    async fn a_waiter_decided_and_removed_as_its_sleep_ends_gets_its_answer() {
+        let slots = Slots::new();
+        let mut eight = granted(&slots, "r", 8, WAIT).await;
+        eight.recording();
+        slots.hook(Pause::Woke, refused_and_dropped(eight, 9));
+        match slots.share("r", t(5), Duration::from_millis(100)).await {
+            Ok(Share::Stale(h)) => assert_eq!(h, t(9)),
+            other => panic!("{other:?}"),
+        }
+        assert!(slots.is_empty());
+    }
+
+    /// Goal (review L3): a waiter already queued when a quarantine longer than its bound starts
+    /// is refused at once, not when its bound has passed.
+    #[tokio::test(start_paused = true)]
+    async fn a_quarantine_outlasting_a_queued_waiter_refuses_it_at_once() {
+        let slots = Slots::new();
+        let mut five = granted(&slots, "r", 5, WAIT).await;
+        let t0 = Instant::now();
+        let seven = tokio::spawn({
+            let slots = slots.clone();
+            async move {
+                let got = slots.share("r", t(7), Duration::from_secs(2)).await;
+                (got.map(|_| ()), Instant::now())
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        five.quarantine(Duration::from_secs(5));
+        drop(five);
+        let (got, at) = seven.await.unwrap();
+        let err = got.unwrap_err();
+        assert!(err.to_string().contains("quarantined"), "{err}");
+        assert_eq!(
+            at - t0,
+            Duration::from_millis(500),
+            "refused only at its deadline"
+        );
     }
 
     /// Goal: the table stays bounded: entries whose quarantine ended with nobody around are
