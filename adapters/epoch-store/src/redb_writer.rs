@@ -1,15 +1,20 @@
 //! Group commit for the redb store: one thread owns the write transactions, and each durable
 //! commit takes every raise that queued while the previous commit was being made durable, as
-//! lockd's proposer batches Raft entries. A durable commit costs about 3 ms here whatever it
-//! holds, so one commit per admission capped the store near 350 new tokens a second.
+//! lockd's proposer batches Raft entries. A durable commit costs an fsync whatever it holds, so
+//! one commit per admission caps the store at the disk's fsync rate (docs/benchmarks.md has the
+//! figures measured for the HTTP front end).
 //!
 //! Every raise is answered only after the commit that holds it is durable (or, when its batch
 //! changed nothing, after the read that found its token recorded); a failed commit answers
-//! every raise of its batch with the error, so none of them is forwarded.
+//! every raise of its batch with the error, so none of them is forwarded. So does a panic in a
+//! commit: the thread goes on with the next batch, and if it ever stops all the same,
+//! [`RedbWriter::check`] says so (the store's readiness check).
 
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use lockd_fence::FencingToken;
 use redb::{Database, Durability, ReadableTable};
@@ -21,9 +26,23 @@ use crate::redb_store::EPOCHS;
 /// raise of a batch waits for the last.
 const BATCH_MAX: usize = 1024;
 
-/// Raises queued for the commit thread at most; past it an admission waits for room. The front
-/// end's `--max-in-flight` keeps the queue far below it in practice.
+/// Raises queued for the commit thread at most; past it an admission waits for room (within the
+/// store timeout). `--max-in-flight` does not bound the queue by itself: a write's task outlives
+/// a client that went away, so its raise stays queued; each admission gives up after the store
+/// timeout, though, and its raise is then answered into the void.
 const QUEUE_MAX: usize = 4096;
+
+/// Where the commit thread runs a test's hook.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Phase {
+    /// A batch was taken, outside the commit's panic catch: a panic here stops the thread.
+    Batch,
+    /// Inside the commit's panic catch, before the write transaction.
+    Commit,
+}
+
+/// A hook the commit thread runs at each [`Phase`] (tests only: to stall or break it).
+pub(crate) type Hook = Arc<dyn Fn(Phase) + Send + Sync>;
 
 /// What became of one raise: recorded (or found recorded at that token), or refused because
 /// this higher token is recorded.
@@ -48,14 +67,14 @@ pub(crate) struct RedbWriter {
 }
 
 impl RedbWriter {
-    /// Starts the commit thread on `db`.
-    pub(crate) fn start(db: Arc<Database>) -> std::io::Result<Self> {
+    /// Starts the commit thread on `db`; `hook` is for tests.
+    pub(crate) fn start(db: Arc<Database>, hook: Option<Hook>) -> std::io::Result<Self> {
         let (queue, raises) = mpsc::channel(QUEUE_MAX);
         let commits = Arc::new(AtomicU64::new(0));
         let counted = commits.clone();
         let thread = std::thread::Builder::new()
             .name("fence-epochs-commit".to_owned())
-            .spawn(move || run(&db, raises, &counted))?;
+            .spawn(move || run(&db, raises, &counted, hook.as_deref()))?;
         Ok(RedbWriter {
             queue: Some(queue),
             thread: Some(thread),
@@ -64,11 +83,14 @@ impl RedbWriter {
     }
 
     /// Records `token` for `resource` unless a higher token is recorded, durably, in the next
-    /// commit. The error is the text of the failure that stopped the batch (or the thread).
+    /// commit. The error is the text of the failure that stopped the batch (or the thread), or
+    /// says that no answer came within `within` (a stalled disk): the caller must then assume
+    /// the token may be recorded later, and forward nothing.
     pub(crate) async fn raise(
         &self,
         resource: &str,
         token: FencingToken,
+        within: Duration,
     ) -> Result<Raised, String> {
         let (reply, answer) = oneshot::channel();
         let queue = self.queue.as_ref().expect("set until drop");
@@ -77,12 +99,41 @@ impl RedbWriter {
             token,
             reply,
         };
-        if queue.send(raise).await.is_err() {
-            return Err("the commit thread has stopped".to_owned());
-        }
-        answer
+        let asked = async {
+            if queue.send(raise).await.is_err() {
+                return Err("the commit thread has stopped".to_owned());
+            }
+            answer
+                .await
+                .map_err(|_| "the commit thread stopped before answering".to_owned())?
+        };
+        tokio::time::timeout(within, asked)
             .await
-            .map_err(|_| "the commit thread stopped before answering".to_owned())?
+            .unwrap_or_else(|_| {
+                Err(format!(
+                    "no durable commit within {} ms",
+                    within.as_millis()
+                ))
+            })
+    }
+
+    /// Fails once the commit thread has stopped: every raise would fail from then on.
+    pub(crate) fn check(&self) -> Result<(), String> {
+        match &self.thread {
+            Some(thread) if !thread.is_finished() => Ok(()),
+            _ => Err(
+                "the commit thread has stopped (see the log for its panic); writes are \
+                      refused until the proxy is restarted"
+                    .to_owned(),
+            ),
+        }
+    }
+
+    /// Raises waiting for the commit thread, not counting the batch being committed.
+    #[cfg(test)]
+    pub(crate) fn queued(&self) -> usize {
+        let queue = self.queue.as_ref().expect("set until drop");
+        queue.max_capacity() - queue.capacity()
     }
 
     /// Durable commits made so far.
@@ -103,7 +154,12 @@ impl Drop for RedbWriter {
 
 /// The commit thread: waits for a raise, takes every other one queued by then, commits them in
 /// one transaction and answers each.
-fn run(db: &Database, mut raises: mpsc::Receiver<Raise>, commits: &AtomicU64) {
+fn run(
+    db: &Database,
+    mut raises: mpsc::Receiver<Raise>,
+    commits: &AtomicU64,
+    hook: Option<&(dyn Fn(Phase) + Send + Sync)>,
+) {
     while let Some(first) = raises.blocking_recv() {
         let mut batch = vec![first];
         while batch.len() < BATCH_MAX {
@@ -112,11 +168,30 @@ fn run(db: &Database, mut raises: mpsc::Receiver<Raise>, commits: &AtomicU64) {
                 Err(_) => break,
             }
         }
-        let decided = commit(
-            db,
-            batch.iter().map(|r| (r.resource.as_str(), r.token)),
-            commits,
-        );
+        if let Some(hook) = hook {
+            hook(Phase::Batch);
+        }
+        // A panic in one commit (a redb bug, say) fails its batch, not every later write: the
+        // write transaction it left is aborted by its drop while unwinding.
+        let decided = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            if let Some(hook) = hook {
+                hook(Phase::Commit);
+            }
+            commit(
+                db,
+                batch.iter().map(|r| (r.resource.as_str(), r.token)),
+                commits,
+            )
+            .map_err(|e| e.to_string())
+        }))
+        .unwrap_or_else(|panic| {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            Err(format!("the commit panicked: {what}"))
+        });
         match decided {
             Ok(results) => {
                 for (raise, result) in batch.into_iter().zip(results) {
@@ -126,7 +201,6 @@ fn run(db: &Database, mut raises: mpsc::Receiver<Raise>, commits: &AtomicU64) {
             }
             Err(e) => {
                 tracing::warn!(raises = batch.len(), error = %e, "epoch store commit failed");
-                let e = e.to_string();
                 for raise in batch {
                     let _ = raise.reply.send(Err(e.clone()));
                 }
@@ -181,9 +255,11 @@ mod tests {
 
     /// Goal: one batch answers each raise by itself, in order: a raise, a stale one beside it,
     /// a lower token after a higher one of the same resource in the same batch, an equal one;
-    /// and all of it is on disk after reopening.
+    /// and all of it is committed: read back after reopening the file. (In this process: this
+    /// shows what was committed, not that it survives a crash; that is the `Immediate`
+    /// durability set in `commit`.)
     #[test]
-    fn a_batch_answers_each_raise_and_is_durable() {
+    fn a_batch_answers_each_raise_and_is_committed() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("e.redb");
         let commits = AtomicU64::new(0);
