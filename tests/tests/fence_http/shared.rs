@@ -100,12 +100,21 @@ async fn same_token_writes_of_one_holder_overlap_at_the_upstream() {
     );
 }
 
+/// How long the upstream takes to apply each write of 5 in the ordering test, in ms.
+const IN_FLIGHT_MS: &str = "1200";
+/// When 7 is sent, and when the late lower tokens are, in ms from the start. The gap is how
+/// long 7 has to reach the proxy's grant table before them: on loopback a few ms; 500 ms so
+/// that a loaded machine does not reorder them.
+const HIGHER_AT_MS: u64 = 100;
+const LATE_AT_MS: u64 = 600;
+
 /// Goal: a higher token waits for every write of a lower token in flight, and no lower token is
 /// forwarded once it has arrived, even one equal to the tokens still in flight.
-/// Method: four writes with token 5 that take the upstream 600 ms each; 150 ms later a write with
-/// token 7; 150 ms after that, while 7 waits, writes with tokens 5, 6 and 4. Token 7 is applied
-/// after every write of 5 was applied; the late 5, 6 and 4 are refused as stale (or, had one
-/// overtaken 7 at the proxy, applied before 7 arrived: the order check below covers both).
+/// Method: four writes with token 5 that take the upstream 1.2 s each; at 100 ms a write with
+/// token 7; at 600 ms, while 7 still waits for the 5s, writes with tokens 5, 6 and 4. Token 7 is
+/// applied after every write of 5 was applied; exactly the four 5s in flight are applied; the
+/// late 5 and 6 are refused with 412 naming 7 (they queued behind 7 and were swept when 7 was
+/// recorded) and the late 4 with 412 naming 5 or 7.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn higher_token_waits_for_lower_ones_in_flight_and_lower_ones_arriving_then_are_refused() {
     let dir = tempfile::tempdir().unwrap();
@@ -113,10 +122,11 @@ async fn higher_token_waits_for_lower_ones_in_flight_and_lower_ones_arriving_the
     let proxy = FenceProxy::start(&upstream.url(), &redb_store(&dir), &[])
         .await
         .unwrap();
-    let put = |token: &'static str, delay_ms: &'static str, after_ms: u64| {
+    let started = Instant::now();
+    let put = |token: &'static str, delay_ms: &'static str, at_ms: u64| {
         let proxy = &proxy;
         async move {
-            tokio::time::sleep(Duration::from_millis(after_ms)).await;
+            tokio::time::sleep_until((started + Duration::from_millis(at_ms)).into()).await;
             let headers = [(DELAY_HEADER, delay_ms)];
             proxy
                 .write(
@@ -130,9 +140,13 @@ async fn higher_token_waits_for_lower_ones_in_flight_and_lower_ones_arriving_the
                 .unwrap()
         }
     };
-    let in_flight = futures::future::join_all((0..4).map(|_| put("5", "600", 0)));
-    let higher = put("7", "0", 150);
-    let late = futures::future::join3(put("5", "0", 300), put("6", "0", 300), put("4", "0", 300));
+    let in_flight = futures::future::join_all((0..4).map(|_| put("5", IN_FLIGHT_MS, 0)));
+    let higher = put("7", "0", HIGHER_AT_MS);
+    let late = futures::future::join3(
+        put("5", "0", LATE_AT_MS),
+        put("6", "0", LATE_AT_MS),
+        put("4", "0", LATE_AT_MS),
+    );
     let (in_flight, higher, (late5, late6, late4)) =
         futures::future::join3(in_flight, higher, late).await;
 
@@ -143,26 +157,34 @@ async fn higher_token_waits_for_lower_ones_in_flight_and_lower_ones_arriving_the
     let writes = upstream.writes();
     assert_token_order(&writes);
     let at_7 = writes.iter().find(|w| w.token() == Some(7)).unwrap();
-    let fives = writes.iter().filter(|w| w.token() == Some(5)).count();
+    // The late ones were sent while the 5s were still at the upstream: a sanity check that the
+    // schedule above held (else the test proves nothing about writes arriving while 7 waits).
     assert!(
-        (4..=5).contains(&fives),
-        "the four writes of 5 in flight are applied: {writes:#?}"
+        at_7.received >= started + Duration::from_millis(LATE_AT_MS),
+        "7 was forwarded before the late writes were sent: {writes:#?}"
     );
-    for w in writes.iter().filter(|w| w.token() == Some(5)) {
+    let fives: Vec<_> = writes.iter().filter(|w| w.token() == Some(5)).collect();
+    assert_eq!(
+        fives.len(),
+        4,
+        "only the four writes of 5 in flight are applied: {writes:#?}"
+    );
+    for w in &fives {
         assert!(w.at <= at_7.received, "{writes:#?}");
     }
+    assert!(
+        writes.iter().all(|w| matches!(w.token(), Some(5 | 7))),
+        "a late lower token was forwarded: {writes:#?}"
+    );
     // 4 is below the 5 already recorded, so it may be refused at once, naming 5.
     for (late, token, highest) in [(&late5, 5, 7..=7), (&late6, 6, 7..=7), (&late4, 4, 5..=7)] {
-        match late.status {
-            412 => assert!(
-                late.json()["highest"]
-                    .as_u64()
-                    .is_some_and(|h| highest.contains(&h)),
-                "{late:?}"
-            ),
-            200 => eprintln!("late {token} overtook 7 at the proxy; the order check covered it"),
-            _ => panic!("late {token}: {late:?}"),
-        }
+        assert_eq!(late.status, 412, "late {token}: {late:?}");
+        assert!(
+            late.json()["highest"]
+                .as_u64()
+                .is_some_and(|h| highest.contains(&h)),
+            "late {token}: {late:?}"
+        );
     }
     // The proxy stays usable for the holder of 7.
     assert_eq!(put("7", "0", 0).await.status, 200);
