@@ -907,6 +907,23 @@ mod tests {
         );
     }
 
+    /// Goal (documented in docs/fence-proxy.md): a token below one the table knows recorded is
+    /// refused as stale at once, also while the resource is quarantined (not 503 busy).
+    #[tokio::test(start_paused = true)]
+    async fn a_known_stale_token_is_refused_at_once_during_a_quarantine() {
+        let slots = Slots::new();
+        let mut seven = granted(&slots, "r", 7, WAIT).await;
+        seven.note_recorded(t(7));
+        seven.quarantine(Duration::from_secs(5));
+        drop(seven);
+        let t0 = Instant::now();
+        match slots.share("r", t(5), Duration::from_secs(1)).await {
+            Ok(Share::Stale(h)) => assert_eq!(h, t(7)),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(t0.elapsed(), Duration::ZERO);
+    }
+
     /// Goal: the table stays bounded: entries whose quarantine ended with nobody around are
     /// swept once the table passes its bound.
     #[tokio::test(start_paused = true)]
