@@ -42,10 +42,14 @@ enum Pause {
     Woke,
 }
 
+/// A test hook, run once.
+#[cfg(test)]
+type Hook = Box<dyn FnOnce() + Send>;
+
 /// Test hooks, each run once at its pause point.
 #[cfg(test)]
 #[derive(Clone, Default)]
-struct Hooks(Arc<Mutex<Vec<(Pause, Box<dyn FnOnce() + Send>)>>>);
+struct Hooks(Arc<Mutex<Vec<(Pause, Hook)>>>);
 
 #[cfg(test)]
 impl std::fmt::Debug for Hooks {
