@@ -1,9 +1,11 @@
 //! An epoch store of your own, plugged into fence-proxy's HTTP front end.
 //!
 //! The store here keeps tokens in memory (so it forgets them on restart: a real one must record
-//! them durably before `admit` returns). It reuses `Slots`, the per-resource mutex with quarantine
-//! that the bundled stores use, so that it keeps the ordering guarantee: one forward per resource
-//! at a time, and a quarantine after a forward whose outcome is unknown.
+//! them durably before `admit` returns). It reuses `Slots`, the per-resource grant table with
+//! quarantine that the bundled stores use, so that it keeps the ordering guarantee. It takes the
+//! simplest grant, `Slots::lock`, which is exclusive: one forward per resource at a time, and a
+//! quarantine after a forward whose outcome is unknown. (The redb store takes `Slots::share`
+//! instead, so that writes carrying the same token are forwarded side by side.)
 //!
 //! The program starts a tiny upstream, serves the proxy with this store, sends three writes and
 //! prints what happened to each. Run it with
@@ -44,7 +46,8 @@ impl EpochStore for MemoryStore {
         token: FencingToken,
     ) -> BoxFuture<'a, Result<Admission, StoreError>> {
         Box::pin(async move {
-            // 1. Exclusive use of the resource for the whole forward.
+            // 1. Exclusive use of the resource for the whole forward (`Slots::lock`; the redb
+            //    store shares it among writes of one token with `Slots::share`).
             let guard = self.slots.lock(resource, LOCK_WAIT).await?;
             // 2. Check and record (a durable store commits here, before returning).
             // Poisoned only if a holder panicked; holders only look up and insert.

@@ -31,6 +31,8 @@ pub struct Applied {
     pub path: String,
     pub headers: hyper::HeaderMap,
     pub body: Bytes,
+    /// When its head arrived, on this process's monotonic clock.
+    pub received: Instant,
     /// When it was applied, on this process's monotonic clock.
     pub at: Instant,
 }
@@ -124,6 +126,7 @@ async fn apply(
     req: Request<Incoming>,
     log: Arc<Mutex<Vec<Applied>>>,
 ) -> Result<Response<Full<Bytes>>, Infallible> {
+    let received = Instant::now();
     let (parts, body) = req.into_parts();
     let body = match body.collect().await {
         Ok(b) => b.to_bytes(),
@@ -156,6 +159,7 @@ async fn apply(
                     .map_or("/".into(), |p| p.to_string()),
                 headers: parts.headers.clone(),
                 body,
+                received,
                 at: Instant::now(),
             });
             log.len() - 1

@@ -8,12 +8,15 @@
 //! # Ordering guarantee
 //!
 //! `INV-FENCE-ORDER`: once a write with token `t` was accepted for a resource, no write with a
-//! token lower than `t` for that resource reaches the upstream afterwards. A store gets there by
-//! three rules:
+//! token lower than `t` for that resource reaches the upstream afterwards, and the writes of lower
+//! tokens forwarded before it have ended before `t`'s is forwarded. A store gets there by three
+//! rules:
 //!
-//! 1. One forward per resource at a time: [`EpochStore::admit`] returns a [`Permit`] that excludes
-//!    every other write of the same resource (in-process mutex; in Postgres also a session advisory
-//!    lock, so across replicas) until the front end releases it after the upstream answered.
+//! 1. One token per resource at a time: [`EpochStore::admit`] returns a [`Permit`] that excludes
+//!    every write of the same resource with another token until the front end releases it after
+//!    the exchange ended. Writes of the same token may share the resource (the redb store lets
+//!    them, through [`Slots::share`]); the Postgres store forwards one write at a time (an
+//!    in-process grant and a session advisory lock, so across replicas).
 //! 2. The new highest token is durable before the forward starts, so a crash never lowers it.
 //! 3. A forward whose outcome is unknown (timeout, connection lost after sending) may still be
 //!    applied later: the resource stays closed for a quarantine period after it. The Postgres store
@@ -26,8 +29,10 @@
 //! # Layout
 //! - [`store`]: the [`EpochStore`] trait, [`Admission`], [`Permit`], [`ForwardOutcome`], [`Timing`].
 //! - [`mod@error`]: [`StoreError`], one variant per way a store can fail to decide.
-//! - [`slots`]: the in-process per-resource lock table with quarantine, shared by the stores.
+//! - [`slots`]: the in-process per-resource grant table (shared by one token, or exclusive) with
+//!   quarantine, shared by the stores.
 //! - [`redb_store`]: [`RedbStore`], the embedded default.
+//! - [`redb_writer`]: the redb store's commit thread (group commit of admissions).
 //! - [`postgres_store`]: [`PostgresStore`], shared by many proxy replicas.
 //! - [`spec`]: [`StoreSpec`], parsing `redb:PATH` / `postgres://...` and opening the store.
 //! - [`highest`]: [`EpochsMax`], the highest token of a store over all resources (the floor of a
@@ -37,6 +42,7 @@ pub mod error;
 pub mod highest;
 pub mod postgres_store;
 pub mod redb_store;
+pub mod redb_writer;
 pub mod slots;
 pub mod spec;
 pub mod store;
@@ -46,6 +52,6 @@ pub use highest::EpochsMax;
 pub use lockd_fence::FencingToken;
 pub use postgres_store::PostgresStore;
 pub use redb_store::RedbStore;
-pub use slots::{SlotGuard, Slots};
+pub use slots::{Share, SlotGuard, Slots};
 pub use spec::{StoreOptions, StoreSpec};
 pub use store::{Admission, EpochStore, ForwardOutcome, Permit, PermitRelease, Timing};

@@ -5,8 +5,10 @@ use std::sync::Arc;
 
 use futures::future::BoxFuture;
 use lockd_fence::FencingToken;
-use redb::{Database, Durability, ReadableDatabase, ReadableTable, TableDefinition};
+use redb::{Database, ReadableDatabase, TableDefinition};
 
+use crate::redb_writer::{Hook, RedbWriter};
+use crate::slots::Share;
 use crate::{Admission, EpochStore, ForwardOutcome, Permit, PermitRelease, SlotGuard, Slots};
 use crate::{StoreError, Timing};
 
@@ -15,13 +17,18 @@ pub(crate) const EPOCHS: TableDefinition<&str, u64> = TableDefinition::new("fenc
 
 /// Epoch store in an embedded redb file.
 ///
-/// Writes of one resource are serialised by an in-process mutex held for the whole forward; the
-/// token is committed durably (fsync) before the forward starts. A redb file is opened by one
-/// process at a time, so this store serves exactly one proxy; use [`crate::PostgresStore`] for
-/// several replicas.
+/// Writes of one resource hold an in-process grant for the whole forward ([`Slots::share`]):
+/// writes of the same token share it, a write of another token waits until all of them have
+/// ended. The token is committed durably (fsync) before the forward starts; admissions that
+/// raise tokens at the same time share one commit (group commit, [`crate::redb_writer`]). A
+/// redb file is opened by one process at a time, so this store serves exactly one proxy; use
+/// [`crate::PostgresStore`] for several replicas.
 pub struct RedbStore {
-    /// The open database; `Arc` because commits run on the blocking thread pool.
+    /// The open database; `Arc` because reads run on the blocking thread pool and writes on the
+    /// commit thread.
     db: Arc<Database>,
+    /// The commit thread, which records raised tokens in batches.
+    writer: RedbWriter,
     /// Where the file lives, for error messages.
     path: PathBuf,
     /// Per-resource exclusion and quarantine.
@@ -32,22 +39,44 @@ pub struct RedbStore {
 impl RedbStore {
     /// Opens or creates the file at `path` (its directory must exist).
     pub fn open(path: impl AsRef<Path>, timing: Timing) -> Result<Self, StoreError> {
+        Self::open_hooked(path, timing, None)
+    }
+
+    /// [`RedbStore::open`], with a hook run by the commit thread (tests).
+    fn open_hooked(
+        path: impl AsRef<Path>,
+        timing: Timing,
+        hook: Option<Hook>,
+    ) -> Result<Self, StoreError> {
         let path = path.as_ref().to_owned();
         let db = Database::create(&path).map_err(|e| StoreError::Unavailable {
             store: format!("redb:{}", path.display()),
             detail: format!("opening: {e}"),
         })?;
-        let store = RedbStore {
-            db: Arc::new(db),
+        let unavailable = |e: &dyn std::fmt::Display| StoreError::Unavailable {
+            store: format!("redb:{}", path.display()),
+            detail: e.to_string(),
+        };
+        // Create the table now, so that a read before the first write finds it.
+        let txn = db.begin_write().map_err(|e| unavailable(&e))?;
+        txn.open_table(EPOCHS).map_err(|e| unavailable(&e))?;
+        txn.commit().map_err(|e| unavailable(&e))?;
+        let db = Arc::new(db);
+        let writer = RedbWriter::start(db.clone(), hook)
+            .map_err(|e| unavailable(&format!("starting the commit thread: {e}")))?;
+        Ok(RedbStore {
+            db,
+            writer,
             path,
             slots: Slots::new(),
             timing,
-        };
-        // Create the table now, so that a read before the first write finds it.
-        let txn = store.db.begin_write().map_err(|e| store.unavailable(e))?;
-        txn.open_table(EPOCHS).map_err(|e| store.unavailable(e))?;
-        txn.commit().map_err(|e| store.unavailable(e))?;
-        Ok(store)
+        })
+    }
+
+    /// Durable commits made since the store was opened: fewer than the admissions that raised a
+    /// token when they were grouped.
+    pub fn commits(&self) -> u64 {
+        self.writer.commits()
     }
 
     /// The highest token recorded for `resource`, if any.
@@ -78,62 +107,45 @@ impl RedbStore {
         resource: &str,
         token: FencingToken,
     ) -> Result<Admission, StoreError> {
-        let guard = self.slots.lock(resource, self.timing.lock_wait).await?;
-        let db = self.db.clone();
-        let key = resource.to_owned();
-        let decided = tokio::task::spawn_blocking(move || check_and_record(&db, &key, token))
-            .await
-            .map_err(|e| self.unavailable(e))?
-            .map_err(|e| self.unavailable(e))?;
-        Ok(match decided {
-            Ok(()) => Admission::Accepted(Permit::new(
+        let mut guard = match self
+            .slots
+            .share(resource, token, self.timing.lock_wait)
+            .await?
+        {
+            Share::Granted(guard) => guard,
+            Share::Stale(highest) => return Ok(Admission::Stale { highest }),
+        };
+        let permit = |guard| {
+            Admission::Accepted(Permit::new(
                 resource,
                 token,
                 RedbPermit {
                     guard,
                     quarantine: self.timing.quarantine,
                 },
-            )),
-            Err(highest) => Admission::Stale { highest },
+            ))
+        };
+        // Another write of this token recorded it while the resource was in use: it is durable.
+        if guard.recorded() {
+            return Ok(permit(guard));
+        }
+        guard.recording();
+        let decided = self
+            .writer
+            .raise(resource, token, self.timing.store_timeout)
+            .await
+            .map_err(|e| self.unavailable(e))?;
+        Ok(match decided {
+            Ok(()) => {
+                guard.note_recorded(token);
+                permit(guard)
+            }
+            Err(highest) => {
+                guard.note_recorded(highest);
+                Admission::Stale { highest }
+            }
         })
     }
-}
-
-/// Records `token` for `resource` unless a higher one is recorded; the inner `Err` carries that
-/// higher token. Runs on a blocking thread: a durable redb commit waits for fsync.
-fn check_and_record(
-    db: &Database,
-    resource: &str,
-    token: FencingToken,
-) -> Result<Result<(), FencingToken>, redb::Error> {
-    // An equal token is the common case of a holder writing again: answer it from a read
-    // transaction without paying for a commit.
-    {
-        let txn = db.begin_read()?;
-        let table = txn.open_table(EPOCHS)?;
-        if let Some(current) = table.get(resource)?.map(|v| v.value()) {
-            if current > token.0 {
-                return Ok(Err(FencingToken(current)));
-            }
-            if current == token.0 {
-                return Ok(Ok(()));
-            }
-        }
-    }
-    let mut txn = db.begin_write()?;
-    // Immediate is redb's default; it is set here anyway because a recorded token that a crash
-    // could lower would let an older write through after a newer one was forwarded.
-    txn.set_durability(Durability::Immediate)?;
-    {
-        let mut table = txn.open_table(EPOCHS)?;
-        let current = table.get(resource)?.map(|v| v.value());
-        if let Some(current) = current.filter(|c| *c > token.0) {
-            return Ok(Err(FencingToken(current)));
-        }
-        table.insert(resource, token.0)?;
-    }
-    txn.commit()?;
-    Ok(Ok(()))
 }
 
 /// The release half of a redb permit: the in-process guard.
@@ -168,11 +180,13 @@ impl EpochStore for RedbStore {
         "redb"
     }
 
-    /// Opens a read transaction on the table (on the blocking pool, as every file access here):
-    /// it fails when the file can no longer be read.
+    /// Fails when the commit thread has stopped (no write could be admitted), then opens a
+    /// read transaction on the table (on the blocking pool, as every file access here): it
+    /// fails when the file can no longer be read.
     fn check(&self) -> BoxFuture<'_, Result<(), StoreError>> {
         let db = self.db.clone();
         Box::pin(async move {
+            self.writer.check().map_err(|e| self.unavailable(e))?;
             let read = tokio::task::spawn_blocking(move || -> Result<(), redb::Error> {
                 db.begin_read()?.open_table(EPOCHS)?;
                 Ok(())
@@ -190,6 +204,8 @@ impl EpochStore for RedbStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::redb_writer::Phase;
+    use std::sync::atomic::Ordering;
     use std::time::Duration;
 
     fn timing() -> Timing {
@@ -232,6 +248,212 @@ mod tests {
         let store = RedbStore::open(&path, timing()).unwrap();
         assert_eq!(store.highest("a").await.unwrap(), Some(FencingToken(7)));
         assert_eq!(store.highest("b").await.unwrap(), None);
+    }
+
+    /// A hook that stalls the commit thread in its `nth` commit (0 = the first) until told to
+    /// go on; `entered` says that it is stalled.
+    struct Stall {
+        hook: Hook,
+        entered: std::sync::mpsc::Receiver<()>,
+        go: std::sync::mpsc::Sender<()>,
+    }
+
+    fn stall_commit(nth: usize) -> Stall {
+        let (entered_tx, entered) = std::sync::mpsc::channel();
+        let (go, go_rx) = std::sync::mpsc::channel::<()>();
+        let seen = std::sync::atomic::AtomicUsize::new(0);
+        let stall = std::sync::Mutex::new(Some((entered_tx, go_rx)));
+        let hook: Hook = Arc::new(move |phase| {
+            if phase != Phase::Commit || seen.fetch_add(1, Ordering::SeqCst) != nth {
+                return;
+            }
+            if let Some((entered, go)) = stall.lock().unwrap().take() {
+                entered.send(()).unwrap();
+                // Bounded, so that a failing test cannot hang the store's drop (it joins).
+                let _ = go.recv_timeout(Duration::from_secs(30));
+            }
+        });
+        Stall { hook, entered, go }
+    }
+
+    /// Goal (issue 17, group commit): admissions that raise tokens of distinct resources while
+    /// a commit is being made share the next one, each gets its own answer (a stale one among
+    /// them is refused with the highest token), and every accepted token is read back after
+    /// reopening. The commit thread is held in a commit until all of them have queued, so the
+    /// count does not depend on how fast the disk syncs.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_raises_share_commits() {
+        const RESOURCES: u64 = 64;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("e.redb");
+        {
+            // Commit 0 records "old"; commit 1 ("busy") is held while the others queue.
+            let stall = stall_commit(1);
+            let store =
+                Arc::new(RedbStore::open_hooked(&path, timing(), Some(stall.hook)).unwrap());
+            accepted(&store, "old", 10)
+                .await
+                .release(ForwardOutcome::Answered)
+                .await
+                .unwrap();
+            let before = store.commits();
+            let busy = tokio::spawn({
+                let store = store.clone();
+                async move {
+                    accepted(&store, "busy", 1)
+                        .await
+                        .release(ForwardOutcome::Answered)
+                        .await
+                }
+            });
+            let entered = stall.entered;
+            tokio::task::spawn_blocking(move || entered.recv().unwrap())
+                .await
+                .unwrap();
+            let mut tasks = tokio::task::JoinSet::new();
+            for i in 0..RESOURCES {
+                let store = store.clone();
+                tasks.spawn(async move {
+                    let (resource, token) = if i == RESOURCES / 2 {
+                        ("old".to_owned(), 5)
+                    } else {
+                        (format!("r{i}"), i + 1)
+                    };
+                    let admission = store.admit(&resource, FencingToken(token)).await.unwrap();
+                    let answer = match admission {
+                        Admission::Accepted(p) => {
+                            p.release(ForwardOutcome::Answered).await.unwrap();
+                            None
+                        }
+                        Admission::Stale { highest } => Some(highest),
+                    };
+                    (resource, token, answer)
+                });
+            }
+            let t0 = std::time::Instant::now();
+            while store.writer.queued() < RESOURCES as usize {
+                assert!(
+                    t0.elapsed() < Duration::from_secs(10),
+                    "{} of {RESOURCES} raises queued",
+                    store.writer.queued()
+                );
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            stall.go.send(()).unwrap();
+            busy.await.unwrap().unwrap();
+            while let Some(done) = tasks.join_next().await {
+                let (resource, token, answer) = done.unwrap();
+                let expected = (resource == "old").then_some(FencingToken(10));
+                assert_eq!(answer, expected, "{resource}:{token}");
+            }
+            // "busy", then one commit for all the queued raises.
+            assert_eq!(store.commits() - before, 2);
+        }
+        let store = RedbStore::open(&path, timing()).unwrap();
+        assert_eq!(store.highest("old").await.unwrap(), Some(FencingToken(10)));
+        for i in (0..RESOURCES).filter(|i| *i != RESOURCES / 2) {
+            assert_eq!(
+                store.highest(&format!("r{i}")).await.unwrap(),
+                Some(FencingToken(i + 1)),
+                "r{i}"
+            );
+        }
+    }
+
+    /// Goal (review L1): a commit that does not come back (a stalled disk) fails the admission
+    /// within the store timeout instead of holding it, and its grant, for as long as the disk
+    /// stalls; the table forgets what it knew, since the token may be recorded later.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stalled_commit_fails_the_admission_within_the_store_timeout() {
+        let dir = tempfile::tempdir().unwrap();
+        let stall = stall_commit(0);
+        let timing = Timing {
+            store_timeout: Duration::from_millis(200),
+            ..timing()
+        };
+        let store =
+            RedbStore::open_hooked(dir.path().join("e.redb"), timing, Some(stall.hook)).unwrap();
+        let t0 = std::time::Instant::now();
+        let admitted =
+            tokio::time::timeout(Duration::from_secs(5), store.admit("a", FencingToken(5)))
+                .await
+                .expect("the admission waited for the stalled commit");
+        let err = admitted.unwrap_err();
+        assert!(matches!(err, StoreError::Unavailable { .. }), "{err}");
+        assert!(
+            err.to_string().contains("no durable commit within 200 ms"),
+            "{err}"
+        );
+        assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+        assert!(
+            store.slots.is_empty(),
+            "the grant outlived its failed admission"
+        );
+        // The disk comes back: the late commit recorded 5, which the store now enforces.
+        stall.go.send(()).unwrap();
+        accepted(&store, "a", 5)
+            .await
+            .release(ForwardOutcome::Answered)
+            .await
+            .unwrap();
+        match store.admit("a", FencingToken(4)).await.unwrap() {
+            Admission::Stale { highest } => assert_eq!(highest, FencingToken(5)),
+            Admission::Accepted(p) => panic!("4 accepted after 5: {p:?}"),
+        }
+    }
+
+    /// Goal (review M1): a panic in one commit fails that batch's admissions only; the commit
+    /// thread goes on, later writes are admitted and the readiness check stays green.
+    #[tokio::test]
+    async fn a_panicking_commit_fails_its_batch_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let once = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let hook: Hook = Arc::new(move |phase| {
+            if phase == Phase::Commit && once.swap(false, Ordering::SeqCst) {
+                panic!("injected commit failure");
+            }
+        });
+        let store =
+            RedbStore::open_hooked(dir.path().join("e.redb"), timing(), Some(hook)).unwrap();
+        let err = store.admit("a", FencingToken(5)).await.unwrap_err();
+        assert!(err.to_string().contains("injected commit failure"), "{err}");
+        accepted(&store, "a", 5)
+            .await
+            .release(ForwardOutcome::Answered)
+            .await
+            .unwrap();
+        store.check().await.unwrap();
+    }
+
+    /// Goal (review M1): once the commit thread has stopped, every write fails, and the
+    /// readiness check says so instead of staying green.
+    #[tokio::test]
+    async fn check_fails_once_the_commit_thread_has_stopped() {
+        let dir = tempfile::tempdir().unwrap();
+        let hook: Hook = Arc::new(|phase| {
+            if phase == Phase::Batch {
+                panic!("injected: the commit thread dies");
+            }
+        });
+        let store =
+            RedbStore::open_hooked(dir.path().join("e.redb"), timing(), Some(hook)).unwrap();
+        let err = store.admit("a", FencingToken(5)).await.unwrap_err();
+        assert!(matches!(err, StoreError::Unavailable { .. }), "{err}");
+        // The thread is finishing its unwinding; give it a moment to be reported finished.
+        let t0 = std::time::Instant::now();
+        let err = loop {
+            match store.check().await {
+                Err(e) => break e,
+                Ok(()) if t0.elapsed() < Duration::from_secs(5) => {
+                    tokio::time::sleep(Duration::from_millis(10)).await
+                }
+                Ok(()) => panic!("check green with the commit thread gone"),
+            }
+        };
+        assert!(
+            err.to_string().contains("commit thread has stopped"),
+            "{err}"
+        );
     }
 
     #[tokio::test]

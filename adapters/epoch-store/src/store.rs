@@ -7,22 +7,25 @@ use lockd_fence::FencingToken;
 
 use crate::StoreError;
 
-/// Checks and records fencing tokens per resource, and serialises the forwards of one resource.
+/// Checks and records fencing tokens per resource, and keeps the forwards of one resource in
+/// token order.
 ///
 /// Implementations must uphold, for each resource:
 /// - a token lower than the highest recorded is answered [`Admission::Stale`] with that highest;
 /// - a token greater than or equal to it is recorded durably *before* `admit` returns
 ///   [`Admission::Accepted`];
-/// - while a [`Permit`] of a resource is alive, no other `admit` of that resource returns
-///   `Accepted` (in any process sharing the store);
+/// - while a [`Permit`] of a resource is alive, no other `admit` of that resource with another
+///   token returns `Accepted` (in any process sharing the store); writes of the same token may
+///   be admitted side by side (they are one holder's), or one at a time;
 /// - after a permit is released with [`ForwardOutcome::Unknown`], no `admit` of that resource
 ///   returns `Accepted` before [`Timing::quarantine`] has passed.
 ///
 /// The trait is object safe so that a front end can pick the store at run time
 /// (`Arc<dyn EpochStore>`); see `examples/examples/custom_epoch_store.rs` for a store of one's own.
 pub trait EpochStore: Send + Sync + 'static {
-    /// Waits (at most [`Timing::lock_wait`]) for exclusive use of `resource`, then checks `token`
-    /// against the highest accepted token and records it if it is not lower.
+    /// Waits (at most [`Timing::lock_wait`]) until `resource` may be written with `token` (no
+    /// write of another token in flight), then checks `token` against the highest accepted
+    /// token and records it if it is not lower.
     fn admit<'a>(
         &'a self,
         resource: &'a str,
@@ -69,8 +72,8 @@ pub enum ForwardOutcome {
 /// Time bounds shared by the stores.
 #[derive(Clone, Copy, Debug)]
 pub struct Timing {
-    /// Longest a write waits for the forward of another write of the same resource (or its
-    /// quarantine) before it is refused as busy.
+    /// Longest a write waits for the forwards of writes of the same resource with another token
+    /// (or its quarantine) before it is refused as busy.
     pub lock_wait: Duration,
     /// Longest the front end waits for the upstream's answer. A shared store marks a record "in
     /// flight" for this long plus `quarantine`, so that a replica that dies mid-forward is waited
@@ -103,7 +106,8 @@ pub trait PermitRelease: Send + 'static {
     ) -> BoxFuture<'static, Result<(), StoreError>>;
 }
 
-/// Exclusive use of one resource, at one accepted token, for the duration of one forward.
+/// Use of one resource, at one accepted token, for the duration of one forward: no write of
+/// another token of the resource is forwarded while it is alive.
 ///
 /// Release it with [`Permit::release`] once the outcome of the forward is known. A permit that is
 /// dropped without being released is released as [`ForwardOutcome::Unknown`] on the current Tokio

@@ -61,8 +61,8 @@ pub struct Args {
           default_value = "30s", value_parser = lockd_service_kit::durations::parse_timing)]
     pub upstream_timeout: Duration,
 
-    /// How long a write waits for the forward of another write of the same resource; past it:
-    /// 503 resource-busy.
+    /// How long a write waits for the forwards of writes of the same resource with another token
+    /// (with the Postgres store: of any other write of it); past it: 503 resource-busy.
     #[arg(long, env = "FENCE_PROXY_LOCK_WAIT", value_name = "DURATION",
           default_value = "10s", value_parser = lockd_service_kit::durations::parse_timing)]
     pub lock_wait: Duration,

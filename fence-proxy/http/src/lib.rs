@@ -3,7 +3,7 @@
 //! writes of one resource in token order at the upstream.
 //!
 //! It does not speak HTTP upgrades (WebSocket) or decide anything about tokens itself: the epoch
-//! store (`fence-epoch-store`) decides and serialises.
+//! store (`fence-epoch-store`) decides, and orders the writes of one resource by token.
 //!
 //! # Layout
 //! - [`args`]: [`Args`], the command-line flags of `fence-proxy http`.

@@ -59,7 +59,8 @@ pub struct ProxyConfig {
 /// The proxy's state, shared by all connections.
 pub struct Proxy {
     config: ProxyConfig,
-    /// Decides and serialises writes; `dyn` so the store is chosen at run time.
+    /// Decides writes and orders them by token per resource; `dyn` so the store is chosen at run
+    /// time.
     store: Arc<dyn EpochStore>,
     /// Connection pool to the upstream. Request bodies are wrapped so that a write's permit is
     /// held until its body has been sent completely.

@@ -11,6 +11,7 @@
 //! - `slow_clients`: trickling bodies, stalled and disconnected writers, slow headers and the
 //!   connection cap.
 //! - `readiness`: `/readyz` follows the epoch store and the upstream.
+//! - `shared`: writes of one token share their resource; a higher token waits for them.
 //! - `epochs`: `fence-proxy epochs max` over a redb store (also a killed proxy's), a Postgres
 //!   store and a fence table.
 
@@ -23,6 +24,7 @@ mod checks;
 mod epochs;
 mod faults;
 mod readiness;
+mod shared;
 mod slow_clients;
 
 use lockd_tests::fence_proxy::{FenceProxy, Reply};
