@@ -8,7 +8,7 @@
 //! changed nothing, after the read that found its token recorded); a failed commit answers
 //! every raise of its batch with the error, so none of them is forwarded. So does a panic in a
 //! commit: the thread goes on with the next batch, and if it ever stops all the same,
-//! [`RedbWriter::check`] says so (the store's readiness check).
+//! `RedbWriter::check` says so (the store's readiness check).
 
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
