@@ -108,6 +108,27 @@ async fn send_as(
     reply.map(|r| r.into_inner().data)
 }
 
+/// A forwarded Acquire (no wait) of `resource`, numbered `id`, acting for `identity`.
+fn forwarded_acquire(
+    id: u64,
+    identity: Option<&str>,
+    resource: &str,
+    request_id: &str,
+) -> ForwardedCall {
+    ForwardedCall {
+        id,
+        timeout_ms: 3_000,
+        identity: identity.map(str::to_owned),
+        call: Some(forwarded_call::Call::Acquire(AcquireRequest {
+            resource: resource.into(),
+            request_id: request_id.into(),
+            lease_ttl_ms: 30_000,
+            wait_timeout_ms: 0,
+            holder: "forwarding-test".into(),
+        })),
+    }
+}
+
 /// Opens a forward stream (the calls a follower forwards to the leader) and sends one Acquire of
 /// `resource` on it, claiming to act for `cert:bob`; the leader's answer, or the refusal.
 async fn forward_acquire(
@@ -115,18 +136,7 @@ async fn forward_acquire(
     cluster_id: &str,
     resource: &str,
 ) -> Result<forward_reply::Result, tonic::Status> {
-    let call = ForwardedCall {
-        id: 7,
-        timeout_ms: 3_000,
-        identity: Some("cert:bob".into()),
-        call: Some(forwarded_call::Call::Acquire(AcquireRequest {
-            resource: resource.into(),
-            request_id: format!("forged-{resource}"),
-            lease_ttl_ms: 30_000,
-            wait_timeout_ms: 0,
-            holder: "mallory".into(),
-        })),
-    };
+    let call = forwarded_acquire(7, Some("cert:bob"), resource, &format!("forged-{resource}"));
     let mut req = tonic::Request::new(futures::stream::iter([ForwardBatch { calls: vec![call] }]));
     if !cluster_id.is_empty() {
         req.metadata_mut()
@@ -543,18 +553,12 @@ async fn forward_stream_of_a_removed_member_is_refused_mid_stream() {
     req.metadata_mut()
         .insert("lockd-cluster-id", "test".parse().unwrap());
     let call = |id: u64, resource: &str| ForwardBatch {
-        calls: vec![ForwardedCall {
+        calls: vec![forwarded_acquire(
             id,
-            timeout_ms: 3_000,
-            identity: None,
-            call: Some(forwarded_call::Call::Acquire(AcquireRequest {
-                resource: resource.into(),
-                request_id: format!("removed-{id}"),
-                lease_ttl_ms: 30_000,
-                wait_timeout_ms: 0,
-                holder: "removed-node".into(),
-            })),
-        }],
+            None,
+            resource,
+            &format!("removed-{id}"),
+        )],
     };
     tx.send(call(1, "removed/before")).await.unwrap();
     let mut replies = ForwardClient::new(channel(&cluster, leader, Some(&cert)))
