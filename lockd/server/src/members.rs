@@ -114,29 +114,29 @@ impl Members {
         &self.dial
     }
 
-    /// The Lock service of member `id`, for forwarding, with its address (for messages).
-    pub fn lock_client(&self, id: NodeId) -> Option<(String, LockClient<Channel>)> {
+    /// The address of member `id` and the stub `pick` chooses (one clone, on a hot path);
+    /// `None` if it is not a member or cannot be dialled.
+    fn client<C: Clone>(&self, id: NodeId, pick: impl Fn(&Clients) -> &C) -> Option<(String, C)> {
         let view = self.view();
         let p = view.get(&id)?;
-        p.clients.as_ref().map(|c| (p.addr.clone(), c.lock.clone()))
+        p.clients
+            .as_ref()
+            .map(|c| (p.addr.clone(), pick(c).clone()))
+    }
+
+    /// The Lock service of member `id`, for forwarding, with its address (for messages).
+    pub fn lock_client(&self, id: NodeId) -> Option<(String, LockClient<Channel>)> {
+        self.client(id, |c| &c.lock)
     }
 
     /// The forward stream service of member `id` (see `crate::forwarder`), with its address.
     pub fn forward_client(&self, id: NodeId) -> Option<(String, ForwardClient<Channel>)> {
-        let view = self.view();
-        let p = view.get(&id)?;
-        p.clients
-            .as_ref()
-            .map(|c| (p.addr.clone(), c.forward.clone()))
+        self.client(id, |c| &c.forward)
     }
 
     /// The Cluster service of member `id`, for forwarding admin calls, with its address.
     pub fn cluster_client(&self, id: NodeId) -> Option<(String, ClusterClient<Channel>)> {
-        let view = self.view();
-        let p = view.get(&id)?;
-        p.clients
-            .as_ref()
-            .map(|c| (p.addr.clone(), c.cluster.clone()))
+        self.client(id, |c| &c.cluster)
     }
 
     /// Replaces the view with `wanted`, keeping the channels of members whose address is the

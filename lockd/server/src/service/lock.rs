@@ -499,10 +499,11 @@ impl LockService {
                                 identity: caller.identity.as_deref().map(str::to_owned),
                                 call: Some(call),
                             };
-                            match self.ctx.forwarder.call(leader, call, timeout).await {
-                                Ok(result) => Req::answer(result),
-                                Err(s) => Err(s),
-                            }
+                            self.ctx
+                                .forwarder
+                                .call(leader, call, timeout)
+                                .await
+                                .and_then(Req::answer)
                         }
                         Err(msg) => {
                             self.ctx.metrics.forwarded(false);

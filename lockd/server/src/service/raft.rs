@@ -200,7 +200,12 @@ impl PeerAuth {
     /// certificate must be a node certificate of the peer CA naming one other member. `None`
     /// without TLS (the sender is unknown). The error is the reason, for the log.
     fn identify<T>(&self, req: &Request<T>) -> Result<Option<NodeId>, String> {
-        self.identify_credentials(&PeerCredentials::of(req))
+        let cluster_id = req
+            .metadata()
+            .get(CLUSTER_ID_HEADER)
+            .map(|v| v.to_str().map_err(|_| ()));
+        let chain = req.peer_certs();
+        self.identify_parts(cluster_id, chain.as_deref().map(|c| (c.as_slice(), None)))
     }
 
     /// [`PeerAuth::identify`] on credentials taken from a request earlier: a forward stream is
@@ -209,22 +214,40 @@ impl PeerAuth {
         &self,
         credentials: &PeerCredentials,
     ) -> Result<Option<NodeId>, String> {
-        match credentials.cluster_id.as_ref() {
-            Some(Ok(id)) if *id == self.cluster_id => {}
+        let cluster_id = credentials
+            .cluster_id
+            .as_ref()
+            .map(|r| r.as_deref().map_err(|_| ()));
+        let chain = credentials
+            .chain
+            .as_deref()
+            .map(|c| (c.as_slice(), credentials.leaf_key));
+        self.identify_parts(cluster_id, chain)
+    }
+
+    /// The check itself: the cluster id header's value, and the certificate chain with the
+    /// SHA-256 of its leaf if already known.
+    fn identify_parts(
+        &self,
+        cluster_id: Option<Result<&str, ()>>,
+        chain: Option<(
+            &[rustls_pki_types::CertificateDer<'static>],
+            Option<[u8; 32]>,
+        )>,
+    ) -> Result<Option<NodeId>, String> {
+        match cluster_id {
+            Some(Ok(id)) if id == self.cluster_id => {}
             Some(Ok(id)) => return Err(format!("it is for cluster {id:?}")),
             _ => return Err(format!("no {CLUSTER_ID_HEADER} header")),
         }
         let Some(tls) = &self.tls else {
             return Ok(None);
         };
-        let chain = credentials
-            .chain
-            .clone()
-            .ok_or_else(|| "the caller sent no certificate".to_owned())?;
+        let (chain, leaf_key) = chain.ok_or_else(|| "the caller sent no certificate".to_owned())?;
         let leaf = chain
             .first()
             .ok_or_else(|| "the caller sent an empty certificate chain".to_owned())?;
-        let key: [u8; 32] = Sha256::digest(leaf.as_ref()).into();
+        let key = leaf_key.unwrap_or_else(|| leaf_hash(leaf));
         let generation = (tls.generation(), self.members.generation());
         {
             let checked = self.checked.lock().unwrap_or_else(|e| e.into_inner());
@@ -238,7 +261,7 @@ impl PeerAuth {
         // Outside the lock: one chain check, however many members.
         let outcome = tls
             .current()
-            .identify_member(&chain, &self.members.others());
+            .identify_member(chain, &self.members.others());
         let mut checked = self.checked.lock().unwrap_or_else(|e| e.into_inner());
         if checked.len() >= CHECKED_MAX {
             checked.clear();
@@ -375,18 +398,27 @@ pub(crate) struct PeerCredentials {
     /// The header's value; `Err` when it is not visible ASCII.
     cluster_id: Option<Result<String, ()>>,
     chain: Option<Arc<Vec<rustls_pki_types::CertificateDer<'static>>>>,
+    /// SHA-256 of the chain's leaf, the key of [`PeerAuth`]'s cache, computed once.
+    leaf_key: Option<[u8; 32]>,
 }
 
 impl PeerCredentials {
     pub(crate) fn of<T>(req: &Request<T>) -> Self {
+        let chain = req.peer_certs();
         PeerCredentials {
             cluster_id: req
                 .metadata()
                 .get(CLUSTER_ID_HEADER)
                 .map(|v| v.to_str().map(str::to_owned).map_err(|_| ())),
-            chain: req.peer_certs(),
+            leaf_key: chain.as_ref().and_then(|c| c.first()).map(leaf_hash),
+            chain,
         }
     }
+}
+
+/// SHA-256 of a certificate: the key certificate checks are cached under.
+fn leaf_hash(leaf: &rustls_pki_types::CertificateDer<'static>) -> [u8; 32] {
+    Sha256::digest(leaf.as_ref()).into()
 }
 
 /// The member that sent `req`, for the other internal services behind [`PeerAuth`] (the forward
