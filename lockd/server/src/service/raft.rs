@@ -259,9 +259,7 @@ impl PeerAuth {
             }
         }
         // Outside the lock: one chain check, however many members.
-        let outcome = tls
-            .current()
-            .identify_member(chain, &self.members.others());
+        let outcome = tls.current().identify_member(chain, &self.members.others());
         let mut checked = self.checked.lock().unwrap_or_else(|e| e.into_inner());
         if checked.len() >= CHECKED_MAX {
             checked.clear();
