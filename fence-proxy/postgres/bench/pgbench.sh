@@ -11,9 +11,11 @@
 #   BIN may be NAME=PATH to label a run, and a wrapper script that execs fence-proxy with other
 #   settings (e.g. FENCE_PROXY_PG_THREADS=1) serves to compare them.
 #
-# Beside tps, each relay run reports what the relay process spent per transaction, figures that
-# stay stable on a loaded machine: context switches (all threads, from /proc), CPU time (user +
-# system, /proc) and, when `perf` works, system calls (raw_syscalls:sys_enter).
+# Beside tps, each run reports the CPU time Postgres spent per transaction (the postmaster and all
+# its children, exited ones included, from /proc), and each relay run what the relay process spent
+# per transaction: context switches (all threads, from /proc), CPU time (user + system, /proc)
+# and, when `perf` works, system calls (raw_syscalls:sys_enter). Figures per transaction stay far
+# more stable than tps on a loaded machine.
 #
 # Uses database pgbench_a on 127.0.0.1:5432 (user postgres), recreated at scale 1, and proxy
 # port 16543. See docs/benchmarks.md, "fence-proxy Postgres front end (pgbench)".
@@ -36,8 +38,17 @@ cputicks() { # pid: user + system CPU time, in clock ticks
   awk '{print $14 + $15}' /proc/"$1"/stat
 }
 
+POSTMASTER=$(head -1 "$(psql -h 127.0.0.1 -U postgres -d postgres -Atc 'SHOW data_directory')/postmaster.pid" 2>/dev/null || true)
+pg_cputicks() { # CPU of the postmaster, its reaped children and its live children, in clock ticks
+  [ -n "$POSTMASTER" ] && [ -r /proc/"$POSTMASTER"/stat ] || { echo 0; return; }
+  { awk '{print $14 + $15 + $16 + $17}' /proc/"$POSTMASTER"/stat
+    for c in $(pgrep -P "$POSTMASTER"); do awk '{print $14 + $15}' /proc/"$c"/stat 2>/dev/null; done
+  } | awk '{s += $1} END {print s + 0}'
+}
+
 run() { # label port [PGOPTIONS] [relay pid]
-  local out pid=${4:-} c0 t0 c1 t1 perf_out tx extra="" perf_pid=""
+  local out pid=${4:-} c0 t0 c1 t1 perf_out tx extra="" perf_pid="" p0 p1
+  p0=$(pg_cputicks)
   if [ -n "$pid" ]; then
     c0=$(ctxsw "$pid"); t0=$(cputicks "$pid")
     if [ $PERF = 1 ]; then
@@ -48,9 +59,13 @@ run() { # label port [PGOPTIONS] [relay pid]
   fi
   out=$(PGOPTIONS="${3:-}" pgbench -h 127.0.0.1 -p "$2" -U postgres -c 4 -j 2 -M prepared -T "$T" $DB 2>&1)
   tx=$(echo "$out" | awk '/number of transactions actually processed/ {print $NF}' | cut -d/ -f1)
+  p1=$(pg_cputicks)
+  if [ "${tx:-0}" -gt 0 ] && [ "$p0" != 0 ]; then
+    extra=$(awk -v t=$((p1 - p0)) -v hz="$CLK_TCK" -v n="$tx" 'BEGIN {printf ", Postgres per transaction: %.0f us CPU", t / hz * 1e6 / n}')
+  fi
   if [ -n "$pid" ] && [ "${tx:-0}" -gt 0 ]; then
     c1=$(ctxsw "$pid"); t1=$(cputicks "$pid")
-    extra=$(awk -v c=$((c1 - c0)) -v t=$((t1 - t0)) -v hz="$CLK_TCK" -v n="$tx" \
+    extra=$extra$(awk -v c=$((c1 - c0)) -v t=$((t1 - t0)) -v hz="$CLK_TCK" -v n="$tx" \
       'BEGIN {printf ", relay per transaction: %.1f context switches, %.0f us CPU", c / n, t / hz * 1e6 / n}')
     if [ -n "$perf_pid" ]; then
       kill -INT "$perf_pid"; wait "$perf_pid" 2>/dev/null || true

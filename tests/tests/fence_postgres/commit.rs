@@ -346,3 +346,243 @@ async fn fenced_read_only_transactions_commit_at_every_isolation_level() {
             .unwrap_or_else(|e| panic!("COMMIT after {begin}: {e:?}"));
     }
 }
+
+/// A fence table in a schema of its own, a data table, and two direct connections that make the
+/// proxy's guard calls by hand (so a test can hold the window between a guard and its COMMIT open).
+struct ByHand {
+    table: fence_proxy_postgres::fence_sql::FenceTable,
+    resource: String,
+    data: String,
+}
+
+impl ByHand {
+    async fn new(prefix: &str) -> (ByHand, tokio_postgres::Client, tokio_postgres::Client) {
+        let table = fence_proxy_postgres::fence_sql::FenceTable::parse(&pg::fence_table()).unwrap();
+        let resource = pg::unique_name(prefix);
+        let data = pg::unique_name(prefix);
+        let direct: tokio_postgres::Config = pg::direct_url().parse().unwrap();
+        let a = pg::connect(&direct).await;
+        let b = pg::connect(&direct).await;
+        a.batch_execute(&format!("CREATE TABLE {data} (token bigint NOT NULL)"))
+            .await
+            .unwrap();
+        (
+            ByHand {
+                table,
+                resource,
+                data,
+            },
+            a,
+            b,
+        )
+    }
+
+    /// `SET lockd.fence` to this resource and `token`, then a committed transaction whose
+    /// opening guard records it (or checks it).
+    async fn hold(&self, c: &tokio_postgres::Client, token: u64) {
+        c.batch_execute(&format!(
+            "SET lockd.fence = '{}:{token}'; BEGIN; {}; COMMIT",
+            self.resource,
+            self.table.guard_call(false, None, false)
+        ))
+        .await
+        .unwrap_or_else(|e| panic!("token {token} is recorded: {e:?}"));
+    }
+
+    /// Opens a block that writes a row and passes both guards, as the proxy sends them; COMMIT
+    /// is left to the caller.
+    async fn write_up_to_commit(
+        &self,
+        c: &tokio_postgres::Client,
+        begin: &str,
+        token: u64,
+    ) -> Result<(), tokio_postgres::Error> {
+        c.batch_execute(&format!(
+            "{begin}; {}; INSERT INTO {} VALUES ({token}); {}",
+            self.table.guard_call(false, None, false),
+            self.data,
+            self.table.guard_call(false, None, true)
+        ))
+        .await
+    }
+
+    /// Rows of each token the data table holds.
+    async fn rows(&self, c: &tokio_postgres::Client) -> Vec<i64> {
+        c.query(&format!("SELECT token FROM {} ORDER BY 1", self.data), &[])
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect()
+    }
+
+    async fn drop(self, c: &tokio_postgres::Client) {
+        c.batch_execute(&format!("DROP TABLE {}", self.data))
+            .await
+            .unwrap();
+    }
+}
+
+/// Goal: under READ COMMITTED, a holder's transaction that wrote and passed the guard before
+/// its COMMIT is ordered before a newer holder's raise: the raise waits until it commits.
+/// (The guard orders it with a shared advisory lock, not a row lock: see the next test.)
+/// Method: `a` (token 1) writes and passes both guards; `b` (token 2) runs its opening guard,
+/// which raises the record; it must still be waiting after a second, and finish once `a`
+/// commits, whose row then stands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_raise_waits_for_an_older_commit_that_wrote() {
+    lockd_tests::skip_without_postgres!();
+    let (t, a, b) = ByHand::new("raisewaitswrite").await;
+    t.hold(&a, 1).await;
+    t.write_up_to_commit(&a, "BEGIN", 1)
+        .await
+        .expect("token 1 passes its guards");
+    b.batch_execute(&format!("SET lockd.fence = '{}:2'", t.resource))
+        .await
+        .unwrap();
+    let raise = format!("BEGIN; {}; COMMIT", t.table.guard_call(false, None, false));
+    let raising = tokio::spawn(async move {
+        let r = b.batch_execute(&raise).await;
+        (b, r)
+    });
+    // A fixed wait: what is checked is that the raise does not finish in it.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(
+        !raising.is_finished(),
+        "token 2 raised the record while token 1's guarded commit was still to come"
+    );
+    a.batch_execute("COMMIT").await.expect("token 1 commits");
+    let (_b, r) = tokio::time::timeout(Duration::from_secs(10), raising)
+        .await
+        .expect("the raise finishes once token 1 committed")
+        .unwrap();
+    r.expect("token 2 is recorded");
+    assert_eq!(t.rows(&a).await, vec![1]);
+    t.drop(&a).await;
+}
+
+/// Goal: under READ COMMITTED, an older holder's transaction that wrote and reaches the guard
+/// before its COMMIT while a newer holder's raise is in progress waits for that raise, then
+/// sees it and is refused: its row never commits.
+/// Method: `b` (token 2) raises the record in an open block; `a` (token 1, whose opening guard
+/// ran before the raise) writes and calls the guard before COMMIT, which must wait; `b`
+/// commits; `a`'s guard must then fail with 55P03 and its row must be gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_older_commit_waits_for_a_raise_in_progress_and_is_refused() {
+    lockd_tests::skip_without_postgres!();
+    let (t, a, b) = ByHand::new("raiseinprogress").await;
+    t.hold(&a, 1).await;
+    a.batch_execute(&format!(
+        "BEGIN; {}; INSERT INTO {} VALUES (1)",
+        t.table.guard_call(false, None, false),
+        t.data
+    ))
+    .await
+    .expect("token 1 passes its opening guard and writes");
+    b.batch_execute(&format!(
+        "SET lockd.fence = '{}:2'; BEGIN; {}",
+        t.resource,
+        t.table.guard_call(false, None, false)
+    ))
+    .await
+    .expect("token 2 raises the record in an open block");
+    let commit_guard = t.table.guard_call(false, None, true);
+    let committing = tokio::spawn(async move {
+        let r = a.batch_execute(&commit_guard).await;
+        (a, r)
+    });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(
+        !committing.is_finished(),
+        "token 1's guard before COMMIT passed while token 2's raise was in progress"
+    );
+    b.batch_execute("COMMIT").await.expect("token 2 commits");
+    let (a, r) = tokio::time::timeout(Duration::from_secs(10), committing)
+        .await
+        .expect("token 1's guard answers once the raise committed")
+        .unwrap();
+    let err = r.expect_err("token 1's guard must see the raise");
+    assert_eq!(code(&err), STALE, "{err:?}");
+    a.batch_execute("ROLLBACK").await.unwrap();
+    assert_eq!(t.rows(&b).await, Vec::<i64>::new());
+    t.drop(&b).await;
+}
+
+/// Goal: a holder's transactions that wrote do not lock the fence row under READ COMMITTED
+/// (each shared row lock is a tuple write, and a MultiXact while the holder's other sessions
+/// hold it too: that cost every fenced pgbench transaction about a tenth of its throughput);
+/// under REPEATABLE READ, where a read may predate a raise, the guard still takes the row lock.
+/// Method: `a` writes and passes both guards; a direct session then tries to lock the fence
+/// row `FOR UPDATE NOWAIT`: granted under READ COMMITTED, refused (55P03) under REPEATABLE READ.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holders_commit_locks_the_fence_row_only_under_repeatable_read() {
+    lockd_tests::skip_without_postgres!();
+    let (t, a, b) = ByHand::new("rowunlocked").await;
+    t.hold(&a, 1).await;
+    let probe = format!(
+        "SELECT token FROM {} WHERE resource = '{}' FOR UPDATE NOWAIT",
+        t.table.qualified(),
+        t.resource
+    );
+    for (begin, row_locked) in [
+        ("BEGIN ISOLATION LEVEL READ COMMITTED", false),
+        ("BEGIN ISOLATION LEVEL REPEATABLE READ", true),
+    ] {
+        t.write_up_to_commit(&a, begin, 1)
+            .await
+            .unwrap_or_else(|e| panic!("{begin}: token 1 passes its guards: {e:?}"));
+        let probed = b.batch_execute(&format!("BEGIN; {probe}")).await;
+        b.batch_execute("ROLLBACK").await.unwrap();
+        match (row_locked, probed) {
+            (false, Ok(())) => {}
+            (true, Err(e)) => assert_eq!(code(&e), "55P03", "{begin}: {e:?}"),
+            (false, Err(e)) => {
+                panic!("{begin}: the guard before COMMIT locked the fence row: {e:?}")
+            }
+            (true, Ok(())) => panic!("{begin}: the guard before COMMIT left the row unlocked"),
+        }
+        a.batch_execute("COMMIT")
+            .await
+            .unwrap_or_else(|e| panic!("{begin}: token 1 commits: {e:?}"));
+    }
+    assert_eq!(t.rows(&a).await, vec![1, 1]);
+    t.drop(&a).await;
+}
+
+/// Goal (review): a REPEATABLE READ or SERIALIZABLE transaction that wrote and then switched to
+/// READ ONLY (Postgres allows the switch at any point) is not let through on its old snapshot
+/// when a newer holder's raise committed meanwhile: its guard before COMMIT refuses it. A draft
+/// of the advisory-lock ordering took the read-only path on the setting alone, and the stale
+/// row committed.
+/// Method: `a` (token 1) begins at each level, passes its opening guard and writes; `b` records
+/// token 2 and commits; `a` runs SET TRANSACTION READ ONLY and the guard before COMMIT, which must
+/// fail; its row must never commit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writer_made_read_only_after_a_raise_is_refused_at_commit() {
+    lockd_tests::skip_without_postgres!();
+    for (i, level) in ["REPEATABLE READ", "SERIALIZABLE"].into_iter().enumerate() {
+        let (t, a, b) = ByHand::new("readonlyswitch").await;
+        t.hold(&a, 1).await;
+        a.batch_execute(&format!(
+            "BEGIN ISOLATION LEVEL {level}; {}; INSERT INTO {} VALUES (1)",
+            t.table.guard_call(false, None, false),
+            t.data
+        ))
+        .await
+        .unwrap_or_else(|e| panic!("{level}: token 1 writes: {e:?}"));
+        t.hold(&b, 2).await;
+        let committed = a
+            .batch_execute(&format!(
+                "SET TRANSACTION READ ONLY; {}",
+                t.table.guard_call(false, None, true)
+            ))
+            .await;
+        assert!(
+            committed.is_err(),
+            "{level} (case {i}): the stale writer made READ ONLY passed its guard before COMMIT"
+        );
+        a.batch_execute("ROLLBACK").await.unwrap();
+        assert_eq!(t.rows(&b).await, Vec::<i64>::new(), "{level}");
+        t.drop(&b).await;
+    }
+}
