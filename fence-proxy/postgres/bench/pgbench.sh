@@ -48,6 +48,10 @@ pg_cputicks() { # CPU of the postmaster, its reaped children and its live childr
 
 run() { # label port [PGOPTIONS] [relay pid]
   local out pid=${4:-} c0 t0 c1 t1 perf_out tx extra="" perf_pid="" p0 p1
+  # Every run starts right after a checkpoint: the full-page images written after one cost
+  # pgbench's random updates several times the WAL, so a checkpoint falling inside one run and
+  # not another skews the comparison more than anything the relay does.
+  psql -h 127.0.0.1 -U postgres -d $DB -qc CHECKPOINT
   p0=$(pg_cputicks)
   if [ -n "$pid" ]; then
     c0=$(ctxsw "$pid"); t0=$(cputicks "$pid")

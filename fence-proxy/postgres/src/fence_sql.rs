@@ -188,8 +188,8 @@ BEGIN
   -- this function's owner (CURRENT_USER inside SECURITY DEFINER). Whoever owns the table's
   -- schema (a database owner owns public) could otherwise drop it and create one of their own
   -- with lower tokens. Checked only here: an unfenced transaction never reads the table, and
-  -- every guard call pays for this lookup (pg_get_userbyid is a cache lookup, the pg_roles view
-  -- a join).
+  -- every guard call would pay for the lookup (pg_get_userbyid is a cache lookup, the pg_roles
+  -- view a join).
   IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_class c
                  WHERE c.oid = pg_catalog.to_regclass('{t}')
                    AND c.relkind = 'r'
@@ -260,38 +260,36 @@ BEGIN
   IF FOUND AND v_highest = v_token THEN
     -- Same holder. Before a statement of the client's, a transaction that has written nothing
     -- yet has nothing to protect: the unlocked read is the early refusal, and the guard before
-    -- COMMIT, which runs after every write, takes a lock. Taking none here means a paused
-    -- holder's open block never delays a newer one.
-    IF NOT at_commit AND pg_catalog.pg_current_xact_id_if_assigned() IS NULL THEN
-      RETURN;
-    END IF;
-    -- Before COMMIT, or after a write: the commit must be ordered against any raise, and "no
-    -- transaction id" does not mean "no effect" (a NOTIFY is delivered at commit and gets its
-    -- id only then). Under READ COMMITTED (and READ UNCOMMITTED, the same in Postgres) a shared
-    -- transaction-level advisory lock on the resource, taken before a fresh read, does it: a
-    -- raise takes that lock exclusively, so a raise in progress makes this wait and the fresh
-    -- read (a new snapshot, taken once the lock is granted) then sees it, and a raise that
-    -- comes later waits for this commit. It writes nothing: no tuple lock, no MultiXact while
-    -- the holder's other sessions hold it too, and a read-only transaction stays read-only.
-    -- Under REPEATABLE READ and SERIALIZABLE every read sees the transaction's snapshot, which
-    -- may predate a raise: the row lock below sees the latest version (or fails with 40001); a
-    -- READ ONLY transaction that has written nothing may not lock a row, so it gets the
-    -- advisory lock only, which orders it against raises still in progress. One that wrote and
-    -- then switched to READ ONLY (Postgres allows that at any point) must not pass on its old
-    -- snapshot: the row lock refuses it (25006).
-    IF pg_catalog.current_setting('transaction_isolation') IN ('read committed', 'read uncommitted') THEN
-      PERFORM pg_catalog.pg_advisory_xact_lock_shared(pg_catalog.hashtext('{t}'), pg_catalog.hashtext(v_resource));
-      SELECT f.token INTO v_highest FROM {t} AS f WHERE f.resource = v_resource;
-      IF FOUND AND v_highest = v_token THEN
+    -- COMMIT, which runs after every write, takes a lock. Skipping the lock here halves the
+    -- row locks per transaction (each one a tuple write, and a MultiXact while other sessions
+    -- of the holder hold it too), and a paused holder's open block never delays a newer one.
+    IF pg_catalog.pg_current_xact_id_if_assigned() IS NULL THEN
+      IF NOT at_commit THEN
         RETURN;
       END IF;
-    ELSIF pg_catalog.current_setting('transaction_read_only') = 'on'
-          AND pg_catalog.pg_current_xact_id_if_assigned() IS NULL THEN
-      PERFORM pg_catalog.pg_advisory_xact_lock_shared(pg_catalog.hashtext('{t}'), pg_catalog.hashtext(v_resource));
-      RETURN;
-    ELSE
-      -- A shared row lock, held to the end of the transaction: the holder's transactions do not
-      -- serialize on the row while a newer holder's raise waits for all of them to end.
+      -- Before COMMIT, "no transaction id" does not mean "no effect": a NOTIFY is delivered at
+      -- commit and gets its id only then. Under READ COMMITTED (and READ UNCOMMITTED, the same
+      -- in Postgres) a shared advisory lock on the resource, taken before a fresh read, orders
+      -- this commit before any raise (a raise takes it exclusively) without making the
+      -- transaction write. Under REPEATABLE READ and SERIALIZABLE the read above saw the
+      -- transaction's snapshot, which may predate a raise: the row lock below sees the latest
+      -- version (or fails with 40001); a READ ONLY transaction may not lock a row, so it gets
+      -- the advisory lock only, which orders it against raises still in progress.
+      IF pg_catalog.current_setting('transaction_isolation') IN ('read committed', 'read uncommitted') THEN
+        PERFORM pg_catalog.pg_advisory_xact_lock_shared(pg_catalog.hashtext('{t}'), pg_catalog.hashtext(v_resource));
+        SELECT f.token INTO v_highest FROM {t} AS f WHERE f.resource = v_resource;
+        IF FOUND AND v_highest = v_token THEN
+          RETURN;
+        END IF;
+      ELSIF pg_catalog.current_setting('transaction_read_only') = 'on' THEN
+        PERFORM pg_catalog.pg_advisory_xact_lock_shared(pg_catalog.hashtext('{t}'), pg_catalog.hashtext(v_resource));
+        RETURN;
+      END IF;
+    END IF;
+    IF FOUND AND v_highest = v_token THEN
+      -- It wrote (or must be ordered by the row): a shared row lock, held to the end of the
+      -- transaction, so the holder's transactions do not serialize on the row while a newer
+      -- holder's raise waits for all of them to end.
       SELECT f.token INTO v_highest FROM {t} AS f WHERE f.resource = v_resource FOR SHARE;
       IF v_highest = v_token THEN
         RETURN;
