@@ -347,16 +347,39 @@ impl PrivateCluster {
     /// Fails with the reason when the server binaries or the `postgres` OS user are
     /// missing.
     pub fn start() -> Result<PrivateCluster, String> {
-        Self::start_inner(None)
+        Self::start_inner(None, &[])
+    }
+
+    /// A private cluster whose server writes its log (at the default `log_min_messages`,
+    /// warnings included) to a file, read with [`PrivateCluster::server_log`].
+    pub fn start_logging() -> Result<PrivateCluster, String> {
+        Self::start_inner(
+            None,
+            &[
+                "logging_collector=on",
+                "log_directory=log",
+                "log_filename=server.log",
+            ],
+        )
+    }
+
+    /// What the server has logged so far ([`PrivateCluster::start_logging`] only; empty
+    /// otherwise). The logging collector writes shortly after the event.
+    pub fn server_log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("data").join("log").join("server.log"))
+            .unwrap_or_default()
     }
 
     /// A private cluster that accepts only TLS (`ssl=on`, `hostssl` lines only) with this
     /// certificate and key.
     pub fn start_ssl(cert: &Path, key: &Path) -> Result<PrivateCluster, String> {
-        Self::start_inner(Some((cert, key)))
+        Self::start_inner(Some((cert, key)), &[])
     }
 
-    fn start_inner(ssl: Option<(&Path, &Path)>) -> Result<PrivateCluster, String> {
+    fn start_inner(
+        ssl: Option<(&Path, &Path)>,
+        settings: &[&str],
+    ) -> Result<PrivateCluster, String> {
         let bin = std::fs::read_dir("/usr/lib/postgresql")
             .map_err(|e| format!("no /usr/lib/postgresql: {e}"))?
             .filter_map(|e| e.ok())
@@ -439,6 +462,7 @@ impl PrivateCluster {
                 format!("ssl_key_file={}", key_copy.display()),
             ];
         }
+        ssl_settings.extend(settings.iter().map(|s| (*s).to_owned()));
         let server_cmd = ServerCommand {
             bin,
             data,

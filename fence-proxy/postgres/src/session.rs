@@ -806,7 +806,14 @@ impl Session {
         let owns = entry == b'I' && !begins;
         let guard = self.guard_sql(false);
         let commit_guard = self.guard_sql(true);
+        // A lone BEGIN opens the block itself: its text is what the proxy parsed, so nothing can
+        // run before it outside a block, and no guard is due before it. The proxy's own BEGIN
+        // would only make the client's warn (25001), which Postgres writes to its server log,
+        // a line per transaction.
+        let lone_begin =
+            entry == b'I' && stmts.len() == 1 && matches!(stmts[0].kind, StatementKind::Begin(_));
         match entry {
+            b'I' if lone_begin => {}
             b'I' => {
                 let begin = match &stmts[0].kind {
                     StatementKind::Begin(sql) => sql.clone(),
@@ -840,7 +847,7 @@ impl Session {
         }) {
             self.guarded = false;
         }
-        let suppress = entry == b'I';
+        let suppress = entry == b'I' && !lone_begin;
         match op {
             ClientOp::Query(text, m) if split => {
                 let prefix = &text[..last.start];

@@ -174,3 +174,85 @@ async fn zombie_holder_is_fenced_with_lockd_tokens() {
         .await
         .unwrap();
 }
+
+/// Goal: a client's lone `BEGIN` through the proxy does not make Postgres log a warning. The
+/// proxy used to open every block with a BEGIN of its own, so the client's BEGIN right after it
+/// warned "there is already a transaction in progress" (25001): the proxy hid the notice from the
+/// client, but Postgres wrote it to its server log, one line per transaction of every
+/// psql, psycopg or node-postgres application (71 MB in one afternoon of benchmarks here).
+/// Method: a private cluster that logs to a file; through the proxy, three transactions sent as
+/// `BEGIN`, `INSERT`, `COMMIT` in separate simple queries, unfenced and fenced; then a marker
+/// warning raised directly, and once the marker is in the log, no 25001 warning may be.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lone_begin_leaves_no_warning_in_the_server_log() {
+    lockd_tests::skip_without_postgres!();
+    let cluster = pg::PrivateCluster::start_logging()
+        .unwrap_or_else(|reason| panic!("cannot start a private Postgres cluster: {reason}"));
+    let admin_config: tokio_postgres::Config = cluster.url("postgres").parse().unwrap();
+    let mut attempts = 0;
+    let admin = loop {
+        match admin_config.connect(tokio_postgres::NoTls).await {
+            Ok((client, connection)) => {
+                tokio::spawn(connection);
+                break client;
+            }
+            Err(e) if attempts < 50 => {
+                attempts += 1;
+                eprintln!("private cluster not ready yet: {e:?}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("private cluster never accepted a session: {e:?}"),
+        }
+    };
+    admin
+        .batch_execute("CREATE TABLE lone_begin (token bigint NOT NULL)")
+        .await
+        .unwrap();
+    let proxy = PgProxy::start_with(cluster.url("postgres"), false);
+    for fence in [None, Some("lone-begin:1")] {
+        let mut config: tokio_postgres::Config =
+            proxy.url_as("postgres", "postgres").parse().unwrap();
+        config.password(pg::PRIVATE_PASSWORD);
+        if let Some(f) = fence {
+            config.options(format!("-c lockd.fence={f}"));
+        }
+        let client = pg::connect(&config).await;
+        for _ in 0..3 {
+            for sql in ["BEGIN", "INSERT INTO lone_begin VALUES (1)", "COMMIT"] {
+                client
+                    .batch_execute(sql)
+                    .await
+                    .unwrap_or_else(|e| panic!("{sql} (fence {fence:?}): {e:?}"));
+            }
+        }
+    }
+    let marker = pg::unique_name("lone_begin_marker");
+    admin
+        .batch_execute(&format!("DO $$ BEGIN RAISE WARNING '{marker}'; END $$"))
+        .await
+        .unwrap();
+    let log = lockd_tests::poll::until(
+        "the marker warning reaches the server log",
+        Duration::from_secs(10),
+        || {
+            let log = cluster.server_log();
+            if log.contains(&marker) {
+                Ok(log)
+            } else {
+                Err(format!("{} bytes logged, no marker", log.len()))
+            }
+        },
+    )
+    .await;
+    let rows: i64 = admin
+        .query_one("SELECT count(*) FROM lone_begin", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(rows, 6);
+    let warnings: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("there is already a transaction in progress"))
+        .collect();
+    assert!(warnings.is_empty(), "{warnings:#?}");
+}
