@@ -442,7 +442,7 @@ impl PrivateCluster {
             ),
         )
         .map_err(|e| e.to_string())?;
-        let mut ssl_settings = Vec::new();
+        let mut server_settings = Vec::new();
         if let Some((cert, key)) = ssl {
             // Postgres wants its key owned by the server's user and unreadable by others.
             let (cert_copy, key_copy) = (data.join("server.crt"), data.join("server.key"));
@@ -456,20 +456,20 @@ impl PrivateCluster {
                     std::os::unix::fs::chown(f, Some(uid), Some(gid)).map_err(|e| e.to_string())?;
                 }
             }
-            ssl_settings = vec![
+            server_settings = vec![
                 "ssl=on".to_owned(),
                 format!("ssl_cert_file={}", cert_copy.display()),
                 format!("ssl_key_file={}", key_copy.display()),
             ];
         }
-        ssl_settings.extend(settings.iter().map(|s| (*s).to_owned()));
+        server_settings.extend(settings.iter().map(|s| (*s).to_owned()));
         let server_cmd = ServerCommand {
             bin,
             data,
             socket_dir: dir.clone(),
             port: free_port(),
             ids,
-            settings: ssl_settings,
+            settings: server_settings,
         };
         let server = server_cmd.spawn()?;
         Ok(PrivateCluster {
