@@ -166,6 +166,17 @@ async fn a_raise_waits_for_an_older_commit_that_wrote_nothing() {
     ))
     .await
     .expect("token 1 passes its guards");
+    raise_waits_for_the_commit(&table, &resource, &a, b).await;
+}
+
+/// `b` raises `resource` to token 2 while `a`'s guarded transaction (token 1) is still to
+/// commit: the raise must still be waiting after a second, and finish once `a` commits.
+async fn raise_waits_for_the_commit(
+    table: &fence_proxy_postgres::fence_sql::FenceTable,
+    resource: &str,
+    a: &tokio_postgres::Client,
+    b: tokio_postgres::Client,
+) {
     b.batch_execute(&format!("SET lockd.fence = '{resource}:2'"))
         .await
         .unwrap();
@@ -436,26 +447,7 @@ async fn a_raise_waits_for_an_older_commit_that_wrote() {
     t.write_up_to_commit(&a, "BEGIN", 1)
         .await
         .expect("token 1 passes its guards");
-    b.batch_execute(&format!("SET lockd.fence = '{}:2'", t.resource))
-        .await
-        .unwrap();
-    let raise = format!("BEGIN; {}; COMMIT", t.table.guard_call(false, None, false));
-    let raising = tokio::spawn(async move {
-        let r = b.batch_execute(&raise).await;
-        (b, r)
-    });
-    // A fixed wait: what is checked is that the raise does not finish in it.
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    assert!(
-        !raising.is_finished(),
-        "token 2 raised the record while token 1's guarded commit was still to come"
-    );
-    a.batch_execute("COMMIT").await.expect("token 1 commits");
-    let (_b, r) = tokio::time::timeout(Duration::from_secs(10), raising)
-        .await
-        .expect("the raise finishes once token 1 committed")
-        .unwrap();
-    r.expect("token 2 is recorded");
+    raise_waits_for_the_commit(&t.table, &t.resource, &a, b).await;
     assert_eq!(t.rows(&a).await, vec![1]);
     t.drop(&a).await;
 }

@@ -17,23 +17,7 @@ async fn password_authentication_passes_through() {
             panic!("cannot start a private Postgres cluster for the auth test: {reason}")
         }
     };
-    // The server accepts TCP connections slightly before it accepts sessions.
-    let admin_config: tokio_postgres::Config = cluster.url("postgres").parse().unwrap();
-    let mut attempts = 0;
-    let admin = loop {
-        match admin_config.connect(tokio_postgres::NoTls).await {
-            Ok((client, connection)) => {
-                tokio::spawn(connection);
-                break client;
-            }
-            Err(e) if attempts < 50 => {
-                attempts += 1;
-                eprintln!("private cluster not ready yet: {e:?}");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-            Err(e) => panic!("private cluster never accepted a session: {e:?}"),
-        }
-    };
+    let admin = admin_session(&cluster).await;
     admin
         .batch_execute(&format!(
             "SET password_encryption = 'scram-sha-256'; CREATE ROLE scram_user LOGIN PASSWORD '{p}';
@@ -180,30 +164,16 @@ async fn zombie_holder_is_fenced_with_lockd_tokens() {
 /// warned "there is already a transaction in progress" (25001): the proxy hid the notice from the
 /// client, but Postgres wrote it to its server log, one line per transaction of every
 /// psql, psycopg or node-postgres application (71 MB in one afternoon of benchmarks here).
-/// Method: a private cluster that logs to a file; through the proxy, three transactions sent as
-/// `BEGIN`, `INSERT`, `COMMIT` in separate simple queries, unfenced and fenced; then a marker
-/// warning raised directly, and once the marker is in the log, no 25001 warning may be.
+/// Method: a private cluster that logs to a file; through the proxy, three transactions sent
+/// as BEGIN (three spellings), `INSERT`, `COMMIT` in separate simple queries, unfenced and
+/// fenced; then a marker warning raised directly, and once the marker is in the log, no 25001
+/// warning may be.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lone_begin_leaves_no_warning_in_the_server_log() {
     lockd_tests::skip_without_postgres!();
     let cluster = pg::PrivateCluster::start_logging()
         .unwrap_or_else(|reason| panic!("cannot start a private Postgres cluster: {reason}"));
-    let admin_config: tokio_postgres::Config = cluster.url("postgres").parse().unwrap();
-    let mut attempts = 0;
-    let admin = loop {
-        match admin_config.connect(tokio_postgres::NoTls).await {
-            Ok((client, connection)) => {
-                tokio::spawn(connection);
-                break client;
-            }
-            Err(e) if attempts < 50 => {
-                attempts += 1;
-                eprintln!("private cluster not ready yet: {e:?}");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-            Err(e) => panic!("private cluster never accepted a session: {e:?}"),
-        }
-    };
+    let admin = admin_session(&cluster).await;
     admin
         .batch_execute("CREATE TABLE lone_begin (token bigint NOT NULL)")
         .await
@@ -217,8 +187,13 @@ async fn a_lone_begin_leaves_no_warning_in_the_server_log() {
             config.options(format!("-c lockd.fence={f}"));
         }
         let client = pg::connect(&config).await;
-        for _ in 0..3 {
-            for sql in ["BEGIN", "INSERT INTO lone_begin VALUES (1)", "COMMIT"] {
+        // Spellings of a lone BEGIN the proxy must read as Postgres does.
+        for begin in [
+            "BEGIN",
+            "start transaction",
+            "/* a comment */ begin isolation level serializable;",
+        ] {
+            for sql in [begin, "INSERT INTO lone_begin VALUES (1)", "COMMIT"] {
                 client
                     .batch_execute(sql)
                     .await
@@ -255,4 +230,25 @@ async fn a_lone_begin_leaves_no_warning_in_the_server_log() {
         .filter(|l| l.contains("there is already a transaction in progress"))
         .collect();
     assert!(warnings.is_empty(), "{warnings:#?}");
+}
+
+/// The `postgres` session of a private cluster, once the server takes sessions (it accepts TCP
+/// connections slightly before).
+async fn admin_session(cluster: &pg::PrivateCluster) -> tokio_postgres::Client {
+    let config: tokio_postgres::Config = cluster.url("postgres").parse().unwrap();
+    let mut attempts = 0;
+    loop {
+        match config.connect(tokio_postgres::NoTls).await {
+            Ok((client, connection)) => {
+                tokio::spawn(connection);
+                return client;
+            }
+            Err(e) if attempts < 50 => {
+                attempts += 1;
+                eprintln!("private cluster not ready yet: {e:?}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("private cluster never accepted a session: {e:?}"),
+        }
+    }
 }
