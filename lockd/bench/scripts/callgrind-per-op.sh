@@ -12,9 +12,10 @@
 #   2. load window: counters zeroed, one `lockd-bench mixed` run (its warmup, the measured part and
 #      the release of the leases still held at the end), counters dumped.
 # Instructions per operation of a node = (load Ir - idle Ir per second x load seconds) / every call
-# the bench made (`calls_total` of its JSON line). `--target leader` sends every call to the
-# leader; `--target any` spreads them over the three nodes, so followers forward two thirds of
-# them (the forwarding path). The rate must stay well below what the nodes manage under callgrind
+# the bench made (`calls_total` of its JSON line). `--target leader` (the default here, although
+# lockd-bench's own default is `any`, so that earlier figures stay reproducible) sends every call
+# to the leader; `--target any` spreads them over the three nodes, so followers forward two thirds
+# of them (the forwarding path). The rate must stay well below what the nodes manage under callgrind
 # (about 50x slower than native); the default 100 ops/s does, with few enough commands per Raft
 # entry that the per-entry costs weigh more than at 6,000 ops/s: the script prints commands per
 # entry so that runs can be compared.
@@ -36,6 +37,7 @@ NICE=${NICE:-19}
 IDLE=${IDLE:-20}
 name=${1:?usage: callgrind-per-op.sh NAME [--target leader|any] [--rate R] [--duration D] [--lockd FLAGS]}
 shift
+# Always passed to the bench explicitly: its own default is `any`.
 target=leader
 rate=100
 duration=100s

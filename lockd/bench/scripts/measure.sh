@@ -5,6 +5,10 @@
 #
 #   measure.sh NAME [--kill-follower] [--lockd "LOCKD FLAGS"] -- LOCKD-BENCH ARGS...
 #
+# Unless the bench's flags say otherwise, calls are spread over the nodes (lockd-bench's default
+# `--target any`); add `--target leader` to them for leader-only figures, such as those of
+# docs/benchmarks.md that name no target (taken while `leader` was the default).
+#
 # Environment: BENCH_TLS (1 = the cluster and the bench over TLS, see cluster3.sh), NICE (niceness of cluster and bench, default 0), OUT (default /tmp/benchres),
 # BENCH_BIN (default target/release/lockd-bench), STATUS_LOOPS (default 0: that many shell loops
 # calling `lockctl status` against all nodes during the run; CTL_BIN, default

@@ -11,6 +11,7 @@
 //! - [`stats`]: HDR histograms and error counts per op; the table and the JSON.
 //! - [`progress`]: the progress bar on stderr.
 //! - [`mixed`]: open loop at a target rate, latency from the intended send time.
+//! - [`interval`]: `mixed --interval`, the measured window's figures per interval.
 //! - [`status_load`]: `Cluster.Status` loops running beside `mixed` (`--status-callers`).
 //! - [`max`]: closed loop, throughput.
 //! - [`handoff`]: release-to-next-grant latency on contended resources.
@@ -18,6 +19,7 @@
 mod call;
 mod cli;
 mod handoff;
+mod interval;
 mod max;
 mod mixed;
 mod pool;

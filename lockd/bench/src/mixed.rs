@@ -24,6 +24,7 @@ use tokio::sync::Semaphore;
 
 use crate::call::call;
 use crate::cli::{Cli, MixedArgs};
+use crate::interval::{self, INTERVAL_MIN, Intervals};
 use crate::pool::Pool;
 use crate::progress::Progress;
 use crate::stats::{NOT_RELEASED, Recorder, fmt_us};
@@ -174,6 +175,8 @@ struct Ctx {
     measure_start: Instant,
     /// Worst latency (µs) of the calls intended in each second of the measured phase.
     worst_by_second: Vec<AtomicU64>,
+    /// Calls and acquire latency per `--interval` of the measured phase (none when off).
+    intervals: Intervals,
     measured: Recorder,
     warmup: Recorder,
     sent: AtomicU64,
@@ -193,12 +196,15 @@ impl Ctx {
         }
     }
 
-    fn note_latency(&self, intended: Instant, latency: Duration) {
+    /// A successful call: the measured phase's figures by intended time (the recorder is apart).
+    fn note_ok(&self, op: &'static str, intended: Instant, latency: Duration) {
         if let Some(sec) = intended.checked_duration_since(self.measure_start)
             && let Some(slot) = self.worst_by_second.get(sec.as_secs() as usize)
         {
             slot.fetch_max(latency.as_micros() as u64, Ordering::Relaxed);
         }
+        self.intervals
+            .ok(intended, (op == "acquire").then_some(latency));
     }
 
     fn quarantine(&self, r: u32) {
@@ -232,7 +238,7 @@ impl Ctx {
                 match res {
                     Ok(reply) => {
                         rec.ok("acquire", latency);
-                        self.note_latency(intended, latency);
+                        self.note_ok("acquire", intended, latency);
                         self.table
                             .lock()
                             .expect("table lock")
@@ -256,7 +262,7 @@ impl Ctx {
                 match res {
                     Ok(_) => {
                         rec.ok("renew", latency);
-                        self.note_latency(intended, latency);
+                        self.note_ok("renew", intended, latency);
                         self.table.lock().expect("table lock").hold(r, lease_id);
                     }
                     Err(e) => {
@@ -280,7 +286,7 @@ impl Ctx {
                 match res {
                     Ok(reply) if reply.released => {
                         rec.ok("release", latency);
-                        self.note_latency(intended, latency);
+                        self.note_ok("release", intended, latency);
                         self.table.lock().expect("table lock").set(r, Slot::Free);
                     }
                     Ok(_) => {
@@ -325,6 +331,19 @@ pub async fn run(cli: &Cli, args: &MixedArgs) -> anyhow::Result<()> {
     }
     if resources < 2 {
         anyhow::bail!("--resources {resources} must be at least 2");
+    }
+    if let Some(interval) = args.interval {
+        if interval < INTERVAL_MIN {
+            anyhow::bail!(
+                "--interval {interval:?} must be at least {INTERVAL_MIN:?}: shorter intervals hold \
+                 too few acquires for a p99"
+            );
+        }
+        if interval > duration {
+            anyhow::bail!(
+                "--interval {interval:?} must not be longer than --duration {duration:?}"
+            );
+        }
     }
     let renew_rate = rate as f64 / 3.0;
     let held_target = match args.held {
@@ -393,6 +412,7 @@ pub async fn run(cli: &Cli, args: &MixedArgs) -> anyhow::Result<()> {
         worst_by_second: (0..duration.as_secs().max(1) + 1)
             .map(|_| AtomicU64::new(0))
             .collect(),
+        intervals: Intervals::new(measure_start, duration, args.interval),
         measured: Recorder::new(&OPS),
         warmup: Recorder::new(&OPS),
         sent: AtomicU64::new(0),
@@ -417,6 +437,21 @@ pub async fn run(cli: &Cli, args: &MixedArgs) -> anyhow::Result<()> {
         })
     };
 
+    // Each interval's line as soon as its last call has finished, so that a long run shows a bad
+    // minute while it runs.
+    let interval_lines = args.interval.map(|_| {
+        let ctx = ctx.clone();
+        let lines = progress.lines();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(interval::POLL).await;
+                for (i, row) in ctx.intervals.take_complete() {
+                    lines.print(&row.line(i, ctx.intervals.count()));
+                }
+            }
+        })
+    });
+
     // The dispatcher: one intended time per call, fixed by the schedule alone.
     let slots = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
     let period_ns = 1e9 / rate as f64;
@@ -426,6 +461,7 @@ pub async fn run(cli: &Cli, args: &MixedArgs) -> anyhow::Result<()> {
     let mut i: u64 = 0;
     loop {
         let intended = start + Duration::from_nanos((i as f64 * period_ns) as u64);
+        ctx.intervals.dispatched_until(intended);
         if intended >= end {
             break;
         }
@@ -462,9 +498,11 @@ pub async fn run(cli: &Cli, args: &MixedArgs) -> anyhow::Result<()> {
                 ctx.sent.fetch_add(1, Ordering::Relaxed);
                 measured_sent += u64::from(measured);
                 ctx.in_flight.fetch_add(1, Ordering::Relaxed);
+                ctx.intervals.sent(intended);
                 let ctx = ctx.clone();
                 tokio::spawn(async move {
                     ctx.execute(planned, intended).await;
+                    ctx.intervals.finished(intended);
                     ctx.in_flight.fetch_sub(1, Ordering::Relaxed);
                     drop(permit);
                 });
@@ -472,13 +510,23 @@ pub async fn run(cli: &Cli, args: &MixedArgs) -> anyhow::Result<()> {
             Err(op) => rec.skipped(op),
         }
     }
+    ctx.intervals.dispatched_all();
     // Let the last calls finish; they each give up after --request-timeout.
     let _ = tokio::time::timeout(
         cli.request_timeout + Duration::from_secs(2),
         slots.acquire_many(MAX_IN_FLIGHT as u32),
     )
     .await;
+    if let Some(task) = interval_lines {
+        task.abort();
+        // Stopped before the rest is printed, so that no line comes twice or out of order.
+        let _ = task.await;
+    }
     progress.finish();
+    // Intervals whose calls outlived the drain: what they have, the unfinished calls apart.
+    for (i, row) in ctx.intervals.take_rest() {
+        eprintln!("{}", row.line(i, ctx.intervals.count()));
+    }
 
     let report = ctx.measured.report(duration);
     let warm = ctx.warmup.report(warmup);
@@ -497,6 +545,14 @@ pub async fn run(cli: &Cli, args: &MixedArgs) -> anyhow::Result<()> {
         fmt_us(dispatch_lag.max()),
     );
     eprint!("{}", report.table());
+    let rows = ctx.intervals.rows();
+    let worst = interval::worst(&rows, report.p99_us("acquire"));
+    if args.interval.is_some() {
+        match &worst {
+            Some(w) => eprintln!("{}", w.line(&rows)),
+            None => eprintln!("worst interval acquire p99: none (no acquire succeeded)"),
+        }
+    }
     let status_callers = status_load.callers();
     let status = status_load.finish(duration).await;
     let status_rate = status.ok_rate();
@@ -508,7 +564,7 @@ pub async fn run(cli: &Cli, args: &MixedArgs) -> anyhow::Result<()> {
         );
         eprint!("{}", status.table());
     }
-    let worst: Vec<f64> = ctx
+    let worst_by_second: Vec<f64> = ctx
         .worst_by_second
         .iter()
         .take(duration.as_secs() as usize)
@@ -535,7 +591,10 @@ pub async fn run(cli: &Cli, args: &MixedArgs) -> anyhow::Result<()> {
         "dispatch_lag_max_ms": dispatch_lag.max() as f64 / 1000.0,
         "warmup_errors": warm.error_total(),
         "ops": report.ops_json(),
-        "worst_ms_by_second": worst,
+        "worst_ms_by_second": worst_by_second,
+        "interval_s": args.interval.map(|d| d.as_secs_f64()),
+        "intervals": rows.iter().map(interval::Row::json).collect::<Vec<_>>(),
+        "worst_interval_p99_ratio": worst.map(|w| (w.ratio * 1000.0).round() / 1000.0),
         "status_callers": status_callers,
         "status_calls_per_s": (status_rate * 10.0).round() / 10.0,
         "status": status.ops_json()[STATUS_OP],

@@ -1,8 +1,10 @@
 //! Connections to the cluster and the choice of node for each call.
 //!
-//! With `--target leader` (the default) calls go straight to the leader, as a leader-following
-//! client would send them, so the figures do not include a forwarding hop. A background task asks
-//! `Cluster.Status` once a second and follows a leader change.
+//! With `--target any` (the default) calls go to every endpoint in turn and followers forward
+//! theirs to the leader, as for clients spread over the cluster. With `--target leader` they go
+//! straight to the leader, as a leader-following client would send them, so the figures do not
+//! include a forwarding hop. Either way a background task asks `Cluster.Status` once a second and
+//! follows a leader change (`--target leader` needs it; the report names the leader).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -55,8 +55,24 @@ impl Progress {
         Progress { bar, task }
     }
 
+    /// A handle that prints whole lines while the display runs.
+    pub fn lines(&self) -> Lines {
+        Lines(self.bar.clone())
+    }
+
     pub fn finish(self) {
         self.task.abort();
         self.bar.finish_and_clear();
+    }
+}
+
+/// Prints lines on stderr beside a running display: a bar drawn on a terminal would otherwise
+/// overwrite them or be torn by them.
+#[derive(Clone)]
+pub struct Lines(ProgressBar);
+
+impl Lines {
+    pub fn print(&self, line: &str) {
+        self.0.suspend(|| eprintln!("{line}"));
     }
 }

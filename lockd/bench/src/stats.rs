@@ -37,11 +37,23 @@ pub struct OpStats {
     pub skipped: u64,
 }
 
+/// An empty latency histogram (µs) with the bounds and precision of every figure of the report,
+/// so that figures from different histograms compare.
+pub fn latency_histogram() -> Histogram<u64> {
+    Histogram::new_with_bounds(1, HIST_MAX_US, HIST_SIGFIG)
+        .expect("static histogram bounds are valid")
+}
+
+/// Records `latency` in a [`latency_histogram`], clamped into its range.
+pub fn record_latency(hist: &mut Histogram<u64>, latency: Duration) {
+    let us = (latency.as_micros() as u64).clamp(1, HIST_MAX_US);
+    hist.record(us).expect("value clamped into range");
+}
+
 impl OpStats {
     fn new() -> Self {
         OpStats {
-            hist: Histogram::new_with_bounds(1, HIST_MAX_US, HIST_SIGFIG)
-                .expect("static histogram bounds are valid"),
+            hist: latency_histogram(),
             errors: BTreeMap::new(),
             skipped: 0,
         }
@@ -67,10 +79,9 @@ impl Recorder {
     }
 
     pub fn ok(&self, op: &'static str, latency: Duration) {
-        let us = (latency.as_micros() as u64).clamp(1, HIST_MAX_US);
         let mut ops = self.ops.lock().expect("recorder lock");
         let stats = ops.entry(op).or_insert_with(OpStats::new);
-        stats.hist.record(us).expect("value clamped into range");
+        record_latency(&mut stats.hist, latency);
     }
 
     pub fn error(&self, op: &'static str, code: &str, message: &str) {
@@ -160,6 +171,15 @@ impl Report {
         self.ops.iter().map(|(_, o)| o.error_total()).sum()
     }
 
+    /// The p99 latency (µs) of `op`'s successful calls; `None` when it had none.
+    pub fn p99_us(&self, op: &str) -> Option<u64> {
+        let p99 = QUANTILES.iter().position(|(label, _)| *label == "p99")?;
+        self.ops
+            .iter()
+            .find(|(name, o)| *name == op && o.ok > 0)
+            .map(|(_, o)| o.quantiles_us[p99])
+    }
+
     /// Successful calls per second of the measured phase.
     pub fn ok_rate(&self) -> f64 {
         self.ok_total() as f64 / self.elapsed.as_secs_f64().max(1e-9)
@@ -238,7 +258,7 @@ impl Report {
 }
 
 /// Milliseconds with µs precision, for JSON.
-fn ms(us: u64) -> f64 {
+pub fn ms(us: u64) -> f64 {
     us as f64 / 1000.0
 }
 
@@ -300,6 +320,9 @@ mod tests {
         let json = rep.ops_json();
         assert_eq!(json["acquire"]["ok"], 2);
         assert_eq!(json["release"]["errors_by_code"]["UNAVAILABLE"]["count"], 2);
+        let p99 = rep.p99_us("acquire").expect("two acquires");
+        assert!((4_000..=4_004).contains(&p99), "p99 of 2 and 4 ms: {p99}µs");
+        assert_eq!(rep.p99_us("release"), None, "no successful release");
     }
 
     #[test]

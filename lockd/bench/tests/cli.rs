@@ -79,3 +79,21 @@ fn unreachable_cluster_is_one_line() {
         &["no leader found", &endpoint],
     );
 }
+
+#[test]
+fn zero_interval_is_named_before_connecting() {
+    assert_one_line_error(
+        &bench(&["mixed", "--interval", "0s"]),
+        1,
+        &["--interval 0ns", "at least 1s"],
+    );
+}
+
+#[test]
+fn interval_longer_than_the_run_is_named_before_connecting() {
+    assert_one_line_error(
+        &bench(&["mixed", "--duration", "30s", "--interval", "60s"]),
+        1,
+        &["--interval 60s", "--duration 30s"],
+    );
+}
