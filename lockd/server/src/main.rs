@@ -201,6 +201,8 @@ fn renamed_env() -> Option<String> {
 
 /// mimalloc rather than the system allocator: at thousands of calls per second allocation is a
 /// tenth of the CPU, and glibc's per-thread arenas fragment under the snapshot's large buffers.
+/// Built without transparent huge pages (the `no_thp` feature): with them every 2 MiB region the
+/// heap touched was resident in full, 16 MB more per idle replica.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
