@@ -3,11 +3,13 @@
 //! With `--target any` (the default) calls go to every endpoint in turn and followers forward
 //! theirs to the leader, as for clients spread over the cluster. With `--target leader` they go
 //! straight to the leader, as a leader-following client would send them, so the figures do not
-//! include a forwarding hop. Either way a background task asks `Cluster.Status` once a second and
-//! follows a leader change (`--target leader` needs it; the report names the leader).
+//! include a forwarding hop. Either way a background task asks every endpoint for
+//! `Cluster.Status` once a second: it follows a leader change (`--target leader` needs it; the
+//! report names the leader), and `--target any` leaves out the endpoints that did not answer, as
+//! a client with health checks would, so a stopped node costs calls only until the next round.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -26,6 +28,8 @@ const STATUS_TIMEOUT: Duration = Duration::from_millis(800);
 const LEADER_REFRESH: Duration = Duration::from_secs(1);
 /// Sentinel in `leader` while no leader is known among the endpoints: calls go round-robin.
 const NO_LEADER: usize = usize::MAX;
+/// Endpoints the pool can track (one bit each in `up`).
+const ENDPOINTS_MAX: usize = 64;
 
 /// `connections` channels per endpoint and the index of the endpoint that is the leader.
 pub struct Pool {
@@ -37,6 +41,9 @@ pub struct Pool {
     target: Target,
     /// Index into `endpoints` of the leader, or `NO_LEADER`.
     leader: AtomicUsize,
+    /// Bit `e` set: `endpoints[e]` answered the last Status round. `--target any` sends only to
+    /// these (to all while none answered).
+    up: AtomicU64,
     /// Round-robin counter shared by all calls.
     next: AtomicUsize,
 }
@@ -56,6 +63,12 @@ impl Pool {
         if connections == 0 {
             anyhow::bail!("--connections 0 must be at least 1");
         }
+        if endpoints.len() > ENDPOINTS_MAX {
+            anyhow::bail!(
+                "--endpoints lists {} nodes; lockd-bench takes at most {ENDPOINTS_MAX}",
+                endpoints.len()
+            );
+        }
         let mut channels = Vec::new();
         for addr in endpoints {
             channels.push(
@@ -70,6 +83,7 @@ impl Pool {
             tls,
             target,
             leader: AtomicUsize::new(NO_LEADER),
+            up: AtomicU64::new(0),
             next: AtomicUsize::new(0),
         });
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
@@ -97,14 +111,19 @@ impl Pool {
         Ok(pool)
     }
 
-    /// Asks every endpoint for its view and records the leader's endpoint index.
+    /// Asks every endpoint for its view; records which answered and the leader's endpoint index.
     async fn find_leader(&self) -> anyhow::Result<()> {
         let mut last_err = None;
+        let mut up = 0u64;
+        let mut leader = None;
         for (i, addr) in self.endpoints.iter().enumerate() {
             let mut client = ClusterClient::new(self.channels[i][0].clone());
             let reply = tokio::time::timeout(STATUS_TIMEOUT, client.status(StatusRequest {})).await;
             let status = match reply {
-                Ok(Ok(s)) => s.into_inner(),
+                Ok(Ok(s)) => {
+                    up |= 1 << i;
+                    s.into_inner()
+                }
                 Ok(Err(e)) => {
                     last_err = Some(anyhow::anyhow!("{addr}: {}", e.message()));
                     continue;
@@ -120,6 +139,9 @@ impl Pool {
                 last_err = Some(anyhow::anyhow!("{addr}: knows no leader"));
                 continue;
             }
+            if leader.is_some() {
+                continue;
+            }
             let leader_addr = status
                 .members
                 .iter()
@@ -129,11 +151,16 @@ impl Pool {
                 .as_ref()
                 .and_then(|a| self.endpoints.iter().position(|e| e == a));
             // A leader outside the endpoint list is reached through forwarding.
-            self.leader
-                .store(index.unwrap_or(NO_LEADER), Ordering::Relaxed);
-            return Ok(());
+            leader = Some(index.unwrap_or(NO_LEADER));
         }
-        Err(last_err.unwrap_or_else(|| anyhow::anyhow!("no endpoints")))
+        self.up.store(up, Ordering::Relaxed);
+        match leader {
+            Some(leader) => {
+                self.leader.store(leader, Ordering::Relaxed);
+                Ok(())
+            }
+            None => Err(last_err.unwrap_or_else(|| anyhow::anyhow!("no endpoints"))),
+        }
     }
 
     /// A new lazily opened connection to `addr`, with the pool's TLS settings.
@@ -161,10 +188,35 @@ impl Pool {
             &conns[n % conns.len()]
         } else {
             let per = self.channels[0].len();
-            &self.channels[(n / per) % self.channels.len()][n % per]
+            let endpoint = nth_up(
+                self.up.load(Ordering::Relaxed),
+                n / per,
+                self.channels.len(),
+            );
+            &self.channels[endpoint][n % per]
         };
         LockClient::new(channel.clone())
     }
+}
+
+/// The `n`-th endpoint (round-robin) among those whose bit is set in `up`; among all `count`
+/// while none is.
+fn nth_up(up: u64, n: usize, count: usize) -> usize {
+    let answered = up.count_ones() as usize;
+    if answered == 0 {
+        return n % count;
+    }
+    let mut skip = n % answered;
+    for e in 0..count {
+        if up & (1 << e) != 0 {
+            if skip == 0 {
+                return e;
+            }
+            skip -= 1;
+        }
+    }
+    // Only bits below `count` are ever set.
+    n % count
 }
 
 /// One HTTP/2 connection to `addr`, opened on first use: a node that is down does not stop the
@@ -185,4 +237,22 @@ pub fn lazy_channel(addr: &str, tls: Option<&ClientTlsConfig>) -> anyhow::Result
 pub fn client_tls(cacert: &std::path::Path) -> anyhow::Result<ClientTlsConfig> {
     let pem = std::fs::read(cacert).with_context(|| format!("--cacert {}", cacert.display()))?;
     Ok(ClientTlsConfig::new().ca_certificate(Certificate::from_pem(pem)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::nth_up;
+
+    #[test]
+    fn calls_skip_the_endpoints_that_did_not_answer() {
+        // Node 2 of three is down: nodes 1 and 3 take turns.
+        let picks: Vec<usize> = (0..6).map(|n| nth_up(0b101, n, 3)).collect();
+        assert_eq!(picks, [0, 2, 0, 2, 0, 2]);
+        // All up: every node in turn.
+        let picks: Vec<usize> = (0..6).map(|n| nth_up(0b111, n, 3)).collect();
+        assert_eq!(picks, [0, 1, 2, 0, 1, 2]);
+        // None answered yet: every node in turn rather than none.
+        let picks: Vec<usize> = (0..4).map(|n| nth_up(0, n, 3)).collect();
+        assert_eq!(picks, [0, 1, 2, 0]);
+    }
 }
