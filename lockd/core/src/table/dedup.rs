@@ -7,8 +7,8 @@
 //! - records are fixed-size (79 bytes, see [`Record`]) and kept in one persistent vector in
 //!   creation order, which is time order (the table's clock never goes back). Pruning pops the
 //!   front; cloning for a snapshot is O(1) and later writes copy only the chunks they touch.
-//! - a hash index maps a key to its record's sequence number (8 bytes a slot, with a hash tag).
-//!   It is derived data: snapshots carry only the records, and loading one rebuilds the index.
+//! - a hash index maps a key to its record's sequence number (4 bytes a slot). It is derived
+//!   data: snapshots carry only the records, and loading one rebuilds the index.
 //!   Its hash is keyed per process (SipHash with a random key), so clients cannot choose
 //!   request_ids that collide in it; outcomes and encodings never depend on it.
 
@@ -167,8 +167,12 @@ impl Record {
 
     fn status(&self) -> Status {
         let bits = (self.packed() >> TTL_BITS) & 0b111;
-        // Only `pack` writes these bits, always from a `Status`.
-        Status::ALL[bits as usize]
+        // Only `pack` writes these bits, always from a `Status`; a value it cannot write reads
+        // as a removed record rather than stopping the replica.
+        Status::ALL
+            .get(bits as usize)
+            .copied()
+            .unwrap_or(Status::Forgotten)
     }
 
     fn legacy(&self) -> bool {
@@ -346,26 +350,35 @@ pub(super) struct DedupWindow {
     front: u32,
     /// Number of live (not Forgotten) records.
     live: usize,
-    /// Sequence numbers of live records, found by key.
-    index: HashTable<Slot>,
+    /// Sequence numbers of live records, found by key: 4 bytes a slot (plus hashbrown's
+    /// control byte), 10.5 MB at 1.2 million records where slots that also kept a 32-bit hash
+    /// tag took 18.9 MB. A slot's hash is its record key's, so growing through hashbrown would
+    /// look up every slot's record to hash it again (1.4 s at the doubling near 917,000
+    /// records, apply stalled on every replica at the same log index; a pass over the records
+    /// in order still took 0.2 s). Instead a full index becomes `draining` and a new one with
+    /// twice the room takes new records, and each `push` moves a few old ones across.
+    index: HashTable<u32>,
+    /// How many slots `index` had room for when it was made (its capacity shrinks as removals
+    /// leave tombstones).
+    index_room: usize,
+    /// The previous index while its slots move to `index`.
+    draining: Option<Draining>,
     hasher: RandomState,
 }
 
-/// An index slot: a live record's sequence number and 32 bits of its key's keyed hash. The
-/// table's hash is a function of the tag alone, so when the table grows it rehashes from the
-/// slots without reading a record. (Rehashing from the records' keys took 1.4 s at the doubling
-/// near 917,000 records, with apply stalled on every replica at the same log index.)
-#[derive(Clone, Copy, Debug)]
-struct Slot {
-    seq: u32,
-    tag: u32,
+/// An index being emptied into its successor, in record order.
+#[derive(Clone)]
+struct Draining {
+    slots: HashTable<u32>,
+    /// Sequence number of the next record to move.
+    next: u32,
+    /// One past the last record the old index can hold.
+    end: u32,
 }
 
-/// Spreads a tag over 64 bits: hashbrown picks the bucket from the low bits and a control byte
-/// from the top seven.
-fn table_hash(tag: u32) -> u64 {
-    u64::from(tag).wrapping_mul(0x9E37_79B9_7F4A_7C15)
-}
+/// Records moved to the new index per record pushed: the old index is empty after an eighth of
+/// the records it covered were pushed, long before the new one (with twice the room) fills.
+const MOVES_PER_PUSH: usize = 8;
 
 impl DedupWindow {
     /// Number of live records.
@@ -382,19 +395,21 @@ impl DedupWindow {
     }
 
     /// The same records without the index, for a snapshot to encode: O(1), where a full clone
-    /// would copy the index (about 19 MB at 1.2 million records) while apply waits.
+    /// would copy the index (about 10 MB at 1.2 million records) while apply waits.
     pub(super) fn copy_for_encoding(&self) -> DedupWindow {
         DedupWindow {
             records: self.records.clone(),
             front: self.front,
             live: self.live,
             index: HashTable::new(),
+            index_room: 0,
+            draining: None,
             hasher: self.hasher.clone(),
         }
     }
 
-    fn tag(&self, key: &[u8; 16]) -> u32 {
-        (self.hasher.hash_one(key) >> 32) as u32
+    fn hash(&self, key: &[u8; 16]) -> u64 {
+        self.hasher.hash_one(key)
     }
 
     fn position(&self, seq: u32) -> usize {
@@ -403,16 +418,16 @@ impl DedupWindow {
 
     fn find(&self, key: RequestKey) -> Option<u32> {
         let key = key.0.to_le_bytes();
-        let tag = self.tag(&key);
+        let hash = self.hash(&key);
+        let is_key = |&seq: &u32| {
+            self.records
+                .get(self.position(seq))
+                .is_some_and(|r| r.key == key)
+        };
         self.index
-            .find(table_hash(tag), |slot| {
-                slot.tag == tag
-                    && self
-                        .records
-                        .get(self.position(slot.seq))
-                        .is_some_and(|r| r.key == key)
-            })
-            .map(|slot| slot.seq)
+            .find(hash, is_key)
+            .or_else(|| self.draining.as_ref()?.slots.find(hash, is_key))
+            .copied()
     }
 
     /// The record of `key`: what identifies it, and the state.
@@ -447,14 +462,94 @@ impl DedupWindow {
 
     /// Appends a record and indexes it under the next sequence number.
     fn push(&mut self, record: Record) {
+        self.drain(MOVES_PER_PUSH);
+        if self.index.len() == self.index.capacity() {
+            // Only if the old index could not be emptied in time: finish it first.
+            self.finish_drain();
+            self.grow_index();
+        }
         let seq = self.front.wrapping_add(self.records.len() as u32);
-        let tag = self.tag(&record.key);
+        let hash = self.hash(&record.key);
         self.records.push_back(record);
         self.live += 1;
-        self.index
-            .insert_unique(table_hash(tag), Slot { seq, tag }, |slot| {
-                table_hash(slot.tag)
+        let (records, front, hasher) = (&self.records, self.front, &self.hasher);
+        // There is room (made above), so hashbrown never calls the closure.
+        self.index.insert_unique(hash, seq, |&s| {
+            let at = s.wrapping_sub(front) as usize;
+            records.get(at).map_or(0, |r| hasher.hash_one(r.key))
+        });
+    }
+
+    /// Starts a new index with twice the room of the full one (or the same room when removals
+    /// left the full one mostly tombstones, as hashbrown itself would), which drains into it.
+    fn grow_index(&mut self) {
+        let room = if self.live + 1 > self.index_room / 2 {
+            (self.index_room + 1).max(64)
+        } else {
+            self.index_room
+        };
+        let index = HashTable::with_capacity(room);
+        self.index_room = index.capacity();
+        let old = std::mem::replace(&mut self.index, index);
+        if !old.is_empty() {
+            self.draining = Some(Draining {
+                slots: old,
+                next: self.front,
+                end: self.front.wrapping_add(self.records.len() as u32),
             });
+        }
+    }
+
+    /// Moves every slot left in the draining index to the current one.
+    fn finish_drain(&mut self) {
+        let Some(mut draining) = self.draining.take() else {
+            return;
+        };
+        let (records, front, hasher) = (&self.records, self.front, &self.hasher);
+        let hash_of = |s: u32| {
+            records
+                .get(s.wrapping_sub(front) as usize)
+                .map_or(0, |r| hasher.hash_one(r.key))
+        };
+        for seq in draining.slots.drain() {
+            self.index.insert_unique(hash_of(seq), seq, |&s| hash_of(s));
+        }
+    }
+
+    /// Moves the slots of up to `moves` records from the draining index to the current one.
+    fn drain(&mut self, moves: usize) {
+        let Some(draining) = &mut self.draining else {
+            return;
+        };
+        let (records, front, hasher) = (&self.records, self.front, &self.hasher);
+        // Pruning may have passed `next`; a window is far smaller than 2^31 records.
+        if (draining.next.wrapping_sub(front) as i32) < 0 {
+            draining.next = front;
+        }
+        for _ in 0..moves {
+            if draining.slots.is_empty() || (draining.end.wrapping_sub(draining.next) as i32) <= 0 {
+                break;
+            }
+            let seq = draining.next;
+            draining.next = seq.wrapping_add(1);
+            let Some(record) = records.get(seq.wrapping_sub(front) as usize) else {
+                break;
+            };
+            let hash = hasher.hash_one(record.key);
+            if let Ok(entry) = draining.slots.find_entry(hash, |&s| s == seq) {
+                entry.remove();
+                // The new index has room for every slot of the old one.
+                self.index.insert_unique(hash, seq, |&s| {
+                    let at = s.wrapping_sub(front) as usize;
+                    records.get(at).map_or(0, |r| hasher.hash_one(r.key))
+                });
+            }
+        }
+        if draining.slots.is_empty() || (draining.end.wrapping_sub(draining.next) as i32) <= 0 {
+            // Every record the old index could hold was visited, so what is left in it (if
+            // anything) is stale; drop it.
+            self.draining = None;
+        }
     }
 
     /// Changes the state of `key`'s record, if it has one.
@@ -523,8 +618,13 @@ impl DedupWindow {
 
     /// Drops the index entry of a live record, which stops counting as live.
     fn unindex(&mut self, key: &[u8; 16], seq: u32) {
-        let hash = table_hash(self.tag(key));
-        if let Ok(entry) = self.index.find_entry(hash, |slot| slot.seq == seq) {
+        let hash = self.hash(key);
+        if let Ok(entry) = self.index.find_entry(hash, |&s| s == seq) {
+            entry.remove();
+            self.live -= 1;
+        } else if let Some(draining) = &mut self.draining
+            && let Ok(entry) = draining.slots.find_entry(hash, |&s| s == seq)
+        {
             entry.remove();
             self.live -= 1;
         }
@@ -582,10 +682,10 @@ impl DedupWindow {
                 ));
             }
         }
-        if live != self.index.len() || live != self.live {
+        let indexed = self.index.len() + self.draining.as_ref().map_or(0, |d| d.slots.len());
+        if live != indexed || live != self.live {
             return Err(format!(
-                "dedup index has {} entries and counts {} for {live} live records",
-                self.index.len(),
+                "dedup index has {indexed} entries and counts {} for {live} live records",
                 self.live
             ));
         }
@@ -855,6 +955,66 @@ mod tests {
             assert_eq!(get(&copy, key), get(&w, key), "record {i}");
         }
         assert!(copy.records.iter().all(Record::is_live));
+    }
+
+    /// The index grows by draining into a successor while records come and go: every live
+    /// record stays findable through each doubling, at every step, with sequence numbers that
+    /// wrap and pruning that passes the drain's cursor.
+    #[test]
+    fn the_index_grows_without_losing_a_record() {
+        let mut w = DedupWindow {
+            front: u32::MAX - 3_000,
+            ..DedupWindow::default()
+        };
+        let mut model: std::collections::BTreeMap<u64, u64> = Default::default();
+        let mut rng = 0x2545_f491_4f6c_dd1d_u64;
+        let mut next = || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng
+        };
+        let mut drained = 0;
+        for step in 0..40_000u64 {
+            let now = step as i64;
+            match next() % 10 {
+                // Mostly inserts, so the window fills through several doublings.
+                0..=6 => {
+                    w.insert(id(RequestKey::of(&step.to_string()), step), now, DedupState::TimedOut);
+                    model.insert(step, step);
+                }
+                7 | 8 => {
+                    if let Some((&k, _)) = model.range(next() % (step + 1)..).next() {
+                        w.remove(RequestKey::of(&k.to_string()));
+                        model.remove(&k);
+                    }
+                }
+                _ => {
+                    // Forget what is older than a sliding horizon (none of these wait), now and
+                    // then far ahead, past the drain's cursor.
+                    let lag = if w.draining.is_some() && next() % 50 == 0 { 1_000 } else { 15_000 };
+                    let horizon = now - lag;
+                    w.prune(horizon, now, |_| {});
+                    model.retain(|&k, _| k as i64 > horizon);
+                }
+            }
+            if w.draining.is_some() {
+                drained += 1;
+            }
+            assert_eq!(w.len(), model.len(), "step {step}");
+            if step % 997 == 0 || w.draining.is_some() && step % 7 == 0 {
+                w.check().unwrap_or_else(|e| panic!("step {step}: {e}"));
+                for (&k, &args) in model.iter().step_by(11) {
+                    assert_eq!(
+                        get(&w, RequestKey::of(&k.to_string())),
+                        Some((args, DedupState::TimedOut)),
+                        "step {step}, record {k}"
+                    );
+                }
+            }
+        }
+        assert!(drained > 1_000, "the index drained for only {drained} steps");
+        w.check().unwrap();
     }
 
     #[test]

@@ -162,9 +162,11 @@ pub(crate) fn sync_dir(dir: &Path) -> anyhow::Result<()> {
 /// redb caches up to 1 GiB per database by default, and counts written pages in it. The log is
 /// read mostly near its end (fresh entries also sit in the writer's overlay), so a small cache
 /// costs little. A full cache stays full for the life of the process (redb adds a written page
-/// only while there is room), so this is memory every replica holds: 8 MiB rather than 32 (a
-/// quarter of the 150 MB asked per replica at the ten-minute steady state).
-const LOG_CACHE_BYTES: usize = 8 * 1024 * 1024;
+/// only while there is room), so this is memory every replica holds, while the pages it holds
+/// are soon old ones: reads of fresh entries go to the kernel's page cache once it is full. 2 MiB
+/// (32 before 6b9603d, 8 until the round-3 memory work) kept the same latency at 6,000 ops/s
+/// (docs/benchmarks.md, round 3).
+const LOG_CACHE_BYTES: usize = 2 * 1024 * 1024;
 /// Enough for reading a legacy `snapshot.redb` once.
 const LEGACY_SNAPSHOT_CACHE_BYTES: usize = 4 * 1024 * 1024;
 
