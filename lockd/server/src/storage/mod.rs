@@ -160,12 +160,12 @@ pub(crate) fn sync_dir(dir: &Path) -> anyhow::Result<()> {
 }
 
 /// redb caches up to 1 GiB per database by default, and counts written pages in it. The log is
-/// read mostly near its end (fresh entries also sit in the writer's overlay), so a small cache
-/// costs little. A full cache stays full for the life of the process (redb adds a written page
-/// only while there is room), so this is memory every replica holds, while the pages it holds
-/// are soon old ones: reads of fresh entries go to the kernel's page cache once it is full. 2 MiB
-/// (32 before 6b9603d, 8 until the round-3 memory work) kept the same latency at 6,000 ops/s
-/// (docs/benchmarks.md, round 3).
+/// read mostly near its end, where the writer's overlay serves entries not yet durable, so a small
+/// cache costs little. Once the cache is full redb stops adding written pages to it (pages read
+/// on a miss still replace others), so it stays full for the life of the process: memory every
+/// replica holds. 2 MiB (32 before 6b9603d, then 8) measured no slower at 6,000 ops/s over ten
+/// minutes (docs/benchmarks.md, "Memory, second step"); redb then buffers at most 1 MiB of a
+/// write transaction before writing pages out, far above one batch of log entries.
 const LOG_CACHE_BYTES: usize = 2 * 1024 * 1024;
 /// Enough for reading a legacy `snapshot.redb` once.
 const LEGACY_SNAPSHOT_CACHE_BYTES: usize = 4 * 1024 * 1024;
