@@ -163,8 +163,8 @@ pub(crate) fn sync_dir(dir: &Path) -> anyhow::Result<()> {
 /// read mostly near its end, where the writer's overlay serves entries not yet durable, so a small
 /// cache costs little. Once the cache is full redb stops adding written pages to it (pages read
 /// on a miss still replace others), so it stays full for the life of the process: memory every
-/// replica holds. 2 MiB (32 before 6b9603d, then 8) measured no slower at 6,000 ops/s over ten
-/// minutes (docs/benchmarks.md, "Memory, second step"); redb then buffers at most 1 MiB of a
+/// replica holds. 2 MiB (32 before 6b9603d, then 8) measured no slower at 6,000 ops/s
+/// (docs/benchmarks.md, "Memory, second step"); redb then buffers at most 1 MiB of a
 /// write transaction before writing pages out, far above one batch of log entries.
 const LOG_CACHE_BYTES: usize = 2 * 1024 * 1024;
 /// Enough for reading a legacy `snapshot.redb` once.
