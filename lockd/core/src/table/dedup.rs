@@ -1035,8 +1035,7 @@ mod tests {
             ..DedupWindow::default()
         };
         // Key number -> (argument digest, state, created).
-        let mut model: std::collections::BTreeMap<u64, (u64, DedupState, i64)> =
-            Default::default();
+        let mut model: std::collections::BTreeMap<u64, (u64, DedupState, i64)> = Default::default();
         let mut gone: Vec<u64> = Vec::new();
         let mut rng = 0x2545_f491_4f6c_dd1d_u64 ^ steps ^ (removals << 8) ^ (waiting << 16);
         let mut next = || {
@@ -1069,7 +1068,11 @@ mod tests {
             } else if roll == 19 {
                 // Forget what is older than a sliding horizon, now and then far ahead (past
                 // the drain's cursor); waiting records are carried over.
-                let lag = if w.draining.is_some() && next() % 20 == 0 { 500 } else { 15_000 };
+                let lag = if w.draining.is_some() && next() % 20 == 0 {
+                    500
+                } else {
+                    15_000
+                };
                 let horizon = now - lag;
                 w.prune(horizon, now, |_| {});
                 for (_, state, created) in model.values_mut() {
@@ -1104,7 +1107,11 @@ mod tests {
             if step % 997 == 0 || w.draining.is_some() && step % 5 == 0 {
                 w.check().unwrap_or_else(|e| panic!("step {step}: {e}"));
                 for (&k, &(args, state, _)) in model.iter().step_by(7) {
-                    assert_eq!(get(&w, key(k)), Some((args, state)), "step {step}, record {k}");
+                    assert_eq!(
+                        get(&w, key(k)),
+                        Some((args, state)),
+                        "step {step}, record {k}"
+                    );
                 }
                 for &k in gone.iter().rev().take(20) {
                     if !model.contains_key(&k) {
@@ -1119,7 +1126,11 @@ mod tests {
                 assert!(rebuilt.draining.is_none());
                 rebuilt.check().unwrap();
                 for (&k, &(args, state, _)) in model.iter().step_by(13) {
-                    assert_eq!(get(&rebuilt, key(k)), Some((args, state)), "rebuilt, record {k}");
+                    assert_eq!(
+                        get(&rebuilt, key(k)),
+                        Some((args, state)),
+                        "rebuilt, record {k}"
+                    );
                 }
                 rebuilt.insert(id(key(u64::MAX - step), 1), now, DedupState::Held);
                 rebuilt.check().unwrap();
@@ -1138,9 +1149,15 @@ mod tests {
             }
         }
         assert!(drained > 500, "the index drained for only {drained} steps");
-        assert_eq!(w.rebuilds, 0, "a drain did not end before the new index filled");
+        assert_eq!(
+            w.rebuilds, 0,
+            "a drain did not end before the new index filled"
+        );
         if front > u32::MAX - 100_000 {
-            assert!(wrapped_while_draining, "no drain crossed the wrap of sequence numbers");
+            assert!(
+                wrapped_while_draining,
+                "no drain crossed the wrap of sequence numbers"
+            );
         }
         w.check().unwrap();
     }
@@ -1184,10 +1201,17 @@ mod tests {
             }
         }
         assert!(drains >= 2, "{drains} drains");
-        assert_eq!(w.rebuilds, 0, "a drain did not end before the new index filled");
+        assert_eq!(
+            w.rebuilds, 0,
+            "a drain did not end before the new index filled"
+        );
         w.check().unwrap();
         for k in (0..60_000u64).filter(|k| *k >= 40_000 || k % 20 == 0) {
-            assert_eq!(get(&w, key(k)), Some((k, DedupState::TimedOut)), "record {k}");
+            assert_eq!(
+                get(&w, key(k)),
+                Some((k, DedupState::TimedOut)),
+                "record {k}"
+            );
         }
     }
 
