@@ -1085,9 +1085,9 @@ mod tests {
                 // A removed key comes back while its forgotten record may still be ahead of
                 // the drain's cursor.
                 let k = gone.swap_remove((next() % gone.len() as u64) as usize);
-                if !model.contains_key(&k) {
+                if let std::collections::btree_map::Entry::Vacant(slot) = model.entry(k) {
                     w.insert(id(key(k), k + 1), now, DedupState::TimedOut);
-                    model.insert(k, (k + 1, DedupState::TimedOut, now));
+                    slot.insert((k + 1, DedupState::TimedOut, now));
                 }
             } else {
                 let state = if next() % 10 < waiting {
