@@ -379,6 +379,14 @@ struct Draining {
     end: u32,
 }
 
+/// The hash of the slot `seq`: its record's key's. hashbrown asks for it only to grow a table,
+/// which the window never lets it do (see `DedupWindow::index`); 0 for a slot without a record.
+fn slot_hash(records: &Vector<Record>, front: u32, hasher: &RandomState, seq: u32) -> u64 {
+    records
+        .get(seq.wrapping_sub(front) as usize)
+        .map_or(0, |r| hasher.hash_one(r.key))
+}
+
 /// Records visited for the draining index per record pushed, at least: more when the new index
 /// would otherwise fill first (see `DedupWindow::moves_due`).
 const MOVES_PER_PUSH: usize = 8;
@@ -483,10 +491,8 @@ impl DedupWindow {
         self.live += 1;
         let (records, front, hasher) = (&self.records, self.front, &self.hasher);
         // There is room (made above), so hashbrown never calls the closure.
-        self.index.insert_unique(hash, seq, |&s| {
-            let at = s.wrapping_sub(front) as usize;
-            records.get(at).map_or(0, |r| hasher.hash_one(r.key))
-        });
+        self.index
+            .insert_unique(hash, seq, |&s| slot_hash(records, front, hasher, s));
     }
 
     /// Room for the next index: twice the full one's, or the same when removals left the full
@@ -526,8 +532,7 @@ impl DedupWindow {
             if record.is_live() {
                 // There is room for every live record, so hashbrown never calls the closure.
                 index.insert_unique(hasher.hash_one(record.key), seq, |&s| {
-                    let at = s.wrapping_sub(front) as usize;
-                    records.get(at).map_or(0, |r| hasher.hash_one(r.key))
+                    slot_hash(records, front, hasher, s)
                 });
             }
             seq = seq.wrapping_add(1);
@@ -588,10 +593,8 @@ impl DedupWindow {
             if let Ok(entry) = draining.slots.find_entry(hash, |&s| s == next) {
                 entry.remove();
                 // Checked above: there is room, so hashbrown never calls the closure.
-                self.index.insert_unique(hash, next, |&s| {
-                    let at = s.wrapping_sub(front) as usize;
-                    records.get(at).map_or(0, |r| hasher.hash_one(r.key))
-                });
+                self.index
+                    .insert_unique(hash, next, |&s| slot_hash(records, front, hasher, s));
             }
             next = next.wrapping_add(1);
         }
