@@ -1,5 +1,6 @@
 //! Applies the design load to a bare `LockTable`, one replica's apply path without Raft or RPC,
-//! and prints how long batches took: the slowest batch shows stalls such as an index rehash.
+//! and prints how long batches took (the slowest batch shows stalls such as an index rehash) and
+//! how much memory the table took (the process's RSS before and after, with lockd's allocator).
 //!
 //!   cargo run --release -p lockd-core --example apply_bench [ACQUIRES]
 //!
@@ -12,12 +13,28 @@ use std::time::{Duration, Instant};
 
 use lockd_core::{Batch, Command, LeaseId, LockTable, Outcome, Policy, ResourceName, Stamp};
 
+/// lockd's allocator and settings (see lockd-server's `main.rs`), so the memory figures are a
+/// replica's.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// The process's resident set, in MB (Linux; 0 elsewhere).
+fn rss_mb() -> f64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmRSS:"))
+        .and_then(|kb| kb.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        .map_or(0.0, |kb| kb / 1024.0)
+}
+
 fn main() {
     let acquires: u64 = std::env::args()
         .nth(1)
         .map(|a| a.parse().expect("ACQUIRES must be a number"))
         .unwrap_or(1_200_000);
     let per_batch = 13u64;
+    let rss_before = rss_mb();
     let mut table = LockTable::new();
     let mut now_ms = 1_700_000_000_000i64;
     let mut to_release: Vec<(ResourceName, LeaseId)> = Vec::new();
@@ -92,6 +109,12 @@ fn main() {
     println!(
         "dedup records {}, active resources {}",
         stats.dedup_records, stats.resources
+    );
+    let rss_after = rss_mb();
+    println!(
+        "RSS {rss_before:.1} MB before, {rss_after:.1} MB with the table: {:.1} MB, {:.1} bytes a dedup record",
+        rss_after - rss_before,
+        (rss_after - rss_before) * 1024.0 * 1024.0 / stats.dedup_records.max(1) as f64
     );
     let copy = Instant::now();
     let snapshot = table.snapshot_copy();

@@ -16,8 +16,9 @@ use crate::types::{LeaseId, RequestKey, ResourceName};
 
 /// The replicated lock table. Changed only by [`LockTable::apply`]; everything else reads.
 ///
-/// The large collections are persistent (imbl): a snapshot copy ([`LockTable::snapshot_copy`]) is
-/// O(1) and shares structure, so a snapshot is consistent without stopping apply for the length of
+/// The large collections are persistent (imbl; the dedup window's records in shared chunks): a
+/// snapshot copy ([`LockTable::snapshot_copy`]) shares structure, copying at most one pointer per
+/// 244 records, so a snapshot is consistent without stopping apply for the length of
 /// a deep copy; later writes copy only the nodes they touch. Ordered collections throughout (the dedup
 /// window's hash index is only looked up, never iterated), so every replica iterates and encodes
 /// the same table identically.
@@ -644,7 +645,7 @@ impl LockTable {
                         let waiter = state.waiters.remove(index).expect("index from position");
                         self.forget_waiter(resource, &waiter);
                         self.abandoned.remove(&key);
-                        self.dedup_set(key, DedupState::TimedOut);
+                        self.dedup.time_out(key);
                         events.push(waiter_event(
                             EventKind::TimedOut { waiter: key },
                             resource,
@@ -721,7 +722,7 @@ impl LockTable {
                     self.dedup_forget(waiter.key);
                     continue;
                 }
-                self.dedup_set(waiter.key, DedupState::TimedOut);
+                self.dedup.time_out(waiter.key);
                 events.push(waiter_event(
                     EventKind::TimedOut { waiter: waiter.key },
                     resource,
@@ -1024,10 +1025,6 @@ impl LockTable {
         } else {
             !now.legacy && recorded.args == now.args
         }
-    }
-
-    fn dedup_set(&mut self, key: RequestKey, state: DedupState) {
-        self.dedup.set_state(key, state);
     }
 
     /// Forgets dedup records older than the retention window (waiting ones excepted: see

@@ -54,8 +54,9 @@ pub enum SnapshotError {
     },
 }
 
-/// A copy of the table taken for a snapshot, to encode off the apply path. Taking it is O(1)
-/// (persistent collections; the dedup index, derived data, is left out), and it can only be
+/// A copy of the table taken for a snapshot, to encode off the apply path. Taking it shares
+/// structure (persistent collections, the dedup window's records by chunk; the dedup index,
+/// derived data, is left out), and it can only be
 /// encoded, never applied to.
 pub struct SnapshotCopy(LockTable);
 
