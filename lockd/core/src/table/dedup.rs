@@ -1020,12 +1020,45 @@ mod tests {
         assert!(copy.records.iter().all(|r| r.is_live()));
     }
 
+    /// A window whose storage has removed records in unused slots (a gap in time) and tokens
+    /// kept aside (tokens far apart) encodes exactly the live records, in order, as the wire
+    /// layout always did, and loads back to the same bytes.
+    #[test]
+    fn a_window_with_fillers_and_far_tokens_encodes_its_live_records_as_before() {
+        let mut w = DedupWindow::default();
+        let mut expected = Vec::new();
+        for i in 0..1_000u64 {
+            let created = i as i64 * 1_000 + if i > 500 { 100_000 } else { 0 };
+            let state = if i % 7 == 0 {
+                DedupState::Waiting
+            } else {
+                DedupState::Granted(grant(1 + i * 40_000))
+            };
+            let ident = id(RequestKey::of(&i.to_string()), i);
+            w.insert(ident, created, state);
+            if i % 3 == 0 {
+                w.remove(ident.key);
+            } else {
+                expected.push(RecordWire::from(Record::new(ident, created, state)));
+            }
+        }
+        assert!(w.records.closed_early > 0);
+        let bytes = postcard::to_allocvec(&w).unwrap();
+        assert_eq!(bytes, postcard::to_allocvec(&expected).unwrap());
+        let copy: DedupWindow = postcard::from_bytes(&bytes).unwrap();
+        copy.check().unwrap();
+        assert_eq!(postcard::to_allocvec(&copy).unwrap(), bytes);
+    }
+
     /// Random operations on a window against a map of what must be found, with `check` (which
     /// also fails if hashbrown grew an index by itself, the stall the drain avoids) at every
     /// step while a drain is in progress. `removals` in 20 of the operations remove a record
     /// (or grant a waiting one, which moves it to the back); `waiting` of every 10 records
     /// wait, so pruning carries them over.
-    fn churn(front: u32, steps: u64, removals: u64, waiting: u64) {
+    ///
+    /// With `gaps`, the clock jumps by 70 s now and then, so records close their storage chunk
+    /// early (see `records`) and sequence numbers skip the fillers.
+    fn churn(front: u32, steps: u64, removals: u64, waiting: u64, gaps: bool) {
         let mut w = DedupWindow {
             front,
             ..DedupWindow::default()
@@ -1042,8 +1075,16 @@ mod tests {
         };
         let key = |k: u64| RequestKey::of(&k.to_string());
         let (mut drained, mut wrapped_while_draining) = (0, false);
+        // The clock at each step so far.
+        let mut clock: Vec<i64> = Vec::new();
         for step in 0..steps {
-            let now = step as i64;
+            let jump = if gaps && next() % 1_500 == 0 {
+                70_000
+            } else {
+                1
+            };
+            let now = clock.last().map_or(0, |last| last + jump);
+            clock.push(now);
             let roll = next() % 20;
             if roll < removals {
                 let pick = next();
@@ -1064,12 +1105,12 @@ mod tests {
             } else if roll == 19 {
                 // Forget what is older than a sliding horizon, now and then far ahead (past
                 // the drain's cursor); waiting records are carried over.
-                let lag = if w.draining.is_some() && next() % 20 == 0 {
+                let lag: usize = if w.draining.is_some() && next() % 20 == 0 {
                     500
                 } else {
                     15_000
                 };
-                let horizon = now - lag;
+                let horizon = clock[(step as usize).saturating_sub(lag)];
                 w.prune(horizon, now, |_| {});
                 for (_, state, created) in model.values_mut() {
                     if *state == DedupState::Waiting && *created <= horizon {
@@ -1145,6 +1186,13 @@ mod tests {
             }
         }
         assert!(drained > 500, "the index drained for only {drained} steps");
+        if gaps {
+            assert!(
+                w.records.closed_early > 10,
+                "{} chunks closed early",
+                w.records.closed_early
+            );
+        }
         assert_eq!(
             w.rebuilds, 0,
             "a drain did not end before the new index filled"
@@ -1161,14 +1209,21 @@ mod tests {
     #[test]
     fn the_index_grows_without_losing_a_record() {
         // Mostly inserts: the window fills through several doublings, across the wrap.
-        churn(u32::MAX - 3_000, 40_000, 4, 1);
+        churn(u32::MAX - 3_000, 40_000, 4, 1, false);
+    }
+
+    #[test]
+    fn records_after_gaps_in_time_stay_findable() {
+        // The clock jumps past a storage chunk's span now and then: the chunk closes with
+        // removed records in its unused slots, and sequence numbers skip them, across the wrap.
+        churn(u32::MAX - 3_000, 40_000, 4, 1, true);
     }
 
     #[test]
     fn the_index_grows_in_time_when_most_records_are_forgotten() {
         // Nearly as many removals (or grants) as inserts: several records for each live one,
         // so a drain has many records to visit for each slot it moves.
-        churn(0, 60_000, 8, 5);
+        churn(0, 60_000, 8, 5, false);
     }
 
     /// Twenty records for each live one when the index fills: the drain has to visit them all

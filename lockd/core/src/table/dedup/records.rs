@@ -1,27 +1,35 @@
 //! The window's records in creation order, in chunks that share a time base and a token base.
 //!
 //! A record is 79 bytes as a value ([`Record`]). Stored, its creation time and its fencing token
-//! are kept as 2-byte offsets from its chunk's first ones: 67 bytes a record ([`Slot`]). The
+//! are kept as 2-byte offsets from bases its chunk keeps: 67 bytes a record ([`Slot`]). The
 //! offsets of neighbours are small because records are created in time order and, since every
-//! grant creates one record, in token order. A record whose offsets do not fit (created more
-//! than 65.5 s after the chunk's first record, a token 65,535 or more past the chunk's first,
-//! or one that goes back, which only a snapshot written by hand can hold) starts the next chunk,
-//! and the rest of the chunk before is filled with removed records. So every chunk but the last
-//! has exactly [`CHUNK_SLOTS`] slots and a record's chunk is found by a division. No value is
-//! ever clamped here: what goes in comes out.
+//! grant creates one record at once, in token order: the 244 records of a chunk span at most 244
+//! tokens.
+//!
+//! - **Time.** A record created 65.5 s or more after the chunk's first (or before it, which only
+//!   a snapshot written by hand can hold) starts the next chunk, and the rest of the chunk before
+//!   is filled with removed records. So every chunk but the last has exactly [`CHUNK_SLOTS`]
+//!   slots and a record's chunk is found by a division. This happens at most once per 65.5 s of
+//!   the retention, whatever clients do.
+//! - **Token.** The base is set 32,767 below the chunk's first token, so tokens up to 32,767 below
+//!   and 32,766 above it fit. A token outside (a snapshot written before lockd granted waiters at
+//!   the back of the window holds waiters granted in place: their records sit at the enqueue,
+//!   with a token issued up to minutes of grants later) is kept whole in a side map by slot,
+//!   never by closing the chunk: such records can alternate with ordinary ones, and closing
+//!   chunks for them would take a 16 KiB chunk per record.
+//!
+//! No value is clamped here: what goes in comes out.
 //!
 //! A chunk and the `Arc` around it take exactly 16,384 bytes, one mimalloc size class: 67.1 bytes
 //! a record, where the 79-byte records in an `imbl` vector took 80 (64 of them in a 5,120-byte
 //! block), about 15 MB less for the 1.2 million records of a full window. Cloning for a snapshot
-//! copies the chunk pointers (about 5,000 for a full window, 0.2 ms); a later write to a chunk the
-//! snapshot still shares copies that chunk alone.
-//!
-//! A chunk closed early wastes its unused slots, whatever clients do, boundedly: by time, once
-//! per 65.5 s of the retention at most; by token, once per 65,535 tokens issued at most, and
-//! then only when the records between are missing (every grant creates a record).
+//! copies the chunk pointers (about 5,000 for a full window, 0.2 ms) and the side map (O(1),
+//! persistent); a later write to a chunk the snapshot still shares copies that chunk alone.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
+
+use imbl::OrdMap;
 
 use super::{Record, Status};
 
@@ -30,6 +38,10 @@ pub(super) const CHUNK_SLOTS: usize = 244;
 
 /// `token_after` of a record whose token is 0 (it holds no grant).
 const NO_TOKEN: u16 = u16::MAX;
+/// `token_after` of a record whose token is in `Records::far_tokens`.
+const FAR_TOKEN: u16 = u16::MAX - 1;
+/// How far below a chunk's first token its base is.
+const TOKEN_BACK: u64 = 32_767;
 
 /// A stored record: [`Record`] with its creation time and token relative to its chunk.
 #[derive(Clone, Copy)]
@@ -42,7 +54,8 @@ struct Slot {
     ttl_status: [u8; 3],
     /// Creation time, ms after the chunk's `created_base`.
     created_after: [u8; 2],
-    /// Fencing token minus the chunk's `token_base`, or `NO_TOKEN` for a token of 0.
+    /// Fencing token minus the chunk's `token_base`; `NO_TOKEN` for a token of 0, `FAR_TOKEN`
+    /// for one kept in `Records::far_tokens`.
     token_after: [u8; 2],
 }
 
@@ -63,8 +76,10 @@ impl Slot {
 struct Chunk {
     /// Creation time of the chunk's first record.
     created_base: i64,
-    /// Token of the chunk's first record with a token; 0 until it holds one.
+    /// `TOKEN_BACK` below the token of the chunk's first record with a token.
     token_base: u64,
+    /// Whether `token_base` is set.
+    has_token_base: bool,
     /// Slots in use, fillers included.
     len: u8,
     slots: [Slot; CHUNK_SLOTS],
@@ -81,6 +96,7 @@ impl Chunk {
         Chunk {
             created_base: 0,
             token_base: 0,
+            has_token_base: false,
             len: 0,
             slots: [Slot::EMPTY; CHUNK_SLOTS],
         }
@@ -90,10 +106,11 @@ impl Chunk {
         usize::from(self.len) == CHUNK_SLOTS
     }
 
-    /// Appends `record` if there is room and its offsets fit; an empty chunk takes any record.
-    fn try_push(&mut self, record: &Record) -> bool {
+    /// Appends `record` if there is room and its time fits; an empty chunk takes any record.
+    /// Returns whether it did, and whether its token is to be kept aside (`FAR_TOKEN`).
+    fn try_push(&mut self, record: &Record) -> Option<bool> {
         if self.is_full() {
-            return false;
+            return None;
         }
         let created = record.created_ms();
         let created_base = if self.len == 0 {
@@ -101,29 +118,22 @@ impl Chunk {
         } else {
             self.created_base
         };
-        let Ok(created_after) = u16::try_from(i128::from(created) - i128::from(created_base))
-        else {
-            return false;
-        };
-        let token = u64::from_le_bytes(record.fencing_token);
-        let (token_after, token_base) = if token == 0 {
-            (NO_TOKEN, self.token_base)
-        } else {
-            let base = if self.token_base == 0 {
-                token
-            } else {
-                self.token_base
-            };
-            match token
-                .checked_sub(base)
-                .and_then(|after| u16::try_from(after).ok())
-            {
-                Some(after) if after != NO_TOKEN => (after, base),
-                _ => return false,
-            }
-        };
+        let created_after = u16::try_from(i128::from(created) - i128::from(created_base)).ok()?;
         self.created_base = created_base;
-        self.token_base = token_base;
+        let token = u64::from_le_bytes(record.fencing_token);
+        if token != 0 && !self.has_token_base {
+            self.token_base = token.saturating_sub(TOKEN_BACK);
+            self.has_token_base = true;
+        }
+        let token_after = if token == 0 {
+            NO_TOKEN
+        } else {
+            token
+                .checked_sub(self.token_base)
+                .and_then(|after| u16::try_from(after).ok())
+                .filter(|&after| after < FAR_TOKEN)
+                .unwrap_or(FAR_TOKEN)
+        };
         self.slots[usize::from(self.len)] = Slot {
             key: record.key,
             args: record.args,
@@ -135,14 +145,14 @@ impl Chunk {
             token_after: token_after.to_le_bytes(),
         };
         self.len += 1;
-        true
+        Some(token_after == FAR_TOKEN)
     }
 
     /// Fills the unused slots with removed records created with the last one, so that the
     /// chunk is full; returns how many. The chunk holds at least one record.
     fn fill(&mut self) -> usize {
         let used = usize::from(self.len);
-        let mut filler = Record::from(super::RecordWire {
+        let filler = Record::from(super::RecordWire {
             key: [0; 16],
             args: [0; 16],
             tenant: 0,
@@ -154,7 +164,6 @@ impl Chunk {
             expires_at_ms: 0,
             lease_ttl_ms: 0,
         });
-        filler.set_status(Status::Forgotten);
         let slot = Slot {
             ttl_status: filler.ttl_status,
             expires_after: filler.expires_after,
@@ -166,7 +175,8 @@ impl Chunk {
         CHUNK_SLOTS - used
     }
 
-    fn record(&self, at: usize) -> Record {
+    /// The record in slot `at`; `far` gives a token kept aside.
+    fn record(&self, at: usize, far: impl FnOnce() -> u64) -> Record {
         let slot = &self.slots[at];
         // Exact: each offset was taken from the value it gives back, so neither sum overflows.
         let created = self
@@ -174,6 +184,7 @@ impl Chunk {
             .wrapping_add(i64::from(u16::from_le_bytes(slot.created_after)));
         let token = match u16::from_le_bytes(slot.token_after) {
             NO_TOKEN => 0,
+            FAR_TOKEN => far(),
             after => self.token_base.wrapping_add(u64::from(after)),
         };
         Record {
@@ -197,6 +208,13 @@ pub(super) struct Records {
     head: usize,
     /// Slots from `head` on, fillers included.
     len: usize,
+    /// Slots popped since the deque was made: slot `i` from the front is number `popped + i`.
+    popped: u64,
+    /// The tokens that did not fit their chunk's base, by slot number.
+    far_tokens: OrdMap<u64, u64>,
+    /// Chunks closed early (for tests that must exercise it).
+    #[cfg(test)]
+    pub(super) closed_early: usize,
 }
 
 impl Records {
@@ -215,7 +233,13 @@ impl Records {
 
     pub(super) fn get(&self, i: usize) -> Option<Record> {
         let (chunk, at) = self.locate(i)?;
-        Some(self.chunks[chunk].record(at))
+        Some(self.chunks[chunk].record(at, || self.far_token(i)))
+    }
+
+    fn far_token(&self, i: usize) -> u64 {
+        let number = self.popped.wrapping_add(i as u64);
+        // Every FAR_TOKEN slot has its entry (see `push_back` and `pop_front`).
+        self.far_tokens.get(&number).copied().unwrap_or(0)
     }
 
     /// The key of the record at `i`, without decoding the rest.
@@ -239,22 +263,41 @@ impl Records {
             && !back.is_full()
         {
             let chunk = Arc::make_mut(back);
-            if chunk.try_push(&record) {
-                self.len += 1;
-                return self.len - 1;
+            if let Some(far) = chunk.try_push(&record) {
+                return self.pushed(&record, far);
             }
             self.len += chunk.fill();
+            #[cfg(test)]
+            {
+                self.closed_early += 1;
+            }
         }
         let mut chunk = Chunk::empty();
-        let pushed = chunk.try_push(&record);
-        debug_assert!(pushed, "an empty chunk takes any record");
+        // An empty chunk takes any record.
+        let far = chunk.try_push(&record).unwrap_or(false);
         self.chunks.push_back(Arc::new(chunk));
+        self.pushed(&record, far)
+    }
+
+    /// Counts a record just stored in the last slot; returns its position.
+    fn pushed(&mut self, record: &Record, far: bool) -> usize {
+        let at = self.len;
         self.len += 1;
-        self.len - 1
+        if far {
+            self.far_tokens.insert(
+                self.popped.wrapping_add(at as u64),
+                u64::from_le_bytes(record.fencing_token),
+            );
+        }
+        at
     }
 
     pub(super) fn pop_front(&mut self) -> Option<Record> {
         let record = self.front()?;
+        if !self.far_tokens.is_empty() {
+            self.far_tokens.remove(&self.popped);
+        }
+        self.popped = self.popped.wrapping_add(1);
         self.head += 1;
         self.len -= 1;
         if self.len == 0 {
@@ -270,9 +313,9 @@ impl Records {
     /// Sets the status of the record at `i` (creation time and token are unchanged, so it
     /// stays in its slot); returns the record as changed.
     pub(super) fn set_status(&mut self, i: usize, status: Status) -> Option<Record> {
+        let mut record = self.get(i)?;
         let (chunk, at) = self.locate(i)?;
         let chunk = Arc::make_mut(&mut self.chunks[chunk]);
-        let mut record = chunk.record(at);
         record.set_status(status);
         chunk.slots[at].ttl_status = record.ttl_status;
         Some(record)
@@ -280,10 +323,18 @@ impl Records {
 
     /// Every slot in order, fillers included.
     pub(super) fn iter(&self) -> impl Iterator<Item = Record> + '_ {
-        self.chunks.iter().enumerate().flat_map(move |(i, chunk)| {
-            let first = if i == 0 { self.head } else { 0 };
-            (first..usize::from(chunk.len)).map(move |at| chunk.record(at))
+        self.chunks.iter().enumerate().flat_map(move |(c, chunk)| {
+            let first = if c == 0 { self.head } else { 0 };
+            (first..usize::from(chunk.len)).map(move |at| {
+                chunk.record(at, || self.far_token(c * CHUNK_SLOTS + at - self.head))
+            })
         })
+    }
+
+    /// Tokens kept aside (for tests of the bound).
+    #[cfg(test)]
+    fn far_tokens(&self) -> usize {
+        self.far_tokens.len()
     }
 }
 
@@ -348,32 +399,135 @@ mod tests {
         let filler = r.get(CHUNK_SLOTS + 2).unwrap();
         assert_eq!(filler.status(), Status::Forgotten);
         assert_eq!(filler.created_ms(), base + 100 + 65_535);
-        // Tokens: 65,534 past the chunk's first fits, 65,535 and a token that goes back do not.
-        let at = r.push_back(record(base + 200_000, 10, Status::Granted, 5));
-        assert_eq!(
-            r.push_back(record(base + 200_000, 10 + 65_534, Status::Granted, 6)),
-            at + 1
-        );
-        assert_eq!(
-            r.push_back(record(base + 200_000, 10 + 65_535, Status::Granted, 7)),
-            4 * CHUNK_SLOTS
-        );
-        assert_eq!(
-            r.push_back(record(base + 200_000, 9, Status::Granted, 8)),
-            5 * CHUNK_SLOTS
-        );
+        // Tokens: from 32,767 below the chunk's first to 32,766 above it in the slot, farther
+        // ones aside; neither closes the chunk.
+        let at = r.push_back(record(base + 200_000, 100_000, Status::Granted, 5));
+        assert_eq!(at, 3 * CHUNK_SLOTS);
+        for (n, token) in [
+            100_000 - 32_767,
+            100_000 + 32_766,
+            100_000 - 32_768,
+            100_000 + 32_767,
+            1,
+            u64::MAX,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let pushed = record(base + 200_000, token, Status::Granted, 6 + n as u8);
+            assert_eq!(r.push_back(pushed), at + 1 + n, "token {token}");
+            assert_eq!(
+                r.get(at + 1 + n).map(RecordWire::from),
+                Some(RecordWire::from(pushed))
+            );
+        }
+        assert_eq!(r.chunks.len(), 4);
+        assert_eq!(r.far_tokens(), 4);
         // A chunk whose first record has no token takes its base from the first that has.
-        let at = r.push_back(record(base + 300_000, 0, Status::Held, 9));
+        let at = r.push_back(record(base + 300_000, 0, Status::Held, 20));
         assert_eq!(
-            r.push_back(record(base + 300_000, u64::MAX, Status::Granted, 10)),
+            r.push_back(record(base + 300_000, u64::MAX, Status::Granted, 21)),
             at + 1
         );
         assert_eq!(r.get(at + 1).unwrap().fencing_token, u64::MAX.to_le_bytes());
+        assert_eq!(r.far_tokens(), 4);
         // Time that goes back starts a chunk too (only a hand-made snapshot can hold it).
         assert_eq!(
-            r.push_back(record(base, 0, Status::Held, 11)),
-            7 * CHUNK_SLOTS
+            r.push_back(record(base, 0, Status::Held, 22)),
+            5 * CHUNK_SLOTS
         );
+        // Popping drops the tokens kept aside with their records.
+        while r.len() > 2 {
+            r.pop_front();
+        }
+        assert_eq!(r.far_tokens(), 0);
+        assert_eq!(r.back().unwrap().created_ms(), base);
+    }
+
+    /// A window written before waiters were granted at the back: a waiter's record sits at its
+    /// enqueue, holding a token issued many grants later, between ordinary grants. Loading it
+    /// must not take a chunk per record (a replica could not load such a snapshot at all).
+    #[test]
+    fn waiters_granted_in_place_by_an_older_lockd_take_no_chunk_of_their_own() {
+        let mut r = Records::default();
+        let mut records = Vec::new();
+        for n in 0..100_000u64 {
+            // Every other record a waiter granted 100,000 to 1,000,000 grants after its enqueue.
+            let token = if n % 2 == 0 {
+                1_000 + n
+            } else {
+                1_000 + n + 100_000 + (n * 7_919) % 900_000
+            };
+            records.push(record(
+                1_764_000_000_000 + n as i64 / 2,
+                token,
+                Status::Granted,
+                n as u8,
+            ));
+        }
+        for (n, one) in records.iter().enumerate() {
+            assert_eq!(r.push_back(*one), n);
+        }
+        assert!(
+            r.chunks.len() <= 100_000 / CHUNK_SLOTS + 1,
+            "{} chunks",
+            r.chunks.len()
+        );
+        assert_eq!(r.far_tokens(), 50_000);
+        for (n, got) in r.iter().enumerate() {
+            assert_eq!(
+                RecordWire::from(got),
+                RecordWire::from(records[n]),
+                "record {n}"
+            );
+        }
+        let copy = r.clone();
+        for (n, want) in records.iter().enumerate() {
+            let got = r.pop_front().unwrap();
+            assert_eq!(RecordWire::from(got), RecordWire::from(*want), "record {n}");
+        }
+        assert_eq!(r.far_tokens(), 0);
+        assert_eq!(copy.far_tokens(), 50_000);
+        assert_eq!(
+            copy.get(99_999).map(RecordWire::from),
+            Some(RecordWire::from(records[99_999]))
+        );
+    }
+
+    /// Extremes at non-zero offsets within one chunk.
+    #[test]
+    fn extremes_at_the_far_end_of_a_chunk_come_back_exactly() {
+        for (created, token) in [
+            (i64::MAX - 65_535, u64::MAX - 32_765),
+            (i64::MIN, 32_768),
+            (-32_768, u64::MAX - 40_000),
+        ] {
+            let mut r = Records::default();
+            let first = record(created, token, Status::Granted, 1);
+            let last = record(
+                created.saturating_add(65_535),
+                token.saturating_add(32_766),
+                Status::Granted,
+                2,
+            );
+            let below = record(
+                created.saturating_add(65_535),
+                token - 32_767,
+                Status::Granted,
+                3,
+            );
+            for one in [first, last, below] {
+                r.push_back(one);
+            }
+            assert_eq!(r.chunks.len(), 1);
+            assert_eq!(r.far_tokens(), 0);
+            let got: Vec<RecordWire> = r.iter().map(RecordWire::from).collect();
+            let want: Vec<RecordWire> = [first, last, below]
+                .into_iter()
+                .map(RecordWire::from)
+                .collect();
+            assert_eq!(got, want);
+        }
     }
 
     #[test]
@@ -408,10 +562,11 @@ mod tests {
     #[derive(Clone, Debug)]
     enum Op {
         /// Push a record created `after` ms after the last, with a token `step` after the last
-        /// (0: none).
+        /// (0: none; a negative step, a token below the last, as a snapshot of an older lockd
+        /// can hold).
         Push {
             after: u32,
-            step: u32,
+            step: i64,
             status: u8,
         },
         Pop,
@@ -424,7 +579,7 @@ mod tests {
 
     fn op() -> impl Strategy<Value = Op> {
         prop_oneof![
-            6 => (prop_oneof![0..10u32, 60_000..70_000u32], prop_oneof![0..3u32, 65_530..65_540u32], 0..5u8)
+            6 => (prop_oneof![0..10u32, 60_000..70_000u32], prop_oneof![0..3i64, 32_760..32_770i64, -32_770..-32_760i64, 65_530..65_540i64, -1_000_000..1_000_000i64], 0..5u8)
                 .prop_map(|(after, step, status)| Op::Push { after, step, status }),
             3 => Just(Op::Pop),
             1 => (0..400usize, 0..5u8).prop_map(|(at, status)| Op::SetStatus { at, status }),
@@ -441,13 +596,18 @@ mod tests {
             let mut r = Records::default();
             // (position counted from the first push, record): the records pushed, not popped.
             let mut model: VecDeque<(usize, Record)> = VecDeque::new();
-            let (mut popped, mut created, mut token) = (0usize, 1_764_000_000_000i64, 100u64);
+            let (mut popped, mut created, mut token) = (0usize, 1_764_000_000_000i64, 10_000_000u64);
             let mut clones: Vec<(Records, Vec<Record>)> = Vec::new();
             for (n, op) in ops.into_iter().enumerate() {
                 match op {
                     Op::Push { after, step, status } => {
                         created += i64::from(after);
-                        let t = if step == 0 { 0 } else { token += u64::from(step); token };
+                        let t = if step == 0 {
+                            0
+                        } else {
+                            token = token.saturating_add_signed(step).max(1);
+                            token
+                        };
                         let one = record(created, t, Status::ALL[usize::from(status)], n as u8);
                         let at = r.push_back(one);
                         model.push_back((popped + at, one));
@@ -480,6 +640,8 @@ mod tests {
                     Op::Clone => clones.push((r.clone(), r.iter().collect())),
                 }
                 prop_assert_eq!(r.iter().count(), r.len());
+                // A token kept aside belongs to a slot still there.
+                prop_assert!(r.far_tokens() <= r.len());
             }
             let all: Vec<Record> = r.iter().collect();
             let mut wanted = model.iter().peekable();
