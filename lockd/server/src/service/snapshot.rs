@@ -2,10 +2,11 @@
 //!
 //! The backup is taken at a linearizable point: the leader first confirms its leadership with a
 //! quorum and waits until it has applied everything committed before the call, then copies the
-//! table under the state lock. The copy shares structure (persistent collections; about 0.15 ms
-//! for a full request_id window), so apply waits for nothing more; encoding runs on a low-priority thread and leaves in 1 MiB messages, at the
-//! pace the caller reads them (a bounded channel), so a slow caller costs memory for a few
-//! messages only. The summary, with the file's SHA-256, comes last.
+//! table under the state lock. The copy shares structure (persistent collections; 0.15-0.3 ms
+//! for a full request_id window), so apply waits for nothing more; encoding runs on a
+//! low-priority thread and leaves in 1 MiB messages, at the pace the caller reads them (a
+//! bounded channel), so a slow caller costs memory for a few messages only (and keeps the
+//! table's copy alive: up to one more request_id window while apply moves on). The summary, with the file's SHA-256, comes last.
 
 use std::pin::Pin;
 use std::sync::Arc;
