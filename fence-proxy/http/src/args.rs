@@ -89,6 +89,17 @@ pub struct Args {
           default_value = DEFAULT_HEADER_READ_TIMEOUT, value_parser = parse_positive_duration)]
     pub header_read_timeout: Duration,
 
+    /// Threads that serve client connections, each with an event loop of its own; a connection
+    /// stays on one thread for its lifetime (no hand-offs between threads per request). 0: one
+    /// per CPU.
+    #[arg(
+        long,
+        env = "FENCE_PROXY_THREADS",
+        value_name = "N",
+        default_value_t = 0
+    )]
+    pub threads: usize,
+
     #[command(flatten)]
     /// The TLS and client-access flags.
     pub tls: crate::tls::TlsArgs,
@@ -125,6 +136,7 @@ impl Args {
             max_in_flight: self.max_in_flight as usize,
             max_connections: self.max_connections as usize,
             header_read_timeout: self.header_read_timeout,
+            threads: self.threads,
         }
     }
 

@@ -18,6 +18,8 @@
 //! - [`server`]: accepting connections, graceful shutdown, [`serve`], [`run`] and
 //!   [`run_with_reload`] (certificates read again on demand).
 //! - [`tls`]: TLS on the listener, the client allow-list, and the https upstream connector.
+//! - [`upstream`]: [`upstream::UpstreamPool`], the read path's upstream connections, driven by
+//!   the task that forwards each read.
 
 pub mod args;
 pub mod exchange;
@@ -28,6 +30,7 @@ pub mod ready;
 pub mod refusal;
 pub mod server;
 pub mod tls;
+pub mod upstream;
 pub mod verify;
 
 pub use args::{Args, Upstream};

@@ -23,6 +23,7 @@ use crate::exchange::{BodyEnd, BoxError, TrackedBody};
 use crate::fence::read_fence;
 use crate::metrics::{self as m, FRONTEND};
 use crate::tls::UpstreamConnector;
+use crate::upstream::{PooledBody, SendError, UpstreamPool};
 use crate::{Refusal, Upstream};
 
 /// Body of every response the proxy sends: the upstream's, streamed, or the proxy's own JSON.
@@ -65,6 +66,8 @@ pub struct Proxy {
     /// Connection pool to the upstream. Request bodies are wrapped so that a write's permit is
     /// held until its body has been sent completely.
     client: Client<UpstreamConnector, TrackedBody<Incoming>>,
+    /// Connections for reads, driven by the task that forwards each read.
+    reads: Arc<UpstreamPool>,
     /// Write tasks in flight, awaited on shutdown so that their permits are released.
     writes: TaskTracker,
 }
@@ -74,10 +77,12 @@ impl Proxy {
     pub fn new(config: ProxyConfig, store: Arc<dyn EpochStore>) -> Arc<Self> {
         let connector = UpstreamConnector::new(&config.upstream);
         let client = Client::builder(TokioExecutor::new()).build(connector);
+        let reads = UpstreamPool::new(&config.upstream);
         Arc::new(Proxy {
             config,
             store,
             client,
+            reads,
             writes: TaskTracker::new(),
         })
     }
@@ -94,10 +99,10 @@ impl Proxy {
         if is_read(request.method()) {
             let request = request.map(TrackedBody::untracked);
             let deadline = Instant::now() + self.config.upstream_timeout;
-            let response = match self.forward(request, None, deadline).await.0 {
+            let response = match self.forward_read(request, deadline).await {
                 Ok(response) => {
                     m::count(m::RESULT_PASSTHROUGH);
-                    response.map(|body| TrackedBody::untracked(body).boxed())
+                    response.map(|body| body.boxed())
                 }
                 Err(refusal) => refuse(refusal),
             };
@@ -257,48 +262,15 @@ impl Proxy {
         fence: Option<(&str, lockd_fence::FencingToken)>,
         deadline: Instant,
     ) -> (Result<Response<Incoming>, Refusal>, ForwardOutcome) {
-        let (mut parts, body) = request.into_parts();
-        parts.uri = match self.upstream_uri(&parts.uri) {
-            Ok(uri) => uri,
-            Err(detail) => {
-                let refusal = Refusal::UpstreamError {
-                    resource: fence.map(|f| f.0.to_owned()),
-                    token: fence.map(|f| f.1),
-                    detail,
-                    maybe_applied: false,
-                };
-                return (Err(refusal), ForwardOutcome::NotSent);
-            }
+        let request = match self.upstream_request(request, fence) {
+            Ok(request) => request,
+            Err(refusal) => return (Err(refusal), ForwardOutcome::NotSent),
         };
-        strip_hop_by_hop(&mut parts.headers);
-        // Always HTTP/1.1 towards the upstream; the client picks the wire version itself.
-        parts.version = http::Version::HTTP_11;
-        let request = Request::from_parts(parts, body);
-
-        let started = std::time::Instant::now();
-        let sent = tokio::time::timeout_at(deadline, self.client.request(request));
-        let sent = sent.await;
-        metrics::histogram!(m::FORWARD_DURATION_SECONDS, "frontend" => FRONTEND)
-            .record(started.elapsed().as_secs_f64());
-        let resource = || fence.map(|f| f.0.to_owned());
-        let token = fence.map(|f| f.1);
-        match sent {
-            Ok(Ok(response)) => {
-                let (mut parts, body) = response.into_parts();
-                strip_hop_by_hop(&mut parts.headers);
-                (
-                    Ok(Response::from_parts(parts, body)),
-                    ForwardOutcome::Answered,
-                )
-            }
+        match timed(deadline, self.client.request(request)).await {
+            Ok(Ok(response)) => (Ok(strip_response(response)), ForwardOutcome::Answered),
             Ok(Err(e)) => {
                 let not_sent = e.is_connect();
-                let refusal = Refusal::UpstreamError {
-                    resource: resource(),
-                    token,
-                    detail: format!("{} ({e:?})", self.config.upstream),
-                    maybe_applied: !not_sent,
-                };
+                let refusal = self.upstream_error(fence, format!("{e:?}"), not_sent);
                 let outcome = if not_sent {
                     ForwardOutcome::NotSent
                 } else {
@@ -306,14 +278,67 @@ impl Proxy {
                 };
                 (Err(refusal), outcome)
             }
-            Err(_) => (
-                Err(Refusal::UpstreamTimeout {
-                    resource: resource(),
-                    token,
-                    timeout_ms: self.config.upstream_timeout.as_millis() as u64,
-                }),
-                ForwardOutcome::Unknown,
-            ),
+            Err(_) => (Err(self.upstream_timeout(fence)), ForwardOutcome::Unknown),
+        }
+    }
+
+    /// A read's forward: the same as [`Proxy::forward`], on a connection this task drives itself.
+    async fn forward_read(
+        &self,
+        request: Request<TrackedBody<Incoming>>,
+        deadline: Instant,
+    ) -> Result<Response<PooledBody>, Refusal> {
+        let request = self.upstream_request(request, None)?;
+        match timed(deadline, self.reads.send(request)).await {
+            Ok(Ok(response)) => Ok(strip_response(response)),
+            Ok(Err(e)) => {
+                let not_sent = matches!(e, SendError::Connect(_));
+                Err(self.upstream_error(None, e.to_string(), not_sent))
+            }
+            Err(_) => Err(self.upstream_timeout(None)),
+        }
+    }
+
+    /// The request as it goes upstream: the upstream's URL, no hop-by-hop headers, HTTP/1.1.
+    fn upstream_request<B>(
+        &self,
+        request: Request<B>,
+        fence: Option<(&str, lockd_fence::FencingToken)>,
+    ) -> Result<Request<B>, Refusal> {
+        let (mut parts, body) = request.into_parts();
+        parts.uri = self
+            .upstream_uri(&parts.uri)
+            .map_err(|detail| Refusal::UpstreamError {
+                resource: fence.map(|f| f.0.to_owned()),
+                token: fence.map(|f| f.1),
+                detail,
+                maybe_applied: false,
+            })?;
+        strip_hop_by_hop(&mut parts.headers);
+        // Always HTTP/1.1 towards the upstream; the client picks the wire version itself.
+        parts.version = http::Version::HTTP_11;
+        Ok(Request::from_parts(parts, body))
+    }
+
+    fn upstream_error(
+        &self,
+        fence: Option<(&str, lockd_fence::FencingToken)>,
+        error: String,
+        not_sent: bool,
+    ) -> Refusal {
+        Refusal::UpstreamError {
+            resource: fence.map(|f| f.0.to_owned()),
+            token: fence.map(|f| f.1),
+            detail: format!("{} ({error})", self.config.upstream),
+            maybe_applied: !not_sent,
+        }
+    }
+
+    fn upstream_timeout(&self, fence: Option<(&str, lockd_fence::FencingToken)>) -> Refusal {
+        Refusal::UpstreamTimeout {
+            resource: fence.map(|f| f.0.to_owned()),
+            token: fence.map(|f| f.1),
+            timeout_ms: self.config.upstream_timeout.as_millis() as u64,
         }
     }
 
@@ -345,6 +370,25 @@ async fn exchange_outcome(
         Ok((Ok(BodyEnd::Complete), Ok(BodyEnd::Complete))) => ForwardOutcome::Answered,
         _ => ForwardOutcome::Unknown,
     }
+}
+
+/// Waits for a response head until `deadline`, and records how long the upstream took.
+async fn timed<T>(
+    deadline: Instant,
+    sent: impl Future<Output = T>,
+) -> Result<T, tokio::time::error::Elapsed> {
+    let started = std::time::Instant::now();
+    let sent = tokio::time::timeout_at(deadline, sent).await;
+    metrics::histogram!(m::FORWARD_DURATION_SECONDS, "frontend" => FRONTEND)
+        .record(started.elapsed().as_secs_f64());
+    sent
+}
+
+/// The upstream's response without its hop-by-hop headers.
+fn strip_response<B>(response: Response<B>) -> Response<B> {
+    let (mut parts, body) = response.into_parts();
+    strip_hop_by_hop(&mut parts.headers);
+    Response::from_parts(parts, body)
 }
 
 /// GET, HEAD and OPTIONS pass unchecked; every other method, including ones this proxy does not

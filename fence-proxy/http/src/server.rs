@@ -6,15 +6,16 @@ use std::time::Duration;
 
 use anyhow::Context;
 use fence_epoch_store::EpochStore;
-use fence_proxy_net::TlsReloader;
+use fence_proxy_net::{ConnectionThreads, TlsReloader};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::{GracefulShutdown, Watcher};
 use hyper_util::service::TowerToHyperService;
 use lockd_service_kit::checks::Readiness;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 use tower::limit::ConcurrencyLimitLayer;
 use tower::{ServiceBuilder, ServiceExt};
 use tower_http::trace::TraceLayer;
@@ -93,6 +94,9 @@ pub struct Limits {
     /// Time a client has to send a complete request head (and, on a new connection, the first
     /// bytes that show its protocol); past it the connection is closed.
     pub header_read_timeout: Duration,
+    /// Threads that serve client connections, each with an event loop of its own; 0: one per
+    /// CPU.
+    pub threads: usize,
 }
 
 impl Default for Limits {
@@ -104,6 +108,7 @@ impl Default for Limits {
                 crate::args::DEFAULT_HEADER_READ_TIMEOUT,
             )
             .expect("the default header read timeout is a valid duration"),
+            threads: 0,
         }
     }
 }
@@ -217,6 +222,10 @@ pub async fn serve_with_access(
         .header_read_timeout(limits.header_read_timeout);
     let graceful = GracefulShutdown::new();
     let connections = Arc::new(Semaphore::new(limits.max_connections));
+    // Each connection is served on one thread for its lifetime, requests and their upstream
+    // connections included (see `upstream`): no hand-off between threads per request.
+    let threads = ConnectionThreads::start(limits.threads, "fence-proxy-http")?;
+    let connection_tasks = TaskTracker::new();
 
     loop {
         // Wait for a free connection slot before accepting: past the cap, new connections wait
@@ -244,15 +253,30 @@ pub async fn serve_with_access(
             continue;
         }
         let _ = stream.set_nodelay(true);
+        // Registered again on the thread that serves it.
+        let stream = match stream.into_std() {
+            Ok(stream) => stream,
+            Err(e) => {
+                tracing::warn!(%peer, error = %e, "cannot hand the connection to a connection thread");
+                continue;
+            }
+        };
         let service = service.clone();
         let builder = builder.clone();
         let watcher = graceful.watcher();
         // The configuration current at accept time: a reload reaches the next connection.
         let tls = access.tls.as_ref().map(|t| t.acceptor());
         let header_read_timeout = limits.header_read_timeout;
-        tokio::spawn(async move {
+        threads.spawn(&connection_tasks, async move {
             // The slot is given back when this task ends, with the connection.
             let _slot = slot;
+            let stream = match TcpStream::from_std(stream) {
+                Ok(stream) => stream,
+                Err(e) => {
+                    tracing::warn!(%peer, error = %e, "cannot register the connection on its thread");
+                    return;
+                }
+            };
             let Some(acceptor) = tls else {
                 serve_connection(stream, peer, service, builder, watcher, header_read_timeout)
                     .await;
@@ -293,5 +317,8 @@ pub async fn serve_with_access(
             "requests still in flight at shutdown"
         );
     }
+    // Stops the connection threads; whatever still runs there is dropped.
+    connection_tasks.close();
+    drop(threads);
     Ok(())
 }

@@ -19,7 +19,6 @@
 //! - `codec`: length-bounded message framing.
 //! - `startup`: SSL/cancel requests, startup packet, authentication relay.
 //! - `session`: the relay, the proxy's blocks and the guard placement.
-//! - `threads`: the session threads, each a single-threaded runtime a session stays on.
 //! - [`classify`]: statement classification by Postgres's own parser (pure, fuzzable).
 //! - `fence_sql`: the fence table, the guard function and `init`'s SQL.
 //! - `fence_value`: the fence value rules for the early startup check.
@@ -40,7 +39,6 @@ pub mod limits;
 mod metrics_names;
 mod session;
 mod startup;
-mod threads;
 pub mod upstream;
 mod verify;
 
@@ -62,7 +60,7 @@ use crate::config::Config;
 use crate::error::ProxyError;
 use crate::fence_sql::FenceTable;
 use crate::startup::Startup;
-use crate::threads::SessionThreads;
+use fence_proxy_net::ConnectionThreads;
 
 pub use crate::access::AccessArgs;
 
@@ -355,11 +353,7 @@ pub async fn run_with_reload(
             shutdown.clone(),
         );
     }
-    let thread_count = match args.threads {
-        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
-        n => n,
-    };
-    let threads = SessionThreads::start(thread_count)?;
+    let threads = ConnectionThreads::start(args.threads, "fence-proxy-pg")?;
     tracing::debug!(threads = threads.count(), "session threads started");
     let sessions = Arc::new(Semaphore::new(args.max_sessions));
     let tracker = TaskTracker::new();

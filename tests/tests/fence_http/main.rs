@@ -11,6 +11,8 @@
 //! - `slow_clients`: trickling bodies, stalled and disconnected writers, slow headers and the
 //!   connection cap.
 //! - `readiness`: `/readyz` follows the epoch store and the upstream.
+//! - `reads`: reads reuse the upstream connections of their thread, and a connection that was
+//!   closed or left half-read is never used again.
 //! - `shared`: writes of one token share their resource; a higher token waits for them.
 //! - `epochs`: `fence-proxy epochs max` over a redb store (also a killed proxy's), a Postgres
 //!   store and a fence table.
@@ -24,6 +26,7 @@ mod checks;
 mod epochs;
 mod faults;
 mod readiness;
+mod reads;
 mod shared;
 mod slow_clients;
 
