@@ -70,10 +70,13 @@ pub struct Proxy {
     reads: Arc<UpstreamPool>,
     /// Write tasks in flight, awaited on shutdown so that their permits are released.
     writes: TaskTracker,
+    /// Where write tasks run: the runtime [`Proxy::new`] was called on.
+    write_runtime: tokio::runtime::Handle,
 }
 
 impl Proxy {
-    /// A proxy forwarding to `config.upstream`, admitting writes through `store`.
+    /// A proxy forwarding to `config.upstream`, admitting writes through `store`. Must be called
+    /// inside a Tokio runtime: write tasks run on it, also when requests are served elsewhere.
     pub fn new(config: ProxyConfig, store: Arc<dyn EpochStore>) -> Arc<Self> {
         let connector = UpstreamConnector::new(&config.upstream);
         let client = Client::builder(TokioExecutor::new()).build(connector);
@@ -84,6 +87,7 @@ impl Proxy {
             client,
             reads,
             writes: TaskTracker::new(),
+            write_runtime: tokio::runtime::Handle::current(),
         })
     }
 
@@ -116,10 +120,15 @@ impl Proxy {
         // exchange to its end and releases the permit with the right outcome instead of being
         // cancelled half-way. It hands the response over as soon as the head is there and keeps
         // the permit until both bodies have ended.
+        // It runs on the runtime that made the proxy (the accept loop's), not on the connection
+        // thread: those threads stop at the end of the drain, and a write cut off there would
+        // have its permit dropped without the quarantine its release sets.
         let (respond, response) = oneshot::channel();
         let this = self.clone();
-        self.writes
-            .spawn(async move { this.write(request, fence, respond).await });
+        self.writes.spawn_on(
+            async move { this.write(request, fence, respond).await },
+            &self.write_runtime,
+        );
         Ok(match response.await {
             Ok(response) => response,
             // The task panicked before answering: its permit was released as Unknown by its drop.

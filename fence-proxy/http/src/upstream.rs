@@ -17,8 +17,8 @@
 
 use std::collections::VecDeque;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll, Waker};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll, Waker, ready};
 use std::thread::ThreadId;
 use std::time::{Duration, Instant};
 
@@ -83,8 +83,7 @@ impl UpstreamPool {
     pub fn new(upstream: &crate::Upstream) -> Arc<UpstreamPool> {
         Arc::new(UpstreamPool {
             connector: UpstreamConnector::new(upstream),
-            host: HeaderValue::from_str(upstream.authority.as_str())
-                .expect("an authority is a valid header value"),
+            host: host_header(upstream),
             idle: Mutex::new(Vec::new()),
         })
     }
@@ -116,6 +115,7 @@ impl UpstreamPool {
                 Ok((response, held)) => {
                     let pool = self.clone();
                     return Ok(response.map(|body| PooledBody {
+                        ended: body.is_end_stream(),
                         body,
                         held: Some(held),
                         pool,
@@ -144,15 +144,16 @@ impl UpstreamPool {
     /// The most recently used idle connection that is still open and ready for a request.
     async fn checkout(&self) -> Option<(Sender, Connection)> {
         loop {
-            let mut idle = self.with_idle(|idle| {
-                let newest = idle.pop_back()?;
-                if newest.since.elapsed() > IDLE_TIMEOUT {
-                    // Everything in front of it is older still.
-                    idle.clear();
-                    return None;
+            let (newest, expired) = self.with_idle(|idle| match idle.pop_back() {
+                // Everything in front of an expired one is older still: all go, and are closed
+                // outside the lock.
+                Some(newest) if newest.since.elapsed() > IDLE_TIMEOUT => {
+                    (None, std::mem::take(idle))
                 }
-                Some(newest)
-            })?;
+                newest => (newest, VecDeque::new()),
+            });
+            drop(expired);
+            let mut idle = newest?;
             // Polled here, with this task's waker: a connection the upstream closed while idle
             // ends now, and an open one registers its socket with this task.
             let ready = std::future::poll_fn(|cx| {
@@ -191,7 +192,8 @@ impl UpstreamPool {
     /// Runs `f` on this thread's idle connections.
     fn with_idle<T>(&self, f: impl FnOnce(&mut VecDeque<Idle>) -> T) -> T {
         let thread = std::thread::current().id();
-        let mut all = self.idle.lock().expect("pool lock");
+        // The lists stay consistent whatever panicked while holding the lock.
+        let mut all = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
         let index = match all.iter().position(|(t, _)| *t == thread) {
             Some(index) => index,
             None => {
@@ -244,6 +246,22 @@ async fn exchange(
     Ok((response, held))
 }
 
+/// `host[:port]` of the upstream, the port only when it is not the scheme's default (as
+/// hyper-util's client writes it); never user information.
+fn host_header(upstream: &crate::Upstream) -> HeaderValue {
+    let authority = &upstream.authority;
+    let default_port = if upstream.scheme == http::uri::Scheme::HTTPS {
+        443
+    } else {
+        80
+    };
+    let host = match authority.port_u16() {
+        Some(port) if port != default_port => format!("{}:{port}", authority.host()),
+        _ => authority.host().to_owned(),
+    };
+    HeaderValue::from_str(&host).expect("a URI's host and port make a valid header value")
+}
+
 /// `/path?query` of an absolute URI, the form an HTTP/1.1 origin server expects.
 fn origin_form(uri: &Uri) -> Uri {
     let path_and_query = uri.path_and_query().map_or("/", |pq| pq.as_str());
@@ -254,6 +272,9 @@ fn origin_form(uri: &Uri) -> Uri {
 /// the connection back to the pool when dropped after its end.
 pub struct PooledBody {
     body: Incoming,
+    /// The body reached its end. Not `is_end_stream`: hyper reports that only for a body of a
+    /// known length, never for a chunked one.
+    ended: bool,
     /// `None` once given back (only in `drop`).
     held: Option<Held>,
     pool: Arc<UpstreamPool>,
@@ -273,9 +294,13 @@ impl Body for PooledBody {
         if let Some(held) = this.held.as_mut() {
             held.poll_connection(cx);
         }
-        Pin::new(&mut this.body)
-            .poll_frame(cx)
-            .map(|frame| frame.map(|f| f.map_err(Into::into)))
+        let frame = ready!(Pin::new(&mut this.body).poll_frame(cx));
+        match &frame {
+            None => this.ended = true,
+            Some(Ok(_)) => this.ended = this.body.is_end_stream(),
+            Some(Err(_)) => {}
+        }
+        Poll::Ready(frame.map(|f| f.map_err(Into::into)))
     }
 
     fn is_end_stream(&self) -> bool {
@@ -294,7 +319,7 @@ impl Drop for PooledBody {
         };
         // Only a connection whose response was read to its end, and that hyper then reports
         // open and ready for the next request, goes back; dropping any other closes it.
-        if !self.body.is_end_stream() {
+        if !self.ended {
             return;
         }
         let mut cx = Context::from_waker(Waker::noop());

@@ -19,7 +19,7 @@ const BIG_BODY: usize = 16 << 20;
 /// An HTTP/1.1 upstream written on raw sockets, so that it can close connections whenever a
 /// test needs: `/close` answers with `Connection: close` and closes; `/drop-after` answers and
 /// then closes the idle connection without saying so (a keep-alive timeout); `/big` answers
-/// `BIG_BODY` bytes; anything else answers `ok`. HEAD gets the head of the same response.
+/// `BIG_BODY` bytes; `/chunked` answers `ok` in chunks; anything else answers `ok`. HEAD gets the head of the same response.
 struct ScriptedUpstream {
     addr: std::net::SocketAddr,
     /// Connections that carried at least one request.
@@ -103,14 +103,24 @@ async fn serve(mut stream: TcpStream, connections: Arc<AtomicUsize>, requests: A
             b"ok".to_vec()
         };
         let close = path == "/close";
+        let chunked = path == "/chunked";
+        let framing = if chunked {
+            "Transfer-Encoding: chunked".to_owned()
+        } else {
+            format!("Content-Length: {}", body.len())
+        };
         let mut response = format!(
-            "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n{}\r\n",
-            body.len(),
+            "HTTP/1.1 200 OK\r\n{framing}\r\n{}\r\n",
             if close { "Connection: close\r\n" } else { "" }
         )
         .into_bytes();
         if method != "HEAD" {
-            response.extend_from_slice(&body);
+            if chunked {
+                // Two chunks and the last one: a body whose length nobody knows in advance.
+                response.extend_from_slice(b"1\r\no\r\n1\r\nk\r\n0\r\n\r\n");
+            } else {
+                response.extend_from_slice(&body);
+            }
         }
         if stream.write_all(&response).await.is_err() {
             return;
@@ -140,9 +150,10 @@ async fn read(proxy: &FenceProxy, method: &str, path: &str) -> (u16, String) {
     (reply.status, reply.body)
 }
 
-/// Goal: reads reuse upstream connections instead of opening one each. Method: 30 GETs and 10
-/// HEADs one after the other, each on a new client connection, through a proxy with two
-/// connection threads; the upstream counts the connections it accepted: at most one per thread.
+/// Goal: reads reuse upstream connections instead of opening one each. Method: 30 GETs, 10
+/// HEADs and 10 GETs of chunked responses one after the other, each on a new client
+/// connection, through a proxy with two connection threads; the upstream counts the
+/// connections it accepted: at most one per thread.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reads_reuse_upstream_connections() {
     let upstream = ScriptedUpstream::start().await;
@@ -154,10 +165,17 @@ async fn reads_reuse_upstream_connections() {
     for _ in 0..10 {
         assert_eq!(read(&proxy, "HEAD", "/obj").await, (200, String::new()));
     }
-    assert_eq!(upstream.requests(), 40);
+    // A chunked body's end is known only when its last chunk arrives.
+    for _ in 0..10 {
+        assert_eq!(
+            read(&proxy, "GET", "/chunked").await,
+            (200, "ok".to_owned())
+        );
+    }
+    assert_eq!(upstream.requests(), 50);
     assert!(
         upstream.connections() <= 2,
-        "{} upstream connections for 40 sequential reads on 2 threads",
+        "{} upstream connections for 50 sequential reads on 2 threads",
         upstream.connections()
     );
 }
