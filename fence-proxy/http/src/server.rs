@@ -225,6 +225,7 @@ pub async fn serve_with_access(
     // Each connection is served on one thread for its lifetime, requests and their upstream
     // connections included (see `upstream`): no hand-off between threads per request.
     let threads = ConnectionThreads::start(limits.threads, "fence-proxy-http")?;
+    // Connection tasks; the drain below waits for them through `graceful`, not this tracker.
     let connection_tasks = TaskTracker::new();
 
     loop {
@@ -318,7 +319,6 @@ pub async fn serve_with_access(
         );
     }
     // Stops the connection threads; whatever still runs there is dropped.
-    connection_tasks.close();
     drop(threads);
     Ok(())
 }

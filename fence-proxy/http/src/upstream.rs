@@ -36,8 +36,9 @@ type RequestBody = TrackedBody<Incoming>;
 type Sender = http1::SendRequest<RequestBody>;
 type Connection = http1::Connection<UpstreamConnection, RequestBody>;
 
-/// Idle connections kept at most per thread; past it the longest idle one is closed. Each holds hyper's
-/// read and write buffers (some kilobytes); the pool refills to the number of reads in flight.
+/// Idle connections kept at most per thread; past it the longest idle one is closed. Each holds
+/// hyper's read and write buffers (some kilobytes); the pool refills to the number of reads in
+/// flight.
 const MAX_IDLE: usize = 256;
 
 /// An idle connection older than this is closed instead of reused (hyper-util's default), so

@@ -19,7 +19,8 @@ const BIG_BODY: usize = 16 << 20;
 /// An HTTP/1.1 upstream written on raw sockets, so that it can close connections whenever a
 /// test needs: `/close` answers with `Connection: close` and closes; `/drop-after` answers and
 /// then closes the idle connection without saying so (a keep-alive timeout); `/big` answers
-/// `BIG_BODY` bytes; `/chunked` answers `ok` in chunks; anything else answers `ok`. HEAD gets the head of the same response.
+/// `BIG_BODY` bytes; `/chunked` answers `ok` in chunks; anything else answers `ok`. HEAD gets
+/// the head of the same response.
 struct ScriptedUpstream {
     addr: std::net::SocketAddr,
     /// Connections that carried at least one request.
