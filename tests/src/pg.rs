@@ -526,6 +526,8 @@ pub struct RawReply {
     pub notices: Vec<String>,
     /// Type bytes of every message before ReadyForQuery, in order.
     pub tags: Vec<u8>,
+    /// The command tag of every CommandComplete (`BEGIN`, `INSERT 0 1`), in order.
+    pub completions: Vec<String>,
     /// The transaction status of the final ReadyForQuery.
     pub status: u8,
 }
@@ -607,6 +609,12 @@ impl RawConn {
                     }
                     b'E' => reply.errors.push((field(body, b'C'), field(body, b'M'))),
                     b'N' => reply.notices.push(field(body, b'C')),
+                    b'C' => {
+                        let end = body.iter().position(|&b| b == 0).unwrap_or(body.len());
+                        reply
+                            .completions
+                            .push(String::from_utf8_lossy(&body[..end]).into_owned());
+                    }
                     _ => {}
                 }
                 reply.tags.push(tag);

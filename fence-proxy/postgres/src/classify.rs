@@ -195,8 +195,13 @@ fn statements(
 fn kind_of(node: &NodeEnum) -> Result<StatementKind, ClassifyError> {
     Ok(match node {
         NodeEnum::TransactionStmt(t) => match t.kind() {
-            TransactionStmtKind::TransStmtBegin | TransactionStmtKind::TransStmtStart => {
-                StatementKind::Begin(begin_sql(&t.options)?)
+            TransactionStmtKind::TransStmtBegin => {
+                StatementKind::Begin(begin_sql("BEGIN", &t.options)?)
+            }
+            // Spelled as the client spelled it: the proxy may run it in the client's place, and
+            // the CommandComplete tag ("START TRANSACTION") must be the one the client expects.
+            TransactionStmtKind::TransStmtStart => {
+                StatementKind::Begin(begin_sql("START TRANSACTION", &t.options)?)
             }
             TransactionStmtKind::TransStmtCommit => StatementKind::Commit { chain: t.chain },
             TransactionStmtKind::TransStmtPrepare => StatementKind::Commit { chain: false },
@@ -244,8 +249,8 @@ fn fence_assignment(node: &NodeEnum) -> Option<String> {
 pub const FENCE_SETTING: &str = "lockd.fence";
 
 /// Rebuilds `BEGIN` with the client's transaction modes from the parse tree.
-fn begin_sql(options: &[pg_query::protobuf::Node]) -> Result<String, ClassifyError> {
-    let mut sql = String::from("BEGIN");
+fn begin_sql(keyword: &str, options: &[pg_query::protobuf::Node]) -> Result<String, ClassifyError> {
+    let mut sql = String::from(keyword);
     for option in options {
         let Some(NodeEnum::DefElem(d)) = option.node.as_ref() else {
             return Err(ClassifyError::BeginOption(format!("{option:?}")));
@@ -382,9 +387,17 @@ mod tests {
         assert_eq!(
             kinds("start transaction isolation level repeatable read, read only, deferrable"),
             vec![Begin(
-                "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY DEFERRABLE".into()
+                "START TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY DEFERRABLE".into()
             )]
         );
+        // The rebuilt text reads back as itself: the proxy may run it in the client's place.
+        for sql in [
+            "START TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY DEFERRABLE",
+            "BEGIN ISOLATION LEVEL SERIALIZABLE READ WRITE",
+            "START TRANSACTION",
+        ] {
+            assert_eq!(kinds(sql), vec![Begin(sql.into())]);
+        }
         assert_eq!(
             kinds("BEGIN READ WRITE NOT DEFERRABLE"),
             vec![Begin("BEGIN READ WRITE NOT DEFERRABLE".into())]

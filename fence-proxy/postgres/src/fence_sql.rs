@@ -99,9 +99,20 @@ impl FenceTable {
     /// session's proofs (`verify::Proofs::sql_array`), `None` without `--verify-key`.
     /// `at_commit`: this guard runs right before the transaction's COMMIT (or PREPARE
     /// TRANSACTION), not before a statement of the client's.
+    ///
+    /// Without `require_fence` a second column says whether the session has no fence (`t`):
+    /// the proxy then leaves out the opening guards of its next transactions, which would return
+    /// at once. Every name in it is schema-qualified (the client's `search_path` applies here);
+    /// it is read in the same statement as the guard, and safety never rests on it: the guard
+    /// before each commit runs regardless.
     pub fn guard_call(&self, require_fence: bool, proofs: Option<&str>, at_commit: bool) -> String {
+        let unfenced = if require_fence {
+            ""
+        } else {
+            ", COALESCE(pg_catalog.current_setting('lockd.fence', true), '') OPERATOR(pg_catalog.=) ''"
+        };
         format!(
-            "SELECT {}({require_fence}, {}, {at_commit})",
+            "SELECT {}({require_fence}, {}, {at_commit}){unfenced}",
             self.guard_function(),
             proofs.unwrap_or("NULL")
         )
@@ -401,6 +412,11 @@ mod tests {
         assert_eq!(
             t.guard_call(true, None, false),
             "SELECT lockd_fence_proxy.ops__fences_guard(true, NULL, false)"
+        );
+        assert_eq!(
+            t.guard_call(false, None, true),
+            "SELECT lockd_fence_proxy.ops__fences_guard(false, NULL, true), \
+             COALESCE(pg_catalog.current_setting('lockd.fence', true), '') OPERATOR(pg_catalog.=) ''"
         );
         assert_eq!(
             FenceTable::parse("lockd_fence").unwrap().guard_function(),

@@ -15,7 +15,8 @@
 //!   function (see `fence_sql`). It reads the fence from the session itself, so a fence changed by
 //!   any spelling inside the transaction is checked before the commit. It also runs once before
 //!   the first data statement of a transaction, so a stale session fails early and an unfenced
-//!   one under `--require-fence` is made read-only before it writes.
+//!   one under `--require-fence` is made read-only before it writes; left out only while the
+//!   session is known to have no fence (`Session::unfenced_seen`), where it would do nothing.
 //! - **A transaction-ending statement is the last of its query.** Anything after COMMIT or
 //!   ROLLBACK in one simple Query would run outside the guarded block; it is refused (0A000). A
 //!   COMMIT at the end of a multi-statement query is sent as a query of its own after the guard.
@@ -45,10 +46,12 @@
 //! still be wrong: SQL `PREPARE` and `DEALLOCATE` redefine names the proxy does not follow. So
 //! safety rests on rules that hold whatever the kind:
 //!
-//! - At projected status `I`, every client Execute (whatever its believed kind: BEGIN, COMMIT,
-//!   ROLLBACK, ROLLBACK TO, SET, or anything else) is preceded by the proxy's own BEGIN (with the
-//!   believed BEGIN's options), so no client statement runs in an implicit transaction that
-//!   commits on its own at Sync. After a believed transaction end the projected status is `I`
+//! - At projected status `I`, every client Execute (whatever its believed kind: COMMIT,
+//!   ROLLBACK, ROLLBACK TO, SET, or anything else) is preceded by the proxy's own BEGIN, so no
+//!   client statement runs in an implicit transaction that commits on its own at Sync. A
+//!   believed BEGIN is not forwarded at all: the proxy runs the same BEGIN in its place (so
+//!   Postgres does not warn 25001 and log a line per transaction); if the name was really
+//!   something else, that statement does not run. After a believed transaction end the projected status is `I`
 //!   again, so the next statement again gets a BEGIN (and the guard where it needs one); whether
 //!   the transaction was guarded is tracked per projected transaction.
 //! - The guard runs right before every Execute believed to be a commit, and before the proxy's
@@ -150,6 +153,21 @@ enum Track {
     ClosePortal(String),
 }
 
+/// What the second column of a guard call's row (`t`: the session has no fence) may be used for
+/// (see `Session::unfenced_seen`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Reading {
+    /// A guard before a client statement: only a fence it finds counts (the session is then
+    /// never taken for unfenced again). A local override may hide a session's fence there.
+    FenceOnly,
+    /// A guard right before a COMMIT the proxy knows to be one (its own, or the client's text it
+    /// parsed), sent at this epoch: an answer "no fence" counts at once.
+    AtCommit(u64),
+    /// A guard right before a client Execute believed to be a COMMIT, sent at this epoch: an
+    /// answer "no fence" counts once that Execute's tag proves it was a COMMIT.
+    Tentative(u64),
+}
+
 /// What the proxy does when a ReadyForQuery arrives for a simple-protocol unit.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum After {
@@ -182,6 +200,15 @@ struct Pending {
     undo: Option<(bool, String, Option<StatementKind>)>,
     /// Drop the 25001 "already a transaction in progress" warning the proxy's block causes.
     suppress_begin_warning: bool,
+    /// The proxy's own Execute standing in for a client's (a believed BEGIN at status `I`): its
+    /// CommandComplete goes to the client as the answer to the client's Execute.
+    answers_client: bool,
+    /// A guard call: its row says whether the session has a fence, and this is what the answer
+    /// may be used for.
+    reading: Option<Reading>,
+    /// A client Execute believed to be a COMMIT: unless its tag says it was one, the guard's
+    /// answer before it no longer describes the session.
+    confirms_commit: bool,
     /// Replaces the upstream's error for this unit (a Parse the proxy refused).
     refusal: Option<ProxyError>,
     /// A client Execute the proxy believes to start COPY FROM STDIN: if it completes without
@@ -199,6 +226,9 @@ impl Pending {
             track: Track::Nothing,
             undo: None,
             suppress_begin_warning: false,
+            answers_client: false,
+            reading: None,
+            confirms_commit: false,
             refusal: None,
             starts_copy: false,
             after: After::Continue,
@@ -337,6 +367,34 @@ pub struct Session {
     /// The guard ran in the current transaction (projected); only saves repeated guards before
     /// data statements, never the one before a commit.
     guarded: bool,
+    /// The session has no fence (`lockd.fence` unset or empty) as of its last commit and never
+    /// had one that a guard saw, `--require-fence` is off, and no client statement since can
+    /// have set one: an opening guard would return at once without doing anything, so it is left
+    /// out. Only the opening guard: the guard before every commit runs regardless. A session a
+    /// guard ever found fenced always gets its opening guard (a stale one must fail before its
+    /// statements run: sequences, advisory locks and loopback connections do not roll back).
+    ///
+    /// The answer comes from the guard right before a commit, once the commit is known to be
+    /// one. A value the session set in that transaction with `SET LOCAL` or `set_config(...,
+    /// true)` goes away at the commit, so that guard may see an empty local value over a fence
+    /// that comes back: hence "never had one" (`ever_fenced`). What may set a fence between a
+    /// commit and the next data statement is a client statement the proxy believes to be
+    /// transaction control or a setting, so the state is forgotten on every such statement other
+    /// than a COMMIT whose tag proves it was one (a statement SQL `PREPARE` redefined cannot
+    /// answer `COMMIT`), on every error, and while a commit guard's answer is outstanding. Code
+    /// that runs after the guard inside COMMIT (a deferred trigger calling `set_config`) is the
+    /// one thing not seen: the next transaction's statements then run before its COMMIT guard
+    /// refuses them, which only the session's own author can arrange.
+    unfenced_seen: bool,
+    /// A guard found the session fenced (or gave no clear answer) at some point: it never skips
+    /// an opening guard again.
+    ever_fenced: bool,
+    /// Bumped whenever `unfenced_seen` is forgotten and whenever a commit guard is sent: a
+    /// guard's answer counts only if it carries the current value (it is the latest commit
+    /// guard, and nothing was forgotten since it was sent).
+    fence_epoch: u64,
+    /// A [`Reading::Tentative`] answer "no fence" at this epoch, waiting for the COMMIT's tag.
+    tentative_unfenced: Option<u64>,
     /// `standard_conforming_strings` is off (from ParameterStatus): text with a backslash is
     /// refused because the proxy's parser would read it differently.
     standard_strings_off: bool,
@@ -391,6 +449,10 @@ impl Session {
             up_tx,
             status,
             guarded: false,
+            unfenced_seen: false,
+            ever_fenced: false,
+            fence_epoch: 0,
+            tentative_unfenced: None,
             standard_strings_off,
             client_encoding,
             pending: VecDeque::new(),
@@ -496,6 +558,92 @@ impl Session {
         self.cfg
             .fence_table
             .guard_call(self.cfg.require_fence, proofs.as_deref(), at_commit)
+    }
+
+    /// Forgets that the session was seen unfenced: the next data statement gets its opening
+    /// guard again.
+    fn forget_unfenced(&mut self) {
+        self.unfenced_seen = false;
+        self.tentative_unfenced = None;
+        self.fence_epoch += 1;
+    }
+
+    /// What a guard being sent now may read: before a commit, a fresh epoch (until its answer
+    /// the session's fence is unknown); `tentative` when the commit is a client Execute whose
+    /// tag must confirm it.
+    fn reading(&mut self, at_commit: bool, tentative: bool) -> Reading {
+        if !at_commit {
+            return Reading::FenceOnly;
+        }
+        self.forget_unfenced();
+        if tentative {
+            Reading::Tentative(self.fence_epoch)
+        } else {
+            Reading::AtCommit(self.fence_epoch)
+        }
+    }
+
+    /// A guard's answer (`unfenced`: its second column was `t`) for what `reading` allows.
+    fn take_reading(&mut self, reading: Reading, unfenced: bool) {
+        if !unfenced || self.cfg.require_fence {
+            self.ever_fenced = true;
+            self.forget_unfenced();
+            return;
+        }
+        match reading {
+            Reading::FenceOnly => {}
+            Reading::AtCommit(epoch) => {
+                self.unfenced_seen = epoch == self.fence_epoch && !self.ever_fenced;
+            }
+            Reading::Tentative(epoch) => {
+                if epoch == self.fence_epoch {
+                    self.tentative_unfenced = Some(epoch);
+                }
+            }
+        }
+    }
+
+    /// A client Execute believed to be a COMMIT completed with `tag` (`None`: suspended or
+    /// empty): the guard's tentative answer before it counts only if it really was a COMMIT.
+    fn confirm_commit(&mut self, tag: Option<&str>) {
+        let pending = self.tentative_unfenced.take();
+        if matches!(tag, Some("COMMIT" | "PREPARE TRANSACTION")) {
+            self.unfenced_seen = pending == Some(self.fence_epoch) && !self.ever_fenced;
+        } else {
+            self.forget_unfenced();
+        }
+    }
+
+    /// Whether the opening guard before a data statement can be left out (see `unfenced_seen`).
+    fn skip_opening_guard(&self) -> bool {
+        self.unfenced_seen && !self.cfg.require_fence
+    }
+
+    /// A simple-protocol guard query (`at_commit` as in [`Self::guard_sql`]) as the next unit.
+    /// The COMMIT that follows is the proxy's own or the client's parsed text: a real one.
+    fn put_guard_query(&mut self, at_commit: bool, owns_after: bool) -> anyhow::Result<()> {
+        let guard = self.guard_sql(at_commit);
+        self.put_query(&guard)?;
+        let mut p = Pending::ready(true, owns_after, After::Continue);
+        p.reading = Some(self.reading(at_commit, false));
+        self.pending.push_back(p);
+        Ok(())
+    }
+
+    /// An extended-protocol guard call (see [`Self::put_internal`]); `tentative`: a client
+    /// Execute believed to be a COMMIT follows (see [`Reading::Tentative`]).
+    fn put_guard(
+        &mut self,
+        at_commit: bool,
+        tentative: bool,
+        owns_before: bool,
+        owns_after: bool,
+    ) -> anyhow::Result<()> {
+        let guard = self.guard_sql(at_commit);
+        let reading = self.reading(at_commit, tentative);
+        self.put_internal_with(&guard, owns_before, owns_after, |p| {
+            p.reading = Some(reading)
+        })
     }
 
     /// Verifies every `SET lockd.fence` of `stmts` (with `--verify-key`) and keeps the proofs; the
@@ -801,11 +949,14 @@ impl Session {
             stmts
         };
         let needs_guard = body.iter().any(|s| !s.kind.guard_free());
+        if stmts.iter().any(|s| forgets_unfenced(&s.kind)) {
+            self.forget_unfenced();
+        }
+        let open_guard = needs_guard && !self.skip_opening_guard();
         // The proxy opens the block at `I`; it must end it unless the client's statements open a
         // block of their own or end it themselves.
         let owns = entry == b'I' && !begins;
         let guard = self.guard_sql(false);
-        let commit_guard = self.guard_sql(true);
         // A lone BEGIN opens the block itself: its text is what the proxy parsed, so nothing can
         // run before it outside a block, and no guard is due before it. The proxy's own BEGIN
         // would only make the client's warn (25001), which Postgres writes to its server log,
@@ -819,20 +970,23 @@ impl Session {
                     StatementKind::Begin(sql) => sql.clone(),
                     _ => fence_sql::BEGIN_SQL.to_owned(),
                 };
-                let sql = if needs_guard {
+                let sql = if open_guard {
                     format!("{begin}; {guard}")
                 } else {
                     begin
                 };
                 self.put_query(&sql)?;
-                self.pending
-                    .push_back(Pending::ready(true, owns, After::Continue));
+                let mut p = Pending::ready(true, owns, After::Continue);
+                if open_guard {
+                    p.reading = Some(Reading::FenceOnly);
+                }
+                self.pending.push_back(p);
                 self.guarded = needs_guard;
             }
             b'T' if needs_guard && !self.guarded => {
-                self.put_query(&guard)?;
-                self.pending
-                    .push_back(Pending::ready(true, false, After::Continue));
+                if open_guard {
+                    self.put_guard_query(false, false)?;
+                }
                 self.guarded = true;
             }
             _ => {}
@@ -864,9 +1018,7 @@ impl Session {
                 let copy = stmts.iter().any(|s| s.kind == StatementKind::CopyIn);
                 if commit_last && entry == b'T' {
                     // A lone COMMIT inside a block: the guard goes right before it.
-                    self.put_query(&commit_guard)?;
-                    self.pending
-                        .push_back(Pending::ready(true, false, After::Continue));
+                    self.put_guard_query(true, false)?;
                 }
                 self.out.extend_from_slice(&op.frame());
                 let after = if end_block && copy {
@@ -882,9 +1034,7 @@ impl Session {
                 self.pending.push_back(p);
                 if end_block && !copy {
                     // Pipelined: after an error the guard fails (swallowed) and COMMIT rolls back.
-                    self.put_query(&commit_guard)?;
-                    self.pending
-                        .push_back(Pending::ready(true, true, After::Continue));
+                    self.put_guard_query(true, true)?;
                     self.put_query(fence_sql::COMMIT_SQL)?;
                     self.pending
                         .push_back(Pending::ready(true, false, After::Report));
@@ -1057,6 +1207,17 @@ impl Session {
         owns_before: bool,
         owns_after: bool,
     ) -> anyhow::Result<()> {
+        self.put_internal_with(sql, owns_before, owns_after, |_| {})
+    }
+
+    /// [`Self::put_internal`], with `execute` applied to the expectation of its Execute.
+    fn put_internal_with(
+        &mut self,
+        sql: &str,
+        owns_before: bool,
+        owns_after: bool,
+        execute: impl FnOnce(&mut Pending),
+    ) -> anyhow::Result<()> {
         frontend::close(b'S', INTERNAL_STATEMENT, &mut self.out)?;
         frontend::parse(INTERNAL_STATEMENT, sql, std::iter::empty(), &mut self.out)?;
         frontend::bind(
@@ -1072,6 +1233,7 @@ impl Session {
         frontend::execute(INTERNAL_PORTAL, 0, &mut self.out)?;
         frontend::close(b'P', INTERNAL_PORTAL, &mut self.out)?;
         frontend::close(b'S', INTERNAL_STATEMENT, &mut self.out)?;
+        let mut execute = Some(execute);
         for (unit, owns) in [
             (Unit::Close, owns_before),
             (Unit::Parse, owns_before),
@@ -1080,7 +1242,13 @@ impl Session {
             (Unit::Close, owns_after),
             (Unit::Close, owns_after),
         ] {
-            self.pending.push_back(Pending::internal(unit, owns));
+            let mut p = Pending::internal(unit, owns);
+            if unit == Unit::Execute
+                && let Some(f) = execute.take()
+            {
+                f(&mut p);
+            }
+            self.pending.push_back(p);
         }
         Ok(())
     }
@@ -1089,32 +1257,45 @@ impl Session {
         let mut body = m.body();
         let portal = codec::read_cstr(&mut body).unwrap_or_default();
         let kind = self.portals.get(&portal);
-        let guard = self.guard_sql(false);
-        let commit_guard = self.guard_sql(true);
         let Some(mut g) = self.group.take() else {
             anyhow::bail!("Execute outside a group");
         };
-        let mut suppress = false;
+        if let (b'I', StatementKind::Begin(begin)) = (g.status, &kind) {
+            // A believed BEGIN at `I` is not forwarded: the proxy runs the same BEGIN (the
+            // client's options, rebuilt from its parse tree) under its own name and hands its
+            // CommandComplete to the client. The block is the client's at once, and Postgres
+            // has no reason to warn (25001) and log a line per transaction. If the belief is
+            // wrong (a name SQL PREPARE redefined unseen), the client's statement simply does
+            // not run: compatibility, never safety.
+            self.put_internal_with(begin, false, false, |p| p.answers_client = true)?;
+            g.status = b'T';
+            g.executed = true;
+            self.guarded = false;
+            self.group = Some(g);
+            return Ok(Flow::Continue);
+        }
         // Whatever the projected kind says, no client Execute is forwarded outside a block the
         // proxy opened: a kind that is wrong (a name redefined by SQL PREPARE/DEALLOCATE the
         // proxy does not track) then only costs compatibility, never an implicit transaction
-        // that commits on its own. A believed BEGIN gets its options on the proxy's BEGIN.
+        // that commits on its own.
         if g.status == b'I' {
-            let begin = match &kind {
-                StatementKind::Begin(sql) => sql.clone(),
-                _ => fence_sql::BEGIN_SQL.to_owned(),
-            };
-            self.put_internal(&begin, false, true)?;
+            self.put_internal(fence_sql::BEGIN_SQL, false, true)?;
             g.owns = true;
             g.status = b'T';
             self.guarded = false;
         }
+        // A believed BEGIN here runs as the client sent it, whatever it really is.
+        if matches!(kind, StatementKind::Begin(_)) || forgets_unfenced(&kind) {
+            self.forget_unfenced();
+        }
+        let mut suppress = false;
         match &kind {
             StatementKind::Begin(_) => {
                 if g.owns {
-                    // The client turns the proxy's block into its own, as BEGIN turns an
-                    // implicit transaction into a block; the 25001 warning the proxy's BEGIN
-                    // causes is the proxy's, not the client's.
+                    // Behind statements of this group in the proxy's block: the client turns
+                    // that block into its own, as BEGIN turns an implicit transaction into a
+                    // block, and the 25001 warning is the proxy's, not the client's. (Inside
+                    // the client's own block Postgres warns, as it would directly.)
                     g.owns = false;
                     suppress = true;
                 }
@@ -1125,7 +1306,7 @@ impl Session {
                     // If the guard fails, the upstream skips this COMMIT; the proxy then rolls
                     // the block back at Sync, so the client ends at `I` as after any failed
                     // COMMIT.
-                    self.put_internal(&commit_guard, true, g.owns)?;
+                    self.put_guard(true, true, true, g.owns)?;
                 }
                 g.owns = false;
                 g.status = if *chain { b'T' } else { b'I' };
@@ -1145,7 +1326,9 @@ impl Session {
             StatementKind::Setting => {}
             StatementKind::CopyIn | StatementKind::Other => {
                 if g.status == b'T' && !self.guarded {
-                    self.put_internal(&guard, g.owns, g.owns)?;
+                    if !self.skip_opening_guard() {
+                        self.put_guard(false, false, g.owns, g.owns)?;
+                    }
                     self.guarded = true;
                 }
             }
@@ -1160,6 +1343,7 @@ impl Session {
         g.executed = true;
         let mut p = Pending::new(Unit::Execute, g.owns);
         p.starts_copy = starts_copy;
+        p.confirms_commit = matches!(kind, StatementKind::Commit { .. });
         p.suppress_begin_warning = suppress;
         self.pending.push_back(p);
         self.group = Some(g);
@@ -1172,8 +1356,7 @@ impl Session {
             anyhow::bail!("Sync outside a group");
         };
         if g.owns && !g.failed {
-            let guard = self.guard_sql(true);
-            self.put_internal(&guard, true, true)?;
+            self.put_guard(true, false, true, true)?;
             self.put_internal(fence_sql::COMMIT_SQL, true, false)?;
             self.guarded = false;
         }
@@ -1215,10 +1398,24 @@ impl Session {
             b'A' => self.send_client(&m).await?,
             tag => {
                 let front = self.pending.front();
-                let internal = front.is_some_and(|p| p.internal);
-                if let Some(front) = front
-                    && front.unit.completed_by(tag)
+                let internal = front.is_some_and(|p| p.internal && !p.answers_client);
+                let reading = front.and_then(|p| p.reading);
+                let confirms_commit = front.is_some_and(|p| p.confirms_commit);
+                let completes = front.is_some_and(|p| p.unit.completed_by(tag));
+                if tag == b'D'
+                    && let Some(reading) = reading
                 {
+                    // The guard's second column: `t` when the session has no fence.
+                    let unfenced = data_row_column(m.body(), 1) == Some(&b"t"[..]);
+                    self.take_reading(reading, unfenced);
+                }
+                if confirms_commit && completes {
+                    let tag = (tag == b'C')
+                        .then(|| codec::read_cstr(&mut m.body()))
+                        .flatten();
+                    self.confirm_commit(tag.as_deref());
+                }
+                if completes {
                     let done = self.pending.pop_front().expect("front exists");
                     self.request.owns = done.owns_after;
                     if done.starts_copy && self.copy == Copy::Starting {
@@ -1282,6 +1479,8 @@ impl Session {
     }
 
     async fn on_error(&mut self, m: Message) -> anyhow::Result<()> {
+        // The transaction may roll back, and with it a setting made inside it.
+        self.forget_unfenced();
         let code = error::error_code(m.body());
         let (internal, refusal, unnamed_parse) = match self.pending.front_mut() {
             Some(p) => (
@@ -1403,11 +1602,8 @@ impl Session {
                         self.report(status).await
                     }
                 } else {
-                    let guard = self.guard_sql(true);
                     if status == b'T' {
-                        self.put_query(&guard)?;
-                        self.pending
-                            .push_back(Pending::ready(true, owns, After::Continue));
+                        self.put_guard_query(true, owns)?;
                     }
                     self.put_query(&sql)?;
                     self.pending
@@ -1418,10 +1614,7 @@ impl Session {
             }
             After::EndBlock => match status {
                 b'T' => {
-                    let guard = self.guard_sql(true);
-                    self.put_query(&guard)?;
-                    self.pending
-                        .push_back(Pending::ready(true, true, After::Continue));
+                    self.put_guard_query(true, true)?;
                     self.end_with(fence_sql::COMMIT_SQL);
                     Ok(Flow::Continue)
                 }
@@ -1478,6 +1671,40 @@ impl ClientOp {
             ClientOp::Query(_, m) | ClientOp::Message(m) => m.frame.clone(),
         }
     }
+}
+
+/// Whether a statement may change `lockd.fence` in a way that makes an earlier guard's reading
+/// of it out of date (see `Session::unfenced_seen`).
+fn forgets_unfenced(kind: &StatementKind) -> bool {
+    matches!(
+        kind,
+        StatementKind::Setting | StatementKind::Rollback { .. } | StatementKind::RollbackTo
+    )
+}
+
+/// Column `index` of a DataRow body (`None` for SQL NULL or a malformed row).
+fn data_row_column(body: &[u8], index: usize) -> Option<&[u8]> {
+    let count = usize::from(u16::from_be_bytes(body.get(..2)?.try_into().ok()?));
+    if index >= count {
+        return None;
+    }
+    let mut rest = &body[2..];
+    for i in 0..=index {
+        let len = i32::from_be_bytes(rest.get(..4)?.try_into().ok()?);
+        rest = &rest[4..];
+        let Ok(len) = usize::try_from(len) else {
+            if i == index {
+                return None;
+            }
+            continue;
+        };
+        let value = rest.get(..len)?;
+        if i == index {
+            return Some(value);
+        }
+        rest = &rest[len..];
+    }
+    None
 }
 
 /// Name and value of a ParameterStatus body.

@@ -156,6 +156,7 @@ pub enum Block {
     CallWithCommit,
     SqlPrepareReuse,
     StatementNameReuse,
+    PreparedControl,
     HoldCursor,
     WritableCte,
     FunctionFromSelect,
@@ -169,7 +170,7 @@ pub enum Block {
 }
 
 /// Every block kind, for drawing at random.
-pub const ALL: [Block; 23] = [
+pub const ALL: [Block; 24] = [
     Block::SimpleWrite,
     Block::ExtendedWrite,
     Block::PipelineWithoutSync,
@@ -183,6 +184,7 @@ pub const ALL: [Block; 23] = [
     Block::CallWithCommit,
     Block::SqlPrepareReuse,
     Block::StatementNameReuse,
+    Block::PreparedControl,
     Block::HoldCursor,
     Block::WritableCte,
     Block::FunctionFromSelect,
@@ -212,6 +214,7 @@ impl Block {
             Block::CallWithCommit => call_with_commit(c),
             Block::SqlPrepareReuse => sql_prepare_reuse(c),
             Block::StatementNameReuse => statement_name_reuse(c),
+            Block::PreparedControl => prepared_control(c),
             Block::HoldCursor => hold_cursor(c),
             Block::WritableCte => writable_cte(c),
             Block::FunctionFromSelect => function_from_select(c),
@@ -387,6 +390,62 @@ fn sql_prepare_reuse(c: &mut Ctx<'_>) {
             format!("DEALLOCATE PREPARE {s}")
         };
         c.q(deallocate);
+    }
+}
+
+/// Transaction control as named prepared statements (pgbench `-M prepared`, pgjdbc), which the
+/// proxy runs in the client's place (BEGIN at `I`) or checks by tag (COMMIT), sometimes
+/// redefined in SQL behind the proxy's back: the BEGIN as a write, the COMMIT as a write or as a
+/// `set_config` of a stale fence; then a transaction through the names and a write after it.
+fn prepared_control(c: &mut Ctx<'_>) {
+    let w = c.write();
+    let b = c.name("gb");
+    let e = c.name("ge");
+    let begin = [
+        "BEGIN",
+        "START TRANSACTION",
+        "BEGIN ISOLATION LEVEL REPEATABLE READ",
+    ][c.rng.random_range(0..3)];
+    let end = ["COMMIT", "END", "COMMIT AND CHAIN", "ROLLBACK"][c.rng.random_range(0..4)];
+    for (name, sql) in [(&b, begin), (&e, end)] {
+        c.steps.push(Step::Parse {
+            name: name.clone(),
+            sql: sql.into(),
+        });
+    }
+    c.steps.push(Step::Sync);
+    match c.rng.random_range(0..4) {
+        0 => c.q(format!("DEALLOCATE {b}; PREPARE {b} AS {w}")),
+        1 => c.q(format!("DEALLOCATE {e}; PREPARE {e} AS {w}")),
+        2 => {
+            let t = c.stale_token();
+            c.q(format!(
+                "DEALLOCATE {e}; PREPARE {e} AS SELECT set_config('lockd.fence', '{}:{t}', false)",
+                c.resource
+            ));
+            // Whether it ran (and stuck) depends on what came before: from here on the claim
+            // of later writes is unknown unless the session was already stale.
+            c.after_set(t);
+        }
+        _ => {}
+    }
+    let named = |c: &mut Ctx<'_>, statement: &str| {
+        c.steps.push(Step::Bind {
+            portal: String::new(),
+            statement: statement.to_owned(),
+        });
+        c.steps.push(Step::Execute {
+            portal: String::new(),
+        });
+    };
+    named(c, &b);
+    c.extended(w.clone(), false);
+    named(c, &e);
+    c.steps.push(Step::Sync);
+    if c.rng.random_bool(0.5) {
+        c.extended(w, true);
+    } else {
+        c.q(w);
     }
 }
 

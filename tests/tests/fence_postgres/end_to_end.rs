@@ -164,10 +164,12 @@ async fn zombie_holder_is_fenced_with_lockd_tokens() {
 /// warned "there is already a transaction in progress" (25001): the proxy hid the notice from the
 /// client, but Postgres wrote it to its server log, one line per transaction of every
 /// psql, psycopg or node-postgres application (71 MB in one afternoon of benchmarks here).
+/// The same for a BEGIN over the extended protocol (a prepared statement, as pgbench
+/// `-M prepared`, pgjdbc and tokio-postgres send it), which the proxy runs in the client's place.
 /// Method: a private cluster that logs to a file; through the proxy, three transactions sent
-/// as BEGIN (three spellings), `INSERT`, `COMMIT` in separate simple queries, unfenced and
-/// fenced; then a marker warning raised directly, and once the marker is in the log, no 25001
-/// warning may be.
+/// as BEGIN (three spellings), `INSERT`, `COMMIT` in separate simple queries, and three more as
+/// prepared statements, unfenced and fenced; then a marker warning raised directly, and once the
+/// marker is in the log, no 25001 warning may be.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lone_begin_leaves_no_warning_in_the_server_log() {
     lockd_tests::skip_without_postgres!();
@@ -199,6 +201,14 @@ async fn a_lone_begin_leaves_no_warning_in_the_server_log() {
                     .await
                     .unwrap_or_else(|e| panic!("{sql} (fence {fence:?}): {e:?}"));
             }
+            // The extended protocol: Parse, then Bind/Execute/Sync of a named statement.
+            let begin = begin.trim_end_matches(';');
+            for sql in [begin, "INSERT INTO lone_begin VALUES (1)", "COMMIT"] {
+                client
+                    .execute(sql, &[])
+                    .await
+                    .unwrap_or_else(|e| panic!("prepared {sql} (fence {fence:?}): {e:?}"));
+            }
         }
     }
     let marker = pg::unique_name("lone_begin_marker");
@@ -224,7 +234,7 @@ async fn a_lone_begin_leaves_no_warning_in_the_server_log() {
         .await
         .unwrap()
         .get(0);
-    assert_eq!(rows, 6);
+    assert_eq!(rows, 12);
     let warnings: Vec<&str> = log
         .lines()
         .filter(|l| l.contains("there is already a transaction in progress"))

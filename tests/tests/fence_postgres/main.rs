@@ -11,6 +11,8 @@
 //!   tokens from a real lockd cluster.
 //! - `bypass`: attacks on the guard that try to run a statement without the fence.
 //! - `commit`: what the proxy checks at commit time.
+//! - `overhead`: what the proxy adds to each transaction (its BEGIN in place of a prepared one,
+//!   the opening guard only where it can refuse), and that no check goes with it.
 //! - `readiness`: `/readyz` follows the upstream.
 //! - `review_wire`, `review_roles_and_memory`: the adversarial review's raw-wire attacks, and its
 //!   attacks through database ownership and memory.
@@ -23,6 +25,7 @@
 mod bypass;
 mod commit;
 mod end_to_end;
+mod overhead;
 mod protocol;
 mod readiness;
 mod review_roles_and_memory;
