@@ -107,9 +107,9 @@ impl FenceTable {
     /// before each commit runs regardless.
     pub fn guard_call(&self, require_fence: bool, proofs: Option<&str>, at_commit: bool) -> String {
         let unfenced = if require_fence {
-            ""
+            String::new()
         } else {
-            ", COALESCE(pg_catalog.current_setting('lockd.fence', true), '') OPERATOR(pg_catalog.=) ''"
+            format!(", {UNFENCED_EXPR}")
         };
         format!(
             "SELECT {}({require_fence}, {}, {at_commit}){unfenced}",
@@ -388,6 +388,18 @@ fn quote_ident(name: &str) -> String {
 
 /// The largest token the `bigint` column holds.
 pub const MAX_RECORDABLE_TOKEN: u64 = i64::MAX as u64;
+
+/// Whether the session has no fence, in a form the client's `search_path` cannot change (see
+/// [`FenceTable::guard_call`]).
+const UNFENCED_EXPR: &str =
+    "COALESCE(pg_catalog.current_setting('lockd.fence', true), '') OPERATOR(pg_catalog.=) ''";
+
+/// What the proxy asks once when a session starts (without `--require-fence`): whether it has a
+/// fence from its startup options or its role's and database's defaults, in the second column
+/// like a guard call's answer. A fence seen there keeps every opening guard of the session.
+pub fn session_fence_sql() -> String {
+    format!("SELECT NULL, {UNFENCED_EXPR}")
+}
 
 // The proxy's own transaction statements, sent where the client's statements need a block.
 /// Opens the proxy's own transaction block.

@@ -377,7 +377,9 @@ pub struct Session {
     /// The answer comes from the guard right before a commit, once the commit is known to be
     /// one. A value the session set in that transaction with `SET LOCAL` or `set_config(...,
     /// true)` goes away at the commit, so that guard may see an empty local value over a fence
-    /// that comes back: hence "never had one" (`ever_fenced`). What may set a fence between a
+    /// that comes back: hence "never had one" (`ever_fenced`: from the session's start, which
+    /// the proxy reads once, any guard's answer, any failed guard, any `SET lockd.fence` of a
+    /// value the proxy parses). What may set a fence between a
     /// commit and the next data statement is a client statement the proxy believes to be
     /// transaction control or a setting, so the state is forgotten on every such statement other
     /// than a COMMIT whose tag proves it was one (a statement SQL `PREPARE` redefined cannot
@@ -473,6 +475,16 @@ impl Session {
         // and leave the token's waiter list, a mutex every session shares.
         let cancelled = shutdown.cancelled();
         tokio::pin!(cancelled);
+        if !self.cfg.require_fence {
+            // The fence the session starts with (startup options, role and database defaults):
+            // its first guard may come only after a SET LOCAL has hidden it.
+            self.put_query(&fence_sql::session_fence_sql())?;
+            let mut p = Pending::ready(true, false, After::Continue);
+            p.reading = Some(Reading::FenceOnly);
+            self.pending.push_back(p);
+            self.write_out().await?;
+            self.up_tx.flush().await?;
+        }
         loop {
             // In COPY FROM STDIN the upstream waits for the client's data, so reading the client
             // never stops there; while a COPY's start is unanswered, the client waits.
@@ -648,7 +660,15 @@ impl Session {
 
     /// Verifies every `SET lockd.fence` of `stmts` (with `--verify-key`) and keeps the proofs; the
     /// first value that does not verify refuses the request.
+    /// Also: a session that sets a fence is never taken for unfenced again (`ever_fenced`).
     fn verify_fence_sets(&mut self, stmts: &[Statement]) -> Result<(), ProxyError> {
+        if stmts
+            .iter()
+            .any(|s| s.sets_fence.as_deref().is_some_and(|v| !v.is_empty()))
+        {
+            self.ever_fenced = true;
+            self.forget_unfenced();
+        }
         let Some(v) = self.cfg.verification.as_ref() else {
             return Ok(());
         };
@@ -1479,7 +1499,11 @@ impl Session {
     }
 
     async fn on_error(&mut self, m: Message) -> anyhow::Result<()> {
-        // The transaction may roll back, and with it a setting made inside it.
+        // The transaction may roll back, and with it a setting made inside it. A guard that
+        // fails found a fence (or runs under --require-fence).
+        if self.pending.front().is_some_and(|p| p.reading.is_some()) {
+            self.ever_fenced = true;
+        }
         self.forget_unfenced();
         let code = error::error_code(m.body());
         let (internal, refusal, unnamed_parse) = match self.pending.front_mut() {

@@ -186,8 +186,9 @@ async fn the_opening_guard_is_left_out_only_where_it_could_not_refuse() {
 /// force at that moment, and a `SET LOCAL` or `set_config(..., true)` that empties it goes away
 /// with the COMMIT, bringing the session's fence back. A session a guard once found fenced must
 /// keep its opening guard, so a stale one is still refused at its first statement.
-/// Method: a session fenced with token 1 runs a transaction that empties the fence locally;
-/// another holder records token 2; the session's next INSERT must fail by itself (55P03).
+/// Method: a session fenced with token 1 at startup runs, as its first transaction, one that
+/// empties the fence locally before its first data statement; another holder records token 2;
+/// the session's next INSERT must fail by itself (55P03).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fence_emptied_locally_keeps_the_opening_guard() {
     lockd_tests::skip_without_postgres!();
@@ -207,8 +208,9 @@ async fn a_fence_emptied_locally_keeps_the_opening_guard() {
     .enumerate()
     {
         let resource = pg::unique_name(&format!("local_unfence{i}"));
+        // The fence comes with the startup options, and the first transaction empties it
+        // before any data statement (second review): no guard sees it before the COMMIT.
         let session = pg::connect(&proxy.config(Some(&format!("{resource}:1")))).await;
-        session.batch_execute(&insert).await.unwrap();
         session.batch_execute("BEGIN").await.unwrap();
         session.batch_execute(unfence).await.unwrap();
         session.execute(insert.as_str(), &[]).await.unwrap();
