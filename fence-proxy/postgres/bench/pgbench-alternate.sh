@@ -1,0 +1,66 @@
+#!/bin/bash
+# Two fence-proxy builds side by side, in alternating rounds: pgbench -M prepared through each,
+# unfenced and then fenced (PGOPTIONS='-c lockd.fence=bench/1:1'), the order of the two builds
+# swapped every round, CHECKPOINT before every run. On a shared machine whose speed drifts
+# between runs, rounds of short runs compared by their medians say more than one long run each.
+#
+#   fence-proxy/postgres/bench/pgbench-alternate.sh BASE_BINARY NEW_BINARY
+#   ROUNDS=10 T=5 (seconds per run) C=4 J=2 (pgbench clients and threads)
+#   DIRECT=1 also runs pgbench directly each round; REF_PORT=16544 also through a relay there
+#
+# Prints one line per run: round, label, tps, Postgres CPU per transaction (µs: the postmaster
+# and its children, from /proc; a backend not yet reaped when the run ends makes a sample too
+# low, so drop samples far below the others), failed transactions; then the sorted tps and the
+# medians per label. Uses database pgbench_a (recreated at scale 1) and ports 16543 and 16545.
+# See docs/benchmarks.md, "A prepared BEGIN in the client's place".
+set -eu
+[ $# -eq 2 ] || { echo "usage: $0 BASE_BINARY NEW_BINARY" >&2; exit 2; }
+DB=pgbench_a; T=${T:-5}; ROUNDS=${ROUNDS:-10}; C=${C:-4}; J=${J:-2}
+HZ=$(getconf CLK_TCK)
+createdb -h 127.0.0.1 -U postgres $DB 2>/dev/null || true
+pgbench -h 127.0.0.1 -U postgres -i -s 1 -q $DB >/dev/null 2>&1
+PM=$(head -1 "$(psql -h 127.0.0.1 -U postgres -d postgres -Atc 'SHOW data_directory')/postmaster.pid")
+pg_ticks() {
+  { awk '{print $14 + $15 + $16 + $17}' /proc/"$PM"/stat
+    for c in $(pgrep -P "$PM"); do awk '{print $14 + $15}' /proc/"$c"/stat 2>/dev/null; done
+  } | awk '{s += $1} END {print s + 0}'
+}
+"$1" postgres init --upstream "postgres://postgres@127.0.0.1:5432/$DB" >/dev/null
+UP="postgres://postgres@127.0.0.1:5432/$DB?sslmode=disable"
+"$1" postgres --listen 127.0.0.1:16543 --upstream "$UP" >/dev/null 2>&1 & BASE_PID=$!
+"$2" postgres --listen 127.0.0.1:16545 --upstream "$UP" >/dev/null 2>&1 & NEW_PID=$!
+trap 'kill $BASE_PID $NEW_PID 2>/dev/null' EXIT
+sleep 1
+OUT=$(mktemp)
+run() { # round label port PGOPTIONS
+  psql -h 127.0.0.1 -U postgres -d $DB -qc CHECKPOINT
+  local p0 p1 out tx tps failed
+  p0=$(pg_ticks)
+  out=$(PGOPTIONS="$4" pgbench -h 127.0.0.1 -p "$3" -U postgres -c "$C" -j "$J" -M prepared -T "$T" $DB 2>&1)
+  p1=$(pg_ticks)
+  tx=$(echo "$out" | awk '/number of transactions actually processed/ {print $NF}' | cut -d/ -f1)
+  tps=$(echo "$out" | awk '/^tps/ {printf "%.0f", $3}')
+  failed=$(echo "$out" | awk '/number of failed/ {print $5}')
+  awk -v r="$1" -v l="$2" -v tps="${tps:-0}" -v t=$((p1 - p0)) -v hz="$HZ" -v n="${tx:-0}" -v f="${failed:-?}" \
+    'BEGIN {printf "%s %s %s %.0f %s\n", r, l, tps, (n > 0 ? t / hz * 1e6 / n : 0), f}' | tee -a "$OUT"
+}
+FENCE="-c lockd.fence=bench/1:1"
+echo "# $(date -u '+%Y-%m-%d %H:%M UTC'), load average $(cut -d' ' -f1-3 /proc/loadavg): round label tps pg_cpu_us_per_tx failed"
+for r in $(seq 1 "$ROUNDS"); do
+  order="base new"; [ $((r % 2)) = 0 ] && order="new base"
+  [ -n "${DIRECT:-}" ] && run "$r" direct 5432 ""
+  [ -n "${REF_PORT:-}" ] && run "$r" reference "$REF_PORT" ""
+  for fence in unfenced fenced; do
+    opts=""; [ $fence = fenced ] && opts=$FENCE
+    for b in $order; do
+      port=16543; [ $b = new ] && port=16545
+      run "$r" "$b-$fence" $port "$opts"
+    done
+  done
+done
+echo "# end $(date -u '+%H:%M UTC'), load average $(cut -d' ' -f1-3 /proc/loadavg)"
+for label in $(awk '{print $2}' "$OUT" | sort -u); do
+  awk -v l="$label" '$2 == l {print $3}' "$OUT" | sort -n | awk -v l="$label" \
+    '{v[NR] = $1; s = s " " $1} END {m = NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2; printf "%s: tps%s; median %.0f\n", l, s, m}'
+done
+rm -f "$OUT"
