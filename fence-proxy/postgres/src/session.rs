@@ -395,8 +395,9 @@ pub struct Session {
     /// guard's answer counts only if it carries the current value (it is the latest commit
     /// guard, and nothing was forgotten since it was sent).
     fence_epoch: u64,
-    /// A [`Reading::Tentative`] answer "no fence" at this epoch, waiting for the COMMIT's tag.
-    tentative_unfenced: Option<u64>,
+    /// A current [`Reading::Tentative`] answer "no fence", waiting for the COMMIT's tag (cleared
+    /// whenever the epoch moves).
+    tentative_unfenced: bool,
     /// `standard_conforming_strings` is off (from ParameterStatus): text with a backslash is
     /// refused because the proxy's parser would read it differently.
     standard_strings_off: bool,
@@ -454,7 +455,7 @@ impl Session {
             unfenced_seen: false,
             ever_fenced: false,
             fence_epoch: 0,
-            tentative_unfenced: None,
+            tentative_unfenced: false,
             standard_strings_off,
             client_encoding,
             pending: VecDeque::new(),
@@ -576,7 +577,7 @@ impl Session {
     /// guard again.
     fn forget_unfenced(&mut self) {
         self.unfenced_seen = false;
-        self.tentative_unfenced = None;
+        self.tentative_unfenced = false;
         self.fence_epoch += 1;
     }
 
@@ -608,9 +609,7 @@ impl Session {
                 self.unfenced_seen = epoch == self.fence_epoch && !self.ever_fenced;
             }
             Reading::Tentative(epoch) => {
-                if epoch == self.fence_epoch {
-                    self.tentative_unfenced = Some(epoch);
-                }
+                self.tentative_unfenced = epoch == self.fence_epoch;
             }
         }
     }
@@ -618,9 +617,9 @@ impl Session {
     /// A client Execute believed to be a COMMIT completed with `tag` (`None`: suspended or
     /// empty): the guard's tentative answer before it counts only if it really was a COMMIT.
     fn confirm_commit(&mut self, tag: Option<&str>) {
-        let pending = self.tentative_unfenced.take();
+        let pending = std::mem::take(&mut self.tentative_unfenced);
         if matches!(tag, Some("COMMIT" | "PREPARE TRANSACTION")) {
-            self.unfenced_seen = pending == Some(self.fence_epoch) && !self.ever_fenced;
+            self.unfenced_seen = pending && !self.ever_fenced;
         } else {
             self.forget_unfenced();
         }
