@@ -420,6 +420,34 @@ impl Fleet {
         }
     }
 
+    /// Acquires a fresh resource through the nodes `via` only, as a client with those endpoints
+    /// would, within `within`; returns the fencing token. Each try takes the next of
+    /// `<prefix>/1`, `<prefix>/2`, ... (5-s leases), so a grant whose answer was lost, or one of
+    /// an earlier call still running, never makes a later try find its resource held.
+    pub async fn acquire_fresh(
+        &self,
+        via: &[u64],
+        prefix: &str,
+        within: Duration,
+    ) -> anyhow::Result<u64> {
+        let client = lockd_client::Client::new(self.endpoints(via))?;
+        let deadline = Instant::now() + within;
+        let mut n = 0;
+        loop {
+            n += 1;
+            let resource = format!("{prefix}/{n}");
+            let opts = lockd_client::AcquireOptions::default().ttl(Duration::from_secs(5));
+            match client.acquire(&resource, opts).await {
+                Ok(lease) => return Ok(lease.fencing_token.0),
+                Err(e) if Instant::now() < deadline => {
+                    eprintln!("acquire {resource} via nodes {via:?}: {e}");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                Err(e) => anyhow::bail!("no grant via nodes {via:?} within {within:?}: {e}"),
+            }
+        }
+    }
+
     /// Runs lockctl against the given endpoints; returns stdout, or the error with stderr.
     pub fn lockctl(&self, endpoints: &[u64], args: &[&str]) -> anyhow::Result<String> {
         let mut cmd = command("lockctl");

@@ -6,10 +6,9 @@
 //! read by `nss_wrapper`, so nothing on the machine changes; each node listens on a loopback IP of
 //! its own and writes its output to a file of the run, which a failed check prints.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use lockd_api::v1::StatusResponse;
-use lockd_client::{AcquireOptions, Client};
 use lockd_tests::fleet::Fleet;
 
 const ARGS: &[&str] = &["--heartbeat", "100ms", "--election-timeout", "600ms"];
@@ -24,30 +23,12 @@ async fn status(f: &Fleet, id: u64) -> StatusResponse {
     .await
 }
 
-/// Acquires a fresh resource named after `what` through node `via` only, as a client with that
-/// one endpoint would, within 30 s; returns the fencing token. A try that fails (UNAVAILABLE
-/// while leadership moves, a deadline missed on a loaded machine) is followed by one on another
-/// resource, so a grant whose answer was lost never makes the next try find the resource held.
+/// A fresh resource under `names/<what>` through node `via` only (see `Fleet::acquire_fresh`);
+/// a failure prints what that node said.
 async fn acquire(f: &Fleet, via: u64, what: &str) -> u64 {
-    let client = Client::new(f.endpoints(&[via])).unwrap();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let mut attempt = 0;
-    loop {
-        attempt += 1;
-        let resource = format!("names/{what}/{attempt}");
-        let opts = AcquireOptions::default().ttl(Duration::from_secs(30));
-        match client.acquire(&resource, opts).await {
-            Ok(lease) => return lease.fencing_token.0,
-            Err(e) if Instant::now() < deadline => {
-                eprintln!("acquire {resource} via node {via}: {e}");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-            Err(e) => panic!(
-                "acquire {resource} via node {via}: still failing after 30 s: {e}\nnode {via} said:\n{}",
-                f.log(via)
-            ),
-        }
-    }
+    f.acquire_fresh(&[via], &format!("names/{what}"), Duration::from_secs(30))
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\nnode {via} said:\n{}", f.log(via)))
 }
 
 /// Goal: a member killed and started again on another IP under the same DNS name rejoins, the

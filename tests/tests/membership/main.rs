@@ -193,25 +193,6 @@ async fn assert_one_incarnation(f: &Fleet, ids: &[u64]) {
     );
 }
 
-/// Acquires one fresh resource through `endpoints` within `within`.
-async fn acquire_within(endpoints: Vec<String>, within: Duration) -> u64 {
-    let client = Client::new(endpoints).unwrap();
-    let deadline = Instant::now() + within;
-    let mut n = 0;
-    loop {
-        n += 1;
-        let opts = AcquireOptions::default().ttl(Duration::from_secs(5));
-        match client.acquire(&format!("probe/{n}"), opts).await {
-            Ok(lease) => return lease.fencing_token.0,
-            Err(e) if Instant::now() < deadline => {
-                eprintln!("probe acquire: {e}");
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-            Err(e) => panic!("no grant within {within:?}: {e}"),
-        }
-    }
-}
-
 /// Goal: a killed node is replaced by a new one with an empty data dir and another address
 /// (issue test 1), the cluster grows from three voters to five and shrinks back to three,
 /// removing the leader on the way, and `leader transfer` moves leadership in under 2 s (issue
@@ -327,7 +308,9 @@ async fn a_node_is_replaced_the_cluster_grows_and_shrinks_and_leadership_moves_u
     f.kill(1);
     let killed_1 = Instant::now();
     f.wait_for_leader(Duration::from_secs(20)).await.unwrap();
-    acquire_within(f.endpoints(&[2, 4]), Duration::from_secs(20)).await;
+    f.acquire_fresh(&[2, 4], "probe", Duration::from_secs(20))
+        .await
+        .unwrap();
     tokio::time::sleep(Duration::from_secs(1)).await;
 
     let report = load.stop().await;
@@ -538,7 +521,10 @@ async fn review_membership_a_wiped_lone_first_voter_never_founds_a_second_cluste
     assert_one_incarnation(&f, &[1, 2, 3]).await;
     let mut before = 0;
     for _ in 0..5 {
-        before = acquire_within(f.endpoints(&[1, 2, 3]), Duration::from_secs(10)).await;
+        before = f
+            .acquire_fresh(&[1, 2, 3], "probe", Duration::from_secs(10))
+            .await
+            .unwrap();
     }
 
     // Phase 1: node 1 loses its disk and is restarted with its first flags.
@@ -557,7 +543,10 @@ async fn review_membership_a_wiped_lone_first_voter_never_founds_a_second_cluste
         "node 1 says why it stops: {log}"
     );
     // The cluster of nodes 2 and 3 goes on.
-    let during = acquire_within(f.endpoints(&[2, 3]), Duration::from_secs(20)).await;
+    let during = f
+        .acquire_fresh(&[2, 3], "probe", Duration::from_secs(20))
+        .await
+        .unwrap();
     assert!(during > before);
 
     // Phase 2: the runbook: restart it with the current members in --peer.
@@ -565,7 +554,10 @@ async fn review_membership_a_wiped_lone_first_voter_never_founds_a_second_cluste
     f.restart(1).unwrap();
     tokio::time::sleep(Duration::from_secs(3)).await;
     f.kill(2);
-    let after = acquire_within(f.endpoints(&[1, 3]), Duration::from_secs(30)).await;
+    let after = f
+        .acquire_fresh(&[1, 3], "probe", Duration::from_secs(30))
+        .await
+        .unwrap();
     assert!(after > during, "token {after} after {during}");
     let s = f.status(1).await.unwrap();
     assert!([1, 3].contains(&s.leader_id), "node 1 rejoined: {s:?}");
@@ -612,7 +604,10 @@ async fn review_membership_a_wiped_node_with_stale_flags_never_founds_a_second_c
     assert_eq!(voters(&f, &[1, 4, 5]), [1, 4, 5]);
     let mut before = 0;
     for _ in 0..5 {
-        before = acquire_within(f.endpoints(&[1, 4, 5]), Duration::from_secs(20)).await;
+        before = f
+            .acquire_fresh(&[1, 4, 5], "probe", Duration::from_secs(20))
+            .await
+            .unwrap();
     }
 
     // Phase 1: 4 and 5 out of reach, node 1 wiped, joiners at 2 and 3, all with the old list.
@@ -640,11 +635,17 @@ async fn review_membership_a_wiped_node_with_stale_flags_never_founds_a_second_c
     f.kill(1);
     f.set_flags(1, &[4, 5], false);
     f.restart(1).unwrap();
-    let after = acquire_within(f.endpoints(&[1, 4, 5]), Duration::from_secs(30)).await;
+    let after = f
+        .acquire_fresh(&[1, 4, 5], "probe", Duration::from_secs(30))
+        .await
+        .unwrap();
     assert!(after > before, "token {after} after {before}");
     tokio::time::sleep(Duration::from_secs(3)).await;
     f.kill(5);
-    let last = acquire_within(f.endpoints(&[1, 4]), Duration::from_secs(30)).await;
+    let last = f
+        .acquire_fresh(&[1, 4], "probe", Duration::from_secs(30))
+        .await
+        .unwrap();
     assert!(last > after, "token {last} after {after}");
 }
 
@@ -658,7 +659,10 @@ async fn review_membership_a_wiped_node_with_stale_flags_never_founds_a_second_c
 async fn review_m2_a_dead_voter_is_not_counted_up_to_date_by_a_removal() {
     let mut f = Fleet::start(3, ARGS).await.unwrap();
     let leader = f.wait_for_leader(Duration::from_secs(20)).await.unwrap();
-    let before = acquire_within(f.endpoints(&[1, 2, 3]), Duration::from_secs(10)).await;
+    let before = f
+        .acquire_fresh(&[1, 2, 3], "probe", Duration::from_secs(10))
+        .await
+        .unwrap();
     let followers: Vec<u64> = [1, 2, 3].into_iter().filter(|i| *i != leader).collect();
     let (dead, other) = (followers[0], followers[1]);
     f.kill(dead);
@@ -669,7 +673,10 @@ async fn review_m2_a_dead_voter_is_not_counted_up_to_date_by_a_removal() {
         .to_string();
     assert!(e.contains("up to date"), "{e}");
     assert_eq!(voters(&f, &[leader, other]), [1, 2, 3]);
-    let after = acquire_within(f.endpoints(&[leader, other]), Duration::from_secs(10)).await;
+    let after = f
+        .acquire_fresh(&[leader, other], "probe", Duration::from_secs(10))
+        .await
+        .unwrap();
     assert!(after > before, "token {after} after {before}");
 }
 
@@ -831,7 +838,9 @@ async fn review_m_b_a_transfer_whose_caller_gave_up_leaves_elections_on() {
     f.signal(target, Signal::SIGCONT);
     f.signal(third, Signal::SIGCONT);
     f.wait_for_leader(Duration::from_secs(20)).await.unwrap();
-    acquire_within(f.endpoints(&[1, 2, 3]), Duration::from_secs(20)).await;
+    f.acquire_fresh(&[1, 2, 3], "probe", Duration::from_secs(20))
+        .await
+        .unwrap();
 }
 
 /// Goal: two membership calls sent to the leader at the same moment run one after the other,
