@@ -530,6 +530,8 @@ pub struct RawReply {
     pub completions: Vec<String>,
     /// The transaction status of the final ReadyForQuery.
     pub status: u8,
+    /// BackendKeyData (process ID, secret key), sent once after authentication.
+    pub backend_key: Option<(i32, i32)>,
 }
 
 impl RawReply {
@@ -545,6 +547,8 @@ impl RawReply {
 pub struct RawConn {
     stream: tokio::net::TcpStream,
     buf: bytes::BytesMut,
+    /// The key a CancelRequest for this session carries (see [`cancel`]).
+    pub backend_key: Option<(i32, i32)>,
 }
 
 impl RawConn {
@@ -557,6 +561,7 @@ impl RawConn {
         let mut conn = RawConn {
             stream,
             buf: bytes::BytesMut::new(),
+            backend_key: None,
         };
         let mut params = vec![("user", user), ("database", PG_DATABASE)];
         if let Some(o) = options {
@@ -571,6 +576,7 @@ impl RawConn {
             "startup as {user} with {options:?} failed: {:?}",
             reply.errors
         );
+        conn.backend_key = reply.backend_key;
         conn
     }
 
@@ -609,6 +615,12 @@ impl RawConn {
                     }
                     b'E' => reply.errors.push((field(body, b'C'), field(body, b'M'))),
                     b'N' => reply.notices.push(field(body, b'C')),
+                    b'K' if body.len() >= 8 => {
+                        reply.backend_key = Some((
+                            i32::from_be_bytes([body[0], body[1], body[2], body[3]]),
+                            i32::from_be_bytes([body[4], body[5], body[6], body[7]]),
+                        ));
+                    }
                     b'C' => {
                         let end = body.iter().position(|&b| b == 0).unwrap_or(body.len());
                         reply
@@ -630,6 +642,20 @@ impl RawConn {
             }
         }
     }
+}
+
+/// Sends a CancelRequest for the session with `key` to `addr` (a client sends it on a connection
+/// of its own) and returns once it is written and the other end has closed.
+pub async fn cancel(addr: SocketAddr, key: (i32, i32)) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut out = bytes::BytesMut::new();
+    postgres_protocol::message::frontend::cancel_request(key.0, key.1, &mut out);
+    let mut stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .unwrap_or_else(|e| panic!("connecting to {addr}: {e}"));
+    stream.write_all(&out).await.unwrap();
+    let mut rest = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut rest)).await;
 }
 
 fn field(body: &[u8], wanted: u8) -> String {

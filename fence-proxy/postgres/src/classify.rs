@@ -38,7 +38,13 @@ pub enum StatementKind {
     RollbackTo,
     /// `SAVEPOINT`, `RELEASE`, `SET`, `RESET`, `SET TRANSACTION`, `SHOW`: touch no table, so they
     /// need no opening guard (and `SET TRANSACTION` must come before any snapshot is taken).
-    Setting,
+    Setting {
+        /// It may change `lockd.fence`: a SET or RESET of it (any spelling the grammar accepts,
+        /// any setting under `lockd.`, to be safe) or `RESET ALL`. SHOW, SAVEPOINT, RELEASE and
+        /// SETs of other settings cannot, so they leave the proxy's knowledge of the session's
+        /// fence as it was (see `Session::unfenced_seen`).
+        touches_fence: bool,
+    },
     /// `COPY ... FROM STDIN`: the upstream reads CopyData next, so nothing may be pipelined
     /// behind the query.
     CopyIn,
@@ -60,7 +66,7 @@ impl StatementKind {
         matches!(
             self,
             StatementKind::Begin(_)
-                | StatementKind::Setting
+                | StatementKind::Setting { .. }
                 | StatementKind::RollbackTo
                 | StatementKind::Commit { .. }
                 | StatementKind::Rollback { .. }
@@ -208,13 +214,25 @@ fn kind_of(node: &NodeEnum) -> Result<StatementKind, ClassifyError> {
             TransactionStmtKind::TransStmtRollback => StatementKind::Rollback { chain: t.chain },
             TransactionStmtKind::TransStmtRollbackTo => StatementKind::RollbackTo,
             TransactionStmtKind::TransStmtSavepoint | TransactionStmtKind::TransStmtRelease => {
-                StatementKind::Setting
+                StatementKind::Setting {
+                    touches_fence: false,
+                }
             }
             // COMMIT PREPARED / ROLLBACK PREPARED cannot run inside a block, where the proxy runs
             // every statement; the upstream refuses them.
             _ => StatementKind::Other,
         },
-        NodeEnum::VariableSetStmt(_) | NodeEnum::VariableShowStmt(_) => StatementKind::Setting,
+        NodeEnum::VariableSetStmt(set) => StatementKind::Setting {
+            touches_fence: set.kind() == VariableSetKind::VarResetAll
+                || set
+                    .name
+                    .as_bytes()
+                    .get(..FENCE_NAMESPACE.len())
+                    .is_some_and(|prefix| prefix.eq_ignore_ascii_case(FENCE_NAMESPACE.as_bytes())),
+        },
+        NodeEnum::VariableShowStmt(_) => StatementKind::Setting {
+            touches_fence: false,
+        },
         NodeEnum::CopyStmt(c) if c.is_from && !c.is_program && c.filename.is_empty() => {
             StatementKind::CopyIn
         }
@@ -247,6 +265,11 @@ fn fence_assignment(node: &NodeEnum) -> Option<String> {
 
 /// The setting that carries a session's fence.
 pub const FENCE_SETTING: &str = "lockd.fence";
+
+/// The prefix of the settings a SET may change the fence through, as far as the proxy's
+/// knowledge of it goes: `lockd.fence` itself, and, to be safe, any other `lockd.` setting
+/// (Postgres compares setting names ignoring ASCII case).
+const FENCE_NAMESPACE: &str = "lockd.";
 
 /// Rebuilds `BEGIN` with the client's transaction modes from the parse tree.
 fn begin_sql(keyword: &str, options: &[pg_query::protobuf::Node]) -> Result<String, ClassifyError> {
@@ -333,8 +356,12 @@ mod tests {
             kinds("rollback to savepoint a; release a; savepoint b; end; abort"),
             vec![
                 RollbackTo,
-                Setting,
-                Setting,
+                Setting {
+                    touches_fence: false
+                },
+                Setting {
+                    touches_fence: false
+                },
                 Commit { chain: false },
                 Rollback { chain: false }
             ]
@@ -347,9 +374,27 @@ mod tests {
                 Commit { chain: false }
             ]
         );
+        let setting = |touches_fence| Setting { touches_fence };
         assert_eq!(
             kinds("SET \"lockd\".\"fence\" = 'a:1'; show x; reset all; set transaction read only"),
-            vec![Setting, Setting, Setting, Setting]
+            vec![setting(true), setting(false), setting(true), setting(false)]
+        );
+        assert_eq!(
+            kinds(
+                "set \"LOCKD\".\"Fence\" to default; reset lockd.fence; set local lockd.other = 1; \
+                 set lockd . fence = 'a:1'; set local statement_timeout = 5; reset search_path; \
+                 show lockd.fence; set session characteristics as transaction read only"
+            ),
+            vec![
+                setting(true),
+                setting(true),
+                setting(true),
+                setting(true),
+                setting(false),
+                setting(false),
+                setting(false),
+                setting(false)
+            ]
         );
         assert_eq!(
             kinds("copy t from stdin; copy t to stdout; copy t from '/x'"),

@@ -143,9 +143,91 @@ pub fn error_field(body: &[u8], wanted: u8) -> Option<String> {
     None
 }
 
+/// An ErrorResponse or NoticeResponse with its error cursor (`P`, a 1-based character index
+/// into the query text the server ran) moved `shift` characters back (forward if negative), for
+/// a client whose text the proxy sent with `shift` characters more of its own ahead of it. A cursor that would land
+/// before the client's text is dropped; a message without one, or one the proxy cannot read, is
+/// returned as it came.
+pub fn shift_position(m: &Message, shift: i64) -> Message {
+    let body = m.body();
+    let mut fields: Vec<(u8, &[u8])> = Vec::new();
+    let mut rest = body;
+    loop {
+        let Some((&field, tail)) = rest.split_first() else {
+            return m.clone();
+        };
+        if field == 0 {
+            break;
+        }
+        let Some(end) = tail.iter().position(|&b| b == 0) else {
+            return m.clone();
+        };
+        fields.push((field, &tail[..end]));
+        rest = &tail[end + 1..];
+    }
+    if !fields.iter().any(|(f, _)| *f == b'P') {
+        return m.clone();
+    }
+    let mut out = Vec::with_capacity(body.len());
+    for (field, value) in fields {
+        if field == b'P' {
+            let moved = std::str::from_utf8(value)
+                .ok()
+                .and_then(|v| v.parse::<i64>().ok())
+                .and_then(|p| p.checked_sub(shift))
+                .filter(|p| *p >= 1);
+            match moved {
+                Some(p) => {
+                    out.push(b'P');
+                    out.extend_from_slice(p.to_string().as_bytes());
+                    out.push(0);
+                }
+                None => continue,
+            }
+        } else {
+            out.push(field);
+            out.extend_from_slice(value);
+            out.push(0);
+        }
+    }
+    out.push(0);
+    Message::new(m.tag, &out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_error_cursor_moves_back_over_the_proxys_statements() {
+        let with = |fields: &[(u8, &str)]| {
+            let mut body = Vec::new();
+            for (f, v) in fields {
+                body.push(*f);
+                body.extend_from_slice(v.as_bytes());
+                body.push(0);
+            }
+            body.push(0);
+            Message::new(b'E', &body)
+        };
+        let m = with(&[(b'S', "ERROR"), (b'C', "42601"), (b'P', "30"), (b'M', "x")]);
+        let moved = shift_position(&m, 20);
+        assert_eq!(error_field(moved.body(), b'P').as_deref(), Some("10"));
+        assert_eq!(error_field(moved.body(), b'M').as_deref(), Some("x"));
+        assert_eq!(error_field(moved.body(), b'C').as_deref(), Some("42601"));
+        // A cursor inside the proxy's own text is dropped, the rest kept.
+        let dropped = shift_position(&m, 30);
+        assert_eq!(error_field(dropped.body(), b'P'), None);
+        assert_eq!(error_field(dropped.body(), b'M').as_deref(), Some("x"));
+        // Without a cursor, or unreadable: unchanged.
+        let plain = with(&[(b'C', "22012"), (b'M', "division by zero")]);
+        assert_eq!(shift_position(&plain, 5).frame, plain.frame);
+        let cut = Message::new(b'E', b"Cabc");
+        assert_eq!(shift_position(&cut, 5).frame, cut.frame);
+        // The client's text was longer than what the proxy sent in its place.
+        let forward = shift_position(&m, -4);
+        assert_eq!(error_field(forward.body(), b'P').as_deref(), Some("34"));
+    }
 
     #[test]
     fn error_response_round_trips_its_fields() {

@@ -4,12 +4,16 @@
 //! # The rules
 //!
 //! - **Every client statement runs inside an explicit block.** When the upstream is idle (status
-//!   `I`) and the client sends a statement, the proxy sends its own `BEGIN` (with the client's
-//!   BEGIN options rebuilt from the parse tree when the client's first statement is a BEGIN)
-//!   first, pipelined with the client's messages. Postgres then refuses COMMIT inside DO blocks
-//!   and procedures, and no statement can run in an implicit transaction that commits on its
-//!   own. If the client did not open the block itself, the proxy ends it after the client's
-//!   statements, as Postgres would have ended the implicit transaction.
+//!   `I`) and the client sends a statement, the proxy's own `BEGIN` (the client's BEGIN rebuilt
+//!   from the parse tree, in its place, when the client's first statement is a BEGIN) runs
+//!   first, in the same failure unit as the client's statements: at the head of the client's
+//!   simple Query, or in the client's extended-protocol group before its Execute (a FunctionCall
+//!   waits for the block to open). Whatever fails the BEGIN (a CancelRequest or a
+//!   `statement_timeout` before it runs) then skips the client's statements too. Postgres then
+//!   refuses COMMIT inside DO blocks and procedures, and no statement can run in an implicit
+//!   transaction that commits on its own. If the client did not open the block itself, the
+//!   proxy ends it after the client's statements, as Postgres would have ended the implicit
+//!   transaction.
 //! - **The guard runs before every commit point.** Before the client's COMMIT, END, PREPARE
 //!   TRANSACTION or COMMIT AND CHAIN, and before the proxy's own COMMIT, the proxy runs the guard
 //!   function (see `fence_sql`). It reads the fence from the session itself, so a fence changed by
@@ -184,6 +188,27 @@ enum After {
     /// The end of an extended-protocol group: roll back the proxy's block if an error left it
     /// failed, then report.
     SyncEnd,
+    /// The proxy's BEGIN (and opening guard) ahead of a client FunctionCall: send the call once
+    /// the block is open, then end the block; if it did not open, the call never runs.
+    Held(bytes::Bytes),
+}
+
+/// One of the proxy's statements at the head of a client's simple Query (see `plan_simple`),
+/// answered before the client's own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Lead {
+    /// The block's BEGIN: the client's own when `client` (its CommandComplete goes to the client,
+    /// in the place of the client's BEGIN the proxy left out of the text), else the proxy's.
+    Begin { client: bool },
+    /// The opening guard, and what its answer may be used for.
+    Guard(Reading),
+}
+
+impl Lead {
+    /// Whether its responses are the proxy's own (swallowed, an error is the proxy's).
+    fn internal(self) -> bool {
+        self != Lead::Begin { client: true }
+    }
 }
 
 /// One expected response.
@@ -214,6 +239,11 @@ struct Pending {
     /// A client Execute the proxy believes to start COPY FROM STDIN: if it completes without
     /// entering copy mode (a wrong kind), the client's messages need not wait any longer.
     starts_copy: bool,
+    /// The proxy's statements at the head of this simple Query not yet completed, oldest first.
+    lead: VecDeque<Lead>,
+    /// How many characters more the text sent has ahead of the client's statements than the
+    /// client's text had (see `error::shift_position`).
+    position_shift: i64,
     after: After,
 }
 
@@ -231,6 +261,8 @@ impl Pending {
             confirms_commit: false,
             refusal: None,
             starts_copy: false,
+            lead: VecDeque::new(),
+            position_shift: 0,
             after: After::Continue,
         }
     }
@@ -379,11 +411,15 @@ pub struct Session {
     /// true)` goes away at the commit, so that guard may see an empty local value over a fence
     /// that comes back: hence "never had one" (`ever_fenced`: from the session's start, which
     /// the proxy reads once, any guard's answer, any failed guard, any `SET lockd.fence` of a
-    /// value the proxy parses). What may set a fence between a
-    /// commit and the next data statement is a client statement the proxy believes to be
-    /// transaction control or a setting, so the state is forgotten on every such statement other
-    /// than a COMMIT whose tag proves it was one (a statement SQL `PREPARE` redefined cannot
-    /// answer `COMMIT`), on every error, and while a commit guard's answer is outstanding. Code
+    /// value the proxy parses). What may set a fence between a commit and the next data
+    /// statement is a client statement the proxy believes to be transaction control or a SET or
+    /// RESET that may reach `lockd.fence` (`StatementKind::Setting::touches_fence`; SHOW,
+    /// SAVEPOINT, RELEASE and SETs of other settings cannot), so the state is forgotten on every
+    /// such statement other than a COMMIT whose tag proves it was one (a statement SQL `PREPARE`
+    /// redefined cannot answer `COMMIT`), on every error, and while a commit guard's answer is
+    /// outstanding. A name believed to be SHOW that SQL `PREPARE` redefined as a `SELECT
+    /// set_config(...)` runs like any data statement of a session seen unfenced: without its
+    /// opening guard, and the guard before its COMMIT reads what it set. Code
     /// that runs after the guard inside COMMIT (a deferred trigger calling `set_config`) is the
     /// one thing not seen: the next transaction's statements then run before its COMMIT guard
     /// refuses them, which only the session's own author can arrange.
@@ -982,27 +1018,41 @@ impl Session {
         // a line per transaction.
         let lone_begin =
             entry == b'I' && stmts.len() == 1 && matches!(stmts[0].kind, StatementKind::Begin(_));
+        // At `I` the block's BEGIN and the opening guard go at the head of the client's own
+        // Query, never in a Query of their own ahead of it: a simple Query is the server's unit
+        // of failure, so if anything fails them (a CancelRequest, `statement_timeout`, both
+        // checked before each statement) the client's statements are skipped with them instead
+        // of running, and committing, in an implicit transaction of their own. A client BEGIN
+        // that starts the text is left out of it and its rebuilt form leads in its place (no
+        // 25001 warning, no server-log line); its CommandComplete goes to the client.
+        let mut lead = VecDeque::new();
+        let mut lead_sql = String::new();
+        let mut skip = 0;
         match entry {
             b'I' if lone_begin => {}
             b'I' => {
-                let begin = match &stmts[0].kind {
-                    StatementKind::Begin(sql) => sql.clone(),
-                    _ => fence_sql::BEGIN_SQL.to_owned(),
-                };
-                let sql = if open_guard {
-                    format!("{begin}; {guard}")
-                } else {
-                    begin
-                };
-                self.put_query(&sql)?;
-                let mut p = Pending::ready(true, owns, After::Continue);
-                if open_guard {
-                    p.reading = Some(Reading::FenceOnly);
+                match &stmts[0].kind {
+                    StatementKind::Begin(sql) => {
+                        lead_sql.push_str(sql);
+                        lead.push_back(Lead::Begin { client: true });
+                        // Not a lone BEGIN, so a statement follows it.
+                        skip = stmts[1].start;
+                    }
+                    _ => {
+                        lead_sql.push_str(fence_sql::BEGIN_SQL);
+                        lead.push_back(Lead::Begin { client: false });
+                    }
                 }
-                self.pending.push_back(p);
+                if open_guard {
+                    lead_sql.push_str("; ");
+                    lead_sql.push_str(&guard);
+                    lead.push_back(Lead::Guard(Reading::FenceOnly));
+                }
                 self.guarded = needs_guard;
             }
             b'T' if needs_guard && !self.guarded => {
+                // Inside a block a failed guard aborts it, whatever stopped it: the client's
+                // statements behind it then fail too.
                 if open_guard {
                     self.put_guard_query(false, false)?;
                 }
@@ -1020,47 +1070,86 @@ impl Session {
         }) {
             self.guarded = false;
         }
-        let suppress = entry == b'I' && !lone_begin;
+        // The proxy's own BEGIN ahead of a client BEGIN later in the text makes that one warn.
+        let suppress = lead.front() == Some(&Lead::Begin { client: false });
+        let ends = last.kind.ends_transaction();
+        let end_block = owns && !ends;
+        let copy = stmts.iter().any(|s| s.kind == StatementKind::CopyIn);
+        let after = match &op {
+            // (A FunctionCall is one statement: never split.)
+            ClientOp::Query(text, _) if split => After::CommitPart {
+                sql: text[last.start..].to_owned(),
+                owns,
+            },
+            // COPY FROM STDIN reads CopyData next: nothing may follow it yet.
+            _ if end_block && copy => After::EndBlock,
+            _ if end_block => After::Continue,
+            _ => After::Report,
+        };
+        if commit_last && !split && entry == b'T' {
+            // A lone COMMIT inside a block: the guard goes right before it.
+            self.put_guard_query(true, false)?;
+        }
+        let owns_after = if split { owns } else { owns && !ends };
+        let client_unit = |lead, position_shift| {
+            let mut p = Pending::ready(false, owns_after, after.clone());
+            p.suppress_begin_warning = suppress;
+            p.lead = lead;
+            p.position_shift = position_shift;
+            p
+        };
         match op {
-            ClientOp::Query(text, m) if split => {
-                let prefix = &text[..last.start];
-                let commit = text[last.start..].to_owned();
-                self.put_query(prefix)?;
-                let mut p = Pending::ready(false, owns, After::CommitPart { sql: commit, owns });
-                p.suppress_begin_warning = suppress;
-                self.pending.push_back(p);
-                drop(m);
+            ClientOp::Query(_, m) if lead.is_empty() && !split => {
+                self.out.extend_from_slice(&m.frame);
+                self.pending.push_back(client_unit(VecDeque::new(), 0));
             }
-            op => {
-                let ends = last.kind.ends_transaction();
-                let end_block = owns && !ends;
-                let copy = stmts.iter().any(|s| s.kind == StatementKind::CopyIn);
-                if commit_last && entry == b'T' {
-                    // A lone COMMIT inside a block: the guard goes right before it.
-                    self.put_guard_query(true, false)?;
+            ClientOp::Query(text, _) => {
+                let end = if split { last.start } else { text.len() };
+                let client = &text[skip..end];
+                let mut sql = lead_sql;
+                // Error cursors count characters of the text the server ran.
+                let mut added = 0;
+                if !client.trim().is_empty() {
+                    if !sql.is_empty() {
+                        sql.push_str("; ");
+                    }
+                    added = sql.chars().count();
+                    sql.push_str(client);
                 }
-                self.out.extend_from_slice(&op.frame());
-                let after = if end_block && copy {
-                    // COPY FROM STDIN reads CopyData next: nothing may follow it yet.
-                    After::EndBlock
-                } else if end_block {
-                    After::Continue
-                } else {
-                    After::Report
-                };
-                let mut p = Pending::ready(false, owns && !ends, after.clone());
-                p.suppress_begin_warning = suppress;
+                let removed = text[..skip].chars().count();
+                let shift = i64::try_from(added).unwrap_or(i64::MAX)
+                    - i64::try_from(removed).unwrap_or(i64::MAX);
+                self.put_query(&sql)?;
+                self.pending.push_back(client_unit(lead, shift));
+            }
+            ClientOp::Message(m) if lead.is_empty() => {
+                self.out.extend_from_slice(&m.frame);
+                self.pending.push_back(client_unit(VecDeque::new(), 0));
+            }
+            ClientOp::Message(m) => {
+                // A FunctionCall is a message of its own and cannot share a Query with the
+                // proxy's BEGIN: it waits until the upstream reports the block open.
+                self.put_query(&lead_sql)?;
+                let mut p = Pending::ready(true, owns, After::Held(m.frame));
+                p.reading = open_guard.then_some(Reading::FenceOnly);
                 self.pending.push_back(p);
-                if end_block && !copy {
-                    // Pipelined: after an error the guard fails (swallowed) and COMMIT rolls back.
-                    self.put_guard_query(true, true)?;
-                    self.put_query(fence_sql::COMMIT_SQL)?;
-                    self.pending
-                        .push_back(Pending::ready(true, false, After::Report));
-                }
+                return Ok(Flow::Continue);
             }
         }
+        if end_block && !copy && !split {
+            self.put_block_end()?;
+        }
         Ok(Flow::Continue)
+    }
+
+    /// The guard and the proxy's COMMIT after the client's statements in the proxy's block,
+    /// pipelined: after an error the guard fails (swallowed) and COMMIT rolls back.
+    fn put_block_end(&mut self) -> anyhow::Result<()> {
+        self.put_guard_query(true, true)?;
+        self.put_query(fence_sql::COMMIT_SQL)?;
+        self.pending
+            .push_back(Pending::ready(true, false, After::Report));
+        Ok(())
     }
 
     /// Parse, Bind, Describe, Execute, Close, Sync, Flush.
@@ -1342,7 +1431,7 @@ impl Session {
                 }
                 self.guarded = false;
             }
-            StatementKind::Setting => {}
+            StatementKind::Setting { .. } => {}
             StatementKind::CopyIn | StatementKind::Other => {
                 if g.status == b'T' && !self.guarded {
                     if !self.skip_opening_guard() {
@@ -1396,12 +1485,18 @@ impl Session {
             b'N' => {
                 let suppress = self.pending.front().is_some_and(|p| {
                     p.internal
+                        || p.lead.front().is_some_and(|l| l.internal())
                         || (p.suppress_begin_warning
                             && error::error_code(m.body()).as_deref()
                                 == Some(ACTIVE_SQL_TRANSACTION))
                 });
                 if !suppress {
-                    self.send_client(&m).await?;
+                    let shift = self.pending.front().map_or(0, |p| p.position_shift);
+                    if shift == 0 {
+                        self.send_client(&m).await?;
+                    } else {
+                        self.send_client(&error::shift_position(&m, shift)).await?;
+                    }
                 }
             }
             b'S' => {
@@ -1417,8 +1512,14 @@ impl Session {
             b'A' => self.send_client(&m).await?,
             tag => {
                 let front = self.pending.front();
-                let internal = front.is_some_and(|p| p.internal && !p.answers_client);
-                let reading = front.and_then(|p| p.reading);
+                let lead = front.and_then(|p| p.lead.front().copied());
+                let internal = front.is_some_and(|p| p.internal && !p.answers_client)
+                    || lead.is_some_and(Lead::internal);
+                let reading = match lead {
+                    Some(Lead::Guard(reading)) => Some(reading),
+                    Some(Lead::Begin { .. }) => None,
+                    None => front.and_then(|p| p.reading),
+                };
                 let confirms_commit = front.is_some_and(|p| p.confirms_commit);
                 let completes = front.is_some_and(|p| p.unit.completed_by(tag));
                 if tag == b'D'
@@ -1442,6 +1543,12 @@ impl Session {
                         // entering copy mode (a wrong kind): nothing to wait for.
                         self.copy = Copy::Off;
                     }
+                }
+                if tag == b'C'
+                    && lead.is_some()
+                    && let Some(p) = self.pending.front_mut()
+                {
+                    p.lead.pop_front();
                 }
                 if matches!(tag, b'G' | b'W') {
                     self.copy = Copy::In;
@@ -1505,13 +1612,14 @@ impl Session {
         }
         self.forget_unfenced();
         let code = error::error_code(m.body());
-        let (internal, refusal, unnamed_parse) = match self.pending.front_mut() {
+        let (internal, refusal, unnamed_parse, shift) = match self.pending.front_mut() {
             Some(p) => (
-                p.internal,
+                p.internal || p.lead.front().is_some_and(|l| l.internal()),
                 p.refusal.take(),
                 matches!((p.unit, &p.track), (Unit::Parse, Track::Statement(name, _)) if name.is_empty()),
+                p.position_shift,
             ),
-            None => (false, None, false),
+            None => (false, None, false, 0),
         };
         // The upstream skips everything up to the next Sync; so do the expectations, and the
         // projected name kinds of the failed and skipped messages are undone, newest first.
@@ -1557,6 +1665,7 @@ impl Session {
                         None => self.send_client(&m).await?,
                     }
                 }
+                None if shift != 0 => self.send_client(&error::shift_position(&m, shift)).await?,
                 None => self.send_client(&m).await?,
             }
         }
@@ -1647,6 +1756,20 @@ impl Session {
                 }
                 _ => self.report(status).await,
             },
+            After::Held(frame) => {
+                if !failed && status == b'T' {
+                    self.out.extend_from_slice(&frame);
+                    self.pending
+                        .push_back(Pending::ready(false, true, After::Continue));
+                    self.put_block_end()?;
+                    Ok(Flow::Continue)
+                } else if status == b'E' {
+                    self.end_with(fence_sql::ROLLBACK_SQL);
+                    Ok(Flow::Continue)
+                } else {
+                    self.report(status).await
+                }
+            }
             After::SyncEnd => {
                 self.group = None;
                 if self.request.owns && status == b'E' {
@@ -1688,20 +1811,17 @@ enum ClientOp {
     Message(Message),
 }
 
-impl ClientOp {
-    fn frame(&self) -> bytes::Bytes {
-        match self {
-            ClientOp::Query(_, m) | ClientOp::Message(m) => m.frame.clone(),
-        }
-    }
-}
-
 /// Whether a statement may change `lockd.fence` in a way that makes an earlier guard's reading
-/// of it out of date (see `Session::unfenced_seen`).
+/// of it out of date (see `Session::unfenced_seen`): a SET or RESET that may reach it, or a
+/// rollback, which undoes SETs. (A data statement calling `set_config` is not seen here; the
+/// guard before its COMMIT reads what it set.)
 fn forgets_unfenced(kind: &StatementKind) -> bool {
     matches!(
         kind,
-        StatementKind::Setting | StatementKind::Rollback { .. } | StatementKind::RollbackTo
+        StatementKind::Setting {
+            touches_fence: true
+        } | StatementKind::Rollback { .. }
+            | StatementKind::RollbackTo
     )
 }
 

@@ -25,6 +25,7 @@
 mod bypass;
 mod commit;
 mod end_to_end;
+mod interrupted;
 mod overhead;
 mod protocol;
 mod readiness;

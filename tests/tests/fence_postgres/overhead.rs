@@ -182,6 +182,83 @@ async fn the_opening_guard_is_left_out_only_where_it_could_not_refuse() {
         .unwrap();
 }
 
+/// Goal: statements that cannot change `lockd.fence` (SAVEPOINT, RELEASE, SHOW, a SET of another
+/// setting: what ORMs' nested transactions and pgjdbc's `autosave` send around statements) keep
+/// the proxy's knowledge that a session has no fence, so such transactions keep one guard call
+/// each; a SET or RESET that can reach the fence, and RESET ALL, still bring the opening guard
+/// back. Method: as above, `track_functions = pl` counts the guard's calls per transaction, with
+/// the statements sent over the simple and the extended protocol. (Issue 13, a LOW left after
+/// the review: every SAVEPOINT used to cost the next transaction's first statement a guard.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn savepoints_show_and_other_settings_keep_the_no_fence_reading() {
+    lockd_tests::skip_without_postgres!();
+    let proxy = PgProxy::start(false);
+    let direct = pg::connect(&pg::direct_url().parse().unwrap()).await;
+    let tbl = pg::unique_name("inert_settings");
+    direct
+        .batch_execute(&format!("CREATE TABLE {tbl} (token bigint NOT NULL)"))
+        .await
+        .unwrap();
+    let insert = format!("INSERT INTO {tbl} VALUES (0)");
+    let mut config = proxy.config(None);
+    config.options("-c track_functions=pl");
+    let session = pg::connect(&config).await;
+    // The guard before this COMMIT finds no fence.
+    session.batch_execute(&insert).await.unwrap();
+
+    let inert = [
+        "SAVEPOINT a",
+        "SHOW work_mem",
+        "SET LOCAL statement_timeout = '5s'",
+        "RELEASE SAVEPOINT a",
+        "SAVEPOINT b",
+    ];
+    for extended in [false, true] {
+        begin_counted(&session).await;
+        for sql in inert {
+            if extended {
+                session.query(sql, &[]).await.unwrap();
+            } else {
+                session.batch_execute(sql).await.unwrap();
+            }
+        }
+        session.execute(insert.as_str(), &[]).await.unwrap();
+        assert_eq!(
+            guard_calls(&session).await,
+            0,
+            "{inert:?} before the first data statement (extended: {extended})"
+        );
+        session.batch_execute("COMMIT").await.unwrap();
+    }
+
+    for (extended, sql) in [
+        (false, "SET LOCAL lockd.fence = ''"),
+        (true, "SET LOCAL lockd.fence = ''"),
+        (false, "RESET lockd.fence"),
+        (true, "SET \"LOCKD\".\"Fence\" TO DEFAULT"),
+        (false, "RESET ALL"),
+        (true, "RESET ALL"),
+    ] {
+        begin_counted(&session).await;
+        if extended {
+            session.execute(sql, &[]).await.unwrap();
+        } else {
+            session.batch_execute(sql).await.unwrap();
+        }
+        session.execute(insert.as_str(), &[]).await.unwrap();
+        assert_eq!(
+            guard_calls(&session).await,
+            1,
+            "{sql} (extended: {extended}) must bring the opening guard back"
+        );
+        session.batch_execute("COMMIT").await.unwrap();
+    }
+    direct
+        .batch_execute(&format!("DROP TABLE {tbl}"))
+        .await
+        .unwrap();
+}
+
 /// Review finding (HIGH for the opening guard): the guard before a COMMIT reads the value in
 /// force at that moment, and a `SET LOCAL` or `set_config(..., true)` that empties it goes away
 /// with the COMMIT, bringing the session's fence back. A session a guard once found fenced must
