@@ -27,6 +27,11 @@ pub enum Step {
     /// COPY FROM STDIN payload, sent right after the COPY query without waiting.
     CopyData(Vec<u8>),
     CopyDone,
+    /// A CancelRequest for the session's own backend, sent on a connection of its own this many
+    /// microseconds after the messages that follow it in the same batch were written.
+    Cancel {
+        delay_us: u64,
+    },
 }
 
 /// What the generator believes the session's `lockd.fence` is when a write runs.
@@ -167,10 +172,11 @@ pub enum Block {
     ConformingStrings,
     OddQuoting,
     ShadowFenceTable,
+    Interrupted,
 }
 
 /// Every block kind, for drawing at random.
-pub const ALL: [Block; 24] = [
+pub const ALL: [Block; 25] = [
     Block::SimpleWrite,
     Block::ExtendedWrite,
     Block::PipelineWithoutSync,
@@ -195,6 +201,7 @@ pub const ALL: [Block; 24] = [
     Block::ConformingStrings,
     Block::OddQuoting,
     Block::ShadowFenceTable,
+    Block::Interrupted,
 ];
 
 impl Block {
@@ -225,6 +232,35 @@ impl Block {
             Block::ConformingStrings => conforming_strings(c),
             Block::OddQuoting => odd_quoting(c),
             Block::ShadowFenceTable => shadow_fence_table(c),
+            Block::Interrupted => interrupted(c),
+        }
+    }
+}
+
+/// Interrupts around a write: a CancelRequest for the session's own backend landing anywhere in
+/// the proxy's statements or the client's (up to 1.5 ms after the messages were written), or a
+/// `statement_timeout` of 1 ms, which expires on its own while the machine is busy. Whatever
+/// they fail, the client's statements must fail with it, never run outside the guarded block.
+fn interrupted(c: &mut Ctx<'_>) {
+    let w = c.write();
+    let delay_us = c.rng.random_range(0..1500);
+    match c.rng.random_range(0..4) {
+        0 => {
+            c.steps.push(Step::Cancel { delay_us });
+            c.q(w);
+        }
+        1 => {
+            c.steps.push(Step::Cancel { delay_us });
+            c.extended(w, true);
+        }
+        2 => {
+            c.steps.push(Step::Cancel { delay_us });
+            c.q(format!("BEGIN; {w}; COMMIT"));
+        }
+        _ => {
+            c.q("SET statement_timeout = 1");
+            c.q(w);
+            c.q("RESET statement_timeout");
         }
     }
 }

@@ -25,6 +25,10 @@ pub struct Seen {
 
 pub struct RawSession {
     stream: TcpStream,
+    /// Where the session connected (CancelRequests go there too).
+    addr: String,
+    /// BackendKeyData: process ID and secret key.
+    backend_key: Option<(i32, i32)>,
     pending: BytesMut,
     /// ReadyForQuery messages expected but not yet read.
     expected_ready: u64,
@@ -42,6 +46,8 @@ impl RawSession {
         let _ = stream.set_nodelay(true);
         let mut s = RawSession {
             stream,
+            addr: addr.to_owned(),
+            backend_key: None,
             pending: BytesMut::new(),
             expected_ready: 1,
             seen: Seen::default(),
@@ -70,6 +76,11 @@ impl RawSession {
         if self.stream.write_all(&buf).await.is_err() {
             self.seen.stuck = true;
             return Ok(());
+        }
+        for step in steps {
+            if let (Step::Cancel { delay_us }, Some(key)) = (step, self.backend_key) {
+                send_cancel(self.addr.clone(), key, Duration::from_micros(*delay_us));
+            }
         }
         self.settle(timeout).await;
         Ok(())
@@ -123,7 +134,18 @@ impl RawSession {
                 let total = len as usize + 1;
                 if self.pending.len() >= total {
                     let tag = self.pending[0];
-                    let _ = self.pending.split_to(total);
+                    let frame = self.pending.split_to(total);
+                    if tag == b'K' && frame.len() >= 13 {
+                        let word = |at: usize| {
+                            i32::from_be_bytes([
+                                frame[at],
+                                frame[at + 1],
+                                frame[at + 2],
+                                frame[at + 3],
+                            ])
+                        };
+                        self.backend_key = Some((word(5), word(9)));
+                    }
                     return Some(tag);
                 }
             }
@@ -134,6 +156,28 @@ impl RawSession {
             }
         }
     }
+}
+
+/// Sends a CancelRequest for `key` to `addr` after `delay`, on a thread of its own: the tokio
+/// timer's resolution is a millisecond, and the cancel must be able to land inside the first
+/// statements of a query.
+fn send_cancel(addr: String, key: (i32, i32), delay: Duration) {
+    std::thread::spawn(move || {
+        use std::io::{Read, Write};
+        let until = std::time::Instant::now() + delay;
+        while std::time::Instant::now() < until {
+            std::hint::spin_loop();
+        }
+        let mut packet = BytesMut::new();
+        frontend::cancel_request(key.0, key.1, &mut packet);
+        if let Ok(mut stream) = std::net::TcpStream::connect(&addr) {
+            let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
+            if stream.write_all(&packet).is_ok() {
+                let mut rest = Vec::new();
+                let _ = stream.read_to_end(&mut rest);
+            }
+        }
+    });
 }
 
 fn encode(step: &Step, buf: &mut BytesMut) -> std::io::Result<()> {
@@ -164,6 +208,8 @@ fn encode(step: &Step, buf: &mut BytesMut) -> std::io::Result<()> {
             buf.put_slice(data);
         }
         Step::CopyDone => frontend::copy_done(buf),
+        // Sent on a connection of its own once the batch is written (see `send_cancel`).
+        Step::Cancel { .. } => {}
     }
     Ok(())
 }

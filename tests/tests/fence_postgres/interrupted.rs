@@ -8,12 +8,15 @@
 //! them skips the client's statements too, and by holding a FunctionCall (a message of its own)
 //! until the upstream reports the proxy's block open.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
 use lockd_tests::pg::{self, Attack};
 use postgres_protocol::message::frontend;
+
+/// Cancel connections still open at once (the proxy allows 64 sessions in the tests).
+const MAX_CANCELS_IN_FLIGHT: usize = 16;
 
 /// Busy-waits `micros` (the tokio timer's resolution is a millisecond).
 fn spin(micros: u64) {
@@ -46,18 +49,26 @@ async fn an_interrupted_begin_never_lets_the_clients_statement_commit_unguarded(
     let key = conn
         .backend_key
         .expect("the proxy passes BackendKeyData on");
+    let mut in_flight = VecDeque::new();
     for round in 0..rounds {
         let offset = (round % 49) * 25 - 800;
-        if offset < 0 {
-            tokio::spawn(pg::cancel(addr, key));
+        let cancel = if offset < 0 {
+            let cancel = tokio::spawn(pg::cancel(addr, key));
             spin(offset.unsigned_abs());
             conn.send(&query).await;
+            cancel
         } else {
             conn.send(&query).await;
             spin(offset.unsigned_abs());
-            tokio::spawn(pg::cancel(addr, key));
-        }
+            tokio::spawn(pg::cancel(addr, key))
+        };
         let reply = conn.read_until_ready().await;
+        // A cancel may land in a later round's query too; a few at a time, as cancel
+        // connections count against the proxy's --max-sessions.
+        in_flight.push_back(cancel);
+        if in_flight.len() > MAX_CANCELS_IN_FLIGHT {
+            in_flight.pop_front().unwrap().await.unwrap();
+        }
         assert_ne!(reply.status, b'X', "the session ended: {reply:?}");
         *outcomes
             .entry(format!("cancel {}", reply.first_error()))
@@ -68,6 +79,9 @@ async fn an_interrupted_begin_never_lets_the_clients_statement_commit_unguarded(
     }
 
     // Set at startup: a SET would run in a guarded block that the timeout may fail.
+    for cancel in in_flight {
+        cancel.await.unwrap();
+    }
     let mut timed = attack
         .session_with(&format!(
             "-c lockd.fence={}:41 -c statement_timeout=1",
@@ -89,4 +103,114 @@ async fn an_interrupted_begin_never_lets_the_clients_statement_commit_unguarded(
     attack
         .assert_nothing_committed(&format!("a stale INSERT around interrupts ({outcomes:?})"))
         .await;
+}
+
+/// A FunctionCall (fast path, as libpq's large-object functions use) of `oid` with one text
+/// argument, text result.
+fn function_call(oid: u32, arg: &str) -> BytesMut {
+    let mut body = Vec::new();
+    body.extend_from_slice(&oid.to_be_bytes());
+    body.extend_from_slice(&0i16.to_be_bytes()); // argument formats: all text
+    body.extend_from_slice(&1i16.to_be_bytes());
+    body.extend_from_slice(&(arg.len() as i32).to_be_bytes());
+    body.extend_from_slice(arg.as_bytes());
+    body.extend_from_slice(&0i16.to_be_bytes()); // result format: text
+    let mut out = BytesMut::new();
+    out.extend_from_slice(b"F");
+    out.extend_from_slice(&((body.len() + 4) as i32).to_be_bytes());
+    out.extend_from_slice(&body);
+    out
+}
+
+/// Goal: a FunctionCall at status `I` runs inside the proxy's guarded block, which must be open
+/// before the call reaches the upstream: a current holder's call commits, a stale one's is
+/// refused and commits nothing, also with cancels landing around it.
+/// Method: a SQL function that inserts a row with the token it is given, called over the fast
+/// path by a holder of 42 and by a stale session (41), the latter 300 times with a CancelRequest
+/// offset as in the test above.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_function_call_runs_only_inside_the_guarded_block() {
+    lockd_tests::skip_without_postgres!();
+    let attack = Attack::new(false, "fastpath").await;
+    let addr = attack.proxy.addr;
+    let function = pg::unique_name("fastpath_write");
+    attack
+        .direct
+        .batch_execute(&format!(
+            "CREATE FUNCTION {function}(t bigint) RETURNS bigint LANGUAGE sql AS \
+             $$ INSERT INTO {} (token) VALUES (t) RETURNING token $$",
+            attack.tbl
+        ))
+        .await
+        .unwrap();
+    let oid: u32 = attack
+        .direct
+        .query_one(
+            &format!("SELECT '{function}(bigint)'::regprocedure::oid"),
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+
+    let mut holder = attack.attacker(Some(42)).await;
+    holder.send(&function_call(oid, "42")).await;
+    let reply = holder.read_until_ready().await;
+    assert!(reply.errors.is_empty(), "the holder's call: {reply:?}");
+    assert!(
+        reply.tags.contains(&b'V'),
+        "no FunctionCallResponse: {reply:?}"
+    );
+    assert_eq!(reply.status, b'I', "the proxy ends its block: {reply:?}");
+    let holder_rows: i64 = attack
+        .direct
+        .query_one(
+            &format!("SELECT count(*) FROM {} WHERE token = 42", attack.tbl),
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(holder_rows, 2, "the holder's call committed its row");
+
+    let mut stale = attack.attacker(Some(41)).await;
+    stale.send(&function_call(oid, "41")).await;
+    let reply = stale.read_until_ready().await;
+    assert_eq!(reply.first_error(), "55P03", "the stale call: {reply:?}");
+    assert_eq!(reply.status, b'I', "{reply:?}");
+    let key = stale.backend_key.expect("BackendKeyData");
+    let mut in_flight = VecDeque::new();
+    let mut outcomes: BTreeMap<String, usize> = BTreeMap::new();
+    for round in 0..300i64 {
+        let offset = (round % 49) * 25 - 800;
+        let cancel = if offset < 0 {
+            let cancel = tokio::spawn(pg::cancel(addr, key));
+            spin(offset.unsigned_abs());
+            stale.send(&function_call(oid, "41")).await;
+            cancel
+        } else {
+            stale.send(&function_call(oid, "41")).await;
+            spin(offset.unsigned_abs());
+            tokio::spawn(pg::cancel(addr, key))
+        };
+        let reply = stale.read_until_ready().await;
+        in_flight.push_back(cancel);
+        if in_flight.len() > MAX_CANCELS_IN_FLIGHT {
+            in_flight.pop_front().unwrap().await.unwrap();
+        }
+        assert_ne!(reply.status, b'X', "the session ended: {reply:?}");
+        *outcomes.entry(reply.first_error().to_owned()).or_default() += 1;
+    }
+    for cancel in in_flight {
+        cancel.await.unwrap();
+    }
+    eprintln!("fast-path outcomes: {outcomes:?}");
+    attack
+        .assert_nothing_committed(&format!("a stale FunctionCall ({outcomes:?})"))
+        .await;
+    attack
+        .direct
+        .batch_execute(&format!("DROP FUNCTION {function}(bigint)"))
+        .await
+        .unwrap();
 }
