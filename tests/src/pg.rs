@@ -350,6 +350,11 @@ impl PrivateCluster {
         Self::start_inner(None, &[])
     }
 
+    /// A private cluster with these extra server settings (`name=value`).
+    pub fn start_with(settings: &[&str]) -> Result<PrivateCluster, String> {
+        Self::start_inner(None, settings)
+    }
+
     /// A private cluster whose server writes its log (at the default `log_min_messages`,
     /// warnings included) to a file, read with [`PrivateCluster::server_log`].
     pub fn start_logging() -> Result<PrivateCluster, String> {

@@ -86,6 +86,14 @@ pub struct Statement {
     /// ways to change the setting are not seen here; the guard refuses what they set unless the
     /// proxy verified it.
     pub sets_fence: Option<String>,
+    /// For a commit point (`COMMIT`, `END`, `COMMIT AND CHAIN`, `PREPARE TRANSACTION`), the same
+    /// statement rebuilt from the parse tree, for the proxy to send in its place when it runs
+    /// it after other statements of the client's have run (they may have changed how the
+    /// server lexes text: `standard_conforming_strings`, `client_encoding`). Its text reads the
+    /// same under any of those settings: keywords, and a transaction identifier in an `E''`
+    /// literal. `None` for other statements, and for a `PREPARE TRANSACTION` whose identifier
+    /// is not printable ASCII.
+    pub commit_sql: Option<String>,
 }
 
 /// Why a text was not classified.
@@ -190,6 +198,7 @@ fn statements(
             Ok(Statement {
                 kind,
                 sets_fence: node.and_then(fence_assignment),
+                commit_sql: node.and_then(commit_sql),
                 start: usize::try_from(raw.stmt_location)
                     .unwrap_or(0)
                     .min(sql.len()),
@@ -259,6 +268,25 @@ fn fence_assignment(node: &NodeEnum) -> Option<String> {
             a_const::Val::Fval(f) => Some(f.fval.clone()),
             _ => None,
         },
+        _ => None,
+    }
+}
+
+/// A commit point rebuilt from its parse tree (see [`Statement::commit_sql`]).
+fn commit_sql(node: &NodeEnum) -> Option<String> {
+    let NodeEnum::TransactionStmt(t) = node else {
+        return None;
+    };
+    match t.kind() {
+        TransactionStmtKind::TransStmtCommit if t.chain => Some("COMMIT AND CHAIN".to_owned()),
+        TransactionStmtKind::TransStmtCommit => Some("COMMIT".to_owned()),
+        TransactionStmtKind::TransStmtPrepare => {
+            if !t.gid.bytes().all(|b| (0x20..0x7f).contains(&b)) {
+                return None;
+            }
+            let escaped = t.gid.replace('\\', "\\\\").replace('\'', "''");
+            Some(format!("PREPARE TRANSACTION E'{escaped}'"))
+        }
         _ => None,
     }
 }
@@ -344,6 +372,37 @@ mod tests {
             classify_async(long.clone()).await,
             Err(ClassifyError::TooLong(long.len()))
         );
+    }
+
+    #[test]
+    fn commit_points_are_rebuilt_to_read_the_same_under_any_lexer_setting() {
+        let rebuilt = |sql: &str| {
+            classify(sql)
+                .unwrap()
+                .into_iter()
+                .map(|s| s.commit_sql)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            rebuilt("commit work; end; commit and chain; commit and no chain; select 1"),
+            vec![
+                Some("COMMIT".to_owned()),
+                Some("COMMIT".to_owned()),
+                Some("COMMIT AND CHAIN".to_owned()),
+                Some("COMMIT".to_owned()),
+                None
+            ]
+        );
+        assert_eq!(
+            rebuilt(r"prepare transaction 'a\' -- '"),
+            vec![Some(r"PREPARE TRANSACTION E'a\\'".to_owned())]
+        );
+        assert_eq!(
+            rebuilt("prepare transaction 'it''s'"),
+            vec![Some("PREPARE TRANSACTION E'it''s'".to_owned())]
+        );
+        assert_eq!(rebuilt("prepare transaction 'ü'"), vec![None]);
+        assert_eq!(rebuilt("rollback; rollback prepared 'x'"), vec![None, None]);
     }
 
     #[test]

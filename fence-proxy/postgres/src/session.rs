@@ -188,6 +188,9 @@ enum After {
     /// The end of an extended-protocol group: roll back the proxy's block if an error left it
     /// failed, then report.
     SyncEnd,
+    /// The proxy's read of the session's fence at its start: no request of the client's is
+    /// outstanding; an error of it goes nowhere (the session then counts as fenced).
+    Startup,
     /// The proxy's BEGIN (and opening guard) ahead of a client FunctionCall: send the call once
     /// the block is open, then end the block; if it did not open, the call never runs.
     Held(bytes::Bytes),
@@ -515,10 +518,13 @@ impl Session {
         if !self.cfg.require_fence {
             // The fence the session starts with (startup options, role and database defaults):
             // its first guard may come only after a SET LOCAL has hidden it.
+            // The client's first request waits for its answer, so that nothing of it is
+            // charged to that request (see `After::Startup`).
             self.put_query(&fence_sql::session_fence_sql())?;
-            let mut p = Pending::ready(true, false, After::Continue);
+            let mut p = Pending::ready(true, false, After::Startup);
             p.reading = Some(Reading::FenceOnly);
             self.pending.push_back(p);
+            self.awaiting_ready = true;
             self.write_out().await?;
             self.up_tx.flush().await?;
         }
@@ -885,6 +891,20 @@ impl Session {
                 )
                 .await;
         }
+        if stmts.len() > 1
+            && stmts[last].commit_sql.is_none()
+            && matches!(stmts[last].kind, StatementKind::Commit { .. })
+        {
+            return self
+                .reject_request(
+                    ProxyError::error(
+                        error::NOT_SUPPORTED,
+                        "PREPARE TRANSACTION with an identifier that is not printable ASCII at the end of a multi-statement query: the proxy runs it after the statements before it, rebuilt from the parse tree, and rebuilds ASCII identifiers only",
+                    )
+                    .with_hint("send the PREPARE TRANSACTION as a query of its own, or use an ASCII transaction identifier"),
+                )
+                .await;
+        }
         // A lone COMMIT or ROLLBACK with no transaction open ends nothing; Postgres answers it
         // with a warning.
         if self.status == b'I' && stmts.len() == 1 && stmts[0].kind.ends_transaction() {
@@ -911,6 +931,7 @@ impl Session {
             kind: StatementKind::Other,
             start: 0,
             sets_fence: None,
+            commit_sql: None,
         }];
         self.plan_simple(&stmts, ClientOp::Message(m)).await
     }
@@ -1076,9 +1097,12 @@ impl Session {
         let end_block = owns && !ends;
         let copy = stmts.iter().any(|s| s.kind == StatementKind::CopyIn);
         let after = match &op {
-            // (A FunctionCall is one statement: never split.)
-            ClientOp::Query(text, _) if split => After::CommitPart {
-                sql: text[last.start..].to_owned(),
+            // The COMMIT runs after the client's statements before it, which may have changed
+            // how the server lexes text (`standard_conforming_strings`): it is sent rebuilt
+            // from the parse tree, never as the client's text. (A FunctionCall is one
+            // statement: never split.)
+            ClientOp::Query(..) if split => After::CommitPart {
+                sql: last.commit_sql.clone().unwrap_or_default(),
                 owns,
             },
             // COPY FROM STDIN reads CopyData next: nothing may follow it yet.
@@ -1607,10 +1631,23 @@ impl Session {
     async fn on_error(&mut self, m: Message) -> anyhow::Result<()> {
         // The transaction may roll back, and with it a setting made inside it. A guard that
         // fails found a fence (or runs under --require-fence).
-        if self.pending.front().is_some_and(|p| p.reading.is_some()) {
+        if self
+            .pending
+            .front()
+            .is_some_and(|p| p.reading.is_some() || matches!(p.lead.front(), Some(Lead::Guard(_))))
+        {
             self.ever_fenced = true;
         }
         self.forget_unfenced();
+        if self
+            .pending
+            .front()
+            .is_some_and(|p| matches!(p.after, After::Startup))
+        {
+            // The first fence read failed (a cancel, a `statement_timeout` of the startup
+            // options): `ever_fenced` is set above; the client asked for nothing.
+            return Ok(());
+        }
         let code = error::error_code(m.body());
         let (internal, refusal, unnamed_parse, shift) = match self.pending.front_mut() {
             Some(p) => (
@@ -1662,6 +1699,13 @@ impl Session {
                     let rewritten = self.explain_internal_error(code.as_deref());
                     match rewritten {
                         Some(e) => self.send_client(&e.to_message()).await?,
+                        // A syntax error the server finds before any statement of a Query
+                        // runs is charged to the proxy's leading statements, but its cursor
+                        // may point into the client's text (moved back), or into the proxy's
+                        // (dropped).
+                        None if shift != 0 => {
+                            self.send_client(&error::shift_position(&m, shift)).await?
+                        }
                         None => self.send_client(&m).await?,
                     }
                 }
@@ -1724,6 +1768,11 @@ impl Session {
         let failed = self.request.client_failed || self.request.internal_failed;
         match ready.after {
             After::Continue => Ok(Flow::Continue),
+            After::Startup => {
+                self.awaiting_ready = false;
+                self.request = Request::new();
+                Ok(Flow::Continue)
+            }
             After::Report => self.report(status).await,
             After::CommitPart { sql, owns } => {
                 if failed {

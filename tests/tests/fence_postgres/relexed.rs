@@ -1,0 +1,89 @@
+//! Client text the proxy sends after other client statements of the same query have run. Those
+//! statements may change how the server lexes text (`standard_conforming_strings`,
+//! `client_encoding`), so text the proxy classified before they ran can mean something else by
+//! the time it runs. Found in the review of 2026-12-03 (issue 13): the COMMIT at the end of a
+//! multi-statement query, sent after the guard as the client's own text.
+
+use std::time::Duration;
+
+use lockd_tests::pg::{self, PgProxy};
+
+/// Attack: under `--require-fence`, on a server with prepared transactions enabled, an unfenced
+/// session sends one Query,
+/// `SET standard_conforming_strings = off; PREPARE TRANSACTION 'a\' -- '; INSERT ...`.
+/// Read with the setting on (as the proxy read it), that is a SET and a PREPARE TRANSACTION,
+/// the rest a comment. The proxy runs the SET in its block, then the guard before the commit
+/// (which passes: nothing was written; the transaction becomes read-only), then the commit.
+/// Sent as the client's text, the server read it with the setting off: the literal ends at the
+/// second quote, PREPARE TRANSACTION ends the guarded block, and the INSERT ran and committed in
+/// an implicit transaction of its own, unfenced. (Where a guard fails instead, the abort puts
+/// the setting back before the commit is read, so a stale session cannot use this.)
+/// Oracle: no row commits; the proxy sends the commit rebuilt from the parse tree.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_sent_after_a_lexer_setting_changed_is_the_one_the_proxy_read() {
+    lockd_tests::skip_without_postgres!();
+    let cluster = pg::PrivateCluster::start_with(&["max_prepared_transactions=4"])
+        .unwrap_or_else(|reason| panic!("cannot start a private Postgres cluster: {reason}"));
+    let admin_config: tokio_postgres::Config = cluster.url("postgres").parse().unwrap();
+    let admin = {
+        let mut attempts = 0;
+        loop {
+            match admin_config.connect(tokio_postgres::NoTls).await {
+                Ok((client, connection)) => {
+                    tokio::spawn(connection);
+                    break client;
+                }
+                Err(e) if attempts < 50 => {
+                    attempts += 1;
+                    eprintln!("private cluster not ready yet: {e:?}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(e) => panic!("private cluster never accepted a session: {e:?}"),
+            }
+        }
+    };
+    admin
+        .batch_execute("CREATE TABLE relexed (token bigint NOT NULL)")
+        .await
+        .unwrap();
+    let proxy = PgProxy::start_with(cluster.url("postgres"), true);
+    let mut config: tokio_postgres::Config = proxy.url_as("postgres", "postgres").parse().unwrap();
+    config.password(pg::PRIVATE_PASSWORD);
+
+    for (what, setting) in [
+        ("SET", "SET standard_conforming_strings = off"),
+        ("SET LOCAL", "SET LOCAL standard_conforming_strings = off"),
+    ] {
+        let unfenced = pg::connect(&config).await;
+        let result = unfenced
+            .batch_execute(&format!(
+                "{setting}; PREPARE TRANSACTION 'a\\' -- '; INSERT INTO relexed VALUES (0)"
+            ))
+            .await;
+        eprintln!("{what}: {result:?}");
+        let committed: i64 = admin
+            .query_one("SELECT count(*) FROM relexed", &[])
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(
+            committed, 0,
+            "{what}: an unfenced INSERT committed under --require-fence ({result:?})"
+        );
+        // A transaction the attack prepared holds nothing the next round needs; clear it.
+        for row in admin
+            .query("SELECT gid FROM pg_prepared_xacts", &[])
+            .await
+            .unwrap()
+        {
+            let gid: String = row.get(0);
+            admin
+                .batch_execute(&format!(
+                    "ROLLBACK PREPARED E'{}'",
+                    gid.replace('\'', "''").replace('\\', "\\\\")
+                ))
+                .await
+                .unwrap();
+        }
+    }
+}
