@@ -144,11 +144,10 @@ pub fn error_field(body: &[u8], wanted: u8) -> Option<String> {
 }
 
 /// An ErrorResponse or NoticeResponse with its error cursor (`P`, a 1-based character index
-/// into the query text the server ran) moved `shift` characters back (forward if negative), for
-/// a client whose text the proxy sent with `shift` characters more of its own ahead of it. A cursor that would land
-/// before the client's text is dropped; a message without one, or one the proxy cannot read, is
-/// returned as it came.
-pub fn shift_position(m: &Message, shift: i64) -> Message {
+/// into the query text the server ran) mapped to the client's text by `original` (for a Query
+/// the proxy rewrote); a cursor `original` maps to `None` (into the proxy's own text) is
+/// dropped. A message without a cursor, or one the proxy cannot read, is returned as it came.
+pub fn remap_position(m: &Message, original: impl Fn(i64) -> Option<i64>) -> Message {
     let body = m.body();
     let mut fields: Vec<(u8, &[u8])> = Vec::new();
     let mut rest = body;
@@ -174,7 +173,7 @@ pub fn shift_position(m: &Message, shift: i64) -> Message {
             let moved = std::str::from_utf8(value)
                 .ok()
                 .and_then(|v| v.parse::<i64>().ok())
-                .and_then(|p| p.checked_sub(shift))
+                .and_then(&original)
                 .filter(|p| *p >= 1);
             match moved {
                 Some(p) => {
@@ -211,22 +210,23 @@ mod tests {
             Message::new(b'E', &body)
         };
         let m = with(&[(b'S', "ERROR"), (b'C', "42601"), (b'P', "30"), (b'M', "x")]);
-        let moved = shift_position(&m, 20);
+        let moved = remap_position(&m, |p| Some(p - 20));
         assert_eq!(error_field(moved.body(), b'P').as_deref(), Some("10"));
         assert_eq!(error_field(moved.body(), b'M').as_deref(), Some("x"));
         assert_eq!(error_field(moved.body(), b'C').as_deref(), Some("42601"));
         // A cursor inside the proxy's own text is dropped, the rest kept.
-        let dropped = shift_position(&m, 30);
+        let dropped = remap_position(&m, |_| None);
         assert_eq!(error_field(dropped.body(), b'P'), None);
         assert_eq!(error_field(dropped.body(), b'M').as_deref(), Some("x"));
+        assert_eq!(
+            error_field(remap_position(&m, |p| Some(p - 30)).body(), b'P'),
+            None
+        );
         // Without a cursor, or unreadable: unchanged.
         let plain = with(&[(b'C', "22012"), (b'M', "division by zero")]);
-        assert_eq!(shift_position(&plain, 5).frame, plain.frame);
+        assert_eq!(remap_position(&plain, |p| Some(p - 5)).frame, plain.frame);
         let cut = Message::new(b'E', b"Cabc");
-        assert_eq!(shift_position(&cut, 5).frame, cut.frame);
-        // The client's text was longer than what the proxy sent in its place.
-        let forward = shift_position(&m, -4);
-        assert_eq!(error_field(forward.body(), b'P').as_deref(), Some("34"));
+        assert_eq!(remap_position(&cut, |p| Some(p - 5)).frame, cut.frame);
     }
 
     #[test]

@@ -23,7 +23,9 @@
 //!   session is known to have no fence (`Session::unfenced_seen`), where it would do nothing.
 //! - **A transaction-ending statement is the last of its query.** Anything after COMMIT or
 //!   ROLLBACK in one simple Query would run outside the guarded block; it is refused (0A000). A
-//!   COMMIT at the end of a multi-statement query is sent as a query of its own after the guard.
+//!   COMMIT at the end of a multi-statement query is sent as a query of its own after the guard,
+//!   rebuilt from the parse tree (`Statement::commit_sql`): the statements before it may have
+//!   changed how the server lexes the client's text.
 //! - **Status comes from the upstream.** Each request starts from the status of the last
 //!   ReadyForQuery. Inside an extended-protocol group the proxy projects the status along the
 //!   path where every message succeeds: an error makes the upstream skip to Sync, and the
@@ -196,15 +198,42 @@ enum After {
     Held(bytes::Bytes),
 }
 
-/// One of the proxy's statements at the head of a client's simple Query (see `plan_simple`),
-/// answered before the client's own.
+/// One of the proxy's statements inside a client's simple Query (see `plan_simple`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Lead {
     /// The block's BEGIN: the client's own when `client` (its CommandComplete goes to the client,
     /// in the place of the client's BEGIN the proxy left out of the text), else the proxy's.
     Begin { client: bool },
-    /// The opening guard, and what its answer may be used for.
+    /// An opening guard, and what its answer may be used for.
     Guard(Reading),
+}
+
+/// A run of statements of a simple Query as the server answers them: one of the proxy's, or so
+/// many of the client's. Each statement ends with one CommandComplete (or an error, which ends
+/// the Query).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Part {
+    Proxy(Lead),
+    Client(usize),
+}
+
+/// Where a client statement's text went in a Query the proxy rewrote, in characters (error
+/// cursors count characters): it starts at `sent` in the text sent and at `original` in the
+/// client's, and is `len` long.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Moved {
+    sent: i64,
+    original: i64,
+    len: i64,
+}
+
+/// The client's cursor for a cursor `position` (1-based) into the text sent, `None` inside the
+/// proxy's own text.
+fn original_position(moved: &[Moved], position: i64) -> Option<i64> {
+    moved
+        .iter()
+        .find(|m| position > m.sent && position <= m.sent + m.len)
+        .map(|m| position - m.sent + m.original)
 }
 
 impl Lead {
@@ -242,11 +271,11 @@ struct Pending {
     /// A client Execute the proxy believes to start COPY FROM STDIN: if it completes without
     /// entering copy mode (a wrong kind), the client's messages need not wait any longer.
     starts_copy: bool,
-    /// The proxy's statements at the head of this simple Query not yet completed, oldest first.
-    lead: VecDeque<Lead>,
-    /// How many characters more the text sent has ahead of the client's statements than the
-    /// client's text had (see `error::shift_position`).
-    position_shift: i64,
+    /// A simple Query the proxy rewrote: the runs of its statements and the client's not yet
+    /// completed, oldest first (empty when the client's Query went as it came).
+    script: VecDeque<Part>,
+    /// Where the client's text went in the rewritten Query, for error cursors.
+    moved: Vec<Moved>,
     after: After,
 }
 
@@ -264,8 +293,8 @@ impl Pending {
             confirms_commit: false,
             refusal: None,
             starts_copy: false,
-            lead: VecDeque::new(),
-            position_shift: 0,
+            script: VecDeque::new(),
+            moved: Vec::new(),
             after: After::Continue,
         }
     }
@@ -282,6 +311,41 @@ impl Pending {
             internal,
             after,
             ..Pending::new(Unit::Ready, owns_after)
+        }
+    }
+
+    /// The proxy statement of a rewritten Query that the next responses belong to, if any.
+    fn proxy_part(&self) -> Option<Lead> {
+        match self.script.front() {
+            Some(Part::Proxy(lead)) => Some(*lead),
+            _ => None,
+        }
+    }
+
+    /// Whether the next responses are the proxy's own: of an internal unit, or of one of the
+    /// proxy's statements inside a client's Query.
+    fn answering_proxy(&self) -> bool {
+        (self.internal && !self.answers_client) || self.proxy_part().is_some_and(Lead::internal)
+    }
+
+    /// A statement of a rewritten Query completed (CommandComplete).
+    fn statement_completed(&mut self) {
+        match self.script.front_mut() {
+            Some(Part::Client(n)) if *n > 1 => *n -= 1,
+            Some(_) => {
+                self.script.pop_front();
+            }
+            None => {}
+        }
+    }
+
+    /// `m` (an error or notice) as the client should see it: its cursor mapped back to the
+    /// client's text if the proxy rewrote it.
+    fn for_client(&self, m: &Message) -> Message {
+        if self.moved.is_empty() {
+            m.clone()
+        } else {
+            error::remap_position(m, |p| original_position(&self.moved, p))
         }
     }
 }
@@ -1024,11 +1088,10 @@ impl Session {
         } else {
             stmts
         };
-        let needs_guard = body.iter().any(|s| !s.kind.guard_free());
         if stmts.iter().any(|s| forgets_unfenced(&s.kind)) {
             self.forget_unfenced();
         }
-        let open_guard = needs_guard && !self.skip_opening_guard();
+        let skip_guards = self.skip_opening_guard();
         // The proxy opens the block at `I`; it must end it unless the client's statements open a
         // block of their own or end it themselves.
         let owns = entry == b'I' && !begins;
@@ -1039,60 +1102,68 @@ impl Session {
         // a line per transaction.
         let lone_begin =
             entry == b'I' && stmts.len() == 1 && matches!(stmts[0].kind, StatementKind::Begin(_));
-        // At `I` the block's BEGIN and the opening guard go at the head of the client's own
-        // Query, never in a Query of their own ahead of it: a simple Query is the server's unit
-        // of failure, so if anything fails them (a CancelRequest, `statement_timeout`, both
-        // checked before each statement) the client's statements are skipped with them instead
-        // of running, and committing, in an implicit transaction of their own. A client BEGIN
-        // that starts the text is left out of it and its rebuilt form leads in its place (no
-        // 25001 warning, no server-log line); its CommandComplete goes to the client.
-        let mut lead = VecDeque::new();
-        let mut lead_sql = String::new();
-        let mut skip = 0;
-        match entry {
-            b'I' if lone_begin => {}
-            b'I' => {
-                match &stmts[0].kind {
-                    StatementKind::Begin(sql) => {
-                        lead_sql.push_str(sql);
-                        lead.push_back(Lead::Begin { client: true });
-                        // Not a lone BEGIN, so a statement follows it.
-                        skip = stmts[1].start;
-                    }
-                    _ => {
-                        lead_sql.push_str(fence_sql::BEGIN_SQL);
-                        lead.push_back(Lead::Begin { client: false });
-                    }
+
+        // The script of the Query the upstream runs: the proxy's statements go *into* the
+        // client's simple Query, never in a Query of their own ahead of it. A simple Query is
+        // the server's unit of failure, so if anything fails one of them (a stale fence, a
+        // CancelRequest or `statement_timeout`, both checked before each statement) the client's
+        // statements behind it are skipped with it instead of running, and at `I` committing,
+        // in an implicit transaction of their own.
+        // - At `I` the block's BEGIN leads. A client BEGIN that starts the text is left out of
+        //   it and its form rebuilt from the parse tree leads in its place (no 25001 warning, no
+        //   server-log line); its CommandComplete goes to the client.
+        // - An opening guard goes right before the first data statement of the block, and again
+        //   before the next data statement after anything that may have undone it or changed
+        //   what it checked: a ROLLBACK TO (the guard's lock and read-only setting), a SET or
+        //   RESET that may reach `lockd.fence`.
+        let mut script: Vec<(Part, &str)> = Vec::new();
+        let mut need = match entry {
+            b'I' => true,
+            b'T' => !self.guarded,
+            // A failed block runs nothing but ROLLBACK, ROLLBACK TO or COMMIT.
+            _ => false,
+        };
+        let mut first = 0;
+        if entry == b'I' && !lone_begin {
+            match &stmts[0].kind {
+                StatementKind::Begin(sql) => {
+                    script.push((Part::Proxy(Lead::Begin { client: true }), sql.as_str()));
+                    first = 1;
                 }
-                if open_guard {
-                    lead_sql.push_str("; ");
-                    lead_sql.push_str(&guard);
-                    lead.push_back(Lead::Guard(Reading::FenceOnly));
-                }
-                self.guarded = needs_guard;
+                _ => script.push((
+                    Part::Proxy(Lead::Begin { client: false }),
+                    fence_sql::BEGIN_SQL,
+                )),
             }
-            b'T' if needs_guard && !self.guarded => {
-                // Inside a block a failed guard aborts it, whatever stopped it: the client's
-                // statements behind it then fail too.
-                if open_guard {
-                    self.put_guard_query(false, false)?;
-                }
-                self.guarded = true;
-            }
-            _ => {}
         }
-        if stmts.iter().any(|s| {
-            matches!(
+        for s in body.iter().skip(first) {
+            if need && !s.kind.guard_free() {
+                if !skip_guards {
+                    script.push((Part::Proxy(Lead::Guard(Reading::FenceOnly)), guard.as_str()));
+                }
+                need = false;
+            }
+            match script.last_mut() {
+                Some((Part::Client(n), _)) => *n += 1,
+                _ => script.push((Part::Client(1), "")),
+            }
+            if matches!(
                 s.kind,
                 StatementKind::RollbackTo
-                    | StatementKind::Commit { .. }
-                    | StatementKind::Rollback { .. }
-            )
-        }) {
-            self.guarded = false;
+                    | StatementKind::Setting {
+                        touches_fence: true
+                    }
+            ) {
+                need = true;
+            }
         }
+        self.guarded = !need && !stmts.iter().any(|s| s.kind.ends_transaction());
+        let rewritten = script.iter().any(|(p, _)| matches!(p, Part::Proxy(_)));
         // The proxy's own BEGIN ahead of a client BEGIN later in the text makes that one warn.
-        let suppress = lead.front() == Some(&Lead::Begin { client: false });
+        let suppress = matches!(
+            script.first(),
+            Some((Part::Proxy(Lead::Begin { client: false }), _))
+        );
         let ends = last.kind.ends_transaction();
         let end_block = owns && !ends;
         let copy = stmts.iter().any(|s| s.kind == StatementKind::CopyIn);
@@ -1115,51 +1186,50 @@ impl Session {
             self.put_guard_query(true, false)?;
         }
         let owns_after = if split { owns } else { owns && !ends };
-        let client_unit = |lead, position_shift| {
-            let mut p = Pending::ready(false, owns_after, after.clone());
-            p.suppress_begin_warning = suppress;
-            p.lead = lead;
-            p.position_shift = position_shift;
-            p
-        };
+        let mut unit = Pending::ready(false, owns_after, after);
+        unit.suppress_begin_warning = suppress;
         match op {
-            ClientOp::Query(_, m) if lead.is_empty() && !split => {
-                self.out.extend_from_slice(&m.frame);
-                self.pending.push_back(client_unit(VecDeque::new(), 0));
-            }
-            ClientOp::Query(text, _) => {
-                let end = if split { last.start } else { text.len() };
-                let client = &text[skip..end];
-                let mut sql = lead_sql;
-                // Error cursors count characters of the text the server ran.
-                let mut added = 0;
-                if !client.trim().is_empty() {
-                    if !sql.is_empty() {
-                        sql.push_str("; ");
-                    }
-                    added = sql.chars().count();
-                    sql.push_str(client);
+            ClientOp::Query(text, m) => {
+                if rewritten || split {
+                    let (sql, parts, moved) = rewrite(&text, stmts, body, first, &script);
+                    self.put_query(&sql)?;
+                    unit.script = parts;
+                    unit.moved = moved;
+                } else {
+                    self.out.extend_from_slice(&m.frame);
                 }
-                let removed = text[..skip].chars().count();
-                let shift = i64::try_from(added).unwrap_or(i64::MAX)
-                    - i64::try_from(removed).unwrap_or(i64::MAX);
-                self.put_query(&sql)?;
-                self.pending.push_back(client_unit(lead, shift));
             }
-            ClientOp::Message(m) if lead.is_empty() => {
-                self.out.extend_from_slice(&m.frame);
-                self.pending.push_back(client_unit(VecDeque::new(), 0));
-            }
-            ClientOp::Message(m) => {
+            ClientOp::Message(m) if entry == b'I' => {
                 // A FunctionCall is a message of its own and cannot share a Query with the
                 // proxy's BEGIN: it waits until the upstream reports the block open.
-                self.put_query(&lead_sql)?;
+                let mut lead = String::new();
+                for (part, sql) in &script {
+                    if let Part::Proxy(_) = part {
+                        lead.push_str(sql);
+                        lead.push_str("; ");
+                    }
+                }
+                self.put_query(&lead)?;
                 let mut p = Pending::ready(true, owns, After::Held(m.frame));
-                p.reading = open_guard.then_some(Reading::FenceOnly);
+                p.reading = script
+                    .iter()
+                    .any(|(p, _)| matches!(p, Part::Proxy(Lead::Guard(_))))
+                    .then_some(Reading::FenceOnly);
                 self.pending.push_back(p);
                 return Ok(Flow::Continue);
             }
+            ClientOp::Message(m) => {
+                if script
+                    .iter()
+                    .any(|(p, _)| matches!(p, Part::Proxy(Lead::Guard(_))))
+                {
+                    // Inside the block: a failed guard aborts it, and the call fails with it.
+                    self.put_guard_query(false, false)?;
+                }
+                self.out.extend_from_slice(&m.frame);
+            }
         }
+        self.pending.push_back(unit);
         if end_block && !copy && !split {
             self.put_block_end()?;
         }
@@ -1455,7 +1525,12 @@ impl Session {
                 }
                 self.guarded = false;
             }
-            StatementKind::Setting { .. } => {}
+            StatementKind::Setting { touches_fence } => {
+                // The next data statement is guarded again, with the fence this sets.
+                if *touches_fence {
+                    self.guarded = false;
+                }
+            }
             StatementKind::CopyIn | StatementKind::Other => {
                 if g.status == b'T' && !self.guarded {
                     if !self.skip_opening_guard() {
@@ -1509,18 +1584,17 @@ impl Session {
             b'N' => {
                 let suppress = self.pending.front().is_some_and(|p| {
                     p.internal
-                        || p.lead.front().is_some_and(|l| l.internal())
+                        || p.answering_proxy()
                         || (p.suppress_begin_warning
                             && error::error_code(m.body()).as_deref()
                                 == Some(ACTIVE_SQL_TRANSACTION))
                 });
                 if !suppress {
-                    let shift = self.pending.front().map_or(0, |p| p.position_shift);
-                    if shift == 0 {
-                        self.send_client(&m).await?;
-                    } else {
-                        self.send_client(&error::shift_position(&m, shift)).await?;
-                    }
+                    let m = match self.pending.front() {
+                        Some(p) => p.for_client(&m),
+                        None => m,
+                    };
+                    self.send_client(&m).await?;
                 }
             }
             b'S' => {
@@ -1536,12 +1610,13 @@ impl Session {
             b'A' => self.send_client(&m).await?,
             tag => {
                 let front = self.pending.front();
-                let lead = front.and_then(|p| p.lead.front().copied());
-                let internal = front.is_some_and(|p| p.internal && !p.answers_client)
-                    || lead.is_some_and(Lead::internal);
-                let reading = match lead {
+                let internal = front.is_some_and(Pending::answering_proxy);
+                let rewritten = front.is_some_and(|p| !p.script.is_empty());
+                // Only a guard's own row is read: never one of a client statement.
+                let reading = match front.and_then(Pending::proxy_part) {
                     Some(Lead::Guard(reading)) => Some(reading),
                     Some(Lead::Begin { .. }) => None,
+                    None if rewritten => None,
                     None => front.and_then(|p| p.reading),
                 };
                 let confirms_commit = front.is_some_and(|p| p.confirms_commit);
@@ -1569,10 +1644,10 @@ impl Session {
                     }
                 }
                 if tag == b'C'
-                    && lead.is_some()
+                    && rewritten
                     && let Some(p) = self.pending.front_mut()
                 {
-                    p.lead.pop_front();
+                    p.statement_completed();
                 }
                 if matches!(tag, b'G' | b'W') {
                     self.copy = Copy::In;
@@ -1634,7 +1709,7 @@ impl Session {
         if self
             .pending
             .front()
-            .is_some_and(|p| p.reading.is_some() || matches!(p.lead.front(), Some(Lead::Guard(_))))
+            .is_some_and(|p| p.reading.is_some() || matches!(p.proxy_part(), Some(Lead::Guard(_))))
         {
             self.ever_fenced = true;
         }
@@ -1649,15 +1724,16 @@ impl Session {
             return Ok(());
         }
         let code = error::error_code(m.body());
-        let (internal, refusal, unnamed_parse, shift) = match self.pending.front_mut() {
+        let client_view = self.pending.front().map(|p| p.for_client(&m));
+        let (internal, refusal, unnamed_parse) = match self.pending.front_mut() {
             Some(p) => (
-                p.internal || p.lead.front().is_some_and(|l| l.internal()),
+                p.internal || p.answering_proxy(),
                 p.refusal.take(),
                 matches!((p.unit, &p.track), (Unit::Parse, Track::Statement(name, _)) if name.is_empty()),
-                p.position_shift,
             ),
-            None => (false, None, false, 0),
+            None => (false, None, false),
         };
+        let m = client_view.unwrap_or(m);
         // The upstream skips everything up to the next Sync; so do the expectations, and the
         // projected name kinds of the failed and skipped messages are undone, newest first.
         let mut skipped = Vec::new();
@@ -1699,17 +1775,12 @@ impl Session {
                     let rewritten = self.explain_internal_error(code.as_deref());
                     match rewritten {
                         Some(e) => self.send_client(&e.to_message()).await?,
-                        // A syntax error the server finds before any statement of a Query
-                        // runs is charged to the proxy's leading statements, but its cursor
-                        // may point into the client's text (moved back), or into the proxy's
-                        // (dropped).
-                        None if shift != 0 => {
-                            self.send_client(&error::shift_position(&m, shift)).await?
-                        }
+                        // (A syntax error the server finds before any statement of a Query
+                        // runs is charged to the proxy's first statement; its cursor is
+                        // mapped to the client's text above, or dropped.)
                         None => self.send_client(&m).await?,
                     }
                 }
-                None if shift != 0 => self.send_client(&error::shift_position(&m, shift)).await?,
                 None => self.send_client(&m).await?,
             }
         }
@@ -1858,6 +1929,53 @@ enum ClientOp {
     Query(String, Message),
     /// Another message answered by ReadyForQuery (FunctionCall).
     Message(Message),
+}
+
+/// The text of a simple Query the proxy rewrote (see `Session::plan_simple`): the proxy's
+/// statements of `script` and, for its client runs, the client's `body` statements from `first`
+/// on, cut from `text` at the statement boundaries Postgres's parser reported (each right after
+/// a `;`, where the lexer starts afresh); with the script as the upstream answers it and where
+/// the client's text went. A run that starts the client's text keeps what comes before its
+/// first statement.
+fn rewrite(
+    text: &str,
+    stmts: &[Statement],
+    body: &[Statement],
+    first: usize,
+    script: &[(Part, &str)],
+) -> (String, VecDeque<Part>, Vec<Moved>) {
+    let chars = |s: &str| i64::try_from(s.chars().count()).unwrap_or(i64::MAX);
+    let end = stmts.get(body.len()).map_or(text.len(), |s| s.start);
+    let mut sql = String::new();
+    let mut sent = 0;
+    let mut parts = VecDeque::with_capacity(script.len());
+    let mut moved = Vec::new();
+    let mut next = first;
+    for (part, proxy_sql) in script {
+        parts.push_back(*part);
+        match part {
+            Part::Proxy(_) => {
+                sql.push_str(proxy_sql);
+                sql.push_str("; ");
+                sent += chars(proxy_sql) + 2;
+            }
+            Part::Client(n) => {
+                let from = if next == 0 { 0 } else { body[next].start };
+                let to = body.get(next + n).map_or(end, |s| s.start);
+                let slice = &text[from..to];
+                let len = chars(slice);
+                moved.push(Moved {
+                    sent,
+                    original: chars(&text[..from]),
+                    len,
+                });
+                sql.push_str(slice);
+                sent += len;
+                next += n;
+            }
+        }
+    }
+    (sql, parts, moved)
 }
 
 /// Whether a statement may change `lockd.fence` in a way that makes an earlier guard's reading

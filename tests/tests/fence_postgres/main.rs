@@ -29,6 +29,7 @@ mod interrupted;
 mod overhead;
 mod protocol;
 mod readiness;
+mod reguard;
 mod relexed;
 mod review_roles_and_memory;
 mod review_wire;
