@@ -50,6 +50,12 @@ pub const CLASSIFY_STACK_BYTES: usize = 512 * 1024 * 1024;
 /// vector small. (The parse tree itself is bounded by `--max-message-bytes`.)
 pub const MAX_STATEMENTS_PER_QUERY: usize = 100_000;
 
+/// Most opening guards the proxy splices into one simple Query (one before the first data
+/// statement, and one after each ROLLBACK TO or SET of `lockd.fence` that a data statement
+/// follows): each is a guard call and some hundred bytes of text, so a query of short
+/// `RESET ALL; SELECT;` pairs would otherwise grow some fifty-fold upstream.
+pub const MAX_GUARDS_PER_QUERY: usize = 64;
+
 /// Default number of concurrent client sessions. Each session holds one upstream connection, so
 /// this also bounds the proxy's share of the upstream's `max_connections`.
 pub const DEFAULT_MAX_SESSIONS: usize = 1_000;

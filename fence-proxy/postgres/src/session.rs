@@ -102,7 +102,7 @@ use crate::codec::{self, FrameError, Message, MessageCodec};
 use crate::config::Config;
 use crate::error::{self, ProxyError, ready_for_query};
 use crate::fence_sql;
-use crate::limits::{MAX_NAME_BYTES, MAX_PENDING_UNITS, MAX_TRACKED_NAMES};
+use crate::limits::{MAX_GUARDS_PER_QUERY, MAX_NAME_BYTES, MAX_PENDING_UNITS, MAX_TRACKED_NAMES};
 use crate::metrics_names::{RequestResult, record_request};
 use crate::verify::{Proofs, Verified};
 
@@ -1156,6 +1156,24 @@ impl Session {
             ) {
                 need = true;
             }
+        }
+        let guards = script
+            .iter()
+            .filter(|(p, _)| matches!(p, Part::Proxy(Lead::Guard(_))))
+            .count();
+        if guards > MAX_GUARDS_PER_QUERY {
+            self.awaiting_ready = false;
+            return self
+                .reject_request(
+                    ProxyError::error(
+                        error::LIMIT_EXCEEDED,
+                        format!(
+                            "this query needs {guards} opening guards (a data statement after each ROLLBACK TO or SET of lockd.fence), more than the {MAX_GUARDS_PER_QUERY} the proxy puts into one query"
+                        ),
+                    )
+                    .with_hint("send the statements as several queries"),
+                )
+                .await;
         }
         self.guarded = !need && !stmts.iter().any(|s| s.kind.ends_transaction());
         let rewritten = script.iter().any(|(p, _)| matches!(p, Part::Proxy(_)));

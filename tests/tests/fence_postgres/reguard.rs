@@ -107,3 +107,22 @@ async fn a_fence_set_in_the_same_query_as_the_write_guards_it() {
         .get(0);
     assert_eq!(rows, 2, "the holder's first row and this one");
 }
+
+/// Goal: the guards the proxy splices into one Query are bounded (`MAX_GUARDS_PER_QUERY`, 64): a
+/// Query of short `SET lockd.fence = ''; SELECT 1;` pairs, each needing a guard of its own, is
+/// refused with 54000 before anything of it runs, and the session goes on; 64 pairs run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_guards_spliced_into_one_query_are_bounded() {
+    lockd_tests::skip_without_postgres!();
+    let attack = Attack::new(false, "reguard_bound").await;
+    let mut session = attack.attacker(None).await;
+    let pairs = |n: usize| "SET lockd.fence = ''; SELECT 1; ".repeat(n);
+    let refused = session.query(&pairs(65)).await;
+    assert_eq!(refused.first_error(), "54000", "{refused:?}");
+    assert!(refused.completions.is_empty(), "nothing ran: {refused:?}");
+    assert_eq!(refused.status, b'I');
+    let ran = session.query(&pairs(64)).await;
+    assert!(ran.errors.is_empty(), "{ran:?}");
+    assert_eq!(ran.completions.len(), 128, "{ran:?}");
+    assert_eq!(ran.status, b'I');
+}
