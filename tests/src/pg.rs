@@ -355,6 +355,27 @@ impl PrivateCluster {
         Self::start_inner(None, settings)
     }
 
+    /// A session as `postgres` straight to the cluster, retried for up to five seconds while
+    /// the server finishes starting.
+    pub async fn admin(&self) -> tokio_postgres::Client {
+        let config: tokio_postgres::Config = self.url("postgres").parse().unwrap();
+        let mut attempts = 0;
+        loop {
+            match config.connect(tokio_postgres::NoTls).await {
+                Ok((client, connection)) => {
+                    tokio::spawn(connection);
+                    return client;
+                }
+                Err(e) if attempts < 50 => {
+                    attempts += 1;
+                    eprintln!("private cluster not ready yet: {e:?}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(e) => panic!("private cluster never accepted a session: {e:?}"),
+            }
+        }
+    }
+
     /// A private cluster whose server writes its log (at the default `log_min_messages`,
     /// warnings included) to a file, read with [`PrivateCluster::server_log`].
     pub fn start_logging() -> Result<PrivateCluster, String> {
@@ -736,6 +757,18 @@ impl Attack {
     /// An INSERT carrying `token`.
     pub fn insert(&self, token: i64) -> String {
         format!("INSERT INTO {} (token) VALUES ({token})", self.tbl)
+    }
+
+    /// Rows committed with `token`.
+    pub async fn rows_with_token(&self, token: i64) -> i64 {
+        self.direct
+            .query_one(
+                &format!("SELECT count(*) FROM {} WHERE token = $1", self.tbl),
+                &[&token],
+            )
+            .await
+            .unwrap()
+            .get(0)
     }
 
     /// Rows committed with a token other than 42 (the attacker's).

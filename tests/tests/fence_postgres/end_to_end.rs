@@ -17,7 +17,7 @@ async fn password_authentication_passes_through() {
             panic!("cannot start a private Postgres cluster for the auth test: {reason}")
         }
     };
-    let admin = admin_session(&cluster).await;
+    let admin = cluster.admin().await;
     admin
         .batch_execute(&format!(
             "SET password_encryption = 'scram-sha-256'; CREATE ROLE scram_user LOGIN PASSWORD '{p}';
@@ -175,7 +175,7 @@ async fn a_lone_begin_leaves_no_warning_in_the_server_log() {
     lockd_tests::skip_without_postgres!();
     let cluster = pg::PrivateCluster::start_logging()
         .unwrap_or_else(|reason| panic!("cannot start a private Postgres cluster: {reason}"));
-    let admin = admin_session(&cluster).await;
+    let admin = cluster.admin().await;
     admin
         .batch_execute("CREATE TABLE lone_begin (token bigint NOT NULL)")
         .await
@@ -240,25 +240,4 @@ async fn a_lone_begin_leaves_no_warning_in_the_server_log() {
         .filter(|l| l.contains("there is already a transaction in progress"))
         .collect();
     assert!(warnings.is_empty(), "{warnings:#?}");
-}
-
-/// The `postgres` session of a private cluster, once the server takes sessions (it accepts TCP
-/// connections slightly before).
-async fn admin_session(cluster: &pg::PrivateCluster) -> tokio_postgres::Client {
-    let config: tokio_postgres::Config = cluster.url("postgres").parse().unwrap();
-    let mut attempts = 0;
-    loop {
-        match config.connect(tokio_postgres::NoTls).await {
-            Ok((client, connection)) => {
-                tokio::spawn(connection);
-                return client;
-            }
-            Err(e) if attempts < 50 => {
-                attempts += 1;
-                eprintln!("private cluster not ready yet: {e:?}");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-            Err(e) => panic!("private cluster never accepted a session: {e:?}"),
-        }
-    }
 }

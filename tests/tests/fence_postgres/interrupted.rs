@@ -12,7 +12,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
-use lockd_tests::pg::{self, Attack};
+use lockd_tests::pg::{self, Attack, RawConn, RawReply};
 use postgres_protocol::message::frontend;
 
 /// Cancel connections still open at once (the proxy allows 64 sessions in the tests).
@@ -23,6 +23,57 @@ fn spin(micros: u64) {
     let until = Instant::now() + Duration::from_micros(micros);
     while Instant::now() < until {
         std::hint::spin_loop();
+    }
+}
+
+/// Sends requests with a CancelRequest for the session's own backend around each, offset by
+/// -800 to +400 µs in 25 µs steps from round to round. A cancel may land in a later round's
+/// request too; a few are left in flight at a time, as cancel connections count against the
+/// proxy's --max-sessions.
+struct Canceller {
+    addr: std::net::SocketAddr,
+    key: (i32, i32),
+    in_flight: VecDeque<tokio::task::JoinHandle<()>>,
+}
+
+impl Canceller {
+    fn new(addr: std::net::SocketAddr, conn: &RawConn) -> Canceller {
+        Canceller {
+            addr,
+            key: conn
+                .backend_key
+                .expect("the proxy passes BackendKeyData on"),
+            in_flight: VecDeque::new(),
+        }
+    }
+
+    /// Sends `request` on `conn` with a cancel around it, and reads its answer.
+    async fn round(&mut self, round: i64, conn: &mut RawConn, request: &[u8]) -> RawReply {
+        let offset = (round % 49) * 25 - 800;
+        let cancel = if offset < 0 {
+            let cancel = tokio::spawn(pg::cancel(self.addr, self.key));
+            spin(offset.unsigned_abs());
+            conn.send(request).await;
+            cancel
+        } else {
+            conn.send(request).await;
+            spin(offset.unsigned_abs());
+            tokio::spawn(pg::cancel(self.addr, self.key))
+        };
+        let reply = conn.read_until_ready().await;
+        self.in_flight.push_back(cancel);
+        if self.in_flight.len() > MAX_CANCELS_IN_FLIGHT {
+            self.in_flight.pop_front().unwrap().await.unwrap();
+        }
+        assert_ne!(reply.status, b'X', "the session ended: {reply:?}");
+        reply
+    }
+
+    /// Waits for every cancel sent.
+    async fn finish(self) {
+        for cancel in self.in_flight {
+            cancel.await.unwrap();
+        }
     }
 }
 
@@ -46,30 +97,9 @@ async fn an_interrupted_begin_never_lets_the_clients_statement_commit_unguarded(
     frontend::query(&insert, &mut query).unwrap();
 
     let mut conn = attack.attacker(Some(41)).await;
-    let key = conn
-        .backend_key
-        .expect("the proxy passes BackendKeyData on");
-    let mut in_flight = VecDeque::new();
+    let mut canceller = Canceller::new(addr, &conn);
     for round in 0..rounds {
-        let offset = (round % 49) * 25 - 800;
-        let cancel = if offset < 0 {
-            let cancel = tokio::spawn(pg::cancel(addr, key));
-            spin(offset.unsigned_abs());
-            conn.send(&query).await;
-            cancel
-        } else {
-            conn.send(&query).await;
-            spin(offset.unsigned_abs());
-            tokio::spawn(pg::cancel(addr, key))
-        };
-        let reply = conn.read_until_ready().await;
-        // A cancel may land in a later round's query too; a few at a time, as cancel
-        // connections count against the proxy's --max-sessions.
-        in_flight.push_back(cancel);
-        if in_flight.len() > MAX_CANCELS_IN_FLIGHT {
-            in_flight.pop_front().unwrap().await.unwrap();
-        }
-        assert_ne!(reply.status, b'X', "the session ended: {reply:?}");
+        let reply = canceller.round(round, &mut conn, &query).await;
         *outcomes
             .entry(format!("cancel {}", reply.first_error()))
             .or_default() += 1;
@@ -78,10 +108,8 @@ async fn an_interrupted_begin_never_lets_the_clients_statement_commit_unguarded(
         }
     }
 
+    canceller.finish().await;
     // Set at startup: a SET would run in a guarded block that the timeout may fail.
-    for cancel in in_flight {
-        cancel.await.unwrap();
-    }
     let mut timed = attack
         .session_with(&format!(
             "-c lockd.fence={}:41 -c statement_timeout=1",
@@ -162,15 +190,7 @@ async fn a_function_call_runs_only_inside_the_guarded_block() {
         "no FunctionCallResponse: {reply:?}"
     );
     assert_eq!(reply.status, b'I', "the proxy ends its block: {reply:?}");
-    let holder_rows: i64 = attack
-        .direct
-        .query_one(
-            &format!("SELECT count(*) FROM {} WHERE token = 42", attack.tbl),
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let holder_rows = attack.rows_with_token(42).await;
     assert_eq!(holder_rows, 2, "the holder's call committed its row");
 
     let mut stale = attack.attacker(Some(41)).await;
@@ -178,32 +198,14 @@ async fn a_function_call_runs_only_inside_the_guarded_block() {
     let reply = stale.read_until_ready().await;
     assert_eq!(reply.first_error(), "55P03", "the stale call: {reply:?}");
     assert_eq!(reply.status, b'I', "{reply:?}");
-    let key = stale.backend_key.expect("BackendKeyData");
-    let mut in_flight = VecDeque::new();
+    let mut canceller = Canceller::new(addr, &stale);
+    let call = function_call(oid, "41");
     let mut outcomes: BTreeMap<String, usize> = BTreeMap::new();
     for round in 0..300i64 {
-        let offset = (round % 49) * 25 - 800;
-        let cancel = if offset < 0 {
-            let cancel = tokio::spawn(pg::cancel(addr, key));
-            spin(offset.unsigned_abs());
-            stale.send(&function_call(oid, "41")).await;
-            cancel
-        } else {
-            stale.send(&function_call(oid, "41")).await;
-            spin(offset.unsigned_abs());
-            tokio::spawn(pg::cancel(addr, key))
-        };
-        let reply = stale.read_until_ready().await;
-        in_flight.push_back(cancel);
-        if in_flight.len() > MAX_CANCELS_IN_FLIGHT {
-            in_flight.pop_front().unwrap().await.unwrap();
-        }
-        assert_ne!(reply.status, b'X', "the session ended: {reply:?}");
+        let reply = canceller.round(round, &mut stale, &call).await;
         *outcomes.entry(reply.first_error().to_owned()).or_default() += 1;
     }
-    for cancel in in_flight {
-        cancel.await.unwrap();
-    }
+    canceller.finish().await;
     eprintln!("fast-path outcomes: {outcomes:?}");
     attack
         .assert_nothing_committed(&format!("a stale FunctionCall ({outcomes:?})"))

@@ -213,22 +213,28 @@ async fn savepoints_show_and_other_settings_keep_the_no_fence_reading() {
         "RELEASE SAVEPOINT a",
         "SAVEPOINT b",
     ];
-    for extended in [false, true] {
+    // Statements in one transaction, over either protocol, then a data statement: the opening
+    // guard calls it took.
+    let guards_after = async |statements: &[&str], extended: bool| {
         begin_counted(&session).await;
-        for sql in inert {
+        for sql in statements {
             if extended {
-                session.query(sql, &[]).await.unwrap();
+                session.query(*sql, &[]).await.unwrap();
             } else {
                 session.batch_execute(sql).await.unwrap();
             }
         }
         session.execute(insert.as_str(), &[]).await.unwrap();
+        let calls = guard_calls(&session).await;
+        session.batch_execute("COMMIT").await.unwrap();
+        calls
+    };
+    for extended in [false, true] {
         assert_eq!(
-            guard_calls(&session).await,
+            guards_after(&inert, extended).await,
             0,
             "{inert:?} before the first data statement (extended: {extended})"
         );
-        session.batch_execute("COMMIT").await.unwrap();
     }
 
     for (extended, sql) in [
@@ -239,19 +245,11 @@ async fn savepoints_show_and_other_settings_keep_the_no_fence_reading() {
         (false, "RESET ALL"),
         (true, "RESET ALL"),
     ] {
-        begin_counted(&session).await;
-        if extended {
-            session.execute(sql, &[]).await.unwrap();
-        } else {
-            session.batch_execute(sql).await.unwrap();
-        }
-        session.execute(insert.as_str(), &[]).await.unwrap();
         assert_eq!(
-            guard_calls(&session).await,
+            guards_after(&[sql], extended).await,
             1,
             "{sql} (extended: {extended}) must bring the opening guard back"
         );
-        session.batch_execute("COMMIT").await.unwrap();
     }
     direct
         .batch_execute(&format!("DROP TABLE {tbl}"))

@@ -96,15 +96,7 @@ async fn a_fence_set_in_the_same_query_as_the_write_guards_it() {
         .await;
     assert!(reply.errors.is_empty(), "{reply:?}");
     assert_eq!(reply.status, b'I', "{reply:?}");
-    let rows: i64 = attack
-        .direct
-        .query_one(
-            &format!("SELECT count(*) FROM {} WHERE token = 42", attack.tbl),
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let rows = attack.rows_with_token(42).await;
     assert_eq!(rows, 2, "the holder's first row and this one");
 }
 

@@ -4,8 +4,6 @@
 //! the time it runs. Found in the review of 2026-12-03 (issue 13): the COMMIT at the end of a
 //! multi-statement query, sent after the guard as the client's own text.
 
-use std::time::Duration;
-
 use lockd_tests::pg::{self, PgProxy};
 
 /// Attack: under `--require-fence`, on a server with prepared transactions enabled, an unfenced
@@ -24,24 +22,7 @@ async fn a_commit_sent_after_a_lexer_setting_changed_is_the_one_the_proxy_read()
     lockd_tests::skip_without_postgres!();
     let cluster = pg::PrivateCluster::start_with(&["max_prepared_transactions=4"])
         .unwrap_or_else(|reason| panic!("cannot start a private Postgres cluster: {reason}"));
-    let admin_config: tokio_postgres::Config = cluster.url("postgres").parse().unwrap();
-    let admin = {
-        let mut attempts = 0;
-        loop {
-            match admin_config.connect(tokio_postgres::NoTls).await {
-                Ok((client, connection)) => {
-                    tokio::spawn(connection);
-                    break client;
-                }
-                Err(e) if attempts < 50 => {
-                    attempts += 1;
-                    eprintln!("private cluster not ready yet: {e:?}");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-                Err(e) => panic!("private cluster never accepted a session: {e:?}"),
-            }
-        }
-    };
+    let admin = cluster.admin().await;
     admin
         .batch_execute("CREATE TABLE relexed (token bigint NOT NULL)")
         .await
