@@ -8,7 +8,7 @@
 //! `SET lockd.fence = '<current>'; INSERT ...` failed as read-only.
 
 use bytes::BytesMut;
-use lockd_tests::pg::{Attack, wire};
+use lockd_tests::pg::{self, Attack, wire};
 
 /// The current value of the attack's sequence (`last_value`).
 async fn sequence_value(attack: &Attack) -> i64 {
@@ -117,4 +117,45 @@ async fn the_guards_spliced_into_one_query_are_bounded() {
     assert!(ran.errors.is_empty(), "{ran:?}");
     assert_eq!(ran.completions.len(), 128, "{ran:?}");
     assert_eq!(ran.status, b'I');
+}
+
+/// Goal: an error's cursor points where it would directly, although the proxy put its own BEGIN
+/// and guards into the client's Query text (and dropped a leading client BEGIN). Method: the
+/// same failing simple Queries (an unknown column after statements of every kind the proxy
+/// splices around, one with non-ASCII text before it) directly and through the proxy, each on a
+/// fresh session; the SQLSTATE and `P` of the errors must be equal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn error_cursors_point_into_the_clients_text() {
+    lockd_tests::skip_without_postgres!();
+    let attack = Attack::new(false, "reguard_cursor").await;
+    let queries = [
+        "SELECT nosuchcol FROM pg_class".to_owned(),
+        "SELECT 1; SELECT nosuchcol FROM pg_class".to_owned(),
+        "BEGIN; SELECT 1; SELECT nosuchcol FROM pg_class".to_owned(),
+        "START TRANSACTION ISOLATION LEVEL REPEATABLE READ; SELECT nosuchcol FROM pg_class"
+            .to_owned(),
+        "/* ünïcode */ BEGIN; SAVEPOINT x; SELECT 1; ROLLBACK TO x; SELECT nosuchcol FROM pg_class"
+            .to_owned(),
+        format!(
+            "SET lockd.fence = '{}:42'; SELECT nosuchcol FROM pg_class",
+            attack.resource
+        ),
+        "SELECT 1; SELECT nosuchcol FROM pg_class; COMMIT".to_owned(),
+    ];
+    let direct_config: tokio_postgres::Config = pg::direct_url().parse().unwrap();
+    let proxy_config = attack.proxy.config(None);
+    for sql in &queries {
+        let mut seen = Vec::new();
+        for config in [&direct_config, &proxy_config] {
+            let client = pg::connect(config).await;
+            let e = client
+                .batch_execute(sql)
+                .await
+                .expect_err("an unknown column");
+            let db = e.as_db_error().expect("a server error");
+            seen.push((db.code().code().to_owned(), format!("{:?}", db.position())));
+        }
+        assert_eq!(seen[1], seen[0], "{sql}: through the proxy / directly");
+        assert_eq!(seen[0].0, "42703", "{sql}");
+    }
 }
