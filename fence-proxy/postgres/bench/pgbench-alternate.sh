@@ -1,11 +1,12 @@
 #!/bin/bash
-# Two fence-proxy builds side by side, in alternating rounds: pgbench -M prepared through each,
+# Two fence-proxy builds side by side, in alternating rounds: pgbench (-M prepared) through each,
 # unfenced and then fenced (PGOPTIONS='-c lockd.fence=bench/1:1'), the order of the two builds
 # swapped every round, CHECKPOINT before every run. On a shared machine whose speed drifts
 # between runs, rounds of short runs compared by their medians say more than one long run each.
 #
 #   fence-proxy/postgres/bench/pgbench-alternate.sh BASE_BINARY NEW_BINARY
 #   ROUNDS=10 T=5 (seconds per run) C=4 J=2 (pgbench clients and threads)
+#   MODE=prepared (pgbench -M: simple, extended or prepared)
 #   DIRECT=1 also runs pgbench directly each round; REF_PORT=16544 also through a relay there
 #
 # Prints one line per run: round, label, tps, Postgres CPU per transaction (µs: the postmaster
@@ -15,7 +16,7 @@
 # See docs/benchmarks.md, "A prepared BEGIN in the client's place".
 set -eu
 [ $# -eq 2 ] || { echo "usage: $0 BASE_BINARY NEW_BINARY" >&2; exit 2; }
-DB=pgbench_a; T=${T:-5}; ROUNDS=${ROUNDS:-10}; C=${C:-4}; J=${J:-2}
+DB=pgbench_a; T=${T:-5}; ROUNDS=${ROUNDS:-10}; C=${C:-4}; J=${J:-2}; MODE=${MODE:-prepared}
 HZ=$(getconf CLK_TCK)
 createdb -h 127.0.0.1 -U postgres $DB 2>/dev/null || true
 pgbench -h 127.0.0.1 -U postgres -i -s 1 -q $DB >/dev/null 2>&1
@@ -36,7 +37,7 @@ run() { # round label port PGOPTIONS
   psql -h 127.0.0.1 -U postgres -d $DB -qc CHECKPOINT
   local p0 p1 out tx tps failed
   p0=$(pg_ticks)
-  out=$(PGOPTIONS="$4" pgbench -h 127.0.0.1 -p "$3" -U postgres -c "$C" -j "$J" -M prepared -T "$T" $DB 2>&1)
+  out=$(PGOPTIONS="$4" pgbench -h 127.0.0.1 -p "$3" -U postgres -c "$C" -j "$J" -M "$MODE" -T "$T" $DB 2>&1)
   p1=$(pg_ticks)
   tx=$(echo "$out" | awk '/number of transactions actually processed/ {print $NF}' | cut -d/ -f1)
   tps=$(echo "$out" | awk '/^tps/ {printf "%.0f", $3}')
