@@ -1116,47 +1116,15 @@ impl Session {
         //   before the next data statement after anything that may have undone it or changed
         //   what it checked: a ROLLBACK TO (the guard's lock and read-only setting), a SET or
         //   RESET that may reach `lockd.fence`.
-        let mut script: Vec<(Part, &str)> = Vec::new();
-        let mut need = match entry {
+        let need = match entry {
             b'I' => true,
             b'T' => !self.guarded,
             // A failed block runs nothing but ROLLBACK, ROLLBACK TO or COMMIT.
             _ => false,
         };
-        let mut first = 0;
-        if entry == b'I' && !lone_begin {
-            match &stmts[0].kind {
-                StatementKind::Begin(sql) => {
-                    script.push((Part::Proxy(Lead::Begin { client: true }), sql.as_str()));
-                    first = 1;
-                }
-                _ => script.push((
-                    Part::Proxy(Lead::Begin { client: false }),
-                    fence_sql::BEGIN_SQL,
-                )),
-            }
-        }
-        for s in body.iter().skip(first) {
-            if need && !s.kind.guard_free() {
-                if !skip_guards {
-                    script.push((Part::Proxy(Lead::Guard(Reading::FenceOnly)), guard.as_str()));
-                }
-                need = false;
-            }
-            match script.last_mut() {
-                Some((Part::Client(n), _)) => *n += 1,
-                _ => script.push((Part::Client(1), "")),
-            }
-            if matches!(
-                s.kind,
-                StatementKind::RollbackTo
-                    | StatementKind::Setting {
-                        touches_fence: true
-                    }
-            ) {
-                need = true;
-            }
-        }
+        let guard_sql = (!skip_guards).then_some(guard.as_str());
+        let (script, first, need) =
+            plan_script(stmts, body, entry == b'I' && !lone_begin, need, guard_sql);
         let guards = script
             .iter()
             .filter(|(p, _)| matches!(p, Part::Proxy(Lead::Guard(_))))
@@ -1949,6 +1917,58 @@ enum ClientOp {
     Message(Message),
 }
 
+/// The script of a simple Query (see `Session::plan_simple`): the proxy's statements, each with
+/// its SQL, and runs of the client's `body` statements. `open`: the proxy opens the block (its
+/// BEGIN leads; a client BEGIN that starts the text is replaced by its rebuilt form). `need`:
+/// the next data statement needs an opening guard. `guard`: the guard's SQL, `None` where the
+/// session is known to have no fence (the need is then met without one). Returns the script,
+/// the index of the first client statement in it (1 when a leading client BEGIN was replaced),
+/// and whether a data statement after the Query still needs a guard.
+fn plan_script<'a>(
+    stmts: &'a [Statement],
+    body: &[Statement],
+    open: bool,
+    mut need: bool,
+    guard: Option<&'a str>,
+) -> (Vec<(Part, &'a str)>, usize, bool) {
+    let mut script: Vec<(Part, &str)> = Vec::new();
+    let mut first = 0;
+    if open {
+        match &stmts[0].kind {
+            StatementKind::Begin(sql) => {
+                script.push((Part::Proxy(Lead::Begin { client: true }), sql.as_str()));
+                first = 1;
+            }
+            _ => script.push((
+                Part::Proxy(Lead::Begin { client: false }),
+                fence_sql::BEGIN_SQL,
+            )),
+        }
+    }
+    for s in body.iter().skip(first) {
+        if need && !s.kind.guard_free() {
+            if let Some(guard) = guard {
+                script.push((Part::Proxy(Lead::Guard(Reading::FenceOnly)), guard));
+            }
+            need = false;
+        }
+        match script.last_mut() {
+            Some((Part::Client(n), _)) => *n += 1,
+            _ => script.push((Part::Client(1), "")),
+        }
+        if matches!(
+            s.kind,
+            StatementKind::RollbackTo
+                | StatementKind::Setting {
+                    touches_fence: true
+                }
+        ) {
+            need = true;
+        }
+    }
+    (script, first, need)
+}
+
 /// The text of a simple Query the proxy rewrote (see `Session::plan_simple`): the proxy's
 /// statements of `script` and, for its client runs, the client's `body` statements from `first`
 /// on, cut from `text` at the statement boundaries Postgres's parser reported (each right after
@@ -2041,4 +2061,110 @@ fn parameter_status(body: &[u8]) -> Option<(String, String)> {
     let name = codec::read_cstr(&mut rest)?;
     let value = codec::read_cstr(&mut rest)?;
     Some((name, value))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Statements with the constructs that hide or fake a `;`: quotes, dollar quotes, quoted
+    /// identifiers, comments, E'' escapes, BEGIN ATOMIC bodies, multi-action rules, DO blocks,
+    /// non-ASCII text; and the kinds the script reacts to.
+    const PIECES: &[&str] = &[
+        "SELECT 1",
+        "SELECT 'a;b', 'it''s; ok'",
+        "SELECT $$x; y$$",
+        "SELECT $t$ ; $$ ; $t$",
+        r#"SELECT 1 AS "we;ird""#,
+        "SELECT /* ; */ 2 -- ;\n",
+        r"SELECT E'a\'b;'",
+        "SELECT 'ü;ñ'",
+        "INSERT INTO t VALUES (1)",
+        "CREATE FUNCTION f() RETURNS int LANGUAGE sql BEGIN ATOMIC SELECT 1; SELECT 2; END",
+        "CREATE RULE r AS ON INSERT TO t DO ALSO (SELECT 1; SELECT 2)",
+        "DO $$BEGIN PERFORM 1; END$$",
+        "SAVEPOINT s",
+        "RELEASE SAVEPOINT s",
+        "ROLLBACK TO SAVEPOINT s",
+        "SET lockd.fence = 'r:1'",
+        "SET LOCAL statement_timeout = 5",
+        "SHOW work_mem",
+        "RESET ALL",
+    ];
+    const SEPARATORS: &[&str] = &["; ", ";\n-- c;\n", "; /* ; */ ", ";;", ";"];
+    const GUARD: &str = "SELECT lockd_fence_proxy.g(false, NULL, false)";
+
+    /// The text of statement `i` of `stmts` in `sql`, without its `;` and surrounding space.
+    fn statement_text<'a>(sql: &'a str, stmts: &[Statement], i: usize) -> &'a str {
+        let end = stmts.get(i + 1).map_or(sql.len(), |s| s.start);
+        sql[stmts[i].start..end].trim().trim_end_matches(';').trim()
+    }
+
+    proptest! {
+        /// The Query the proxy sends, read by Postgres's parser, has exactly the statements the
+        /// script says, in its order: each of the proxy's where the script puts it, and the
+        /// client's with their kinds. So the responses the proxy attributes by counting
+        /// CommandCompletes are the ones it expects.
+        #[test]
+        fn spliced_statements_parse_where_the_script_puts_them(
+            begin in any::<bool>(),
+            picks in prop::collection::vec((0..PIECES.len(), 0..SEPARATORS.len()), 1..8),
+            leading in prop::sample::select(vec!["", "  ", "/* lead; */ ", "-- lead;\n"]),
+            trailing in prop::sample::select(vec!["", ";", "; -- tail", " /* t */"]),
+            commit in any::<bool>(),
+            open in any::<bool>(),
+            need in any::<bool>(),
+            guarded in any::<bool>(),
+        ) {
+            let mut text = String::from(leading);
+            if begin {
+                text.push_str("BEGIN ISOLATION LEVEL SERIALIZABLE; ");
+            }
+            for (i, (piece, sep)) in picks.iter().enumerate() {
+                if i > 0 {
+                    text.push_str(SEPARATORS[*sep]);
+                }
+                text.push_str(PIECES[*piece]);
+            }
+            if commit {
+                text.push_str("; COMMIT");
+            }
+            text.push_str(trailing);
+            let stmts = classify::classify(&text).unwrap();
+            let body = if commit { &stmts[..stmts.len() - 1] } else { &stmts[..] };
+            let guard = guarded.then_some(GUARD);
+            let (script, first, _) = plan_script(&stmts, body, open, need || open, guard);
+            let (sql, parts, _) = rewrite(&text, &stmts, body, first, &script);
+            prop_assert_eq!(parts.iter().copied().collect::<Vec<_>>(),
+                script.iter().map(|(p, _)| *p).collect::<Vec<_>>());
+            let sent = classify::classify(&sql).unwrap();
+            let mut at = 0;
+            let mut client = first;
+            for (part, proxy_sql) in &script {
+                match part {
+                    Part::Proxy(_) => {
+                        prop_assert!(at < sent.len(), "{sql}");
+                        prop_assert_eq!(statement_text(&sql, &sent, at), *proxy_sql, "{}", sql);
+                        at += 1;
+                    }
+                    Part::Client(n) => {
+                        for _ in 0..*n {
+                            prop_assert!(at < sent.len(), "{sql}");
+                            prop_assert_eq!(&sent[at].kind, &body[client].kind, "{}", sql);
+                            prop_assert_eq!(
+                                statement_text(&sql, &sent, at),
+                                statement_text(&text, &stmts, client),
+                                "{}", sql
+                            );
+                            at += 1;
+                            client += 1;
+                        }
+                    }
+                }
+            }
+            prop_assert_eq!(at, sent.len(), "{}", sql);
+            prop_assert_eq!(client, body.len(), "{}", sql);
+        }
+    }
 }
