@@ -17,10 +17,13 @@
 //! - **The guard runs before every commit point.** Before the client's COMMIT, END, PREPARE
 //!   TRANSACTION or COMMIT AND CHAIN, and before the proxy's own COMMIT, the proxy runs the guard
 //!   function (see `fence_sql`). It reads the fence from the session itself, so a fence changed by
-//!   any spelling inside the transaction is checked before the commit. It also runs once before
-//!   the first data statement of a transaction, so a stale session fails early and an unfenced
-//!   one under `--require-fence` is made read-only before it writes; left out only while the
-//!   session is known to have no fence (`Session::unfenced_seen`), where it would do nothing.
+//!   any spelling inside the transaction is checked before the commit. It also runs before the
+//!   first data statement of a transaction, and again before the next one after a ROLLBACK TO
+//!   or a SET of `lockd.fence`, so a stale session fails early and an unfenced one under
+//!   `--require-fence` is made read-only before it writes; in a simple Query the proxy splices
+//!   it into the client's text right before that statement (`plan_script`, `rewrite`). Left out
+//!   only while the session is known to have no fence (`Session::unfenced_seen`), where it
+//!   would do nothing.
 //! - **A transaction-ending statement is the last of its query.** Anything after COMMIT or
 //!   ROLLBACK in one simple Query would run outside the guarded block; it is refused (0A000). A
 //!   COMMIT at the end of a multi-statement query is sent as a query of its own after the guard,
