@@ -1200,18 +1200,12 @@ impl Session {
                 }
                 self.put_query(&lead)?;
                 let mut p = Pending::ready(true, owns, After::Held(m.frame));
-                p.reading = script
-                    .iter()
-                    .any(|(p, _)| matches!(p, Part::Proxy(Lead::Guard(_))))
-                    .then_some(Reading::FenceOnly);
+                p.reading = (guards > 0).then_some(Reading::FenceOnly);
                 self.pending.push_back(p);
                 return Ok(Flow::Continue);
             }
             ClientOp::Message(m) => {
-                if script
-                    .iter()
-                    .any(|(p, _)| matches!(p, Part::Proxy(Lead::Guard(_))))
-                {
+                if guards > 0 {
                     // Inside the block: a failed guard aborts it, and the call fails with it.
                     self.put_guard_query(false, false)?;
                 }

@@ -93,18 +93,20 @@ async fn guard_calls(client: &tokio_postgres::Client) -> i64 {
         .get(0)
 }
 
-/// Goal: a session the last guard found unfenced skips the opening guard (one guard call per
-/// transaction instead of two: the one before COMMIT); a fenced session keeps it, so a stale
-/// holder still fails at its first statement; a SET inside the transaction brings it back.
-/// Method: `track_functions = pl` counts the guard's calls inside the transaction
-/// (`pg_stat_get_xact_function_calls`), through the proxy, on the shared Postgres.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_opening_guard_is_left_out_only_where_it_could_not_refuse() {
-    lockd_tests::skip_without_postgres!();
+/// A proxy, a table of the test's own, an INSERT into it, and a session through the proxy whose
+/// guard calls [`guard_calls`] counts (`track_functions = pl`).
+struct Counted {
+    proxy: PgProxy,
+    direct: tokio_postgres::Client,
+    tbl: String,
+    insert: String,
+    session: tokio_postgres::Client,
+}
+
+async fn counted(prefix: &str) -> Counted {
     let proxy = PgProxy::start(false);
     let direct = pg::connect(&pg::direct_url().parse().unwrap()).await;
-    let tbl = pg::unique_name("opening_guard");
-    let resource = pg::unique_name("opening_guard");
+    let tbl = pg::unique_name(prefix);
     direct
         .batch_execute(&format!("CREATE TABLE {tbl} (token bigint NOT NULL)"))
         .await
@@ -113,6 +115,31 @@ async fn the_opening_guard_is_left_out_only_where_it_could_not_refuse() {
     let mut config = proxy.config(None);
     config.options("-c track_functions=pl");
     let session = pg::connect(&config).await;
+    Counted {
+        proxy,
+        direct,
+        tbl,
+        insert,
+        session,
+    }
+}
+
+/// Goal: a session the last guard found unfenced skips the opening guard (one guard call per
+/// transaction instead of two: the one before COMMIT); a fenced session keeps it, so a stale
+/// holder still fails at its first statement; a SET inside the transaction brings it back.
+/// Method: `track_functions = pl` counts the guard's calls inside the transaction
+/// (`pg_stat_get_xact_function_calls`), through the proxy, on the shared Postgres.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_opening_guard_is_left_out_only_where_it_could_not_refuse() {
+    lockd_tests::skip_without_postgres!();
+    let Counted {
+        proxy,
+        direct,
+        tbl,
+        insert,
+        session,
+    } = counted("opening_guard").await;
+    let resource = pg::unique_name("opening_guard");
 
     // First transaction: the proxy knows nothing yet (the opening guard runs), and the guard
     // before its COMMIT finds no fence: no opening guard after it, in either protocol.
@@ -192,17 +219,13 @@ async fn the_opening_guard_is_left_out_only_where_it_could_not_refuse() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn savepoints_show_and_other_settings_keep_the_no_fence_reading() {
     lockd_tests::skip_without_postgres!();
-    let proxy = PgProxy::start(false);
-    let direct = pg::connect(&pg::direct_url().parse().unwrap()).await;
-    let tbl = pg::unique_name("inert_settings");
-    direct
-        .batch_execute(&format!("CREATE TABLE {tbl} (token bigint NOT NULL)"))
-        .await
-        .unwrap();
-    let insert = format!("INSERT INTO {tbl} VALUES (0)");
-    let mut config = proxy.config(None);
-    config.options("-c track_functions=pl");
-    let session = pg::connect(&config).await;
+    let Counted {
+        proxy: _proxy,
+        direct,
+        tbl,
+        insert,
+        session,
+    } = counted("inert_settings").await;
     // The guard before this COMMIT finds no fence.
     session.batch_execute(&insert).await.unwrap();
 

@@ -4,7 +4,7 @@
 //! the time it runs. Found in the review of 2026-12-03 (issue 13): the COMMIT at the end of a
 //! multi-statement query, sent after the guard as the client's own text.
 
-use lockd_tests::pg::{self, PgProxy};
+use lockd_tests::pg::{self, Attack, PgProxy};
 
 /// Attack: under `--require-fence`, on a server with prepared transactions enabled, an unfenced
 /// session sends one Query,
@@ -67,4 +67,27 @@ async fn a_commit_sent_after_a_lexer_setting_changed_is_the_one_the_proxy_read()
                 .unwrap();
         }
     }
+}
+
+/// Attack: a PREPARE TRANSACTION whose identifier the proxy cannot rebuild (not printable ASCII)
+/// at the end of a multi-statement query. Oracle: the query is refused with 0A000 before any of
+/// it runs, nothing commits, and the session goes on (its next query meets the guard).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_the_proxy_cannot_rebuild_is_refused() {
+    lockd_tests::skip_without_postgres!();
+    let attack = Attack::new(false, "relexed_gid").await;
+    let mut conn = attack.attacker(Some(41)).await;
+    let reply = conn
+        .query(&format!("{}; PREPARE TRANSACTION 'ü'", attack.insert(41)))
+        .await;
+    assert_eq!(reply.first_error(), "0A000", "{reply:?}");
+    assert!(reply.completions.is_empty(), "nothing ran: {reply:?}");
+    assert_eq!(reply.status, b'I', "{reply:?}");
+    attack
+        .assert_nothing_committed("a refused PREPARE TRANSACTION")
+        .await;
+    // The session is served on, and still refused as stale.
+    let after = conn.query("SELECT 1").await;
+    assert_eq!(after.first_error(), "55P03", "{after:?}");
+    assert_eq!(after.status, b'I', "{after:?}");
 }
