@@ -14,7 +14,8 @@
 use pg_query::NodeEnum;
 use pg_query::protobuf::{TransactionStmtKind, VariableSetKind, a_const};
 
-use crate::limits::{CLASSIFY_STACK_BYTES, MAX_CLASSIFIED_SQL_BYTES, MAX_STATEMENTS_PER_QUERY};
+use crate::limits::{MAX_CLASSIFIED_SQL_BYTES, MAX_STATEMENTS_PER_QUERY};
+use crate::parser;
 
 /// What one top-level statement means for the fence.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -128,31 +129,19 @@ pub fn needs_standard_strings(sql: &str) -> bool {
 /// statements do not appear. Pure: no I/O, safe on any input (a fuzzer calls it).
 pub fn classify(sql: &str) -> Result<Vec<Statement>, ClassifyError> {
     check_text(sql)?;
-    // pg_query's protobuf output recurses once per tree level without a stack-depth check: on a
-    // runtime worker's 2 MiB stack a 10,000-term `1+1+...` aborts the process. A thread of its
-    // own with a stack sized for the deepest tree the length bound allows cannot overflow.
-    let parsed = std::thread::scope(|scope| {
-        parser_thread()
-            .spawn_scoped(scope, || pg_query::parse(sql))
-            .map_err(|e| ClassifyError::Parser(e.to_string()))?
-            .join()
-            .map_err(|_| ClassifyError::Parser("the parser thread panicked".to_owned()))
-    })?;
+    let parsed = parser::parse_blocking(sql).map_err(|e| ClassifyError::Parser(e.0))?;
     statements(sql, parsed)
 }
 
-/// [`classify`] without blocking the caller's thread: the parser runs on a thread of its own
-/// (for the same stack reason) while the caller awaits it, so a session thread goes on serving
-/// its other sessions during a long parse.
+/// [`classify`] without blocking the caller's thread: the session thread goes on serving its
+/// other sessions while the parser runs.
 pub async fn classify_async(sql: String) -> Result<Vec<Statement>, ClassifyError> {
     check_text(&sql)?;
     let (tx, rx) = tokio::sync::oneshot::channel();
-    parser_thread()
-        .spawn(move || {
-            let parsed = pg_query::parse(&sql);
-            let _ = tx.send((sql, parsed));
-        })
-        .map_err(|e| ClassifyError::Parser(e.to_string()))?;
+    parser::parse_on_parser_thread(sql, move |sql, parsed| {
+        let _ = tx.send((sql, parsed));
+    })
+    .map_err(|e| ClassifyError::Parser(e.0))?;
     let (sql, parsed) = rx
         .await
         .map_err(|_| ClassifyError::Parser("the parser thread panicked".to_owned()))?;
@@ -168,13 +157,6 @@ fn check_text(sql: &str) -> Result<(), ClassifyError> {
         return Err(ClassifyError::TooLong(sql.len()));
     }
     Ok(())
-}
-
-/// A thread with a stack for the deepest tree [`MAX_CLASSIFIED_SQL_BYTES`] of text can produce.
-fn parser_thread() -> std::thread::Builder {
-    std::thread::Builder::new()
-        .name("fence-proxy-classify".to_owned())
-        .stack_size(CLASSIFY_STACK_BYTES)
 }
 
 /// The statements of a parse result of `sql`.

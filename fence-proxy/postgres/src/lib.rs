@@ -37,6 +37,7 @@ pub mod fence_sql;
 mod fence_value;
 pub mod limits;
 mod metrics_names;
+mod parser;
 mod session;
 mod startup;
 pub mod upstream;

@@ -45,6 +45,11 @@ pub const MAX_CLASSIFIED_SQL_BYTES: usize = 128 * 1024;
 /// it costs address space, not memory.
 pub const CLASSIFY_STACK_BYTES: usize = 512 * 1024 * 1024;
 
+/// Query texts up to this size are parsed by the proxy's long-lived parser threads; longer ones
+/// (up to [`MAX_CLASSIFIED_SQL_BYTES`]) by a thread of their own, so that a few slow parses of
+/// long texts never hold up the short ones everyone sends.
+pub const POOLED_PARSE_SQL_BYTES: usize = 8 * 1024;
+
 /// Statements of one simple-query message the proxy classifies. Scripts sent in one message
 /// (psql -c, migrations) rarely have more than a few hundred; the bound keeps the classification
 /// vector small. (The parse tree itself is bounded by `--max-message-bytes`.)

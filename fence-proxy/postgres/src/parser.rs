@@ -1,0 +1,159 @@
+//! Where Postgres's parser runs: on threads with a stack large enough for any tree the proxy
+//! accepts, never on a session thread.
+//!
+//! pg_query's protobuf output recurses once per tree level without a stack-depth check, so a
+//! deep text (`1+1+...`) would overflow a runtime thread's 2 MiB stack and abort the process.
+//! Spawning a thread per parse avoided that, but cost 60-400 µs a call against 11-15 µs for the
+//! parse itself (thread creation with its stack, and pg_query setting up its memory contexts on
+//! every new thread; `cargo run --release -p fence-proxy-postgres --example classify_cost`), on
+//! every simple Query. So short texts, the common case, go to a few long-lived parser threads; a
+//! long text still gets a thread of its own, so a few slow parses never hold up the short ones.
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use crate::limits::{CLASSIFY_STACK_BYTES, POOLED_PARSE_SQL_BYTES};
+
+/// What the parser returns for a text.
+pub type Parsed = Result<pg_query::ParseResult, pg_query::Error>;
+
+/// A parse to run, with what to do with its result.
+type Job = Box<dyn FnOnce() + Send>;
+
+/// Why a parse did not run: no parser thread could be started.
+#[derive(Debug)]
+pub struct NoParserThread(pub String);
+
+/// Parses `sql` on a parser thread and hands the text back with the result to `reply`, on that
+/// thread: `reply` should only pass them on (a channel send). If the parse panics, `reply` is
+/// dropped unrun, which the caller sees as a closed channel.
+pub fn parse_on_parser_thread(
+    sql: String,
+    reply: impl FnOnce(String, Parsed) + Send + 'static,
+) -> Result<(), NoParserThread> {
+    let pooled = sql.len() <= POOLED_PARSE_SQL_BYTES;
+    let job: Job = Box::new(move || {
+        let parsed = pg_query::parse(&sql);
+        reply(sql, parsed);
+    });
+    if pooled {
+        pool()?.submit(job)
+    } else {
+        parser_thread()
+            .spawn(job)
+            .map(drop)
+            .map_err(|e| NoParserThread(e.to_string()))
+    }
+}
+
+/// [`parse_on_parser_thread`], waiting for the result on the calling thread.
+pub fn parse_blocking(sql: &str) -> Result<Parsed, NoParserThread> {
+    let (tx, rx) = channel();
+    parse_on_parser_thread(sql.to_owned(), move |_, parsed| {
+        let _ = tx.send(parsed);
+    })?;
+    rx.recv()
+        .map_err(|_| NoParserThread("the parser thread panicked".to_owned()))
+}
+
+/// A thread with a stack for the deepest tree [`crate::limits::MAX_CLASSIFIED_SQL_BYTES`] of
+/// text can produce. The stack is reserved, not touched: a pooled thread only ever parses short
+/// texts, so its stack stays shallow.
+fn parser_thread() -> std::thread::Builder {
+    std::thread::Builder::new()
+        .name("fence-proxy-parse".to_owned())
+        .stack_size(CLASSIFY_STACK_BYTES)
+}
+
+/// The long-lived parser threads, one per CPU (at least two), started on first use; they take
+/// jobs from one queue. The queue needs no bound of its own: each session waits for its parse
+/// before it reads on, so at most one job per session is queued.
+struct Pool {
+    jobs: Mutex<Sender<Job>>,
+}
+
+fn pool() -> Result<&'static Pool, NoParserThread> {
+    static POOL: OnceLock<Result<Pool, String>> = OnceLock::new();
+    POOL.get_or_init(Pool::start)
+        .as_ref()
+        .map_err(|e| NoParserThread(e.clone()))
+}
+
+impl Pool {
+    fn start() -> Result<Pool, String> {
+        let threads = std::thread::available_parallelism().map_or(2, |n| n.get().max(2));
+        let (tx, rx) = channel::<Job>();
+        let rx = Arc::new(Mutex::new(rx));
+        for _ in 0..threads {
+            let rx = rx.clone();
+            parser_thread()
+                .spawn(move || Pool::serve(&rx))
+                .map_err(|e| format!("starting a parser thread: {e}"))?;
+        }
+        Ok(Pool {
+            jobs: Mutex::new(tx),
+        })
+    }
+
+    fn serve(jobs: &Mutex<Receiver<Job>>) {
+        loop {
+            // The lock is held only to take one job, not while it runs.
+            let job = match jobs.lock() {
+                Ok(rx) => rx.recv(),
+                Err(poisoned) => poisoned.into_inner().recv(),
+            };
+            let Ok(job) = job else { return };
+            // A panic ends this job only (its reply is dropped: the caller sees an error), not
+            // the thread, so the pool never shrinks.
+            let _ = catch_unwind(AssertUnwindSafe(job));
+        }
+    }
+
+    fn submit(&self, job: Job) -> Result<(), NoParserThread> {
+        let jobs = match self.jobs.lock() {
+            Ok(tx) => tx,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        jobs.send(job)
+            .map_err(|_| NoParserThread("the parser threads have stopped".to_owned()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Goal: the pooled threads parse what a thread of its own parses, and many callers at once
+    /// each get their own text's result; the deepest tree a pooled text can hold comes back as
+    /// an answer (prost refuses to decode it), never a stack overflow. Method: 64 threads each
+    /// parse a distinct short text and the deepest pooled one; one text above the pool's bound.
+    #[test]
+    fn pooled_and_own_thread_parses_return_each_callers_result() {
+        let deep = format!("SELECT {}1", "1+".repeat(POOLED_PARSE_SQL_BYTES / 2 - 8));
+        assert!(deep.len() <= POOLED_PARSE_SQL_BYTES);
+        let callers: Vec<_> = (0..64)
+            .map(|i| {
+                let deep = deep.clone();
+                std::thread::spawn(move || {
+                    let sql = format!("SELECT {i} AS c{i}");
+                    let parsed = parse_blocking(&sql).unwrap().unwrap();
+                    assert_eq!(pg_query::parse(&sql).unwrap().protobuf, parsed.protobuf);
+                    let deep = parse_blocking(&deep).unwrap();
+                    assert!(deep.is_err_and(|e| e.to_string().contains("recursion limit")));
+                })
+            })
+            .collect();
+        for c in callers {
+            c.join().unwrap();
+        }
+        let long = format!("SELECT 1{}", " + 1".repeat(POOLED_PARSE_SQL_BYTES / 4));
+        assert!(long.len() > POOLED_PARSE_SQL_BYTES);
+        let parsed = parse_blocking(&long).unwrap();
+        assert!(parsed.is_err_and(|e| e.to_string().contains("recursion limit")));
+        let long = format!("SELECT 1{}", ", 1".repeat(POOLED_PARSE_SQL_BYTES / 3));
+        assert!(long.len() > POOLED_PARSE_SQL_BYTES);
+        assert!(parse_blocking(&long).unwrap().is_ok());
+        assert!(parse_blocking("SELEC 1").unwrap().is_err());
+    }
+}
