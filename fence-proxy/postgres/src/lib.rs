@@ -354,6 +354,9 @@ pub async fn run_with_reload(
             shutdown.clone(),
         );
     }
+    parser::start().map_err(|e| {
+        anyhow::anyhow!("fence-proxy: cannot start the SQL parser threads: {}", e.0)
+    })?;
     let threads = ConnectionThreads::start(args.threads, "fence-proxy-pg")?;
     tracing::debug!(threads = threads.count(), "session threads started");
     let sessions = Arc::new(Semaphore::new(args.max_sessions));

@@ -50,6 +50,11 @@ pub const CLASSIFY_STACK_BYTES: usize = 512 * 1024 * 1024;
 /// long texts never hold up the short ones everyone sends.
 pub const POOLED_PARSE_SQL_BYTES: usize = 8 * 1024;
 
+/// Stack of a pooled parser thread. The deepest tree a text of [`POOLED_PARSE_SQL_BYTES`] holds
+/// (about 4,000 levels) needed between 1 and 2 MiB in a debug build (`parser::tests`); this
+/// leaves more than ten times that.
+pub const POOLED_PARSER_STACK_BYTES: usize = 32 * 1024 * 1024;
+
 /// Statements of one simple-query message the proxy classifies. Scripts sent in one message
 /// (psql -c, migrations) rarely have more than a few hundred; the bound keeps the classification
 /// vector small. (The parse tree itself is bounded by `--max-message-bytes`.)

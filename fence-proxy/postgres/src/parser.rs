@@ -6,14 +6,18 @@
 //! Spawning a thread per parse avoided that, but cost 60-400 µs a call against 11-15 µs for the
 //! parse itself (thread creation with its stack, and pg_query setting up its memory contexts on
 //! every new thread; `cargo run --release -p fence-proxy-postgres --example classify_cost`), on
-//! every simple Query. So short texts, the common case, go to a few long-lived parser threads; a
-//! long text still gets a thread of its own, so a few slow parses never hold up the short ones.
+//! every simple Query. So short texts, the common case, go to a few long-lived parser threads
+//! (with a stack for the deepest tree a short text holds); a long text still gets a thread of
+//! its own with the large stack, so a few slow parses never hold up the short ones.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::mpsc::{Receiver, Sender, channel};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
-use crate::limits::{CLASSIFY_STACK_BYTES, POOLED_PARSE_SQL_BYTES};
+use crate::limits::{CLASSIFY_STACK_BYTES, POOLED_PARSE_SQL_BYTES, POOLED_PARSER_STACK_BYTES};
+
+/// At most this many pooled parser threads, however many CPUs.
+const POOL_THREADS_MAX: usize = 8;
 
 /// What the parser returns for a text.
 pub type Parsed = Result<pg_query::ParseResult, pg_query::Error>;
@@ -40,7 +44,7 @@ pub fn parse_on_parser_thread(
     if pooled {
         pool()?.submit(job)
     } else {
-        parser_thread()
+        parser_thread(CLASSIFY_STACK_BYTES)
             .spawn(job)
             .map(drop)
             .map_err(|e| NoParserThread(e.to_string()))
@@ -57,37 +61,52 @@ pub fn parse_blocking(sql: &str) -> Result<Parsed, NoParserThread> {
         .map_err(|_| NoParserThread("the parser thread panicked".to_owned()))
 }
 
-/// A thread with a stack for the deepest tree [`crate::limits::MAX_CLASSIFIED_SQL_BYTES`] of
-/// text can produce. The stack is reserved, not touched: a pooled thread only ever parses short
-/// texts, so its stack stays shallow.
-fn parser_thread() -> std::thread::Builder {
-    std::thread::Builder::new()
-        .name("fence-proxy-parse".to_owned())
-        .stack_size(CLASSIFY_STACK_BYTES)
+/// Starts the pooled parser threads now, so that a proxy that cannot start them (a limit on
+/// threads or address space) refuses to start instead of failing queries later. Without it
+/// they start on the first parse.
+pub fn start() -> Result<(), NoParserThread> {
+    pool().map(drop)
 }
 
-/// The long-lived parser threads, one per CPU (at least two), started on first use; they take
-/// jobs from one queue. The queue needs no bound of its own: each session waits for its parse
-/// before it reads on, so at most one job per session is queued.
+/// A parser thread with a stack of `bytes`: reserved, not touched beyond what a parse uses.
+fn parser_thread(bytes: usize) -> std::thread::Builder {
+    std::thread::Builder::new()
+        .name("fence-proxy-parse".to_owned())
+        .stack_size(bytes)
+}
+
+/// The long-lived parser threads, one per CPU (two to [`POOL_THREADS_MAX`]); they take jobs
+/// from one queue. The queue needs no bound of its own: each session waits for its parse before
+/// it reads on, so at most one job per session is queued.
 struct Pool {
     jobs: Mutex<Sender<Job>>,
 }
 
+/// The pool, started on first use. A failed start is not kept: the next parse tries again (the
+/// threads that did start stop when their queue's sender is dropped).
 fn pool() -> Result<&'static Pool, NoParserThread> {
-    static POOL: OnceLock<Result<Pool, String>> = OnceLock::new();
-    POOL.get_or_init(Pool::start)
-        .as_ref()
-        .map_err(|e| NoParserThread(e.clone()))
+    static POOL: OnceLock<Pool> = OnceLock::new();
+    static STARTING: Mutex<()> = Mutex::new(());
+    if let Some(pool) = POOL.get() {
+        return Ok(pool);
+    }
+    let _starting = STARTING.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(pool) = POOL.get() {
+        return Ok(pool);
+    }
+    let pool = Pool::start().map_err(NoParserThread)?;
+    Ok(POOL.get_or_init(|| pool))
 }
 
 impl Pool {
     fn start() -> Result<Pool, String> {
-        let threads = std::thread::available_parallelism().map_or(2, |n| n.get().max(2));
+        let threads =
+            std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, POOL_THREADS_MAX));
         let (tx, rx) = channel::<Job>();
         let rx = Arc::new(Mutex::new(rx));
         for _ in 0..threads {
             let rx = rx.clone();
-            parser_thread()
+            parser_thread(POOLED_PARSER_STACK_BYTES)
                 .spawn(move || Pool::serve(&rx))
                 .map_err(|e| format!("starting a parser thread: {e}"))?;
         }
@@ -99,10 +118,7 @@ impl Pool {
     fn serve(jobs: &Mutex<Receiver<Job>>) {
         loop {
             // The lock is held only to take one job, not while it runs.
-            let job = match jobs.lock() {
-                Ok(rx) => rx.recv(),
-                Err(poisoned) => poisoned.into_inner().recv(),
-            };
+            let job = jobs.lock().unwrap_or_else(PoisonError::into_inner).recv();
             let Ok(job) = job else { return };
             // A panic ends this job only (its reply is dropped: the caller sees an error), not
             // the thread, so the pool never shrinks.
@@ -111,10 +127,7 @@ impl Pool {
     }
 
     fn submit(&self, job: Job) -> Result<(), NoParserThread> {
-        let jobs = match self.jobs.lock() {
-            Ok(tx) => tx,
-            Err(poisoned) => poisoned.into_inner(),
-        };
+        let jobs = self.jobs.lock().unwrap_or_else(PoisonError::into_inner);
         jobs.send(job)
             .map_err(|_| NoParserThread("the parser threads have stopped".to_owned()))
     }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lockd_core::{Batch, Command, Outcome, Policy};
-use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio::sync::{Semaphore, mpsc, oneshot, watch};
 
 use crate::clock::Clock;
 use crate::observe::metrics::NodeMetrics;
@@ -46,6 +46,8 @@ struct Pending {
 #[derive(Clone)]
 pub struct Proposer {
     tx: mpsc::Sender<Pending>,
+    /// The [`ProposalHold`]s alive; new batches wait while there is one and its time runs.
+    holds: Arc<watch::Sender<Holds>>,
     raft: Raft,
     clock: Clock,
     policy: Policy,
@@ -54,9 +56,11 @@ pub struct Proposer {
 impl Proposer {
     pub fn start(raft: Raft, clock: Clock, policy: Policy, metrics: Arc<NodeMetrics>) -> Self {
         let (tx, rx) = mpsc::channel(PROPOSE_QUEUE_MAX);
-        tokio::spawn(run(raft.clone(), clock.clone(), policy, metrics, rx));
+        let (holds, held) = watch::channel(Holds::default());
+        tokio::spawn(run(raft.clone(), clock.clone(), policy, metrics, rx, held));
         Proposer {
             tx,
+            holds: Arc::new(holds),
             raft,
             clock,
             policy,
@@ -78,6 +82,16 @@ impl Proposer {
         }
     }
 
+    /// Stops proposing new batches until the hold is dropped or `until` has passed, whichever
+    /// comes first (so a holder stuck in an await cannot stall the clients); commands queue
+    /// meanwhile (up to [`PROPOSE_QUEUE_MAX`], each still bound by [`COMMIT_TIMEOUT`]). A
+    /// leader transfer holds them for the moment its target catches up: under steady load the
+    /// leader's log never stands still, so without the hold the target's log could take seconds
+    /// to match it. A batch already being formed when the hold starts still goes out.
+    pub fn hold(&self, until: tokio::time::Instant) -> ProposalHold {
+        ProposalHold::take(&self.holds, until)
+    }
+
     pub async fn propose(&self, command: Command) -> Result<Outcome, ProposeError> {
         let (reply, rx) = oneshot::channel();
         self.tx
@@ -90,6 +104,64 @@ impl Proposer {
                 "not committed within {} ms",
                 COMMIT_TIMEOUT.as_millis()
             ))),
+        }
+    }
+}
+
+/// The holds alive, and until when the latest of them holds.
+#[derive(Clone, Copy, Debug, Default)]
+struct Holds {
+    count: usize,
+    until: Option<tokio::time::Instant>,
+}
+
+impl Holds {
+    /// Until when new batches must wait, if they must.
+    fn waits_until(&self) -> Option<tokio::time::Instant> {
+        self.until
+            .filter(|until| self.count > 0 && tokio::time::Instant::now() < *until)
+    }
+}
+
+/// See [`Proposer::hold`]: proposing resumes when the last hold is dropped, or its time is up.
+pub struct ProposalHold {
+    holds: Arc<watch::Sender<Holds>>,
+}
+
+impl ProposalHold {
+    fn take(holds: &Arc<watch::Sender<Holds>>, until: tokio::time::Instant) -> ProposalHold {
+        holds.send_modify(|h| {
+            h.count += 1;
+            h.until = h.until.max(Some(until));
+        });
+        ProposalHold {
+            holds: holds.clone(),
+        }
+    }
+}
+
+impl Drop for ProposalHold {
+    fn drop(&mut self) {
+        self.holds.send_modify(|h| {
+            h.count -= 1;
+            if h.count == 0 {
+                h.until = None;
+            }
+        });
+    }
+}
+
+/// Waits while a hold is alive and its time runs.
+async fn wait_for_holds(held: &mut watch::Receiver<Holds>) {
+    loop {
+        let Some(until) = held.borrow_and_update().waits_until() else {
+            return;
+        };
+        match tokio::time::timeout_at(until, held.changed()).await {
+            // A hold changed: look again.
+            Ok(Ok(())) => {}
+            // The time is up, or the proposer is gone.
+            Ok(Err(_)) | Err(_) => return,
         }
     }
 }
@@ -112,12 +184,14 @@ async fn run(
     policy: Policy,
     metrics: Arc<NodeMetrics>,
     mut rx: mpsc::Receiver<Pending>,
+    mut held: watch::Receiver<Holds>,
 ) {
     let inflight = Arc::new(Semaphore::new(INFLIGHT_BATCHES_MAX));
     loop {
         let Ok(permit) = inflight.clone().acquire_owned().await else {
             return;
         };
+        wait_for_holds(&mut held).await;
         let Some(first) = rx.recv().await else { return };
         let mut pending = vec![first];
         while pending.len() < BATCH_COMMANDS_MAX {
@@ -160,5 +234,55 @@ async fn run(
                 }
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::time::{Instant, advance};
+
+    /// Whether the batching loop's wait for holds has ended after `after` of (paused) time.
+    async fn ended_after(wait: &tokio::task::JoinHandle<()>, after: Duration) -> bool {
+        advance(after).await;
+        tokio::task::yield_now().await;
+        wait.is_finished()
+    }
+
+    /// Goal: new batches wait while a hold is alive, and go on when the last hold is dropped or
+    /// when its time is up even though it is still alive (a holder stuck in an await must not
+    /// stall the clients). Method: the batching loop's wait under paused time.
+    #[tokio::test(start_paused = true)]
+    async fn a_hold_stops_batches_until_dropped_or_its_time_is_up() {
+        let (holds, held) = watch::channel(Holds::default());
+        let holds = Arc::new(holds);
+        let wait = |mut held: watch::Receiver<Holds>| {
+            tokio::spawn(async move { wait_for_holds(&mut held).await })
+        };
+
+        // No hold: no wait.
+        let free = wait(held.clone());
+        assert!(ended_after(&free, Duration::ZERO).await);
+
+        // Two holds: the wait ends with the last one dropped, before their time.
+        let first = ProposalHold::take(&holds, Instant::now() + Duration::from_millis(250));
+        let second = ProposalHold::take(&holds, Instant::now() + Duration::from_millis(100));
+        let waiting = wait(held.clone());
+        assert!(!ended_after(&waiting, Duration::from_millis(50)).await);
+        drop(first);
+        assert!(!ended_after(&waiting, Duration::from_millis(10)).await);
+        drop(second);
+        assert!(ended_after(&waiting, Duration::ZERO).await);
+        assert_eq!(holds.borrow().count, 0);
+        assert_eq!(holds.borrow().until, None);
+
+        // A hold never dropped: the wait ends when its time is up.
+        let stuck = ProposalHold::take(&holds, Instant::now() + Duration::from_millis(250));
+        let waiting = wait(held.clone());
+        assert!(!ended_after(&waiting, Duration::from_millis(240)).await);
+        assert!(ended_after(&waiting, Duration::from_millis(20)).await);
+        // Later batches do not wait for it either.
+        assert!(ended_after(&wait(held.clone()), Duration::ZERO).await);
+        drop(stuck);
     }
 }

@@ -299,7 +299,11 @@ async fn a_node_is_replaced_the_cluster_grows_and_shrinks_and_leadership_moves_u
         assert_eq!(moved["leader_id"], target, "{out}");
         assert_eq!(f.status(target).await.unwrap().role, "leader");
         eprintln!("transfer {leader} -> {target}: {took:?} ({out})");
-        assert!(took < Duration::from_secs(2), "transfer took {took:?}");
+        assert!(
+            took < Duration::from_secs(2),
+            "transfer took {took:?}; what the nodes said about it:\n{}",
+            transfer_lines(&f, &[1, 2, 4])
+        );
         times.push(took);
     }
     eprintln!("leader transfer times among three voters: {times:?}");
@@ -483,6 +487,23 @@ async fn assert_no_second_cluster(f: &mut Fleet, suspects: &[u64], floor: u64, w
         }
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
+}
+
+/// The lines of the nodes' logs about leader transfers and elections, to tell where a slow
+/// transfer spent its time.
+fn transfer_lines(f: &Fleet, ids: &[u64]) -> String {
+    ids.iter()
+        .flat_map(|id| {
+            f.log(*id)
+                .lines()
+                .filter(|l| {
+                    l.contains("stepped down") || l.contains("transferred") || l.contains("elect")
+                })
+                .map(|l| format!("node {id}: {l}"))
+                .collect::<Vec<_>>()
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 /// Waits up to 10 s for node `id` to exit; its exit status.

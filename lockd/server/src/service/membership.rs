@@ -75,6 +75,9 @@ const REMOVE_SETTLE: Duration = Duration::from_secs(1);
 const LEASE_MARGIN: Duration = Duration::from_millis(50);
 /// Pause after this leader refused to step down (its lease since its election still runs).
 const VOTE_RETRY: Duration = Duration::from_millis(20);
+/// How long, in all, a transfer may hold new proposals while its target catches up the last
+/// entries: a few replication round trips.
+const TRANSFER_HOLD_MAX: Duration = Duration::from_millis(250);
 /// Pause between two looks at the target's progress during a transfer.
 const TRANSFER_POLL: Duration = Duration::from_millis(2);
 
@@ -514,6 +517,13 @@ impl ClusterService {
         };
         let raft = self.ctx().raft.clone();
         let mut rx = raft.metrics();
+        // New batches wait while the target is within a few entries of this log: under steady
+        // load the log never stands still, and the target's could take seconds to match it.
+        // Dropped when the transfer ends, whichever way; it lets go by itself after
+        // [`TRANSFER_HOLD_MAX`] in all (a target that does not keep up, or a step-down vote that
+        // waits on a slow disk, then does not stall the clients).
+        let mut hold = None;
+        let mut held_since = None;
         // Step down in favour of the target once its log matches ours.
         let term = loop {
             let (state, term, last, matched) = {
@@ -529,6 +539,16 @@ impl ClusterService {
                     "node {me} lost leadership while handing it to node {target}; retry"
                 )));
             }
+            let behind = last
+                .unwrap_or(0)
+                .saturating_sub(matched.map_or(0, |l| l.index));
+            if matched.is_some() && behind <= CAUGHT_UP_ENTRIES_MAX && hold.is_none() {
+                let until =
+                    *held_since.get_or_insert_with(tokio::time::Instant::now) + TRANSFER_HOLD_MAX;
+                if tokio::time::Instant::now() < until {
+                    hold = Some(self.ctx().proposer.hold(until));
+                }
+            }
             if matched.is_some() && matched.map(|l| l.index) == last {
                 let vote = openraft::Vote::new(term + 1, target);
                 let granted = raft
@@ -540,7 +560,9 @@ impl ClusterService {
                     break term;
                 }
                 // Refused: this leader's lease from its election has not run yet, or an entry
-                // was appended meanwhile. Asking again at once would only load the Raft core.
+                // was appended meanwhile. Asking again at once would only load the Raft core,
+                // and clients need not wait for the lease: proposing resumes meanwhile.
+                hold = None;
                 tokio::time::sleep(VOTE_RETRY).await;
             }
             if tokio::time::Instant::now() >= deadline {
@@ -553,7 +575,16 @@ impl ClusterService {
             }
             tokio::time::sleep(TRANSFER_POLL).await;
         };
+        // Nothing more is proposed here: this node is a follower now, and batches proposed
+        // after the step-down fail and their callers retry at the new leader.
+        drop(hold);
         let stepped_down = tokio::time::Instant::now();
+        tracing::info!(
+            target,
+            term,
+            waited_ms = (stepped_down - started).as_millis() as u64,
+            "lockd: node {target}'s log matches; stepped down"
+        );
         // This node must not compete with the target while it campaigns. The guard turns its
         // elections back on also when this future is dropped (the caller gave up, a
         // grpc-timeout ran out): otherwise the old leader would never campaign again.
