@@ -24,5 +24,5 @@ pub use reload::{
     ReloadOutcome, ReloadableClientConfig, ReloadableServerConfig, ServerCheckFiles,
     ServerTlsFiles, TlsReloader,
 };
-pub use threads::ConnectionThreads;
+pub use threads::{ConnectionThreads, ThreadSetup};
 pub use tls::ServerCheck;

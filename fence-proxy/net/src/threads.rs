@@ -42,10 +42,28 @@ impl Drop for Placed {
     }
 }
 
+/// How each connection thread is made, beyond its name.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ThreadSetup {
+    /// Its stack in bytes; `None`: Rust's default for spawned threads (2 MiB).
+    pub stack_bytes: Option<usize>,
+    /// Runs on the thread before it serves any connection.
+    pub on_start: Option<fn()>,
+}
+
 impl ConnectionThreads {
     /// Starts `count` threads (at least one; 0 means one per CPU) named `<name>-<i>`, each
     /// driving a current-thread runtime with I/O and timers until the value is dropped.
     pub fn start(count: usize, name: &str) -> anyhow::Result<ConnectionThreads> {
+        Self::start_with(count, name, ThreadSetup::default())
+    }
+
+    /// [`ConnectionThreads::start`], each thread made as `setup` says.
+    pub fn start_with(
+        count: usize,
+        name: &str,
+        setup: ThreadSetup,
+    ) -> anyhow::Result<ConnectionThreads> {
         let count = match count {
             0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
             n => n,
@@ -62,9 +80,17 @@ impl ConnectionThreads {
                 .map_err(|e| anyhow::anyhow!("starting the runtime of thread {name}-{i}: {e}"))?;
             let handle = runtime.handle().clone();
             let stopped = started.stop.clone();
-            std::thread::Builder::new()
-                .name(format!("{name}-{i}"))
-                .spawn(move || runtime.block_on(stopped.cancelled()))
+            let mut thread = std::thread::Builder::new().name(format!("{name}-{i}"));
+            if let Some(bytes) = setup.stack_bytes {
+                thread = thread.stack_size(bytes);
+            }
+            thread
+                .spawn(move || {
+                    if let Some(on_start) = setup.on_start {
+                        on_start();
+                    }
+                    runtime.block_on(stopped.cancelled())
+                })
                 .map_err(|e| anyhow::anyhow!("starting thread {name}-{i}: {e}"))?;
             started.threads.push(ConnectionThread {
                 handle,

@@ -133,10 +133,13 @@ pub fn classify(sql: &str) -> Result<Vec<Statement>, ClassifyError> {
     statements(sql, parsed)
 }
 
-/// [`classify`] without blocking the caller's thread: the session thread goes on serving its
-/// other sessions while the parser runs.
+/// [`classify`] for a session: a short text is parsed on the session thread itself, a longer one
+/// on a parser thread while the session thread goes on serving its other sessions.
 pub async fn classify_async(sql: String) -> Result<Vec<Statement>, ClassifyError> {
     check_text(&sql)?;
+    if let Some(parsed) = parser::parse_here(&sql) {
+        return statements(&sql, parsed);
+    }
     let (tx, rx) = tokio::sync::oneshot::channel();
     parser::parse_on_parser_thread(sql, move |sql, parsed| {
         let _ = tx.send((sql, parsed));

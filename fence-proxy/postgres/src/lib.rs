@@ -357,7 +357,8 @@ pub async fn run_with_reload(
     parser::start().map_err(|e| {
         anyhow::anyhow!("fence-proxy: cannot start the SQL parser threads: {}", e.0)
     })?;
-    let threads = ConnectionThreads::start(args.threads, "fence-proxy-pg")?;
+    let threads =
+        ConnectionThreads::start_with(args.threads, "fence-proxy-pg", parser::session_threads())?;
     tracing::debug!(threads = threads.count(), "session threads started");
     let sessions = Arc::new(Semaphore::new(args.max_sessions));
     let tracker = TaskTracker::new();

@@ -45,7 +45,16 @@ pub const MAX_CLASSIFIED_SQL_BYTES: usize = 128 * 1024;
 /// it costs address space, not memory.
 pub const CLASSIFY_STACK_BYTES: usize = 512 * 1024 * 1024;
 
-/// Query texts up to this size are parsed by the proxy's long-lived parser threads; longer ones
+/// Query texts up to this size are parsed on the session thread itself (most statements are
+/// shorter); see `parser`.
+pub const INLINE_PARSE_SQL_BYTES: usize = 1024;
+
+/// Stack of a session thread. The deepest tree a text of [`INLINE_PARSE_SQL_BYTES`] holds (about
+/// 500 levels) needs about a quarter of a MiB in a debug build; this leaves the session's own
+/// frames and a wide margin.
+pub const SESSION_THREAD_STACK_BYTES: usize = 16 * 1024 * 1024;
+
+/// Longer query texts, up to this size, are parsed by the proxy's long-lived parser threads; longer ones
 /// (up to [`MAX_CLASSIFIED_SQL_BYTES`]) by a thread of their own, so that a few slow parses of
 /// long texts never hold up the short ones everyone sends.
 pub const POOLED_PARSE_SQL_BYTES: usize = 8 * 1024;

@@ -6,15 +6,25 @@
 //! Spawning a thread per parse avoided that, but cost 60-400 µs a call against 11-15 µs for the
 //! parse itself (thread creation with its stack, and pg_query setting up its memory contexts on
 //! every new thread; `cargo run --release -p fence-proxy-postgres --example classify_cost`), on
-//! every simple Query. So short texts, the common case, go to a few long-lived parser threads
-//! (with a stack for the deepest tree a short text holds); a long text still gets a thread of
-//! its own with the large stack, so a few slow parses never hold up the short ones.
+//! every simple Query. So texts are parsed where their deepest tree fits:
+//! - up to [`INLINE_PARSE_SQL_BYTES`] (most statements) on the session thread itself, whose
+//!   stack is made for it ([`session_threads`]): no hand-off at all;
+//! - up to [`POOLED_PARSE_SQL_BYTES`] on a few long-lived parser threads, so that no session
+//!   thread stalls its other sessions for a long parse;
+//! - longer ones on a thread of their own with the large stack, so a few slow parses never hold
+//!   up the short ones.
 
+use std::cell::Cell;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
-use crate::limits::{CLASSIFY_STACK_BYTES, POOLED_PARSE_SQL_BYTES, POOLED_PARSER_STACK_BYTES};
+use fence_proxy_net::ThreadSetup;
+
+use crate::limits::{
+    CLASSIFY_STACK_BYTES, INLINE_PARSE_SQL_BYTES, POOLED_PARSE_SQL_BYTES,
+    POOLED_PARSER_STACK_BYTES, SESSION_THREAD_STACK_BYTES,
+};
 
 /// At most this many pooled parser threads, however many CPUs.
 const POOL_THREADS_MAX: usize = 8;
@@ -28,6 +38,28 @@ type Job = Box<dyn FnOnce() + Send>;
 /// Why a parse did not run: no parser thread could be started.
 #[derive(Debug)]
 pub struct NoParserThread(pub String);
+
+thread_local! {
+    /// Whether this thread was made by [`session_threads`], with a stack for inline parses.
+    static PARSES_INLINE: Cell<bool> = const { Cell::new(false) };
+}
+
+/// How the session threads are made: with a stack for the deepest tree of a text of
+/// [`INLINE_PARSE_SQL_BYTES`], and marked so that [`parse_here`] parses on them. The two come
+/// together so that no thread is marked without the stack.
+pub fn session_threads() -> ThreadSetup {
+    ThreadSetup {
+        stack_bytes: Some(SESSION_THREAD_STACK_BYTES),
+        on_start: Some(|| PARSES_INLINE.with(|inline| inline.set(true))),
+    }
+}
+
+/// Parses `sql` on the calling thread if it is short and the thread is a session thread made
+/// by [`session_threads`]; `None` otherwise (then parse on a parser thread).
+pub fn parse_here(sql: &str) -> Option<Parsed> {
+    (sql.len() <= INLINE_PARSE_SQL_BYTES && PARSES_INLINE.with(Cell::get))
+        .then(|| pg_query::parse(sql))
+}
 
 /// Parses `sql` on a parser thread and hands the text back with the result to `reply`, on that
 /// thread: `reply` should only pass them on (a channel send). If the parse panics, `reply` is
@@ -136,6 +168,36 @@ impl Pool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Goal: a session thread parses the deepest tree a text it parses inline can hold without
+    /// overflowing its stack, and only session threads parse inline. Method: on a connection
+    /// thread made by [`session_threads`], `parse_here` of a 1 KiB `1+1+...` (about 500
+    /// levels) answers; on another thread it declines.
+    #[test]
+    fn session_threads_parse_the_deepest_short_text_inline() {
+        let deep = format!("SELECT {}1", "1+".repeat(INLINE_PARSE_SQL_BYTES / 2 - 8));
+        assert!(deep.len() <= INLINE_PARSE_SQL_BYTES);
+        assert!(parse_here(&deep).is_none(), "not a session thread");
+        let threads =
+            fence_proxy_net::ConnectionThreads::start_with(1, "parse-test", session_threads())
+                .unwrap();
+        let tracker = tokio_util::task::TaskTracker::new();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let short = "SELECT 1".to_owned();
+        threads.spawn(&tracker, async move {
+            let parsed = parse_here(&deep).map(|p| p.map(drop).map_err(|e| e.to_string()));
+            let _ = tx.send((parsed, parse_here(&short).is_some()));
+        });
+        let (parsed, short_inline) = rx.recv().unwrap();
+        assert!(short_inline);
+        // Postgres's grammar takes it; prost refuses to decode a tree this deep.
+        assert!(
+            parsed
+                .as_ref()
+                .is_some_and(|p| p.as_ref().is_err_and(|e| e.contains("recursion limit"))),
+            "{parsed:?}"
+        );
+    }
 
     /// Goal: the pooled threads parse what a thread of its own parses, and many callers at once
     /// each get their own text's result; the deepest tree a pooled text can hold comes back as
