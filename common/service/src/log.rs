@@ -1,6 +1,9 @@
 //! Logging on stderr, as text or JSON lines, with levels from `RUST_LOG`.
 
-use std::io::IsTerminal;
+use std::fs::File;
+use std::io::{IsTerminal, Write};
+use std::os::fd::AsFd;
+use std::sync::Arc;
 
 use tracing_subscriber::EnvFilter;
 
@@ -19,17 +22,64 @@ pub enum LogFormat {
 ///
 /// Colours only when stderr is a terminal, so that journald and log files get plain text. A
 /// second call (tests that start several services in one process) keeps the first logger.
+///
+/// Lines go to a copy of stderr's descriptor taken here, not to descriptor 2: libpg_query (in
+/// fence-proxy) points descriptor 2 at a pipe of its own for the length of every parse, so a
+/// line any thread wrote meanwhile would vanish into that pipe, and two parses at once on two
+/// threads can leave descriptor 2 pointing at another parse's pipe for good.
 pub fn init_tracing(format: LogFormat, default_filter: &str) {
     let filter =
         EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
+    let ansi = std::io::stderr().is_terminal();
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal());
+        .with_writer(LogSink::of_stderr())
+        .with_ansi(ansi);
     let _ = match format {
         LogFormat::Json => builder.json().try_init(),
         LogFormat::Text => builder.try_init(),
     };
+}
+
+/// Where log lines go: the descriptor stderr had when logging started (or stderr itself, if it
+/// could not be copied).
+#[derive(Clone)]
+struct LogSink(Option<Arc<File>>);
+
+impl LogSink {
+    fn of_stderr() -> LogSink {
+        LogSink(
+            std::io::stderr()
+                .as_fd()
+                .try_clone_to_owned()
+                .ok()
+                .map(|fd| Arc::new(File::from(fd))),
+        )
+    }
+}
+
+impl Write for LogSink {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match &self.0 {
+            Some(file) => (&**file).write(buf),
+            None => std::io::stderr().write(buf),
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        match &self.0 {
+            Some(file) => (&**file).flush(),
+            None => std::io::stderr().flush(),
+        }
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for LogSink {
+    type Writer = LogSink;
+
+    fn make_writer(&'a self) -> LogSink {
+        self.clone()
+    }
 }
 
 #[cfg(test)]

@@ -133,11 +133,20 @@ pub fn classify(sql: &str) -> Result<Vec<Statement>, ClassifyError> {
     statements(sql, parsed)
 }
 
+/// An inline parse slower than this yields the session thread (a common one takes 10-15 µs).
+const SLOW_INLINE_PARSE: std::time::Duration = std::time::Duration::from_micros(50);
+
 /// [`classify`] for a session: a short text is parsed on the session thread itself, a longer one
 /// on a parser thread while the session thread goes on serving its other sessions.
 pub async fn classify_async(sql: String) -> Result<Vec<Statement>, ClassifyError> {
     check_text(&sql)?;
+    let started = std::time::Instant::now();
     if let Some(parsed) = parser::parse_here(&sql) {
+        // Some short texts take milliseconds (a run of operator characters is lexed in
+        // quadratic time): let the thread's other sessions run before this one goes on.
+        if started.elapsed() > SLOW_INLINE_PARSE {
+            tokio::task::yield_now().await;
+        }
         return statements(&sql, parsed);
     }
     let (tx, rx) = tokio::sync::oneshot::channel();

@@ -46,12 +46,14 @@ pub const MAX_CLASSIFIED_SQL_BYTES: usize = 128 * 1024;
 pub const CLASSIFY_STACK_BYTES: usize = 512 * 1024 * 1024;
 
 /// Query texts up to this size are parsed on the session thread itself (most statements are
-/// shorter); see `parser`.
-pub const INLINE_PARSE_SQL_BYTES: usize = 1024;
+/// shorter); see `parser`. Parse time grows with the square of some texts' length (Postgres's
+/// lexer rescans a run of operator characters): the worst 1 KiB measured took 4.5 ms, so the
+/// bound is half that, about a quarter of the time, and a session yields after a slow parse.
+pub const INLINE_PARSE_SQL_BYTES: usize = 512;
 
-/// Stack of a session thread. The deepest tree a text of [`INLINE_PARSE_SQL_BYTES`] holds (about
-/// 500 levels) needs about a quarter of a MiB in a debug build; this leaves the session's own
-/// frames and a wide margin.
+/// Stack of a session thread. The deepest tree a text of [`INLINE_PARSE_SQL_BYTES`] holds (a
+/// unary chain, `SELECT -+-+...1`, one level per byte) needs well under a MiB in a debug build;
+/// this leaves the session's own frames and a wide margin.
 pub const SESSION_THREAD_STACK_BYTES: usize = 16 * 1024 * 1024;
 
 /// Longer query texts, up to this size, are parsed by the proxy's long-lived parser threads; longer ones
@@ -60,8 +62,8 @@ pub const SESSION_THREAD_STACK_BYTES: usize = 16 * 1024 * 1024;
 pub const POOLED_PARSE_SQL_BYTES: usize = 8 * 1024;
 
 /// Stack of a pooled parser thread. The deepest tree a text of [`POOLED_PARSE_SQL_BYTES`] holds
-/// (about 4,000 levels) needed between 1 and 2 MiB in a debug build (`parser::tests`); this
-/// leaves more than ten times that.
+/// (a unary chain, about 8,000 levels) fits in a few MiB in a debug build (`parser::tests`);
+/// this leaves a wide margin.
 pub const POOLED_PARSER_STACK_BYTES: usize = 32 * 1024 * 1024;
 
 /// Statements of one simple-query message the proxy classifies. Scripts sent in one message

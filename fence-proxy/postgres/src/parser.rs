@@ -8,7 +8,8 @@
 //! every new thread; `cargo run --release -p fence-proxy-postgres --example classify_cost`), on
 //! every simple Query. So texts are parsed where their deepest tree fits:
 //! - up to [`INLINE_PARSE_SQL_BYTES`] (most statements) on the session thread itself, whose
-//!   stack is made for it ([`session_threads`]): no hand-off at all;
+//!   stack is made for it ([`session_threads`]): no hand-off at all (the session yields after a
+//!   slow one, see `classify::classify_async`);
 //! - up to [`POOLED_PARSE_SQL_BYTES`] on a few long-lived parser threads, so that no session
 //!   thread stalls its other sessions for a long parse;
 //! - longer ones on a thread of their own with the large stack, so a few slow parses never hold
@@ -171,11 +172,11 @@ mod tests {
 
     /// Goal: a session thread parses the deepest tree a text it parses inline can hold without
     /// overflowing its stack, and only session threads parse inline. Method: on a connection
-    /// thread made by [`session_threads`], `parse_here` of a 1 KiB `1+1+...` (about 500
-    /// levels) answers; on another thread it declines.
+    /// thread made by [`session_threads`], `parse_here` of the longest inline text as a unary
+    /// chain `-+-+...1` (one tree level per byte) answers; on another thread it declines.
     #[test]
     fn session_threads_parse_the_deepest_short_text_inline() {
-        let deep = format!("SELECT {}1", "1+".repeat(INLINE_PARSE_SQL_BYTES / 2 - 8));
+        let deep = format!("SELECT {}1", "-+".repeat((INLINE_PARSE_SQL_BYTES - 8) / 2));
         assert!(deep.len() <= INLINE_PARSE_SQL_BYTES);
         assert!(parse_here(&deep).is_none(), "not a session thread");
         let threads =
@@ -205,7 +206,7 @@ mod tests {
     /// parse a distinct short text and the deepest pooled one; one text above the pool's bound.
     #[test]
     fn pooled_and_own_thread_parses_return_each_callers_result() {
-        let deep = format!("SELECT {}1", "1+".repeat(POOLED_PARSE_SQL_BYTES / 2 - 8));
+        let deep = format!("SELECT {}1", "-+".repeat((POOLED_PARSE_SQL_BYTES - 8) / 2));
         assert!(deep.len() <= POOLED_PARSE_SQL_BYTES);
         let callers: Vec<_> = (0..64)
             .map(|i| {
