@@ -56,9 +56,9 @@ pub const INLINE_PARSE_SQL_BYTES: usize = 512;
 /// this leaves the session's own frames and a wide margin.
 pub const SESSION_THREAD_STACK_BYTES: usize = 16 * 1024 * 1024;
 
-/// Longer query texts, up to this size, are parsed by the proxy's long-lived parser threads; longer ones
-/// (up to [`MAX_CLASSIFIED_SQL_BYTES`]) by a thread of their own, so that a few slow parses of
-/// long texts never hold up the short ones everyone sends.
+/// Longer query texts, up to this size, are parsed by the proxy's long-lived parser threads;
+/// longer ones still (up to [`MAX_CLASSIFIED_SQL_BYTES`]) by a thread of their own, so that a
+/// few slow parses of long texts never hold up the short ones everyone sends.
 pub const POOLED_PARSE_SQL_BYTES: usize = 8 * 1024;
 
 /// Stack of a pooled parser thread. The deepest tree a text of [`POOLED_PARSE_SQL_BYTES`] holds

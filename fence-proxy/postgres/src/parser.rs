@@ -1,12 +1,12 @@
-//! Where Postgres's parser runs: on threads with a stack large enough for any tree the proxy
-//! accepts, never on a session thread.
+//! Where Postgres's parser runs: always on a thread whose stack holds the deepest tree the text
+//! can make.
 //!
 //! pg_query's protobuf output recurses once per tree level without a stack-depth check, so a
-//! deep text (`1+1+...`) would overflow a runtime thread's 2 MiB stack and abort the process.
-//! Spawning a thread per parse avoided that, but cost 60-400 µs a call against 11-15 µs for the
-//! parse itself (thread creation with its stack, and pg_query setting up its memory contexts on
-//! every new thread; `cargo run --release -p fence-proxy-postgres --example classify_cost`), on
-//! every simple Query. So texts are parsed where their deepest tree fits:
+//! deep text (`SELECT -+-+...1`, one level per byte) would overflow a small stack and abort the
+//! process. Spawning a thread per parse avoided that, but cost 70-510 µs a call against 11-15
+//! µs for the parse itself (thread creation with its stack, and pg_query setting up its memory
+//! contexts on every new thread; `cargo run --release -p fence-proxy-postgres --example
+//! classify_cost`), on every simple Query. So texts are parsed where their deepest tree fits:
 //! - up to [`INLINE_PARSE_SQL_BYTES`] (most statements) on the session thread itself, whose
 //!   stack is made for it ([`session_threads`]): no hand-off at all (the session yields after a
 //!   slow one, see `classify::classify_async`);
