@@ -149,15 +149,15 @@ pub async fn classify_async(sql: String) -> Result<Vec<Statement>, ClassifyError
         }
         return statements(&sql, parsed);
     }
+    // The statements are read off the tree on the parser thread too, so the tree (hundreds of
+    // times the text's size) is freed there and never waits in a channel.
     let (tx, rx) = tokio::sync::oneshot::channel();
     parser::parse_on_parser_thread(sql, move |sql, parsed| {
-        let _ = tx.send((sql, parsed));
+        let _ = tx.send(statements(&sql, parsed));
     })
     .map_err(|e| ClassifyError::Parser(e.0))?;
-    let (sql, parsed) = rx
-        .await
-        .map_err(|_| ClassifyError::Parser("the parser thread panicked".to_owned()))?;
-    statements(&sql, parsed)
+    rx.await
+        .map_err(|_| ClassifyError::Parser("the parser thread panicked".to_owned()))?
 }
 
 /// What is refused before parsing: NUL bytes and text over [`MAX_CLASSIFIED_SQL_BYTES`].

@@ -38,11 +38,11 @@ pub const MAX_PENDING_UNITS: usize = 10_000;
 /// parameters (Bind values are not parsed) or COPY, which carry any size.
 pub const MAX_CLASSIFIED_SQL_BYTES: usize = 128 * 1024;
 
-/// Stack of the thread that classifies SQL. pg_query turns the parse tree into protobuf
-/// recursively in C without a depth check; the deepest tree a text of
-/// [`MAX_CLASSIFIED_SQL_BYTES`] can produce is a left-deep `1+1+...` of one level per two bytes
-/// (about 65,000 levels), which needs far less than this. The stack is reserved, not touched, so
-/// it costs address space, not memory.
+/// Stack of the threads that parse texts longer than [`POOLED_PARSE_SQL_BYTES`]. pg_query turns
+/// the parse tree into protobuf recursively in C without a depth check; the deepest tree a text
+/// of [`MAX_CLASSIFIED_SQL_BYTES`] can produce is a left-deep `1+1+...` of one level per two
+/// bytes (about 65,000 levels), which needs far less than this. The stack is reserved, not
+/// touched, so it costs address space, not memory.
 pub const CLASSIFY_STACK_BYTES: usize = 512 * 1024 * 1024;
 
 /// Query texts up to this size are parsed on the session thread itself (most statements are
@@ -57,9 +57,15 @@ pub const INLINE_PARSE_SQL_BYTES: usize = 512;
 pub const SESSION_THREAD_STACK_BYTES: usize = 16 * 1024 * 1024;
 
 /// Longer query texts, up to this size, are parsed by the proxy's long-lived parser threads;
-/// longer ones still (up to [`MAX_CLASSIFIED_SQL_BYTES`]) by a thread of their own, so that a
-/// few slow parses of long texts never hold up the short ones everyone sends.
+/// longer ones still (up to [`MAX_CLASSIFIED_SQL_BYTES`]) by a few threads of their own, so that
+/// slow parses of long texts never hold up the short ones everyone sends.
 pub const POOLED_PARSE_SQL_BYTES: usize = 8 * 1024;
+
+/// Most threads that parse texts longer than [`POOLED_PARSE_SQL_BYTES`] at once (one per two
+/// CPUs, at least two). Such a parse holds up to about 100 MiB at [`MAX_CLASSIFIED_SQL_BYTES`]
+/// and can take seconds (see `parser`), so this bounds what all sessions' long texts together
+/// cost the proxy: about 400 MiB and four threads' CPU. Longer texts queue for them in order.
+pub const LONG_PARSE_THREADS_MAX: usize = 4;
 
 /// Stack of a pooled parser thread. The deepest tree a text of [`POOLED_PARSE_SQL_BYTES`] holds
 /// (a unary chain, about 8,000 levels) fits in a few MiB in a debug build (`parser::tests`);

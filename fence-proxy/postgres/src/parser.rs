@@ -1,5 +1,5 @@
 //! Where Postgres's parser runs: always on a thread whose stack holds the deepest tree the text
-//! can make.
+//! can make, and never more parses of long texts at once than a few threads run.
 //!
 //! pg_query's protobuf output recurses once per tree level without a stack-depth check, so a
 //! deep text (`SELECT -+-+...1`, one level per byte) would overflow a small stack and abort the
@@ -12,8 +12,11 @@
 //!   slow one, see `classify::classify_async`);
 //! - up to [`POOLED_PARSE_SQL_BYTES`] on a few long-lived parser threads, so that no session
 //!   thread stalls its other sessions for a long parse;
-//! - longer ones on a thread of their own with the large stack, so a few slow parses never hold
-//!   up the short ones.
+//! - longer ones on a second, smaller set of long-lived threads with the large stack, so a few
+//!   slow parses never hold up the short ones. A long text costs hundreds of times its size in
+//!   memory while it is parsed (about 100 MiB at the 128 KiB limit), and sessions are many: one
+//!   thread per parse let a client with a few dozen connections run the proxy out of memory, so
+//!   long texts wait their turn for one of [`LONG_PARSE_THREADS_MAX`] threads instead.
 
 use std::cell::Cell;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -23,11 +26,12 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use fence_proxy_net::ThreadSetup;
 
 use crate::limits::{
-    CLASSIFY_STACK_BYTES, INLINE_PARSE_SQL_BYTES, POOLED_PARSE_SQL_BYTES,
+    CLASSIFY_STACK_BYTES, INLINE_PARSE_SQL_BYTES, LONG_PARSE_THREADS_MAX, POOLED_PARSE_SQL_BYTES,
     POOLED_PARSER_STACK_BYTES, SESSION_THREAD_STACK_BYTES,
 };
 
-/// At most this many pooled parser threads, however many CPUs.
+/// At most this many pooled parser threads for texts up to [`POOLED_PARSE_SQL_BYTES`], however
+/// many CPUs.
 const POOL_THREADS_MAX: usize = 8;
 
 /// What the parser returns for a text.
@@ -63,25 +67,23 @@ pub fn parse_here(sql: &str) -> Option<Parsed> {
 }
 
 /// Parses `sql` on a parser thread and hands the text back with the result to `reply`, on that
-/// thread: `reply` should only pass them on (a channel send). If the parse panics, `reply` is
-/// dropped unrun, which the caller sees as a closed channel.
+/// thread. `reply` should do with the tree whatever needs it and pass on only what is left (the
+/// tree of a long text is large: dropping it on the parser thread is what bounds the memory
+/// parses hold at once). If the parse panics, `reply` is dropped unrun, which the caller sees as
+/// a closed channel.
 pub fn parse_on_parser_thread(
     sql: String,
     reply: impl FnOnce(String, Parsed) + Send + 'static,
 ) -> Result<(), NoParserThread> {
-    let pooled = sql.len() <= POOLED_PARSE_SQL_BYTES;
-    let job: Job = Box::new(move || {
+    let pool = if sql.len() <= POOLED_PARSE_SQL_BYTES {
+        &SHORT
+    } else {
+        &LONG
+    };
+    pool.get()?.submit(Box::new(move || {
         let parsed = pg_query::parse(&sql);
         reply(sql, parsed);
-    });
-    if pooled {
-        pool()?.submit(job)
-    } else {
-        parser_thread(CLASSIFY_STACK_BYTES)
-            .spawn(job)
-            .map(drop)
-            .map_err(|e| NoParserThread(e.to_string()))
-    }
+    }))
 }
 
 /// [`parse_on_parser_thread`], waiting for the result on the calling thread.
@@ -94,52 +96,73 @@ pub fn parse_blocking(sql: &str) -> Result<Parsed, NoParserThread> {
         .map_err(|_| NoParserThread("the parser thread panicked".to_owned()))
 }
 
-/// Starts the pooled parser threads now, so that a proxy that cannot start them (a limit on
-/// threads or address space) refuses to start instead of failing queries later. Without it
-/// they start on the first parse.
+/// Starts the parser threads now, so that a proxy that cannot start them (a limit on threads or
+/// address space) refuses to start instead of failing queries later. Without it they start on
+/// the first parse that needs them.
 pub fn start() -> Result<(), NoParserThread> {
-    pool().map(drop)
+    SHORT.get()?;
+    LONG.get().map(drop)
 }
 
-/// A parser thread with a stack of `bytes`: reserved, not touched beyond what a parse uses.
-fn parser_thread(bytes: usize) -> std::thread::Builder {
-    std::thread::Builder::new()
-        .name("fence-proxy-parse".to_owned())
-        .stack_size(bytes)
+/// Parser threads for texts up to [`POOLED_PARSE_SQL_BYTES`]: one per CPU, two to
+/// [`POOL_THREADS_MAX`].
+static SHORT: PoolSlot = PoolSlot {
+    pool: OnceLock::new(),
+    starting: Mutex::new(()),
+    threads: |cpus| cpus.clamp(2, POOL_THREADS_MAX),
+    stack_bytes: POOLED_PARSER_STACK_BYTES,
+};
+
+/// Parser threads for longer texts: one per two CPUs, two to [`LONG_PARSE_THREADS_MAX`].
+static LONG: PoolSlot = PoolSlot {
+    pool: OnceLock::new(),
+    starting: Mutex::new(()),
+    threads: |cpus| (cpus / 2).clamp(2, LONG_PARSE_THREADS_MAX),
+    stack_bytes: CLASSIFY_STACK_BYTES,
+};
+
+/// A set of long-lived parser threads, started on first use. A failed start is not kept: the
+/// next parse tries again (the threads that did start stop when their queue's sender is dropped).
+struct PoolSlot {
+    pool: OnceLock<Pool>,
+    starting: Mutex<()>,
+    /// How many threads, given the number of CPUs.
+    threads: fn(usize) -> usize,
+    /// Each thread's stack: reserved, not touched beyond what a parse uses.
+    stack_bytes: usize,
 }
 
-/// The long-lived parser threads, one per CPU (two to [`POOL_THREADS_MAX`]); they take jobs
-/// from one queue. The queue needs no bound of its own: each session waits for its parse before
-/// it reads on, so at most one job per session is queued.
+impl PoolSlot {
+    fn get(&self) -> Result<&Pool, NoParserThread> {
+        if let Some(pool) = self.pool.get() {
+            return Ok(pool);
+        }
+        let _starting = self.starting.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(pool) = self.pool.get() {
+            return Ok(pool);
+        }
+        let cpus = std::thread::available_parallelism().map_or(2, |n| n.get());
+        let pool = Pool::start((self.threads)(cpus), self.stack_bytes).map_err(NoParserThread)?;
+        Ok(self.pool.get_or_init(|| pool))
+    }
+}
+
+/// Long-lived parser threads that take jobs from one queue, in the order they came. The queue
+/// needs no bound of its own: each session waits for its parse before it reads on, so at most one
+/// job per session is queued, and sessions are bounded (`--max-sessions`).
 struct Pool {
     jobs: Mutex<Sender<Job>>,
 }
 
-/// The pool, started on first use. A failed start is not kept: the next parse tries again (the
-/// threads that did start stop when their queue's sender is dropped).
-fn pool() -> Result<&'static Pool, NoParserThread> {
-    static POOL: OnceLock<Pool> = OnceLock::new();
-    static STARTING: Mutex<()> = Mutex::new(());
-    if let Some(pool) = POOL.get() {
-        return Ok(pool);
-    }
-    let _starting = STARTING.lock().unwrap_or_else(PoisonError::into_inner);
-    if let Some(pool) = POOL.get() {
-        return Ok(pool);
-    }
-    let pool = Pool::start().map_err(NoParserThread)?;
-    Ok(POOL.get_or_init(|| pool))
-}
-
 impl Pool {
-    fn start() -> Result<Pool, String> {
-        let threads =
-            std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, POOL_THREADS_MAX));
+    fn start(threads: usize, stack_bytes: usize) -> Result<Pool, String> {
         let (tx, rx) = channel::<Job>();
         let rx = Arc::new(Mutex::new(rx));
         for _ in 0..threads {
             let rx = rx.clone();
-            parser_thread(POOLED_PARSER_STACK_BYTES)
+            std::thread::Builder::new()
+                .name("fence-proxy-parse".to_owned())
+                .stack_size(stack_bytes)
                 .spawn(move || Pool::serve(&rx))
                 .map_err(|e| format!("starting a parser thread: {e}"))?;
         }
@@ -200,12 +223,13 @@ mod tests {
         );
     }
 
-    /// Goal: the pooled threads parse what a thread of its own parses, and many callers at once
+    /// Goal: the pooled threads parse what the calling thread parses, and many callers at once
     /// each get their own text's result; the deepest tree a pooled text can hold comes back as
-    /// an answer (prost refuses to decode it), never a stack overflow. Method: 64 threads each
-    /// parse a distinct short text and the deepest pooled one; one text above the pool's bound.
+    /// an answer (prost refuses to decode it), never a stack overflow; so do texts above the
+    /// pool's bound, on the long-text threads. Method: 64 threads each parse a distinct short
+    /// text and the deepest pooled one; then long texts, deep and flat.
     #[test]
-    fn pooled_and_own_thread_parses_return_each_callers_result() {
+    fn pooled_and_long_parses_return_each_callers_result() {
         let deep = format!("SELECT {}1", "-+".repeat((POOLED_PARSE_SQL_BYTES - 8) / 2));
         assert!(deep.len() <= POOLED_PARSE_SQL_BYTES);
         let callers: Vec<_> = (0..64)

@@ -1044,8 +1044,9 @@ impl Session {
         })
     }
 
-    /// Classifies client SQL, or says why it is refused. The parser runs on a thread of its own
-    /// while the session thread serves other sessions; the future borrows nothing of `self`.
+    /// Classifies client SQL, or says why it is refused. A text too long to parse on the session
+    /// thread is parsed on a parser thread while the session thread serves other sessions; the
+    /// future borrows nothing of `self`.
     fn read_sql(
         &self,
         text: &str,

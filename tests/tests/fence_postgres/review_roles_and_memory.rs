@@ -239,3 +239,83 @@ async fn review13_one_query_costs_hundreds_of_times_its_size_in_memory() {
         (after - before) / 1024
     );
 }
+
+/// Resets this process's peak resident memory to its current resident memory (Linux 4.0+).
+fn reset_high_water() {
+    std::fs::write("/proc/self/clear_refs", "5")
+        .expect("reset VmHWM through /proc/self/clear_refs");
+}
+
+/// Goal: many sessions together must not be able to exhaust the proxy's memory either. A text
+/// at the 128 KiB limit costs the parser hundreds of times its size while it is parsed, and each
+/// long text used to get a parser thread of its own, so a client with a few dozen connections
+/// sending such texts at once ran that many parses side by side and could get the proxy
+/// OOM-killed with every session on it.
+/// Method: measure the peak memory of one `SELECT 1,1,...` just under the limit alone (40-90 MiB
+/// in a debug build), then send it on 16 sessions at once; the peak must grow by less than
+/// 512 MiB (the long-text parser threads are at most four). Sixteen side-by-side parses raised
+/// it by 1,069 MiB.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review13_many_long_queries_at_once_are_parsed_a_few_at_a_time() {
+    lockd_tests::skip_without_postgres!();
+    const SESSIONS: usize = 16;
+    let a = Attack::new(false, "review").await;
+    let sql = format!("SELECT 1{}", ",1".repeat(65_000));
+    assert!(sql.len() <= 128 * 1024);
+    let mut out = BytesMut::new();
+    postgres_protocol::message::frontend::query(&sql, &mut out).unwrap();
+    let out = out.freeze();
+
+    let mut one = a.session(None).await;
+    // The first long parse starts nothing new: the parser threads started with the proxy.
+    one.send(&out).await;
+    one.read_until_ready().await;
+    reset_high_water();
+    let before = high_water_kib();
+    one.send(&out).await;
+    let r = one.read_until_ready().await;
+    let single = high_water_kib().saturating_sub(before);
+    eprintln!(
+        "one long query: {:?}; peak +{} MiB",
+        r.first_error(),
+        single / 1024
+    );
+    assert!(
+        single > 8 * 1024,
+        "a long parse should cost memory: {single} KiB"
+    );
+
+    let mut sessions = Vec::new();
+    for _ in 0..SESSIONS {
+        sessions.push(a.session(None).await);
+    }
+    reset_high_water();
+    let before = high_water_kib();
+    let started = std::time::Instant::now();
+    let replies = futures::future::join_all(sessions.iter_mut().map(|c| {
+        let out = out.clone();
+        async move {
+            c.send(&out).await;
+            c.read_until_ready().await.first_error().to_owned()
+        }
+    }))
+    .await;
+    let together = high_water_kib().saturating_sub(before);
+    eprintln!(
+        "{SESSIONS} long queries at once in {:?}: peak +{} MiB ({:.1} single parses); first answer {:?}",
+        started.elapsed(),
+        together / 1024,
+        together as f64 / single as f64,
+        replies[0]
+    );
+    assert!(
+        replies.iter().all(|e| e.contains("54011")),
+        "each query reaches Postgres, which refuses its 65,001 columns: {replies:?}"
+    );
+    assert!(
+        together < 512 * 1024,
+        "{SESSIONS} long queries at once raised the proxy's peak by {} MiB, {:.1} times one parse",
+        together / 1024,
+        together as f64 / single as f64
+    );
+}
