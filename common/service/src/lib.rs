@@ -18,7 +18,10 @@
 //! - [`durations`]: the one way binaries read durations (`30s`, `250ms`).
 //! - [`redact`]: connection strings with their passwords hidden, for errors and logs.
 //! - [`cli_docs`]: `completions SHELL` and `man` for every binary, generated from its clap flags.
+//! - [`admission`]: places for connections in a phase an untrusted peer can hold open, in all and
+//!   per source address.
 
+pub mod admission;
 pub mod checks;
 pub mod cli_docs;
 pub mod config_file;

@@ -28,6 +28,7 @@ pub mod auth;
 pub mod backup;
 pub(crate) mod clock;
 pub mod config;
+pub mod connections;
 pub mod dev;
 pub(crate) mod forwarder;
 pub(crate) mod members;

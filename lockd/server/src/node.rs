@@ -591,9 +591,14 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
     let router = tonic::transport::Server::builder()
         // Bounds what one connection can make this node hold at once.
         .max_concurrent_streams(STREAMS_PER_CONNECTION_MAX)
-        .add_service(health_service)
-        .add_service(reflection_v1)
-        .add_service(reflection_v1alpha)
+        // A peer that stops answering (gone, or paused) frees its connection.
+        .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
+        .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
+        // Anyone may call these, before any check: their requests are a few bytes, so they get
+        // the clients' bound instead of tonic's default of 4 MiB per message.
+        .add_service(health_service.max_decoding_message_size(CLIENT_MESSAGE_MAX_BYTES))
+        .add_service(reflection_v1.max_decoding_message_size(CLIENT_MESSAGE_MAX_BYTES))
+        .add_service(reflection_v1alpha.max_decoding_message_size(CLIENT_MESSAGE_MAX_BYTES))
         .add_service({
             let auth = auth.clone();
             InterceptedService::new(
@@ -633,16 +638,20 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
                     listener,
                     tls.clone(),
                     crate::tls::NodeTls::grpc_server,
+                    crate::connections::slots(member_ips.clone()),
                     member_ips.clone(),
                     shutdown.clone(),
                 ),
                 stop,
             )),
-            // The builder's tcp_nodelay does not reach sockets accepted from our own listener,
-            // so the listener sets it: with Nagle on, a small reply waits for the peer's delayed
-            // ACK (40 ms).
+            // Our own accept loop too: it bounds connections in all and per source, and sets
+            // Nagle off (the builder's tcp_nodelay does not reach sockets it did not accept).
             None => Box::pin(router.serve_with_incoming_shutdown(
-                tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+                crate::connections::plain_incoming(
+                    listener,
+                    crate::connections::slots(member_ips.clone()),
+                    shutdown.clone(),
+                ),
                 stop,
             )),
         };
@@ -686,6 +695,10 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
 /// A client needs a few hundred at most (lockd-bench uses 256 per connection); without a bound
 /// one connection could open streams until the node runs out of memory.
 const STREAMS_PER_CONNECTION_MAX: u32 = 1024;
+/// HTTP/2 pings on a connection that has been quiet this long...
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(20);
+/// ...and the connection is closed when a ping is not answered within this.
+const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// Loads the certificates again on every SIGHUP (see `TlsHandle`). lockd dev's three nodes in one
 /// process each reload their own.

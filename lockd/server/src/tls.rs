@@ -343,59 +343,11 @@ impl TlsHandle {
 /// Handshakes in progress at most, in all and from one source address. A connection over either
 /// bound is closed at once instead of waiting: waiting would let a client that opens sockets and
 /// sends nothing hold up everyone behind it in the listen backlog (peers included, whose connect
-/// timeout is short). Peers' addresses are exempt from the per-source bound.
+/// timeout is short). Peers' addresses are exempt.
 const HANDSHAKES_MAX: usize = 1024;
 const HANDSHAKES_PER_SOURCE_MAX: usize = 32;
 /// A handshake that does not finish holds a task and a descriptor; bound it.
 const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
-
-/// Handshakes in progress, in all and by source address.
-#[derive(Default)]
-struct Handshakes {
-    total: usize,
-    by_source: std::collections::HashMap<std::net::IpAddr, usize>,
-}
-
-/// Releases a handshake's place when the handshake ends, however it ends.
-struct HandshakeSlot {
-    table: Arc<std::sync::Mutex<Handshakes>>,
-    source: std::net::IpAddr,
-}
-
-impl Drop for HandshakeSlot {
-    fn drop(&mut self) {
-        let mut t = self.table.lock().unwrap_or_else(|e| e.into_inner());
-        t.total -= 1;
-        if let std::collections::hash_map::Entry::Occupied(mut e) = t.by_source.entry(self.source) {
-            *e.get_mut() -= 1;
-            if *e.get() == 0 {
-                e.remove();
-            }
-        }
-    }
-}
-
-impl Handshakes {
-    fn admit(
-        table: &Arc<std::sync::Mutex<Handshakes>>,
-        source: std::net::IpAddr,
-        peer_ips: &[std::net::IpAddr],
-    ) -> Option<HandshakeSlot> {
-        let mut t = table.lock().unwrap_or_else(|e| e.into_inner());
-        let from_source = t.by_source.get(&source).copied().unwrap_or(0);
-        if t.total >= HANDSHAKES_MAX
-            || (from_source >= HANDSHAKES_PER_SOURCE_MAX && !peer_ips.contains(&source))
-        {
-            return None;
-        }
-        t.total += 1;
-        *t.by_source.entry(source).or_insert(0) += 1;
-        Some(HandshakeSlot {
-            table: table.clone(),
-            source,
-        })
-    }
-}
 
 /// Accepts connections on `listener` and completes their TLS handshakes with the material
 /// current at accept time, several at once, so a slow or silent client holds up no one else.
@@ -405,13 +357,21 @@ pub(crate) fn incoming(
     listener: tokio::net::TcpListener,
     tls: Arc<TlsHandle>,
     server: fn(&NodeTls) -> Arc<rustls::ServerConfig>,
+    connections: lockd_service_kit::admission::SourceSlots,
     peer_ips: Vec<std::net::IpAddr>,
     shutdown: tokio_util::sync::CancellationToken,
-) -> impl futures::Stream<Item = std::io::Result<tokio_rustls::server::TlsStream<tokio::net::TcpStream>>>
-{
+) -> impl futures::Stream<
+    Item = std::io::Result<
+        crate::connections::Admitted<tokio_rustls::server::TlsStream<tokio::net::TcpStream>>,
+    >,
+> {
     let (tx, rx) = tokio::sync::mpsc::channel(64);
-    let table = Arc::new(std::sync::Mutex::new(Handshakes::default()));
-    let mut refusals_logged_at: Option<std::time::Instant> = None;
+    let handshakes = lockd_service_kit::admission::SourceSlots::new(
+        HANDSHAKES_MAX,
+        HANDSHAKES_PER_SOURCE_MAX,
+        peer_ips,
+    );
+    let mut refusals = crate::connections::RefusalLog::new();
     tokio::spawn(async move {
         loop {
             let (stream, remote) = tokio::select! {
@@ -426,14 +386,22 @@ pub(crate) fn incoming(
                     }
                 },
             };
-            let Some(slot) = Handshakes::admit(&table, remote.ip(), &peer_ips) else {
-                if refusals_logged_at.is_none_or(|t| t.elapsed().as_secs() >= 10) {
-                    refusals_logged_at = Some(std::time::Instant::now());
-                    tracing::warn!(%remote, "lockd: too many TLS handshakes in progress; closing new connections (logged once per 10 s)");
+            let place = match connections.admit(remote.ip()) {
+                Ok(place) => place,
+                Err(why) => {
+                    refusals.refused("connection", remote, &why);
+                    continue;
                 }
-                drop(stream);
-                continue;
             };
+            let slot = match handshakes.admit(remote.ip()) {
+                Ok(slot) => slot,
+                Err(why) => {
+                    refusals.refused("TLS handshake", remote, &why);
+                    continue;
+                }
+            };
+            let first_bytes_by =
+                tokio::time::Instant::now() + crate::connections::FIRST_BYTES_TIMEOUT;
             // With Nagle on, a small reply waits for the peer's delayed ACK (40 ms).
             let _ = stream.set_nodelay(true);
             let acceptor = tokio_rustls::TlsAcceptor::from(server(&tls.current()));
@@ -444,7 +412,9 @@ pub(crate) fn incoming(
                 drop(slot);
                 match handshake {
                     Ok(Ok(tls_stream)) => {
-                        let _ = tx.send(Ok(tls_stream)).await;
+                        let admitted =
+                            crate::connections::Admitted::new(tls_stream, place, first_bytes_by);
+                        let _ = tx.send(Ok(admitted)).await;
                     }
                     Ok(Err(e)) => tracing::debug!(%remote, error = %e, "TLS handshake failed"),
                     Err(_) => tracing::debug!(%remote, "TLS handshake timed out"),

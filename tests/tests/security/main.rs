@@ -3,6 +3,7 @@
 //! forwarded identities, the policy).
 //!
 //! # Layout
+//! - `connections`: what silent connections can hold on a node's port.
 //! - `replication`: forged Raft messages are refused and change nothing; the plaintext mode's checks.
 //! - `transport`: `lockctl` over TLS, certificate reload under load.
 //! - `authz`: tenants, request ids, bearer tokens, forwarded identities and the policy's checks.
@@ -13,5 +14,6 @@
 )]
 
 mod authz;
+mod connections;
 mod replication;
 mod transport;

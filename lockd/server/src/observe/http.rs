@@ -42,6 +42,7 @@ pub async fn serve(
                 listener,
                 tls,
                 crate::tls::NodeTls::metrics_server,
+                crate::connections::slots(peer_ips.clone()),
                 peer_ips,
                 shutdown.clone(),
             );

@@ -1,0 +1,157 @@
+//! Places for connections in a phase an untrusted peer can hold open at little cost to itself
+//! (a connection at all, a TLS handshake, a Postgres startup): at most so many at once in all, and
+//! at most so many from one source address, so one client that opens sockets and sends nothing
+//! cannot take every place. Trusted sources (a cluster's own members) are never refused.
+//!
+//! A refused connection is closed at once rather than made to wait: waiting would let the silent
+//! ones hold up everyone behind them in the listen backlog.
+
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex, PoisonError};
+
+/// The places of one phase, shared by every connection that enters it.
+#[derive(Clone)]
+pub struct SourceSlots {
+    table: Arc<Mutex<Table>>,
+    total_max: usize,
+    per_source_max: usize,
+    trusted: Arc<[IpAddr]>,
+}
+
+#[derive(Default)]
+struct Table {
+    total: usize,
+    by_source: HashMap<IpAddr, usize>,
+}
+
+/// Why a connection got no place.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Refused {
+    /// All places are held.
+    #[error("{max} connections already hold a place")]
+    Total {
+        /// The bound in all.
+        max: usize,
+    },
+    /// The source's places are held.
+    #[error("{max} connections from {address} already hold a place")]
+    Source {
+        /// The source address.
+        address: IpAddr,
+        /// The bound per source.
+        max: usize,
+    },
+}
+
+/// A connection's place; given back when dropped, however the connection ends.
+#[must_use = "the place is given back when this is dropped"]
+pub struct SourceSlot {
+    table: Arc<Mutex<Table>>,
+    source: IpAddr,
+}
+
+impl SourceSlots {
+    /// At most `total_max` places, `per_source_max` of them for one address; addresses in
+    /// `trusted` are always admitted (and counted).
+    pub fn new(total_max: usize, per_source_max: usize, trusted: Vec<IpAddr>) -> Self {
+        SourceSlots {
+            table: Arc::default(),
+            total_max,
+            per_source_max,
+            trusted: trusted.into(),
+        }
+    }
+
+    /// A place for a connection from `source`, or why there is none.
+    pub fn admit(&self, source: IpAddr) -> Result<SourceSlot, Refused> {
+        let mut t = self.table.lock().unwrap_or_else(PoisonError::into_inner);
+        if !self.trusted.contains(&source) {
+            if t.total >= self.total_max {
+                return Err(Refused::Total {
+                    max: self.total_max,
+                });
+            }
+            if t.by_source.get(&source).copied().unwrap_or(0) >= self.per_source_max {
+                return Err(Refused::Source {
+                    address: source,
+                    max: self.per_source_max,
+                });
+            }
+        }
+        t.total += 1;
+        *t.by_source.entry(source).or_insert(0) += 1;
+        Ok(SourceSlot {
+            table: self.table.clone(),
+            source,
+        })
+    }
+
+    /// Places held now.
+    pub fn held(&self) -> usize {
+        self.table
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .total
+    }
+}
+
+impl Drop for SourceSlot {
+    fn drop(&mut self) {
+        let mut t = self.table.lock().unwrap_or_else(PoisonError::into_inner);
+        t.total -= 1;
+        if let Entry::Occupied(mut e) = t.by_source.entry(self.source) {
+            *e.get_mut() -= 1;
+            if *e.get() == 0 {
+                e.remove();
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    /// Goal: one source cannot take more than its share, all sources together not more than the
+    /// total, trusted sources are never refused, and places come back when dropped. Method:
+    /// fill each bound and check the refusal names it.
+    #[test]
+    fn bounds_per_source_and_in_all_and_trusted_sources_always_pass() {
+        let slots = SourceSlots::new(4, 2, vec![ip("10.0.0.9")]);
+        let a1 = slots.admit(ip("10.0.0.1")).unwrap();
+        let _a2 = slots.admit(ip("10.0.0.1")).unwrap();
+        let refused = slots.admit(ip("10.0.0.1")).err().unwrap();
+        assert_eq!(
+            refused,
+            Refused::Source {
+                address: ip("10.0.0.1"),
+                max: 2
+            }
+        );
+        assert!(refused.to_string().contains("10.0.0.1"), "{refused}");
+        let _b1 = slots.admit(ip("10.0.0.2")).unwrap();
+        let _b2 = slots.admit(ip("10.0.0.2")).unwrap();
+        assert_eq!(
+            slots.admit(ip("10.0.0.3")).err(),
+            Some(Refused::Total { max: 4 })
+        );
+        let trusted: Vec<_> = (0..10)
+            .map(|_| slots.admit(ip("10.0.0.9")).unwrap())
+            .collect();
+        assert_eq!(slots.held(), 14);
+        drop(trusted);
+        drop(a1);
+        assert_eq!(slots.held(), 3);
+        let _a3 = slots.admit(ip("10.0.0.1")).unwrap();
+        assert_eq!(
+            slots.admit(ip("10.0.0.1")).err(),
+            Some(Refused::Total { max: 4 })
+        );
+    }
+}
