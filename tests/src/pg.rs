@@ -226,6 +226,7 @@ pub fn proxy_args(
         upstream,
         require_fence,
         max_sessions: 64,
+        max_startups_per_client: fence_proxy_postgres::limits::DEFAULT_MAX_STARTUPS_PER_CLIENT,
         max_message_bytes: fence_proxy_postgres::limits::DEFAULT_MAX_MESSAGE_BYTES,
         // Two session threads whatever the machine, so sessions of one test share and split them.
         threads: 2,

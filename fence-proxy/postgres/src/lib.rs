@@ -89,6 +89,11 @@ pub struct Args {
     /// Most concurrent client sessions; each holds one upstream connection.
     #[arg(long, default_value_t = limits::DEFAULT_MAX_SESSIONS, env = "FENCE_PROXY_PG_MAX_SESSIONS")]
     pub max_sessions: usize,
+    /// Most connections from one client address that may be in startup and authentication at
+    /// once; more are refused at once (53300), so that one client that opens connections and
+    /// sends nothing cannot hold every session slot.
+    #[arg(long, default_value_t = limits::DEFAULT_MAX_STARTUPS_PER_CLIENT, env = "FENCE_PROXY_PG_MAX_STARTUPS_PER_CLIENT")]
+    pub max_startups_per_client: usize,
     /// Largest protocol message body accepted in either direction, in bytes.
     #[arg(long, default_value_t = limits::DEFAULT_MAX_MESSAGE_BYTES, env = "FENCE_PROXY_PG_MAX_MESSAGE_BYTES")]
     pub max_message_bytes: usize,
@@ -263,6 +268,10 @@ pub async fn run_with_reload(
     let fence_table = FenceTable::parse(&args.fence_table).map_err(|e| anyhow::anyhow!("{e}"))?;
     let upstream = upstream::parse(&args.upstream, "--upstream")?;
     anyhow::ensure!(args.max_sessions > 0, "--max-sessions must be at least 1");
+    anyhow::ensure!(
+        args.max_startups_per_client > 0,
+        "--max-startups-per-client must be at least 1"
+    );
     // Zero would refuse every client (startup) or never reach the upstream (connect).
     anyhow::ensure!(
         !args.connect_timeout.is_zero(),
@@ -361,6 +370,11 @@ pub async fn run_with_reload(
         ConnectionThreads::start_with(args.threads, "fence-proxy-pg", parser::session_threads())?;
     tracing::debug!(threads = threads.count(), "session threads started");
     let sessions = Arc::new(Semaphore::new(args.max_sessions));
+    let startups = lockd_service_kit::admission::SourceSlots::new(
+        args.max_sessions,
+        args.max_startups_per_client,
+        Vec::new(),
+    );
     let tracker = TaskTracker::new();
     loop {
         let (mut stream, peer) = tokio::select! {
@@ -390,6 +404,22 @@ pub async fn run_with_reload(
             tracker.spawn(startup::refuse_outsider(stream, e));
             continue;
         }
+        let startup_place = match startups.admit(peer.ip()) {
+            Ok(place) => place,
+            Err(why) => {
+                let e = ProxyError::fatal(
+                    error::TOO_MANY_CONNECTIONS,
+                    format!(
+                        "sorry, too many clients already: {why} in startup (--max-startups-per-client)"
+                    ),
+                );
+                tracing::info!(%peer, "refusing a connection: {why} in startup");
+                tracker.spawn(async move {
+                    let _ = stream.write_all(&e.to_message().frame).await;
+                });
+                continue;
+            }
+        };
         let Ok(permit) = sessions.clone().try_acquire_owned() else {
             let e = ProxyError::fatal(
                 error::TOO_MANY_CONNECTIONS,
@@ -428,6 +458,7 @@ pub async fn run_with_reload(
                 // A client still authenticating is dropped at shutdown rather than waited for.
                 () = shutdown.cancelled() => return,
             };
+            drop(startup_place);
             let session = match startup {
                 Ok(Ok(Startup::Session(s))) => s,
                 Ok(Ok(Startup::Done)) => return,

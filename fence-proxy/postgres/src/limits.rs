@@ -8,8 +8,10 @@ pub const MAX_STARTUP_PACKET_BYTES: usize = 10_000;
 /// Default bound on one protocol message body, in either direction. It caps the memory a session
 /// holds for one message (the relay buffers whole messages, growing the buffer as bytes arrive,
 /// never reserving a declared length up front); 64 MiB leaves room for large `bytea`
-/// values and COPY rows while keeping a thousand sessions from exhausting the host. Postgres's own
-/// ceiling is 1 GiB.
+/// values and COPY rows. Sessions times this is what authenticated clients could make the proxy
+/// hold at once, so size it with `--max-sessions` for the host (docs: "Threat model"); Postgres's
+/// own ceiling is 1 GiB per backend. Before authentication the bound is
+/// [`MAX_AUTH_MESSAGE_BYTES`].
 pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
 
 /// How many SSLRequest/GSSENCRequest refusals a client gets before it must send its startup
@@ -82,6 +84,18 @@ pub const MAX_STATEMENTS_PER_QUERY: usize = 100_000;
 /// follows): each is a guard call and some hundred bytes of text, so a query of short
 /// `RESET ALL; SELECT;` pairs would otherwise grow some fifty-fold upstream.
 pub const MAX_GUARDS_PER_QUERY: usize = 64;
+
+/// Default bound on connections from one client address in startup and authentication at once
+/// (`--max-startups-per-client`). Startup takes a few round trips, so even a pool that opens
+/// many connections at once has few in startup at any moment; a client that opens connections
+/// and sends nothing holds each for the whole `--startup-timeout`.
+pub const DEFAULT_MAX_STARTUPS_PER_CLIENT: usize = 64;
+
+/// Longest message body a client may send before it is authenticated: its password, SASL or
+/// GSSAPI answer. Postgres refuses longer ones too (`PG_MAX_AUTH_TOKEN_LENGTH`, 65,535 bytes),
+/// and until authentication succeeds nothing but this bound stops a client from making the proxy
+/// buffer a message of `--max-message-bytes`.
+pub const MAX_AUTH_MESSAGE_BYTES: usize = 65_535;
 
 /// Default number of concurrent client sessions. Each session holds one upstream connection, so
 /// this also bounds the proxy's share of the upstream's `max_connections`.

@@ -150,7 +150,14 @@ pub async fn handshake(tcp: TcpStream, cfg: Arc<Config>) -> anyhow::Result<Start
     };
     let mut up_rx = FramedRead::new(up_read, codec());
     let mut up_tx = BufWriter::new(up_write);
-    let mut client_rx = FramedRead::new(client_read, codec());
+    // Until authentication succeeds, a client's messages are answers to the upstream's
+    // challenges, which are short: see MAX_AUTH_MESSAGE_BYTES.
+    let mut client_rx = FramedRead::new(
+        client_read,
+        MessageCodec {
+            max_body_bytes: crate::limits::MAX_AUTH_MESSAGE_BYTES.min(cfg.max_message_bytes),
+        },
+    );
     let mut client_tx = BufWriter::new(client_write);
 
     // The startup packet goes upstream unchanged: lockd.fence is a valid placeholder setting for
@@ -245,6 +252,7 @@ pub async fn handshake(tcp: TcpStream, cfg: Arc<Config>) -> anyhow::Result<Start
         }
     };
     client_tx.flush().await?;
+    client_rx.decoder_mut().max_body_bytes = cfg.max_message_bytes;
     tracing::debug!(
         user = params.get("user").map(String::as_str).unwrap_or(""),
         database = params.get("database").map(String::as_str).unwrap_or(""),

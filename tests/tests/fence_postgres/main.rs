@@ -13,6 +13,8 @@
 //! - `commit`: what the proxy checks at commit time.
 //! - `overhead`: what the proxy adds to each transaction (its BEGIN in place of a prepared one,
 //!   the opening guard only where it can refuse), and that no check goes with it.
+//! - `preauth`: what a client can hold before it has authenticated (startup places, the size of
+//!   its answers to the password challenge).
 //! - `readiness`: `/readyz` follows the upstream.
 //! - `review_wire`, `review_roles_and_memory`: the adversarial review's raw-wire attacks, and its
 //!   attacks through database ownership and memory.
@@ -27,6 +29,7 @@ mod commit;
 mod end_to_end;
 mod interrupted;
 mod overhead;
+mod preauth;
 mod protocol;
 mod readiness;
 mod reguard;

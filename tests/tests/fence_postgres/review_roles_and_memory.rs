@@ -89,6 +89,7 @@ async fn review13_database_owner_replaces_the_guard_in_public() {
         upstream: upstream.clone(),
         require_fence: false,
         max_sessions: 16,
+        max_startups_per_client: fence_proxy_postgres::limits::DEFAULT_MAX_STARTUPS_PER_CLIENT,
         max_message_bytes: fence_proxy_postgres::limits::DEFAULT_MAX_MESSAGE_BYTES,
         threads: 2,
         connect_timeout: Duration::from_secs(5),
