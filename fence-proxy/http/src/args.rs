@@ -21,6 +21,16 @@ pub const DEFAULT_MAX_CONNECTIONS: u64 = 4096;
 /// connection slot.
 pub const DEFAULT_HEADER_READ_TIMEOUT: &str = "10s";
 
+/// Default time a connection may go without starting a request before it is closed (once its
+/// requests in flight end). HTTP/1.1 connections are closed sooner, by the header read timeout;
+/// this bounds HTTP/2 connections, which hyper never closes for idleness.
+pub const DEFAULT_IDLE_TIMEOUT: &str = "60s";
+
+/// Default time a client may leave a response unread (the proxy cannot write a byte to it)
+/// before it is disconnected, as nginx's `send_timeout`: a client that stops reading must not
+/// hold its connection, its response and the upstream connection behind it for good.
+pub const DEFAULT_SEND_TIMEOUT: &str = "60s";
+
 /// `fence-proxy http`: reject writes with stale fencing tokens before they reach the upstream.
 #[derive(clap::Args, Debug, Clone)]
 pub struct Args {
@@ -89,6 +99,18 @@ pub struct Args {
           default_value = DEFAULT_HEADER_READ_TIMEOUT, value_parser = parse_positive_duration)]
     pub header_read_timeout: Duration,
 
+    /// Time a connection may go without starting a request; past it the connection is closed
+    /// once its requests in flight have ended (HTTP/2 gets a GOAWAY).
+    #[arg(long, env = "FENCE_PROXY_IDLE_TIMEOUT", value_name = "DURATION",
+          default_value = DEFAULT_IDLE_TIMEOUT, value_parser = parse_positive_duration)]
+    pub idle_timeout: Duration,
+
+    /// Time a client may accept no byte of a response the proxy is sending it; past it the
+    /// connection is closed (as nginx's send_timeout).
+    #[arg(long, env = "FENCE_PROXY_SEND_TIMEOUT", value_name = "DURATION",
+          default_value = DEFAULT_SEND_TIMEOUT, value_parser = parse_positive_duration)]
+    pub send_timeout: Duration,
+
     /// Threads that serve client connections, each with an event loop of its own; a connection
     /// stays on one thread for its lifetime (no hand-offs between threads per request). 0: one
     /// per CPU.
@@ -136,6 +158,8 @@ impl Args {
             max_in_flight: self.max_in_flight as usize,
             max_connections: self.max_connections as usize,
             header_read_timeout: self.header_read_timeout,
+            idle_timeout: self.idle_timeout,
+            send_timeout: self.send_timeout,
             threads: self.threads,
         }
     }

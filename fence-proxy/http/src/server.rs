@@ -1,17 +1,19 @@
 //! Accepting connections, and shutting down without leaving a resource locked.
 
+use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
-use anyhow::Context;
+use anyhow::Context as _;
 use fence_epoch_store::EpochStore;
 use fence_proxy_net::{ConnectionThreads, TlsReloader};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::{GracefulShutdown, Watcher};
 use hyper_util::service::TowerToHyperService;
 use lockd_service_kit::checks::Readiness;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
@@ -28,14 +30,130 @@ use crate::{Args, Proxy, ProxyConfig};
 /// unknown (quarantine) by their drop.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Serves one accepted connection (plain or TLS) until it ends or shutdown closes it.
+/// A connection's timeouts, from [`Limits`].
+#[derive(Clone, Copy, Debug)]
+struct Timeouts {
+    header_read: Duration,
+    idle: Duration,
+    send: Duration,
+}
+
+/// When the watchdog of [`serve_connection`] looks at its connection: often enough for the
+/// shortest timeout to fire close to its time.
+fn watch_tick(t: Timeouts) -> Duration {
+    (t.header_read.min(t.idle).min(t.send) / 4)
+        .clamp(Duration::from_millis(20), Duration::from_secs(1))
+}
+
+/// "Never" in [`Activity`]'s fields.
+const NEVER: u64 = u64::MAX;
+
+/// What a connection's watchdog reads, in milliseconds since the connection was opened.
+struct Activity {
+    opened: std::time::Instant,
+    /// When the last request's head arrived; [`NEVER`] before the first.
+    last_request_ms: AtomicU64,
+    /// Since when a write to the client has waited for it to read; [`NEVER`] while none waits.
+    write_blocked_ms: AtomicU64,
+}
+
+impl Activity {
+    fn new() -> Self {
+        Activity {
+            opened: std::time::Instant::now(),
+            last_request_ms: AtomicU64::new(NEVER),
+            write_blocked_ms: AtomicU64::new(NEVER),
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.opened.elapsed().as_millis()).unwrap_or(NEVER - 1)
+    }
+
+    /// How long ago `at` was set, if it is.
+    fn since(&self, at: &AtomicU64) -> Option<Duration> {
+        let at = at.load(Ordering::Relaxed);
+        (at != NEVER).then(|| Duration::from_millis(self.now_ms().saturating_sub(at)))
+    }
+}
+
+/// The client's stream, telling [`Activity`] when a write to it blocks (the client reads
+/// nothing and the socket buffer is full) and when writes go on.
+struct Watched<I> {
+    io: I,
+    activity: Arc<Activity>,
+}
+
+impl<I> Watched<I> {
+    fn note<T>(&self, polled: Poll<T>) -> Poll<T> {
+        let blocked = &self.activity.write_blocked_ms;
+        if polled.is_pending() {
+            if blocked.load(Ordering::Relaxed) == NEVER {
+                blocked.store(self.activity.now_ms(), Ordering::Relaxed);
+            }
+        } else {
+            blocked.store(NEVER, Ordering::Relaxed);
+        }
+        polled
+    }
+}
+
+impl<I: AsyncRead + Unpin> AsyncRead for Watched<I> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_read(cx, buf)
+    }
+}
+
+impl<I: AsyncWrite + Unpin> AsyncWrite for Watched<I> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.io).poll_write(cx, buf);
+        this.note(polled)
+    }
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.io).poll_write_vectored(cx, bufs);
+        this.note(polled)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.io).poll_flush(cx);
+        this.note(polled)
+    }
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+    }
+}
+
+/// Serves one accepted connection (plain or TLS) until it ends, `drain` closes it gracefully, or
+/// a watchdog closes it: no request head within the header read timeout of opening (hyper's
+/// own header timer starts only once the protocol is known, so a client that sends nothing or a
+/// few bytes of the HTTP/2 preface is closed here), no new request for the idle timeout
+/// (gracefully: requests in flight end first; hyper never closes an idle HTTP/2 connection), or
+/// a client that has read nothing of a response for the send timeout (at once: it would
+/// otherwise hold the connection, the response and its upstream connection for good).
 async fn serve_connection<I, S, B>(
     stream: I,
     peer: std::net::SocketAddr,
     service: S,
     builder: auto::Builder<TokioExecutor>,
-    watcher: Watcher,
-    header_read_timeout: Duration,
+    drain: CancellationToken,
+    timeouts: Timeouts,
 ) where
     I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
     S: tower::Service<http::Request<hyper::body::Incoming>, Response = http::Response<B>>
@@ -48,37 +166,67 @@ async fn serve_connection<I, S, B>(
     B::Data: Send,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    // hyper's header timer starts only once the protocol is known; until the first request
-    // arrives this flag lets the watchdog below close a connection that never shows one
-    // (a client that sends nothing, or a few bytes of the HTTP/2 preface).
-    let first_request = Arc::new(AtomicBool::new(false));
-    let seen = first_request.clone();
+    let activity = Arc::new(Activity::new());
+    let seen = activity.clone();
     let connection_service = service.map_request(move |request| {
-        seen.store(true, Ordering::Relaxed);
+        seen.last_request_ms.store(seen.now_ms(), Ordering::Relaxed);
         request
     });
+    let stream = Watched {
+        io: stream,
+        activity: activity.clone(),
+    };
     let connection = builder
         .serve_connection(
             TokioIo::new(stream),
             TowerToHyperService::new(connection_service),
         )
         .into_owned();
-    let connection = watcher.watch(connection);
     tokio::pin!(connection);
-    let ended = tokio::select! {
-        ended = &mut connection => ended,
-        _ = tokio::time::sleep(header_read_timeout) => {
-            if !first_request.load(Ordering::Relaxed) {
-                tracing::debug!(%peer, "no request within the header read timeout; closing");
-                return;
+    let mut tick = tokio::time::interval(watch_tick(timeouts));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut closing = false;
+    let ended = loop {
+        tokio::select! {
+            ended = &mut connection => break ended,
+            () = drain.cancelled(), if !closing => {
+                closing = true;
+                connection.as_mut().graceful_shutdown();
             }
-            connection.await
+            _ = tick.tick() => {
+                match activity.since(&activity.last_request_ms) {
+                    None if activity.opened.elapsed() >= timeouts.header_read => {
+                        tracing::debug!(%peer, "no request within the header read timeout; closing");
+                        return;
+                    }
+                    Some(idle) if !closing && idle >= timeouts.idle => {
+                        tracing::debug!(%peer, "no new request within the idle timeout; closing once requests in flight end");
+                        closing = true;
+                        connection.as_mut().graceful_shutdown();
+                    }
+                    _ => {}
+                }
+                if activity
+                    .since(&activity.write_blocked_ms)
+                    .is_some_and(|blocked| blocked >= timeouts.send)
+                {
+                    tracing::debug!(%peer, "the client read nothing within the send timeout; closing");
+                    return;
+                }
+            }
         }
     };
     if let Err(e) = ended {
         tracing::debug!(%peer, error = %e, "connection ended with an error");
     }
 }
+
+/// HTTP/2 pings on a connection quiet this long...
+const H2_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(20);
+/// ...which must be answered within this.
+const H2_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
+/// Requests one HTTP/2 connection may have open at once (nginx's `http2_max_concurrent_streams`).
+const H2_STREAMS_PER_CONNECTION_MAX: u32 = 128;
 
 /// Pause after a failed `accept` (for example too many open files), so that the loop does not
 /// spin while the condition lasts.
@@ -94,6 +242,11 @@ pub struct Limits {
     /// Time a client has to send a complete request head (and, on a new connection, the first
     /// bytes that show its protocol); past it the connection is closed.
     pub header_read_timeout: Duration,
+    /// Time a connection may go without a new request; past it the connection is closed once
+    /// its requests in flight end.
+    pub idle_timeout: Duration,
+    /// Time a client may read nothing of a response; past it the connection is closed.
+    pub send_timeout: Duration,
     /// Threads that serve client connections, each with an event loop of its own; 0: one per
     /// CPU.
     pub threads: usize,
@@ -108,6 +261,10 @@ impl Default for Limits {
                 crate::args::DEFAULT_HEADER_READ_TIMEOUT,
             )
             .expect("the default header read timeout is a valid duration"),
+            idle_timeout: humantime::parse_duration(crate::args::DEFAULT_IDLE_TIMEOUT)
+                .expect("the default idle timeout is a valid duration"),
+            send_timeout: humantime::parse_duration(crate::args::DEFAULT_SEND_TIMEOUT)
+                .expect("the default send timeout is a valid duration"),
             threads: 0,
         }
     }
@@ -220,12 +377,21 @@ pub async fn serve_with_access(
         .http1()
         .timer(TokioTimer::new())
         .header_read_timeout(limits.header_read_timeout);
-    let graceful = GracefulShutdown::new();
+    // Pings find an HTTP/2 peer that is gone or paused (closed when one is not answered); a
+    // connection carries at most this many requests at once, as nginx's default.
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .keep_alive_interval(Some(H2_KEEPALIVE_INTERVAL))
+        .keep_alive_timeout(H2_KEEPALIVE_TIMEOUT)
+        .max_concurrent_streams(H2_STREAMS_PER_CONNECTION_MAX);
+    // Cancelled at shutdown: every connection closes gracefully (requests in flight end first).
+    let drain = CancellationToken::new();
     let connections = Arc::new(Semaphore::new(limits.max_connections));
     // Each connection is served on one thread for its lifetime, requests and their upstream
     // connections included (see `upstream`): no hand-off between threads per request.
     let threads = ConnectionThreads::start(limits.threads, "fence-proxy-http")?;
-    // Connection tasks; the drain below waits for them through `graceful`, not this tracker.
+    // Connection tasks, which the drain below waits for.
     let connection_tasks = TaskTracker::new();
 
     loop {
@@ -264,10 +430,14 @@ pub async fn serve_with_access(
         };
         let service = service.clone();
         let builder = builder.clone();
-        let watcher = graceful.watcher();
+        let drain = drain.clone();
         // The configuration current at accept time: a reload reaches the next connection.
         let tls = access.tls.as_ref().map(|t| t.acceptor());
-        let header_read_timeout = limits.header_read_timeout;
+        let timeouts = Timeouts {
+            header_read: limits.header_read_timeout,
+            idle: limits.idle_timeout,
+            send: limits.send_timeout,
+        };
         threads.spawn(&connection_tasks, async move {
             // The slot is given back when this task ends, with the connection.
             let _slot = slot;
@@ -279,23 +449,19 @@ pub async fn serve_with_access(
                 }
             };
             let Some(acceptor) = tls else {
-                serve_connection(stream, peer, service, builder, watcher, header_read_timeout)
-                    .await;
+                serve_connection(stream, peer, service, builder, drain, timeouts).await;
                 return;
             };
             // The handshake shares the header read timeout: a client that opens a connection
             // and stalls in TLS holds its slot no longer than one that stalls in HTTP.
-            match tokio::time::timeout(header_read_timeout, acceptor.accept(stream)).await {
+            let handshake = tokio::time::timeout(timeouts.header_read, acceptor.accept(stream));
+            let handshake = tokio::select! {
+                h = handshake => h,
+                () = drain.cancelled() => return,
+            };
+            match handshake {
                 Ok(Ok(tls_stream)) => {
-                    serve_connection(
-                        tls_stream,
-                        peer,
-                        service,
-                        builder,
-                        watcher,
-                        header_read_timeout,
-                    )
-                    .await
+                    serve_connection(tls_stream, peer, service, builder, drain, timeouts).await
                 }
                 Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
                 Err(_) => tracing::debug!(%peer, "no TLS handshake within the header read timeout"),
@@ -307,8 +473,10 @@ pub async fn serve_with_access(
     tracing::info!("shutting down: draining requests in flight");
     let writes = proxy.writes().clone();
     writes.close();
+    drain.cancel();
+    connection_tasks.close();
     let drained = tokio::time::timeout(DRAIN_TIMEOUT, async {
-        graceful.shutdown().await;
+        connection_tasks.wait().await;
         writes.wait().await;
     })
     .await;

@@ -319,3 +319,120 @@ async fn issue13_max_connections_caps_open_connections() {
     assert_eq!(reply.status, 200, "{reply:?}");
     drop(idle_b);
 }
+
+/// Goal: an HTTP/2 connection that has made its requests and then stays quiet does not keep its
+/// connection slot for good (hyper closes idle HTTP/1.1 connections by its header timer, but
+/// never an idle HTTP/2 one: 4,096 such connections, one GET each, locked every other client
+/// out). It is closed `--idle-timeout` after its last request started.
+/// Method: `--idle-timeout 1s`; an h2c client (prior knowledge) makes one GET, then sends
+/// nothing; the proxy must close the connection between 0.8 s and 5 s after the GET.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_http2_connection_is_closed_after_the_idle_timeout() {
+    use http_body_util::{BodyExt, Empty};
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = HttpUpstream::start().await.unwrap();
+    let proxy = FenceProxy::start(
+        &upstream.url(),
+        &redb_store(&dir),
+        &["--idle-timeout", "1s", "--header-read-timeout", "30s"],
+    )
+    .await
+    .unwrap();
+    let tcp = TcpStream::connect(proxy.addr).await.unwrap();
+    let (mut sender, connection) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    let connection = tokio::spawn(connection);
+    let started = Instant::now();
+    let request = hyper::Request::get(proxy.url("/obj"))
+        .body(Empty::<bytes::Bytes>::new())
+        .unwrap();
+    let response = sender.send_request(request).await.unwrap();
+    assert_eq!(response.status(), 200);
+    response.into_body().collect().await.unwrap();
+    let ended = tokio::time::timeout(Duration::from_secs(5), connection).await;
+    let after = started.elapsed();
+    eprintln!("the idle HTTP/2 connection ended after {after:?}: {ended:?}");
+    assert!(
+        ended.is_ok(),
+        "an idle HTTP/2 connection stayed open for 5 s"
+    );
+    assert!(
+        after >= Duration::from_millis(800),
+        "closed too early: {after:?}"
+    );
+}
+
+/// Goal: a client that stops reading a response does not hold its connection, the response and
+/// the upstream connection behind it for good; it is disconnected `--send-timeout` after the
+/// proxy last could write to it, as nginx's `send_timeout` does.
+/// Method: an upstream that answers GET with 32 MiB; `--send-timeout 1s`; a raw HTTP/1.1 client
+/// sends the GET and reads nothing for 4 s, then reads what is left: the connection must have
+/// been closed before the whole body arrived.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stops_reading_a_response_is_disconnected_after_the_send_timeout() {
+    const BODY: usize = 32 * 1024 * 1024;
+    let upstream = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream_addr = upstream.local_addr().unwrap();
+    let server = tokio::spawn(async move {
+        loop {
+            let Ok((mut s, _)) = upstream.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut byte = [0u8; 1];
+                while !head.ends_with(b"\r\n\r\n") {
+                    if s.read(&mut byte).await.unwrap_or(0) == 0 {
+                        return;
+                    }
+                    head.push(byte[0]);
+                }
+                let answer = format!("HTTP/1.1 200 OK\r\nContent-Length: {BODY}\r\n\r\n");
+                if s.write_all(answer.as_bytes()).await.is_err() {
+                    return;
+                }
+                let chunk = vec![b'x'; 64 * 1024];
+                for _ in 0..BODY / chunk.len() {
+                    if s.write_all(&chunk).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = FenceProxy::start(
+        &format!("http://{upstream_addr}"),
+        &redb_store(&dir),
+        &["--send-timeout", "1s"],
+    )
+    .await
+    .unwrap();
+    let mut s = TcpStream::connect(proxy.addr).await.unwrap();
+    s.write_all(b"GET /big HTTP/1.1\r\nHost: upstream\r\n\r\n")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let mut received = 0usize;
+    let mut buf = vec![0u8; 256 * 1024];
+    let closed = loop {
+        match tokio::time::timeout(Duration::from_secs(10), s.read(&mut buf)).await {
+            Err(_) => panic!("the connection neither delivered nor closed for 10 s"),
+            Ok(Ok(0)) | Ok(Err(_)) => break true,
+            Ok(Ok(n)) => received += n,
+        }
+        if received >= BODY {
+            break false;
+        }
+    };
+    eprintln!("after 4 s unread: received {received} bytes, then closed: {closed}");
+    server.abort();
+    assert!(
+        closed && received < BODY,
+        "a client that read nothing for 4 s still got the whole {BODY}-byte body"
+    );
+}
