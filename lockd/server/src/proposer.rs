@@ -12,13 +12,7 @@ use tokio::sync::{Semaphore, mpsc, oneshot, watch};
 
 use crate::clock::Clock;
 use crate::observe::metrics::NodeMetrics;
-use crate::raft::{NodeId, Raft};
-
-/// How a write through openraft fails.
-type WriteError = openraft::error::RaftError<
-    NodeId,
-    openraft::error::ClientWriteError<NodeId, openraft::BasicNode>,
->;
+use crate::raft::Raft;
 
 /// Commands waiting for a batch. Beyond this the node answers UNAVAILABLE ("overloaded") at once
 /// instead of queueing without bound.
@@ -39,30 +33,9 @@ pub enum ProposeError {
     /// Nothing was proposed: the queue is full.
     #[error("node is overloaded: {PROPOSE_QUEUE_MAX} commands already queued")]
     Overloaded,
-    /// Nothing was committed, nor will be: this node was no longer the leader when the batch
-    /// reached Raft, or lost leadership and had the batch's entry replaced by the new leader's
-    /// log (openraft answers `ForwardToLeader` in both cases, and only in these).
-    #[error("{0}")]
-    NotLeader(String),
-    /// The command may or may not commit (timeout, shutdown, a storage failure).
+    /// The command may or may not commit (timeout, leadership lost mid-flight, shutdown).
     #[error("{0}")]
     Unknown(String),
-}
-
-impl ProposeError {
-    /// What a failed `client_write` of a batch means for its commands.
-    fn from_write(e: &WriteError) -> Self {
-        match e.api_error() {
-            Some(openraft::error::ClientWriteError::ForwardToLeader(f)) => {
-                ProposeError::NotLeader(format!(
-                    "leadership moved before the command committed (leader now: {})",
-                    f.leader_id
-                        .map_or_else(|| "unknown".to_owned(), |id| format!("node {id}"))
-                ))
-            }
-            _ => ProposeError::Unknown(format!("commit failed: {e}")),
-        }
-    }
 }
 
 struct Pending {
@@ -254,7 +227,11 @@ async fn run(
                     }
                 }
                 Err(e) => {
-                    let err = ProposeError::from_write(&e);
+                    // Unknown even for openraft's ForwardToLeader: besides "never appended" it
+                    // answers entries truncated by a newer leader's log or by a snapshot, and
+                    // such an entry may still be committed elsewhere (five voters: a later
+                    // leader that holds it; or the snapshot that replaced it already holds it).
+                    let err = ProposeError::Unknown(format!("commit failed: {e}"));
                     for reply in replies {
                         let _ = reply.send(Err(err.clone()));
                     }
@@ -274,32 +251,6 @@ mod tests {
         advance(after).await;
         tokio::task::yield_now().await;
         wait.is_finished()
-    }
-
-    /// Goal: a write openraft refused with ForwardToLeader (never committed, and never will be)
-    /// is "not leader, nothing done", naming the new leader; any other failure stays "outcome
-    /// unknown". Method: the two errors as openraft makes them.
-    #[test]
-    fn only_forward_to_leader_means_nothing_was_done() {
-        use openraft::error::{ClientWriteError, ForwardToLeader, RaftError};
-        let moved: WriteError = RaftError::APIError(ClientWriteError::ForwardToLeader(
-            ForwardToLeader::new(3, openraft::BasicNode::new("127.0.0.1:1")),
-        ));
-        match ProposeError::from_write(&moved) {
-            ProposeError::NotLeader(why) => assert!(why.contains("node 3"), "{why}"),
-            other => panic!("{other:?}"),
-        }
-        let unknown: WriteError =
-            RaftError::APIError(ClientWriteError::ForwardToLeader(ForwardToLeader::empty()));
-        assert!(matches!(
-            ProposeError::from_write(&unknown),
-            ProposeError::NotLeader(why) if why.contains("unknown")
-        ));
-        let fatal: WriteError = RaftError::Fatal(openraft::error::Fatal::Stopped);
-        assert!(matches!(
-            ProposeError::from_write(&fatal),
-            ProposeError::Unknown(_)
-        ));
     }
 
     /// Goal: new batches wait while a hold is alive, and go on when the last hold is dropped or

@@ -186,15 +186,12 @@ pub fn permission_denied(
     )
 }
 
-/// A proposal without an outcome. Overload and a lost leadership are "definitely not done";
-/// everything else may have committed, so the caller must retry with the same request_id.
+/// A proposal without an outcome. Overload is "definitely not done"; everything else may have
+/// committed, so the caller must retry with the same request_id.
 pub fn propose_failed(node: u64, e: ProposeError) -> Status {
     match e {
         ProposeError::Overloaded => {
             overloaded(format!("node {node}: {e}; nothing was done, retry later"))
-        }
-        ProposeError::NotLeader(why) => {
-            no_quorum(format!("node {node}: {why}; nothing was done, retry"))
         }
         ProposeError::Unknown(why) => outcome_unknown(format!(
             "node {node}: outcome unknown ({why}); retry with the same request_id"
@@ -272,10 +269,6 @@ mod tests {
             (
                 propose_failed(1, ProposeError::Unknown("x".into())),
                 Reason::OutcomeUnknown,
-            ),
-            (
-                propose_failed(1, ProposeError::NotLeader("x".into())),
-                Reason::NoQuorum,
             ),
         ];
         for (s, want) in cases {
