@@ -36,10 +36,10 @@ pub enum Refused {
         max: usize,
     },
     /// The source's places are held.
-    #[error("{max} connections from {address} already hold a place")]
+    #[error("{max} connections from {from} already hold a place")]
     Source {
-        /// The source address.
-        address: IpAddr,
+        /// The source: an IPv4 address, or an IPv6 /64.
+        from: String,
         /// The bound per source.
         max: usize,
     },
@@ -60,14 +60,16 @@ impl SourceSlots {
             table: Arc::default(),
             total_max,
             per_source_max,
-            trusted: trusted.into(),
+            trusted: trusted.into_iter().map(|ip| ip.to_canonical()).collect(),
         }
     }
 
-    /// A place for a connection from `source`, or why there is none.
-    pub fn admit(&self, source: IpAddr) -> Result<SourceSlot, Refused> {
+    /// A place for a connection from `address`, or why there is none.
+    pub fn admit(&self, address: IpAddr) -> Result<SourceSlot, Refused> {
+        let address = address.to_canonical();
+        let source = source_of(address);
         let mut t = self.table.lock().unwrap_or_else(PoisonError::into_inner);
-        if !self.trusted.contains(&source) {
+        if !self.trusted.contains(&address) {
             if t.total >= self.total_max {
                 return Err(Refused::Total {
                     max: self.total_max,
@@ -75,7 +77,10 @@ impl SourceSlots {
             }
             if t.by_source.get(&source).copied().unwrap_or(0) >= self.per_source_max {
                 return Err(Refused::Source {
-                    address: source,
+                    from: match source {
+                        IpAddr::V4(v4) => v4.to_string(),
+                        IpAddr::V6(v6) => format!("{v6}/64"),
+                    },
                     max: self.per_source_max,
                 });
             }
@@ -94,6 +99,20 @@ impl SourceSlots {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .total
+    }
+}
+
+/// What a connection from `address` (canonical: an IPv4 client of a listener on `[::]` arrives as
+/// `::ffff:a.b.c.d` and counts as `a.b.c.d`) is counted under: an IPv4 address, or the /64 of an
+/// IPv6 one, which one host usually has whole.
+fn source_of(address: IpAddr) -> IpAddr {
+    match address {
+        IpAddr::V6(v6) => {
+            let mut octets = v6.octets();
+            octets[8..].fill(0);
+            IpAddr::V6(octets.into())
+        }
+        v4 => v4,
     }
 }
 
@@ -130,7 +149,7 @@ mod tests {
         assert_eq!(
             refused,
             Refused::Source {
-                address: ip("10.0.0.1"),
+                from: "10.0.0.1".to_owned(),
                 max: 2
             }
         );
@@ -153,5 +172,29 @@ mod tests {
             slots.admit(ip("10.0.0.1")).err(),
             Some(Refused::Total { max: 4 })
         );
+    }
+
+    /// Goal: an IPv4 client seen through a listener on `[::]` counts as itself (and a trusted
+    /// IPv4 member stays trusted), and the addresses of one IPv6 /64 count as one source.
+    /// Method: mapped and plain forms of one address share its bound; two addresses of one /64
+    /// share theirs, another /64 has its own.
+    #[test]
+    fn mapped_ipv4_counts_as_ipv4_and_an_ipv6_slash_64_as_one_source() {
+        let slots = SourceSlots::new(100, 2, vec![ip("10.0.0.9")]);
+        let _a = slots.admit(ip("10.0.0.1")).unwrap();
+        let _b = slots.admit(ip("::ffff:10.0.0.1")).unwrap();
+        assert!(slots.admit(ip("10.0.0.1")).is_err());
+        let trusted: Vec<_> = (0..5)
+            .map(|_| slots.admit(ip("::ffff:10.0.0.9")).unwrap())
+            .collect();
+        let _c = slots.admit(ip("2001:db8:1:2::1")).unwrap();
+        let _d = slots.admit(ip("2001:db8:1:2::ffff")).unwrap();
+        let refused = slots.admit(ip("2001:db8:1:2:abcd::7")).err().unwrap();
+        assert!(
+            refused.to_string().contains("2001:db8:1:2::/64"),
+            "{refused}"
+        );
+        assert!(slots.admit(ip("2001:db8:1:3::1")).is_ok());
+        drop(trusted);
     }
 }

@@ -744,13 +744,15 @@ fn staggered_snapshot_every(every: u64, id: NodeId) -> u64 {
     every + every * ((id.saturating_sub(1)) % 8) / 8
 }
 
-/// The members' IP addresses, which the TLS accept loop never turns away for their number of
-/// handshakes in progress. A `--peer` DNS name is resolved here once, at start; one that does not
-/// resolve yet is only warned about (its node may not exist yet, as with a StatefulSet's pods),
-/// since every connect to it resolves again. A member that moves to a new IP under its name
-/// keeps working, but loses this exemption on this node until its next restart; so does a member
-/// added at runtime (`lockctl member add`) until this node restarts with it in `--peer`: the
-/// exemption only spares members the per-source handshake limit, replication works without it.
+/// The members' IP addresses, which the accept loops never turn away for their number of
+/// connections or handshakes in progress (`connections.rs`, `tls.rs`). A `--peer` DNS name is
+/// resolved here once, at start; one that does not resolve yet is only warned about (its node may
+/// not exist yet, as with a StatefulSet's pods), since every connect to it resolves again. A
+/// member that moves to a new IP under its name keeps working, but loses this exemption on this
+/// node until its next restart; so does a member added at runtime (`lockctl member add`) until
+/// this node restarts with it in `--peer`, or one that reaches this node through NAT. Without
+/// the exemption a member counts like any client: replication works, unless a flood from many
+/// addresses fills every place (16,384 connections) while it reconnects.
 async fn peer_ips(config: &NodeConfig) -> Vec<std::net::IpAddr> {
     let mut ips = Vec::new();
     for (id, addr) in &config.peers {
