@@ -36,6 +36,7 @@ pub mod node;
 pub(crate) mod observe;
 pub(crate) mod proposer;
 pub mod raft;
+pub(crate) mod read_barrier;
 pub mod service;
 pub(crate) mod signing;
 pub mod storage;

@@ -77,6 +77,8 @@ pub(crate) struct NodeCtx {
     pub membership_lock: tokio::sync::Mutex<()>,
     /// A follower's link to the leader for forwarded calls (see `crate::forwarder`).
     pub forwarder: crate::forwarder::Forwarder,
+    /// Linearizable reads, many per leadership check (see `crate::read_barrier`).
+    pub reads: crate::read_barrier::ReadBarrier,
 }
 
 impl NodeCtx {
@@ -525,6 +527,18 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
             protocols.clone(),
             shutdown.clone(),
         ),
+        reads: {
+            let raft = raft.clone();
+            crate::read_barrier::ReadBarrier::start(move || {
+                let raft = raft.clone();
+                async move {
+                    raft.ensure_linearizable()
+                        .await
+                        .map(drop)
+                        .map_err(|e| e.to_string())
+                }
+            })
+        },
     });
 
     let listener = tokio::net::TcpListener::bind(config.listen)

@@ -140,8 +140,14 @@ impl ClusterService {
 
     async fn signing_keys_local(&self) -> Result<SigningKeysResponse, Status> {
         // Linearizable, so a listing right after a rotation shows the new key.
-        match tokio::time::timeout(ADMIN_READ_TIMEOUT, self.ctx.raft.ensure_linearizable()).await {
+        match tokio::time::timeout(ADMIN_READ_TIMEOUT, self.ctx.reads.confirm()).await {
             Ok(Ok(_)) => {}
+            Ok(Err(e @ crate::read_barrier::ReadRefused::Overloaded)) => {
+                return Err(errors::overloaded(format!(
+                    "node {}: {e}; nothing was done, retry later",
+                    self.ctx.id
+                )));
+            }
             Ok(Err(e)) => {
                 return Err(errors::no_quorum(format!(
                     "node {} cannot serve a linearizable read: {e}",

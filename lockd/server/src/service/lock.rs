@@ -311,8 +311,14 @@ impl LockService {
     async fn describe_local(&self, req: DescribeRequest) -> Result<DescribeResponse, Status> {
         let resource =
             validate::resource(&req.resource).map_err(|e| errors::invalid_field("resource", e))?;
-        match tokio::time::timeout(READ_TIMEOUT, self.ctx.raft.ensure_linearizable()).await {
+        match tokio::time::timeout(READ_TIMEOUT, self.ctx.reads.confirm()).await {
             Ok(Ok(_)) => {}
+            Ok(Err(e @ crate::read_barrier::ReadRefused::Overloaded)) => {
+                return Err(errors::overloaded(format!(
+                    "node {}: {e}; nothing was done, retry later",
+                    self.ctx.id
+                )));
+            }
             Ok(Err(e)) => {
                 return Err(errors::no_quorum(format!(
                     "node {} cannot serve a linearizable read: {e}",

@@ -61,8 +61,14 @@ pub fn may_save(
 
 /// On the leader: fixes the backup's point, then streams the file.
 pub async fn save_local(ctx: &Arc<NodeCtx>) -> Result<SnapshotStream, Status> {
-    match tokio::time::timeout(READ_TIMEOUT, ctx.raft.ensure_linearizable()).await {
+    match tokio::time::timeout(READ_TIMEOUT, ctx.reads.confirm()).await {
         Ok(Ok(_)) => {}
+        Ok(Err(e @ crate::read_barrier::ReadRefused::Overloaded)) => {
+            return Err(errors::overloaded(format!(
+                "node {}: {e}; nothing was done, retry later",
+                ctx.id
+            )));
+        }
         Ok(Err(e)) => {
             return Err(errors::no_quorum(format!(
                 "node {} cannot take a consistent backup: {e}",
