@@ -529,7 +529,7 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
         ),
         reads: {
             let raft = raft.clone();
-            crate::read_barrier::ReadBarrier::start(move || {
+            crate::read_barrier::ReadBarrier::start(crate::read_barrier::ROUND_TIMEOUT, move || {
                 let raft = raft.clone();
                 async move {
                     raft.ensure_linearizable()

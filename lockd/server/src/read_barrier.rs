@@ -8,8 +8,12 @@
 //! that began after it arrived (what linearizability needs).
 
 use std::future::Future;
+use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot};
+
+/// Longest a round may take (the callers wait as long for their answer).
+pub const ROUND_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// Reads waiting for a round at most; beyond it a read is refused at once.
 pub const READS_QUEUED_MAX: usize = 8_192;
@@ -35,8 +39,10 @@ pub struct ReadBarrier {
 }
 
 impl ReadBarrier {
-    /// Starts the rounds: `confirm` runs one (for lockd, `ensure_linearizable`).
-    pub fn start<F, Fut>(mut confirm: F) -> Self
+    /// Starts the rounds: `confirm` runs one (for lockd, `ensure_linearizable`), and fails if it
+    /// takes longer than `round_timeout`. The bound matters: openraft's wait for apply has none,
+    /// and one round that never ended would leave every later read of the node waiting.
+    pub fn start<F, Fut>(round_timeout: Duration, mut confirm: F) -> Self
     where
         F: FnMut() -> Fut + Send + 'static,
         Fut: Future<Output = Result<(), String>> + Send,
@@ -54,7 +60,14 @@ impl ReadBarrier {
                 if waiting.is_empty() {
                     continue;
                 }
-                let outcome = confirm().await.map_err(ReadRefused::Failed);
+                let outcome = match tokio::time::timeout(round_timeout, confirm()).await {
+                    Ok(done) => done.map_err(ReadRefused::Failed),
+                    Err(_) => Err(ReadRefused::Failed(format!(
+                        "leadership not confirmed with a quorum, or the read point not applied, \
+                         within {} ms",
+                        round_timeout.as_millis()
+                    ))),
+                };
                 for w in waiting {
                     let _ = w.send(outcome.clone());
                 }
@@ -80,11 +93,10 @@ mod tests {
     use super::*;
     use std::sync::Arc;
     use std::sync::atomic::{AtomicUsize, Ordering};
-    use std::time::Duration;
 
     /// Goal: reads that arrive while a round runs share the next round (so 200 concurrent reads
     /// take two or three rounds, not 200), no read is answered by a round that began before it
-    /// arrived, and a failed round fails its reads only. Method: a fake round that takes 20 ms
+    /// arrived, and a failed or stuck round fails its reads only. Method: a fake round that takes 20 ms
     /// (paused time) and records when it began; each read records when it was called.
     #[tokio::test(start_paused = true)]
     async fn reads_share_rounds_that_began_after_them() {
@@ -92,15 +104,16 @@ mod tests {
         let fail_next = Arc::new(AtomicUsize::new(0));
         let barrier = {
             let (rounds, fail_next) = (rounds.clone(), fail_next.clone());
-            ReadBarrier::start(move || {
+            ReadBarrier::start(Duration::from_secs(3), move || {
                 let (rounds, fail_next) = (rounds.clone(), fail_next.clone());
                 async move {
                     rounds.lock().unwrap().push(tokio::time::Instant::now());
                     tokio::time::sleep(Duration::from_millis(20)).await;
-                    if fail_next.swap(0, Ordering::SeqCst) == 1 {
-                        Err("not the leader".to_owned())
-                    } else {
-                        Ok(())
+                    match fail_next.swap(0, Ordering::SeqCst) {
+                        1 => Err("not the leader".to_owned()),
+                        // A round that never ends (openraft's wait for apply has no bound).
+                        2 => std::future::pending().await,
+                        _ => Ok(()),
                     }
                 }
             })
@@ -140,5 +153,17 @@ mod tests {
             Err(ReadRefused::Failed("not the leader".to_owned()))
         );
         assert_eq!(barrier.confirm().await, Ok(()));
+
+        fail_next.store(2, Ordering::SeqCst);
+        let stuck = barrier.confirm().await;
+        assert!(
+            matches!(&stuck, Err(ReadRefused::Failed(why)) if why.contains("3000 ms")),
+            "{stuck:?}"
+        );
+        assert_eq!(
+            barrier.confirm().await,
+            Ok(()),
+            "a stuck round blocks no later read"
+        );
     }
 }
