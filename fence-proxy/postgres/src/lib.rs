@@ -371,6 +371,9 @@ pub async fn run_with_reload(
         ConnectionThreads::start_with(args.threads, "fence-proxy-pg", parser::session_threads())?;
     tracing::debug!(threads = threads.count(), "session threads started");
     let sessions = Arc::new(Semaphore::new(args.max_sessions));
+    // Refusals being written: past the bound a refused connection is closed without its error,
+    // so a flood of connections that are refused costs no more than the accepts.
+    let refusals = Arc::new(Semaphore::new(limits::REFUSALS_IN_FLIGHT_MAX));
     let startups = lockd_service_kit::admission::SourceSlots::new(
         args.max_sessions,
         args.max_startups_per_client,
@@ -378,7 +381,7 @@ pub async fn run_with_reload(
     );
     let tracker = TaskTracker::new();
     loop {
-        let (mut stream, peer) = tokio::select! {
+        let (stream, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok(a) => a,
                 Err(e) => {
@@ -402,7 +405,12 @@ pub async fn run_with_reload(
                 ),
             );
             tracing::info!(%peer, "refusing a client outside --allow-client");
-            tracker.spawn(startup::refuse_outsider(stream, e));
+            if let Ok(place) = refusals.clone().try_acquire_owned() {
+                tracker.spawn(async move {
+                    startup::refuse_outsider(stream, e).await;
+                    drop(place);
+                });
+            }
             continue;
         }
         let startup_place = match startups.admit(peer.ip()) {
@@ -415,9 +423,7 @@ pub async fn run_with_reload(
                     ),
                 );
                 tracing::info!(%peer, "refusing a connection: {why} in startup");
-                tracker.spawn(async move {
-                    let _ = stream.write_all(&e.to_message().frame).await;
-                });
+                refuse_at_once(&tracker, &refusals, stream, e);
                 continue;
             }
         };
@@ -429,9 +435,7 @@ pub async fn run_with_reload(
                     args.max_sessions
                 ),
             );
-            tracker.spawn(async move {
-                let _ = stream.write_all(&e.to_message().frame).await;
-            });
+            refuse_at_once(&tracker, &refusals, stream, e);
             continue;
         };
         // The socket moves to the session's thread, whose event loop then serves it.
@@ -610,5 +614,25 @@ async fn read_guard(
                 .map_err(|e| anyhow::anyhow!("{}: {e}", cfg.fence_table.qualified()))?;
             Ok(Some(key))
         }
+    }
+}
+
+/// Writes `e` to a refused client on a task of its own, if fewer than
+/// [`limits::REFUSALS_IN_FLIGHT_MAX`] refusals are being written; otherwise just closes it.
+fn refuse_at_once(
+    tracker: &TaskTracker,
+    refusals: &Arc<Semaphore>,
+    mut stream: TcpStream,
+    e: ProxyError,
+) {
+    if let Ok(place) = refusals.clone().try_acquire_owned() {
+        tracker.spawn(async move {
+            let _ = tokio::time::timeout(
+                Duration::from_secs(2),
+                stream.write_all(&e.to_message().frame),
+            )
+            .await;
+            drop(place);
+        });
     }
 }

@@ -97,6 +97,11 @@ pub const DEFAULT_MAX_STARTUPS_PER_CLIENT: usize = 64;
 /// buffer a message of `--max-message-bytes`.
 pub const MAX_AUTH_MESSAGE_BYTES: usize = 65_535;
 
+/// Refusals (outside `--allow-client`, too many sessions or startups) whose error is being
+/// written at once; each lives up to two seconds. Past it a refused connection is closed without
+/// its error, so a flood of refused connections cannot run the proxy out of descriptors.
+pub const REFUSALS_IN_FLIGHT_MAX: usize = 256;
+
 /// Default number of concurrent client sessions. Each session holds one upstream connection, so
 /// this also bounds the proxy's share of the upstream's `max_connections`.
 pub const DEFAULT_MAX_SESSIONS: usize = 1_000;

@@ -119,3 +119,51 @@ async fn silent_connections_from_one_client_hold_a_few_startup_places_not_every_
         assert_eq!(one, 1);
     }
 }
+
+/// Goal: a flood of connections the proxy refuses (outside `--allow-client`) cannot run it out
+/// of descriptors: each refusal waits up to two seconds for the client's startup packet to answer
+/// it properly, so at most `REFUSALS_IN_FLIGHT_MAX` wait at once and the others are closed at
+/// once, without their error. On main every one waited.
+/// Method: `--allow-client 10.0.0.0/8`; the bound plus 40 connections from 127.0.0.1 that send
+/// nothing; 40 of them (a few more if a refusal ended meanwhile) must be closed at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_connections_beyond_a_bound_are_closed_at_once() {
+    lockd_tests::skip_without_postgres!();
+    const BOUND: usize = fence_proxy_postgres::limits::REFUSALS_IN_FLIGHT_MAX;
+    let access = fence_proxy_postgres::AccessArgs {
+        allow_client: vec!["10.0.0.0/8".parse().unwrap()],
+        ..Default::default()
+    };
+    let proxy = PgProxy::start_with_access(pg::direct_url(), false, access).unwrap();
+    // The harness's start-up probe is refused too; let its refusal end.
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    let mut conns = Vec::new();
+    for _ in 0..BOUND + 40 {
+        conns.push(TcpStream::connect(proxy.addr).await.unwrap());
+    }
+    // All at once, well inside the two seconds a waiting refusal lasts.
+    let closed = futures::future::join_all(conns.iter_mut().map(|c| async move {
+        let mut byte = [0u8; 1];
+        match tokio::time::timeout(Duration::from_millis(500), c.read(&mut byte)).await {
+            Err(_) => false,
+            Ok(read) => {
+                assert!(
+                    matches!(read, Ok(0) | Err(_)),
+                    "no error before a startup packet"
+                );
+                true
+            }
+        }
+    }))
+    .await;
+    let closed_at_once = closed.iter().filter(|c| **c).count();
+    eprintln!(
+        "{} refused connections: {closed_at_once} closed at once",
+        conns.len()
+    );
+    assert!(
+        (40..=60).contains(&closed_at_once),
+        "{closed_at_once} of {} refused connections were closed at once",
+        conns.len()
+    );
+}
