@@ -36,10 +36,10 @@ pub enum Refused {
         max: usize,
     },
     /// The source's places are held.
-    #[error("{max} connections from {from} already hold a place")]
+    #[error("{max} connections from {address} already hold a place")]
     Source {
-        /// The source: an IPv4 address, or an IPv6 /64.
-        from: String,
+        /// The source address.
+        address: IpAddr,
         /// The bound per source.
         max: usize,
     },
@@ -48,13 +48,13 @@ pub enum Refused {
 /// A connection's place; given back when dropped, however the connection ends.
 #[must_use = "the place is given back when this is dropped"]
 pub struct SourceSlot {
-    table: Arc<Mutex<Table>>,
-    source: IpAddr,
+    /// The table and source it counts in; `None` for a trusted source, which is not counted.
+    counted: Option<(Arc<Mutex<Table>>, IpAddr)>,
 }
 
 impl SourceSlots {
     /// At most `total_max` places, `per_source_max` of them for one address; addresses in
-    /// `trusted` are always admitted (and counted).
+    /// `trusted` are always admitted, and not counted (they take no place from others).
     pub fn new(total_max: usize, per_source_max: usize, trusted: Vec<IpAddr>) -> Self {
         SourceSlots {
             table: Arc::default(),
@@ -66,34 +66,33 @@ impl SourceSlots {
 
     /// A place for a connection from `address`, or why there is none.
     pub fn admit(&self, address: IpAddr) -> Result<SourceSlot, Refused> {
-        let address = address.to_canonical();
-        let source = source_of(address);
+        // An IPv4 client of a listener on `[::]` arrives as `::ffff:a.b.c.d`: count it (and
+        // trust it) as `a.b.c.d`. IPv6 sources count by full address: a /64 is often a whole
+        // subnet or a node's pods, not one host.
+        let source = address.to_canonical();
+        if self.trusted.contains(&source) {
+            return Ok(SourceSlot { counted: None });
+        }
         let mut t = self.table.lock().unwrap_or_else(PoisonError::into_inner);
-        if !self.trusted.contains(&address) {
-            if t.total >= self.total_max {
-                return Err(Refused::Total {
-                    max: self.total_max,
-                });
-            }
-            if t.by_source.get(&source).copied().unwrap_or(0) >= self.per_source_max {
-                return Err(Refused::Source {
-                    from: match source {
-                        IpAddr::V4(v4) => v4.to_string(),
-                        IpAddr::V6(v6) => format!("{v6}/64"),
-                    },
-                    max: self.per_source_max,
-                });
-            }
+        if t.total >= self.total_max {
+            return Err(Refused::Total {
+                max: self.total_max,
+            });
+        }
+        if t.by_source.get(&source).copied().unwrap_or(0) >= self.per_source_max {
+            return Err(Refused::Source {
+                address: source,
+                max: self.per_source_max,
+            });
         }
         t.total += 1;
         *t.by_source.entry(source).or_insert(0) += 1;
         Ok(SourceSlot {
-            table: self.table.clone(),
-            source,
+            counted: Some((self.table.clone(), source)),
         })
     }
 
-    /// Places held now.
+    /// Places held now (trusted sources' connections not included).
     pub fn held(&self) -> usize {
         self.table
             .lock()
@@ -102,25 +101,14 @@ impl SourceSlots {
     }
 }
 
-/// What a connection from `address` (canonical: an IPv4 client of a listener on `[::]` arrives as
-/// `::ffff:a.b.c.d` and counts as `a.b.c.d`) is counted under: an IPv4 address, or the /64 of an
-/// IPv6 one, which one host usually has whole.
-fn source_of(address: IpAddr) -> IpAddr {
-    match address {
-        IpAddr::V6(v6) => {
-            let mut octets = v6.octets();
-            octets[8..].fill(0);
-            IpAddr::V6(octets.into())
-        }
-        v4 => v4,
-    }
-}
-
 impl Drop for SourceSlot {
     fn drop(&mut self) {
-        let mut t = self.table.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some((table, source)) = self.counted.take() else {
+            return;
+        };
+        let mut t = table.lock().unwrap_or_else(PoisonError::into_inner);
         t.total -= 1;
-        if let Entry::Occupied(mut e) = t.by_source.entry(self.source) {
+        if let Entry::Occupied(mut e) = t.by_source.entry(source) {
             *e.get_mut() -= 1;
             if *e.get() == 0 {
                 e.remove();
@@ -149,7 +137,7 @@ mod tests {
         assert_eq!(
             refused,
             Refused::Source {
-                from: "10.0.0.1".to_owned(),
+                address: ip("10.0.0.1"),
                 max: 2
             }
         );
@@ -163,7 +151,7 @@ mod tests {
         let trusted: Vec<_> = (0..10)
             .map(|_| slots.admit(ip("10.0.0.9")).unwrap())
             .collect();
-        assert_eq!(slots.held(), 14);
+        assert_eq!(slots.held(), 4, "trusted sources take no place");
         drop(trusted);
         drop(a1);
         assert_eq!(slots.held(), 3);
@@ -175,11 +163,10 @@ mod tests {
     }
 
     /// Goal: an IPv4 client seen through a listener on `[::]` counts as itself (and a trusted
-    /// IPv4 member stays trusted), and the addresses of one IPv6 /64 count as one source.
-    /// Method: mapped and plain forms of one address share its bound; two addresses of one /64
-    /// share theirs, another /64 has its own.
+    /// IPv4 member stays trusted); IPv6 addresses count one by one. Method: mapped and plain
+    /// forms of one address share its bound; two addresses of one /64 have a bound each.
     #[test]
-    fn mapped_ipv4_counts_as_ipv4_and_an_ipv6_slash_64_as_one_source() {
+    fn mapped_ipv4_counts_as_ipv4_and_ipv6_addresses_one_by_one() {
         let slots = SourceSlots::new(100, 2, vec![ip("10.0.0.9")]);
         let _a = slots.admit(ip("10.0.0.1")).unwrap();
         let _b = slots.admit(ip("::ffff:10.0.0.1")).unwrap();
@@ -187,14 +174,12 @@ mod tests {
         let trusted: Vec<_> = (0..5)
             .map(|_| slots.admit(ip("::ffff:10.0.0.9")).unwrap())
             .collect();
+        assert_eq!(slots.held(), 2);
         let _c = slots.admit(ip("2001:db8:1:2::1")).unwrap();
-        let _d = slots.admit(ip("2001:db8:1:2::ffff")).unwrap();
-        let refused = slots.admit(ip("2001:db8:1:2:abcd::7")).err().unwrap();
-        assert!(
-            refused.to_string().contains("2001:db8:1:2::/64"),
-            "{refused}"
-        );
-        assert!(slots.admit(ip("2001:db8:1:3::1")).is_ok());
+        let _d = slots.admit(ip("2001:db8:1:2::1")).unwrap();
+        let refused = slots.admit(ip("2001:db8:1:2::1")).err().unwrap();
+        assert!(refused.to_string().contains("2001:db8:1:2::1"), "{refused}");
+        assert!(slots.admit(ip("2001:db8:1:2::2")).is_ok());
         drop(trusted);
     }
 }

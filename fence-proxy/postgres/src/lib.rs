@@ -89,10 +89,10 @@ pub struct Args {
     /// Most concurrent client sessions; each holds one upstream connection.
     #[arg(long, default_value_t = limits::DEFAULT_MAX_SESSIONS, env = "FENCE_PROXY_PG_MAX_SESSIONS")]
     pub max_sessions: usize,
-    /// Most connections from one client address (an IPv6 /64 counts as one) that may be in
-    /// startup and authentication at once; more are refused at once (53300), so that one client
-    /// that opens connections and sends nothing cannot hold every session slot. Raise it for
-    /// many clients behind one NAT address.
+    /// Most connections from one client address that may be in startup and authentication at
+    /// once; more are refused at once (53300), so that one client that opens connections and
+    /// sends nothing cannot hold every session slot. Raise it for many clients behind one NAT
+    /// address.
     #[arg(long, default_value_t = limits::DEFAULT_MAX_STARTUPS_PER_CLIENT, env = "FENCE_PROXY_PG_MAX_STARTUPS_PER_CLIENT")]
     pub max_startups_per_client: usize,
     /// Largest protocol message body accepted in either direction, in bytes.
