@@ -12,8 +12,9 @@ use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot};
 
-/// Longest a round may take (the callers wait as long for their answer).
-pub const ROUND_TIMEOUT: Duration = Duration::from_secs(3);
+/// Longest a round may take: half of what a caller waits (3 s), since a read that arrives just
+/// after a round began waits for that round and then its own.
+pub const ROUND_TIMEOUT: Duration = Duration::from_millis(1_500);
 
 /// Reads waiting for a round at most; beyond it a read is refused at once.
 pub const READS_QUEUED_MAX: usize = 8_192;
