@@ -1,8 +1,9 @@
 //! Accepting connections, and shutting down without leaving a resource locked.
 
+use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -18,8 +19,8 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+use tower::ServiceBuilder;
 use tower::limit::ConcurrencyLimitLayer;
-use tower::{ServiceBuilder, ServiceExt};
 use tower_http::trace::TraceLayer;
 
 use crate::tls::Access;
@@ -55,6 +56,7 @@ struct Activity {
     last_request_ms: AtomicU64,
     /// Since when a write to the client has waited for it to read; [`NEVER`] while none waits.
     write_blocked_ms: AtomicU64,
+    unpolled: Mutex<Unpolled>,
 }
 
 impl Activity {
@@ -63,6 +65,7 @@ impl Activity {
             opened: std::time::Instant::now(),
             last_request_ms: AtomicU64::new(NEVER),
             write_blocked_ms: AtomicU64::new(NEVER),
+            unpolled: Mutex::default(),
         }
     }
 
@@ -74,6 +77,150 @@ impl Activity {
     fn since(&self, at: &AtomicU64) -> Option<Duration> {
         let at = at.load(Ordering::Relaxed);
         (at != NEVER).then(|| Duration::from_millis(self.now_ms().saturating_sub(at)))
+    }
+}
+
+/// Response bodies of a connection that yielded a frame hyper has not come back for yet: when
+/// each yielded it, in milliseconds since the connection opened. hyper polls a body again once
+/// the frame is on its way; over HTTP/2 a client that grants no flow-control window (and answers
+/// pings) leaves it unpolled without a single blocked write to the socket.
+#[derive(Default)]
+struct Unpolled {
+    next_id: u64,
+    yielded_ms: std::collections::HashMap<u64, u64>,
+}
+
+impl Activity {
+    /// How long the body hyper has left unpolled longest has waited, if any has.
+    fn longest_unpolled(&self) -> Option<Duration> {
+        let unpolled = self.unpolled.lock().unwrap_or_else(PoisonError::into_inner);
+        let oldest = unpolled.yielded_ms.values().min().copied()?;
+        Some(Duration::from_millis(self.now_ms().saturating_sub(oldest)))
+    }
+}
+
+/// A response body that tells [`Activity`] when it has yielded a frame and when hyper comes back
+/// for the next.
+struct WatchedBody<B> {
+    inner: B,
+    id: u64,
+    activity: Arc<Activity>,
+}
+
+impl<B> WatchedBody<B> {
+    fn new(inner: B, activity: Arc<Activity>) -> Self {
+        let id = {
+            let mut unpolled = activity
+                .unpolled
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            unpolled.next_id += 1;
+            unpolled.next_id
+        };
+        WatchedBody {
+            inner,
+            id,
+            activity,
+        }
+    }
+
+    fn unpolled(&self) -> std::sync::MutexGuard<'_, Unpolled> {
+        self.activity
+            .unpolled
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl<B: http_body::Body + Unpin> http_body::Body for WatchedBody<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.inner).poll_frame(cx);
+        let now = this.activity.now_ms();
+        let mut unpolled = this.unpolled();
+        match &polled {
+            Poll::Ready(Some(Ok(_))) => {
+                unpolled.yielded_ms.insert(this.id, now);
+            }
+            _ => {
+                unpolled.yielded_ms.remove(&this.id);
+            }
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl<B> Drop for WatchedBody<B> {
+    fn drop(&mut self) {
+        self.unpolled().yielded_ms.remove(&self.id);
+    }
+}
+
+/// The proxy's service for one connection: notes when each request arrives, and watches each
+/// response body (see [`WatchedBody`]).
+#[derive(Clone)]
+struct Watch<S> {
+    inner: S,
+    activity: Arc<Activity>,
+}
+
+impl<S, R, B> tower::Service<R> for Watch<S>
+where
+    S: tower::Service<R, Response = http::Response<B>>,
+{
+    type Response = http::Response<WatchedBody<B>>;
+    type Error = S::Error;
+    type Future = Watching<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: R) -> Self::Future {
+        let a = &self.activity;
+        a.last_request_ms.store(a.now_ms(), Ordering::Relaxed);
+        Watching {
+            inner: self.inner.call(request),
+            activity: self.activity.clone(),
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A response on its way, whose body [`Watch`] will watch.
+    struct Watching<F> {
+        #[pin]
+        inner: F,
+        activity: Arc<Activity>,
+    }
+}
+
+impl<F, B, E> Future for Watching<F>
+where
+    F: Future<Output = Result<http::Response<B>, E>>,
+{
+    type Output = Result<http::Response<WatchedBody<B>>, E>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        let activity = this.activity;
+        this.inner.poll(cx).map(|done| {
+            done.map(|response| response.map(|body| WatchedBody::new(body, activity.clone())))
+        })
     }
 }
 
@@ -162,16 +309,15 @@ async fn serve_connection<I, S, B>(
         + 'static,
     S::Future: Send + 'static,
     S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-    B: http_body::Body + Send + 'static,
+    B: http_body::Body + Unpin + Send + 'static,
     B::Data: Send,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let activity = Arc::new(Activity::new());
-    let seen = activity.clone();
-    let connection_service = service.map_request(move |request| {
-        seen.last_request_ms.store(seen.now_ms(), Ordering::Relaxed);
-        request
-    });
+    let connection_service = Watch {
+        inner: service,
+        activity: activity.clone(),
+    };
     let stream = Watched {
         io: stream,
         activity: activity.clone(),
@@ -206,11 +352,12 @@ async fn serve_connection<I, S, B>(
                     }
                     _ => {}
                 }
-                if activity
-                    .since(&activity.write_blocked_ms)
-                    .is_some_and(|blocked| blocked >= timeouts.send)
-                {
-                    tracing::debug!(%peer, "the client read nothing within the send timeout; closing");
+                let stalled = [
+                    activity.since(&activity.write_blocked_ms),
+                    activity.longest_unpolled(),
+                ];
+                if stalled.iter().flatten().any(|waited| *waited >= timeouts.send) {
+                    tracing::debug!(%peer, "the client took no response data within the send timeout; closing");
                     return;
                 }
             }

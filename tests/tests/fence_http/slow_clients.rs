@@ -374,36 +374,7 @@ async fn an_idle_http2_connection_is_closed_after_the_idle_timeout() {
 /// been closed before the whole body arrived.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_stops_reading_a_response_is_disconnected_after_the_send_timeout() {
-    const BODY: usize = 32 * 1024 * 1024;
-    let upstream = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let upstream_addr = upstream.local_addr().unwrap();
-    let server = tokio::spawn(async move {
-        loop {
-            let Ok((mut s, _)) = upstream.accept().await else {
-                return;
-            };
-            tokio::spawn(async move {
-                let mut head = Vec::new();
-                let mut byte = [0u8; 1];
-                while !head.ends_with(b"\r\n\r\n") {
-                    if s.read(&mut byte).await.unwrap_or(0) == 0 {
-                        return;
-                    }
-                    head.push(byte[0]);
-                }
-                let answer = format!("HTTP/1.1 200 OK\r\nContent-Length: {BODY}\r\n\r\n");
-                if s.write_all(answer.as_bytes()).await.is_err() {
-                    return;
-                }
-                let chunk = vec![b'x'; 64 * 1024];
-                for _ in 0..BODY / chunk.len() {
-                    if s.write_all(&chunk).await.is_err() {
-                        return;
-                    }
-                }
-            });
-        }
-    });
+    let (upstream_addr, server) = big_upstream().await;
     let dir = tempfile::tempdir().unwrap();
     let proxy = FenceProxy::start(
         &format!("http://{upstream_addr}"),
@@ -425,14 +396,98 @@ async fn a_client_that_stops_reading_a_response_is_disconnected_after_the_send_t
             Ok(Ok(0)) | Ok(Err(_)) => break true,
             Ok(Ok(n)) => received += n,
         }
-        if received >= BODY {
+        if received >= BIG_BODY {
             break false;
         }
     };
     eprintln!("after 4 s unread: received {received} bytes, then closed: {closed}");
     server.abort();
     assert!(
-        closed && received < BODY,
-        "a client that read nothing for 4 s still got the whole {BODY}-byte body"
+        closed && received < BIG_BODY,
+        "a client that read nothing for 4 s still got the whole {BIG_BODY}-byte body"
+    );
+}
+
+/// Size of what [`big_upstream`] answers.
+const BIG_BODY: usize = 32 * 1024 * 1024;
+
+/// An upstream that answers every request with [`BIG_BODY`] bytes, and the task that serves it.
+async fn big_upstream() -> (std::net::SocketAddr, tokio::task::JoinHandle<()>) {
+    let upstream = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream_addr = upstream.local_addr().unwrap();
+    let server = tokio::spawn(async move {
+        loop {
+            let Ok((mut s, _)) = upstream.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut byte = [0u8; 1];
+                while !head.ends_with(b"\r\n\r\n") {
+                    if s.read(&mut byte).await.unwrap_or(0) == 0 {
+                        return;
+                    }
+                    head.push(byte[0]);
+                }
+                let answer = format!("HTTP/1.1 200 OK\r\nContent-Length: {BIG_BODY}\r\n\r\n");
+                if s.write_all(answer.as_bytes()).await.is_err() {
+                    return;
+                }
+                let chunk = vec![b'x'; 64 * 1024];
+                for _ in 0..BIG_BODY / chunk.len() {
+                    if s.write_all(&chunk).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (upstream_addr, server)
+}
+
+/// Goal: over HTTP/2 a client can stop taking a response without a single blocked write on the
+/// socket: it answers pings and reads the socket, but grants no flow-control window, so the
+/// proxy has response data it may not send. That client is disconnected `--send-timeout` after
+/// the proxy last could send it data too, with the response and its upstream connection.
+/// Method: the 32 MiB upstream; `--send-timeout 1s`; an h2c client gets the response head and
+/// never reads the body (so grants no window past the first 64 KiB); its connection must end
+/// within 6 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_client_that_grants_no_window_is_disconnected_after_the_send_timeout() {
+    use http_body_util::Empty;
+    let (upstream_addr, server) = big_upstream().await;
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = FenceProxy::start(
+        &format!("http://{upstream_addr}"),
+        &redb_store(&dir),
+        &["--send-timeout", "1s"],
+    )
+    .await
+    .unwrap();
+    let tcp = TcpStream::connect(proxy.addr).await.unwrap();
+    let (mut sender, connection) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    let connection = tokio::spawn(connection);
+    let started = Instant::now();
+    let request = hyper::Request::get(proxy.url("/big"))
+        .body(Empty::<bytes::Bytes>::new())
+        .unwrap();
+    let response = sender.send_request(request).await.unwrap();
+    assert_eq!(response.status(), 200);
+    // Kept, never read: no window beyond the first 64 KiB is granted.
+    let _unread = response;
+    let ended = tokio::time::timeout(Duration::from_secs(6), connection).await;
+    eprintln!(
+        "the connection of a client granting no window ended after {:?}: {ended:?}",
+        started.elapsed()
+    );
+    server.abort();
+    assert!(
+        ended.is_ok(),
+        "a client that took no data kept its connection for 6 s"
     );
 }
