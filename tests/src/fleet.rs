@@ -414,7 +414,26 @@ impl Fleet {
                 return Ok(leader);
             }
             if Instant::now() > deadline {
-                anyhow::bail!("no agreed leader within {within:?}: (node, leader, leads) {seen:?}");
+                // What each running node said about elections, so a failure can be read.
+                let said: String = running
+                    .iter()
+                    .map(|id| {
+                        let log = self.log(*id);
+                        let lines: Vec<&str> = log
+                            .lines()
+                            .filter(|l| {
+                                ["vote", "elect", "leader", "term", "WARN", "ERROR"]
+                                    .iter()
+                                    .any(|w| l.contains(w))
+                            })
+                            .collect();
+                        let tail = &lines[lines.len().saturating_sub(40)..];
+                        format!("\n--- node {id}, last election lines:\n{}", tail.join("\n"))
+                    })
+                    .collect();
+                anyhow::bail!(
+                    "no agreed leader within {within:?}: (node, leader, leads) {seen:?}{said}"
+                );
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }

@@ -320,6 +320,35 @@ async fn issue13_max_connections_caps_open_connections() {
     drop(idle_b);
 }
 
+/// A GET of `path` over a new h2c connection (prior knowledge) to `proxy`: the response (body
+/// unread), the task driving the connection, which ends when the connection does, and the
+/// connection's sender (dropping it lets the client close the connection itself).
+async fn h2c_get(
+    proxy: &FenceProxy,
+    path: &str,
+) -> (
+    hyper::Response<hyper::body::Incoming>,
+    tokio::task::JoinHandle<Result<(), hyper::Error>>,
+    hyper::client::conn::http2::SendRequest<http_body_util::Empty<bytes::Bytes>>,
+) {
+    let tcp = TcpStream::connect(proxy.addr).await.unwrap();
+    let (mut sender, connection) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    let connection = tokio::spawn(connection);
+    let request = hyper::Request::get(proxy.url(path))
+        .body(http_body_util::Empty::<bytes::Bytes>::new())
+        .unwrap();
+    (
+        sender.send_request(request).await.unwrap(),
+        connection,
+        sender,
+    )
+}
+
 /// Goal: an HTTP/2 connection that has made its requests and then stays quiet does not keep its
 /// connection slot for good (hyper closes idle HTTP/1.1 connections by its header timer, but
 /// never an idle HTTP/2 one: 4,096 such connections, one GET each, locked every other client
@@ -328,7 +357,7 @@ async fn issue13_max_connections_caps_open_connections() {
 /// nothing; the proxy must close the connection between 0.8 s and 5 s after the GET.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_http2_connection_is_closed_after_the_idle_timeout() {
-    use http_body_util::{BodyExt, Empty};
+    use http_body_util::BodyExt;
     let dir = tempfile::tempdir().unwrap();
     let upstream = HttpUpstream::start().await.unwrap();
     let proxy = FenceProxy::start(
@@ -338,19 +367,8 @@ async fn an_idle_http2_connection_is_closed_after_the_idle_timeout() {
     )
     .await
     .unwrap();
-    let tcp = TcpStream::connect(proxy.addr).await.unwrap();
-    let (mut sender, connection) = hyper::client::conn::http2::handshake(
-        hyper_util::rt::TokioExecutor::new(),
-        hyper_util::rt::TokioIo::new(tcp),
-    )
-    .await
-    .unwrap();
-    let connection = tokio::spawn(connection);
     let started = Instant::now();
-    let request = hyper::Request::get(proxy.url("/obj"))
-        .body(Empty::<bytes::Bytes>::new())
-        .unwrap();
-    let response = sender.send_request(request).await.unwrap();
+    let (response, connection, _sender) = h2c_get(&proxy, "/obj").await;
     assert_eq!(response.status(), 200);
     response.into_body().collect().await.unwrap();
     let ended = tokio::time::timeout(Duration::from_secs(5), connection).await;
@@ -454,7 +472,6 @@ async fn big_upstream() -> (std::net::SocketAddr, tokio::task::JoinHandle<()>) {
 /// within 6 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_http2_client_that_grants_no_window_is_disconnected_after_the_send_timeout() {
-    use http_body_util::Empty;
     let (upstream_addr, server) = big_upstream().await;
     let dir = tempfile::tempdir().unwrap();
     let proxy = FenceProxy::start(
@@ -464,19 +481,8 @@ async fn an_http2_client_that_grants_no_window_is_disconnected_after_the_send_ti
     )
     .await
     .unwrap();
-    let tcp = TcpStream::connect(proxy.addr).await.unwrap();
-    let (mut sender, connection) = hyper::client::conn::http2::handshake(
-        hyper_util::rt::TokioExecutor::new(),
-        hyper_util::rt::TokioIo::new(tcp),
-    )
-    .await
-    .unwrap();
-    let connection = tokio::spawn(connection);
     let started = Instant::now();
-    let request = hyper::Request::get(proxy.url("/big"))
-        .body(Empty::<bytes::Bytes>::new())
-        .unwrap();
-    let response = sender.send_request(request).await.unwrap();
+    let (response, connection, _sender) = h2c_get(&proxy, "/big").await;
     assert_eq!(response.status(), 200);
     // Kept, never read: no window beyond the first 64 KiB is granted.
     let _unread = response;
