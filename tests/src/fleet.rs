@@ -462,7 +462,19 @@ impl Fleet {
                     eprintln!("acquire {resource} via nodes {via:?}: {e}");
                     tokio::time::sleep(Duration::from_millis(200)).await;
                 }
-                Err(e) => anyhow::bail!("no grant via nodes {via:?} within {within:?}: {e}"),
+                Err(e) => {
+                    // The nodes' own last words (a node that exited says why here).
+                    let said: String = via
+                        .iter()
+                        .map(|id| {
+                            let log = self.log(*id);
+                            let lines: Vec<&str> = log.lines().collect();
+                            let tail = &lines[lines.len().saturating_sub(25)..];
+                            format!("\n--- node {id}, last lines:\n{}", tail.join("\n"))
+                        })
+                        .collect();
+                    anyhow::bail!("no grant via nodes {via:?} within {within:?}: {e}{said}")
+                }
             }
         }
     }
