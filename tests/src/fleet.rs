@@ -195,16 +195,30 @@ impl Fleet {
         ids.iter().map(|id| self.ip_addr(*id)).collect()
     }
 
-    /// Writes the hosts file whole and renames it into place, so a reader never sees half of it.
+    /// Rewrites the hosts file in place and moves its mtime forward by at least a second, so
+    /// every node's nss_wrapper reloads it (it compares whole seconds). Never by rename:
+    /// nss_wrapper 1.1.12 reopens a replaced file (`st_nlink == 0`) without a lock, and two
+    /// threads resolving at that moment crash the node in `fclose(NULL)`. A reader that catches
+    /// the file half written reloads it once the final mtime, which no earlier write had, shows.
     fn write_hosts(&self) -> anyhow::Result<()> {
+        use std::io::Write;
         let text: String = self
             .nodes
             .iter()
             .map(|(id, n)| format!("{} {}\n", n.ip, self.name(*id)))
             .collect();
-        let tmp = self.hosts.with_extension("tmp");
-        std::fs::write(&tmp, text)?;
-        std::fs::rename(&tmp, &self.hosts)?;
+        let before = std::fs::metadata(&self.hosts)
+            .and_then(|m| m.modified())
+            .ok();
+        let mut file = std::fs::OpenOptions::new()
+            .create(true)
+            .write(true)
+            .truncate(true)
+            .open(&self.hosts)?;
+        file.write_all(text.as_bytes())?;
+        let now = std::time::SystemTime::now();
+        let later = before.map_or(now, |b| now.max(b + Duration::from_secs(1)));
+        file.set_modified(later + Duration::from_secs(1))?;
         Ok(())
     }
 
@@ -414,6 +428,20 @@ impl Fleet {
                 return Ok(leader);
             }
             if Instant::now() > deadline {
+                // Nodes that should run but exited, with how they ended and their last lines.
+                let all: Vec<u64> = self.nodes.keys().copied().collect();
+                let mut ended = String::new();
+                for id in all {
+                    if let Some(status) = self.exited(id) {
+                        let log = self.log(id);
+                        let lines: Vec<&str> = log.lines().collect();
+                        let tail = &lines[lines.len().saturating_sub(20)..];
+                        ended.push_str(&format!(
+                            "\n--- node {id} exited ({status}), last lines:\n{}",
+                            tail.join("\n")
+                        ));
+                    }
+                }
                 // What each running node said about elections, so a failure can be read.
                 let said: String = running
                     .iter()
@@ -432,7 +460,7 @@ impl Fleet {
                     })
                     .collect();
                 anyhow::bail!(
-                    "no agreed leader within {within:?}: (node, leader, leads) {seen:?}{said}"
+                    "no agreed leader within {within:?}: (node, leader, leads) {seen:?}{said}{ended}"
                 );
             }
             tokio::time::sleep(Duration::from_millis(100)).await;

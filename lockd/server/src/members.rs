@@ -265,34 +265,6 @@ impl Members {
     }
 }
 
-/// Resolves the `--peer` addresses once at start and warns about names that do not resolve yet.
-/// Nothing depends on it: every connect resolves again, and an unresolvable peer is retried like an
-/// unreachable one, so a node may start before its peers' names exist (a StatefulSet's pods).
-pub async fn check_names(peers: BTreeMap<NodeId, String>) {
-    for (id, addr) in peers {
-        if addr.parse::<std::net::SocketAddr>().is_ok() {
-            continue;
-        }
-        match tokio::net::lookup_host(addr.as_str())
-            .await
-            .map(|mut found| found.next().is_some())
-        {
-            Ok(true) => {}
-            Ok(false) => tracing::warn!(
-                peer = id,
-                address = %addr,
-                "lockd: --peer {id}={addr} resolves to no address yet; retrying on every connect"
-            ),
-            Err(e) => tracing::warn!(
-                peer = id,
-                address = %addr,
-                error = %e,
-                "lockd: --peer {id}={addr} does not resolve yet; retrying on every connect"
-            ),
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -437,8 +437,11 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
         restore.clone(),
         protocols.clone(),
     )?;
+    // Before anything dials a peer, so this process's first name lookups run one at a time: some
+    // resolvers are not safe when their first lookups run on several threads at once (nss_wrapper
+    // 1.1.12, which the test suite preloads, crashes in about 7 % of such starts).
+    let member_ips = peer_ips(&config).await;
     let members = Members::new(config.id, &config.peers, dial.clone());
-    tokio::spawn(crate::members::check_names(config.peers.clone()));
     let auth = crate::auth::Auth::load(
         config.auth.as_ref(),
         tls.clone(),
@@ -578,7 +581,6 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
             gate.rejoin(r, me, initial, ask, s).await
         });
     }
-    let member_ips = peer_ips(&config).await;
     if let Some(addr) = config.metrics_listen {
         let std_listener = std::net::TcpListener::bind(addr)
             .map_err(|e| anyhow::anyhow!("binding --metrics-listen {addr}: {e}"))?;
