@@ -1,7 +1,9 @@
 //! Places for connections in a phase an untrusted peer can hold open at little cost to itself
 //! (a connection at all, a TLS handshake, a Postgres startup): at most so many at once in all, and
 //! at most so many from one source address, so one client that opens sockets and sends nothing
-//! cannot take every place. Trusted sources (a cluster's own members) are never refused.
+//! cannot take every place. Trusted sources (a cluster's own members) are never refused; the set
+//! of them is a [`TrustedSources`] handle that the owner may replace at any time (members are
+//! added, removed and moved at runtime), shared by every phase that trusts the same sources.
 //!
 //! A refused connection is closed at once rather than made to wait: waiting would let the silent
 //! ones hold up everyone behind them in the listen backlog.
@@ -9,7 +11,7 @@
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 use std::net::IpAddr;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
 /// The places of one phase, shared by every connection that enters it.
 #[derive(Clone)]
@@ -17,7 +19,50 @@ pub struct SourceSlots {
     table: Arc<Mutex<Table>>,
     total_max: usize,
     per_source_max: usize,
-    trusted: Arc<[IpAddr]>,
+    trusted: TrustedSources,
+}
+
+/// Addresses admitted without a place, replaceable while connections come in. Cheap to clone;
+/// clones share the set. A connection admitted as trusted stays uncounted after its address
+/// leaves the set (it took no place to give back); later ones are counted.
+#[derive(Clone, Default)]
+pub struct TrustedSources(Arc<RwLock<Arc<[IpAddr]>>>);
+
+impl TrustedSources {
+    /// A set of `addresses` (IPv4-mapped IPv6 forms count as IPv4).
+    pub fn new(addresses: Vec<IpAddr>) -> Self {
+        let t = TrustedSources::default();
+        t.set(addresses);
+        t
+    }
+
+    /// Replaces the set; returns whether it changed.
+    pub fn set(&self, addresses: Vec<IpAddr>) -> bool {
+        let mut canonical: Vec<IpAddr> = addresses.iter().map(|ip| ip.to_canonical()).collect();
+        canonical.sort_unstable();
+        canonical.dedup();
+        if *self.get() == *canonical {
+            return false;
+        }
+        *self.0.write().unwrap_or_else(PoisonError::into_inner) = canonical.into();
+        true
+    }
+
+    /// The set now, sorted.
+    pub fn get(&self) -> Arc<[IpAddr]> {
+        self.0
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    fn contains(&self, canonical: &IpAddr) -> bool {
+        self.0
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .binary_search(canonical)
+            .is_ok()
+    }
 }
 
 #[derive(Default)]
@@ -54,13 +99,14 @@ pub struct SourceSlot {
 
 impl SourceSlots {
     /// At most `total_max` places, `per_source_max` of them for one address; addresses in
-    /// `trusted` are always admitted, and not counted (they take no place from others).
-    pub fn new(total_max: usize, per_source_max: usize, trusted: Vec<IpAddr>) -> Self {
+    /// `trusted` (as it is when a connection comes) are always admitted, and not counted (they
+    /// take no place from others).
+    pub fn new(total_max: usize, per_source_max: usize, trusted: TrustedSources) -> Self {
         SourceSlots {
             table: Arc::default(),
             total_max,
             per_source_max,
-            trusted: trusted.into_iter().map(|ip| ip.to_canonical()).collect(),
+            trusted,
         }
     }
 
@@ -130,7 +176,7 @@ mod tests {
     /// fill each bound and check the refusal names it.
     #[test]
     fn bounds_per_source_and_in_all_and_trusted_sources_always_pass() {
-        let slots = SourceSlots::new(4, 2, vec![ip("10.0.0.9")]);
+        let slots = SourceSlots::new(4, 2, TrustedSources::new(vec![ip("10.0.0.9")]));
         let a1 = slots.admit(ip("10.0.0.1")).unwrap();
         let _a2 = slots.admit(ip("10.0.0.1")).unwrap();
         let refused = slots.admit(ip("10.0.0.1")).err().unwrap();
@@ -167,7 +213,7 @@ mod tests {
     /// forms of one address share its bound; two addresses of one /64 have a bound each.
     #[test]
     fn mapped_ipv4_counts_as_ipv4_and_ipv6_addresses_one_by_one() {
-        let slots = SourceSlots::new(100, 2, vec![ip("10.0.0.9")]);
+        let slots = SourceSlots::new(100, 2, TrustedSources::new(vec![ip("10.0.0.9")]));
         let _a = slots.admit(ip("10.0.0.1")).unwrap();
         let _b = slots.admit(ip("::ffff:10.0.0.1")).unwrap();
         assert!(slots.admit(ip("10.0.0.1")).is_err());
@@ -181,5 +227,28 @@ mod tests {
         assert!(refused.to_string().contains("2001:db8:1:2::1"), "{refused}");
         assert!(slots.admit(ip("2001:db8:1:2::2")).is_ok());
         drop(trusted);
+    }
+
+    /// Goal: a source that becomes trusted (a member added at runtime) is admitted beyond the
+    /// bounds from then on, one that stops being trusted (a removed member) is counted again,
+    /// and a connection admitted while trusted gives back no place it never took. Method:
+    /// replace the set between admissions.
+    #[test]
+    fn a_replaced_set_applies_to_the_next_connection() {
+        let trusted = TrustedSources::default();
+        let slots = SourceSlots::new(4, 1, trusted.clone());
+        let _a = slots.admit(ip("10.0.0.5")).unwrap();
+        assert!(slots.admit(ip("10.0.0.5")).is_err());
+        assert!(trusted.set(vec![ip("::ffff:10.0.0.5"), ip("10.0.0.5")]));
+        assert!(!trusted.set(vec![ip("10.0.0.5")]), "the same set");
+        assert_eq!(&*trusted.get(), &[ip("10.0.0.5")]);
+        let while_trusted: Vec<_> = (0..8)
+            .map(|_| slots.admit(ip("10.0.0.5")).unwrap())
+            .collect();
+        assert_eq!(slots.held(), 1);
+        assert!(trusted.set(Vec::new()));
+        assert!(slots.admit(ip("10.0.0.5")).is_err(), "counted again");
+        drop(while_trusted);
+        assert_eq!(slots.held(), 1, "trusted connections gave back no place");
     }
 }

@@ -377,7 +377,7 @@ pub async fn run_with_reload(
     let startups = lockd_service_kit::admission::SourceSlots::new(
         args.max_sessions,
         args.max_startups_per_client,
-        Vec::new(),
+        lockd_service_kit::admission::TrustedSources::default(),
     );
     let tracker = TaskTracker::new();
     loop {

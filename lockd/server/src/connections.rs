@@ -1,9 +1,9 @@
 //! What a connection to the gRPC port may hold, before anyone knows who is calling: a place among
 //! at most [`CONNECTIONS_MAX`] (and [`CONNECTIONS_PER_SOURCE_MAX`] from one address; the members'
-//! addresses are never refused), and [`FIRST_BYTES_TIMEOUT`] to start speaking. Without these, a
-//! client that opens sockets and sends nothing (or a TLS handshake and nothing after it) held a
-//! task and a descriptor each for as long as it liked, until the node ran out of descriptors and
-//! could neither accept its peers nor open its files.
+//! addresses, kept current with the membership, are never refused), and [`FIRST_BYTES_TIMEOUT`]
+//! to start speaking. Without these, a client that opens sockets and sends nothing (or a TLS
+//! handshake and nothing after it) held a task and a descriptor each for as long as it liked,
+//! until the node ran out of descriptors and could neither accept its peers nor open its files.
 //!
 //! Once a connection speaks HTTP/2, the server's keepalive pings close it when its peer stops
 //! answering (`node.rs`); a connection that answers pings but sends no call keeps its place, which
@@ -11,12 +11,11 @@
 
 use std::future::Future;
 use std::io;
-use std::net::IpAddr;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use lockd_service_kit::admission::{SourceSlot, SourceSlots};
+use lockd_service_kit::admission::{SourceSlot, SourceSlots, TrustedSources};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tonic::transport::server::Connected;
 
@@ -28,9 +27,12 @@ pub const CONNECTIONS_MAX: usize = 16_384;
 pub const CONNECTIONS_PER_SOURCE_MAX: usize = 256;
 /// From accept to the connection's first byte of HTTP/2 (after the TLS handshake, under TLS).
 pub const FIRST_BYTES_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often the members' names are resolved again for the exemption when the membership did
+/// not change (a member back on another IP under its name); a change is applied at once.
+pub const TRUST_REFRESH: Duration = Duration::from_secs(10);
 
 /// The connection places of one node's gRPC port.
-pub(crate) fn slots(members: Vec<IpAddr>) -> SourceSlots {
+pub(crate) fn slots(members: TrustedSources) -> SourceSlots {
     SourceSlots::new(CONNECTIONS_MAX, CONNECTIONS_PER_SOURCE_MAX, members)
 }
 

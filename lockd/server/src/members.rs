@@ -11,7 +11,8 @@
 //! certificate no longer counts as a member's.
 //!
 //! Addresses are kept as written (DNS names included) and resolved on every connect by
-//! [`PeerDial`], so a member that moves to another IP under the same name needs no change here.
+//! [`PeerDial`], so a member that moves to another IP under the same name needs no change here;
+//! [`Members::trust`] also resolves them every few seconds for the accept loops' exemption.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, RwLock};
@@ -64,6 +65,8 @@ pub struct Members {
     /// Bumped on every change of the view, so caches of "is this caller a member" (the peer
     /// certificate checks of `service::raft`) are dropped when a member is added or removed.
     generation: std::sync::atomic::AtomicU64,
+    /// Woken on every change of the view ([`Members::trust`] resolves the new addresses).
+    changed: tokio::sync::Notify,
 }
 
 impl Members {
@@ -81,6 +84,7 @@ impl Members {
             from_raft: std::sync::atomic::AtomicBool::new(false),
             dial,
             generation: std::sync::atomic::AtomicU64::new(0),
+            changed: tokio::sync::Notify::new(),
         });
         members.set(flags);
         members
@@ -168,6 +172,7 @@ impl Members {
         *self.view.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(view);
         self.generation
             .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        self.changed.notify_one();
     }
 
     fn connect(&self, id: NodeId, addr: String) -> Peer {
@@ -262,6 +267,96 @@ impl Members {
                 changed = rx.changed() => if changed.is_err() { return },
             }
         }
+    }
+}
+
+impl Members {
+    /// Keeps `trusted` (the sources the accept loops never refuse for their number of
+    /// connections or handshakes: `connections.rs`, `tls.rs`, the metrics listener) at the IP
+    /// addresses of the members in this node's view, under the address the view names and under
+    /// their `--peer` flag if it differs, and of `own` (this node's `--peer` address), until
+    /// `shutdown`: resolved again at once when the view changes (a member added or removed at
+    /// runtime) and every [`crate::connections::TRUST_REFRESH`] (a member back on another IP
+    /// under its name). The names of one pass are resolved side by side, so a slow name delays
+    /// the others by [`NAME_LOOKUP_TIMEOUT`] at most. A name whose lookup fails keeps the
+    /// addresses it last resolved to for [`TRUST_KEPT_PASSES`] passes, so a resolver's hiccup
+    /// does not make a member count like a client in the middle of a flood; an answer with no
+    /// address drops them at once.
+    pub async fn trust(
+        self: Arc<Self>,
+        own: Option<String>,
+        trusted: lockd_service_kit::admission::TrustedSources,
+        shutdown: CancellationToken,
+    ) {
+        // Per address: what it last resolved to, and the failed passes since.
+        let mut last: BTreeMap<String, (Vec<std::net::IpAddr>, u32)> = BTreeMap::new();
+        loop {
+            let mut addrs: Vec<String> = {
+                let view = self.view();
+                view.iter()
+                    .flat_map(|(id, p)| {
+                        let flag = self.flags.get(id).filter(|f| **f != p.addr);
+                        std::iter::once(p.addr.clone()).chain(flag.cloned())
+                    })
+                    .collect()
+            };
+            addrs.extend(own.clone());
+            addrs.sort_unstable();
+            addrs.dedup();
+            let lookups = futures::future::join_all(addrs.iter().map(|a| resolve(a)));
+            let answers = tokio::select! {
+                _ = shutdown.cancelled() => return,
+                answers = lookups => answers,
+            };
+            let mut resolved = BTreeMap::new();
+            for (addr, answer) in addrs.into_iter().zip(answers) {
+                let kept = match answer {
+                    Ok(ips) => Some((ips, 0)),
+                    Err(_) => last
+                        .get(&addr)
+                        .filter(|(_, misses)| *misses < TRUST_KEPT_PASSES)
+                        .map(|(ips, misses)| (ips.clone(), misses + 1)),
+                };
+                if let Some(kept) = kept {
+                    resolved.insert(addr, kept);
+                }
+            }
+            let ips: Vec<std::net::IpAddr> = resolved
+                .values()
+                .flat_map(|(ips, _)| ips)
+                .copied()
+                .collect();
+            if trusted.set(ips) {
+                tracing::info!(addresses = ?trusted.get(), "lockd: members' addresses (never refused for their number of connections)");
+            }
+            last = resolved;
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = self.changed.notified() => {}
+                _ = tokio::time::sleep(crate::connections::TRUST_REFRESH) => {}
+            }
+        }
+    }
+}
+
+/// Failed passes for which [`Members::trust`] keeps a name's last addresses (a minute).
+pub const TRUST_KEPT_PASSES: u32 = 6;
+
+/// Bound on resolving one member's name.
+pub const NAME_LOOKUP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// The IP addresses of `addr` (`ip:port` or `name:port`), or why there are none.
+pub async fn resolve(addr: &str) -> Result<Vec<std::net::IpAddr>, String> {
+    if let Ok(a) = addr.parse::<std::net::SocketAddr>() {
+        return Ok(vec![a.ip()]);
+    }
+    match tokio::time::timeout(NAME_LOOKUP_TIMEOUT, tokio::net::lookup_host(addr)).await {
+        Ok(Ok(found)) => Ok(found.map(|a| a.ip()).collect()),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err(format!(
+            "no answer from the resolver within {} s",
+            NAME_LOOKUP_TIMEOUT.as_secs()
+        )),
     }
 }
 

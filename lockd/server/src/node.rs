@@ -440,7 +440,7 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
     // Before anything dials a peer, so this process's first name lookups run one at a time: some
     // resolvers are not safe when their first lookups run on several threads at once (nss_wrapper
     // 1.1.12, which the test suite preloads, crashes in about 7 % of such starts).
-    let member_ips = peer_ips(&config).await;
+    let member_ips = lockd_service_kit::admission::TrustedSources::new(peer_ips(&config).await);
     let members = Members::new(config.id, &config.peers, dial.clone());
     let auth = crate::auth::Auth::load(
         config.auth.as_ref(),
@@ -500,6 +500,11 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
     let clock = Clock::new();
     let proposer = Proposer::start(raft.clone(), clock.clone(), t.policy(), metrics.clone());
     tokio::spawn(members.clone().follow(raft.clone(), shutdown.clone()));
+    tokio::spawn(members.clone().trust(
+        config.peers.get(&config.id).cloned(),
+        member_ips.clone(),
+        shutdown.clone(),
+    ));
     tokio::spawn(crate::service::membership::finish_joint_changes(
         raft.clone(),
         shutdown.clone(),
@@ -760,45 +765,29 @@ fn staggered_snapshot_every(every: u64, id: NodeId) -> u64 {
     every + every * ((id.saturating_sub(1)) % 8) / 8
 }
 
-/// The members' IP addresses, which the accept loops never turn away for their number of
-/// connections or handshakes in progress (`connections.rs`, `tls.rs`). A `--peer` DNS name is
-/// resolved here once, at start; one that does not resolve yet is only warned about (its node may
-/// not exist yet, as with a StatefulSet's pods), since every connect to it resolves again. A
-/// member that moves to a new IP under its name keeps working, but loses this exemption on this
-/// node until its next restart; so does a member added at runtime (`lockctl member add`) until
-/// this node restarts with it in `--peer`, or one that reaches this node through NAT. Without
-/// the exemption a member counts like any client: replication works, unless a flood from many
-/// addresses fills every place (16,384 connections) while it reconnects.
+/// The `--peer` addresses' IPs, resolved one name at a time: what the accept loops trust (never
+/// turn away for their number of connections or handshakes: `connections.rs`, `tls.rs`) until
+/// [`crate::members::Members::trust`] keeps that set at the current members' addresses. A name
+/// that does not resolve yet is only warned about (its node may not exist yet, as with a
+/// StatefulSet's pods), since every connect to it, and `trust` every few seconds, resolve it
+/// again. A member that reaches this node through NAT counts like any client: replication
+/// works, unless a flood from many addresses fills every place (16,384 connections) while it
+/// reconnects.
 async fn peer_ips(config: &NodeConfig) -> Vec<std::net::IpAddr> {
     let mut ips = Vec::new();
     for (id, addr) in &config.peers {
-        if let Ok(a) = addr.parse::<std::net::SocketAddr>() {
-            ips.push(a.ip());
-            continue;
-        }
-        let found =
-            tokio::time::timeout(NAME_LOOKUP_TIMEOUT, tokio::net::lookup_host(addr.as_str()));
-        match found.await {
-            Ok(Ok(found)) => {
-                let before = ips.len();
-                ips.extend(found.map(|a| a.ip()));
-                if ips.len() == before {
-                    tracing::warn!(peer = id, address = %addr, "--peer {id}={addr} resolves to no address yet; retrying on every connect");
-                }
+        match crate::members::resolve(addr).await {
+            Ok(found) if found.is_empty() => {
+                tracing::warn!(peer = id, address = %addr, "--peer {id}={addr} resolves to no address yet; retrying on every connect");
             }
-            Ok(Err(e)) => {
+            Ok(found) => ips.extend(found),
+            Err(e) => {
                 tracing::warn!(peer = id, address = %addr, error = %e, "--peer {id}={addr} does not resolve yet; retrying on every connect")
-            }
-            Err(_) => {
-                tracing::warn!(peer = id, address = %addr, "--peer {id}={addr}: no answer from the resolver within {} s; retrying on every connect", NAME_LOOKUP_TIMEOUT.as_secs())
             }
         }
     }
     ips
 }
-
-/// Bound on resolving one `--peer` name at start.
-const NAME_LOOKUP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// The listen IP as the source of connections to peers, unless it is a wildcard.
 fn source_ip(config: &NodeConfig) -> Option<std::net::IpAddr> {

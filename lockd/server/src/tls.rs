@@ -358,7 +358,7 @@ pub(crate) fn incoming(
     tls: Arc<TlsHandle>,
     server: fn(&NodeTls) -> Arc<rustls::ServerConfig>,
     connections: lockd_service_kit::admission::SourceSlots,
-    peer_ips: Vec<std::net::IpAddr>,
+    peer_ips: lockd_service_kit::admission::TrustedSources,
     shutdown: tokio_util::sync::CancellationToken,
 ) -> impl futures::Stream<
     Item = std::io::Result<

@@ -29,7 +29,7 @@ pub async fn serve(
     ctx: Arc<NodeCtx>,
     listen: SocketAddr,
     tls: Option<Arc<crate::tls::TlsHandle>>,
-    peer_ips: Vec<std::net::IpAddr>,
+    peer_ips: lockd_service_kit::admission::TrustedSources,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(listen)
@@ -48,7 +48,16 @@ pub async fn serve(
             );
             endpoints::serve(connections, node, shutdown).await
         }
-        None => endpoints::serve_tcp(listener, node, shutdown).await,
+        // The same bounds as the gRPC port's (`connections.rs`): without them anyone who
+        // reaches this port could hold connections until the node ran out of descriptors.
+        None => {
+            let connections = crate::connections::plain_incoming(
+                listener,
+                crate::connections::slots(peer_ips),
+                shutdown.clone(),
+            );
+            endpoints::serve(connections, node, shutdown).await
+        }
     }
     Ok(())
 }
