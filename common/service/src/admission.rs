@@ -1,9 +1,10 @@
 //! Places for connections in a phase an untrusted peer can hold open at little cost to itself
 //! (a connection at all, a TLS handshake, a Postgres startup): at most so many at once in all, and
 //! at most so many from one source address, so one client that opens sockets and sends nothing
-//! cannot take every place. Trusted sources (a cluster's own members) are never refused; the set
-//! of them is a [`TrustedSources`] handle that the owner may replace at any time (members are
-//! added, removed and moved at runtime), shared by every phase that trusts the same sources.
+//! cannot take every place. Trusted sources (a cluster's own members) take no place from others
+//! and have a bound of their own far above their needs; the set of them is a [`TrustedSources`]
+//! handle that the owner may replace at any time (members are added, removed and moved at
+//! runtime), shared by every phase that trusts the same sources.
 //!
 //! A refused connection is closed at once rather than made to wait: waiting would let the silent
 //! ones hold up everyone behind them in the listen backlog.
@@ -69,7 +70,16 @@ impl TrustedSources {
 struct Table {
     total: usize,
     by_source: HashMap<IpAddr, usize>,
+    /// Trusted sources' connections, per source: outside `total`, bounded by
+    /// [`TRUSTED_PER_SOURCE_MAX`] only.
+    trusted_by_source: HashMap<IpAddr, usize>,
 }
+
+/// Connections one trusted source may hold at once. Far above what a member opens (a few
+/// channels), so a member is never refused in practice; but an address that became trusted
+/// wrongly (a spoofed DNS answer for a member's name, an unauthenticated `AddMember` in open
+/// mode) cannot hold descriptors without bound.
+pub const TRUSTED_PER_SOURCE_MAX: usize = 1_024;
 
 /// Why a connection got no place.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -93,14 +103,14 @@ pub enum Refused {
 /// A connection's place; given back when dropped, however the connection ends.
 #[must_use = "the place is given back when this is dropped"]
 pub struct SourceSlot {
-    /// The table and source it counts in; `None` for a trusted source, which is not counted.
-    counted: Option<(Arc<Mutex<Table>>, IpAddr)>,
+    /// The table and source it counts in, and whether it counts as trusted.
+    counted: Option<(Arc<Mutex<Table>>, IpAddr, bool)>,
 }
 
 impl SourceSlots {
     /// At most `total_max` places, `per_source_max` of them for one address; addresses in
-    /// `trusted` (as it is when a connection comes) are always admitted, and not counted (they
-    /// take no place from others).
+    /// `trusted` (as it is when a connection comes) take no place from others and are admitted
+    /// up to [`TRUSTED_PER_SOURCE_MAX`] connections each, whatever the others hold.
     pub fn new(total_max: usize, per_source_max: usize, trusted: TrustedSources) -> Self {
         SourceSlots {
             table: Arc::default(),
@@ -116,10 +126,21 @@ impl SourceSlots {
         // trust it) as `a.b.c.d`. IPv6 sources count by full address: a /64 is often a whole
         // subnet or a node's pods, not one host.
         let source = address.to_canonical();
-        if self.trusted.contains(&source) {
-            return Ok(SourceSlot { counted: None });
-        }
+        let trusted = self.trusted.contains(&source);
         let mut t = self.table.lock().unwrap_or_else(PoisonError::into_inner);
+        if trusted {
+            let held = t.trusted_by_source.entry(source).or_insert(0);
+            if *held >= TRUSTED_PER_SOURCE_MAX {
+                return Err(Refused::Source {
+                    address: source,
+                    max: TRUSTED_PER_SOURCE_MAX,
+                });
+            }
+            *held += 1;
+            return Ok(SourceSlot {
+                counted: Some((self.table.clone(), source, true)),
+            });
+        }
         if t.total >= self.total_max {
             return Err(Refused::Total {
                 max: self.total_max,
@@ -134,7 +155,7 @@ impl SourceSlots {
         t.total += 1;
         *t.by_source.entry(source).or_insert(0) += 1;
         Ok(SourceSlot {
-            counted: Some((self.table.clone(), source)),
+            counted: Some((self.table.clone(), source, false)),
         })
     }
 
@@ -149,12 +170,17 @@ impl SourceSlots {
 
 impl Drop for SourceSlot {
     fn drop(&mut self) {
-        let Some((table, source)) = self.counted.take() else {
+        let Some((table, source, trusted)) = self.counted.take() else {
             return;
         };
         let mut t = table.lock().unwrap_or_else(PoisonError::into_inner);
-        t.total -= 1;
-        if let Entry::Occupied(mut e) = t.by_source.entry(source) {
+        let by_source = if trusted {
+            &mut t.trusted_by_source
+        } else {
+            t.total -= 1;
+            &mut t.by_source
+        };
+        if let Entry::Occupied(mut e) = by_source.entry(source) {
             *e.get_mut() -= 1;
             if *e.get() == 0 {
                 e.remove();
@@ -250,5 +276,28 @@ mod tests {
         assert!(slots.admit(ip("10.0.0.5")).is_err(), "counted again");
         drop(while_trusted);
         assert_eq!(slots.held(), 1, "trusted connections gave back no place");
+    }
+
+    /// Goal: a trusted source is admitted whatever the others hold, but not without bound (an
+    /// address trusted wrongly cannot take every descriptor), and its places come back.
+    /// Method: fill the bound of one trusted address while the untrusted total is full.
+    #[test]
+    fn a_trusted_source_has_a_large_bound_of_its_own() {
+        let slots = SourceSlots::new(1, 1, TrustedSources::new(vec![ip("10.0.0.9")]));
+        let _full = slots.admit(ip("10.0.0.1")).unwrap();
+        let mut held: Vec<_> = (0..TRUSTED_PER_SOURCE_MAX)
+            .map(|_| slots.admit(ip("10.0.0.9")).unwrap())
+            .collect();
+        let refused = slots.admit(ip("10.0.0.9")).err().unwrap();
+        assert_eq!(
+            refused,
+            Refused::Source {
+                address: ip("10.0.0.9"),
+                max: TRUSTED_PER_SOURCE_MAX
+            }
+        );
+        held.pop();
+        assert!(slots.admit(ip("10.0.0.9")).is_ok());
+        assert_eq!(slots.held(), 1);
     }
 }
