@@ -10,6 +10,7 @@
 use std::future::Future;
 use std::time::Duration;
 
+use futures::FutureExt;
 use tokio::sync::{mpsc, oneshot};
 
 /// Longest a round may take: half of what a caller waits (3 s), since a read that arrives just
@@ -61,8 +62,14 @@ impl ReadBarrier {
                 if waiting.is_empty() {
                     continue;
                 }
-                let outcome = match tokio::time::timeout(round_timeout, confirm()).await {
-                    Ok(done) => done.map_err(ReadRefused::Failed),
+                // A round that panics fails its reads only: this task serves every later read of
+                // the node, so it must outlive any one round.
+                let round = std::panic::AssertUnwindSafe(confirm()).catch_unwind();
+                let outcome = match tokio::time::timeout(round_timeout, round).await {
+                    Ok(Ok(done)) => done.map_err(ReadRefused::Failed),
+                    Ok(Err(_)) => Err(ReadRefused::Failed(
+                        "the leadership check failed unexpectedly (see the node's log)".to_owned(),
+                    )),
                     Err(_) => Err(ReadRefused::Failed(format!(
                         "leadership not confirmed with a quorum, or the read point not applied, \
                          within {} ms",
@@ -97,8 +104,9 @@ mod tests {
 
     /// Goal: reads that arrive while a round runs share the next round (so 200 concurrent reads
     /// take two or three rounds, not 200), no read is answered by a round that began before it
-    /// arrived, and a failed or stuck round fails its reads only. Method: a fake round that takes 20 ms
-    /// (paused time) and records when it began; each read records when it was called.
+    /// arrived, and a failed, stuck or panicking round fails its reads only. Method: a fake round
+    /// that takes 20 ms (paused time) and records when it began; each read records when it was
+    /// called.
     #[tokio::test(start_paused = true)]
     async fn reads_share_rounds_that_began_after_them() {
         let rounds = Arc::new(std::sync::Mutex::new(Vec::<tokio::time::Instant>::new()));
@@ -114,6 +122,7 @@ mod tests {
                         1 => Err("not the leader".to_owned()),
                         // A round that never ends (openraft's wait for apply has no bound).
                         2 => std::future::pending().await,
+                        3 => panic!("a round that panics"),
                         _ => Ok(()),
                     }
                 }
@@ -165,6 +174,18 @@ mod tests {
             barrier.confirm().await,
             Ok(()),
             "a stuck round blocks no later read"
+        );
+
+        fail_next.store(3, Ordering::SeqCst);
+        let panicked = barrier.confirm().await;
+        assert!(
+            matches!(&panicked, Err(ReadRefused::Failed(why)) if why.contains("unexpectedly")),
+            "{panicked:?}"
+        );
+        assert_eq!(
+            barrier.confirm().await,
+            Ok(()),
+            "a round that panicked stops no later read"
         );
     }
 }
