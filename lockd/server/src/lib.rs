@@ -37,6 +37,7 @@ pub(crate) mod observe;
 pub(crate) mod proposer;
 pub mod raft;
 pub(crate) mod read_barrier;
+pub(crate) mod resolve;
 pub mod service;
 pub(crate) mod signing;
 pub mod storage;

@@ -278,7 +278,7 @@ impl Members {
     /// `shutdown`: resolved again at once when the view changes (a member added or removed at
     /// runtime) and every [`crate::connections::TRUST_REFRESH`] (a member back on another IP
     /// under its name). The names of one pass are resolved side by side, so a slow name delays
-    /// the others by [`NAME_LOOKUP_TIMEOUT`] at most. A name whose lookup fails keeps the
+    /// the others by [`crate::resolve::NAME_LOOKUP_TIMEOUT`] at most. A name whose lookup fails keeps the
     /// addresses it last resolved to for [`TRUST_KEPT_PASSES`] passes, so a resolver's hiccup
     /// does not make a member count like a client in the middle of a flood; an answer with no
     /// address drops them at once.
@@ -342,22 +342,12 @@ impl Members {
 /// Failed passes for which [`Members::trust`] keeps a name's last addresses (a minute).
 pub const TRUST_KEPT_PASSES: u32 = 6;
 
-/// Bound on resolving one member's name.
-pub const NAME_LOOKUP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
-
 /// The IP addresses of `addr` (`ip:port` or `name:port`), or why there are none.
 pub async fn resolve(addr: &str) -> Result<Vec<std::net::IpAddr>, String> {
-    if let Ok(a) = addr.parse::<std::net::SocketAddr>() {
-        return Ok(vec![a.ip()]);
-    }
-    match tokio::time::timeout(NAME_LOOKUP_TIMEOUT, tokio::net::lookup_host(addr)).await {
-        Ok(Ok(found)) => Ok(found.map(|a| a.ip()).collect()),
-        Ok(Err(e)) => Err(e.to_string()),
-        Err(_) => Err(format!(
-            "no answer from the resolver within {} s",
-            NAME_LOOKUP_TIMEOUT.as_secs()
-        )),
-    }
+    crate::resolve::lookup(addr)
+        .await
+        .map(|found| found.into_iter().map(|a| a.ip()).collect())
+        .map_err(|e| e.to_string())
 }
 
 #[cfg(test)]

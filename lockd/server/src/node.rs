@@ -437,9 +437,8 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
         restore.clone(),
         protocols.clone(),
     )?;
-    // Before anything dials a peer, so this process's first name lookups run one at a time: some
-    // resolvers are not safe when their first lookups run on several threads at once (nss_wrapper
-    // 1.1.12, which the test suite preloads, crashes in about 7 % of such starts).
+    // The members' addresses as the flags name them, trusted by the accept loops from the
+    // start; `Members::trust` keeps the set current once Raft knows the membership.
     let member_ips = lockd_service_kit::admission::TrustedSources::new(peer_ips(&config).await);
     let members = Members::new(config.id, &config.peers, dial.clone());
     let auth = crate::auth::Auth::load(

@@ -449,12 +449,7 @@ pub(crate) fn peer_connector(
             let port = uri
                 .port_u16()
                 .ok_or_else(|| bad("no port in peer address"))?;
-            // Resolved on every connect: a member back on another IP under its name is found.
-            let addrs: Vec<std::net::SocketAddr> =
-                tokio::net::lookup_host((host.trim_matches(['[', ']']), port))
-                    .await?
-                    .collect();
-            let stream = dial_first(&addrs, local_ip)
+            let stream = dial_name(host, port, local_ip)
                 .await
                 .map_err(|e| std::io::Error::new(e.kind(), format!("{uri}: {e}")))?;
             let node = tls.current();
@@ -465,6 +460,45 @@ pub(crate) fn peer_connector(
             Ok(hyper_util::rt::TokioIo::new(stream))
         }
     })
+}
+
+/// Without TLS: the same resolution and dialling as [`peer_connector`], plain TCP (rather than
+/// tonic's own connector, whose lookups would run beside this node's others).
+pub(crate) fn plain_peer_connector(
+    local_ip: Option<std::net::IpAddr>,
+) -> impl tower::Service<
+    http::Uri,
+    Response = hyper_util::rt::TokioIo<tokio::net::TcpStream>,
+    Error = std::io::Error,
+    Future = impl Send,
+> + Clone
++ Send
++ 'static {
+    tower::service_fn(move |uri: http::Uri| async move {
+        let bad = |what: &str| {
+            std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("{what}: {uri}"))
+        };
+        let host = uri.host().ok_or_else(|| bad("no host in peer address"))?;
+        let port = uri
+            .port_u16()
+            .ok_or_else(|| bad("no port in peer address"))?;
+        let stream = dial_name(host, port, local_ip)
+            .await
+            .map_err(|e| std::io::Error::new(e.kind(), format!("{uri}: {e}")))?;
+        Ok(hyper_util::rt::TokioIo::new(stream))
+    })
+}
+
+/// Resolves `host` (on every connect: a member back on another IP under its name is found;
+/// through [`crate::resolve`], one lookup at a time) and connects to the first address that
+/// accepts.
+async fn dial_name(
+    host: &str,
+    port: u16,
+    local_ip: Option<std::net::IpAddr>,
+) -> std::io::Result<tokio::net::TcpStream> {
+    let addrs = crate::resolve::lookup(&format!("{host}:{port}")).await?;
+    dial_first(&addrs, local_ip).await
 }
 
 /// Connects to the first of `addrs` (a name's addresses, in the resolver's order) that accepts,

@@ -107,7 +107,10 @@ impl PeerDial {
                 target,
                 self.local_ip,
             )),
-            None => endpoint.connect_lazy(),
+            // Our own connector here too, so that every name lookup of the node goes through
+            // `crate::resolve` (one at a time).
+            None => endpoint
+                .connect_with_connector_lazy(crate::tls::plain_peer_connector(self.local_ip)),
         })
     }
 
