@@ -442,19 +442,14 @@ pub(crate) fn peer_connector(
     tower::service_fn(move |uri: http::Uri| {
         let tls = tls.clone();
         async move {
-            let bad = |what: &str| {
-                std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("{what}: {uri}"))
-            };
-            let host = uri.host().ok_or_else(|| bad("no host in peer address"))?;
-            let port = uri
-                .port_u16()
-                .ok_or_else(|| bad("no port in peer address"))?;
-            let stream = dial_name(host, port, local_ip)
-                .await
-                .map_err(|e| std::io::Error::new(e.kind(), format!("{uri}: {e}")))?;
+            let stream = dial_uri(&uri, local_ip).await?;
             let node = tls.current();
-            let name = ServerName::try_from(node_name(target, &node.cluster_id))
-                .map_err(|e| bad(&format!("node name: {e}")))?;
+            let name = ServerName::try_from(node_name(target, &node.cluster_id)).map_err(|e| {
+                std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    format!("node name: {e}: {uri}"),
+                )
+            })?;
             let connector = tokio_rustls::TlsConnector::from(node.client.clone());
             let stream = connector.connect(name, stream).await?;
             Ok(hyper_util::rt::TokioIo::new(stream))
@@ -475,30 +470,31 @@ pub(crate) fn plain_peer_connector(
 + Send
 + 'static {
     tower::service_fn(move |uri: http::Uri| async move {
-        let bad = |what: &str| {
-            std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("{what}: {uri}"))
-        };
-        let host = uri.host().ok_or_else(|| bad("no host in peer address"))?;
-        let port = uri
-            .port_u16()
-            .ok_or_else(|| bad("no port in peer address"))?;
-        let stream = dial_name(host, port, local_ip)
-            .await
-            .map_err(|e| std::io::Error::new(e.kind(), format!("{uri}: {e}")))?;
-        Ok(hyper_util::rt::TokioIo::new(stream))
+        Ok(hyper_util::rt::TokioIo::new(
+            dial_uri(&uri, local_ip).await?,
+        ))
     })
 }
 
-/// Resolves `host` (on every connect: a member back on another IP under its name is found;
-/// through [`crate::resolve`], one lookup at a time) and connects to the first address that
-/// accepts.
-async fn dial_name(
-    host: &str,
-    port: u16,
+/// Resolves the host of a peer's `uri` (on every connect: a member back on another IP under its
+/// name is found; through [`crate::resolve`], one lookup at a time) and connects to the first
+/// address that accepts; errors name the peer's address.
+async fn dial_uri(
+    uri: &http::Uri,
     local_ip: Option<std::net::IpAddr>,
 ) -> std::io::Result<tokio::net::TcpStream> {
-    let addrs = crate::resolve::lookup(&format!("{host}:{port}")).await?;
-    dial_first(&addrs, local_ip).await
+    let bad = |what: &str| {
+        std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("{what}: {uri}"))
+    };
+    let host = uri.host().ok_or_else(|| bad("no host in peer address"))?;
+    let port = uri
+        .port_u16()
+        .ok_or_else(|| bad("no port in peer address"))?;
+    let dialled = match crate::resolve::lookup(&format!("{host}:{port}")).await {
+        Ok(addrs) => dial_first(&addrs, local_ip).await,
+        Err(e) => Err(e),
+    };
+    dialled.map_err(|e| std::io::Error::new(e.kind(), format!("{uri}: {e}")))
 }
 
 /// Connects to the first of `addrs` (a name's addresses, in the resolver's order) that accepts,
