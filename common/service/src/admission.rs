@@ -57,6 +57,11 @@ impl TrustedSources {
             .clone()
     }
 
+    /// Whether `address` (in any form: IPv4-mapped counts as IPv4) is in the set now.
+    pub fn trusts(&self, address: IpAddr) -> bool {
+        self.contains(&address.to_canonical())
+    }
+
     fn contains(&self, canonical: &IpAddr) -> bool {
         self.0
             .read()

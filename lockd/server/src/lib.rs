@@ -11,6 +11,7 @@
 //! - [`raft`]: openraft type configuration and the peer network.
 //! - `members`: the other members, from the Raft membership, and channels to them.
 //! - [`storage`]: the redb log store and the state machine with its snapshots.
+//! - [`receiving`]: what a call may hold while it arrives (bytes per source, time).
 //! - `proposer`: group commit of client commands into Raft entries.
 //! - `forwarder`: a follower's calls to the leader, many per message on one stream.
 //! - `waiters`: calls parked until the log grants them.
@@ -37,6 +38,7 @@ pub(crate) mod observe;
 pub(crate) mod proposer;
 pub mod raft;
 pub(crate) mod read_barrier;
+pub mod receiving;
 pub(crate) mod resolve;
 pub mod service;
 pub(crate) mod signing;

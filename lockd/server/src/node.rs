@@ -608,6 +608,11 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
     let (reflection_v1, reflection_v1alpha) = reflection()?;
     // One for the internal services (Raft, Forward): one cache of peer certificate checks.
     let peer_auth = crate::service::raft::PeerAuth::new(&config, tls.clone(), members.clone());
+    // What calls to the client-facing services may hold while they arrive (each of them decodes
+    // messages of CLIENT_MESSAGE_MAX_BYTES at most, which the budget relies on). With TLS, the
+    // internal services (Raft, Forward) refuse a caller that is not a member before reading its
+    // body; without TLS, anyone who sends the cluster id is read (a trusted-network mode).
+    let receiving = crate::receiving::ReceiveBudget::new(member_ips.clone());
     let router = tonic::transport::Server::builder()
         // Bounds what one connection can make this node hold at once.
         .max_concurrent_streams(STREAMS_PER_CONNECTION_MAX)
@@ -616,23 +621,31 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
         .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
         // Anyone may call these, before any check: their requests are a few bytes, so they get
         // the clients' bound instead of tonic's default of 4 MiB per message.
-        .add_service(health_service.max_decoding_message_size(CLIENT_MESSAGE_MAX_BYTES))
-        .add_service(reflection_v1.max_decoding_message_size(CLIENT_MESSAGE_MAX_BYTES))
-        .add_service(reflection_v1alpha.max_decoding_message_size(CLIENT_MESSAGE_MAX_BYTES))
+        .add_service(
+            receiving.unary(health_service.max_decoding_message_size(CLIENT_MESSAGE_MAX_BYTES)),
+        )
+        .add_service(
+            receiving.reflection(reflection_v1.max_decoding_message_size(CLIENT_MESSAGE_MAX_BYTES)),
+        )
+        .add_service(
+            receiving
+                .reflection(reflection_v1alpha.max_decoding_message_size(CLIENT_MESSAGE_MAX_BYTES)),
+        )
         .add_service({
             let auth = auth.clone();
-            InterceptedService::new(
+            receiving.unary(InterceptedService::new(
                 LockServer::new(LockService::new(ctx.clone()))
                     .max_decoding_message_size(CLIENT_MESSAGE_MAX_BYTES),
                 move |req| auth.intercept(req),
-            )
+            ))
         })
         .add_service({
             let auth = auth.clone();
-            InterceptedService::new(
-                ClusterServer::new(ClusterService::new(ctx.clone())),
+            receiving.unary(InterceptedService::new(
+                ClusterServer::new(ClusterService::new(ctx.clone()))
+                    .max_decoding_message_size(CLIENT_MESSAGE_MAX_BYTES),
                 move |req| auth.intercept(req),
-            )
+            ))
         })
         .add_service(crate::service::forward::ForwardService::server(
             ctx.clone(),

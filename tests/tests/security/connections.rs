@@ -9,7 +9,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 /// A connection to `to` from the loopback address `from` (any 127.0.0.0/8 address works).
-async fn connect_from(from: &str, to: SocketAddr) -> TcpStream {
+pub(super) async fn connect_from(from: &str, to: SocketAddr) -> TcpStream {
     let socket = tokio::net::TcpSocket::new_v4().unwrap();
     socket.bind(format!("{from}:0").parse().unwrap()).unwrap();
     socket.connect(to).await.unwrap()
@@ -31,7 +31,7 @@ async fn closed_within(c: &mut TcpStream, within: Duration) -> bool {
 
 /// A three-node cluster with a leader, on one loopback address (its members' address, never
 /// refused), and another loopback address to attack it from.
-async fn cluster_and_attacker() -> (Cluster, String) {
+pub(super) async fn cluster_and_attacker() -> (Cluster, String) {
     let mut cluster = Cluster::start(ClusterOptions::default()).await.unwrap();
     cluster
         .wait_for_leader(Duration::from_secs(20))

@@ -4,6 +4,7 @@
 //!
 //! # Layout
 //! - `connections`: what silent connections can hold on a node's port.
+//! - `requests`: what calls that never finish arriving can hold.
 //! - `replication`: forged Raft messages are refused and change nothing; the plaintext mode's checks.
 //! - `transport`: `lockctl` over TLS, certificate reload under load.
 //! - `authz`: tenants, request ids, bearer tokens, forwarded identities and the policy's checks.
@@ -16,4 +17,5 @@
 mod authz;
 mod connections;
 mod replication;
+mod requests;
 mod transport;

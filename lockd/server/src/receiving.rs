@@ -1,0 +1,962 @@
+//! What a call may make a node hold while it arrives, before its handler runs.
+//!
+//! HTTP/2 lets one connection keep 1,024 calls open, and each one holds its stream, its headers
+//! (up to 16 KiB), tonic's read buffer (8 KiB, grown to the announced size of a message as soon
+//! as its 5-byte prefix arrives) and the messages decoded so far, for as long as the client takes
+//! to end its request. Bounding connections (`connections.rs`) does not bound that: 256
+//! connections from one address could make a node hold 20 GiB, and sources are many. So while a
+//! call to a client-facing service waits for more of its request, it counts [`CALL_BYTES`], its
+//! URI and header bytes and twice the largest message it announced (buffer and decoded copy)
+//! against a budget of its source address ([`RECEIVING_PER_SOURCE_MAX`]) and one of the node; a
+//! call that would go beyond them ends at once with `RESOURCE_EXHAUSTED`, and so does one that
+//! has not arrived in time ([`RECEIVE_TIMEOUT`]).
+//!
+//! The node's budget has two parts, so that sources which fill it cannot refuse everyone else:
+//! [`RECEIVING_MAX`] for anyone, then [`RECEIVING_RESERVE_MAX`] more for sources that hold at most
+//! [`RECEIVING_RESERVE_PER_SOURCE`] (a client whose calls wait a moment between their frames, as
+//! any client's may). Filling both takes a thousand source addresses. A call whose request is
+//! already there when it is read is never counted at all. The members' addresses (kept current
+//! with the membership) count against a budget of their own per address, outside the node's. A
+//! call waiting for a lock holds nothing here; the waiter limits bound it.
+//!
+//! Reflection is a stream of requests whose service stops reading while its answers are not
+//! taken, so h2 may buffer up to a stream's window (1 MiB) for it unseen: each reflection call
+//! also takes one of [`REFLECTION_CALLS_PER_SOURCE_MAX`] places of its source (and
+//! [`REFLECTION_CALLS_MAX`] of the node) for its whole life.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::net::IpAddr;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body::Frame;
+use lockd_service_kit::admission::{SourceSlot, SourceSlots, TrustedSources};
+use tokio::time::{Instant, Sleep};
+use tonic::Status;
+use tonic::body::Body;
+use tonic::server::NamedService;
+use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
+
+/// Bytes of calls waiting for more of their request, from one source address (members excepted):
+/// 256 calls with small messages, 26 with the largest.
+pub const RECEIVING_PER_SOURCE_MAX: usize = 4 << 20;
+/// Bytes of calls waiting for more of their request, from all sources but the members.
+pub const RECEIVING_MAX: usize = 64 << 20;
+/// Bytes beyond [`RECEIVING_MAX`] for sources that hold little: they are not the ones filling it.
+pub const RECEIVING_RESERVE_MAX: usize = 64 << 20;
+/// What a source may hold to use [`RECEIVING_RESERVE_MAX`].
+pub const RECEIVING_RESERVE_PER_SOURCE: usize = 64 << 10;
+/// Bytes of calls waiting for more of their request, from one member's address (outside the
+/// node's budget).
+pub const RECEIVING_PER_MEMBER_MAX: usize = 16 << 20;
+/// What a waiting call counts besides its URI, headers and messages: its HTTP/2 stream, tonic's
+/// 8 KiB read buffer, the tasks and futures that serve it.
+pub const CALL_BYTES: usize = 16 << 10;
+/// From a unary call's arrival to the end of its request body; for a streaming request, to the
+/// end of its first message, and from the first byte of each later message to its last.
+pub const RECEIVE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Reflection calls open at once from one source address (members: `TRUSTED_PER_SOURCE_MAX`).
+pub const REFLECTION_CALLS_PER_SOURCE_MAX: usize = 4;
+/// Reflection calls open at once on a node, members' apart.
+pub const REFLECTION_CALLS_MAX: usize = 64;
+
+/// Per HTTP/2's accounting of a header list (RFC 9113, SETTINGS_MAX_HEADER_LIST_SIZE): the
+/// bytes of each name and value plus 32.
+const HEADER_OVERHEAD_BYTES: usize = 32;
+/// The largest message a wrapped service decodes: every one is built with
+/// `max_decoding_message_size(CLIENT_MESSAGE_MAX_BYTES)` (`node.rs`), so tonic refuses a larger
+/// announcement at once.
+const MESSAGE_MAX_BYTES: u64 = crate::node::CLIENT_MESSAGE_MAX_BYTES as u64;
+
+/// The budget of one node, shared by every wrapped service. Cheap to clone.
+#[derive(Clone)]
+pub struct ReceiveBudget {
+    table: Arc<Mutex<Table>>,
+    /// Places of reflection calls.
+    reflection: SourceSlots,
+    members: TrustedSources,
+    bounds: Bounds,
+}
+
+/// The bounds of a [`ReceiveBudget`], in bytes.
+#[derive(Clone, Copy)]
+struct Bounds {
+    per_source: usize,
+    total: usize,
+    reserve: usize,
+    reserve_per_source: usize,
+    per_member: usize,
+}
+
+impl Bounds {
+    const NODE: Bounds = Bounds {
+        per_source: RECEIVING_PER_SOURCE_MAX,
+        total: RECEIVING_MAX,
+        reserve: RECEIVING_RESERVE_MAX,
+        reserve_per_source: RECEIVING_RESERVE_PER_SOURCE,
+        per_member: RECEIVING_PER_MEMBER_MAX,
+    };
+}
+
+#[derive(Default)]
+struct Table {
+    /// Held by sources that are not members.
+    total: usize,
+    /// Held per source (members and others); `None` when the transport gave no address.
+    by_source: HashMap<Option<IpAddr>, usize>,
+}
+
+impl ReceiveBudget {
+    /// The node's budget, with `members` counted apart.
+    pub fn new(members: TrustedSources) -> Self {
+        Self::with_bounds(members, Bounds::NODE)
+    }
+
+    fn with_bounds(members: TrustedSources, bounds: Bounds) -> Self {
+        ReceiveBudget {
+            table: Arc::default(),
+            reflection: SourceSlots::new(
+                REFLECTION_CALLS_MAX,
+                REFLECTION_CALLS_PER_SOURCE_MAX,
+                members.clone(),
+            ),
+            members,
+            bounds,
+        }
+    }
+
+    /// A charge of nothing yet for a call from `source`.
+    fn charge(&self, source: Option<IpAddr>) -> Charge {
+        let source = source.map(|ip| ip.to_canonical());
+        let member = source.is_some_and(|ip| self.members.trusts(ip));
+        Charge {
+            budget: self.clone(),
+            source,
+            member,
+            held: 0,
+        }
+    }
+
+    /// Wraps a unary service: each call's request body must end within [`RECEIVE_TIMEOUT`].
+    pub fn unary<S>(&self, inner: S) -> Receiving<S> {
+        Receiving {
+            inner,
+            budget: self.clone(),
+            streaming: false,
+        }
+    }
+
+    /// Wraps a reflection service, whose requests are streams of messages: the first message must
+    /// arrive within [`RECEIVE_TIMEOUT`] of the call, each later one within [`RECEIVE_TIMEOUT`] of
+    /// its first byte; a stream may stay open between messages (its bytes stay counted), and
+    /// holds a reflection place for its whole life.
+    pub fn reflection<S>(&self, inner: S) -> Receiving<ReflectionPlaces<S>> {
+        Receiving {
+            inner: ReflectionPlaces {
+                inner,
+                places: self.reflection.clone(),
+            },
+            budget: self.clone(),
+            streaming: true,
+        }
+    }
+
+    #[cfg(test)]
+    fn held(&self) -> (usize, usize) {
+        let t = self.table.lock().unwrap_or_else(PoisonError::into_inner);
+        (t.total, t.by_source.values().sum())
+    }
+}
+
+/// The bytes one call holds of the budget; given back when dropped.
+struct Charge {
+    budget: ReceiveBudget,
+    source: Option<IpAddr>,
+    member: bool,
+    held: usize,
+}
+
+impl Charge {
+    /// Makes the call hold `bytes` in all, or says why it may not (and then holds nothing).
+    fn set(&mut self, bytes: usize) -> Result<(), Status> {
+        if bytes <= self.held {
+            self.give_back(self.held - bytes);
+            return Ok(());
+        }
+        let more = bytes - self.held;
+        let b = self.budget.bounds;
+        let mut t = self
+            .budget
+            .table
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let of_source = t.by_source.get(&self.source).copied().unwrap_or(0);
+        let source_max = if self.member {
+            b.per_member
+        } else {
+            b.per_source
+        };
+        let small = of_source + more <= b.reserve_per_source;
+        let refusal = if of_source + more > source_max {
+            Some(format!(
+                "lockd: calls from {} already hold {of_source} bytes while they arrive, the most \
+                 one address may hold is {source_max}",
+                self.source
+                    .map_or_else(|| "an unknown address".to_owned(), |ip| ip.to_string()),
+            ))
+        } else if !self.member
+            && t.total + more > b.total
+            && (!small || t.total + more > b.total + b.reserve)
+        {
+            Some(format!(
+                "lockd: calls hold {} bytes while they arrive, the most this node holds is {} \
+                 ({} more for addresses that hold under {} bytes)",
+                t.total, b.total, b.reserve, b.reserve_per_source
+            ))
+        } else {
+            None
+        };
+        if let Some(why) = refusal {
+            drop(t);
+            self.give_back(self.held);
+            return Err(Status::resource_exhausted(format!(
+                "{why}; this call was not received whole and nothing was done, retry"
+            )));
+        }
+        *t.by_source.entry(self.source).or_insert(0) += more;
+        if !self.member {
+            t.total += more;
+        }
+        self.held = bytes;
+        Ok(())
+    }
+
+    fn give_back(&mut self, bytes: usize) {
+        if bytes == 0 {
+            return;
+        }
+        let mut t = self
+            .budget
+            .table
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(held) = t.by_source.get_mut(&self.source) {
+            *held -= bytes;
+            if *held == 0 {
+                t.by_source.remove(&self.source);
+            }
+        }
+        if !self.member {
+            t.total -= bytes;
+        }
+        self.held -= bytes;
+    }
+}
+
+impl Drop for Charge {
+    fn drop(&mut self) {
+        self.give_back(self.held);
+    }
+}
+
+/// Where a stream of gRPC messages (a 5-byte prefix with the length, then the message) stands.
+#[derive(Default)]
+struct Framing {
+    /// Bytes of the current prefix received (0 to 5).
+    prefix_len: usize,
+    prefix: [u8; 5],
+    /// Bytes of the current message still to come, once its prefix is whole.
+    remaining: u64,
+    /// Bytes of the current message (prefix included) received so far; 0 between messages.
+    partial: u64,
+    /// The largest message announced so far, prefix included, at most `MESSAGE_MAX_BYTES + 5`.
+    largest: u64,
+    /// Whether a message has been received whole.
+    finished_any: bool,
+}
+
+impl Framing {
+    /// Takes the next bytes of the stream; returns whether a message began in them.
+    fn advance(&mut self, mut data: &[u8]) -> bool {
+        let mut began = false;
+        while !data.is_empty() {
+            if self.prefix_len < 5 {
+                began |= self.prefix_len == 0;
+                let n = (5 - self.prefix_len).min(data.len());
+                self.prefix[self.prefix_len..self.prefix_len + n].copy_from_slice(&data[..n]);
+                self.prefix_len += n;
+                self.partial += n as u64;
+                data = &data[n..];
+                if self.prefix_len == 5 {
+                    let mut len = [0u8; 4];
+                    len.copy_from_slice(&self.prefix[1..]);
+                    self.remaining = u64::from(u32::from_be_bytes(len));
+                    self.largest = self.largest.max(5 + self.remaining.min(MESSAGE_MAX_BYTES));
+                }
+            } else {
+                let n = self.remaining.min(data.len() as u64);
+                self.remaining -= n;
+                self.partial += n;
+                // `n` is at most `data.len()`.
+                data = &data[usize::try_from(n).unwrap_or(data.len())..];
+            }
+            if self.prefix_len == 5 && self.remaining == 0 {
+                self.prefix_len = 0;
+                self.partial = 0;
+                self.finished_any = true;
+            }
+        }
+        began
+    }
+
+    fn partial(&self) -> usize {
+        usize::try_from(self.partial).unwrap_or(usize::MAX)
+    }
+
+    /// What the messages take: tonic's buffer, grown to the largest announced message, and the
+    /// decoded copy of one; before any prefix is whole, the bytes received.
+    fn held(&self) -> usize {
+        usize::try_from((2 * self.largest).max(self.partial)).unwrap_or(usize::MAX)
+    }
+}
+
+/// The address a call came from, with or without TLS.
+fn source_of<B>(req: &http::Request<B>) -> Option<IpAddr> {
+    req.extensions()
+        .get::<TcpConnectInfo>()
+        .and_then(TcpConnectInfo::remote_addr)
+        .or_else(|| {
+            req.extensions()
+                .get::<TlsConnectInfo<TcpConnectInfo>>()
+                .and_then(|i| i.get_ref().remote_addr())
+        })
+        .map(|a| a.ip())
+}
+
+/// What a call counts before its messages: [`CALL_BYTES`] and what hyper keeps of its request
+/// line and headers (the URI, with `:authority` and the query, and every header).
+fn head_bytes<B>(req: &http::Request<B>) -> usize {
+    CALL_BYTES
+        + req.uri().to_string().len()
+        + req
+            .headers()
+            .iter()
+            .map(|(name, value)| name.as_str().len() + value.len() + HEADER_OVERHEAD_BYTES)
+            .sum::<usize>()
+}
+
+/// A service whose calls count against a [`ReceiveBudget`] while they wait for their request.
+#[derive(Clone)]
+pub struct Receiving<S> {
+    inner: S,
+    budget: ReceiveBudget,
+    streaming: bool,
+}
+
+impl<S: NamedService> NamedService for Receiving<S> {
+    const NAME: &'static str = S::NAME;
+}
+
+impl<S> tower::Service<http::Request<Body>> for Receiving<S>
+where
+    S: tower::Service<http::Request<Body>, Error = Infallible>,
+{
+    type Response = S::Response;
+    type Error = Infallible;
+    type Future = S::Future;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<Body>) -> Self::Future {
+        let source = source_of(&req);
+        let header_bytes = head_bytes(&req);
+        let (parts, body) = req.into_parts();
+        let arriving = Arriving {
+            inner: body,
+            charge: self.budget.charge(source),
+            header_bytes,
+            framing: Framing::default(),
+            streaming: self.streaming,
+            deadline: Some(Instant::now() + RECEIVE_TIMEOUT),
+            sleep: None,
+            ended: false,
+        };
+        self.inner
+            .call(http::Request::from_parts(parts, Body::new(arriving)))
+    }
+}
+
+/// A request body that, while it waits for more, keeps its call's [`Charge`] at what the call
+/// holds, and ends in an error when the budget or the time runs out.
+struct Arriving {
+    inner: Body,
+    /// Nothing until the body first waits for the client.
+    charge: Charge,
+    /// [`CALL_BYTES`], the URI and the headers.
+    header_bytes: usize,
+    framing: Framing,
+    streaming: bool,
+    /// When the body (unary), or the first or current message (streaming), must have arrived;
+    /// `None` for a stream between messages.
+    deadline: Option<Instant>,
+    /// The timer for `deadline`, made the first time the body waits for more.
+    sleep: Option<Pin<Box<Sleep>>>,
+    ended: bool,
+}
+
+impl Arriving {
+    /// Ends the body with `status`, giving back what it held.
+    fn fail(&mut self, status: Status) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
+        self.ended = true;
+        let _ = self.charge.set(0);
+        Poll::Ready(Some(Err(status)))
+    }
+
+    fn end(&mut self) {
+        self.ended = true;
+        let _ = self.charge.set(0);
+    }
+
+    /// What the call holds while it waits for more.
+    fn waiting_bytes(&self) -> usize {
+        self.header_bytes + self.framing.held()
+    }
+
+    fn too_late() -> Status {
+        Status::resource_exhausted(format!(
+            "lockd: the call did not arrive in full within {RECEIVE_TIMEOUT:?}; nothing was done, \
+             retry"
+        ))
+    }
+}
+
+impl http_body::Body for Arriving {
+    type Data = Bytes;
+    type Error = Status;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
+        let this = self.get_mut();
+        if this.ended {
+            return Poll::Ready(None);
+        }
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                let Some(data) = frame.data_ref() else {
+                    // Trailers: the body has ended.
+                    this.end();
+                    return Poll::Ready(Some(Ok(frame)));
+                };
+                let began = this.framing.advance(data);
+                // A call that has waited keeps its charge at what it holds now (more once a
+                // prefix announces a larger message); one that has not is charged when it waits.
+                if this.charge.held > 0 {
+                    let bytes = this.waiting_bytes();
+                    if let Err(status) = this.charge.set(bytes) {
+                        return this.fail(status);
+                    }
+                }
+                // A stream: no deadline between messages; each message after the first has its
+                // own from its first byte (the first keeps the call's).
+                if this.streaming && this.framing.finished_any && !data.is_empty() {
+                    if this.framing.partial() == 0 {
+                        this.deadline = None;
+                    } else if began {
+                        this.deadline = Some(Instant::now() + RECEIVE_TIMEOUT);
+                    }
+                    this.sleep = None;
+                }
+                if this.inner.is_end_stream() {
+                    this.end();
+                } else if this.deadline.is_some_and(|d| Instant::now() >= d) {
+                    return this.fail(Self::too_late());
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(status))) => {
+                this.end();
+                Poll::Ready(Some(Err(status)))
+            }
+            Poll::Ready(None) => {
+                this.end();
+                Poll::Ready(None)
+            }
+            Poll::Pending => {
+                let bytes = this.waiting_bytes();
+                if let Err(status) = this.charge.set(bytes) {
+                    return this.fail(status);
+                }
+                let Some(deadline) = this.deadline else {
+                    return Poll::Pending;
+                };
+                let sleep = this
+                    .sleep
+                    .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+                if sleep.as_mut().poll(cx).is_ready() {
+                    return this.fail(Self::too_late());
+                }
+                Poll::Pending
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.ended || self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// A reflection service whose calls each hold a place of their source for their whole life (the
+/// life of their request stream); a call without one is answered `RESOURCE_EXHAUSTED` at once.
+#[derive(Clone)]
+pub struct ReflectionPlaces<S> {
+    inner: S,
+    places: SourceSlots,
+}
+
+impl<S: NamedService> NamedService for ReflectionPlaces<S> {
+    const NAME: &'static str = S::NAME;
+}
+
+impl<S> tower::Service<http::Request<Body>> for ReflectionPlaces<S>
+where
+    S: tower::Service<http::Request<Body>, Response = http::Response<Body>, Error = Infallible>,
+{
+    type Response = http::Response<Body>;
+    type Error = Infallible;
+    type Future = futures::future::Either<
+        S::Future,
+        std::future::Ready<Result<http::Response<Body>, Infallible>>,
+    >;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<Body>) -> Self::Future {
+        let source = source_of(&req).unwrap_or(IpAddr::from([0, 0, 0, 0]));
+        match self.places.admit(source) {
+            Ok(place) => {
+                let (parts, body) = req.into_parts();
+                let body = Body::new(Placed {
+                    inner: body,
+                    _place: place,
+                });
+                futures::future::Either::Left(
+                    self.inner.call(http::Request::from_parts(parts, body)),
+                )
+            }
+            Err(why) => {
+                futures::future::Either::Right(std::future::ready(Ok(Status::resource_exhausted(
+                    format!("lockd: reflection calls: {why}; nothing was done, retry later"),
+                )
+                .into_http())))
+            }
+        }
+    }
+}
+
+/// A request body holding a reflection place until it is dropped.
+struct Placed {
+    inner: Body,
+    _place: SourceSlot,
+}
+
+impl http_body::Body for Placed {
+    type Data = Bytes;
+    type Error = Status;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
+        Pin::new(&mut self.get_mut().inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::BodyExt;
+
+    fn message(len: usize) -> Vec<u8> {
+        let mut m = vec![0u8];
+        m.extend_from_slice(&u32::try_from(len).unwrap().to_be_bytes());
+        m.resize(5 + len, 7);
+        m
+    }
+
+    /// Bounds without a reserve.
+    fn bounds(total: usize, per_source: usize, per_member: usize) -> Bounds {
+        Bounds {
+            per_source,
+            total,
+            reserve: 0,
+            reserve_per_source: 0,
+            per_member,
+        }
+    }
+
+    #[test]
+    fn framing_counts_the_unfinished_message_and_the_largest_announced() {
+        let mut f = Framing::default();
+        let two = [message(10), message(3)].concat();
+        // Byte by byte: the partial count rises within a message and drops to 0 at its end.
+        let mut seen = Vec::new();
+        for b in &two {
+            f.advance(std::slice::from_ref(b));
+            seen.push(f.partial());
+        }
+        assert_eq!(
+            seen[..15],
+            [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 0]
+        );
+        assert_eq!(seen[15..], [1, 2, 3, 4, 5, 6, 7, 0]);
+        // Held: the bytes before the first prefix is whole, then twice the largest message.
+        let mut f = Framing::default();
+        f.advance(&[0, 0, 0]);
+        assert_eq!(f.held(), 3);
+        f.advance(&[0, 100]);
+        assert_eq!(f.held(), 210);
+        assert!(!f.finished_any);
+        f.advance(&[7; 100]);
+        assert!(f.finished_any);
+        assert_eq!((f.partial(), f.held()), (0, 210));
+        // In one piece, with the start of a third; an announcement over the limit counts as the
+        // limit (tonic refuses it at once).
+        let mut f = Framing::default();
+        assert!(f.advance(&[two.clone(), message(100)[..20].to_vec()].concat()));
+        assert_eq!((f.partial(), f.held()), (20, 210));
+        assert!(!f.advance(&[7; 50]));
+        assert_eq!(f.partial(), 70);
+        let mut f = Framing::default();
+        f.advance(&[0, 0xff, 0xff, 0xff, 0xff]);
+        assert_eq!(
+            f.held(),
+            usize::try_from(2 * (5 + MESSAGE_MAX_BYTES)).unwrap()
+        );
+        // An empty message ends with its prefix.
+        let mut f = Framing::default();
+        f.advance(&message(0));
+        assert_eq!((f.partial(), f.held()), (0, 10));
+    }
+
+    #[test]
+    fn charges_are_bounded_per_source_and_in_all_and_given_back() {
+        let a: IpAddr = "10.0.0.1".parse().unwrap();
+        let b: IpAddr = "10.0.0.2".parse().unwrap();
+        let m: IpAddr = "10.0.0.9".parse().unwrap();
+        let budget =
+            ReceiveBudget::with_bounds(TrustedSources::new(vec![m]), bounds(150, 100, 120));
+        let mut a1 = budget.charge(Some(a));
+        a1.set(60).unwrap();
+        let mut a2 = budget.charge(Some(a));
+        let err = a2.set(41).unwrap_err();
+        assert_eq!(err.code(), tonic::Code::ResourceExhausted);
+        assert!(err.message().contains("10.0.0.1"), "{}", err.message());
+        a2.set(40).unwrap();
+        let mut b1 = budget.charge(Some(b));
+        let err = b1.set(51).unwrap_err();
+        assert!(
+            err.message().contains("the most this node holds is 150"),
+            "{}",
+            err.message()
+        );
+        b1.set(50).unwrap();
+        assert_eq!(budget.held(), (150, 150));
+        // A member counts against its own bound only, even with the node's budget spent.
+        let mut m1 = budget.charge(Some(m));
+        m1.set(120).unwrap();
+        assert!(budget.charge(Some(m)).set(1).is_err());
+        // A refused charge holds nothing, even if it held some before.
+        assert!(a2.set(41).is_err());
+        assert_eq!(budget.held(), (110, 230));
+        // Lowering and dropping give back.
+        a1.set(10).unwrap();
+        drop(b1);
+        drop(m1);
+        assert_eq!(budget.held(), (10, 10));
+        drop(a1);
+        assert_eq!(budget.held(), (0, 0));
+        // An IPv4-mapped source is its IPv4 address.
+        let mapped: IpAddr = "::ffff:10.0.0.1".parse().unwrap();
+        let mut c = budget.charge(Some(mapped));
+        c.set(100).unwrap();
+        assert!(budget.charge(Some(a)).set(1).is_err());
+    }
+
+    #[test]
+    fn sources_that_fill_the_node_budget_leave_a_reserve_for_small_ones() {
+        let budget = ReceiveBudget::with_bounds(
+            TrustedSources::default(),
+            Bounds {
+                per_source: 100,
+                total: 200,
+                reserve: 50,
+                reserve_per_source: 20,
+                per_member: 100,
+            },
+        );
+        let source = |i: u8| Some(IpAddr::from([10, 0, 0, i]));
+        // Two large holders fill the node's budget.
+        let mut big1 = budget.charge(source(1));
+        big1.set(100).unwrap();
+        let mut big2 = budget.charge(source(2));
+        big2.set(100).unwrap();
+        // A third large one is refused, and so are the large ones' further calls.
+        assert!(budget.charge(source(3)).set(21).is_err());
+        assert!(big1.set(101).is_err());
+        big1.set(100).unwrap();
+        // Small holders take the reserve, each up to its bound, until it is spent.
+        let mut small: Vec<Charge> = (3..5).map(|i| budget.charge(source(i))).collect();
+        for c in &mut small {
+            c.set(20).unwrap();
+        }
+        let mut more = budget.charge(source(3));
+        assert!(more.set(1).is_err(), "a source over the reserve's bound");
+        let mut last = budget.charge(source(5));
+        last.set(10).unwrap();
+        let err = budget.charge(source(6)).set(1).unwrap_err();
+        assert!(
+            err.message()
+                .contains("(50 more for addresses that hold under 20 bytes)"),
+            "{}",
+            err.message()
+        );
+        assert_eq!(budget.held(), (250, 250));
+    }
+
+    /// A body from frames sent over a channel, as a connection delivers them.
+    fn channel_body() -> (
+        tokio::sync::mpsc::Sender<Result<Frame<Bytes>, Status>>,
+        Body,
+    ) {
+        let (tx, rx) = tokio::sync::mpsc::channel(16);
+        let stream = tokio_stream::wrappers::ReceiverStream::new(rx);
+        (tx, Body::new(http_body_util::StreamBody::new(stream)))
+    }
+
+    fn arriving(budget: &ReceiveBudget, streaming: bool, inner: Body) -> Arriving {
+        Arriving {
+            inner,
+            charge: budget.charge(Some("10.0.0.1".parse().unwrap())),
+            header_bytes: 10,
+            framing: Framing::default(),
+            streaming,
+            deadline: Some(Instant::now() + RECEIVE_TIMEOUT),
+            sleep: None,
+            ended: false,
+        }
+    }
+
+    type Polled = Option<Option<Result<Frame<Bytes>, Status>>>;
+
+    /// Polls `body` once: `None` if it waits.
+    fn poll_once(body: &mut Arriving) -> Polled {
+        futures::FutureExt::now_or_never(body.frame())
+    }
+
+    async fn send(tx: &tokio::sync::mpsc::Sender<Result<Frame<Bytes>, Status>>, bytes: &[u8]) {
+        tx.send(Ok(Frame::data(Bytes::from(bytes.to_vec()))))
+            .await
+            .unwrap();
+    }
+
+    #[test]
+    fn the_head_counts_the_uri_and_every_header() {
+        let host = "a".repeat(8_000);
+        let query = "q".repeat(100);
+        let req = http::Request::post(format!("http://{host}/lockd.v1.Lock/Acquire?{query}"))
+            .header("te", "trailers")
+            .body(())
+            .unwrap();
+        assert_eq!(
+            head_bytes(&req),
+            CALL_BYTES
+                + "http://".len()
+                + 8_000
+                + "/lockd.v1.Lock/Acquire?".len()
+                + 100
+                + "te".len()
+                + "trailers".len()
+                + 32
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_call_counts_only_while_it_waits_and_must_end_in_time() {
+        let budget = ReceiveBudget::with_bounds(TrustedSources::default(), bounds(1_000, 500, 500));
+        let (tx, inner) = channel_body();
+        let mut body = arriving(&budget, false, inner);
+        let message = message(100);
+        send(&tx, &message[..60]).await;
+        assert!(matches!(poll_once(&mut body), Some(Some(Ok(_)))));
+        assert_eq!(
+            budget.held(),
+            (0, 0),
+            "nothing counted before the call waits"
+        );
+        // Waiting for the rest: the head and twice the announced message count.
+        assert!(poll_once(&mut body).is_none());
+        assert_eq!(budget.held(), (220, 220));
+        // The whole message, but no end of the body: tonic holds it decoded, so it still counts.
+        send(&tx, &message[60..]).await;
+        assert!(matches!(poll_once(&mut body), Some(Some(Ok(_)))));
+        assert_eq!(budget.held(), (220, 220));
+        // Nothing more comes: the body fails at the timeout from the call and gives back.
+        let err = body.frame().await.unwrap().unwrap_err();
+        assert_eq!(Instant::now(), body.deadline.unwrap());
+        assert_eq!(err.code(), tonic::Code::ResourceExhausted);
+        assert!(err.message().contains("within 10s"), "{}", err.message());
+        assert_eq!(budget.held(), (0, 0));
+        assert!(body.frame().await.is_none());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_call_that_waits_beyond_the_budget_fails_and_gives_back() {
+        let budget = ReceiveBudget::with_bounds(TrustedSources::default(), bounds(1_000, 500, 500));
+        let (tx, inner) = channel_body();
+        let mut body = arriving(&budget, false, inner);
+        // A bare prefix announcing 1,000 bytes: tonic reserves them, so they count.
+        send(&tx, &message(1_000)[..5]).await;
+        assert!(matches!(poll_once(&mut body), Some(Some(Ok(_)))));
+        let Some(Some(Err(err))) = poll_once(&mut body) else {
+            panic!("a call waiting with 2,020 bytes is not refused at 500");
+        };
+        assert_eq!(err.code(), tonic::Code::ResourceExhausted);
+        assert!(
+            err.message()
+                .contains("the most one address may hold is 500"),
+            "{}",
+            err.message()
+        );
+        assert_eq!(budget.held(), (0, 0));
+
+        // A prefix that arrives while the call already waits raises its charge at once.
+        let (tx, inner) = channel_body();
+        let mut body = arriving(&budget, false, inner);
+        assert!(poll_once(&mut body).is_none());
+        assert_eq!(budget.held(), (10, 10));
+        send(&tx, &message(1_000)[..5]).await;
+        assert!(matches!(poll_once(&mut body), Some(Some(Err(_)))));
+        assert_eq!(budget.held(), (0, 0));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_call_that_arrives_whole_needs_no_budget() {
+        let budget = ReceiveBudget::with_bounds(TrustedSources::default(), bounds(100, 100, 100));
+        // Another source holds the node's whole budget.
+        let mut other = budget.charge(Some("10.0.0.2".parse().unwrap()));
+        other.set(100).unwrap();
+        let (tx, inner) = channel_body();
+        let mut body = arriving(&budget, false, inner);
+        send(&tx, &message(50)).await;
+        drop(tx);
+        assert!(matches!(poll_once(&mut body), Some(Some(Ok(_)))));
+        assert!(matches!(poll_once(&mut body), Some(None)));
+        assert_eq!(budget.held(), (100, 100));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stream_may_idle_between_messages_but_not_within_one() {
+        let budget = ReceiveBudget::with_bounds(TrustedSources::default(), bounds(1_000, 500, 500));
+        let (tx, inner) = channel_body();
+        let mut body = arriving(&budget, true, inner);
+        let first_by = body.deadline.unwrap();
+        // The first message keeps the call's deadline, even when its first byte comes late.
+        tokio::time::sleep(RECEIVE_TIMEOUT / 2).await;
+        send(&tx, &message(20)[..3]).await;
+        body.frame().await.unwrap().unwrap();
+        assert_eq!(body.deadline, Some(first_by));
+        send(&tx, &message(20)[3..]).await;
+        body.frame().await.unwrap().unwrap();
+        // Between messages: no deadline; the head and the largest message stay counted.
+        let next = tokio::time::timeout(RECEIVE_TIMEOUT * 3, body.frame()).await;
+        assert!(next.is_err(), "a stream between messages was cut");
+        assert_eq!(budget.held(), (60, 60));
+        // An empty frame changes nothing.
+        send(&tx, &[]).await;
+        body.frame().await.unwrap().unwrap();
+        assert_eq!(body.deadline, None);
+        // Half a message, then nothing: cut at the timeout from its first byte.
+        send(&tx, &message(20)[..12]).await;
+        body.frame().await.unwrap().unwrap();
+        let waited = Instant::now();
+        let err = body.frame().await.unwrap().unwrap_err();
+        assert_eq!(waited.elapsed(), RECEIVE_TIMEOUT);
+        assert_eq!(err.code(), tonic::Code::ResourceExhausted);
+        assert_eq!(budget.held(), (0, 0));
+    }
+
+    #[tokio::test]
+    async fn reflection_calls_hold_a_place_for_their_life_and_are_refused_beyond() {
+        let budget = ReceiveBudget::new(TrustedSources::default());
+        let mut service =
+            budget.reflection(tower::service_fn(|req: http::Request<Body>| async move {
+                // Keeps the request stream for the call's life, as reflection does.
+                Ok::<_, Infallible>(http::Response::new(Body::new(RequestKept {
+                    _request: req.into_body(),
+                })))
+            }));
+        let call = |service: &mut Receiving<_>| {
+            // A request stream still open, as reflection's are while the call lives.
+            let mut req = http::Request::new(channel_body().1);
+            req.extensions_mut().insert(TcpConnectInfo {
+                local_addr: None,
+                remote_addr: Some("10.0.0.1:5000".parse().unwrap()),
+            });
+            tower::Service::call(service, req)
+        };
+        let mut kept = Vec::new();
+        for _ in 0..REFLECTION_CALLS_PER_SOURCE_MAX {
+            let answer = call(&mut service).await.unwrap();
+            assert!(answer.headers().get("grpc-status").is_none());
+            kept.push(answer);
+        }
+        let refused = call(&mut service).await.unwrap();
+        assert_eq!(
+            refused.headers().get("grpc-status").unwrap(),
+            "8",
+            "RESOURCE_EXHAUSTED"
+        );
+        // A call that ends gives its place back.
+        drop(kept.pop());
+        let again = call(&mut service).await.unwrap();
+        assert!(again.headers().get("grpc-status").is_none());
+    }
+
+    /// An answer body that keeps the request's until it is dropped.
+    struct RequestKept {
+        _request: Body,
+    }
+
+    impl http_body::Body for RequestKept {
+        type Data = Bytes;
+        type Error = Status;
+        fn poll_frame(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
+            Poll::Pending
+        }
+    }
+}
