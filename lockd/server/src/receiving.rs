@@ -19,6 +19,15 @@
 //! with the membership) count against a budget of their own per address, outside the node's. A
 //! call waiting for a lock holds nothing here; the waiter limits bound it.
 //!
+//! Answers count too, from the moment the handler returns one until hyper has handed it all to
+//! HTTP/2 ([`ANSWER_BYTES`]): a client that grants no HTTP/2 flow-control window leaves every
+//! answer on the node. A source that holds its whole budget in answers and waiting calls gets
+//! `RESOURCE_EXHAUSTED` for its next calls at once, and the connection of an answer left untaken
+//! for `connections::SEND_TIMEOUT` is closed. Long-lived answers (health `Watch`, `SaveSnapshot`)
+//! are not counted. Not covered: a client that grants a window too small for an answer (say one
+//! byte) lets hyper hand the answer over, and h2 then keeps the rest in its send buffer, which
+//! nothing here sees.
+//!
 //! Reflection is a stream of requests whose service stops reading while its answers are not
 //! taken, so h2 may buffer up to a stream's window (1 MiB) for it unseen: each reflection call
 //! also takes one of [`REFLECTION_CALLS_PER_SOURCE_MAX`] places of its source (and
@@ -56,6 +65,15 @@ pub const RECEIVING_PER_MEMBER_MAX: usize = 16 << 20;
 /// What a waiting call counts besides its URI, headers and messages: its HTTP/2 stream, tonic's
 /// 8 KiB read buffer, the tasks and futures that serve it.
 pub const CALL_BYTES: usize = 16 << 10;
+/// What an answer counts from the moment its handler returns it until hyper has handed it all to
+/// HTTP/2: its stream, task and buffers (about 9 KB measured for a small answer).
+pub const ANSWER_BYTES: usize = 8 << 10;
+/// Methods whose answers are long-lived streams: not counted as answers (health `Watch`, one per
+/// channel of a client that checks health; `SaveSnapshot`, an administrator's download).
+const LONG_LIVED_ANSWERS: &[&str] = &[
+    "/grpc.health.v1.Health/Watch",
+    "/lockd.v1.Cluster/SaveSnapshot",
+];
 /// From a unary call's arrival to the end of its request body; for a streaming request, to the
 /// end of its first message, and from the first byte of each later message to its last.
 pub const RECEIVE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -165,6 +183,40 @@ impl ReceiveBudget {
         }
     }
 
+    /// Why a new call from `charge`'s source is refused at once, if it is: the source holds its
+    /// whole budget, or it holds more than the reserve's share while the node's budget is spent.
+    fn refusal(&self, charge: &Charge) -> Option<Status> {
+        let b = self.bounds;
+        let t = self.table.lock().unwrap_or_else(PoisonError::into_inner);
+        let of_source = t.by_source.get(&charge.source).copied().unwrap_or(0);
+        let source_max = if charge.member {
+            b.per_member
+        } else {
+            b.per_source
+        };
+        let why = if of_source >= source_max {
+            format!(
+                "lockd: calls from {} hold {of_source} bytes in requests not yet received and \
+                 answers not yet taken, the most one address may hold is {source_max}",
+                charge
+                    .source
+                    .map_or_else(|| "an unknown address".to_owned(), |ip| ip.to_string()),
+            )
+        } else if !charge.member && t.total >= b.total && of_source > b.reserve_per_source {
+            format!(
+                "lockd: calls hold {} bytes in requests not yet received and answers not yet \
+                 taken, the most this node holds is {} (more only for addresses that hold under \
+                 {} bytes)",
+                t.total, b.total, b.reserve_per_source
+            )
+        } else {
+            return None;
+        };
+        Some(Status::resource_exhausted(format!(
+            "{why}; nothing was done, retry"
+        )))
+    }
+
     #[cfg(test)]
     fn held(&self) -> (usize, usize) {
         let t = self.table.lock().unwrap_or_else(PoisonError::into_inner);
@@ -233,6 +285,21 @@ impl Charge {
         }
         self.held = bytes;
         Ok(())
+    }
+
+    /// Makes the call hold `bytes` more, whatever the bounds: for answers, which are made already;
+    /// the bounds then refuse the source's next calls.
+    fn force(&mut self, bytes: usize) {
+        let mut t = self
+            .budget
+            .table
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        *t.by_source.entry(self.source).or_insert(0) += bytes;
+        if !self.member {
+            t.total += bytes;
+        }
+        self.held += bytes;
     }
 
     fn give_back(&mut self, bytes: usize) {
@@ -337,6 +404,18 @@ fn source_of<B>(req: &http::Request<B>) -> Option<IpAddr> {
         .map(|a| a.ip())
 }
 
+/// The (local, remote) addresses of a call's connection, with or without TLS.
+fn connection_of<B>(
+    req: &http::Request<B>,
+) -> Option<(std::net::SocketAddr, std::net::SocketAddr)> {
+    let tcp = req.extensions().get::<TcpConnectInfo>().or_else(|| {
+        req.extensions()
+            .get::<TlsConnectInfo<TcpConnectInfo>>()
+            .map(TlsConnectInfo::get_ref)
+    })?;
+    Some((tcp.local_addr()?, tcp.remote_addr()?))
+}
+
 /// What a call counts before its messages: [`CALL_BYTES`] and what hyper keeps of its request
 /// line and headers (the URI, with `:authority` and the query, and every header).
 fn head_bytes<B>(req: &http::Request<B>) -> usize {
@@ -361,13 +440,15 @@ impl<S: NamedService> NamedService for Receiving<S> {
     const NAME: &'static str = S::NAME;
 }
 
-impl<S> tower::Service<http::Request<Body>> for Receiving<S>
+impl<S, B> tower::Service<http::Request<Body>> for Receiving<S>
 where
-    S: tower::Service<http::Request<Body>, Error = Infallible>,
+    S: tower::Service<http::Request<Body>, Response = http::Response<B>, Error = Infallible>,
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    type Response = S::Response;
+    type Response = http::Response<Body>;
     type Error = Infallible;
-    type Future = S::Future;
+    type Future = Answering<S::Future>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
         self.inner.poll_ready(cx)
@@ -375,20 +456,115 @@ where
 
     fn call(&mut self, req: http::Request<Body>) -> Self::Future {
         let source = source_of(&req);
+        let untaken = connection_of(&req)
+            .and_then(|(local, remote)| crate::connections::Untaken::of(local, remote));
         let header_bytes = head_bytes(&req);
+        let long_lived = LONG_LIVED_ANSWERS.contains(&req.uri().path());
         let (parts, body) = req.into_parts();
+        let charge = self.budget.charge(source);
+        let refused = self.budget.refusal(&charge);
         let arriving = Arriving {
             inner: body,
-            charge: self.budget.charge(source),
+            charge,
             header_bytes,
             framing: Framing::default(),
             streaming: self.streaming,
             deadline: Some(Instant::now() + RECEIVE_TIMEOUT),
             sleep: None,
+            refused,
             ended: false,
         };
-        self.inner
-            .call(http::Request::from_parts(parts, Body::new(arriving)))
+        Answering {
+            inner: self
+                .inner
+                .call(http::Request::from_parts(parts, Body::new(arriving))),
+            // A long-lived answer (a stream of updates or a download) is not counted: clients
+            // keep some open for as long as they run, many behind one address.
+            answer: Some(((!long_lived).then(|| self.budget.charge(source)), untaken)),
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A call's answer on its way: once the handler returns it, its body counts against the
+    /// budget and in its connection's untaken answers until the client has taken it all.
+    pub struct Answering<F> {
+        #[pin]
+        inner: F,
+        answer: Option<(Option<Charge>, Option<Arc<crate::connections::Untaken>>)>,
+    }
+}
+
+impl<F, B> std::future::Future for Answering<F>
+where
+    F: std::future::Future<Output = Result<http::Response<B>, Infallible>>,
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    type Output = Result<http::Response<Body>, Infallible>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        let Poll::Ready(Ok(response)) = this.inner.poll(cx) else {
+            return Poll::Pending;
+        };
+        let (charge, untaken) = this.answer.take().unwrap_or_else(|| {
+            unreachable!("an Answering future is not polled after it completed")
+        });
+        Poll::Ready(Ok(response.map(|body| {
+            if body.is_end_stream() {
+                // Headers only (a refusal, an error): they leave at once, unlimited by flow
+                // control.
+                return Body::new(body);
+            }
+            let charge = charge.map(|mut c| {
+                c.force(ANSWER_BYTES);
+                c
+            });
+            Body::new(Answer {
+                inner: Body::new(body),
+                _charge: charge,
+                untaken: untaken.map(|u| u.answer()),
+            })
+        })))
+    }
+}
+
+/// An answer body: counts [`ANSWER_BYTES`] until hyper has handed it all to HTTP/2 (it is
+/// dropped then), and tells its connection when it waits for the client to take a frame.
+struct Answer {
+    inner: Body,
+    /// `None` for a long-lived answer.
+    _charge: Option<Charge>,
+    untaken: Option<crate::connections::UntakenAnswer>,
+}
+
+impl http_body::Body for Answer {
+    type Data = Bytes;
+    type Error = Status;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.inner).poll_frame(cx);
+        if let Some(untaken) = &this.untaken {
+            if matches!(polled, Poll::Ready(Some(Ok(_)))) {
+                untaken.yielded();
+            } else {
+                untaken.polled();
+            }
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
     }
 }
 
@@ -407,6 +583,8 @@ struct Arriving {
     deadline: Option<Instant>,
     /// The timer for `deadline`, made the first time the body waits for more.
     sleep: Option<Pin<Box<Sleep>>>,
+    /// Refused when it came (its source holds its budget): the first read fails with it.
+    refused: Option<Status>,
     ended: bool,
 }
 
@@ -447,6 +625,9 @@ impl http_body::Body for Arriving {
         let this = self.get_mut();
         if this.ended {
             return Poll::Ready(None);
+        }
+        if let Some(status) = this.refused.take() {
+            return this.fail(status);
         }
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
@@ -509,7 +690,8 @@ impl http_body::Body for Arriving {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.ended || self.inner.is_end_stream()
+        // A refused call's first read must happen, even with an empty request.
+        self.ended || (self.refused.is_none() && self.inner.is_end_stream())
     }
 
     fn size_hint(&self) -> http_body::SizeHint {
@@ -764,6 +946,7 @@ mod tests {
             streaming,
             deadline: Some(Instant::now() + RECEIVE_TIMEOUT),
             sleep: None,
+            refused: None,
             ended: false,
         }
     }

@@ -404,6 +404,7 @@ pub(crate) fn incoming(
                 tokio::time::Instant::now() + crate::connections::FIRST_BYTES_TIMEOUT;
             // With Nagle on, a small reply waits for the peer's delayed ACK (40 ms).
             let _ = stream.set_nodelay(true);
+            let addresses = stream.local_addr().ok().map(|local| (local, remote));
             let acceptor = tokio_rustls::TlsAcceptor::from(server(&tls.current()));
             let tx = tx.clone();
             tokio::spawn(async move {
@@ -412,8 +413,12 @@ pub(crate) fn incoming(
                 drop(slot);
                 match handshake {
                     Ok(Ok(tls_stream)) => {
-                        let admitted =
-                            crate::connections::Admitted::new(tls_stream, place, first_bytes_by);
+                        let admitted = crate::connections::Admitted::new(
+                            tls_stream,
+                            place,
+                            first_bytes_by,
+                            addresses,
+                        );
                         let _ = tx.send(Ok(admitted)).await;
                     }
                     Ok(Err(e)) => tracing::debug!(%remote, error = %e, "TLS handshake failed"),

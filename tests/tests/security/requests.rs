@@ -83,30 +83,40 @@ where
     B::Data: Send,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
+    h2_connection_granting(from, to, None).await.0
+}
+
+/// The same, granting `window` bytes to each stream (hyper's default when `None`); with the
+/// task that drives it.
+async fn h2_connection_granting<B>(
+    from: &str,
+    to: SocketAddr,
+    window: Option<u32>,
+) -> (
+    hyper::client::conn::http2::SendRequest<B>,
+    tokio::task::JoinHandle<hyper::Result<()>>,
+)
+where
+    B: hyper::body::Body + Send + Unpin + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     let tcp = connect_from(from, to).await;
-    let (send, connection) =
-        hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
-            .handshake(hyper_util::rt::TokioIo::new(tcp))
-            .await
-            .unwrap();
-    tokio::spawn(connection);
-    send
+    let mut builder =
+        hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new());
+    if let Some(window) = window {
+        builder.initial_stream_window_size(window);
+    }
+    let (send, connection) = builder
+        .handshake(hyper_util::rt::TokioIo::new(tcp))
+        .await
+        .unwrap();
+    (send, tokio::spawn(connection))
 }
 
 /// The gRPC status of a Describe sent whole from `from` to `to` on a connection of its own.
 async fn whole_describe_from(from: &str, to: SocketAddr) -> Option<String> {
-    let resource = "requests/probe";
-    // Field 1 (`resource`), a string shorter than 128 bytes.
-    let mut message = vec![0x0a, u8::try_from(resource.len()).unwrap()];
-    message.extend_from_slice(resource.as_bytes());
-    let mut framed = vec![0u8];
-    framed.extend_from_slice(&u32::try_from(message.len()).unwrap().to_be_bytes());
-    framed.extend_from_slice(&message);
-    let request = hyper::Request::post(format!("http://{to}/lockd.v1.Lock/Describe"))
-        .header("content-type", "application/grpc")
-        .header("te", "trailers")
-        .body(http_body_util::Full::new(Bytes::from(framed)))
-        .unwrap();
+    let request = describe(to, "requests/probe");
     let mut send = h2_connection(from, to).await;
     let response = tokio::time::timeout(Duration::from_secs(5), send.send_request(request))
         .await
@@ -222,4 +232,120 @@ async fn calls_that_never_finish_arriving_are_bounded_and_ended_in_time() {
         ended,
         "every unfinished call ends RESOURCE_EXHAUSTED (8): {statuses:?}"
     );
+}
+
+/// Goal: answers a client never takes cannot make a node hold unbounded memory. A client that
+/// grants no HTTP/2 flow-control window (and answers pings) leaves each answer on the node with
+/// its stream and task, about 9 KB, 1,024 per connection and 256 connections per address. Now an
+/// answer counts `ANSWER_BYTES` against its source's budget until taken, so once an address
+/// holds its whole budget its next calls get `RESOURCE_EXHAUSTED` at once, and a connection with
+/// an answer left untaken for `SEND_TIMEOUT` is closed. On main every answer was kept for good.
+/// Method: a three-node cluster; from another loopback address, a connection granting no window
+/// with 600 Describes, then a second with 1,000; a Describe from a third address meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_a_client_never_takes_are_bounded_and_their_connections_closed() {
+    use lockd_server::connections::SEND_TIMEOUT;
+    use lockd_server::receiving::ANSWER_BYTES;
+    let (cluster, attacker) = cluster_and_attacker().await;
+    let to: SocketAddr = cluster.addr(1).parse().unwrap();
+    let pid = cluster.pid(1).unwrap();
+    let before = rss_bytes(pid);
+    let started = Instant::now();
+
+    // First 600 calls, whose answers stay on the node: the address's budget fills (512 answers'
+    // worth, and the calls admitted before their answers existed); then 1,000 more on a second
+    // connection, each refused at once.
+    let mut connections = Vec::new();
+    let mut batches = Vec::new();
+    for calls in [600, STREAMS_PER_CONNECTION] {
+        let (mut send, connection) = h2_connection_granting(&attacker, to, Some(0)).await;
+        connections.push(connection);
+        let mut answers = Vec::new();
+        for i in 0..calls {
+            send.ready().await.unwrap();
+            answers.push(send.send_request(describe(to, &format!("requests/{i}"))));
+        }
+        // The heads of the answers arrive (HEADERS are not flow-controlled); bodies never can.
+        let (mut kept, mut refused) = (Vec::new(), 0);
+        for answer in answers {
+            match tokio::time::timeout(Duration::from_secs(10), answer).await {
+                Ok(Ok(r)) if r.headers().get("grpc-status").is_some_and(|s| s == "8") => {
+                    refused += 1
+                }
+                Ok(Ok(r)) => kept.push(r),
+                Ok(Err(e)) => panic!("a call failed: {e}"),
+                Err(_) => panic!("no answer head within 10 s"),
+            }
+        }
+        eprintln!(
+            "{calls} calls: {} answers kept untaken, {refused} refused",
+            kept.len()
+        );
+        batches.push((kept, refused));
+        // Kept open, so that the connection is not closed from this side.
+        tokio::spawn(async move {
+            let _send = send;
+            tokio::time::sleep(Duration::from_secs(3_600)).await;
+        });
+    }
+    let grown = rss_bytes(pid).saturating_sub(before);
+    eprintln!("node 1 RSS {} MB more", grown >> 20);
+    assert!(
+        batches[0].0.len() * ANSWER_BYTES >= RECEIVING_PER_SOURCE_MAX,
+        "fewer answers kept than the budget allows: {}",
+        batches[0].0.len()
+    );
+    assert_eq!(
+        batches[1].1, STREAMS_PER_CONNECTION,
+        "calls admitted from an address that holds its whole budget in untaken answers"
+    );
+
+    // Others are served meanwhile.
+    let probe = {
+        let [a, b, c, d] = attacker.parse::<std::net::Ipv4Addr>().unwrap().octets();
+        std::net::Ipv4Addr::new(a, b, c, d.wrapping_add(1).max(1)).to_string()
+    };
+    assert_eq!(
+        whole_describe_from(&probe, to).await.as_deref(),
+        Some("0"),
+        "node 1 serves a client from {probe}"
+    );
+
+    // The connection with untaken answers is closed once they have waited SEND_TIMEOUT (checked
+    // at its next read or write, which keepalive pings bring within 20 s).
+    let deadline = started + SEND_TIMEOUT + Duration::from_secs(25);
+    while Instant::now() < deadline && !connections[0].is_finished() {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    eprintln!(
+        "after {:?}: the connection with untaken answers closed: {}",
+        started.elapsed(),
+        connections[0].is_finished()
+    );
+    assert!(
+        connections[0].is_finished(),
+        "a connection with answers untaken for {SEND_TIMEOUT:?} is still open"
+    );
+    // The address's budget came back with the connection: its calls are served again.
+    assert_eq!(
+        whole_describe_from(&attacker, to).await.as_deref(),
+        Some("0"),
+        "{attacker} is still refused after its connection with untaken answers closed"
+    );
+    drop(batches);
+}
+
+/// A Describe, whole.
+fn describe(to: SocketAddr, resource: &str) -> hyper::Request<http_body_util::Full<Bytes>> {
+    // Field 1 (`resource`), a string shorter than 128 bytes.
+    let mut message = vec![0x0a, u8::try_from(resource.len()).unwrap()];
+    message.extend_from_slice(resource.as_bytes());
+    let mut framed = vec![0u8];
+    framed.extend_from_slice(&u32::try_from(message.len()).unwrap().to_be_bytes());
+    framed.extend_from_slice(&message);
+    hyper::Request::post(format!("http://{to}/lockd.v1.Lock/Describe"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(http_body_util::Full::new(Bytes::from(framed)))
+        .unwrap()
 }
