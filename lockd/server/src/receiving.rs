@@ -50,6 +50,8 @@ use tonic::body::Body;
 use tonic::server::NamedService;
 use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
 
+use crate::service::errors::transit_exhausted;
+
 /// Bytes of calls waiting for more of their request, from one source address (members excepted):
 /// 256 calls with small messages, 26 with the largest.
 pub const RECEIVING_PER_SOURCE_MAX: usize = 4 << 20;
@@ -81,6 +83,12 @@ pub const RECEIVE_TIMEOUT: Duration = Duration::from_secs(10);
 pub const REFLECTION_CALLS_PER_SOURCE_MAX: usize = 4;
 /// Reflection calls open at once on a node, members' apart.
 pub const REFLECTION_CALLS_MAX: usize = 64;
+
+/// The `limit` each refusal names in its ErrorInfo (docs/api.md, status codes).
+const LIMIT_PER_SOURCE: &str = "receiving_per_source_max";
+const LIMIT_NODE: &str = "receiving_max";
+const LIMIT_TIME: &str = "receive_timeout";
+const LIMIT_REFLECTION: &str = "reflection_calls_max";
 
 /// Per HTTP/2's accounting of a header list (RFC 9113, SETTINGS_MAX_HEADER_LIST_SIZE): the
 /// bytes of each name and value plus 32.
@@ -194,27 +202,34 @@ impl ReceiveBudget {
         } else {
             b.per_source
         };
-        let why = if of_source >= source_max {
-            format!(
-                "lockd: calls from {} hold {of_source} bytes in requests not yet received and \
+        let (limit, why) = if of_source >= source_max {
+            (
+                LIMIT_PER_SOURCE,
+                format!(
+                    "lockd: calls from {} hold {of_source} bytes in requests not yet received and \
                  answers not yet taken, the most one address may hold is {source_max}",
-                charge
-                    .source
-                    .map_or_else(|| "an unknown address".to_owned(), |ip| ip.to_string()),
+                    charge
+                        .source
+                        .map_or_else(|| "an unknown address".to_owned(), |ip| ip.to_string()),
+                ),
             )
         } else if !charge.member && t.total >= b.total && of_source > b.reserve_per_source {
-            format!(
-                "lockd: calls hold {} bytes in requests not yet received and answers not yet \
+            (
+                LIMIT_NODE,
+                format!(
+                    "lockd: calls hold {} bytes in requests not yet received and answers not yet \
                  taken, the most this node holds is {} (more only for addresses that hold under \
                  {} bytes)",
-                t.total, b.total, b.reserve_per_source
+                    t.total, b.total, b.reserve_per_source
+                ),
             )
         } else {
             return None;
         };
-        Some(Status::resource_exhausted(format!(
-            "{why}; nothing was done, retry"
-        )))
+        Some(transit_exhausted(
+            limit,
+            format!("{why}; nothing was done, retry"),
+        ))
     }
 
     #[cfg(test)]
@@ -254,30 +269,37 @@ impl Charge {
         };
         let small = of_source + more <= b.reserve_per_source;
         let refusal = if of_source + more > source_max {
-            Some(format!(
-                "lockd: calls from {} already hold {of_source} bytes while they arrive, the most \
+            Some((
+                LIMIT_PER_SOURCE,
+                format!(
+                    "lockd: calls from {} already hold {of_source} bytes while they arrive, the most \
                  one address may hold is {source_max}",
-                self.source
-                    .map_or_else(|| "an unknown address".to_owned(), |ip| ip.to_string()),
+                    self.source
+                        .map_or_else(|| "an unknown address".to_owned(), |ip| ip.to_string()),
+                ),
             ))
         } else if !self.member
             && t.total + more > b.total
             && (!small || t.total + more > b.total + b.reserve)
         {
-            Some(format!(
-                "lockd: calls hold {} bytes while they arrive, the most this node holds is {} \
+            Some((
+                LIMIT_NODE,
+                format!(
+                    "lockd: calls hold {} bytes while they arrive, the most this node holds is {} \
                  ({} more for addresses that hold under {} bytes)",
-                t.total, b.total, b.reserve, b.reserve_per_source
+                    t.total, b.total, b.reserve, b.reserve_per_source
+                ),
             ))
         } else {
             None
         };
-        if let Some(why) = refusal {
+        if let Some((limit, why)) = refusal {
             drop(t);
             self.give_back(self.held);
-            return Err(Status::resource_exhausted(format!(
-                "{why}; this call was not received whole and nothing was done, retry"
-            )));
+            return Err(transit_exhausted(
+                limit,
+                format!("{why}; this call was not received whole and nothing was done, retry"),
+            ));
         }
         *t.by_source.entry(self.source).or_insert(0) += more;
         if !self.member {
@@ -607,10 +629,13 @@ impl Arriving {
     }
 
     fn too_late() -> Status {
-        Status::resource_exhausted(format!(
-            "lockd: the call did not arrive in full within {RECEIVE_TIMEOUT:?}; nothing was done, \
-             retry"
-        ))
+        transit_exhausted(
+            LIMIT_TIME,
+            format!(
+                "lockd: the call did not arrive in full within {RECEIVE_TIMEOUT:?}; nothing was \
+                 done, retry"
+            ),
+        )
     }
 }
 
@@ -739,12 +764,11 @@ where
                     self.inner.call(http::Request::from_parts(parts, body)),
                 )
             }
-            Err(why) => {
-                futures::future::Either::Right(std::future::ready(Ok(Status::resource_exhausted(
-                    format!("lockd: reflection calls: {why}; nothing was done, retry later"),
-                )
-                .into_http())))
-            }
+            Err(why) => futures::future::Either::Right(std::future::ready(Ok(transit_exhausted(
+                LIMIT_REFLECTION,
+                format!("lockd: reflection calls: {why}; nothing was done, retry later"),
+            )
+            .into_http()))),
         }
     }
 }
@@ -1010,6 +1034,10 @@ mod tests {
         assert_eq!(Instant::now(), body.deadline.unwrap());
         assert_eq!(err.code(), tonic::Code::ResourceExhausted);
         assert!(err.message().contains("within 10s"), "{}", err.message());
+        // From lockd, nothing done, and which bound.
+        let (reason, metadata) = lockd_api::errors::reason_of(&err).unwrap();
+        assert_eq!(reason, lockd_api::errors::Reason::LimitReached);
+        assert_eq!(metadata["limit"], "receive_timeout");
         assert_eq!(budget.held(), (0, 0));
         assert!(body.frame().await.is_none());
     }

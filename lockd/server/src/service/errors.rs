@@ -105,6 +105,18 @@ pub fn exhausted(limit: Limit, msg: impl std::fmt::Display) -> Status {
     )
 }
 
+/// `RESOURCE_EXHAUSTED` for one of the node's bounds on calls in transit (`receiving.rs`: bytes of
+/// requests not yet received and answers not yet taken, per address or in all; the time to
+/// arrive; reflection calls), named in the metadata key `limit`. The handler never ran.
+pub fn transit_exhausted(limit: &'static str, msg: impl std::fmt::Display) -> Status {
+    status(
+        Code::ResourceExhausted,
+        prefixed(msg),
+        Reason::LimitReached,
+        &[("limit", limit)],
+    )
+}
+
 /// `UNAVAILABLE`, nothing proposed: no leader known, reachable or confirmed. Safe to retry.
 pub fn no_quorum(msg: impl std::fmt::Display) -> Status {
     status(Code::Unavailable, prefixed(msg), Reason::NoQuorum, &[])
