@@ -10,7 +10,13 @@ pub const AUDIT_KEY_HEX: &str = "000102030405060708090a0b0c0d0e0f101112131415161
 /// Writes the key file into `dir` and returns its path.
 pub fn write_key_file(dir: &Path) -> std::io::Result<std::path::PathBuf> {
     let path = dir.join("audit.key.hex");
-    std::fs::write(&path, AUDIT_KEY_HEX)?;
+    // Once, and whole: a cluster calls this for every node it starts, and rewriting the file in
+    // place (truncate, then write) let a node started just before read it empty and exit.
+    if !path.exists() {
+        let partial = dir.join("audit.key.hex.partial");
+        std::fs::write(&partial, AUDIT_KEY_HEX)?;
+        std::fs::rename(&partial, &path)?;
+    }
     Ok(path)
 }
 
