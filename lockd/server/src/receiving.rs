@@ -14,7 +14,7 @@
 //! The node's budget has two parts, so that sources which fill it cannot refuse everyone else:
 //! [`RECEIVING_MAX`] for anyone, then [`RECEIVING_RESERVE_MAX`] more for sources that hold at most
 //! [`RECEIVING_RESERVE_PER_SOURCE`] (a client whose calls wait a moment between their frames, as
-//! any client's may). Filling both takes a thousand source addresses. A call whose request is
+//! any client's may). Filling both takes over 250 source addresses. A call whose request is
 //! already there when it is read is never counted at all. The members' addresses (kept current
 //! with the membership) count against a budget of their own per address, outside the node's. A
 //! call waiting for a lock holds nothing here; the waiter limits bound it.
@@ -52,18 +52,19 @@ use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
 
 use crate::service::errors::transit_exhausted;
 
-/// Bytes of calls waiting for more of their request, from one source address (members excepted):
-/// 256 calls with small messages, 26 with the largest.
-pub const RECEIVING_PER_SOURCE_MAX: usize = 4 << 20;
-/// Bytes of calls waiting for more of their request, from all sources but the members.
-pub const RECEIVING_MAX: usize = 64 << 20;
+/// Bytes of calls waiting for more of their request, and of answers not yet taken, from one
+/// source address (members excepted): about 4,000 waiting calls with small messages, or 8,000
+/// untaken answers. A client that sends 1,500 calls at once, each waiting a moment between its
+/// frames, holds about 25 MiB for that moment.
+pub const RECEIVING_PER_SOURCE_MAX: usize = 64 << 20;
+/// The same from all sources but the members.
+pub const RECEIVING_MAX: usize = 256 << 20;
 /// Bytes beyond [`RECEIVING_MAX`] for sources that hold little: they are not the ones filling it.
 pub const RECEIVING_RESERVE_MAX: usize = 64 << 20;
 /// What a source may hold to use [`RECEIVING_RESERVE_MAX`].
-pub const RECEIVING_RESERVE_PER_SOURCE: usize = 64 << 10;
-/// Bytes of calls waiting for more of their request, from one member's address (outside the
-/// node's budget).
-pub const RECEIVING_PER_MEMBER_MAX: usize = 16 << 20;
+pub const RECEIVING_RESERVE_PER_SOURCE: usize = 256 << 10;
+/// The same from one member's address (outside the node's budget).
+pub const RECEIVING_PER_MEMBER_MAX: usize = 64 << 20;
 /// What a waiting call counts besides its URI, headers and messages: its HTTP/2 stream, tonic's
 /// 8 KiB read buffer, the tasks and futures that serve it.
 pub const CALL_BYTES: usize = 16 << 10;
