@@ -249,6 +249,16 @@ struct Charge {
 }
 
 impl Charge {
+    /// A charge of nothing yet for the same source, as a member or not as this one is.
+    fn another(&self) -> Charge {
+        Charge {
+            budget: self.budget.clone(),
+            source: self.source,
+            member: self.member,
+            held: 0,
+        }
+    }
+
     /// Makes the call hold `bytes` in all, or says why it may not (and then holds nothing).
     fn set(&mut self, bytes: usize) -> Result<(), Status> {
         if bytes <= self.held {
@@ -414,28 +424,25 @@ impl Framing {
     }
 }
 
-/// The address a call came from, with or without TLS.
-fn source_of<B>(req: &http::Request<B>) -> Option<IpAddr> {
-    req.extensions()
-        .get::<TcpConnectInfo>()
-        .and_then(TcpConnectInfo::remote_addr)
-        .or_else(|| {
-            req.extensions()
-                .get::<TlsConnectInfo<TcpConnectInfo>>()
-                .and_then(|i| i.get_ref().remote_addr())
-        })
-        .map(|a| a.ip())
-}
-
-/// The (local, remote) addresses of a call's connection, with or without TLS.
-fn connection_of<B>(
-    req: &http::Request<B>,
-) -> Option<(std::net::SocketAddr, std::net::SocketAddr)> {
-    let tcp = req.extensions().get::<TcpConnectInfo>().or_else(|| {
+/// What the transport saw of a call's connection (its addresses), with or without TLS.
+fn connect_info<B>(req: &http::Request<B>) -> Option<&TcpConnectInfo> {
+    req.extensions().get::<TcpConnectInfo>().or_else(|| {
         req.extensions()
             .get::<TlsConnectInfo<TcpConnectInfo>>()
             .map(TlsConnectInfo::get_ref)
-    })?;
+    })
+}
+
+/// The address a call came from.
+fn source_of<B>(req: &http::Request<B>) -> Option<IpAddr> {
+    connect_info(req)?.remote_addr().map(|a| a.ip())
+}
+
+/// The (local, remote) addresses of a call's connection.
+fn connection_of<B>(
+    req: &http::Request<B>,
+) -> Option<(std::net::SocketAddr, std::net::SocketAddr)> {
+    let tcp = connect_info(req)?;
     Some((tcp.local_addr()?, tcp.remote_addr()?))
 }
 
@@ -486,6 +493,9 @@ where
         let (parts, body) = req.into_parts();
         let charge = self.budget.charge(source);
         let refused = self.budget.refusal(&charge);
+        // A long-lived answer (a stream of updates or a download) is not counted: clients
+        // keep some open for as long as they run, many behind one address.
+        let answer_charge = (!long_lived).then(|| charge.another());
         let arriving = Arriving {
             inner: body,
             charge,
@@ -501,9 +511,7 @@ where
             inner: self
                 .inner
                 .call(http::Request::from_parts(parts, Body::new(arriving))),
-            // A long-lived answer (a stream of updates or a download) is not counted: clients
-            // keep some open for as long as they run, many behind one address.
-            answer: Some(((!long_lived).then(|| self.budget.charge(source)), untaken)),
+            answer: Some((answer_charge, untaken)),
         }
     }
 }

@@ -114,6 +114,18 @@ where
     (send, tokio::spawn(connection))
 }
 
+/// Asserts that `to` serves a whole Describe from the loopback address after `attacker`'s (not a
+/// member's either).
+async fn assert_served_from_beside(attacker: &str, to: SocketAddr) {
+    let [a, b, c, d] = attacker.parse::<std::net::Ipv4Addr>().unwrap().octets();
+    let probe = std::net::Ipv4Addr::new(a, b, c, d.wrapping_add(1).max(1)).to_string();
+    assert_eq!(
+        whole_describe_from(&probe, to).await.as_deref(),
+        Some("0"),
+        "node 1 serves a client from {probe}"
+    );
+}
+
 /// The gRPC status of a Describe sent whole from `from` to `to` on a connection of its own.
 async fn whole_describe_from(from: &str, to: SocketAddr) -> Option<String> {
     let request = describe(to, "requests/probe");
@@ -190,15 +202,7 @@ async fn calls_that_never_finish_arriving_are_bounded_and_ended_in_time() {
     );
 
     // The node serves its clients meanwhile, from another address that is not a member's.
-    let probe = {
-        let [a, b, c, d] = attacker.parse::<std::net::Ipv4Addr>().unwrap().octets();
-        std::net::Ipv4Addr::new(a, b, c, d.wrapping_add(1).max(1)).to_string()
-    };
-    assert_eq!(
-        whole_describe_from(&probe, to).await.as_deref(),
-        Some("0"),
-        "node 1 serves a client from {probe}"
-    );
+    assert_served_from_beside(&attacker, to).await;
 
     // Every call ends within the timeout, refused; none is answered otherwise.
     let deadline = RECEIVE_TIMEOUT + Duration::from_secs(5);
@@ -303,15 +307,7 @@ async fn answers_a_client_never_takes_are_bounded_and_their_connections_closed()
     );
 
     // Others are served meanwhile.
-    let probe = {
-        let [a, b, c, d] = attacker.parse::<std::net::Ipv4Addr>().unwrap().octets();
-        std::net::Ipv4Addr::new(a, b, c, d.wrapping_add(1).max(1)).to_string()
-    };
-    assert_eq!(
-        whole_describe_from(&probe, to).await.as_deref(),
-        Some("0"),
-        "node 1 serves a client from {probe}"
-    );
+    assert_served_from_beside(&attacker, to).await;
 
     // The connection with untaken answers is closed once they have waited SEND_TIMEOUT (checked
     // at its next read or write, which keepalive pings bring within 20 s).
