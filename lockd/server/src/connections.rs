@@ -7,10 +7,13 @@
 //!
 //! Once a connection speaks HTTP/2, the server's keepalive pings close it when its peer stops
 //! answering (`node.rs`); a connection that answers pings but sends no call keeps its place, which
-//! the per-source bound limits. A connection whose client leaves an answer untaken for
-//! [`SEND_TIMEOUT`] (it grants no HTTP/2 flow-control window, yet answers pings) is closed, with
-//! every call on it: each such answer holds its stream, task and buffers (about 9 KB), 1,024 per
-//! connection.
+//! the per-source bound limits. A connection is closed, with every call on it, once its client
+//! has taken nothing for [`SEND_TIMEOUT`] while the node had something for it: an answer hyper
+//! waits to hand to HTTP/2 (the client grants no flow-control window, yet answers pings), a
+//! window (a stream's or the connection's) the client keeps starved ([`crate::flow_watch`]), or
+//! bytes its socket does not take (the client reads nothing, and may acknowledge the node's pings
+//! without reading them: their payload is fixed). Each answer held that way keeps its stream and
+//! buffers, 1,024 per connection.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -26,6 +29,8 @@ use lockd_service_kit::admission::{SourceSlot, SourceSlots, TrustedSources};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tonic::transport::server::Connected;
 
+use crate::flow_watch::{FlowWatch, STARVED_GRACE};
+
 /// Connections open at once, from all sources; well under the 65,536 descriptors the packaged
 /// unit allows, so the node keeps descriptors for its files and its peers.
 pub const CONNECTIONS_MAX: usize = 16_384;
@@ -38,9 +43,10 @@ pub const FIRST_BYTES_TIMEOUT: Duration = Duration::from_secs(10);
 /// not change (a member back on another IP under its name); a change is applied at once.
 pub const TRUST_REFRESH: Duration = Duration::from_secs(10);
 
-/// How long an answer may wait for its client to take it (HTTP/2 flow control) before the node
-/// closes the connection, as nginx's `send_timeout`. Checked whenever the connection reads or
-/// writes, which its keepalive pings make happen at least every 20 s.
+/// How long an answer may wait for its client to take it (HTTP/2 flow control), and a write for
+/// the socket to take a byte, before the node closes the connection, as nginx's `send_timeout`.
+/// Checked whenever the connection reads or writes, which its keepalive pings make happen at
+/// least every 20 s; a blocked write wakes the connection when it has waited this long.
 pub const SEND_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The connection places of one node's gRPC port.
@@ -131,6 +137,13 @@ pub(crate) struct Admitted<S> {
     first_bytes: Option<Pin<Box<tokio::time::Sleep>>>,
     /// With the (local, remote) addresses it is registered under in [`OPEN`].
     untaken: Option<(ConnectionKey, Arc<Untaken>)>,
+    /// The HTTP/2 windows the client grants.
+    flow: FlowWatch,
+    /// Since the socket last took a byte, while the node has bytes for it: fires at
+    /// [`SEND_TIMEOUT`].
+    write_blocked: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// While a window is starved: wakes the connection to look at it again.
+    starving_check: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
 impl<S> Admitted<S> {
@@ -154,12 +167,18 @@ impl<S> Admitted<S> {
             _slot: slot,
             first_bytes: Some(Box::pin(tokio::time::sleep_until(deadline))),
             untaken,
+            flow: FlowWatch::new(),
+            write_blocked: None,
+            starving_check: None,
         }
     }
 
     /// An error that closes the connection if an answer has waited for the client longer than
-    /// [`SEND_TIMEOUT`].
-    fn answers_overdue(&self) -> Option<io::Error> {
+    /// [`SEND_TIMEOUT`], or the client has kept a window starved that long.
+    fn answers_overdue(&mut self) -> Option<io::Error> {
+        if let Some(starved) = self.flow.overdue(SEND_TIMEOUT) {
+            return Some(io::Error::new(io::ErrorKind::TimedOut, starved.to_string()));
+        }
         let (_, untaken) = self.untaken.as_ref()?;
         let waited = untaken.longest_wait()?;
         (waited > SEND_TIMEOUT).then(|| {
@@ -171,6 +190,63 @@ impl<S> Admitted<S> {
                 ),
             )
         })
+    }
+}
+
+impl<S: ResetOnClose> Admitted<S> {
+    /// Notes how a write went: bytes taken end a wait; `Pending` starts one (or goes on with
+    /// it), and fails the write once it has lasted [`SEND_TIMEOUT`]. The timer wakes the
+    /// connection then, even if nothing else does.
+    fn note_write<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        polled: Poll<io::Result<T>>,
+        took: bool,
+    ) -> Poll<io::Result<T>> {
+        match polled {
+            Poll::Pending => {
+                let blocked = self
+                    .write_blocked
+                    .get_or_insert_with(|| Box::pin(tokio::time::sleep(SEND_TIMEOUT)));
+                if blocked.as_mut().poll(cx).is_ready() {
+                    // A reset, not a FIN: a closed socket would keep its unsent bytes for a
+                    // client that reads nothing until the kernel gave up on it.
+                    self.io.reset_on_close();
+                    return Poll::Ready(Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        format!(
+                            "the client's socket has taken no byte for {} s",
+                            SEND_TIMEOUT.as_secs()
+                        ),
+                    )));
+                }
+                Poll::Pending
+            }
+            Poll::Ready(Ok(value)) => {
+                if took {
+                    self.write_blocked = None;
+                }
+                Poll::Ready(Ok(value))
+            }
+            ready @ Poll::Ready(Err(_)) => ready,
+        }
+    }
+}
+
+/// A connection the node can end with a reset instead of a FIN.
+pub(crate) trait ResetOnClose {
+    fn reset_on_close(&self);
+}
+
+impl ResetOnClose for tokio::net::TcpStream {
+    fn reset_on_close(&self) {
+        let _ = self.set_zero_linger();
+    }
+}
+
+impl ResetOnClose for tokio_rustls::server::TlsStream<tokio::net::TcpStream> {
+    fn reset_on_close(&self) {
+        let _ = self.get_ref().0.set_zero_linger();
     }
 }
 
@@ -216,32 +292,75 @@ impl<S: AsyncRead + Unpin> AsyncRead for Admitted<S> {
                 _ => {}
             }
         }
+        match &polled {
+            Poll::Ready(Ok(())) => this.flow.read(&buf.filled()[before..]),
+            // Nothing moves on the connection: a starved window is looked at again regardless.
+            Poll::Pending if this.flow.starving() => loop {
+                let check = this
+                    .starving_check
+                    .get_or_insert_with(|| Box::pin(tokio::time::sleep(STARVED_GRACE)));
+                if check.as_mut().poll(cx).is_pending() {
+                    break;
+                }
+                this.starving_check = None;
+                if let Some(overdue) = this.answers_overdue() {
+                    return Poll::Ready(Err(overdue));
+                }
+                if !this.flow.starving() {
+                    break;
+                }
+            },
+            _ => {}
+        }
         polled
     }
 }
 
-impl<S: AsyncWrite + Unpin> AsyncWrite for Admitted<S> {
+impl<S: AsyncWrite + Unpin + ResetOnClose> AsyncWrite for Admitted<S> {
     fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, b: &[u8]) -> Poll<io::Result<usize>> {
-        if let Some(overdue) = self.answers_overdue() {
+        let this = self.get_mut();
+        if let Some(overdue) = this.answers_overdue() {
             return Poll::Ready(Err(overdue));
         }
-        Pin::new(&mut self.get_mut().io).poll_write(cx, b)
+        let polled = Pin::new(&mut this.io).poll_write(cx, b);
+        if let Poll::Ready(Ok(n)) = polled {
+            this.flow.wrote(&b[..n]);
+        }
+        let took = matches!(polled, Poll::Ready(Ok(n)) if n > 0);
+        this.note_write(cx, polled, took)
     }
     fn poll_write_vectored(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        if let Some(overdue) = self.answers_overdue() {
+        let this = self.get_mut();
+        if let Some(overdue) = this.answers_overdue() {
             return Poll::Ready(Err(overdue));
         }
-        Pin::new(&mut self.get_mut().io).poll_write_vectored(cx, bufs)
+        let polled = Pin::new(&mut this.io).poll_write_vectored(cx, bufs);
+        if let Poll::Ready(Ok(n)) = polled {
+            let mut left = n;
+            for buf in bufs {
+                let part = left.min(buf.len());
+                this.flow.wrote(&buf[..part]);
+                left -= part;
+                if left == 0 {
+                    break;
+                }
+            }
+        }
+        let took = matches!(polled, Poll::Ready(Ok(n)) if n > 0);
+        this.note_write(cx, polled, took)
     }
     fn is_write_vectored(&self) -> bool {
         self.io.is_write_vectored()
     }
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().io).poll_flush(cx)
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.io).poll_flush(cx);
+        // A finished flush means the socket took everything (a TLS stream's records too).
+        this.note_write(cx, polled, true)
     }
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.get_mut().io).poll_shutdown(cx)

@@ -12,6 +12,8 @@
 //! - `members`: the other members, from the Raft membership, and channels to them.
 //! - [`storage`]: the redb log store and the state machine with its snapshots.
 //! - [`receiving`]: what a call may hold while it arrives (bytes per source, time).
+//! - [`connections`], [`flow_watch`]: what a connection may hold (places, time to speak, answers
+//!   and bytes its client does not take, the HTTP/2 windows it grants).
 //! - `proposer`: group commit of client commands into Raft entries.
 //! - `forwarder`: a follower's calls to the leader, many per message on one stream.
 //! - `waiters`: calls parked until the log grants them.
@@ -31,6 +33,7 @@ pub(crate) mod clock;
 pub mod config;
 pub mod connections;
 pub mod dev;
+pub mod flow_watch;
 pub(crate) mod forwarder;
 pub(crate) mod members;
 pub mod node;

@@ -5,6 +5,7 @@
 //! # Layout
 //! - `connections`: what silent connections can hold on a node's port.
 //! - `requests`: what calls that never finish arriving can hold.
+//! - `windows`: what a client's HTTP/2 windows and unread socket can make a node hold.
 //! - `replication`: forged Raft messages are refused and change nothing; the plaintext mode's checks.
 //! - `transport`: `lockctl` over TLS, certificate reload under load.
 //! - `authz`: tenants, request ids, bearer tokens, forwarded identities and the policy's checks.
@@ -19,3 +20,4 @@ mod connections;
 mod replication;
 mod requests;
 mod transport;
+mod windows;

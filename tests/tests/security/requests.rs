@@ -21,7 +21,7 @@ const PAD_BYTES: usize = 8_000;
 const ANNOUNCED_BYTES: u32 = 65_000;
 const SENT_BYTES: usize = 60_000;
 
-fn rss_bytes(pid: u32) -> u64 {
+pub(super) fn rss_bytes(pid: u32) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
     let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
     let kib: u64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
@@ -88,7 +88,7 @@ where
 
 /// The same, granting `window` bytes to each stream (hyper's default when `None`); with the
 /// task that drives it.
-async fn h2_connection_granting<B>(
+pub(super) async fn h2_connection_granting<B>(
     from: &str,
     to: SocketAddr,
     window: Option<u32>,
@@ -116,7 +116,7 @@ where
 
 /// Asserts that `to` serves a whole Describe from the loopback address after `attacker`'s (not a
 /// member's either).
-async fn assert_served_from_beside(attacker: &str, to: SocketAddr) {
+pub(super) async fn assert_served_from_beside(attacker: &str, to: SocketAddr) {
     let [a, b, c, d] = attacker.parse::<std::net::Ipv4Addr>().unwrap().octets();
     let probe = std::net::Ipv4Addr::new(a, b, c, d.wrapping_add(1).max(1)).to_string();
     assert_eq!(
@@ -334,7 +334,10 @@ async fn answers_a_client_never_takes_are_bounded_and_their_connections_closed()
 }
 
 /// A Describe, whole.
-fn describe(to: SocketAddr, resource: &str) -> hyper::Request<http_body_util::Full<Bytes>> {
+pub(super) fn describe(
+    to: SocketAddr,
+    resource: &str,
+) -> hyper::Request<http_body_util::Full<Bytes>> {
     // Field 1 (`resource`), a string shorter than 128 bytes.
     let mut message = vec![0x0a, u8::try_from(resource.len()).unwrap()];
     message.extend_from_slice(resource.as_bytes());

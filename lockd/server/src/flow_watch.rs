@@ -1,0 +1,630 @@
+//! What a client's HTTP/2 flow-control windows leave on this node, followed from the bytes a
+//! connection carries each way: frame headers, and the payloads of the client's SETTINGS and
+//! WINDOW_UPDATE frames, nothing else.
+//!
+//! Why: hyper hands an answer to h2 in one piece as soon as flow control grants its stream one
+//! byte, and h2 keeps whatever the windows do not let out yet. Answers handed over that way are
+//! gone from everything the services see ([`crate::connections::Untaken`], the budget of
+//! `receiving.rs`), yet each keeps its stream, headers and bytes in h2, 1,024 per connection, for
+//! as long as the client answers pings. A client gets there with stream windows smaller than an
+//! answer (SETTINGS_INITIAL_WINDOW_SIZE of 1 byte), or by keeping the connection window shut and
+//! opening it a byte at a time, each byte letting one more answer into h2.
+//!
+//! Small windows are legitimate (gRPC core shrinks them under memory pressure, down to 0, and
+//! grants each stream what its reader needs), so they are not refused. What is bounded is
+//! starvation: a window (a stream's, or the connection's) is *starved* from the moment the node's
+//! DATA exhausts it until the client grants [`GRANT_PROGRESS`] bytes at once, or leaves it open
+//! for [`IDLE_AFTER_GRANT`] (then the node had nothing waiting), or the stream ends. The
+//! connection is closed once a window has been starved for [`crate::connections::SEND_TIMEOUT`],
+//! or once more than [`STARVED_STREAMS_MAX`] streams have been starved for over
+//! [`STARVED_GRACE`] at once (each keeps about 9 KB; a reading client takes its answers within
+//! milliseconds). A byte at a time, a window never stops being starved: each grant is used at
+//! once. A connection with a starved window is looked at every [`STARVED_GRACE`] until none is.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+/// A grant at least this large ends a window's starvation: it lets out any unary answer of lockd
+/// whole (they are well under 16 KiB), and a client that reads releases at least this much at a
+/// time (h2, nghttp2 and grpc-go once half or a quarter of a 64 KiB window is used).
+pub const GRANT_PROGRESS: u32 = 16_384;
+/// A window left open this long after a grant was not waited on: the node had nothing for it.
+pub const IDLE_AFTER_GRANT: Duration = Duration::from_secs(1);
+/// Streams of one connection that may be starved for over [`STARVED_GRACE`] at once: 256
+/// connections from one address then hold at most about 75 MB this way, as the budget of
+/// `receiving.rs` allows for answers hyper has not taken.
+pub const STARVED_STREAMS_MAX: usize = 32;
+/// How long a stream may be starved before it counts against [`STARVED_STREAMS_MAX`].
+pub const STARVED_GRACE: Duration = Duration::from_secs(1);
+/// Streams of one connection whose windows are followed; h2 keeps at most 1,024 open, so this is
+/// never reached unless streams end unseen (then new ones are not followed).
+const STREAMS_FOLLOWED_MAX: usize = 4_096;
+
+/// The window every HTTP/2 stream and connection starts with.
+const DEFAULT_WINDOW: i64 = 65_535;
+const PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+const FRAME_HEADER_BYTES: usize = 9;
+const DATA: u8 = 0x0;
+const HEADERS: u8 = 0x1;
+const RST_STREAM: u8 = 0x3;
+const SETTINGS: u8 = 0x4;
+const WINDOW_UPDATE: u8 = 0x8;
+const ACK: u8 = 0x1;
+const END_STREAM: u8 = 0x1;
+const SETTINGS_INITIAL_WINDOW_SIZE: u16 = 0x4;
+
+/// One connection's send windows, as far as starvation goes.
+pub(crate) struct FlowWatch {
+    from_client: Scanner,
+    to_client: Scanner,
+    connection: Window,
+    /// Open streams by id (the client's, odd): each from its HEADERS to the node's END_STREAM or
+    /// either side's RST_STREAM.
+    streams: HashMap<u32, Window>,
+    /// The client's SETTINGS_INITIAL_WINDOW_SIZE.
+    initial_stream_window: i64,
+    /// When the streams are looked over next (at most every [`STARVED_GRACE`]).
+    next_stream_scan: Instant,
+    /// A stream window was starved at the last look, or has been since.
+    streams_starving: bool,
+}
+
+/// One flow-control window the client grants the node.
+#[derive(Debug, Clone, Copy)]
+struct Window {
+    size: i64,
+    starved_since: Option<Instant>,
+    granted_at: Option<Instant>,
+}
+
+impl Window {
+    fn new(size: i64) -> Self {
+        Window {
+            size,
+            starved_since: None,
+            granted_at: None,
+        }
+    }
+
+    fn sent(&mut self, bytes: i64, now: Instant) {
+        if self.was_idle(now) {
+            self.starved_since = None;
+        }
+        self.size -= bytes;
+        if self.size <= 0 {
+            self.starved_since.get_or_insert(now);
+        }
+    }
+
+    fn granted(&mut self, bytes: i64, now: Instant) {
+        self.size += bytes;
+        self.granted_at = Some(now);
+        if bytes >= i64::from(GRANT_PROGRESS) {
+            self.starved_since = None;
+        }
+    }
+
+    /// Open since a grant at least [`IDLE_AFTER_GRANT`] ago.
+    fn was_idle(&self, now: Instant) -> bool {
+        self.size > 0
+            && self
+                .granted_at
+                .is_some_and(|at| now.saturating_duration_since(at) > IDLE_AFTER_GRANT)
+    }
+
+    fn starved_for(&mut self, now: Instant) -> Option<Duration> {
+        if self.was_idle(now) {
+            self.starved_since = None;
+        }
+        Some(now.saturating_duration_since(self.starved_since?))
+    }
+}
+
+/// Why a connection is closed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Starved {
+    /// A window (a stream's, or the connection's when `None`) starved this long.
+    Window {
+        stream: Option<u32>,
+        waited: Duration,
+    },
+    /// This many streams starved for over [`STARVED_GRACE`] at once.
+    Streams(usize),
+}
+
+impl std::fmt::Display for Starved {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Starved::Window { stream, waited } => {
+                let window = match stream {
+                    Some(id) => format!("stream {id}'s"),
+                    None => "the connection's".to_owned(),
+                };
+                write!(
+                    f,
+                    "the client has kept {window} HTTP/2 window shut for {} s (no grant of \
+                     {GRANT_PROGRESS} bytes at once) while the node had data for it",
+                    waited.as_secs()
+                )
+            }
+            Starved::Streams(count) => write!(
+                f,
+                "the client has left the answers of {count} streams waiting for their HTTP/2 \
+                 windows for over {} s (at most {STARVED_STREAMS_MAX})",
+                STARVED_GRACE.as_secs()
+            ),
+        }
+    }
+}
+
+impl FlowWatch {
+    pub(crate) fn new() -> Self {
+        FlowWatch {
+            from_client: Scanner::new(true),
+            to_client: Scanner::new(false),
+            connection: Window::new(DEFAULT_WINDOW),
+            streams: HashMap::new(),
+            initial_stream_window: DEFAULT_WINDOW,
+            next_stream_scan: Instant::now(),
+            streams_starving: false,
+        }
+    }
+
+    /// Follows bytes the client sent.
+    pub(crate) fn read(&mut self, bytes: &[u8]) {
+        let now = Instant::now();
+        let FlowWatch {
+            from_client,
+            connection,
+            streams,
+            initial_stream_window,
+            streams_starving,
+            ..
+        } = self;
+        from_client.scan(bytes, &mut |frame| match frame {
+            Frame::InitialStreamWindow(size) => {
+                let delta = i64::from(size) - *initial_stream_window;
+                *initial_stream_window = i64::from(size);
+                for window in streams.values_mut() {
+                    if delta >= 0 {
+                        window.granted(delta, now);
+                    } else {
+                        window.sent(-delta, now);
+                        *streams_starving |= window.starved_since.is_some();
+                    }
+                }
+            }
+            Frame::WindowUpdate {
+                stream: 0,
+                increment,
+            } => {
+                connection.granted(i64::from(increment), now);
+            }
+            Frame::WindowUpdate { stream, increment } => {
+                if let Some(window) = streams.get_mut(&stream) {
+                    window.granted(i64::from(increment), now);
+                }
+            }
+            Frame::Headers { stream, .. } => {
+                if streams.len() < STREAMS_FOLLOWED_MAX {
+                    streams
+                        .entry(stream)
+                        .or_insert_with(|| Window::new(*initial_stream_window));
+                }
+            }
+            Frame::Reset { stream } => {
+                streams.remove(&stream);
+            }
+            Frame::Data { .. } => {}
+        });
+    }
+
+    /// Follows bytes the node wrote.
+    pub(crate) fn wrote(&mut self, bytes: &[u8]) {
+        let now = Instant::now();
+        let FlowWatch {
+            to_client,
+            connection,
+            streams,
+            streams_starving,
+            ..
+        } = self;
+        to_client.scan(bytes, &mut |frame| match frame {
+            Frame::Data {
+                stream,
+                length,
+                end_stream,
+            } => {
+                connection.sent(i64::from(length), now);
+                if end_stream {
+                    streams.remove(&stream);
+                } else if let Some(window) = streams.get_mut(&stream) {
+                    window.sent(i64::from(length), now);
+                    *streams_starving |= window.starved_since.is_some();
+                }
+            }
+            Frame::Headers {
+                stream,
+                end_stream: true,
+            }
+            | Frame::Reset { stream } => {
+                streams.remove(&stream);
+            }
+            Frame::Headers { .. } | Frame::InitialStreamWindow(_) | Frame::WindowUpdate { .. } => {}
+        });
+    }
+
+    /// Why the connection must close, if it must: a window starved for `timeout`, or too many
+    /// streams starved at once. The streams are looked over at most every [`STARVED_GRACE`].
+    pub(crate) fn overdue(&mut self, timeout: Duration) -> Option<Starved> {
+        let now = Instant::now();
+        if let Some(waited) = self.connection.starved_for(now) {
+            if waited >= timeout {
+                return Some(Starved::Window {
+                    stream: None,
+                    waited,
+                });
+            }
+        }
+        if !self.streams_starving || now < self.next_stream_scan {
+            return None;
+        }
+        self.next_stream_scan = now + STARVED_GRACE;
+        let (mut starving, mut past_grace, mut longest) = (false, 0, None);
+        for (&id, window) in &mut self.streams {
+            let Some(waited) = window.starved_for(now) else {
+                continue;
+            };
+            starving = true;
+            if waited > STARVED_GRACE {
+                past_grace += 1;
+            }
+            if longest.is_none_or(|(_, w)| waited > w) {
+                longest = Some((id, waited));
+            }
+        }
+        self.streams_starving = starving;
+        if past_grace > STARVED_STREAMS_MAX {
+            return Some(Starved::Streams(past_grace));
+        }
+        let (stream, waited) = longest?;
+        (waited >= timeout).then_some(Starved::Window {
+            stream: Some(stream),
+            waited,
+        })
+    }
+
+    /// Whether the connection should be looked at again within [`STARVED_GRACE`] even if
+    /// nothing moves on it: a window is starved.
+    pub(crate) fn starving(&self) -> bool {
+        self.streams_starving || self.connection.starved_since.is_some()
+    }
+}
+
+/// What the watch takes from a frame.
+#[derive(Debug, PartialEq, Eq)]
+enum Frame {
+    /// A SETTINGS frame (not an acknowledgement) set SETTINGS_INITIAL_WINDOW_SIZE.
+    InitialStreamWindow(u32),
+    WindowUpdate {
+        stream: u32,
+        increment: u32,
+    },
+    Headers {
+        stream: u32,
+        end_stream: bool,
+    },
+    /// A DATA frame of this many flow-controlled bytes (padding included).
+    Data {
+        stream: u32,
+        length: u32,
+        end_stream: bool,
+    },
+    Reset {
+        stream: u32,
+    },
+}
+
+/// Reads HTTP/2 frames from one direction of a connection, in whatever pieces the bytes come.
+struct Scanner {
+    /// Bytes of the client preface still to match (0 once matched, or for the node's side).
+    preface_left: usize,
+    /// Not HTTP/2 (a metrics scrape over HTTP/1): scanning stopped.
+    stopped: bool,
+    header: [u8; FRAME_HEADER_BYTES],
+    header_len: usize,
+    /// The frame being read: its type, flags, stream and payload bytes still to come.
+    kind: u8,
+    flags: u8,
+    stream: u32,
+    payload_left: usize,
+    /// Payload bytes kept for a SETTINGS entry (6 bytes) or a WINDOW_UPDATE (4 bytes).
+    field: [u8; 6],
+    field_len: usize,
+}
+
+impl Scanner {
+    fn new(client_side: bool) -> Self {
+        Scanner {
+            preface_left: if client_side { PREFACE.len() } else { 0 },
+            stopped: false,
+            header: [0; FRAME_HEADER_BYTES],
+            header_len: 0,
+            kind: 0,
+            flags: 0,
+            stream: 0,
+            payload_left: 0,
+            field: [0; 6],
+            field_len: 0,
+        }
+    }
+
+    fn scan(&mut self, mut bytes: &[u8], on: &mut impl FnMut(Frame)) {
+        while !bytes.is_empty() && !self.stopped {
+            if self.preface_left > 0 {
+                let at = PREFACE.len() - self.preface_left;
+                let n = self.preface_left.min(bytes.len());
+                if bytes[..n] != PREFACE[at..at + n] {
+                    self.stopped = true;
+                    return;
+                }
+                self.preface_left -= n;
+                bytes = &bytes[n..];
+            } else if self.header_len < FRAME_HEADER_BYTES {
+                let n = (FRAME_HEADER_BYTES - self.header_len).min(bytes.len());
+                self.header[self.header_len..self.header_len + n].copy_from_slice(&bytes[..n]);
+                self.header_len += n;
+                bytes = &bytes[n..];
+                if self.header_len == FRAME_HEADER_BYTES {
+                    self.start_frame(on);
+                }
+            } else {
+                let n = self.payload_left.min(bytes.len());
+                if self.kind == SETTINGS || self.kind == WINDOW_UPDATE {
+                    for &byte in &bytes[..n] {
+                        self.payload_byte(byte, on);
+                    }
+                }
+                self.payload_left -= n;
+                bytes = &bytes[n..];
+                if self.payload_left == 0 {
+                    self.header_len = 0;
+                }
+            }
+        }
+    }
+
+    fn start_frame(&mut self, on: &mut impl FnMut(Frame)) {
+        let h = self.header;
+        self.payload_left = usize::from(h[0]) << 16 | usize::from(h[1]) << 8 | usize::from(h[2]);
+        self.kind = h[3];
+        self.flags = h[4];
+        self.stream = u32::from_be_bytes([h[5], h[6], h[7], h[8]]) & 0x7fff_ffff;
+        self.field_len = 0;
+        let (stream, end_stream) = (self.stream, self.flags & END_STREAM != 0);
+        match self.kind {
+            DATA => on(Frame::Data {
+                stream,
+                // 24 bits.
+                length: u32::try_from(self.payload_left).unwrap_or(u32::MAX),
+                end_stream,
+            }),
+            HEADERS => on(Frame::Headers { stream, end_stream }),
+            RST_STREAM => on(Frame::Reset { stream }),
+            _ => {}
+        }
+        if self.payload_left == 0 {
+            self.header_len = 0;
+        }
+    }
+
+    fn payload_byte(&mut self, byte: u8, on: &mut impl FnMut(Frame)) {
+        if let Some(slot) = self.field.get_mut(self.field_len) {
+            *slot = byte;
+        }
+        self.field_len += 1;
+        let f = self.field;
+        match self.kind {
+            SETTINGS if self.flags & ACK == 0 && self.field_len == 6 => {
+                if u16::from_be_bytes([f[0], f[1]]) == SETTINGS_INITIAL_WINDOW_SIZE {
+                    on(Frame::InitialStreamWindow(u32::from_be_bytes([
+                        f[2], f[3], f[4], f[5],
+                    ])));
+                }
+                self.field_len = 0;
+            }
+            WINDOW_UPDATE if self.field_len == 4 => on(Frame::WindowUpdate {
+                stream: self.stream,
+                increment: u32::from_be_bytes([f[0], f[1], f[2], f[3]]) & 0x7fff_ffff,
+            }),
+            _ => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+        let len = u32::try_from(payload.len()).unwrap().to_be_bytes();
+        let mut f = vec![len[1], len[2], len[3], kind, flags];
+        f.extend_from_slice(&stream.to_be_bytes());
+        f.extend_from_slice(payload);
+        f
+    }
+
+    fn settings(entries: &[(u16, u32)]) -> Vec<u8> {
+        let payload: Vec<u8> = entries
+            .iter()
+            .flat_map(|(id, value)| id.to_be_bytes().into_iter().chain(value.to_be_bytes()))
+            .collect();
+        frame(SETTINGS, 0, 0, &payload)
+    }
+
+    fn window_update(stream: u32, increment: u32) -> Vec<u8> {
+        frame(WINDOW_UPDATE, 0, stream, &increment.to_be_bytes())
+    }
+
+    fn request(stream: u32) -> Vec<u8> {
+        let mut f = frame(HEADERS, 0x4, stream, &[0x83]);
+        f.extend(frame(DATA, END_STREAM, stream, &[0; 10]));
+        f
+    }
+
+    /// A watch that has read the preface, `settings` and a request on each of `streams`, split
+    /// into pieces of `piece` bytes.
+    fn watch_after(entries: &[(u16, u32)], streams: &[u32], piece: usize) -> FlowWatch {
+        let mut bytes = PREFACE.to_vec();
+        bytes.extend(settings(entries));
+        for &id in streams {
+            bytes.extend(request(id));
+        }
+        let mut watch = FlowWatch::new();
+        bytes.chunks(piece).for_each(|c| watch.read(c));
+        watch
+    }
+
+    fn starved_stream(watch: &mut FlowWatch, id: u32) -> Option<Duration> {
+        let now = Instant::now();
+        watch.streams.get_mut(&id)?.starved_for(now)
+    }
+
+    #[test]
+    fn frames_are_read_in_any_split() {
+        for piece in 1..64 {
+            let watch = watch_after(
+                &[(0x3, 100), (SETTINGS_INITIAL_WINDOW_SIZE, 1)],
+                &[1, 3],
+                piece,
+            );
+            assert_eq!(watch.initial_stream_window, 1, "pieces of {piece}");
+            assert_eq!(watch.streams.len(), 2, "pieces of {piece}");
+            assert_eq!(watch.streams[&3].size, 1);
+        }
+    }
+
+    #[test]
+    fn an_answer_larger_than_its_stream_window_starves_it_until_a_large_grant() {
+        let mut watch = watch_after(&[(SETTINGS_INITIAL_WINDOW_SIZE, 1)], &[1], 7);
+        watch.wrote(&frame(HEADERS, 0x4, 1, &[0x88]));
+        assert_eq!(starved_stream(&mut watch, 1), None);
+        watch.wrote(&frame(DATA, 0, 1, &[0]));
+        assert!(starved_stream(&mut watch, 1).is_some());
+        // A byte at a time, used at once: still starved since the first.
+        let since = watch.streams[&1].starved_since;
+        for _ in 0..10 {
+            watch.read(&window_update(1, 1));
+            watch.wrote(&frame(DATA, 0, 1, &[0]));
+        }
+        assert_eq!(watch.streams[&1].starved_since, since);
+        assert!(watch.starving());
+        assert!(watch.overdue(Duration::ZERO).is_some());
+        watch.next_stream_scan = Instant::now();
+        assert_eq!(watch.overdue(Duration::from_secs(3_600)), None);
+        // A large grant ends it, and the stream's end forgets it.
+        watch.read(&window_update(1, GRANT_PROGRESS));
+        assert_eq!(starved_stream(&mut watch, 1), None);
+        watch.wrote(&frame(HEADERS, 0x4 | END_STREAM, 1, &[0x88]));
+        assert!(watch.streams.is_empty());
+    }
+
+    #[test]
+    fn too_many_streams_starved_past_the_grace_close_the_connection() {
+        let ids: Vec<u32> = (0..=u32::try_from(STARVED_STREAMS_MAX).unwrap())
+            .map(|i| 2 * i + 1)
+            .collect();
+        let mut watch = watch_after(&[(SETTINGS_INITIAL_WINDOW_SIZE, 1)], &ids, 64);
+        for &id in &ids {
+            watch.wrote(&frame(DATA, 0, id, &[0]));
+        }
+        // Just starved: within the grace.
+        assert_eq!(watch.overdue(Duration::from_secs(30)), None);
+        let long_ago = Instant::now() - STARVED_GRACE * 2;
+        for window in watch.streams.values_mut() {
+            window.starved_since = Some(long_ago);
+        }
+        watch.next_stream_scan = Instant::now();
+        assert_eq!(
+            watch.overdue(Duration::from_secs(30)),
+            Some(Starved::Streams(STARVED_STREAMS_MAX + 1))
+        );
+        // One fewer is within the bound.
+        watch.read(&frame(RST_STREAM, 0, ids[0], &[0, 0, 0, 8]));
+        watch.next_stream_scan = Instant::now();
+        assert_eq!(watch.overdue(Duration::from_secs(30)), None);
+        assert!(watch.starving());
+    }
+
+    #[test]
+    fn a_window_left_open_after_a_grant_was_not_starved() {
+        let mut watch = watch_after(&[(SETTINGS_INITIAL_WINDOW_SIZE, 10)], &[1], 100);
+        watch.wrote(&frame(DATA, 0, 1, &[0; 10]));
+        let window = watch.streams.get_mut(&1).unwrap();
+        let long_ago = Instant::now() - IDLE_AFTER_GRANT * 3;
+        window.starved_since = Some(long_ago);
+        window.granted(5, long_ago + IDLE_AFTER_GRANT / 2);
+        assert_eq!(starved_stream(&mut watch, 1), None);
+        // Exhausted again later: starved from then.
+        watch.wrote(&frame(DATA, 0, 1, &[0; 5]));
+        assert!(starved_stream(&mut watch, 1).unwrap() < IDLE_AFTER_GRANT);
+    }
+
+    #[test]
+    fn the_connection_window_follows_data_on_every_stream() {
+        let mut watch = watch_after(&[], &[1, 3], 1000);
+        watch.wrote(&settings(&[(0x3, 1_024)]));
+        let mut written = frame(DATA, 0, 1, &vec![0; 30_000]);
+        written.extend(frame(DATA, END_STREAM, 3, &vec![0; 35_535]));
+        written.chunks(777).for_each(|c| watch.wrote(c));
+        assert_eq!(watch.connection.size, 0);
+        assert_eq!(watch.streams[&1].size, 65_535 - 30_000);
+        assert!(!watch.streams.contains_key(&3));
+        assert!(matches!(
+            watch.overdue(Duration::ZERO),
+            Some(Starved::Window { stream: None, .. })
+        ));
+        // A stream's grant does not open the connection; the connection's does.
+        watch.read(&window_update(1, 60_000));
+        assert!(watch.connection.starved_since.is_some());
+        watch.read(&window_update(0, 1));
+        watch.wrote(&frame(DATA, 0, 1, &[0]));
+        assert!(watch.connection.starved_since.is_some());
+        watch.read(&window_update(0, 60_000));
+        assert_eq!(watch.overdue(Duration::ZERO), None);
+    }
+
+    #[test]
+    fn resets_and_lowered_settings_are_followed() {
+        let mut watch = watch_after(&[], &[1, 3, 5], 9);
+        watch.read(&frame(RST_STREAM, 0, 1, &[0, 0, 0, 8]));
+        watch.wrote(&frame(RST_STREAM, 0, 3, &[0, 0, 0, 7]));
+        assert_eq!(watch.streams.keys().copied().collect::<Vec<_>>(), vec![5]);
+        // Lowering the initial window below what a stream has used starves it.
+        watch.wrote(&frame(DATA, 0, 5, &[0; 100]));
+        watch.read(&settings(&[(SETTINGS_INITIAL_WINDOW_SIZE, 50)]));
+        assert_eq!(watch.streams[&5].size, -50);
+        assert!(starved_stream(&mut watch, 5).is_some());
+    }
+
+    #[test]
+    fn payloads_that_look_like_frames_are_skipped() {
+        let disguised = [settings(&[(SETTINGS_INITIAL_WINDOW_SIZE, 1)]), request(7)].concat();
+        let mut bytes = PREFACE.to_vec();
+        bytes.extend(frame(DATA, 0, 1, &disguised));
+        bytes.extend(frame(HEADERS, 0x4, 3, &disguised));
+        let mut watch = FlowWatch::new();
+        bytes.chunks(5).for_each(|c| watch.read(c));
+        assert_eq!(watch.initial_stream_window, DEFAULT_WINDOW);
+        assert_eq!(watch.streams.keys().copied().collect::<Vec<_>>(), vec![3]);
+    }
+
+    #[test]
+    fn bytes_that_are_not_http2_stop_the_scan() {
+        let mut watch = FlowWatch::new();
+        let mut bytes = b"GET / HTTP/1.1\r\n\r\n".to_vec();
+        bytes.extend(settings(&[(SETTINGS_INITIAL_WINDOW_SIZE, 0)]));
+        watch.read(&bytes);
+        assert_eq!(watch.initial_stream_window, DEFAULT_WINDOW);
+    }
+}
