@@ -173,6 +173,25 @@ impl<S> Admitted<S> {
         }
     }
 
+    /// While a window is starved, a timer that wakes the connection every [`STARVED_GRACE`] to
+    /// look at it again (the DATA that starves it may be the last thing the connection does); an
+    /// error that closes the connection once it is overdue.
+    fn look_again_while_starving(&mut self, cx: &mut Context<'_>) -> Option<io::Error> {
+        while self.flow.starving() {
+            let check = self
+                .starving_check
+                .get_or_insert_with(|| Box::pin(tokio::time::sleep(STARVED_GRACE)));
+            if check.as_mut().poll(cx).is_pending() {
+                return None;
+            }
+            self.starving_check = None;
+            if let Some(overdue) = self.answers_overdue() {
+                return Some(overdue);
+            }
+        }
+        None
+    }
+
     /// An error that closes the connection if an answer has waited for the client longer than
     /// [`SEND_TIMEOUT`], or the client has kept a window starved that long.
     fn answers_overdue(&mut self) -> Option<io::Error> {
@@ -295,22 +314,12 @@ impl<S: AsyncRead + Unpin> AsyncRead for Admitted<S> {
         match &polled {
             Poll::Ready(Ok(())) => this.flow.read(&buf.filled()[before..]),
             // Nothing moves on the connection: a starved window is looked at again regardless.
-            Poll::Pending if this.flow.starving() => loop {
-                let check = this
-                    .starving_check
-                    .get_or_insert_with(|| Box::pin(tokio::time::sleep(STARVED_GRACE)));
-                if check.as_mut().poll(cx).is_pending() {
-                    break;
-                }
-                this.starving_check = None;
-                if let Some(overdue) = this.answers_overdue() {
+            Poll::Pending => {
+                if let Some(overdue) = this.look_again_while_starving(cx) {
                     return Poll::Ready(Err(overdue));
                 }
-                if !this.flow.starving() {
-                    break;
-                }
-            },
-            _ => {}
+            }
+            Poll::Ready(Err(_)) => {}
         }
         polled
     }
@@ -325,6 +334,9 @@ impl<S: AsyncWrite + Unpin + ResetOnClose> AsyncWrite for Admitted<S> {
         let polled = Pin::new(&mut this.io).poll_write(cx, b);
         if let Poll::Ready(Ok(n)) = polled {
             this.flow.wrote(&b[..n]);
+            if let Some(overdue) = this.look_again_while_starving(cx) {
+                return Poll::Ready(Err(overdue));
+            }
         }
         let took = matches!(polled, Poll::Ready(Ok(n)) if n > 0);
         this.note_write(cx, polled, took)
@@ -348,6 +360,9 @@ impl<S: AsyncWrite + Unpin + ResetOnClose> AsyncWrite for Admitted<S> {
                 if left == 0 {
                     break;
                 }
+            }
+            if let Some(overdue) = this.look_again_while_starving(cx) {
+                return Poll::Ready(Err(overdue));
             }
         }
         let took = matches!(polled, Poll::Ready(Ok(n)) if n > 0);

@@ -13,8 +13,9 @@
 //! Small windows are legitimate (gRPC core shrinks them under memory pressure, down to 0, and
 //! grants each stream what its reader needs), so they are not refused. What is bounded is
 //! starvation: a window (a stream's, or the connection's) is *starved* from the moment the node's
-//! DATA exhausts it until the client grants [`GRANT_PROGRESS`] bytes at once, or leaves it open
-//! for [`IDLE_AFTER_GRANT`] (then the node had nothing waiting), or the stream ends. The
+//! DATA exhausts it until the client's WINDOW_UPDATEs have granted [`GRANT_PROGRESS`] bytes since,
+//! or it stays open for [`IDLE_AFTER_GRANT`] after a grant (then the node had nothing waiting),
+//! or the stream ends. SETTINGS move windows but never end a starvation. The
 //! connection is closed once a window has been starved for [`crate::connections::SEND_TIMEOUT`],
 //! or once more than [`STARVED_STREAMS_MAX`] streams have been starved for over
 //! [`STARVED_GRACE`] at once (each keeps about 9 KB; a reading client takes its answers within
@@ -24,9 +25,9 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-/// A grant at least this large ends a window's starvation: it lets out any unary answer of lockd
-/// whole (they are well under 16 KiB), and a client that reads releases at least this much at a
-/// time (h2, nghttp2 and grpc-go once half or a quarter of a 64 KiB window is used).
+/// Grants that add up to this end a window's starvation: enough for any unary answer of lockd
+/// whole (they are well under 16 KiB); a client granting a byte at a time sends over 200 KB of
+/// WINDOW_UPDATEs for it.
 pub const GRANT_PROGRESS: u32 = 16_384;
 /// A window left open this long after a grant was not waited on: the node had nothing for it.
 pub const IDLE_AFTER_GRANT: Duration = Duration::from_secs(1);
@@ -37,7 +38,7 @@ pub const STARVED_STREAMS_MAX: usize = 32;
 /// How long a stream may be starved before it counts against [`STARVED_STREAMS_MAX`].
 pub const STARVED_GRACE: Duration = Duration::from_secs(1);
 /// Streams of one connection whose windows are followed; h2 keeps at most 1,024 open, so this is
-/// never reached unless streams end unseen (then new ones are not followed).
+/// never reached unless streams end unseen, and then the connection is closed (fail closed).
 const STREAMS_FOLLOWED_MAX: usize = 4_096;
 
 /// The window every HTTP/2 stream and connection starts with.
@@ -67,6 +68,10 @@ pub(crate) struct FlowWatch {
     next_stream_scan: Instant,
     /// A stream window was starved at the last look, or has been since.
     streams_starving: bool,
+    /// The highest stream id the client has opened.
+    highest_stream: u32,
+    /// A stream arrived while [`STREAMS_FOLLOWED_MAX`] were followed: the watch fails closed.
+    overflowed: bool,
 }
 
 /// One flow-control window the client grants the node.
@@ -74,6 +79,8 @@ pub(crate) struct FlowWatch {
 struct Window {
     size: i64,
     starved_since: Option<Instant>,
+    /// Granted by WINDOW_UPDATEs since the window was last starved anew.
+    granted_while_starved: i64,
     granted_at: Option<Instant>,
 }
 
@@ -82,6 +89,7 @@ impl Window {
         Window {
             size,
             starved_since: None,
+            granted_while_starved: 0,
             granted_at: None,
         }
     }
@@ -91,16 +99,33 @@ impl Window {
             self.starved_since = None;
         }
         self.size -= bytes;
-        if self.size <= 0 {
-            self.starved_since.get_or_insert(now);
+        if self.size <= 0 && self.starved_since.is_none() {
+            self.starved_since = Some(now);
+            self.granted_while_starved = 0;
         }
     }
 
+    /// A WINDOW_UPDATE: [`GRANT_PROGRESS`] bytes granted since the starvation began end it.
     fn granted(&mut self, bytes: i64, now: Instant) {
-        self.size += bytes;
+        self.size = self.size.saturating_add(bytes);
         self.granted_at = Some(now);
-        if bytes >= i64::from(GRANT_PROGRESS) {
-            self.starved_since = None;
+        if self.starved_since.is_some() {
+            self.granted_while_starved = self.granted_while_starved.saturating_add(bytes);
+            if self.granted_while_starved >= i64::from(GRANT_PROGRESS) {
+                self.starved_since = None;
+            }
+        }
+    }
+
+    /// A change of SETTINGS_INITIAL_WINDOW_SIZE: it moves the window but never ends a
+    /// starvation by itself (a raise and a lowering in one frame release nothing), and a window
+    /// left open by a raise counts as idle only once it has stayed open.
+    fn resized(&mut self, delta: i64, now: Instant) {
+        if delta >= 0 {
+            self.size = self.size.saturating_add(delta);
+            self.granted_at = Some(now);
+        } else {
+            self.sent(-delta, now);
         }
     }
 
@@ -130,6 +155,8 @@ pub(crate) enum Starved {
     },
     /// This many streams starved for over [`STARVED_GRACE`] at once.
     Streams(usize),
+    /// More streams open than the watch follows (h2 allows 1,024: some ended unseen).
+    Followed(usize),
 }
 
 impl std::fmt::Display for Starved {
@@ -147,6 +174,10 @@ impl std::fmt::Display for Starved {
                     waited.as_secs()
                 )
             }
+            Starved::Followed(count) => write!(
+                f,
+                "the client has {count} streams open, more than the node follows"
+            ),
             Starved::Streams(count) => write!(
                 f,
                 "the client has left the answers of {count} streams waiting for their HTTP/2 \
@@ -167,29 +198,34 @@ impl FlowWatch {
             initial_stream_window: DEFAULT_WINDOW,
             next_stream_scan: Instant::now(),
             streams_starving: false,
+            highest_stream: 0,
+            overflowed: false,
         }
     }
 
     /// Follows bytes the client sent.
     pub(crate) fn read(&mut self, bytes: &[u8]) {
         let now = Instant::now();
+        if self.from_client.stopped {
+            return;
+        }
         let FlowWatch {
             from_client,
             connection,
             streams,
             initial_stream_window,
             streams_starving,
+            highest_stream,
+            overflowed,
             ..
         } = self;
         from_client.scan(bytes, &mut |frame| match frame {
             Frame::InitialStreamWindow(size) => {
                 let delta = i64::from(size) - *initial_stream_window;
                 *initial_stream_window = i64::from(size);
-                for window in streams.values_mut() {
-                    if delta >= 0 {
-                        window.granted(delta, now);
-                    } else {
-                        window.sent(-delta, now);
+                if delta != 0 {
+                    for window in streams.values_mut() {
+                        window.resized(delta, now);
                         *streams_starving |= window.starved_since.is_some();
                     }
                 }
@@ -205,13 +241,17 @@ impl FlowWatch {
                     window.granted(i64::from(increment), now);
                 }
             }
-            Frame::Headers { stream, .. } => {
+            // A new stream: client stream ids only grow, so HEADERS on an older id (trailers,
+            // or a stream h2 already reset) open nothing.
+            Frame::Headers { stream, .. } if stream > *highest_stream => {
+                *highest_stream = stream;
                 if streams.len() < STREAMS_FOLLOWED_MAX {
-                    streams
-                        .entry(stream)
-                        .or_insert_with(|| Window::new(*initial_stream_window));
+                    streams.insert(stream, Window::new(*initial_stream_window));
+                } else {
+                    *overflowed = true;
                 }
             }
+            Frame::Headers { .. } => {}
             Frame::Reset { stream } => {
                 streams.remove(&stream);
             }
@@ -221,6 +261,10 @@ impl FlowWatch {
 
     /// Follows bytes the node wrote.
     pub(crate) fn wrote(&mut self, bytes: &[u8]) {
+        if self.from_client.stopped {
+            // Not HTTP/2: the node's bytes are not frames either.
+            return;
+        }
         let now = Instant::now();
         let FlowWatch {
             to_client,
@@ -257,6 +301,9 @@ impl FlowWatch {
     /// Why the connection must close, if it must: a window starved for `timeout`, or too many
     /// streams starved at once. The streams are looked over at most every [`STARVED_GRACE`].
     pub(crate) fn overdue(&mut self, timeout: Duration) -> Option<Starved> {
+        if self.overflowed {
+            return Some(Starved::Followed(self.streams.len()));
+        }
         let now = Instant::now();
         if let Some(waited) = self.connection.starved_for(now) {
             if waited >= timeout {
@@ -297,7 +344,7 @@ impl FlowWatch {
     /// Whether the connection should be looked at again within [`STARVED_GRACE`] even if
     /// nothing moves on it: a window is starved.
     pub(crate) fn starving(&self) -> bool {
-        self.streams_starving || self.connection.starved_since.is_some()
+        self.streams_starving || self.connection.starved_since.is_some() || self.overflowed
     }
 }
 
@@ -341,6 +388,9 @@ struct Scanner {
     /// Payload bytes kept for a SETTINGS entry (6 bytes) or a WINDOW_UPDATE (4 bytes).
     field: [u8; 6],
     field_len: usize,
+    /// The last SETTINGS_INITIAL_WINDOW_SIZE of the SETTINGS frame being read: as h2, only the
+    /// last of a frame counts, applied at the frame's end.
+    initial_window_in_frame: Option<u32>,
 }
 
 impl Scanner {
@@ -356,6 +406,7 @@ impl Scanner {
             payload_left: 0,
             field: [0; 6],
             field_len: 0,
+            initial_window_in_frame: None,
         }
     }
 
@@ -388,7 +439,7 @@ impl Scanner {
                 self.payload_left -= n;
                 bytes = &bytes[n..];
                 if self.payload_left == 0 {
-                    self.header_len = 0;
+                    self.end_frame(on);
                 }
             }
         }
@@ -401,6 +452,7 @@ impl Scanner {
         self.flags = h[4];
         self.stream = u32::from_be_bytes([h[5], h[6], h[7], h[8]]) & 0x7fff_ffff;
         self.field_len = 0;
+        self.initial_window_in_frame = None;
         let (stream, end_stream) = (self.stream, self.flags & END_STREAM != 0);
         match self.kind {
             DATA => on(Frame::Data {
@@ -414,7 +466,14 @@ impl Scanner {
             _ => {}
         }
         if self.payload_left == 0 {
-            self.header_len = 0;
+            self.end_frame(on);
+        }
+    }
+
+    fn end_frame(&mut self, on: &mut impl FnMut(Frame)) {
+        self.header_len = 0;
+        if let Some(size) = self.initial_window_in_frame.take() {
+            on(Frame::InitialStreamWindow(size));
         }
     }
 
@@ -427,9 +486,8 @@ impl Scanner {
         match self.kind {
             SETTINGS if self.flags & ACK == 0 && self.field_len == 6 => {
                 if u16::from_be_bytes([f[0], f[1]]) == SETTINGS_INITIAL_WINDOW_SIZE {
-                    on(Frame::InitialStreamWindow(u32::from_be_bytes([
-                        f[2], f[3], f[4], f[5],
-                    ])));
+                    self.initial_window_in_frame =
+                        Some(u32::from_be_bytes([f[2], f[3], f[4], f[5]]));
                 }
                 self.field_len = 0;
             }
@@ -557,6 +615,57 @@ mod tests {
     }
 
     #[test]
+    fn settings_move_windows_but_never_end_a_starvation() {
+        let mut watch = watch_after(&[(SETTINGS_INITIAL_WINDOW_SIZE, 1)], &[1], 100);
+        watch.wrote(&frame(DATA, 0, 1, &[0]));
+        let since = watch.streams[&1].starved_since;
+        assert!(since.is_some());
+        // A raise and a lowering in one frame: h2 applies the last only, and so does the watch.
+        watch.read(&settings(&[
+            (SETTINGS_INITIAL_WINDOW_SIZE, 1 << 20),
+            (SETTINGS_INITIAL_WINDOW_SIZE, 1),
+        ]));
+        assert_eq!(watch.streams[&1].size, 0);
+        // In two frames: the raise does not end the starvation, the lowering keeps it.
+        watch.read(&settings(&[(SETTINGS_INITIAL_WINDOW_SIZE, 1 << 20)]));
+        watch.read(&settings(&[(SETTINGS_INITIAL_WINDOW_SIZE, 1)]));
+        assert_eq!(watch.streams[&1].starved_since, since);
+    }
+
+    #[test]
+    fn grants_that_add_up_end_a_starvation() {
+        let mut watch = watch_after(&[(SETTINGS_INITIAL_WINDOW_SIZE, 100)], &[1], 100);
+        watch.wrote(&frame(DATA, 0, 1, &[0; 100]));
+        for _ in 0..15 {
+            watch.read(&window_update(1, 1_024));
+            watch.wrote(&frame(DATA, 0, 1, &vec![0; 1_024]));
+        }
+        assert!(watch.streams[&1].starved_since.is_some());
+        watch.read(&window_update(1, 1_024));
+        assert_eq!(watch.streams[&1].starved_since, None);
+    }
+
+    #[test]
+    fn older_stream_ids_open_nothing_and_too_many_streams_close_the_connection() {
+        let mut watch = watch_after(&[], &[5], 100);
+        watch.wrote(&frame(HEADERS, 0x4 | END_STREAM, 5, &[0x88]));
+        // The client's trailers on a stream the node has ended, and HEADERS on a lower id.
+        watch.read(&frame(HEADERS, 0x4 | END_STREAM, 5, &[0x83]));
+        watch.read(&frame(HEADERS, 0x4, 3, &[0x83]));
+        assert!(watch.streams.is_empty());
+        let ids: Vec<u32> = (0..=u32::try_from(STREAMS_FOLLOWED_MAX).unwrap())
+            .map(|i| 7 + 2 * i)
+            .collect();
+        ids.iter().for_each(|&id| watch.read(&request(id)));
+        assert_eq!(watch.streams.len(), STREAMS_FOLLOWED_MAX);
+        assert!(watch.starving());
+        assert_eq!(
+            watch.overdue(Duration::from_secs(30)),
+            Some(Starved::Followed(STREAMS_FOLLOWED_MAX))
+        );
+    }
+
+    #[test]
     fn a_window_left_open_after_a_grant_was_not_starved() {
         let mut watch = watch_after(&[(SETTINGS_INITIAL_WINDOW_SIZE, 10)], &[1], 100);
         watch.wrote(&frame(DATA, 0, 1, &[0; 10]));
@@ -626,5 +735,8 @@ mod tests {
         bytes.extend(settings(&[(SETTINGS_INITIAL_WINDOW_SIZE, 0)]));
         watch.read(&bytes);
         assert_eq!(watch.initial_stream_window, DEFAULT_WINDOW);
+        // Nor is the answer read as frames (a body that looks like DATA).
+        watch.wrote(&frame(DATA, 0, 1, &vec![0; 70_000]));
+        assert!(!watch.starving());
     }
 }

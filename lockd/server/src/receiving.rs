@@ -24,9 +24,8 @@
 //! answer on the node. A source that holds its whole budget in answers and waiting calls gets
 //! `RESOURCE_EXHAUSTED` for its next calls at once, and the connection of an answer left untaken
 //! for `connections::SEND_TIMEOUT` is closed. Long-lived answers (health `Watch`, `SaveSnapshot`)
-//! are not counted. Not covered: a client that grants a window too small for an answer (say one
-//! byte) lets hyper hand the answer over, and h2 then keeps the rest in its send buffer, which
-//! nothing here sees.
+//! are not counted. Answers hyper has handed over but HTTP/2 flow control holds (a stream window
+//! smaller than the answer) are bounded per connection by `flow_watch`.
 //!
 //! Reflection is a stream of requests whose service stops reading while its answers are not
 //! taken, so h2 may buffer up to a stream's window (1 MiB) for it unseen: each reflection call
