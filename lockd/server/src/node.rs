@@ -622,7 +622,7 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
         // Anyone may call these, before any check: their requests are a few bytes, so they get
         // the clients' bound instead of tonic's default of 4 MiB per message.
         .add_service(
-            receiving.unary(health_service.max_decoding_message_size(CLIENT_MESSAGE_MAX_BYTES)),
+            receiving.health(health_service.max_decoding_message_size(CLIENT_MESSAGE_MAX_BYTES)),
         )
         .add_service(
             receiving.reflection(reflection_v1.max_decoding_message_size(CLIENT_MESSAGE_MAX_BYTES)),

@@ -30,7 +30,9 @@
 //! Reflection is a stream of requests whose service stops reading while its answers are not
 //! taken, so h2 may buffer up to a stream's window (1 MiB) for it unseen: each reflection call
 //! also takes one of [`REFLECTION_CALLS_PER_SOURCE_MAX`] places of its source (and
-//! [`REFLECTION_CALLS_MAX`] of the node) for its whole life.
+//! [`REFLECTION_CALLS_MAX`] of the node) for its whole life. A health `Watch` (a long-lived
+//! answer, not counted as one) takes one of [`WATCH_STREAMS_PER_SOURCE_MAX`] places of its source
+//! ([`WATCH_STREAMS_MAX`] of the node) until its answer stream ends.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -83,12 +85,22 @@ pub const RECEIVE_TIMEOUT: Duration = Duration::from_secs(10);
 pub const REFLECTION_CALLS_PER_SOURCE_MAX: usize = 4;
 /// Reflection calls open at once on a node, members' apart.
 pub const REFLECTION_CALLS_MAX: usize = 64;
+/// Health `Watch` streams open at once from one source address (members:
+/// `TRUSTED_PER_SOURCE_MAX`): a client channel that checks health keeps one per connection, so
+/// this many clients behind one address can watch; each stream keeps a task and a stream (about
+/// 9 KB).
+pub const WATCH_STREAMS_PER_SOURCE_MAX: usize = 4_096;
+/// Health `Watch` streams open at once on a node, members' apart.
+pub const WATCH_STREAMS_MAX: usize = 16_384;
 
 /// The `limit` each refusal names in its ErrorInfo (docs/api.md, status codes).
 const LIMIT_PER_SOURCE: &str = "receiving_per_source_max";
 const LIMIT_NODE: &str = "receiving_max";
 const LIMIT_TIME: &str = "receive_timeout";
 const LIMIT_REFLECTION: &str = "reflection_calls_max";
+const LIMIT_WATCH: &str = "watch_streams_max";
+/// The one method of the health service that holds a place ([`WATCH_STREAMS_PER_SOURCE_MAX`]).
+const HEALTH_WATCH: &str = "/grpc.health.v1.Health/Watch";
 
 /// Per HTTP/2's accounting of a header list (RFC 9113, SETTINGS_MAX_HEADER_LIST_SIZE): the
 /// bytes of each name and value plus 32.
@@ -104,6 +116,8 @@ pub struct ReceiveBudget {
     table: Arc<Mutex<Table>>,
     /// Places of reflection calls.
     reflection: SourceSlots,
+    /// Places of health `Watch` streams.
+    watches: SourceSlots,
     members: TrustedSources,
     bounds: Bounds,
 }
@@ -150,6 +164,11 @@ impl ReceiveBudget {
                 REFLECTION_CALLS_PER_SOURCE_MAX,
                 members.clone(),
             ),
+            watches: SourceSlots::new(
+                WATCH_STREAMS_MAX,
+                WATCH_STREAMS_PER_SOURCE_MAX,
+                members.clone(),
+            ),
             members,
             bounds,
         }
@@ -180,14 +199,33 @@ impl ReceiveBudget {
     /// arrive within [`RECEIVE_TIMEOUT`] of the call, each later one within [`RECEIVE_TIMEOUT`] of
     /// its first byte; a stream may stay open between messages (its bytes stay counted), and
     /// holds a reflection place for its whole life.
-    pub fn reflection<S>(&self, inner: S) -> Receiving<ReflectionPlaces<S>> {
+    pub fn reflection<S>(&self, inner: S) -> Receiving<Places<S>> {
         Receiving {
-            inner: ReflectionPlaces {
+            inner: Places {
                 inner,
                 places: self.reflection.clone(),
+                only: None,
+                limit: LIMIT_REFLECTION,
+                what: "reflection calls",
             },
             budget: self.clone(),
             streaming: true,
+        }
+    }
+
+    /// Wraps the health service: unary as [`Self::unary`], and each `Watch` holds a place of its
+    /// source ([`WATCH_STREAMS_PER_SOURCE_MAX`]) for as long as its answer stream lives.
+    pub fn health<S>(&self, inner: S) -> Receiving<Places<S>> {
+        Receiving {
+            inner: Places {
+                inner,
+                places: self.watches.clone(),
+                only: Some(HEALTH_WATCH),
+                limit: LIMIT_WATCH,
+                what: "health Watch streams",
+            },
+            budget: self.clone(),
+            streaming: false,
         }
     }
 
@@ -732,59 +770,82 @@ impl http_body::Body for Arriving {
     }
 }
 
-/// A reflection service whose calls each hold a place of their source for their whole life (the
-/// life of their request stream); a call without one is answered `RESOURCE_EXHAUSTED` at once.
+/// A service whose calls (or the calls to one of its methods) each hold a place of their source
+/// for their whole life: until both their request stream and their answer stream are gone. A call
+/// without a place is answered `RESOURCE_EXHAUSTED` at once.
 #[derive(Clone)]
-pub struct ReflectionPlaces<S> {
+pub struct Places<S> {
     inner: S,
     places: SourceSlots,
+    /// The one method whose calls take a place; `None`: every call.
+    only: Option<&'static str>,
+    /// The `limit` a refusal names, and what the places are, for its message.
+    limit: &'static str,
+    what: &'static str,
 }
 
-impl<S: NamedService> NamedService for ReflectionPlaces<S> {
+impl<S: NamedService> NamedService for Places<S> {
     const NAME: &'static str = S::NAME;
 }
 
-impl<S> tower::Service<http::Request<Body>> for ReflectionPlaces<S>
+/// The answer of a call that took a place, or of its refusal.
+type PlacedAnswer =
+    Pin<Box<dyn std::future::Future<Output = Result<http::Response<Body>, Infallible>> + Send>>;
+
+impl<S> tower::Service<http::Request<Body>> for Places<S>
 where
     S: tower::Service<http::Request<Body>, Response = http::Response<Body>, Error = Infallible>,
+    S::Future: Send + 'static,
 {
     type Response = http::Response<Body>;
     type Error = Infallible;
-    type Future = futures::future::Either<
-        S::Future,
-        std::future::Ready<Result<http::Response<Body>, Infallible>>,
-    >;
+    type Future = futures::future::Either<S::Future, PlacedAnswer>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
         self.inner.poll_ready(cx)
     }
 
     fn call(&mut self, req: http::Request<Body>) -> Self::Future {
+        if self.only.is_some_and(|path| req.uri().path() != path) {
+            return futures::future::Either::Left(self.inner.call(req));
+        }
         let source = source_of(&req).unwrap_or(IpAddr::from([0, 0, 0, 0]));
         match self.places.admit(source) {
             Ok(place) => {
+                let place = Arc::new(place);
                 let (parts, body) = req.into_parts();
                 let body = Body::new(Placed {
                     inner: body,
-                    _place: place,
+                    _place: place.clone(),
                 });
-                futures::future::Either::Left(
-                    self.inner.call(http::Request::from_parts(parts, body)),
-                )
+                let answer = self.inner.call(http::Request::from_parts(parts, body));
+                futures::future::Either::Right(Box::pin(async move {
+                    let answer = answer.await?;
+                    Ok(answer.map(|inner| {
+                        Body::new(Placed {
+                            inner,
+                            _place: place,
+                        })
+                    }))
+                }))
             }
-            Err(why) => futures::future::Either::Right(std::future::ready(Ok(transit_exhausted(
-                LIMIT_REFLECTION,
-                format!("lockd: reflection calls: {why}; nothing was done, retry later"),
-            )
-            .into_http()))),
+            Err(why) => {
+                let refusal = transit_exhausted(
+                    self.limit,
+                    format!("lockd: {}: {why}; nothing was done, retry later", self.what),
+                );
+                futures::future::Either::Right(Box::pin(std::future::ready(
+                    Ok(refusal.into_http()),
+                )))
+            }
         }
     }
 }
 
-/// A request body holding a reflection place until it is dropped.
+/// A request or answer body holding its call's place until both are dropped.
 struct Placed {
     inner: Body,
-    _place: SourceSlot,
+    _place: Arc<SourceSlot>,
 }
 
 impl http_body::Body for Placed {
@@ -1160,6 +1221,42 @@ mod tests {
         // A call that ends gives its place back.
         drop(kept.pop());
         let again = call(&mut service).await.unwrap();
+        assert!(again.headers().get("grpc-status").is_none());
+    }
+
+    #[tokio::test]
+    async fn health_watches_hold_a_place_for_their_answer_stream_and_checks_none() {
+        let budget = ReceiveBudget::new(TrustedSources::default());
+        // Answers at once with a stream that never ends; the request is dropped, as tonic does
+        // once a server-streaming call has its message.
+        let mut service = budget.health(tower::service_fn(|_req: http::Request<Body>| async {
+            Ok::<_, Infallible>(http::Response::new(Body::new(RequestKept {
+                _request: Body::empty(),
+            })))
+        }));
+        let call = |service: &mut Receiving<_>, path: &str| {
+            let mut req = http::Request::new(Body::empty());
+            *req.uri_mut() = path.parse().unwrap();
+            req.extensions_mut().insert(TcpConnectInfo {
+                local_addr: None,
+                remote_addr: Some("10.0.0.1:5000".parse().unwrap()),
+            });
+            tower::Service::call(service, req)
+        };
+        let mut watches = Vec::new();
+        for _ in 0..WATCH_STREAMS_PER_SOURCE_MAX {
+            let answer = call(&mut service, HEALTH_WATCH).await.unwrap();
+            assert!(answer.headers().get("grpc-status").is_none());
+            watches.push(answer);
+        }
+        let refused = call(&mut service, HEALTH_WATCH).await.unwrap();
+        assert_eq!(refused.headers().get("grpc-status").unwrap(), "8");
+        // Check takes no place.
+        let check = call(&mut service, "/grpc.health.v1.Health/Check").await.unwrap();
+        assert!(check.headers().get("grpc-status").is_none());
+        // A Watch whose answer stream ends gives its place back.
+        drop(watches.pop());
+        let again = call(&mut service, HEALTH_WATCH).await.unwrap();
         assert!(again.headers().get("grpc-status").is_none());
     }
 

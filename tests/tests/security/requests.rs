@@ -350,3 +350,84 @@ pub(super) fn describe(
         .body(http_body_util::Full::new(Bytes::from(framed)))
         .unwrap()
 }
+
+/// A health `Watch` of the server's overall status, whole.
+fn health_watch(to: SocketAddr) -> hyper::Request<http_body_util::Full<Bytes>> {
+    hyper::Request::post(format!("http://{to}/grpc.health.v1.Health/Watch"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        // An empty HealthCheckRequest: the server as a whole.
+        .body(http_body_util::Full::new(Bytes::from_static(&[
+            0, 0, 0, 0, 0,
+        ])))
+        .unwrap()
+}
+
+/// Goal: health `Watch` streams (long-lived answers, which the answer budget does not count so
+/// that clients behind one address can all watch health) are bounded per source address and per
+/// node: each holds a stream, a task and a receiver for as long as its client keeps it, and on
+/// main one address could open 1,024 per connection on 256 connections. A Watch beyond
+/// `WATCH_STREAMS_PER_SOURCE_MAX` now gets `RESOURCE_EXHAUSTED` at once, and a stream that ends
+/// gives its place back.
+/// Method: a three-node cluster; from another loopback address, 5 connections of 1,000 Watches
+/// each; a Describe from a third address meanwhile; then one connection's Watches are dropped and
+/// a new Watch from the address is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_watch_streams_are_bounded_per_source() {
+    use lockd_server::receiving::WATCH_STREAMS_PER_SOURCE_MAX;
+    let (cluster, attacker) = cluster_and_attacker().await;
+    let to: SocketAddr = cluster.addr(1).parse().unwrap();
+    let pid = cluster.pid(1).unwrap();
+    let before = rss_bytes(pid);
+    let (mut live, mut refused) = (Vec::new(), 0);
+    let mut senders = Vec::new();
+    for _ in 0..WATCH_STREAMS_PER_SOURCE_MAX.div_ceil(STREAMS_PER_CONNECTION) + 1 {
+        let mut send = h2_connection(&attacker, to).await;
+        let mut calls = Vec::new();
+        for _ in 0..STREAMS_PER_CONNECTION {
+            send.ready().await.unwrap();
+            calls.push(send.send_request(health_watch(to)));
+        }
+        let mut watches = Vec::new();
+        for call in calls {
+            let answer = tokio::time::timeout(Duration::from_secs(10), call)
+                .await
+                .expect("a Watch answered within 10 s")
+                .expect("a Watch answered");
+            match answer.headers().get("grpc-status") {
+                Some(code) => {
+                    assert_eq!(code, "8", "a refused Watch is RESOURCE_EXHAUSTED");
+                    refused += 1;
+                }
+                None => watches.push(answer),
+            }
+        }
+        live.push(watches);
+        senders.push(send);
+    }
+    let open: usize = live.iter().map(Vec::len).sum();
+    eprintln!(
+        "{open} Watch streams open from one address, {refused} refused; node 1 RSS {} MB more",
+        rss_bytes(pid).saturating_sub(before) >> 20
+    );
+    assert_eq!(
+        open, WATCH_STREAMS_PER_SOURCE_MAX,
+        "Watch streams open from one address"
+    );
+    assert_served_from_beside(&attacker, to).await;
+
+    // Streams that end give their places back.
+    drop(live.swap_remove(0));
+    let mut send = h2_connection(&attacker, to).await;
+    let mut served = false;
+    for _ in 0..50 {
+        let answer = send.send_request(health_watch(to)).await.unwrap();
+        if answer.headers().get("grpc-status").is_none() {
+            served = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(served, "no Watch served after 1,000 of the address's ended");
+    drop(live);
+}
