@@ -18,7 +18,8 @@
 //! or the stream ends. SETTINGS move windows but never end a starvation. The
 //! connection is closed once a window has been starved for [`crate::connections::SEND_TIMEOUT`],
 //! or once more than [`STARVED_STREAMS_MAX`] streams have been starved for over
-//! [`STARVED_GRACE`] at once (each keeps about 9 KB; a reading client takes its answers within
+//! [`STARVED_GRACE`] at once (while the connection's window has been starved that long, every
+//! answer begun and not ended counts: a byte of it lets hyper hand over a whole answer) (each keeps about 9 KB; a reading client takes its answers within
 //! milliseconds). A byte at a time, a window never stops being starved: each grant is used at
 //! once. A connection with a starved window is looked at every [`STARVED_GRACE`] until none is.
 
@@ -82,6 +83,9 @@ struct Window {
     /// Granted by WINDOW_UPDATEs since the window was last starved anew.
     granted_while_starved: i64,
     granted_at: Option<Instant>,
+    /// The node has begun its answer (HEADERS without END_STREAM): while the connection window
+    /// is starved, what is left of it may wait in h2.
+    answering: bool,
 }
 
 impl Window {
@@ -91,6 +95,7 @@ impl Window {
             starved_since: None,
             granted_while_starved: 0,
             granted_at: None,
+            answering: false,
         }
     }
 
@@ -117,15 +122,15 @@ impl Window {
         }
     }
 
-    /// A change of SETTINGS_INITIAL_WINDOW_SIZE: it moves the window but never ends a
-    /// starvation by itself (a raise and a lowering in one frame release nothing), and a window
-    /// left open by a raise counts as idle only once it has stayed open.
+    /// A change of SETTINGS_INITIAL_WINDOW_SIZE: it moves the window but neither ends a
+    /// starvation (a raise and a lowering in one frame release nothing) nor starts one (a
+    /// lowering sends nothing: what waits behind it waits in hyper, where `Untaken` sees it, or
+    /// starves the window with the next DATA); a window left open by a raise counts as idle only
+    /// once it has stayed open.
     fn resized(&mut self, delta: i64, now: Instant) {
+        self.size = self.size.saturating_add(delta);
         if delta >= 0 {
-            self.size = self.size.saturating_add(delta);
             self.granted_at = Some(now);
-        } else {
-            self.sent(-delta, now);
         }
     }
 
@@ -214,7 +219,6 @@ impl FlowWatch {
             connection,
             streams,
             initial_stream_window,
-            streams_starving,
             highest_stream,
             overflowed,
             ..
@@ -226,7 +230,6 @@ impl FlowWatch {
                 if delta != 0 {
                     for window in streams.values_mut() {
                         window.resized(delta, now);
-                        *streams_starving |= window.starved_since.is_some();
                     }
                 }
             }
@@ -294,7 +297,15 @@ impl FlowWatch {
             | Frame::Reset { stream } => {
                 streams.remove(&stream);
             }
-            Frame::Headers { .. } | Frame::InitialStreamWindow(_) | Frame::WindowUpdate { .. } => {}
+            Frame::Headers {
+                stream,
+                end_stream: false,
+            } => {
+                if let Some(window) = streams.get_mut(&stream) {
+                    window.answering = true;
+                }
+            }
+            Frame::InitialStreamWindow(_) | Frame::WindowUpdate { .. } => {}
         });
     }
 
@@ -305,7 +316,8 @@ impl FlowWatch {
             return Some(Starved::Followed(self.streams.len()));
         }
         let now = Instant::now();
-        if let Some(waited) = self.connection.starved_for(now) {
+        let connection_starved = self.connection.starved_for(now);
+        if let Some(waited) = connection_starved {
             if waited >= timeout {
                 return Some(Starved::Window {
                     stream: None,
@@ -313,17 +325,24 @@ impl FlowWatch {
                 });
             }
         }
-        if !self.streams_starving || now < self.next_stream_scan {
+        if !(self.streams_starving || connection_starved.is_some()) || now < self.next_stream_scan {
             return None;
         }
         self.next_stream_scan = now + STARVED_GRACE;
+        // While the connection window has been starved past the grace, every answer begun and
+        // not ended may be waiting in h2 (a byte of connection window lets hyper hand over a
+        // whole answer): those count as starved streams.
+        let connection_past_grace = connection_starved.is_some_and(|w| w > STARVED_GRACE);
         let (mut starving, mut past_grace, mut longest) = (false, 0, None);
         for (&id, window) in &mut self.streams {
             let Some(waited) = window.starved_for(now) else {
+                if connection_past_grace && window.answering {
+                    past_grace += 1;
+                }
                 continue;
             };
             starving = true;
-            if waited > STARVED_GRACE {
+            if waited > STARVED_GRACE || (connection_past_grace && window.answering) {
                 past_grace += 1;
             }
             if longest.is_none_or(|(_, w)| waited > w) {
@@ -633,6 +652,42 @@ mod tests {
     }
 
     #[test]
+    fn answers_begun_while_the_connection_window_starves_count_as_starved_streams() {
+        let ids: Vec<u32> = (0..=u32::try_from(STARVED_STREAMS_MAX).unwrap())
+            .map(|i| 2 * i + 1)
+            .collect();
+        let mut watch = watch_after(&[], &ids, 64);
+        // The connection window spent; then each answer begun (a byte of window each).
+        watch.wrote(&frame(DATA, 0, 1, &vec![0; 65_535]));
+        for &id in &ids[1..] {
+            watch.read(&window_update(0, 1));
+            watch.wrote(&frame(HEADERS, 0x4, id, &[0x88]));
+            watch.wrote(&frame(DATA, 0, id, &[0]));
+        }
+        assert!(watch.starving());
+        assert_eq!(
+            watch.overdue(Duration::from_secs(30)),
+            None,
+            "within the grace"
+        );
+        watch.connection.starved_since = Some(Instant::now() - STARVED_GRACE * 2);
+        watch.next_stream_scan = Instant::now();
+        // Stream 1 sent DATA but no HEADERS here: the other 32 count, at the bound.
+        assert_eq!(watch.overdue(Duration::from_secs(30)), None);
+        watch.wrote(&frame(HEADERS, 0x4, 1, &[0x88]));
+        assert_eq!(
+            watch.overdue(Duration::from_secs(30)),
+            None,
+            "looked at once per grace"
+        );
+        watch.next_stream_scan = Instant::now();
+        assert_eq!(
+            watch.overdue(Duration::from_secs(30)),
+            Some(Starved::Streams(STARVED_STREAMS_MAX + 1))
+        );
+    }
+
+    #[test]
     fn grants_that_add_up_end_a_starvation() {
         let mut watch = watch_after(&[(SETTINGS_INITIAL_WINDOW_SIZE, 100)], &[1], 100);
         watch.wrote(&frame(DATA, 0, 1, &[0; 100]));
@@ -709,10 +764,14 @@ mod tests {
         watch.read(&frame(RST_STREAM, 0, 1, &[0, 0, 0, 8]));
         watch.wrote(&frame(RST_STREAM, 0, 3, &[0, 0, 0, 7]));
         assert_eq!(watch.streams.keys().copied().collect::<Vec<_>>(), vec![5]);
-        // Lowering the initial window below what a stream has used starves it.
+        // Lowering the initial window below what a stream has used moves its window but does
+        // not starve it (nothing was sent); the next DATA would.
         watch.wrote(&frame(DATA, 0, 5, &[0; 100]));
         watch.read(&settings(&[(SETTINGS_INITIAL_WINDOW_SIZE, 50)]));
         assert_eq!(watch.streams[&5].size, -50);
+        assert_eq!(starved_stream(&mut watch, 5), None);
+        watch.read(&window_update(5, 51));
+        watch.wrote(&frame(DATA, 0, 5, &[0]));
         assert!(starved_stream(&mut watch, 5).is_some());
     }
 

@@ -51,7 +51,7 @@ use tonic::body::Body;
 use tonic::server::NamedService;
 use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
 
-use crate::service::errors::transit_exhausted;
+use crate::service::errors::{transit_exhausted, watch_refused};
 
 /// Bytes of calls waiting for more of their request, and of answers not yet taken, from one
 /// source address (members excepted): about 4,000 waiting calls with small messages, or 8,000
@@ -207,6 +207,7 @@ impl ReceiveBudget {
                 only: None,
                 limit: LIMIT_REFLECTION,
                 what: "reflection calls",
+                refuse: |limit, msg| transit_exhausted(limit, msg),
             },
             budget: self.clone(),
             streaming: true,
@@ -214,7 +215,8 @@ impl ReceiveBudget {
     }
 
     /// Wraps the health service: unary as [`Self::unary`], and each `Watch` holds a place of its
-    /// source ([`WATCH_STREAMS_PER_SOURCE_MAX`]) for as long as its answer stream lives.
+    /// source ([`WATCH_STREAMS_PER_SOURCE_MAX`]) for as long as its answer stream lives; one
+    /// without a place is answered `UNIMPLEMENTED` ([`watch_refused`]).
     pub fn health<S>(&self, inner: S) -> Receiving<Places<S>> {
         Receiving {
             inner: Places {
@@ -223,6 +225,7 @@ impl ReceiveBudget {
                 only: Some(HEALTH_WATCH),
                 limit: LIMIT_WATCH,
                 what: "health Watch streams",
+                refuse: |limit, msg| watch_refused(limit, msg),
             },
             budget: self.clone(),
             streaming: false,
@@ -782,6 +785,8 @@ pub struct Places<S> {
     /// The `limit` a refusal names, and what the places are, for its message.
     limit: &'static str,
     what: &'static str,
+    /// The refusal: [`transit_exhausted`], or [`watch_refused`] for health `Watch`.
+    refuse: fn(&'static str, String) -> Status,
 }
 
 impl<S: NamedService> NamedService for Places<S> {
@@ -830,7 +835,7 @@ where
                 }))
             }
             Err(why) => {
-                let refusal = transit_exhausted(
+                let refusal = (self.refuse)(
                     self.limit,
                     format!("lockd: {}: {why}; nothing was done, retry later", self.what),
                 );
@@ -1250,9 +1255,15 @@ mod tests {
             watches.push(answer);
         }
         let refused = call(&mut service, HEALTH_WATCH).await.unwrap();
-        assert_eq!(refused.headers().get("grpc-status").unwrap(), "8");
+        assert_eq!(
+            refused.headers().get("grpc-status").unwrap(),
+            "12",
+            "UNIMPLEMENTED"
+        );
         // Check takes no place.
-        let check = call(&mut service, "/grpc.health.v1.Health/Check").await.unwrap();
+        let check = call(&mut service, "/grpc.health.v1.Health/Check")
+            .await
+            .unwrap();
         assert!(check.headers().get("grpc-status").is_none());
         // A Watch whose answer stream ends gives its place back.
         drop(watches.pop());

@@ -1,22 +1,24 @@
 //! What a client can make a node hold through HTTP/2 flow control and a socket it does not read:
-//! stream windows smaller than an answer, and a socket left unread while the node's pings are
-//! acknowledged blind. (A connection window opened a byte at a time lets answers into h2 too, but
-//! hyper then waits for the window before it takes their trailers, so the bound on untaken
-//! answers closes that connection; `flow_watch`'s unit tests cover the connection window.)
+//! stream windows smaller than an answer, a connection window opened a byte at a time, and a
+//! socket left unread while the node's pings are acknowledged blind.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use lockd_server::connections::SEND_TIMEOUT;
 use lockd_server::flow_watch::STARVED_GRACE;
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::OwnedWriteHalf;
 
-use super::connections::cluster_and_attacker;
+use super::connections::{cluster_and_attacker, connect_from};
 use super::requests::{assert_served_from_beside, describe, h2_connection_granting, rss_bytes};
 
 const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 const DATA: u8 = 0x0;
 const HEADERS: u8 = 0x1;
+const RST_STREAM: u8 = 0x3;
 const SETTINGS: u8 = 0x4;
 const PING: u8 = 0x6;
 const WINDOW_UPDATE: u8 = 0x8;
@@ -86,6 +88,166 @@ async fn held_with_a_long_holder(cluster: &lockd_tests::cluster::Cluster) -> &'s
     // Held for the test's life.
     std::mem::forget(lease);
     RESOURCE
+}
+
+/// What a raw client has seen of each stream, and whether the node closed the connection.
+#[derive(Default)]
+struct Seen {
+    /// Stream id -> (HEADERS frames, DATA bytes, ended).
+    streams: HashMap<u32, (u32, usize, bool)>,
+    closed: Option<Instant>,
+}
+
+/// An HTTP/2 client of raw frames: it writes what the test says, and a task reads the node's
+/// frames, acknowledging its SETTINGS and PINGs as any client does, granting nothing itself.
+struct RawClient {
+    write: Arc<tokio::sync::Mutex<OwnedWriteHalf>>,
+    seen: Arc<Mutex<Seen>>,
+}
+
+impl RawClient {
+    async fn connect(from: &str, to: SocketAddr) -> RawClient {
+        let (mut read, write) = connect_from(from, to).await.into_split();
+        let write = Arc::new(tokio::sync::Mutex::new(write));
+        let seen = Arc::new(Mutex::new(Seen::default()));
+        let mut hello = PREFACE.to_vec();
+        hello.extend(frame(SETTINGS, 0, 0, &[]));
+        write.lock().await.write_all(&hello).await.unwrap();
+        let (w, s) = (write.clone(), seen.clone());
+        tokio::spawn(async move {
+            loop {
+                let mut header = [0u8; 9];
+                if read.read_exact(&mut header).await.is_err() {
+                    break;
+                }
+                let len = usize::from(header[0]) << 16
+                    | usize::from(header[1]) << 8
+                    | usize::from(header[2]);
+                let (kind, flags) = (header[3], header[4]);
+                let stream = u32::from_be_bytes(header[5..9].try_into().unwrap()) & 0x7fff_ffff;
+                let mut payload = vec![0u8; len];
+                if read.read_exact(&mut payload).await.is_err() {
+                    break;
+                }
+                let answer = match kind {
+                    SETTINGS if flags & ACK == 0 => Some(frame(SETTINGS, ACK, 0, &[])),
+                    PING if flags & ACK == 0 => Some(frame(PING, ACK, 0, &payload)),
+                    _ => None,
+                };
+                if let Some(answer) = answer {
+                    let _ = w.lock().await.write_all(&answer).await;
+                }
+                let mut seen = s.lock().unwrap();
+                let entry = seen.streams.entry(stream).or_default();
+                match kind {
+                    HEADERS => entry.0 += 1,
+                    DATA => entry.1 += len,
+                    _ => {}
+                }
+                if (matches!(kind, HEADERS | DATA) && flags & END_STREAM != 0) || kind == RST_STREAM
+                {
+                    entry.2 = true;
+                }
+            }
+            s.lock().unwrap().closed = Some(Instant::now());
+        });
+        RawClient { write, seen }
+    }
+
+    async fn send(&self, bytes: &[u8]) -> bool {
+        self.write.lock().await.write_all(bytes).await.is_ok()
+    }
+
+    fn closed(&self) -> Option<Instant> {
+        self.seen.lock().unwrap().closed
+    }
+
+    /// Waits up to `within` for `done` to hold of stream `id`, or for the connection to close.
+    async fn wait_for(
+        &self,
+        id: u32,
+        within: Duration,
+        done: impl Fn((u32, usize, bool)) -> bool,
+    ) -> bool {
+        let deadline = Instant::now() + within;
+        let state = || {
+            let seen = self.seen.lock().unwrap();
+            seen.streams.get(&id).copied().unwrap_or_default()
+        };
+        while Instant::now() < deadline && self.closed().is_none() {
+            if done(state()) {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        done(state())
+    }
+}
+
+/// Goal: a client cannot keep answers on the node by opening its connection window a byte at a
+/// time. One byte of window lets hyper hand a whole answer to h2 (and its trailers after it), so
+/// neither the source's budget nor the untaken-answer timeout sees it, while h2 keeps it with its
+/// stream; on main 1,000 such answers per connection stayed until a keepalive check found an
+/// older one (43-51 s). While the connection window is starved past `STARVED_GRACE`, every
+/// answer begun and not ended now counts as a starved stream, and over `STARVED_STREAMS_MAX` the
+/// connection is closed.
+/// Method: a three-node cluster; from another loopback address, a raw HTTP/2 client takes whole
+/// answers until its connection window no longer holds one, then, for each of 200 more calls,
+/// grants the connection one byte once the answer's head has arrived.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_window_opened_a_byte_at_a_time_closes_the_connection() {
+    let (cluster, attacker) = cluster_and_attacker().await;
+    let to: SocketAddr = cluster.addr(1).parse().unwrap();
+    let resource = held_with_a_long_holder(&cluster).await;
+    let client = RawClient::connect(&attacker, to).await;
+
+    // Whole answers until one no longer fits the connection window.
+    let mut stream = 1u32;
+    loop {
+        assert!(client.send(&describe_frames(to, stream, resource)).await);
+        let ended = client
+            .wait_for(stream, Duration::from_secs(2), |(_, _, ended)| ended)
+            .await;
+        assert!(
+            client.closed().is_none(),
+            "the node closed a client taking its answers"
+        );
+        if !ended {
+            break;
+        }
+        stream += 2;
+        assert!(stream < 4_000, "the connection window never ran out");
+    }
+    let shut = Instant::now();
+
+    // A byte at a time, each letting one more answer into h2 whole.
+    let mut held = 0;
+    while held < 200 && client.closed().is_none() {
+        stream += 2;
+        client.send(&describe_frames(to, stream, resource)).await;
+        client
+            .wait_for(stream, Duration::from_secs(2), |(heads, _, _)| heads > 0)
+            .await;
+        if !client.send(&window_update(0, 1)).await {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        held += 1;
+    }
+    let deadline = shut + Duration::from_secs(15);
+    while Instant::now() < deadline && client.closed().is_none() {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let closed_after = client.closed().map(|at| at - shut);
+    eprintln!(
+        "{held} answers let into h2 a byte at a time; the connection closed {closed_after:?} \
+         after its window shut"
+    );
+    assert!(
+        closed_after.is_some(),
+        "a connection holding {held} answers behind a starved window is open after 15 s"
+    );
+    assert_served_from_beside(&attacker, to).await;
 }
 
 /// Goal: a client cannot keep answers on the node with stream windows smaller than an answer.

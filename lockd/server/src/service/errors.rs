@@ -117,6 +117,19 @@ pub fn transit_exhausted(limit: &'static str, msg: impl std::fmt::Display) -> St
     )
 }
 
+/// `UNIMPLEMENTED` with the ErrorInfo of a transport bound: a health `Watch` over its bound. gRPC's
+/// client-side health checking treats UNIMPLEMENTED as "no health service" and keeps using the
+/// node, where any other code would make it treat the node as down: a source (or four) holding
+/// every Watch place must not take the node out of its clients' rotation.
+pub fn watch_refused(limit: &'static str, msg: impl std::fmt::Display) -> Status {
+    status(
+        Code::Unimplemented,
+        prefixed(msg),
+        Reason::LimitReached,
+        &[("limit", limit)],
+    )
+}
+
 /// `UNAVAILABLE`, nothing proposed: no leader known, reachable or confirmed. Safe to retry.
 pub fn no_quorum(msg: impl std::fmt::Display) -> Status {
     status(Code::Unavailable, prefixed(msg), Reason::NoQuorum, &[])
