@@ -20,6 +20,8 @@
 //! - [`cli_docs`]: `completions SHELL` and `man` for every binary, generated from its clap flags.
 //! - [`admission`]: places for connections in a phase an untrusted peer can hold open, in all and
 //!   per source address.
+//! - [`flow_watch`]: the HTTP/2 send windows a client grants, followed from the frames, so that
+//!   answers HTTP/2 flow control holds do not keep a connection for good.
 
 pub mod admission;
 pub mod checks;
@@ -28,6 +30,7 @@ pub mod config_file;
 pub mod durations;
 pub mod endpoints;
 pub mod flag_errors;
+pub mod flow_watch;
 pub mod log;
 pub mod names;
 pub mod recorder;

@@ -14,6 +14,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::service::TowerToHyperService;
 use lockd_service_kit::checks::Readiness;
+use lockd_service_kit::flow_watch::FlowWatch;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
@@ -57,6 +58,10 @@ struct Activity {
     /// Since when a write to the client has waited for it to read; [`NEVER`] while none waits.
     write_blocked_ms: AtomicU64,
     unpolled: Mutex<Unpolled>,
+    /// The HTTP/2 windows the client grants: hyper hands a response's chunk to h2 whole once
+    /// its stream may take one byte, so a client granting 1-byte windows would leave every
+    /// response in h2, finished in the proxy's eyes.
+    flow: Mutex<FlowWatch>,
 }
 
 impl Activity {
@@ -66,6 +71,7 @@ impl Activity {
             last_request_ms: AtomicU64::new(NEVER),
             write_blocked_ms: AtomicU64::new(NEVER),
             unpolled: Mutex::default(),
+            flow: Mutex::new(FlowWatch::new()),
         }
     }
 
@@ -245,13 +251,28 @@ impl<I> Watched<I> {
     }
 }
 
+impl<I> Watched<I> {
+    fn flow(&self) -> std::sync::MutexGuard<'_, FlowWatch> {
+        self.activity
+            .flow
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
 impl<I: AsyncRead + Unpin> AsyncRead for Watched<I> {
     fn poll_read(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.get_mut().io).poll_read(cx, buf)
+        let this = self.get_mut();
+        let before = buf.filled().len();
+        let polled = Pin::new(&mut this.io).poll_read(cx, buf);
+        if let Poll::Ready(Ok(())) = polled {
+            this.flow().read(&buf.filled()[before..]);
+        }
+        polled
     }
 }
 
@@ -263,6 +284,9 @@ impl<I: AsyncWrite + Unpin> AsyncWrite for Watched<I> {
     ) -> Poll<std::io::Result<usize>> {
         let this = self.get_mut();
         let polled = Pin::new(&mut this.io).poll_write(cx, buf);
+        if let Poll::Ready(Ok(n)) = polled {
+            this.flow().wrote(&buf[..n]);
+        }
         this.note(polled)
     }
     fn poll_write_vectored(
@@ -272,6 +296,18 @@ impl<I: AsyncWrite + Unpin> AsyncWrite for Watched<I> {
     ) -> Poll<std::io::Result<usize>> {
         let this = self.get_mut();
         let polled = Pin::new(&mut this.io).poll_write_vectored(cx, bufs);
+        if let Poll::Ready(Ok(n)) = polled {
+            let mut flow = this.flow();
+            let mut left = n;
+            for buf in bufs {
+                let part = left.min(buf.len());
+                flow.wrote(&buf[..part]);
+                left -= part;
+                if left == 0 {
+                    break;
+                }
+            }
+        }
         this.note(polled)
     }
     fn is_write_vectored(&self) -> bool {
@@ -358,6 +394,15 @@ async fn serve_connection<I, S, B>(
                 ];
                 if stalled.iter().flatten().any(|waited| *waited >= timeouts.send) {
                     tracing::debug!(%peer, "the client took no response data within the send timeout; closing");
+                    return;
+                }
+                let starved = activity
+                    .flow
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .overdue(timeouts.send);
+                if let Some(starved) = starved {
+                    tracing::debug!(%peer, %starved, "closing");
                     return;
                 }
             }

@@ -33,7 +33,8 @@ pub(crate) mod clock;
 pub mod config;
 pub mod connections;
 pub mod dev;
-pub mod flow_watch;
+/// The HTTP/2 window watch, shared with fence-proxy's HTTP front end.
+pub use lockd_service_kit::flow_watch;
 pub(crate) mod forwarder;
 pub(crate) mod members;
 pub mod node;

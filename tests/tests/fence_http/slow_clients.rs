@@ -497,3 +497,62 @@ async fn an_http2_client_that_grants_no_window_is_disconnected_after_the_send_ti
         "a client that took no data kept its connection for 6 s"
     );
 }
+
+/// Goal: over HTTP/2 a client cannot keep responses in the proxy with stream windows smaller than
+/// a response. hyper hands a response body's chunk to h2 whole once its stream may take one byte,
+/// so the body is finished in the proxy's eyes (no send timeout runs) while h2 keeps the rest with
+/// its stream, for as long as the client answers pings. Such a connection is disconnected within
+/// `--send-timeout` of its windows starving (as lockd's port, `flow_watch`).
+/// On main it stayed until the idle timeout (60 s) closed it.
+/// Method: `--send-timeout 1s`; an h2c client granting 1-byte stream windows makes 100 GETs (the
+/// proxy allows 128 at once) and reads none of the bodies; its connection must end within 10 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_client_granting_one_byte_windows_is_disconnected() {
+    let upstream = HttpUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = FenceProxy::start(
+        &upstream.url(),
+        &redb_store(&dir),
+        &["--send-timeout", "1s"],
+    )
+    .await
+    .unwrap();
+    let tcp = TcpStream::connect(proxy.addr).await.unwrap();
+    let mut builder =
+        hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new());
+    builder.initial_stream_window_size(1);
+    let (mut sender, connection) = builder
+        .handshake(hyper_util::rt::TokioIo::new(tcp))
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let connection = tokio::spawn(connection);
+    let mut calls = Vec::new();
+    for i in 0..100 {
+        if sender.ready().await.is_err() {
+            break;
+        }
+        let request = hyper::Request::get(proxy.url(&format!("/obj{i}")))
+            .body(http_body_util::Empty::<bytes::Bytes>::new())
+            .unwrap();
+        calls.push(sender.send_request(request));
+    }
+    let mut kept = Vec::new();
+    for call in calls {
+        if let Ok(Ok(response)) = tokio::time::timeout(Duration::from_secs(5), call).await {
+            kept.push(response);
+        }
+    }
+    let heads = kept.len();
+    let ended = tokio::time::timeout(Duration::from_secs(10), connection).await;
+    eprintln!(
+        "{heads} responses begun with 1-byte windows; the connection ended after {:?}: {}",
+        started.elapsed(),
+        ended.is_ok()
+    );
+    assert!(
+        ended.is_ok(),
+        "a client granting 1-byte windows kept {heads} responses for 10 s"
+    );
+    drop(kept);
+}

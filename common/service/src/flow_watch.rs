@@ -2,11 +2,13 @@
 //! connection carries each way: frame headers, and the payloads of the client's SETTINGS and
 //! WINDOW_UPDATE frames, nothing else.
 //!
+//! Used by lockd's ports (`lockd/server/src/connections.rs`) and fence-proxy's HTTP front end.
+//!
 //! Why: hyper hands an answer to h2 in one piece as soon as flow control grants its stream one
 //! byte, and h2 keeps whatever the windows do not let out yet. Answers handed over that way are
-//! gone from everything the services see ([`crate::connections::Untaken`], the budget of
-//! `receiving.rs`), yet each keeps its stream, headers and bytes in h2, 1,024 per connection, for
-//! as long as the client answers pings. A client gets there with stream windows smaller than an
+//! gone from everything a server sees of its answers (lockd's untaken answers and budget,
+//! fence-proxy's send timeout), yet each keeps its stream, headers and bytes in h2, up to the
+//! connection's stream limit, for as long as the client answers pings. A client gets there with stream windows smaller than an
 //! answer (SETTINGS_INITIAL_WINDOW_SIZE of 1 byte), or by keeping the connection window shut and
 //! opening it a byte at a time, each byte letting one more answer into h2.
 //!
@@ -16,7 +18,7 @@
 //! DATA exhausts it until the client's WINDOW_UPDATEs have granted [`GRANT_PROGRESS`] bytes since,
 //! or it stays open for [`IDLE_AFTER_GRANT`] after a grant (then the node had nothing waiting),
 //! or the stream ends. SETTINGS move windows but never end a starvation. The
-//! connection is closed once a window has been starved for [`crate::connections::SEND_TIMEOUT`],
+//! connection is closed once a window has been starved for the server's send timeout,
 //! or once more than [`STARVED_STREAMS_MAX`] streams have been starved for over
 //! [`STARVED_GRACE`] at once (while the connection's window has been starved that long, every
 //! answer begun and not ended counts: a byte of it lets hyper hand over a whole answer) (each keeps about 9 KB; a reading client takes its answers within
@@ -32,9 +34,9 @@ use std::time::{Duration, Instant};
 pub const GRANT_PROGRESS: u32 = 16_384;
 /// A window left open this long after a grant was not waited on: the node had nothing for it.
 pub const IDLE_AFTER_GRANT: Duration = Duration::from_secs(1);
-/// Streams of one connection that may be starved for over [`STARVED_GRACE`] at once: 256
-/// connections from one address then hold at most about 75 MB this way, as the budget of
-/// `receiving.rs` allows for answers hyper has not taken.
+/// Streams of one connection that may be starved for over [`STARVED_GRACE`] at once: 256 lockd
+/// connections from one address then hold at most about 75 MB this way, as lockd's budget allows
+/// for answers hyper has not taken.
 pub const STARVED_STREAMS_MAX: usize = 32;
 /// How long a stream may be starved before it counts against [`STARVED_STREAMS_MAX`].
 pub const STARVED_GRACE: Duration = Duration::from_secs(1);
@@ -56,7 +58,7 @@ const END_STREAM: u8 = 0x1;
 const SETTINGS_INITIAL_WINDOW_SIZE: u16 = 0x4;
 
 /// One connection's send windows, as far as starvation goes.
-pub(crate) struct FlowWatch {
+pub struct FlowWatch {
     from_client: Scanner,
     to_client: Scanner,
     connection: Window,
@@ -124,7 +126,7 @@ impl Window {
 
     /// A change of SETTINGS_INITIAL_WINDOW_SIZE: it moves the window but neither ends a
     /// starvation (a raise and a lowering in one frame release nothing) nor starts one (a
-    /// lowering sends nothing: what waits behind it waits in hyper, where `Untaken` sees it, or
+    /// lowering sends nothing: what waits behind it waits in hyper, where the server's send timeout sees it, or
     /// starves the window with the next DATA); a window left open by a raise counts as idle only
     /// once it has stayed open.
     fn resized(&mut self, delta: i64, now: Instant) {
@@ -152,10 +154,12 @@ impl Window {
 
 /// Why a connection is closed.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Starved {
+pub enum Starved {
     /// A window (a stream's, or the connection's when `None`) starved this long.
     Window {
+        /// The stream, or `None` for the connection's window.
         stream: Option<u32>,
+        /// Since the window was starved.
         waited: Duration,
     },
     /// This many streams starved for over [`STARVED_GRACE`] at once.
@@ -194,7 +198,8 @@ impl std::fmt::Display for Starved {
 }
 
 impl FlowWatch {
-    pub(crate) fn new() -> Self {
+    /// A connection's watch, before its first byte.
+    pub fn new() -> Self {
         FlowWatch {
             from_client: Scanner::new(true),
             to_client: Scanner::new(false),
@@ -209,7 +214,7 @@ impl FlowWatch {
     }
 
     /// Follows bytes the client sent.
-    pub(crate) fn read(&mut self, bytes: &[u8]) {
+    pub fn read(&mut self, bytes: &[u8]) {
         let now = Instant::now();
         if self.from_client.stopped {
             return;
@@ -263,7 +268,7 @@ impl FlowWatch {
     }
 
     /// Follows bytes the node wrote.
-    pub(crate) fn wrote(&mut self, bytes: &[u8]) {
+    pub fn wrote(&mut self, bytes: &[u8]) {
         if self.from_client.stopped {
             // Not HTTP/2: the node's bytes are not frames either.
             return;
@@ -311,7 +316,7 @@ impl FlowWatch {
 
     /// Why the connection must close, if it must: a window starved for `timeout`, or too many
     /// streams starved at once. The streams are looked over at most every [`STARVED_GRACE`].
-    pub(crate) fn overdue(&mut self, timeout: Duration) -> Option<Starved> {
+    pub fn overdue(&mut self, timeout: Duration) -> Option<Starved> {
         if self.overflowed {
             return Some(Starved::Followed(self.streams.len()));
         }
@@ -362,8 +367,14 @@ impl FlowWatch {
 
     /// Whether the connection should be looked at again within [`STARVED_GRACE`] even if
     /// nothing moves on it: a window is starved.
-    pub(crate) fn starving(&self) -> bool {
+    pub fn starving(&self) -> bool {
         self.streams_starving || self.connection.starved_since.is_some() || self.overflowed
+    }
+}
+
+impl Default for FlowWatch {
+    fn default() -> Self {
+        Self::new()
     }
 }
 
