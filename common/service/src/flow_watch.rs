@@ -71,6 +71,8 @@ pub struct FlowWatch {
     next_stream_scan: Instant,
     /// A stream window was starved at the last look, or has been since.
     streams_starving: bool,
+    /// How long a stream may be starved before it counts against [`STARVED_STREAMS_MAX`].
+    grace: Duration,
     /// The highest stream id the client has opened.
     highest_stream: u32,
     /// A stream arrived while [`STREAMS_FOLLOWED_MAX`] were followed: the watch fails closed.
@@ -162,8 +164,8 @@ pub enum Starved {
         /// Since the window was starved.
         waited: Duration,
     },
-    /// This many streams starved for over [`STARVED_GRACE`] at once.
-    Streams(usize),
+    /// This many streams starved for over the grace (the second field) at once.
+    Streams(usize, Duration),
     /// More streams open than the watch follows (h2 allows 1,024: some ended unseen).
     Followed(usize),
 }
@@ -187,20 +189,28 @@ impl std::fmt::Display for Starved {
                 f,
                 "the client has {count} streams open, more than the node follows"
             ),
-            Starved::Streams(count) => write!(
+            Starved::Streams(count, grace) => write!(
                 f,
                 "the client has left the answers of {count} streams waiting for their HTTP/2 \
                  windows for over {} s (at most {STARVED_STREAMS_MAX})",
-                STARVED_GRACE.as_secs()
+                grace.as_secs()
             ),
         }
     }
 }
 
 impl FlowWatch {
-    /// A connection's watch, before its first byte.
+    /// A connection's watch, before its first byte, with [`STARVED_GRACE`].
     pub fn new() -> Self {
+        Self::with_grace(STARVED_GRACE)
+    }
+
+    /// The same with another grace before a starved stream counts against
+    /// [`STARVED_STREAMS_MAX`]: a proxy whose answers are bodies of any size, which a client's
+    /// small windows legitimately starve for a round trip each, takes its send timeout.
+    pub fn with_grace(grace: Duration) -> Self {
         FlowWatch {
+            grace,
             from_client: Scanner::new(true),
             to_client: Scanner::new(false),
             connection: Window::new(DEFAULT_WINDOW),
@@ -322,22 +332,22 @@ impl FlowWatch {
         }
         let now = Instant::now();
         let connection_starved = self.connection.starved_for(now);
-        if let Some(waited) = connection_starved {
-            if waited >= timeout {
-                return Some(Starved::Window {
-                    stream: None,
-                    waited,
-                });
-            }
+        if let Some(waited) = connection_starved
+            && waited >= timeout
+        {
+            return Some(Starved::Window {
+                stream: None,
+                waited,
+            });
         }
         if !(self.streams_starving || connection_starved.is_some()) || now < self.next_stream_scan {
             return None;
         }
-        self.next_stream_scan = now + STARVED_GRACE;
+        self.next_stream_scan = now + self.grace.min(STARVED_GRACE);
         // While the connection window has been starved past the grace, every answer begun and
         // not ended may be waiting in h2 (a byte of connection window lets hyper hand over a
         // whole answer): those count as starved streams.
-        let connection_past_grace = connection_starved.is_some_and(|w| w > STARVED_GRACE);
+        let connection_past_grace = connection_starved.is_some_and(|w| w > self.grace);
         let (mut starving, mut past_grace, mut longest) = (false, 0, None);
         for (&id, window) in &mut self.streams {
             let Some(waited) = window.starved_for(now) else {
@@ -347,7 +357,7 @@ impl FlowWatch {
                 continue;
             };
             starving = true;
-            if waited > STARVED_GRACE || (connection_past_grace && window.answering) {
+            if waited > self.grace || (connection_past_grace && window.answering) {
                 past_grace += 1;
             }
             if longest.is_none_or(|(_, w)| waited > w) {
@@ -356,7 +366,7 @@ impl FlowWatch {
         }
         self.streams_starving = starving;
         if past_grace > STARVED_STREAMS_MAX {
-            return Some(Starved::Streams(past_grace));
+            return Some(Starved::Streams(past_grace, self.grace));
         }
         let (stream, waited) = longest?;
         (waited >= timeout).then_some(Starved::Window {
@@ -635,7 +645,7 @@ mod tests {
         watch.next_stream_scan = Instant::now();
         assert_eq!(
             watch.overdue(Duration::from_secs(30)),
-            Some(Starved::Streams(STARVED_STREAMS_MAX + 1))
+            Some(Starved::Streams(STARVED_STREAMS_MAX + 1, STARVED_GRACE))
         );
         // One fewer is within the bound.
         watch.read(&frame(RST_STREAM, 0, ids[0], &[0, 0, 0, 8]));
@@ -694,7 +704,7 @@ mod tests {
         watch.next_stream_scan = Instant::now();
         assert_eq!(
             watch.overdue(Duration::from_secs(30)),
-            Some(Starved::Streams(STARVED_STREAMS_MAX + 1))
+            Some(Starved::Streams(STARVED_STREAMS_MAX + 1, STARVED_GRACE))
         );
     }
 
@@ -728,6 +738,41 @@ mod tests {
         assert_eq!(
             watch.overdue(Duration::from_secs(30)),
             Some(Starved::Followed(STREAMS_FOLLOWED_MAX))
+        );
+    }
+
+    #[test]
+    fn a_longer_grace_lets_streams_stay_starved_longer() {
+        let ids: Vec<u32> = (0..=u32::try_from(STARVED_STREAMS_MAX).unwrap())
+            .map(|i| 2 * i + 1)
+            .collect();
+        let mut bytes = PREFACE.to_vec();
+        bytes.extend(settings(&[(SETTINGS_INITIAL_WINDOW_SIZE, 1)]));
+        ids.iter().for_each(|&id| bytes.extend(request(id)));
+        let mut watch = FlowWatch::with_grace(Duration::from_secs(60));
+        watch.read(&bytes);
+        for &id in &ids {
+            watch.wrote(&frame(DATA, 0, id, &[0]));
+        }
+        for window in watch.streams.values_mut() {
+            window.starved_since = Some(Instant::now() - STARVED_GRACE * 2);
+        }
+        assert_eq!(watch.overdue(Duration::from_secs(60)), None);
+        for window in watch.streams.values_mut() {
+            window.starved_since = Some(Instant::now() - Duration::from_secs(59));
+        }
+        watch.next_stream_scan = Instant::now();
+        assert_eq!(watch.overdue(Duration::from_secs(3_600)), None);
+        for window in watch.streams.values_mut() {
+            window.starved_since = Some(Instant::now() - Duration::from_secs(61));
+        }
+        watch.next_stream_scan = Instant::now();
+        assert_eq!(
+            watch.overdue(Duration::from_secs(3_600)),
+            Some(Starved::Streams(
+                STARVED_STREAMS_MAX + 1,
+                Duration::from_secs(60)
+            ))
         );
     }
 

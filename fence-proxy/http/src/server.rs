@@ -65,13 +65,15 @@ struct Activity {
 }
 
 impl Activity {
-    fn new() -> Self {
+    /// `send_timeout` is also the grace of the window watch: a client's small windows starve each
+    /// stream of a large body for a round trip, legitimately.
+    fn new(send_timeout: Duration) -> Self {
         Activity {
             opened: std::time::Instant::now(),
             last_request_ms: AtomicU64::new(NEVER),
             write_blocked_ms: AtomicU64::new(NEVER),
             unpolled: Mutex::default(),
-            flow: Mutex::new(FlowWatch::new()),
+            flow: Mutex::new(FlowWatch::with_grace(send_timeout)),
         }
     }
 
@@ -349,7 +351,7 @@ async fn serve_connection<I, S, B>(
     B::Data: Send,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    let activity = Arc::new(Activity::new());
+    let activity = Arc::new(Activity::new(timeouts.send));
     let connection_service = Watch {
         inner: service,
         activity: activity.clone(),

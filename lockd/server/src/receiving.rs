@@ -216,7 +216,7 @@ impl ReceiveBudget {
 
     /// Wraps the health service: unary as [`Self::unary`], and each `Watch` holds a place of its
     /// source ([`WATCH_STREAMS_PER_SOURCE_MAX`]) for as long as its answer stream lives; one
-    /// without a place is answered `UNIMPLEMENTED` ([`watch_refused`]).
+    /// without a place is answered `UNIMPLEMENTED` (`service::errors::watch_refused`).
     pub fn health<S>(&self, inner: S) -> Receiving<Places<S>> {
         Receiving {
             inner: Places {
