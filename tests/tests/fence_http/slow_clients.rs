@@ -431,6 +431,11 @@ const BIG_BODY: usize = 32 * 1024 * 1024;
 
 /// An upstream that answers every request with [`BIG_BODY`] bytes, and the task that serves it.
 async fn big_upstream() -> (std::net::SocketAddr, tokio::task::JoinHandle<()>) {
+    sized_upstream(BIG_BODY).await
+}
+
+/// An upstream that answers every request with `body` bytes (a multiple of 64 KiB).
+async fn sized_upstream(body: usize) -> (std::net::SocketAddr, tokio::task::JoinHandle<()>) {
     let upstream = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let upstream_addr = upstream.local_addr().unwrap();
     let server = tokio::spawn(async move {
@@ -447,12 +452,12 @@ async fn big_upstream() -> (std::net::SocketAddr, tokio::task::JoinHandle<()>) {
                     }
                     head.push(byte[0]);
                 }
-                let answer = format!("HTTP/1.1 200 OK\r\nContent-Length: {BIG_BODY}\r\n\r\n");
+                let answer = format!("HTTP/1.1 200 OK\r\nContent-Length: {body}\r\n\r\n");
                 if s.write_all(answer.as_bytes()).await.is_err() {
                     return;
                 }
                 let chunk = vec![b'x'; 64 * 1024];
-                for _ in 0..BIG_BODY / chunk.len() {
+                for _ in 0..body / chunk.len() {
                     if s.write_all(&chunk).await.is_err() {
                         return;
                     }
@@ -555,4 +560,74 @@ async fn an_http2_client_granting_one_byte_windows_is_disconnected() {
         "a client granting 1-byte windows kept {heads} responses for 10 s"
     );
     drop(kept);
+}
+
+/// Goal: the window watch does not close a healthy client whose small windows a large body
+/// starves for a while. A proxied body of any size keeps a client's stream window exhausted for
+/// as long as the client takes to read and grant more, so fence-proxy's grace before a starved
+/// stream counts is its send timeout, not lockd's 1 s (found by review: 33 such downloads would
+/// have closed the connection after a second).
+/// Method: the default send timeout (60 s); an h2c client with 64 KiB stream windows (and a large
+/// connection window) makes 40 GETs of a 256 KiB body at once and reads 64 KiB of each, then
+/// pauses 1.5 s, until the end: each window starved about 1.5 s at a time. Every body must
+/// arrive whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_readers_of_large_bodies_with_small_windows_are_not_disconnected() {
+    use http_body_util::BodyExt;
+    const BODY: usize = 256 * 1024;
+    const GETS: usize = 40;
+    let (upstream_addr, server) = sized_upstream(BODY).await;
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = FenceProxy::start(&format!("http://{upstream_addr}"), &redb_store(&dir), &[])
+        .await
+        .unwrap();
+    let tcp = TcpStream::connect(proxy.addr).await.unwrap();
+    let mut builder =
+        hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new());
+    builder
+        .initial_stream_window_size(65_535)
+        .initial_connection_window_size(16 << 20);
+    let (mut sender, connection) = builder
+        .handshake(hyper_util::rt::TokioIo::new(tcp))
+        .await
+        .unwrap();
+    let connection = tokio::spawn(connection);
+    let mut readers = Vec::new();
+    for i in 0..GETS {
+        sender.ready().await.unwrap();
+        let request = hyper::Request::get(proxy.url(&format!("/big{i}")))
+            .body(http_body_util::Empty::<bytes::Bytes>::new())
+            .unwrap();
+        let response = sender.send_request(request);
+        readers.push(tokio::spawn(async move {
+            let mut body = response.await.ok()?.into_body();
+            let (mut got, mut since_pause) = (0, 0);
+            while let Some(frame) = body.frame().await {
+                let n = frame.ok()?.data_ref().map_or(0, bytes::Bytes::len);
+                got += n;
+                since_pause += n;
+                if since_pause >= 64 * 1024 {
+                    since_pause = 0;
+                    tokio::time::sleep(Duration::from_millis(1_500)).await;
+                }
+            }
+            Some(got)
+        }));
+    }
+    let mut whole = 0;
+    for reader in readers {
+        if reader.await.unwrap() == Some(BODY) {
+            whole += 1;
+        }
+    }
+    eprintln!(
+        "{whole} of {GETS} bodies arrived whole; connection ended: {}",
+        connection.is_finished()
+    );
+    server.abort();
+    assert_eq!(whole, GETS, "bodies cut short: the connection was closed");
+    assert!(
+        !connection.is_finished(),
+        "the proxy closed a healthy connection"
+    );
 }
