@@ -277,6 +277,19 @@ impl FlowWatch {
         });
     }
 
+    /// Follows the first `written` bytes of `bufs`, written by the node in one vectored write.
+    pub fn wrote_vectored(&mut self, bufs: &[std::io::IoSlice<'_>], written: usize) {
+        let mut left = written;
+        for buf in bufs {
+            if left == 0 {
+                break;
+            }
+            let part = left.min(buf.len());
+            self.wrote(&buf[..part]);
+            left -= part;
+        }
+    }
+
     /// Follows bytes the node wrote.
     pub fn wrote(&mut self, bytes: &[u8]) {
         if self.from_client.stopped {
@@ -841,6 +854,20 @@ mod tests {
         bytes.chunks(5).for_each(|c| watch.read(c));
         assert_eq!(watch.initial_stream_window, DEFAULT_WINDOW);
         assert_eq!(watch.streams.keys().copied().collect::<Vec<_>>(), vec![3]);
+    }
+
+    #[test]
+    fn a_vectored_write_is_followed_up_to_what_was_written() {
+        let mut watch = watch_after(&[], &[1], 100);
+        let data = frame(DATA, 0, 1, &vec![0; 30_000]);
+        let (a, b) = data.split_at(5);
+        let bufs = [std::io::IoSlice::new(a), std::io::IoSlice::new(b)];
+        // The header split across the slices, and only part of the payload written.
+        watch.wrote_vectored(&bufs, 20);
+        assert_eq!(watch.streams[&1].size, 65_535 - 30_000);
+        watch.wrote_vectored(&[std::io::IoSlice::new(&data[20..])], data.len() - 20);
+        watch.wrote(&frame(DATA, 0, 1, &[0; 10]));
+        assert_eq!(watch.streams[&1].size, 65_535 - 30_010);
     }
 
     #[test]

@@ -299,16 +299,7 @@ impl<I: AsyncWrite + Unpin> AsyncWrite for Watched<I> {
         let this = self.get_mut();
         let polled = Pin::new(&mut this.io).poll_write_vectored(cx, bufs);
         if let Poll::Ready(Ok(n)) = polled {
-            let mut flow = this.flow();
-            let mut left = n;
-            for buf in bufs {
-                let part = left.min(buf.len());
-                flow.wrote(&buf[..part]);
-                left -= part;
-                if left == 0 {
-                    break;
-                }
-            }
+            this.flow().wrote_vectored(bufs, n);
         }
         this.note(polled)
     }

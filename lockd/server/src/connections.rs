@@ -352,15 +352,7 @@ impl<S: AsyncWrite + Unpin + ResetOnClose> AsyncWrite for Admitted<S> {
         }
         let polled = Pin::new(&mut this.io).poll_write_vectored(cx, bufs);
         if let Poll::Ready(Ok(n)) = polled {
-            let mut left = n;
-            for buf in bufs {
-                let part = left.min(buf.len());
-                this.flow.wrote(&buf[..part]);
-                left -= part;
-                if left == 0 {
-                    break;
-                }
-            }
+            this.flow.wrote_vectored(bufs, n);
             if let Some(overdue) = this.look_again_while_starving(cx) {
                 return Poll::Ready(Err(overdue));
             }
