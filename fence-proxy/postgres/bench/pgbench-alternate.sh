@@ -1,7 +1,8 @@
 #!/bin/bash
 # Two fence-proxy builds side by side, in alternating rounds: pgbench (-M prepared) through each,
 # unfenced and then fenced (PGOPTIONS='-c lockd.fence=bench/1:1'), the order of the two builds
-# swapped every round, CHECKPOINT before every run. On a shared machine whose speed drifts
+# swapped every round, VACUUM of the updated tables and CHECKPOINT before every run (pgbench's
+# own vacuum cannot run through the proxy). On a shared machine whose speed drifts
 # between runs, rounds of short runs compared by their medians say more than one long run each.
 #
 #   fence-proxy/postgres/bench/pgbench-alternate.sh BASE_BINARY NEW_BINARY
@@ -29,6 +30,9 @@ pg_ticks() {
 }
 "$1" postgres init --upstream "postgres://postgres@127.0.0.1:5432/$DB" >/dev/null
 UP="postgres://postgres@127.0.0.1:5432/$DB?sslmode=disable"
+# Plaintext on every leg, like the proxies' upstream legs: a direct pgbench would otherwise
+# negotiate TLS with a server that offers it, and pay for it alone.
+export PGSSLMODE=disable
 "$1" postgres --listen 127.0.0.1:16543 --upstream "$UP" >/dev/null 2>&1 & BASE_PID=$!
 "$2" postgres --listen 127.0.0.1:16545 --upstream "$UP" >/dev/null 2>&1 & NEW_PID=$!
 trap 'kill $BASE_PID $NEW_PID 2>/dev/null' EXIT
@@ -38,10 +42,13 @@ relay_ticks() { # pid, or nothing
   [ -n "$1" ] && awk '{print $14 + $15}' /proc/"$1"/stat 2>/dev/null || echo 0
 }
 run() { # round label port PGOPTIONS [relay pid]
-  psql -h 127.0.0.1 -U postgres -d $DB -qc CHECKPOINT
+  # Every target starts from the same tables: pgbench's own vacuum (-n leaves it out) fails
+  # through fence-proxy, which runs each statement in a transaction block, so it is done here.
+  psql -h 127.0.0.1 -U postgres -d $DB -qc "VACUUM pgbench_branches, pgbench_tellers" \
+    -c "TRUNCATE pgbench_history" -c CHECKPOINT
   local p0 p1 r0 r1 out tx tps failed
   p0=$(pg_ticks); r0=$(relay_ticks "${5:-}")
-  out=$(PGOPTIONS="$4" pgbench -h 127.0.0.1 -p "$3" -U postgres -c "$C" -j "$J" -M "$MODE" -T "$T" $DB 2>&1)
+  out=$(PGOPTIONS="$4" pgbench -n -h 127.0.0.1 -p "$3" -U postgres -c "$C" -j "$J" -M "$MODE" -T "$T" $DB 2>&1)
   p1=$(pg_ticks); r1=$(relay_ticks "${5:-}")
   tx=$(echo "$out" | awk '/number of transactions actually processed/ {print $NF}' | cut -d/ -f1)
   tps=$(echo "$out" | awk '/^tps/ {printf "%.0f", $3}')
