@@ -7,7 +7,9 @@
 #   REF_PORT=16544 ... also runs through a relay already listening there (e.g. PgBouncer);
 #   REF_PID=PID        ... and reports that relay's figures per transaction too
 #   UPSTREAM_QUERY='?sslmode=disable' ... appended to the proxy's --upstream URL (the default,
-#                      sslmode=prefer, encrypts the proxy's upstream leg when Postgres has ssl on)
+#                      sslmode=prefer, encrypts the proxy's upstream leg when Postgres has ssl on);
+#                      pgbench's own connections follow PGSSLMODE (export PGSSLMODE=disable to
+#                      compare plaintext legs throughout, as pgbench-alternate.sh does)
 #   BIN may be NAME=PATH to label a run, and a wrapper script that execs fence-proxy with other
 #   settings (e.g. FENCE_PROXY_PG_THREADS=1) serves to compare them.
 #
@@ -51,7 +53,10 @@ run() { # label port [PGOPTIONS] [relay pid]
   # Every run starts right after a checkpoint: the full-page images written after one cost
   # pgbench's random updates several times the WAL, so a checkpoint falling inside one run and
   # not another skews the comparison more than anything the relay does.
-  psql -h 127.0.0.1 -U postgres -d $DB -qc CHECKPOINT
+  # pgbench's own vacuum (-n leaves it out) fails through fence-proxy, which runs each statement
+  # in a transaction block: every target gets the same vacuumed tables from here instead.
+  psql -h 127.0.0.1 -U postgres -d $DB -qc "VACUUM pgbench_branches, pgbench_tellers" \
+    -c "TRUNCATE pgbench_history" -c CHECKPOINT
   p0=$(pg_cputicks)
   if [ -n "$pid" ]; then
     c0=$(ctxsw "$pid"); t0=$(cputicks "$pid")
@@ -61,7 +66,7 @@ run() { # label port [PGOPTIONS] [relay pid]
       perf_pid=$!
     fi
   fi
-  out=$(PGOPTIONS="${3:-}" pgbench -h 127.0.0.1 -p "$2" -U postgres -c 4 -j 2 -M prepared -T "$T" $DB 2>&1)
+  out=$(PGOPTIONS="${3:-}" pgbench -n -h 127.0.0.1 -p "$2" -U postgres -c 4 -j 2 -M prepared -T "$T" $DB 2>&1)
   tx=$(echo "$out" | awk '/number of transactions actually processed/ {print $NF}' | cut -d/ -f1)
   p1=$(pg_cputicks)
   if [ "${tx:-0}" -gt 0 ] && [ "$p0" != 0 ]; then
