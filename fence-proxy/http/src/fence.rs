@@ -19,6 +19,7 @@ pub fn read_fence(
     headers: &HeaderMap,
     verification: Option<&Verification>,
 ) -> Result<Fence, Refusal> {
+    refuse_fence_named_hop_by_hop(headers)?;
     let Some(v) = verification else {
         return read_plain(headers);
     };
@@ -122,6 +123,35 @@ fn read_plain(headers: &HeaderMap) -> Result<Fence, Refusal> {
     }
 }
 
+/// A fence header named in `Connection` would be removed as hop-by-hop before the write goes
+/// upstream, which then gets it unfenced (and cannot check `Fencing-Token` itself): refused, 400.
+fn refuse_fence_named_hop_by_hop(headers: &HeaderMap) -> Result<(), Refusal> {
+    let named = headers
+        .get_all(http::header::CONNECTION)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+        .map(<[u8]>::trim_ascii);
+    for name in named {
+        for fence_header in [
+            LOCK_RESOURCE_HEADER,
+            FENCING_TOKEN_HEADER,
+            LOCK_SEQUENCER_HEADER,
+        ] {
+            if name.eq_ignore_ascii_case(fence_header.as_bytes()) {
+                return Err(Refusal::BadFence {
+                    resource: None,
+                    token: None,
+                    detail: format!(
+                        "the Connection header names {fence_header}, which would then not reach \
+                         the upstream: fence headers are end-to-end"
+                    ),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The one value of header `name` as UTF-8, `None` when absent.
 fn single(headers: &HeaderMap, name: &'static str) -> Result<Option<String>, Refusal> {
     let mut values = headers.get_all(name).iter();
@@ -174,6 +204,11 @@ mod tests {
         assert!(r.message().contains("Fencing-Token"), "{}", r.message());
 
         for bad in [
+            vec![
+                ("lock-resource", "orders/1"),
+                ("fencing-token", "1"),
+                ("connection", "keep-alive, Fencing-Token"),
+            ],
             vec![("lock-resource", "orders/1"), ("fencing-token", "-1")],
             vec![("lock-resource", "orders/1"), ("fencing-token", "4 2")],
             vec![("lock-resource", ""), ("fencing-token", "1")],

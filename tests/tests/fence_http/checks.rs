@@ -263,3 +263,66 @@ async fn two_proxies_on_postgres_never_apply_41_after_42() {
         "only one interleaving happened (41 first: {both_forwarded}, 42 first: {stale_refused})"
     );
 }
+
+/// Goal: the fence headers reach the upstream with every write the proxy forwards, as the docs
+/// promise (an upstream that checks `Fencing-Token` itself is the remedy for writes it applies
+/// late). Attack (found by review): a write that names them in `Connection` passed the check,
+/// and the proxy then stripped them as hop-by-hop headers, so the upstream got an unfenced
+/// write. Method: writes naming each fence header in `Connection`, alone and among others, in
+/// any case; then a header of the client's own named there, which still goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_that_name_a_fence_header_in_connection_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = HttpUpstream::start().await.unwrap();
+    let proxy = FenceProxy::start(&upstream.url(), &redb_store(&dir), &[])
+        .await
+        .unwrap();
+    for connection in [
+        "Fencing-Token",
+        "keep-alive, lock-resource",
+        "LOCK-SEQUENCER , x-other",
+        "x-other,fencing-token",
+    ] {
+        let reply = proxy
+            .write(
+                "PUT",
+                "/orders/7",
+                (Some("orders/7"), Some("3")),
+                &[("Connection", connection), ("X-Other", "1")],
+                "w",
+            )
+            .await
+            .unwrap();
+        assert_refused(&reply, 400, "bad-fence");
+        assert!(
+            reply.json()["detail"]
+                .as_str()
+                .is_some_and(|d| d.contains("Connection")),
+            "{connection}: {reply:?}"
+        );
+        assert!(
+            upstream.writes().is_empty(),
+            "Connection: {connection}: a write reached the upstream: {:?}",
+            upstream.writes()
+        );
+    }
+    let reply = proxy
+        .write(
+            "PUT",
+            "/orders/7",
+            (Some("orders/7"), Some("3")),
+            &[("Connection", "x-private"), ("X-Private", "1")],
+            "w",
+        )
+        .await
+        .unwrap();
+    assert_eq!(reply.status, 200, "{reply:?}");
+    let w = upstream.writes();
+    assert_eq!(w.len(), 1);
+    assert_eq!((w[0].resource(), w[0].token()), (Some("orders/7"), Some(3)));
+    assert_eq!(
+        w[0].header("x-private"),
+        None,
+        "a hop-by-hop header went on"
+    );
+}
