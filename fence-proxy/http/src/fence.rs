@@ -209,6 +209,12 @@ mod tests {
                 ("fencing-token", "1"),
                 ("connection", "keep-alive, Fencing-Token"),
             ],
+            vec![
+                ("lock-resource", "orders/1"),
+                ("fencing-token", "1"),
+                ("connection", "keep-alive"),
+                ("connection", "\tLock-Resource\t"),
+            ],
             vec![("lock-resource", "orders/1"), ("fencing-token", "-1")],
             vec![("lock-resource", "orders/1"), ("fencing-token", "4 2")],
             vec![("lock-resource", ""), ("fencing-token", "1")],
