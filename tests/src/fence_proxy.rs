@@ -96,6 +96,30 @@ impl FenceProxy {
         Ok(())
     }
 
+    /// SIGTERM, as a service manager stops it, and waits up to `within` for it to exit; the
+    /// status it exited with. Fails if it is still running then (it is killed by the drop).
+    pub async fn stop(&mut self, within: Duration) -> anyhow::Result<std::process::ExitStatus> {
+        let child = self
+            .child
+            .as_mut()
+            .ok_or_else(|| anyhow::anyhow!("fence-proxy {} is not running", self.addr))?;
+        child.signal(nix::sys::signal::Signal::SIGTERM);
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some(status) = child.try_wait() {
+                self.child = None;
+                return Ok(status);
+            }
+            if Instant::now() > deadline {
+                anyhow::bail!(
+                    "fence-proxy {} still runs {within:?} after SIGTERM",
+                    self.addr
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// kill -9.
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {

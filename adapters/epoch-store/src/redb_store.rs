@@ -2,10 +2,15 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use futures::future::BoxFuture;
 use lockd_fence::FencingToken;
-use redb::{Database, ReadableDatabase, TableDefinition};
+use redb::{
+    Database, Durability, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition,
+};
+use tokio::time::Instant;
 
 use crate::redb_writer::{Hook, RedbWriter};
 use crate::slots::Share;
@@ -14,6 +19,23 @@ use crate::{StoreError, Timing};
 
 /// Resource name to the highest token accepted for it.
 pub(crate) const EPOCHS: TableDefinition<&str, u64> = TableDefinition::new("fence_proxy_epochs");
+
+/// Resource name to the end of its quarantine (milliseconds since the Unix epoch), written when
+/// the proxy stops cleanly and read back when it starts: a quarantine outlives a restart.
+const QUARANTINES: TableDefinition<&str, u64> = TableDefinition::new("fence_proxy_quarantines");
+
+/// Whether a process has the file open ([`OPENED_AT`]) or closed it cleanly ([`CLOSED_AT`]),
+/// each as milliseconds since the Unix epoch.
+const STATE: TableDefinition<&str, u64> = TableDefinition::new("fence_proxy_state");
+/// Set when a process opens the file, removed by its clean close: found at open, it means the
+/// last process crashed (or was killed) and may have left writes in flight.
+const OPENED_AT: &str = "opened_at_unix_ms";
+/// Set by a clean close.
+const CLOSED_AT: &str = "closed_at_unix_ms";
+
+/// Why every write waits after an unclean stop.
+const AFTER_UNCLEAN_STOP: &str = "quarantined: the last process using this store did not stop \
+     cleanly, so writes it forwarded may still be applied by the upstream";
 
 /// Epoch store in an embedded redb file.
 ///
@@ -34,6 +56,19 @@ pub struct RedbStore {
     /// Per-resource exclusion and quarantine.
     slots: Slots,
     timing: Timing,
+    /// After an unclean stop: until when every resource is quarantined, since any of them may
+    /// have had a write in flight when the last process died.
+    reopened_quarantine: Option<Instant>,
+    /// Set by [`EpochStore::close`]: admissions are refused from then on.
+    closed: AtomicBool,
+}
+
+/// What [`RedbStore::open`] found about the last process that used the file.
+struct Reopened {
+    /// It did not close cleanly (crash, kill, or a version that kept no state).
+    unclean: bool,
+    /// Quarantines it saved when it closed, with the time left of each.
+    quarantines: Vec<(String, Duration)>,
 }
 
 impl RedbStore {
@@ -57,10 +92,22 @@ impl RedbStore {
             store: format!("redb:{}", path.display()),
             detail: e.to_string(),
         };
-        // Create the table now, so that a read before the first write finds it.
-        let txn = db.begin_write().map_err(|e| unavailable(&e))?;
-        txn.open_table(EPOCHS).map_err(|e| unavailable(&e))?;
-        txn.commit().map_err(|e| unavailable(&e))?;
+        // Before any admission: learn how the last process stopped and mark the file open,
+        // durably, so that a crash of this process is noticed by the next.
+        let reopened = reopen(&db, timing.quarantine).map_err(|e| unavailable(&e))?;
+        let slots = Slots::new();
+        for (resource, left) in &reopened.quarantines {
+            slots.quarantine(resource, *left);
+        }
+        let reopened_quarantine = reopened.unclean.then(|| {
+            tracing::warn!(
+                store = %format!("redb:{}", path.display()),
+                quarantine_ms = timing.quarantine.as_millis() as u64,
+                "the last process using this epoch store did not stop cleanly: every resource is \
+                 quarantined, as after a forward with an unknown outcome"
+            );
+            Instant::now() + timing.quarantine
+        });
         let db = Arc::new(db);
         let writer = RedbWriter::start(db.clone(), hook)
             .map_err(|e| unavailable(&format!("starting the commit thread: {e}")))?;
@@ -68,8 +115,10 @@ impl RedbStore {
             db,
             writer,
             path,
-            slots: Slots::new(),
+            slots,
             timing,
+            reopened_quarantine,
+            closed: AtomicBool::new(false),
         })
     }
 
@@ -107,11 +156,25 @@ impl RedbStore {
         resource: &str,
         token: FencingToken,
     ) -> Result<Admission, StoreError> {
-        let mut guard = match self
-            .slots
-            .share(resource, token, self.timing.lock_wait)
-            .await?
-        {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(self.unavailable("the store was closed (the proxy is stopping)"));
+        }
+        let started = Instant::now();
+        let wait_max = self.timing.lock_wait;
+        if let Some(until) = self.reopened_quarantine.filter(|until| *until > started) {
+            // As a resource's own quarantine: refused at once if it outlasts the wait bound.
+            if until > started + wait_max {
+                return Err(StoreError::busy(
+                    resource,
+                    AFTER_UNCLEAN_STOP,
+                    Duration::ZERO,
+                    wait_max,
+                ));
+            }
+            tokio::time::sleep_until(until).await;
+        }
+        let wait_left = wait_max.saturating_sub(started.elapsed());
+        let mut guard = match self.slots.share(resource, token, wait_left).await? {
             Share::Granted(guard) => guard,
             Share::Stale(highest) => return Ok(Admission::Stale { highest }),
         };
@@ -180,6 +243,27 @@ impl EpochStore for RedbStore {
         "redb"
     }
 
+    /// Saves the quarantines still running and marks the file closed cleanly, in one durable
+    /// commit, unless a write is still held or waited for (the drain did not end): then the
+    /// file stays marked open, and the next process quarantines every resource.
+    fn close(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(async move {
+            self.closed.store(true, Ordering::Release);
+            if self.slots.in_use() {
+                return Err(self.unavailable(
+                    "writes were still in flight when the store was closed; the next start \
+                     quarantines every resource",
+                ));
+            }
+            let db = self.db.clone();
+            let quarantines = self.slots.quarantines();
+            let saved = tokio::task::spawn_blocking(move || save_and_close(&db, &quarantines))
+                .await
+                .map_err(|e| self.unavailable(format!("closing: {e}")))?;
+            saved.map_err(|e| self.unavailable(format!("closing: {e}")))
+        })
+    }
+
     /// Fails when the commit thread has stopped (no write could be admitted), then opens a
     /// read transaction on the table (on the blocking pool, as every file access here): it
     /// fails when the file can no longer be read.
@@ -201,12 +285,74 @@ impl EpochStore for RedbStore {
     }
 }
 
+/// Milliseconds since the Unix epoch, by the wall clock: the only clock two processes share.
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Reads how the last process left the file and marks it open, in one durable commit. Saved
+/// quarantines are taken out of the file (this process saves its own at close) and capped at
+/// `quarantine`, so that a wall clock set back cannot close a resource for longer.
+fn reopen(db: &Database, quarantine: Duration) -> Result<Reopened, redb::Error> {
+    let mut txn = db.begin_write()?;
+    txn.set_durability(Durability::Immediate)?;
+    let now = unix_ms();
+    let reopened = {
+        // Created now too, so that a read before the first write finds the table.
+        let epochs = txn.open_table(EPOCHS)?;
+        let mut state = txn.open_table(STATE)?;
+        let mut saved = txn.open_table(QUARANTINES)?;
+        // A file with tokens but no state was written by a version that kept none: it may have
+        // crashed. A file without tokens never had a write forwarded.
+        let unclean = state.get(OPENED_AT)?.is_some()
+            || (state.get(CLOSED_AT)?.is_none() && !epochs.is_empty()?);
+        let mut quarantines = Vec::new();
+        for row in saved.iter()? {
+            let (resource, until) = row?;
+            let left = Duration::from_millis(until.value().saturating_sub(now)).min(quarantine);
+            if !left.is_zero() {
+                quarantines.push((resource.value().to_owned(), left));
+            }
+        }
+        saved.retain(|_, _| false)?;
+        state.remove(CLOSED_AT)?;
+        state.insert(OPENED_AT, now)?;
+        Reopened {
+            unclean,
+            quarantines,
+        }
+    };
+    txn.commit()?;
+    Ok(reopened)
+}
+
+/// Writes the quarantines running at a clean close and marks the file closed, durably.
+fn save_and_close(db: &Database, quarantines: &[(String, Duration)]) -> Result<(), redb::Error> {
+    let mut txn = db.begin_write()?;
+    txn.set_durability(Durability::Immediate)?;
+    let now = unix_ms();
+    {
+        let mut saved = txn.open_table(QUARANTINES)?;
+        saved.retain(|_, _| false)?;
+        for (resource, left) in quarantines {
+            // Rounded up: a quarantine is never shortened by the save.
+            let left_ms = left.as_nanos().div_ceil(1_000_000) as u64;
+            saved.insert(resource.as_str(), now + left_ms)?;
+        }
+        let mut state = txn.open_table(STATE)?;
+        state.remove(OPENED_AT)?;
+        state.insert(CLOSED_AT, now)?;
+    }
+    txn.commit()?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::redb_writer::Phase;
-    use std::sync::atomic::Ordering;
-    use std::time::Duration;
 
     fn timing() -> Timing {
         Timing {
@@ -454,6 +600,128 @@ mod tests {
             err.to_string().contains("commit thread has stopped"),
             "{err}"
         );
+    }
+
+    /// Goal (review, HIGH): a quarantine running at a clean close is saved and holds after the
+    /// file is opened again, for the time it had left; other resources are open at once.
+    #[tokio::test]
+    async fn a_quarantine_outlives_a_clean_close() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("e.redb");
+        let timing = Timing {
+            quarantine: Duration::from_millis(800),
+            ..timing()
+        };
+        {
+            let store = RedbStore::open(&path, timing).unwrap();
+            accepted(&store, "a", 1)
+                .await
+                .release(ForwardOutcome::Unknown)
+                .await
+                .unwrap();
+            store.close().await.unwrap();
+            let err = store.admit("b", FencingToken(1)).await.unwrap_err();
+            assert!(err.to_string().contains("the store was closed"), "{err}");
+        }
+        let reopened = std::time::Instant::now();
+        let store = RedbStore::open(&path, timing).unwrap();
+        let err = store.admit("a", FencingToken(2)).await.unwrap_err();
+        assert!(
+            err.to_string().contains("quarantined after a forward"),
+            "{err}"
+        );
+        accepted(&store, "b", 1)
+            .await
+            .release(ForwardOutcome::Answered)
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(800).saturating_sub(reopened.elapsed())).await;
+        accepted(&store, "a", 2)
+            .await
+            .release(ForwardOutcome::Answered)
+            .await
+            .unwrap();
+        // Nothing ran when this one closed: the next open finds no quarantine and a clean stop.
+        store.close().await.unwrap();
+        drop(store);
+        let store = RedbStore::open(&path, timing).unwrap();
+        assert!(store.reopened_quarantine.is_none());
+        accepted(&store, "a", 3)
+            .await
+            .release(ForwardOutcome::Answered)
+            .await
+            .unwrap();
+    }
+
+    /// Goal (review, HIGH): a file that was not closed cleanly (the process crashed or was
+    /// killed: here, dropped without `close`) quarantines every resource when it is opened
+    /// again, since any of them may have had a write in flight.
+    #[tokio::test]
+    async fn an_unclean_stop_quarantines_every_resource() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("e.redb");
+        {
+            let store = RedbStore::open(&path, timing()).unwrap();
+            assert!(store.reopened_quarantine.is_none(), "a new file is clean");
+            accepted(&store, "a", 1)
+                .await
+                .release(ForwardOutcome::Answered)
+                .await
+                .unwrap();
+        }
+        let reopened = std::time::Instant::now();
+        let store = RedbStore::open(&path, timing()).unwrap();
+        // The quarantine (300 ms) outlasts the wait bound (200 ms): refused at once, any resource.
+        for resource in ["a", "never-written"] {
+            let err = store.admit(resource, FencingToken(5)).await.unwrap_err();
+            assert!(matches!(err, StoreError::Busy { .. }), "{err}");
+            assert!(err.to_string().contains("did not stop cleanly"), "{err}");
+        }
+        tokio::time::sleep(Duration::from_millis(300).saturating_sub(reopened.elapsed())).await;
+        accepted(&store, "a", 5)
+            .await
+            .release(ForwardOutcome::Answered)
+            .await
+            .unwrap();
+    }
+
+    /// Goal: a close while a write still holds its resource (the drain gave up) does not mark
+    /// the file clean: the next open quarantines every resource.
+    #[tokio::test]
+    async fn a_close_with_a_write_in_flight_is_not_clean() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("e.redb");
+        {
+            let store = RedbStore::open(&path, timing()).unwrap();
+            let held = accepted(&store, "a", 1).await;
+            let err = store.close().await.unwrap_err();
+            assert!(err.to_string().contains("still in flight"), "{err}");
+            drop(held);
+        }
+        let store = RedbStore::open(&path, timing()).unwrap();
+        assert!(store.reopened_quarantine.is_some());
+    }
+
+    /// Goal: a wall clock set back between a close and the next open cannot stretch a saved
+    /// quarantine past `--quarantine`.
+    #[test]
+    fn a_saved_quarantine_is_capped_at_the_quarantine() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Database::create(dir.path().join("e.redb")).unwrap();
+        let hour = Duration::from_secs(3600);
+        save_and_close(
+            &db,
+            &[("a".to_owned(), hour), ("b".to_owned(), Duration::ZERO)],
+        )
+        .unwrap();
+        let reopened = reopen(&db, Duration::from_secs(10)).unwrap();
+        assert!(!reopened.unclean);
+        assert_eq!(reopened.quarantines.len(), 1, "{:?}", reopened.quarantines);
+        assert_eq!(reopened.quarantines[0].0, "a");
+        assert!(reopened.quarantines[0].1 <= Duration::from_secs(10));
+        // Taken out of the file: a crash now leaves no stale copy (the unclean stop covers it).
+        let again = reopen(&db, Duration::from_secs(10)).unwrap();
+        assert!(again.unclean && again.quarantines.is_empty());
     }
 
     #[tokio::test]

@@ -27,9 +27,9 @@ use crate::redb_store::EPOCHS;
 const BATCH_MAX: usize = 1024;
 
 /// Raises queued for the commit thread at most; past it an admission waits for room (within the
-/// store timeout). `--max-in-flight` does not bound the queue by itself: a write's task outlives
-/// a client that went away, so its raise stays queued; each admission gives up after the store
-/// timeout, though, and its raise is then answered into the void.
+/// store timeout). fence-proxy http bounds its write tasks by `--max-in-flight`, but a store may
+/// serve other callers; and an admission that gave up after the store timeout leaves its raise
+/// queued, to be answered into the void.
 const QUEUE_MAX: usize = 4096;
 
 /// Where the commit thread runs a test's hook.

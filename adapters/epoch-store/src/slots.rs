@@ -101,10 +101,9 @@ struct Entry {
     quarantined_until: Option<Instant>,
     /// The grants held; `None` when nobody forwards.
     holders: Option<Holders>,
-    /// Writes waiting, in arrival order. No count bounds it: the front end's `--max-in-flight`
-    /// bounds the requests it handles, but a write's task outlives a client that went away, so
-    /// clients that disconnect and retry add waiters. Each leaves after at most its wait bound
-    /// (`--lock-wait`), which bounds how long they pile up.
+    /// Writes waiting, in arrival order. The table sets no count: the front end bounds its
+    /// writes (fence-proxy http: `--max-in-flight` write tasks, also those whose client went
+    /// away), and each waiter leaves after at most its wait bound (`--lock-wait`).
     queue: VecDeque<Waiter>,
     /// The highest token the store told this table it has recorded durably for the resource
     /// (see [`SlotGuard::note_recorded`]); lower tokens are refused without asking the store.
@@ -358,6 +357,37 @@ impl Slots {
     /// Whether no resource is in use, waited for or quarantined.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// Whether any resource is held or waited for (a quarantine alone does not count).
+    pub fn in_use(&self) -> bool {
+        self.lock_table()
+            .entries
+            .values()
+            .any(|e| e.holders.is_some() || !e.queue.is_empty())
+    }
+
+    /// Closes `resource` for everyone for `period` from now (or longer, if a quarantine that
+    /// ends later already runs): a quarantine carried over from an earlier process.
+    pub fn quarantine(&self, resource: &str, period: std::time::Duration) {
+        let mut table = self.lock_table();
+        let entry = table.entries.entry(resource.to_owned()).or_default();
+        let until = Instant::now() + period;
+        entry.quarantined_until = Some(entry.quarantined_until.map_or(until, |q| q.max(until)));
+        entry.quarantine_started.notify_waiters();
+    }
+
+    /// The quarantines running now: each resource with the time left of its quarantine.
+    pub fn quarantines(&self) -> Vec<(String, std::time::Duration)> {
+        let now = Instant::now();
+        self.lock_table()
+            .entries
+            .iter()
+            .filter_map(|(resource, e)| {
+                let until = e.quarantined_until.filter(|q| *q > now)?;
+                Some((resource.clone(), until - now))
+            })
+            .collect()
     }
 }
 

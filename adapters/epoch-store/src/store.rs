@@ -43,6 +43,18 @@ pub trait EpochStore: Send + Sync + 'static {
     fn check(&self) -> BoxFuture<'_, Result<(), StoreError>> {
         Box::pin(async { Ok(()) })
     }
+
+    /// Called once by the front end when it stops, after its drain, when no write should be in
+    /// flight any more: a store that keeps state in the process saves what must outlive it (the
+    /// redb store: its quarantines, and that it stopped cleanly). Every `admit` after it fails.
+    /// An error means the store could not close cleanly; the next process that opens it then
+    /// assumes a crash.
+    ///
+    /// The default does nothing: a store without state of its own in the process (the Postgres
+    /// store keeps its quarantines in its table) has nothing to save.
+    fn close(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(async { Ok(()) })
+    }
 }
 
 /// The store's answer to a write.

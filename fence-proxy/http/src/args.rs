@@ -83,7 +83,8 @@ pub struct Args {
           default_value = "10s", value_parser = lockd_service_kit::durations::parse_timing)]
     pub quarantine: Duration,
 
-    /// Requests handled at once; more wait for a free slot.
+    /// Requests handled at once; more wait for a free slot. Also bounds the writes being
+    /// admitted or forwarded, counting those whose client has gone away.
     #[arg(long, env = "FENCE_PROXY_MAX_IN_FLIGHT", value_name = "N",
           default_value_t = DEFAULT_MAX_IN_FLIGHT, value_parser = clap::value_parser!(u64).range(1..))]
     pub max_in_flight: u64,

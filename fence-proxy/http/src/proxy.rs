@@ -15,7 +15,7 @@ use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use lockd_fence::Fence;
-use tokio::sync::oneshot;
+use tokio::sync::{Semaphore, oneshot};
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
@@ -70,14 +70,20 @@ pub struct Proxy {
     reads: Arc<UpstreamPool>,
     /// Write tasks in flight, awaited on shutdown so that their permits are released.
     writes: TaskTracker,
+    /// One slot per write task, `--max-in-flight` of them, taken before the task is spawned and
+    /// held until it ends: a task outlives its request when the client goes away (an h2 reset
+    /// frees the request's own slot at once), and without this bound a client that resets
+    /// every write could leave any number of them queued behind a quarantine.
+    write_slots: Arc<Semaphore>,
     /// Where write tasks run: the runtime [`Proxy::new`] was called on.
     write_runtime: tokio::runtime::Handle,
 }
 
 impl Proxy {
-    /// A proxy forwarding to `config.upstream`, admitting writes through `store`. Must be called
-    /// inside a Tokio runtime: write tasks run on it, also when requests are served elsewhere.
-    pub fn new(config: ProxyConfig, store: Arc<dyn EpochStore>) -> Arc<Self> {
+    /// A proxy forwarding to `config.upstream`, admitting writes through `store`, with at most
+    /// `max_writes` write tasks at a time. Must be called inside a Tokio runtime: write tasks run
+    /// on it, also when requests are served elsewhere.
+    pub fn new(config: ProxyConfig, store: Arc<dyn EpochStore>, max_writes: usize) -> Arc<Self> {
         let connector = UpstreamConnector::new(&config.upstream);
         let client = Client::builder(TokioExecutor::new()).build(connector);
         let reads = UpstreamPool::new(&config.upstream);
@@ -87,6 +93,7 @@ impl Proxy {
             client,
             reads,
             writes: TaskTracker::new(),
+            write_slots: Arc::new(Semaphore::new(max_writes)),
             write_runtime: tokio::runtime::Handle::current(),
         })
     }
@@ -123,10 +130,21 @@ impl Proxy {
         // It runs on the runtime that made the proxy (the accept loop's), not on the connection
         // thread: those threads stop at the end of the drain, and a write cut off there would
         // have its permit dropped without the quarantine its release sets.
+        // The slot is taken here, where waiting is still cancellable: a client that goes away
+        // now leaves nothing behind.
+        let slot = self
+            .write_slots
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("the write slots are never closed");
         let (respond, response) = oneshot::channel();
         let this = self.clone();
         self.writes.spawn_on(
-            async move { this.write(request, fence, respond).await },
+            async move {
+                let _slot = slot;
+                this.write(request, fence, respond).await
+            },
             &self.write_runtime,
         );
         Ok(match response.await {

@@ -509,12 +509,19 @@ pub async fn run_with_reload(
         upstream_timeout: args.upstream_timeout,
         verification: verification.map(Arc::new),
     };
-    serve_with_access(listener, store, config, limits, access, shutdown).await
+    let served = serve_with_access(listener, store.clone(), config, limits, access, shutdown).await;
+    // After the drain: the store saves what must outlive this process (the redb store: its
+    // quarantines, and that it stopped cleanly). If it cannot, the next start assumes a crash.
+    if let Err(e) = store.close().await {
+        tracing::warn!(store = %args.store, error = %e, "the epoch store did not close cleanly");
+    }
+    served
 }
 
 /// Serves the proxy on `listener` with any [`EpochStore`] until `shutdown` is cancelled; this is
 /// the entry point for a custom store (see `examples/examples/custom_epoch_store.rs`). The other
-/// limits keep their defaults ([`Limits::default`]).
+/// limits keep their defaults ([`Limits::default`]). It does not close the store: call
+/// [`EpochStore::close`] once it has returned (the drain is over by then).
 pub async fn serve(
     listener: TcpListener,
     store: Arc<dyn EpochStore>,
@@ -549,7 +556,7 @@ pub async fn serve_with_access(
     access: Access,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
-    let proxy = Proxy::new(config, store);
+    let proxy = Proxy::new(config, store, limits.max_in_flight);
     let handler = proxy.clone();
     let service = ServiceBuilder::new()
         .layer(TraceLayer::new_for_http())

@@ -152,9 +152,14 @@ async fn upstream_too_slow_is_504_and_quarantine_keeps_order() {
 async fn redb_highest_tokens_survive_restart() {
     let dir = tempfile::tempdir().unwrap();
     let upstream = HttpUpstream::start().await.unwrap();
-    let mut proxy = FenceProxy::start(&upstream.url(), &redb_store(&dir), &[])
-        .await
-        .unwrap();
+    // After a kill every resource is quarantined for --quarantine (see below): kept short here.
+    let mut proxy = FenceProxy::start(
+        &upstream.url(),
+        &redb_store(&dir),
+        &["--quarantine", "300ms"],
+    )
+    .await
+    .unwrap();
     assert_eq!(put(&proxy, "a", "7", "x").await.status, 200);
     assert_eq!(put(&proxy, "b", "9", "x").await.status, 200);
 
@@ -172,6 +177,128 @@ async fn redb_highest_tokens_survive_restart() {
     assert_eq!(put(&proxy, "b", "9", "x").await.status, 200);
     assert_eq!(put(&proxy, "c", "1", "x").await.status, 200);
     assert_eq!(upstream.writes().len(), 4);
+}
+
+/// The tokens of the writes the upstream applied, in the order it applied them.
+fn applied_tokens(upstream: &HttpUpstream) -> Vec<u64> {
+    upstream
+        .writes()
+        .iter()
+        .map(|w| w.token().unwrap())
+        .collect()
+}
+
+/// Attack (review, HIGH): the redb store's quarantine lived in memory only, so a graceful
+/// restart opened a quarantined resource at once. Token 1's write times out (504, quarantine
+/// 3 s) while the upstream still works on it; the proxy is stopped with SIGTERM and started
+/// again; token 2's write went through at once and the upstream applied 2, then 1. Goal: the
+/// quarantine is saved at a clean stop and holds after the restart, so 1 lands before 2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quarantine_outlives_a_graceful_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = HttpUpstream::start().await.unwrap();
+    let mut proxy = FenceProxy::start(
+        &upstream.url(),
+        &redb_store(&dir),
+        &[
+            "--upstream-timeout",
+            "300ms",
+            "--quarantine",
+            "3s",
+            "--lock-wait",
+            "6s",
+        ],
+    )
+    .await
+    .unwrap();
+    let started = Instant::now();
+    let reply = proxy
+        .write(
+            "PUT",
+            "/obj",
+            (Some("orders/1"), Some("1")),
+            &[(DELAY_HEADER, "1500")],
+            "late",
+        )
+        .await
+        .unwrap();
+    assert_refused(&reply, 504, "upstream-timeout");
+    let status = proxy.stop(Duration::from_secs(10)).await.unwrap();
+    assert!(
+        status.success(),
+        "fence-proxy exited {status} after SIGTERM"
+    );
+    proxy.restart().await.unwrap();
+
+    let reply = put(&proxy, "orders/1", "2", "next").await;
+    assert_eq!(reply.status, 200, "{reply:?}");
+    assert!(
+        started.elapsed() >= Duration::from_millis(3300),
+        "the quarantine ended with the process: token 2 forwarded {:?} after token 1",
+        started.elapsed()
+    );
+    assert_eq!(
+        applied_tokens(&upstream),
+        [1, 2],
+        "the late write must be applied before the next one"
+    );
+    // Only the quarantined resource waited.
+    let t = Instant::now();
+    assert_eq!(put(&proxy, "orders/2", "1", "x").await.status, 200);
+    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+}
+
+/// Attack (review, HIGH): a proxy killed while the upstream works on a write forgot it had been
+/// in flight; restarted at once, it forwarded the next holder's write, and the upstream applied
+/// 2, then 1. Goal: after an unclean stop every resource is quarantined for `--quarantine`, as
+/// after a forward with an unknown outcome, so 1 lands before 2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_in_flight_at_a_kill_is_waited_out_after_the_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = HttpUpstream::start().await.unwrap();
+    let mut proxy = FenceProxy::start(
+        &upstream.url(),
+        &redb_store(&dir),
+        &["--quarantine", "3s", "--lock-wait", "6s"],
+    )
+    .await
+    .unwrap();
+    let url = proxy.url("/obj");
+    let in_flight = tokio::spawn(async move {
+        lockd_tests::fence_proxy::send(
+            "PUT",
+            &url,
+            &[
+                ("Lock-Resource", "orders/1"),
+                ("Fencing-Token", "1"),
+                (DELAY_HEADER, "1500"),
+            ],
+            "late",
+        )
+        .await
+    });
+    // The upstream has the whole request (it is small) and works on it for 1.5 s.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    proxy.kill();
+    let killed = Instant::now();
+    let _ = in_flight.await;
+    proxy.restart().await.unwrap();
+
+    let reply = put(&proxy, "orders/1", "2", "next").await;
+    assert_eq!(reply.status, 200, "{reply:?}");
+    assert!(
+        killed.elapsed() >= Duration::from_secs(3),
+        "no quarantine after the kill: token 2 forwarded {:?} after it",
+        killed.elapsed()
+    );
+    assert_eq!(
+        applied_tokens(&upstream),
+        [1, 2],
+        "the write in flight at the kill must be applied before the next one"
+    );
+    // Every resource was closed, not only the one in flight: the proxy cannot know which were.
+    // By now the quarantine is over.
+    assert_eq!(put(&proxy, "orders/2", "1", "x").await.status, 200);
 }
 
 /// Goal: a zombie holder's write, end to end with lockd. A acquires (token t); A's lease expires;

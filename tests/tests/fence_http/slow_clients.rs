@@ -631,3 +631,94 @@ async fn slow_readers_of_large_bodies_with_small_windows_are_not_disconnected() 
         "the proxy closed a healthy connection"
     );
 }
+
+/// Attack (review, MEDIUM): a write runs in a task of its own that outlives its request, so
+/// that its permit is released with the right outcome; but `--max-in-flight` bounded only the
+/// requests, not those tasks. An h2c client that sends a write's HEADERS (END_STREAM, no body)
+/// and resets the stream at once leaves its task behind and frees its request slot: behind a
+/// quarantined resource such tasks piled up without bound and were all forwarded together when
+/// the quarantine ended (40 of them here, with `--max-in-flight 4`). Goal: write tasks take a
+/// slot of `--max-in-flight` before they start, so at most 4 of these writes ever exist.
+/// Method: token 1 times out (504; quarantine 3 s); then ten bursts of 8 DELETEs with token 2,
+/// each reset after 100 ms; once the quarantine is over, count what reached the upstream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_reset_by_the_client_stay_within_max_in_flight() {
+    const MAX_IN_FLIGHT: usize = 4;
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = HttpUpstream::start().await.unwrap();
+    let proxy = FenceProxy::start(
+        &upstream.url(),
+        &redb_store(&dir),
+        &[
+            "--max-in-flight",
+            &MAX_IN_FLIGHT.to_string(),
+            "--upstream-timeout",
+            "300ms",
+            "--quarantine",
+            "3s",
+            "--lock-wait",
+            "8s",
+        ],
+    )
+    .await
+    .unwrap();
+    let reply = proxy
+        .write(
+            "PUT",
+            "/obj",
+            (Some("r"), Some("1")),
+            &[(lockd_tests::http_upstream::DELAY_HEADER, "600")],
+            "late",
+        )
+        .await
+        .unwrap();
+    assert_eq!(reply.status, 504, "{reply:?}");
+
+    let stream = TcpStream::connect(proxy.addr).await.unwrap();
+    let (mut sender, connection) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(stream),
+    )
+    .await
+    .unwrap();
+    let connection = tokio::spawn(connection);
+    for _ in 0..10 {
+        let mut burst = Vec::new();
+        for _ in 0..8 {
+            sender.ready().await.unwrap();
+            let request = hyper::Request::builder()
+                .method("DELETE")
+                .uri(format!("http://{}/obj", proxy.addr))
+                .header("Lock-Resource", "r")
+                .header("Fencing-Token", "2")
+                .body(http_body_util::Empty::<bytes::Bytes>::new())
+                .unwrap();
+            burst.push(sender.send_request(request));
+        }
+        // Dropping a response future resets its stream (RST_STREAM CANCEL).
+        let answered =
+            tokio::time::timeout(Duration::from_millis(100), futures::future::join_all(burst))
+                .await;
+        assert!(
+            answered.is_err(),
+            "answered during the quarantine: {answered:?}"
+        );
+    }
+    drop(sender);
+    connection.abort();
+
+    // The quarantine ends 3.3 s after token 1's write; every write left waiting goes then.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let forwarded = upstream
+        .writes()
+        .iter()
+        .filter(|w| w.token() == Some(2))
+        .count();
+    assert!(
+        forwarded <= MAX_IN_FLIGHT,
+        "{forwarded} writes of requests reset by their client reached the upstream, with \
+         --max-in-flight {MAX_IN_FLIGHT}"
+    );
+    // The proxy still serves within its bound.
+    assert_eq!(put(&proxy, "r", "2", "after").await.status, 200);
+}
