@@ -19,7 +19,7 @@ use bytes::Bytes;
 use fence_epoch_store::{
     Admission, EpochStore, ForwardOutcome, Permit, PermitRelease, SlotGuard, Slots, StoreError,
 };
-use fence_proxy_http::{ProxyConfig, Upstream};
+use fence_proxy_http::{ProxyConfig, ResourceBinding, Upstream};
 use futures::future::BoxFuture;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
@@ -118,6 +118,7 @@ async fn main() -> anyhow::Result<()> {
             .map_err(anyhow::Error::msg)?,
         upstream_timeout: Duration::from_secs(5),
         verification: None,
+        resource_binding: ResourceBinding::Off,
     };
     let store: Arc<dyn EpochStore> = Arc::new(MemoryStore::default());
     let server = tokio::spawn(fence_proxy_http::serve(

@@ -83,6 +83,15 @@ pub struct Args {
           default_value = "10s", value_parser = lockd_service_kit::durations::parse_timing)]
     pub quarantine: Duration,
 
+    /// Whether a write's Lock-Resource must name its request path: `off`; `path` (the path
+    /// without its leading '/' is the resource); `path-prefix` (the path is the resource or below
+    /// it). Under `path` and `path-prefix`, paths an upstream could read as another (with '%',
+    /// ';', '\', empty, '.' or '..' segments) are refused, and writes go upstream with the
+    /// upstream's own Host.
+    #[arg(long, env = "FENCE_PROXY_BIND_RESOURCE", value_name = "MODE", value_enum,
+          default_value_t = crate::binding::ResourceBinding::Off)]
+    pub bind_resource: crate::binding::ResourceBinding,
+
     /// Requests handled at once; more wait for a free slot. Also bounds the writes being
     /// admitted or forwarded, counting those whose client has gone away.
     #[arg(long, env = "FENCE_PROXY_MAX_IN_FLIGHT", value_name = "N",

@@ -12,6 +12,7 @@
 //!   the permit is released only then.
 //! - [`refusal`]: [`Refusal`], the table from each refusal to status, reason and JSON body.
 //! - [`fence`]: reading `Lock-Resource`, `Fencing-Token` and `Lock-Sequencer` from a request.
+//! - [`binding`]: [`ResourceBinding`], `--bind-resource`: whether the resource must name the path.
 //! - [`verify`]: [`Verification`], the verify keys and whether plain tokens still pass.
 //! - [`metrics`]: metric names shared with the Postgres front end.
 //! - [`ready`]: what `/readyz` watches (the epoch store and the upstream).
@@ -22,6 +23,7 @@
 //!   the task that forwards each read.
 
 pub mod args;
+pub mod binding;
 pub mod exchange;
 pub mod fence;
 pub mod metrics;
@@ -34,6 +36,7 @@ pub mod upstream;
 pub mod verify;
 
 pub use args::{Args, Upstream};
+pub use binding::ResourceBinding;
 pub use proxy::{Proxy, ProxyConfig};
 pub use refusal::Refusal;
 pub use server::{run, run_with_reload, serve};

@@ -19,6 +19,7 @@ use tokio::sync::{Semaphore, oneshot};
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
+use crate::binding::ResourceBinding;
 use crate::exchange::{BodyEnd, BoxError, TrackedBody};
 use crate::fence::read_fence;
 use crate::metrics::{self as m, FRONTEND};
@@ -55,6 +56,8 @@ pub struct ProxyConfig {
     pub upstream_timeout: Duration,
     /// Verify keys and `--allow-unsigned`; `None`: plain tokens, not authenticated.
     pub verification: Option<Arc<crate::verify::Verification>>,
+    /// `--bind-resource`: whether a write's resource must name its path.
+    pub resource_binding: ResourceBinding,
 }
 
 /// The proxy's state, shared by all connections.
@@ -123,6 +126,14 @@ impl Proxy {
             Ok(fence) => fence,
             Err(refusal) => return Ok(refuse(refusal)),
         };
+        let path = request.uri().path();
+        if let Err(detail) = self.config.resource_binding.check(&fence.resource, path) {
+            return Ok(refuse(Refusal::BadFence {
+                resource: Some(fence.resource),
+                token: Some(fence.token),
+                detail,
+            }));
+        }
         // The write runs in its own task: if the client goes away, the task still follows the
         // exchange to its end and releases the permit with the right outcome instead of being
         // cancelled half-way. It hands the response over as soon as the head is there and keeps
@@ -342,6 +353,12 @@ impl Proxy {
                 maybe_applied: false,
             })?;
         strip_hop_by_hop(&mut parts.headers);
+        // A write bound to its path must not be routed elsewhere by a Host of the client's
+        // choosing (an upstream serving several virtual hosts): the upstream's own Host is set
+        // from the URL instead, as nginx does by default.
+        if fence.is_some() && self.config.resource_binding != ResourceBinding::Off {
+            parts.headers.remove(header::HOST);
+        }
         // Always HTTP/1.1 towards the upstream; the client picks the wire version itself.
         parts.version = http::Version::HTTP_11;
         Ok(Request::from_parts(parts, body))

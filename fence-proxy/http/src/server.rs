@@ -508,6 +508,7 @@ pub async fn run_with_reload(
         upstream: args.upstream.with_tls(upstream_tls),
         upstream_timeout: args.upstream_timeout,
         verification: verification.map(Arc::new),
+        resource_binding: args.bind_resource,
     };
     let served = serve_with_access(listener, store.clone(), config, limits, access, shutdown).await;
     // After the drain: the store saves what must outlive this process (the redb store: its

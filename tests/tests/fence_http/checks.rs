@@ -326,3 +326,109 @@ async fn writes_that_name_a_fence_header_in_connection_are_refused() {
         "a hop-by-hop header went on"
     );
 }
+
+/// Attack (review, HIGH): the resource was only the request's label. A client holding
+/// `orders/42` wrote `/orders/43` (or `/orders/42/../43`, `/orders/42/%2e%2e/43`,
+/// `/orders/42;x` that some servers read as `/orders/42`...) fenced by its own lock, and the
+/// proxy forwarded it. Goal: under `--bind-resource path` the resource must be the path, every
+/// path an upstream could read as another is refused (400 bad-fence naming it, nothing
+/// forwarded), and the upstream gets its own Host, not the client's; `path-prefix` also covers
+/// the paths below the resource, at a `/` only. Reads are not affected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_bound_to_their_path_cannot_name_another_resource() {
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = HttpUpstream::start().await.unwrap();
+    let proxy = FenceProxy::start(
+        &upstream.url(),
+        &redb_store(&dir),
+        &["--bind-resource", "path"],
+    )
+    .await
+    .unwrap();
+    let fence = (Some("orders/42"), Some("5"));
+    for path in [
+        "/orders/43",
+        "/orders/42/../43",
+        "/orders/42/%2e%2e/43",
+        "/orders%2F42",
+        "/orders/42;x",
+        "/orders//42",
+        "/orders/42/",
+        "/orders/42/items",
+    ] {
+        let reply = proxy.write("PUT", path, fence, &[], "x").await.unwrap();
+        assert_refused(&reply, 400, "bad-fence");
+        let detail = reply.json()["detail"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        assert!(
+            detail.contains(&format!("{path:?}")) && detail.contains("--bind-resource path"),
+            "{path}: {detail}"
+        );
+    }
+    assert!(upstream.writes().is_empty(), "{:?}", upstream.writes());
+
+    let reply = proxy
+        .write(
+            "PUT",
+            "/orders/42",
+            fence,
+            &[("Host", "other.example")],
+            "x",
+        )
+        .await
+        .unwrap();
+    assert_eq!(reply.status, 200, "{reply:?}");
+    let writes = upstream.writes();
+    assert_eq!(writes.len(), 1);
+    assert_eq!(writes[0].path, "/orders/42");
+    let upstream_authority = upstream.url().trim_start_matches("http://").to_owned();
+    assert_eq!(writes[0].header("host"), Some(upstream_authority.as_str()));
+    // Reads pass whatever their path.
+    let reply = lockd_tests::fence_proxy::get(&proxy.url("/orders/42/../43"))
+        .await
+        .unwrap();
+    assert_eq!(reply.status, 200, "{reply:?}");
+
+    let prefix = FenceProxy::start(
+        &upstream.url(),
+        &redb_store(&tempfile::tempdir().unwrap()),
+        &["--bind-resource", "path-prefix"],
+    )
+    .await
+    .unwrap();
+    let reply = prefix
+        .write("PUT", "/orders/42/items/7", fence, &[], "x")
+        .await
+        .unwrap();
+    assert_eq!(reply.status, 200, "{reply:?}");
+    for path in ["/orders/421", "/orders", "/orders/42/items/../../43"] {
+        let reply = prefix.write("PUT", path, fence, &[], "x").await.unwrap();
+        assert_refused(&reply, 400, "bad-fence");
+    }
+    assert_eq!(upstream.writes().len(), 2);
+}
+
+/// Goal: a bad `--bind-resource` value is refused at startup, naming the value and the choices.
+#[test]
+fn a_bad_bind_resource_value_is_refused() {
+    let out = lockd_tests::process::command("fence-proxy")
+        .args([
+            "http",
+            "--listen",
+            "127.0.0.1:1",
+            "--upstream",
+            "http://127.0.0.1:2",
+            "--bind-resource",
+            "host",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("'host'") && stderr.contains("path-prefix"),
+        "{stderr}"
+    );
+}
