@@ -32,6 +32,12 @@ const STATE: TableDefinition<&str, u64> = TableDefinition::new("fence_proxy_stat
 const OPENED_AT: &str = "opened_at_unix_ms";
 /// Set by a clean close.
 const CLOSED_AT: &str = "closed_at_unix_ms";
+/// Set by a clean close during the quarantine of every resource that follows an unclean stop:
+/// when that quarantine ends.
+const ALL_QUARANTINED_UNTIL: &str = "all_quarantined_until_unix_ms";
+/// Set by a clean close: the longest quarantine that process could set (`--upstream-timeout` +
+/// `--quarantine`), so that a restart with shorter settings does not cut a saved one short.
+const QUARANTINE_CAP: &str = "quarantine_cap_ms";
 
 /// Why every write waits after an unclean stop.
 const AFTER_UNCLEAN_STOP: &str = "quarantined: the last process using this store did not stop \
@@ -64,9 +70,12 @@ pub struct RedbStore {
 }
 
 /// What [`RedbStore::open`] found about the last process that used the file.
+#[derive(Debug)]
 struct Reopened {
     /// It did not close cleanly (crash, kill, or a version that kept no state).
     unclean: bool,
+    /// Time left of a quarantine of every resource it saved (it closed during one).
+    all_quarantined: Option<Duration>,
     /// Quarantines it saved when it closed, with the time left of each.
     quarantines: Vec<(String, Duration)>,
 }
@@ -94,20 +103,29 @@ impl RedbStore {
         };
         // Before any admission: learn how the last process stopped and mark the file open,
         // durably, so that a crash of this process is noticed by the next.
-        let reopened = reopen(&db, timing.quarantine).map_err(|e| unavailable(&e))?;
+        let cap = longest_quarantine(&timing);
+        let reopened = reopen(&db, cap).map_err(|e| unavailable(&e))?;
         let slots = Slots::new();
         for (resource, left) in &reopened.quarantines {
             slots.quarantine(resource, *left);
         }
-        let reopened_quarantine = reopened.unclean.then(|| {
+        // After an unclean stop any resource may have had a write at the upstream, sent up to
+        // just before the stop: it is waited out as this process would have waited out its own
+        // (up to --upstream-timeout for the answer, then --quarantine), as the Postgres store's
+        // `busy_until` does for a replica that died.
+        let all_quarantined = if reopened.unclean {
             tracing::warn!(
                 store = %format!("redb:{}", path.display()),
-                quarantine_ms = timing.quarantine.as_millis() as u64,
+                quarantine_ms = cap.as_millis() as u64,
                 "the last process using this epoch store did not stop cleanly: every resource is \
-                 quarantined, as after a forward with an unknown outcome"
+                 quarantined for --upstream-timeout + --quarantine, in case a write it forwarded \
+                 is still applied"
             );
-            Instant::now() + timing.quarantine
-        });
+            Some(cap)
+        } else {
+            reopened.all_quarantined
+        };
+        let reopened_quarantine = all_quarantined.map(|left| Instant::now() + left);
         let db = Arc::new(db);
         let writer = RedbWriter::start(db.clone(), hook)
             .map_err(|e| unavailable(&format!("starting the commit thread: {e}")))?;
@@ -249,18 +267,25 @@ impl EpochStore for RedbStore {
     fn close(&self) -> BoxFuture<'_, Result<(), StoreError>> {
         Box::pin(async move {
             self.closed.store(true, Ordering::Release);
-            if self.slots.in_use() {
+            // One step: nothing is granted after the table was found idle.
+            let Ok(quarantines) = self.slots.close() else {
                 return Err(self.unavailable(
                     "writes were still in flight when the store was closed; the next start \
                      quarantines every resource",
                 ));
-            }
+            };
+            let saved = Saved {
+                quarantines,
+                all_quarantined: self
+                    .reopened_quarantine
+                    .and_then(|until| until.checked_duration_since(Instant::now())),
+                cap: longest_quarantine(&self.timing),
+            };
             let db = self.db.clone();
-            let quarantines = self.slots.quarantines();
-            let saved = tokio::task::spawn_blocking(move || save_and_close(&db, &quarantines))
+            let done = tokio::task::spawn_blocking(move || save_and_close(&db, &saved))
                 .await
                 .map_err(|e| self.unavailable(format!("closing: {e}")))?;
-            saved.map_err(|e| self.unavailable(format!("closing: {e}")))
+            done.map_err(|e| self.unavailable(format!("closing: {e}")))
         })
     }
 
@@ -292,10 +317,27 @@ fn unix_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
+/// The longest a resource can stay closed after a write of this process: its answer waited
+/// for, then the quarantine.
+fn longest_quarantine(timing: &Timing) -> Duration {
+    timing.forward_timeout + timing.quarantine
+}
+
+/// What a clean close writes.
+struct Saved {
+    /// Each quarantined resource with the time it has left.
+    quarantines: Vec<(String, Duration)>,
+    /// Time left of the quarantine of every resource after an unclean stop, if one runs.
+    all_quarantined: Option<Duration>,
+    /// [`longest_quarantine`] of the closing process.
+    cap: Duration,
+}
+
 /// Reads how the last process left the file and marks it open, in one durable commit. Saved
 /// quarantines are taken out of the file (this process saves its own at close) and capped at
-/// `quarantine`, so that a wall clock set back cannot close a resource for longer.
-fn reopen(db: &Database, quarantine: Duration) -> Result<Reopened, redb::Error> {
+/// the longer of `cap` and the closing process's cap, so that a wall clock set back cannot
+/// close a resource for longer, and a restart with shorter settings does not cut one short.
+fn reopen(db: &Database, cap: Duration) -> Result<Reopened, redb::Error> {
     let mut txn = db.begin_write()?;
     txn.set_durability(Durability::Immediate)?;
     let now = unix_ms();
@@ -304,23 +346,36 @@ fn reopen(db: &Database, quarantine: Duration) -> Result<Reopened, redb::Error> 
         let epochs = txn.open_table(EPOCHS)?;
         let mut state = txn.open_table(STATE)?;
         let mut saved = txn.open_table(QUARANTINES)?;
-        // A file with tokens but no state was written by a version that kept none: it may have
-        // crashed. A file without tokens never had a write forwarded.
-        let unclean = state.get(OPENED_AT)?.is_some()
-            || (state.get(CLOSED_AT)?.is_none() && !epochs.is_empty()?);
+        // Every forward records its token first, so a file without tokens never had a write
+        // forwarded. One with tokens but no state was written by a version that kept none: it
+        // may have crashed.
+        let unclean = !epochs.is_empty()?
+            && (state.get(OPENED_AT)?.is_some() || state.get(CLOSED_AT)?.is_none());
+        let cap = state
+            .get(QUARANTINE_CAP)?
+            .map_or(cap, |c| cap.max(Duration::from_millis(c.value())));
+        let left = |until: u64| {
+            Some(Duration::from_millis(until.saturating_sub(now)).min(cap))
+                .filter(|left| !left.is_zero())
+        };
+        let all_quarantined = state
+            .get(ALL_QUARANTINED_UNTIL)?
+            .and_then(|until| left(until.value()));
         let mut quarantines = Vec::new();
         for row in saved.iter()? {
             let (resource, until) = row?;
-            let left = Duration::from_millis(until.value().saturating_sub(now)).min(quarantine);
-            if !left.is_zero() {
+            if let Some(left) = left(until.value()) {
                 quarantines.push((resource.value().to_owned(), left));
             }
         }
         saved.retain(|_, _| false)?;
-        state.remove(CLOSED_AT)?;
+        for key in [CLOSED_AT, ALL_QUARANTINED_UNTIL, QUARANTINE_CAP] {
+            state.remove(key)?;
+        }
         state.insert(OPENED_AT, now)?;
         Reopened {
             unclean,
+            all_quarantined,
             quarantines,
         }
     };
@@ -328,21 +383,26 @@ fn reopen(db: &Database, quarantine: Duration) -> Result<Reopened, redb::Error> 
     Ok(reopened)
 }
 
-/// Writes the quarantines running at a clean close and marks the file closed, durably.
-fn save_and_close(db: &Database, quarantines: &[(String, Duration)]) -> Result<(), redb::Error> {
+/// Writes what a clean close saves and marks the file closed, durably.
+fn save_and_close(db: &Database, saved: &Saved) -> Result<(), redb::Error> {
     let mut txn = db.begin_write()?;
     txn.set_durability(Durability::Immediate)?;
     let now = unix_ms();
+    // Rounded up: a quarantine is never shortened by the save.
+    let until = |left: &Duration| now + left.as_nanos().div_ceil(1_000_000) as u64;
     {
-        let mut saved = txn.open_table(QUARANTINES)?;
-        saved.retain(|_, _| false)?;
-        for (resource, left) in quarantines {
-            // Rounded up: a quarantine is never shortened by the save.
-            let left_ms = left.as_nanos().div_ceil(1_000_000) as u64;
-            saved.insert(resource.as_str(), now + left_ms)?;
+        let mut table = txn.open_table(QUARANTINES)?;
+        table.retain(|_, _| false)?;
+        for (resource, left) in &saved.quarantines {
+            table.insert(resource.as_str(), until(left))?;
         }
         let mut state = txn.open_table(STATE)?;
         state.remove(OPENED_AT)?;
+        state.remove(ALL_QUARANTINED_UNTIL)?;
+        if let Some(left) = &saved.all_quarantined {
+            state.insert(ALL_QUARANTINED_UNTIL, until(left))?;
+        }
+        state.insert(QUARANTINE_CAP, saved.cap.as_millis() as u64)?;
         state.insert(CLOSED_AT, now)?;
     }
     txn.commit()?;
@@ -357,6 +417,7 @@ mod tests {
     fn timing() -> Timing {
         Timing {
             lock_wait: Duration::from_millis(200),
+            forward_timeout: Duration::from_millis(100),
             quarantine: Duration::from_millis(300),
             ..Timing::default()
         }
@@ -671,13 +732,14 @@ mod tests {
         }
         let reopened = std::time::Instant::now();
         let store = RedbStore::open(&path, timing()).unwrap();
-        // The quarantine (300 ms) outlasts the wait bound (200 ms): refused at once, any resource.
+        // The quarantine (forward timeout 100 ms + quarantine 300 ms) outlasts the wait bound
+        // (200 ms): refused at once, any resource.
         for resource in ["a", "never-written"] {
             let err = store.admit(resource, FencingToken(5)).await.unwrap_err();
             assert!(matches!(err, StoreError::Busy { .. }), "{err}");
             assert!(err.to_string().contains("did not stop cleanly"), "{err}");
         }
-        tokio::time::sleep(Duration::from_millis(300).saturating_sub(reopened.elapsed())).await;
+        tokio::time::sleep(Duration::from_millis(400).saturating_sub(reopened.elapsed())).await;
         accepted(&store, "a", 5)
             .await
             .release(ForwardOutcome::Answered)
@@ -702,26 +764,74 @@ mod tests {
         assert!(store.reopened_quarantine.is_some());
     }
 
+    /// Goal (review): a clean close during the quarantine of every resource that follows an
+    /// unclean stop saves it: SIGTERM soon after a crash restart must not open everything.
+    #[tokio::test]
+    async fn a_close_during_the_quarantine_after_an_unclean_stop_saves_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("e.redb");
+        let timing = Timing {
+            quarantine: Duration::from_secs(5),
+            ..timing()
+        };
+        {
+            let store = RedbStore::open(&path, timing).unwrap();
+            accepted(&store, "a", 1)
+                .await
+                .release(ForwardOutcome::Answered)
+                .await
+                .unwrap();
+        }
+        // Not closed: unclean. This one closes cleanly, at once, while the quarantine runs.
+        let store = RedbStore::open(&path, timing).unwrap();
+        assert!(store.reopened_quarantine.is_some());
+        store.close().await.unwrap();
+        drop(store);
+        let store = RedbStore::open(&path, timing).unwrap();
+        let left = store
+            .reopened_quarantine
+            .expect("the quarantine of every resource was lost at the clean close")
+            .duration_since(Instant::now());
+        assert!(left > Duration::from_secs(4), "{left:?}");
+        let err = store.admit("x", FencingToken(1)).await.unwrap_err();
+        assert!(err.to_string().contains("did not stop cleanly"), "{err}");
+    }
+
     /// Goal: a wall clock set back between a close and the next open cannot stretch a saved
-    /// quarantine past `--quarantine`.
+    /// quarantine past the longest either process could set, and a restart with shorter
+    /// settings does not cut one short.
     #[test]
-    fn a_saved_quarantine_is_capped_at_the_quarantine() {
+    fn saved_quarantines_are_capped_at_the_longest_either_process_sets() {
         let dir = tempfile::tempdir().unwrap();
         let db = Database::create(dir.path().join("e.redb")).unwrap();
+        // A token recorded: a file without any is clean whatever its state says.
+        let txn = db.begin_write().unwrap();
+        txn.open_table(EPOCHS).unwrap().insert("a", 1).unwrap();
+        txn.commit().unwrap();
         let hour = Duration::from_secs(3600);
-        save_and_close(
-            &db,
-            &[("a".to_owned(), hour), ("b".to_owned(), Duration::ZERO)],
-        )
-        .unwrap();
+        let minute = Duration::from_secs(60);
+        let saved = Saved {
+            quarantines: vec![
+                ("a".to_owned(), hour),
+                ("b".to_owned(), Duration::ZERO),
+                ("c".to_owned(), Duration::from_secs(30)),
+            ],
+            all_quarantined: Some(hour),
+            cap: minute,
+        };
+        save_and_close(&db, &saved).unwrap();
         let reopened = reopen(&db, Duration::from_secs(10)).unwrap();
         assert!(!reopened.unclean);
-        assert_eq!(reopened.quarantines.len(), 1, "{:?}", reopened.quarantines);
-        assert_eq!(reopened.quarantines[0].0, "a");
-        assert!(reopened.quarantines[0].1 <= Duration::from_secs(10));
+        let mut left = reopened.quarantines.clone();
+        left.sort();
+        assert_eq!(left.len(), 2, "{left:?}");
+        assert_eq!((left[0].0.as_str(), left[0].1), ("a", minute));
+        assert_eq!(left[1].0, "c");
+        assert!(left[1].1 > Duration::from_secs(29), "cut short: {left:?}");
+        assert_eq!(reopened.all_quarantined, Some(minute));
         // Taken out of the file: a crash now leaves no stale copy (the unclean stop covers it).
         let again = reopen(&db, Duration::from_secs(10)).unwrap();
-        assert!(again.unclean && again.quarantines.is_empty());
+        assert!(again.unclean && again.quarantines.is_empty() && again.all_quarantined.is_none());
     }
 
     #[tokio::test]

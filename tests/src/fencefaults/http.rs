@@ -244,12 +244,9 @@ pub async fn kill(rng: &mut StdRng, bypass: bool) -> anyhow::Result<RoundResult>
     proxy.kill();
     // The proxy recorded `t1` (durably, before forwarding) if its head reached the upstream.
     let recorded_t1 = upstream.saw_head(w1.id);
-    if !pg_store && !mid_body {
-        // A restarted redb store quarantines every resource for QUARANTINE_MS, which covers an
-        // upstream that works that long after the kill; this one may take up to SLOW_MAX_MS,
-        // longer than the quarantine (the documented limit), so the rest is waited here.
-        tokio::time::sleep(Duration::from_millis(SLOW_MAX_MS - QUARANTINE_MS)).await;
-    }
+    // No wait here: a redb store restarted after a kill quarantines every resource for
+    // --upstream-timeout + --quarantine, longer than the slow upstream works (SLOW_MAX_MS); the
+    // Postgres store's `busy_until` does the same for the resource in flight.
     proxy.restart().await?;
     writes.push(w1.finish().await?);
 

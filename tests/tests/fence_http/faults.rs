@@ -152,11 +152,12 @@ async fn upstream_too_slow_is_504_and_quarantine_keeps_order() {
 async fn redb_highest_tokens_survive_restart() {
     let dir = tempfile::tempdir().unwrap();
     let upstream = HttpUpstream::start().await.unwrap();
-    // After a kill every resource is quarantined for --quarantine (see below): kept short here.
+    // After a kill every resource is quarantined for --upstream-timeout + --quarantine (see
+    // below): kept short here.
     let mut proxy = FenceProxy::start(
         &upstream.url(),
         &redb_store(&dir),
-        &["--quarantine", "300ms"],
+        &["--upstream-timeout", "1s", "--quarantine", "300ms"],
     )
     .await
     .unwrap();
@@ -250,8 +251,11 @@ async fn a_quarantine_outlives_a_graceful_restart() {
 
 /// Attack (review, HIGH): a proxy killed while the upstream works on a write forgot it had been
 /// in flight; restarted at once, it forwarded the next holder's write, and the upstream applied
-/// 2, then 1. Goal: after an unclean stop every resource is quarantined for `--quarantine`, as
-/// after a forward with an unknown outcome, so 1 lands before 2.
+/// 2, then 1. Goal: after an unclean stop every resource is quarantined for `--upstream-timeout`
+/// + `--quarantine` (what the proxy would have waited for that write had it lived, as the
+/// Postgres store's `busy_until`), so 1 lands before 2; and a graceful stop during that
+/// quarantine (the second review's finding: systemd restarts it, then someone runs `systemctl
+/// restart`) saves it instead of marking the file clean.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_write_in_flight_at_a_kill_is_waited_out_after_the_restart() {
     let dir = tempfile::tempdir().unwrap();
@@ -259,7 +263,14 @@ async fn a_write_in_flight_at_a_kill_is_waited_out_after_the_restart() {
     let mut proxy = FenceProxy::start(
         &upstream.url(),
         &redb_store(&dir),
-        &["--quarantine", "3s", "--lock-wait", "6s"],
+        &[
+            "--upstream-timeout",
+            "2s",
+            "--quarantine",
+            "3s",
+            "--lock-wait",
+            "8s",
+        ],
     )
     .await
     .unwrap();
@@ -283,11 +294,17 @@ async fn a_write_in_flight_at_a_kill_is_waited_out_after_the_restart() {
     let killed = Instant::now();
     let _ = in_flight.await;
     proxy.restart().await.unwrap();
+    let status = proxy.stop(Duration::from_secs(10)).await.unwrap();
+    assert!(
+        status.success(),
+        "fence-proxy exited {status} after SIGTERM"
+    );
+    proxy.restart().await.unwrap();
 
     let reply = put(&proxy, "orders/1", "2", "next").await;
     assert_eq!(reply.status, 200, "{reply:?}");
     assert!(
-        killed.elapsed() >= Duration::from_secs(3),
+        killed.elapsed() >= Duration::from_secs(5),
         "no quarantine after the kill: token 2 forwarded {:?} after it",
         killed.elapsed()
     );
