@@ -42,6 +42,9 @@ const HOP_BY_HOP: [HeaderName; 7] = [
     header::UPGRADE,
 ];
 
+/// `Fencing-Token`, as the proxy sets it on a forwarded write.
+const FENCING_TOKEN: HeaderName = HeaderName::from_static("fencing-token");
+
 /// How long past the exchange deadline the write task waits for the bodies to report that they
 /// were cut off, before it decides on its own that the outcome is unknown.
 const DEADLINE_REPORT_GRACE: Duration = Duration::from_millis(100);
@@ -134,6 +137,13 @@ impl Proxy {
                 detail,
             }));
         }
+        // The upstream gets the token the proxy ordered the write by, in one spelling: `0042`
+        // is 42 here, but an upstream comparing text would order it below `5`; and a write
+        // fenced by a sequencer alone gets the header too, for an upstream that checks it.
+        let mut request = request;
+        request
+            .headers_mut()
+            .insert(FENCING_TOKEN, http::HeaderValue::from(fence.token.0));
         // The write runs in its own task: if the client goes away, the task still follows the
         // exchange to its end and releases the permit with the right outcome instead of being
         // cancelled half-way. It hands the response over as soon as the head is there and keeps

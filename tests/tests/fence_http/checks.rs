@@ -410,6 +410,24 @@ async fn writes_bound_to_their_path_cannot_name_another_resource() {
     assert_eq!(upstream.writes().len(), 2);
 }
 
+/// Attack (review, LOW): `Fencing-Token: 0042` is token 42 to the proxy, which ordered the write
+/// by 42, but it went upstream as `0042`, which an upstream comparing text orders below `5`.
+/// Goal: the upstream gets the admitted token in its one spelling.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_forwarded_token_is_spelled_as_admitted() {
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = HttpUpstream::start().await.unwrap();
+    let proxy = FenceProxy::start(&upstream.url(), &redb_store(&dir), &[])
+        .await
+        .unwrap();
+    assert_eq!(put(&proxy, "orders/7", "0042", "x").await.status, 200);
+    let reply = put(&proxy, "orders/7", "5", "x").await;
+    assert_refused(&reply, 412, "stale-fencing-token");
+    let writes = upstream.writes();
+    assert_eq!(writes.len(), 1);
+    assert_eq!(writes[0].header("fencing-token"), Some("42"));
+}
+
 /// Goal: a bad `--bind-resource` value is refused at startup, naming the value and the choices.
 #[test]
 fn a_bad_bind_resource_value_is_refused() {

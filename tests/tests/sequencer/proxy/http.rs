@@ -88,6 +88,8 @@ async fn http_verifies_sequencers_offline() {
     assert_eq!(reply.status, 200, "{reply:?}");
     let writes = upstream.writes().len();
     assert_eq!(writes, 2);
+    // The verified token goes upstream as a Fencing-Token, also when only a sequencer came.
+    assert_eq!(upstream.writes()[0].header("fencing-token"), Some("10"));
 
     // Every forgery: 403 bad-sequencer, nothing forwarded, the epoch unchanged.
     for (what, bad) in bad_sequencers(&k1, &r) {
