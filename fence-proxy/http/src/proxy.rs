@@ -187,12 +187,25 @@ impl Proxy {
         respond: oneshot::Sender<Response<ProxyBody>>,
     ) {
         let Fence { resource, token } = fence;
+        let mut respond = respond;
+        // A client that goes away before its write is admitted leaves nothing to follow: the
+        // admission is dropped (as a store timeout drops it; the stores are built for that) and
+        // nothing is forwarded. Without this, writes reset by their client would keep their
+        // write slot, and then be forwarded, for as long as a quarantine keeps them waiting.
+        let admitted = tokio::select! {
+            biased;
+            admitted = self.store.admit(&resource, token) => admitted,
+            () = respond.closed() => {
+                tracing::debug!(%resource, %token, "the client went away before the write was admitted; not forwarded");
+                return;
+            }
+        };
         // A send fails only when the client has gone; the response is then dropped, which ends
         // its body as abandoned.
         let reply = |response| {
             let _ = respond.send(response);
         };
-        let permit = match self.store.admit(&resource, token).await {
+        let permit = match admitted {
             Ok(Admission::Accepted(permit)) => permit,
             Ok(Admission::Stale { highest }) => {
                 metrics::counter!(m::STALE_REJECTIONS_TOTAL, "frontend" => FRONTEND).increment(1);

@@ -632,15 +632,56 @@ async fn slow_readers_of_large_bodies_with_small_windows_are_not_disconnected() 
     );
 }
 
+/// Sends ten bursts of eight DELETEs of `resource` with `token` over one h2c connection, each
+/// burst reset after 100 ms (HEADERS with END_STREAM, then RST_STREAM CANCEL when the response
+/// future is dropped). None may be answered within those 100 ms.
+async fn reset_bursts(proxy: &FenceProxy, resource: &str, token: &str, headers: &[(&str, &str)]) {
+    let stream = TcpStream::connect(proxy.addr).await.unwrap();
+    let (mut sender, connection) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(stream),
+    )
+    .await
+    .unwrap();
+    let connection = tokio::spawn(connection);
+    for _ in 0..10 {
+        let mut burst = Vec::new();
+        for _ in 0..8 {
+            sender.ready().await.unwrap();
+            let mut request = hyper::Request::builder()
+                .method("DELETE")
+                .uri(format!("http://{}/obj", proxy.addr))
+                .header("Lock-Resource", resource)
+                .header("Fencing-Token", token);
+            for (name, value) in headers {
+                request = request.header(*name, *value);
+            }
+            let request = request
+                .body(http_body_util::Empty::<bytes::Bytes>::new())
+                .unwrap();
+            burst.push(sender.send_request(request));
+        }
+        let answered =
+            tokio::time::timeout(Duration::from_millis(100), futures::future::join_all(burst))
+                .await;
+        assert!(answered.is_err(), "answered within 100 ms: {answered:?}");
+    }
+    drop(sender);
+    connection.abort();
+}
+
 /// Attack (review, MEDIUM): a write runs in a task of its own that outlives its request, so
 /// that its permit is released with the right outcome; but `--max-in-flight` bounded only the
-/// requests, not those tasks. An h2c client that sends a write's HEADERS (END_STREAM, no body)
-/// and resets the stream at once leaves its task behind and frees its request slot: behind a
-/// quarantined resource such tasks piled up without bound and were all forwarded together when
-/// the quarantine ended (40 of them here, with `--max-in-flight 4`). Goal: write tasks take a
-/// slot of `--max-in-flight` before they start, so at most 4 of these writes ever exist.
-/// Method: token 1 times out (504; quarantine 3 s); then ten bursts of 8 DELETEs with token 2,
-/// each reset after 100 ms; once the quarantine is over, count what reached the upstream.
+/// requests, not those tasks. An h2c client that sends a write's HEADERS and resets the stream
+/// at once left its task behind and freed its request slot: behind a quarantined resource such
+/// tasks piled up without bound and were all forwarded together when it ended (77 of 80 with
+/// `--max-in-flight 4` on main), and writes reset while an upstream works on them could all be
+/// at the upstream at once. Goals: a write whose client goes away before it is admitted is
+/// dropped, never forwarded; one admitted already runs to its end, in one of `--max-in-flight`
+/// write slots taken before it starts, so at most 4 such writes exist.
+/// Method: (1) token 1 of `q` times out (504; quarantine 3 s), then ten bursts of eight
+/// token-2 DELETEs of `q`, each reset after 100 ms; (2) the same bursts on `s`, which the
+/// upstream takes 1.5 s to apply, so that each is admitted and forwarded before its reset.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writes_reset_by_the_client_stay_within_max_in_flight() {
     const MAX_IN_FLIGHT: usize = 4;
@@ -662,61 +703,65 @@ async fn writes_reset_by_the_client_stay_within_max_in_flight() {
     )
     .await
     .unwrap();
+    let delay = lockd_tests::http_upstream::DELAY_HEADER;
     let reply = proxy
         .write(
             "PUT",
             "/obj",
-            (Some("r"), Some("1")),
-            &[(lockd_tests::http_upstream::DELAY_HEADER, "600")],
+            (Some("q"), Some("1")),
+            &[(delay, "600")],
             "late",
         )
         .await
         .unwrap();
     assert_eq!(reply.status, 504, "{reply:?}");
+    reset_bursts(&proxy, "q", "2", &[]).await;
+    // The quarantine ends 3.3 s after token 1's write; a write left waiting would go then.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let forwarded = |resource: &str| {
+        upstream
+            .writes()
+            .iter()
+            .filter(|w| w.resource() == Some(resource) && w.token() == Some(2))
+            .count()
+    };
+    assert_eq!(
+        forwarded("q"),
+        0,
+        "writes whose client reset them before admission reached the upstream"
+    );
 
-    let stream = TcpStream::connect(proxy.addr).await.unwrap();
-    let (mut sender, connection) = hyper::client::conn::http2::handshake(
-        hyper_util::rt::TokioExecutor::new(),
-        hyper_util::rt::TokioIo::new(stream),
+    // A second proxy, whose upstream timeout lets the upstream take its 1 s per write.
+    let proxy = FenceProxy::start(
+        &upstream.url(),
+        &redb_store(&tempfile::tempdir().unwrap()),
+        &["--max-in-flight", &MAX_IN_FLIGHT.to_string()],
     )
     .await
     .unwrap();
-    let connection = tokio::spawn(connection);
-    for _ in 0..10 {
-        let mut burst = Vec::new();
-        for _ in 0..8 {
-            sender.ready().await.unwrap();
-            let request = hyper::Request::builder()
-                .method("DELETE")
-                .uri(format!("http://{}/obj", proxy.addr))
-                .header("Lock-Resource", "r")
-                .header("Fencing-Token", "2")
-                .body(http_body_util::Empty::<bytes::Bytes>::new())
-                .unwrap();
-            burst.push(sender.send_request(request));
-        }
-        // Dropping a response future resets its stream (RST_STREAM CANCEL).
-        let answered =
-            tokio::time::timeout(Duration::from_millis(100), futures::future::join_all(burst))
-                .await;
-        assert!(
-            answered.is_err(),
-            "answered during the quarantine: {answered:?}"
-        );
-    }
-    drop(sender);
-    connection.abort();
-
-    // The quarantine ends 3.3 s after token 1's write; every write left waiting goes then.
-    tokio::time::sleep(Duration::from_secs(4)).await;
-    let forwarded = upstream
+    reset_bursts(&proxy, "s", "2", &[(delay, "1000")]).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // Most writes of `s` at the upstream at one time: from each head's arrival to its apply.
+    let spans: Vec<_> = upstream
         .writes()
         .iter()
-        .filter(|w| w.token() == Some(2))
-        .count();
+        .filter(|w| w.resource() == Some("s"))
+        .map(|w| (w.received, w.at))
+        .collect();
+    assert!(!spans.is_empty(), "no write of s was forwarded at all");
+    let at_once = spans
+        .iter()
+        .map(|(start, _)| {
+            spans
+                .iter()
+                .filter(|(s, e)| s <= start && start < e)
+                .count()
+        })
+        .max()
+        .unwrap_or(0);
     assert!(
-        forwarded <= MAX_IN_FLIGHT,
-        "{forwarded} writes of requests reset by their client reached the upstream, with \
+        at_once <= MAX_IN_FLIGHT,
+        "{at_once} writes of requests reset by their client were at the upstream at once, with \
          --max-in-flight {MAX_IN_FLIGHT}"
     );
     // The proxy still serves within its bound.
