@@ -85,9 +85,10 @@ pub struct Args {
 
     /// Whether a write's Lock-Resource must name its request path: `off`; `path` (the path
     /// without its leading '/' is the resource); `path-prefix` (the path is the resource or below
-    /// it). Under `path` and `path-prefix`, paths an upstream could read as another (with '%',
-    /// ';', '\', empty, '.' or '..' segments) are refused, and writes go upstream with the
-    /// upstream's own Host.
+    /// it). Under `path` and `path-prefix`, paths an upstream could read as another are refused
+    /// (only ASCII letters, digits, '/' and -._~!$&'()*+,=:@ pass, and no segment may be empty or
+    /// end in '.'), and writes go upstream with the upstream's own Host and without the client's
+    /// Forwarded, X-Forwarded-Host, X-Original-URL and similar routing headers.
     #[arg(long, env = "FENCE_PROXY_BIND_RESOURCE", value_name = "MODE", value_enum,
           default_value_t = crate::binding::ResourceBinding::Off)]
     pub bind_resource: crate::binding::ResourceBinding,

@@ -48,19 +48,22 @@ impl ResourceBinding {
         let Some(rest) = path.strip_prefix('/') else {
             return refuse("does not start with '/'");
         };
-        // Each of these lets one path name another object at some upstream: decoded `%2F` or
-        // `%2e%2e`, a `;` parameter some servers drop (`/a;x` = `/a`), `\` as a separator.
-        if let Some(c) = rest.chars().find(|c| matches!(c, '%' | ';' | '\\')) {
+        // Only characters with one reading everywhere pass (an allow-list: a deny-list misses
+        // the next alias). Each refused one lets a path name another object at some upstream:
+        // decoded `%2F` or `%2e%2e`, a `;` parameter some servers drop (`/a;x` = `/a`), `\` as
+        // a separator, non-ASCII text that an upstream normalises (`４２` = `42`).
+        if let Some(c) = rest.chars().find(|c| !path_char(*c)) {
             return refuse(&format!(
-                "holds {c:?}, which upstreams read differently; it is refused rather than guessed"
+                "holds {c:?}, which upstreams read differently; only ASCII letters, digits, '/' \
+                 and -._~!$&'()*+,=:@ are accepted, the rest is refused rather than guessed"
             ));
         }
-        if let Some(segment) = rest
-            .split('/')
-            .find(|s| s.is_empty() || *s == "." || *s == "..")
-        {
+        // Empty, `.` and `..` segments are resolved away; a trailing `.` is dropped by Windows
+        // servers (`/a/42.` = `/a/42`).
+        if let Some(segment) = rest.split('/').find(|s| s.is_empty() || s.ends_with('.')) {
             return refuse(&format!(
-                "has an empty, '.' or '..' segment ({segment:?}), which upstreams resolve differently"
+                "has an empty segment or one ending in '.' ({segment:?}), which upstreams \
+                 resolve differently"
             ));
         }
         let covered = match self {
@@ -82,6 +85,12 @@ impl ResourceBinding {
             })
         }
     }
+}
+
+/// Characters a bound path may hold besides `/`: RFC 3986's unreserved characters, its
+/// sub-delimiters but `;`, and `:` and `@`.
+fn path_char(c: char) -> bool {
+    c.is_ascii_alphanumeric() || "/-._~!$&'()*+,=:@".contains(c)
 }
 
 #[cfg(test)]
@@ -120,6 +129,12 @@ mod tests {
             "/orders/42/.",
             "/./orders/42",
             "/orders/42;jsessionid=1",
+            "/orders/42.",
+            "/orders/...",
+            "/orders/\u{ff14}\u{ff12}",
+            "/orders/{42}",
+            "/orders/42|43",
+            "/orders/[42]",
             "/orders/42\\..\\43",
             "/",
             "orders/42",
@@ -141,8 +156,9 @@ mod tests {
     #[test]
     fn accepted_paths_have_one_reading() {
         use rand::{RngExt, SeedableRng};
-        const PIECES: [&str; 14] = [
+        const PIECES: [&str; 18] = [
             "a", "42", "orders", ".", "..", "", "%2e", "%2F", ";x", "\\", "b.c", "..a", "~", "%",
+            "\u{ff14}", "x.", "|", "A",
         ];
         let mut rng = rand::rngs::StdRng::seed_from_u64(7);
         let mut accepted = 0;
@@ -166,9 +182,12 @@ mod tests {
         assert!(accepted > 1_000, "only {accepted} generated paths accepted");
     }
 
-    /// What a lenient upstream could make of `path`.
+    /// What a lenient upstream could make of `path` (besides case, which the docs leave to it):
+    /// percent-decoding, Unicode normalisation (here of one digit), `\` as `/`, `;` parameters
+    /// and trailing dots dropped, dot segments removed, `//` merged.
     fn normalised(path: &str) -> String {
         let decoded = path
+            .replace('\u{ff14}', "4")
             .replace("%2e", ".")
             .replace("%2E", ".")
             .replace("%2F", "/")
@@ -177,6 +196,10 @@ mod tests {
         let mut out: Vec<&str> = Vec::new();
         for segment in decoded.split('/').skip(1) {
             let segment = segment.split(';').next().unwrap_or("");
+            let segment = match segment {
+                "." | ".." => segment,
+                s => s.trim_end_matches('.'),
+            };
             match segment {
                 "" | "." => {}
                 ".." => {

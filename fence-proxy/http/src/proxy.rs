@@ -42,6 +42,23 @@ const HOP_BY_HOP: [HeaderName; 7] = [
     header::UPGRADE,
 ];
 
+/// Headers that upstream frameworks read as the request's original host, path or prefix when
+/// they trust a proxy in front (Rails, Express and Django: `X-Forwarded-Host`; Spring:
+/// `Forwarded`, `X-Forwarded-Prefix`; Symfony, Zend and IIS URL Rewrite: `X-Original-URL`,
+/// `X-Rewrite-URL`). Under `--bind-resource` they are removed from writes: the client's copy would
+/// route a write bound to one path to another object.
+const ROUTING_HEADERS: [HeaderName; 9] = [
+    header::FORWARDED,
+    HeaderName::from_static("x-forwarded-host"),
+    HeaderName::from_static("x-forwarded-prefix"),
+    HeaderName::from_static("x-forwarded-server"),
+    HeaderName::from_static("x-original-url"),
+    HeaderName::from_static("x-original-uri"),
+    HeaderName::from_static("x-rewrite-url"),
+    HeaderName::from_static("x-original-host"),
+    HeaderName::from_static("x-host"),
+];
+
 /// `Fencing-Token`, as the proxy sets it on a forwarded write.
 const FENCING_TOKEN: HeaderName = HeaderName::from_static("fencing-token");
 
@@ -376,11 +393,14 @@ impl Proxy {
                 maybe_applied: false,
             })?;
         strip_hop_by_hop(&mut parts.headers);
-        // A write bound to its path must not be routed elsewhere by a Host of the client's
-        // choosing (an upstream serving several virtual hosts): the upstream's own Host is set
-        // from the URL instead, as nginx does by default.
+        // A write bound to its path must not be routed elsewhere by headers of the client's
+        // choosing: the upstream's own Host is set from the URL instead (as nginx does by
+        // default), and the headers frameworks take as the "original" host or URL go.
         if fence.is_some() && self.config.resource_binding != ResourceBinding::Off {
             parts.headers.remove(header::HOST);
+            for name in ROUTING_HEADERS {
+                parts.headers.remove(name);
+            }
         }
         // Always HTTP/1.1 towards the upstream; the client picks the wire version itself.
         parts.version = http::Version::HTTP_11;

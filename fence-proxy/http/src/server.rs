@@ -485,6 +485,16 @@ pub async fn run_with_reload(
         .with_context(|| format!("opening the epoch store {}", args.store))?;
     let verification =
         crate::Verification::from_flags(&args.verify_key, args.allow_unsigned, "http")?;
+    let signed_only = verification.as_ref().is_some_and(|v| !v.allow_unsigned);
+    if args.bind_resource != crate::ResourceBinding::Off && !signed_only {
+        // With plain tokens a client names any resource it likes, so the binding keeps honest
+        // clients apart and stops nobody else.
+        tracing::warn!(
+            bind_resource = %args.bind_resource,
+            "--bind-resource without signed tokens only (--verify-key without --allow-unsigned): \
+             a client can send a plain Lock-Resource for the path it writes and any token"
+        );
+    }
     let listener = TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("binding --listen {}", args.listen))?;

@@ -355,6 +355,8 @@ async fn writes_bound_to_their_path_cannot_name_another_resource() {
         "/orders//42",
         "/orders/42/",
         "/orders/42/items",
+        "/orders/42.",
+        "/orders/42|43",
     ] {
         let reply = proxy.write("PUT", path, fence, &[], "x").await.unwrap();
         assert_refused(&reply, 400, "bad-fence");
@@ -369,14 +371,17 @@ async fn writes_bound_to_their_path_cannot_name_another_resource() {
     }
     assert!(upstream.writes().is_empty(), "{:?}", upstream.writes());
 
+    // Headers that frameworks behind a trusted proxy take as the original host or URL.
+    let routing = [
+        ("Host", "other.example"),
+        ("X-Forwarded-Host", "other.example"),
+        ("Forwarded", "host=other.example"),
+        ("X-Original-URL", "/orders/43"),
+        ("X-Rewrite-URL", "/orders/43"),
+        ("X-Forwarded-Prefix", "/other"),
+    ];
     let reply = proxy
-        .write(
-            "PUT",
-            "/orders/42",
-            fence,
-            &[("Host", "other.example")],
-            "x",
-        )
+        .write("PUT", "/orders/42", fence, &routing, "x")
         .await
         .unwrap();
     assert_eq!(reply.status, 200, "{reply:?}");
@@ -385,6 +390,9 @@ async fn writes_bound_to_their_path_cannot_name_another_resource() {
     assert_eq!(writes[0].path, "/orders/42");
     let upstream_authority = upstream.url().trim_start_matches("http://").to_owned();
     assert_eq!(writes[0].header("host"), Some(upstream_authority.as_str()));
+    for (name, _) in &routing[1..] {
+        assert_eq!(writes[0].header(name), None, "{name} reached the upstream");
+    }
     // Reads pass whatever their path.
     let reply = lockd_tests::fence_proxy::get(&proxy.url("/orders/42/../43"))
         .await
