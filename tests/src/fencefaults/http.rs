@@ -198,7 +198,24 @@ fn applied_of(upstream: &FaultUpstream) -> Applied {
     a
 }
 
-/// Proxy killed (SIGKILL) mid-forward and restarted; then stale probes and a fresh write.
+/// How the proxy of an `HttpKill` round goes away mid-forward.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stop {
+    /// SIGKILL, then a restart.
+    Kill,
+    /// SIGKILL, a restart, at once a graceful stop (SIGTERM) of the restarted proxy, and another
+    /// restart: the redb store's quarantine after the unclean stop must outlive the clean one.
+    KillThenTerm,
+    /// SIGTERM: the proxy drains (the write in flight ends first), closes its store cleanly and
+    /// is restarted.
+    Term,
+}
+
+/// How long a graceful stop may take: the proxy's drain (30 s) and a margin.
+const TERM_WAIT: Duration = Duration::from_secs(40);
+
+/// Proxy killed (SIGKILL) or stopped (SIGTERM) mid-forward and restarted; then stale probes and
+/// a fresh write.
 pub async fn kill(rng: &mut StdRng, bypass: bool) -> anyhow::Result<RoundResult> {
     let upstream = FaultUpstream::start().await?;
     let dir = tempfile::tempdir()?;
@@ -221,18 +238,20 @@ pub async fn kill(rng: &mut StdRng, bypass: bool) -> anyhow::Result<RoundResult>
     // Phase 2: `base + 1` streams its body; the proxy dies mid-body, or while the (slow)
     // upstream works on the complete body.
     let mid_body = rng.random_bool(0.5);
+    let stop = [Stop::Kill, Stop::KillThenTerm, Stop::Term][rng.random_range(0..3)];
     let t1 = base + 1;
     let w1 = if mid_body {
-        Put::new(target(&proxy), "proxy killed mid-body", &r, t1)
-            .pieces(3, Duration::from_millis(400))
+        let what = match stop {
+            Stop::Term => "proxy stopped mid-body",
+            _ => "proxy killed mid-body",
+        };
+        Put::new(target(&proxy), what, &r, t1).pieces(3, Duration::from_millis(400))
     } else {
-        Put::new(
-            target(&proxy),
-            "proxy killed while upstream applies",
-            &r,
-            t1,
-        )
-        .fault(Fault::Slow {
+        let what = match stop {
+            Stop::Term => "proxy stopped while upstream applies",
+            _ => "proxy killed while upstream applies",
+        };
+        Put::new(target(&proxy), what, &r, t1).fault(Fault::Slow {
             ms: rng.random_range(300..SLOW_MAX_MS),
         })
     };
@@ -241,13 +260,32 @@ pub async fn kill(rng: &mut StdRng, bypass: bool) -> anyhow::Result<RoundResult>
     let w1 = w1.spawn(Some(sent_tx));
     let _ = sent_rx.await;
     tokio::time::sleep(kill_after).await;
-    proxy.kill();
+    // No wait before a restart: a redb store restarted after a kill quarantines every resource
+    // for --upstream-timeout + --quarantine, longer than the slow upstream works (SLOW_MAX_MS),
+    // and one stopped gracefully saves its quarantines; the Postgres store's `busy_until` does
+    // the same for the resource in flight.
+    match stop {
+        Stop::Kill | Stop::KillThenTerm => proxy.kill(),
+        // The drain lets the write in flight end (its client sends every piece) first.
+        Stop::Term => {
+            let status = proxy.stop(TERM_WAIT).await?;
+            anyhow::ensure!(
+                status.success(),
+                "fence-proxy exited {status} after SIGTERM"
+            );
+        }
+    }
     // The proxy recorded `t1` (durably, before forwarding) if its head reached the upstream.
     let recorded_t1 = upstream.saw_head(w1.id);
-    // No wait here: a redb store restarted after a kill quarantines every resource for
-    // --upstream-timeout + --quarantine, longer than the slow upstream works (SLOW_MAX_MS); the
-    // Postgres store's `busy_until` does the same for the resource in flight.
     proxy.restart().await?;
+    if stop == Stop::KillThenTerm {
+        let status = proxy.stop(TERM_WAIT).await?;
+        anyhow::ensure!(
+            status.success(),
+            "fence-proxy exited {status} after SIGTERM"
+        );
+        proxy.restart().await?;
+    }
     writes.push(w1.finish().await?);
 
     // Phase 3: stale probes (below the acknowledged `base`; `base` itself, below the recorded
