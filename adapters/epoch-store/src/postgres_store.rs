@@ -579,6 +579,13 @@ impl EpochStore for PostgresStore {
         "postgres"
     }
 
+    /// No: an admission dropped after its record was sent leaves the record's in-flight mark
+    /// (`busy_until`, `--upstream-timeout` + `--quarantine` ahead) set by a statement the server
+    /// still commits, which closes the resource for every replica until it passes.
+    fn admission_cancel_safe(&self) -> bool {
+        false
+    }
+
     /// `SELECT 1` on a pooled connection, bounded by the store timeout: it fails while the
     /// database cannot be reached or does not answer.
     fn check(&self) -> BoxFuture<'_, Result<(), StoreError>> {

@@ -261,6 +261,13 @@ impl EpochStore for RedbStore {
         "redb"
     }
 
+    /// Yes: a dropped admission leaves its waiter's queue place (`Slots`) and, mid-record, a
+    /// raise the commit thread still makes (a token recorded without a forward); the guard it
+    /// held forgets what it knew and is released.
+    fn admission_cancel_safe(&self) -> bool {
+        true
+    }
+
     /// Saves the quarantines still running and marks the file closed cleanly, in one durable
     /// commit, unless a write is still held or waited for (the drain did not end): then the
     /// file stays marked open, and the next process quarantines every resource.

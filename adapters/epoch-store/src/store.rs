@@ -35,6 +35,17 @@ pub trait EpochStore: Send + Sync + 'static {
     /// A short name for logs and error messages, such as `redb` or `postgres`.
     fn kind(&self) -> &'static str;
 
+    /// Whether an `admit` future may be dropped at any await without leaving anything behind
+    /// but what a refused admission leaves (a token recorded without a forward is fine; a
+    /// resource closed for longer than its wait is not). A front end drops the admission of a
+    /// client that went away only then; otherwise it lets the admission end and releases the
+    /// permit unused.
+    ///
+    /// The default is `false`, the safe answer for a store that does not know.
+    fn admission_cancel_safe(&self) -> bool {
+        false
+    }
+
     /// A cheap check that the store answers, for the proxy's `/readyz`: it reads nothing about
     /// any resource and records nothing. Errors as `admit` would report them.
     ///

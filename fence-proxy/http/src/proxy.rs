@@ -205,16 +205,26 @@ impl Proxy {
     ) {
         let Fence { resource, token } = fence;
         let mut respond = respond;
-        // A client that goes away before its write is admitted leaves nothing to follow: the
-        // admission is dropped (as a store timeout drops it; the stores are built for that) and
-        // nothing is forwarded. Without this, writes reset by their client would keep their
-        // write slot, and then be forwarded, for as long as a quarantine keeps them waiting.
-        let admitted = tokio::select! {
-            biased;
-            admitted = self.store.admit(&resource, token) => admitted,
-            () = respond.closed() => {
-                tracing::debug!(%resource, %token, "the client went away before the write was admitted; not forwarded");
-                return;
+        // A client that goes away before its write is admitted leaves nothing to follow, and
+        // its write is not forwarded. Where the store allows it the admission is dropped at
+        // once, so that the write slot is free again: otherwise writes reset by their client
+        // would hold their slots for as long as a quarantine keeps them waiting. Elsewhere the
+        // admission ends and its permit is released unused.
+        let admitted = {
+            let admission = self.store.admit(&resource, token);
+            tokio::pin!(admission);
+            tokio::select! {
+                biased;
+                admitted = &mut admission => admitted,
+                () = respond.closed() => {
+                    tracing::debug!(%resource, %token, "the client went away before the write was admitted; not forwarded");
+                    if !self.store.admission_cancel_safe()
+                        && let Ok(Admission::Accepted(permit)) = admission.await
+                    {
+                        self.release(permit, ForwardOutcome::NotSent).await;
+                    }
+                    return;
+                }
             }
         };
         // A send fails only when the client has gone; the response is then dropped, which ends

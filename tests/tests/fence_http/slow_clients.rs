@@ -767,3 +767,68 @@ async fn writes_reset_by_the_client_stay_within_max_in_flight() {
     // The proxy still serves within its bound.
     assert_eq!(put(&proxy, "r", "2", "after").await.status, 200);
 }
+
+/// Goal: with the Postgres store, whose admission must not be dropped once its record is on the
+/// way (`EpochStore::admission_cancel_safe`), writes reset by their client while they wait
+/// behind a quarantine still never reach the upstream: each admission ends and its permit is
+/// released unused, which clears the record's in-flight mark, so the next holder's write is
+/// admitted as soon as the quarantine is over.
+/// Method: as the first half of `writes_reset_by_the_client_stay_within_max_in_flight`, with
+/// `--lock-wait 8s` long enough for every reset write to be admitted after the quarantine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_reset_before_admission_with_the_postgres_store_are_not_forwarded() {
+    let table = crate::PgTable::new("fence_http_reset");
+    let upstream = HttpUpstream::start().await.unwrap();
+    let proxy = FenceProxy::start(
+        &upstream.url(),
+        &table.store(),
+        &[
+            "--store-table",
+            &table.name,
+            "--max-in-flight",
+            "4",
+            "--upstream-timeout",
+            "300ms",
+            "--quarantine",
+            "2s",
+            "--lock-wait",
+            "8s",
+        ],
+    )
+    .await
+    .unwrap();
+    let delay = lockd_tests::http_upstream::DELAY_HEADER;
+    let reply = proxy
+        .write(
+            "PUT",
+            "/obj",
+            (Some("q"), Some("1")),
+            &[(delay, "600")],
+            "late",
+        )
+        .await
+        .unwrap();
+    assert_eq!(reply.status, 504, "{reply:?}");
+    reset_bursts(&proxy, "q", "2", &[]).await;
+    // Every reset write still waiting is admitted after the quarantine and released unused.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let started = Instant::now();
+    let reply = put(&proxy, "q", "3", "next holder").await;
+    assert_eq!(reply.status, 200, "{reply:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "the next holder waited {:?}",
+        started.elapsed()
+    );
+    let tokens: Vec<_> = upstream
+        .writes()
+        .iter()
+        .filter(|w| w.resource() == Some("q"))
+        .map(|w| w.token())
+        .collect();
+    assert_eq!(
+        tokens,
+        [Some(1), Some(3)],
+        "a write reset before admission reached the upstream"
+    );
+}
