@@ -203,6 +203,7 @@ impl RedbStore {
                 RedbPermit {
                     guard,
                     quarantine: self.timing.quarantine,
+                    released: false,
                 },
             ))
         };
@@ -233,6 +234,10 @@ impl RedbStore {
 struct RedbPermit {
     guard: SlotGuard,
     quarantine: std::time::Duration,
+    /// Set by `release`. A permit dropped without it (its `Permit` was dropped where no Tokio
+    /// runtime runs, so no release was spawned) quarantines the resource: nobody knows what
+    /// became of its write.
+    released: bool,
 }
 
 impl PermitRelease for RedbPermit {
@@ -243,8 +248,17 @@ impl PermitRelease for RedbPermit {
         if outcome == ForwardOutcome::Unknown {
             self.guard.quarantine(self.quarantine);
         }
+        self.released = true;
         drop(self);
         Box::pin(async { Ok(()) })
+    }
+}
+
+impl Drop for RedbPermit {
+    fn drop(&mut self) {
+        if !self.released {
+            self.guard.quarantine(self.quarantine);
+        }
     }
 }
 
@@ -839,6 +853,18 @@ mod tests {
         // Taken out of the file: a crash now leaves no stale copy (the unclean stop covers it).
         let again = reopen(&db, Duration::from_secs(10)).unwrap();
         assert!(again.unclean && again.quarantines.is_empty() && again.all_quarantined.is_none());
+    }
+
+    /// Goal: a permit dropped where no runtime runs (so no release can be spawned for it)
+    /// still quarantines its resource, as a release with an unknown outcome would.
+    #[tokio::test]
+    async fn a_permit_dropped_outside_a_runtime_quarantines() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = RedbStore::open(dir.path().join("e.redb"), timing()).unwrap();
+        let permit = accepted(&store, "a", 1).await;
+        std::thread::spawn(move || drop(permit)).join().unwrap();
+        let err = store.admit("a", FencingToken(2)).await.unwrap_err();
+        assert!(err.to_string().contains("quarantined"), "{err}");
     }
 
     #[tokio::test]
