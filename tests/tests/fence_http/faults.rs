@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::{assert_refused, put, redb_store};
+use crate::{assert_refused, put, redb_store, time_out};
 use lockd_tests::fence_proxy::FenceProxy;
 use lockd_tests::http_upstream::{DELAY_HEADER, HttpUpstream};
 use lockd_tests::pg;
@@ -91,17 +91,7 @@ async fn upstream_too_slow_is_504_and_quarantine_keeps_order() {
     .await
     .unwrap();
     let started = Instant::now();
-    let reply = proxy
-        .write(
-            "PUT",
-            "/obj",
-            (Some("orders/1"), Some("1")),
-            &[(DELAY_HEADER, "1000")],
-            "late",
-        )
-        .await
-        .unwrap();
-    assert_refused(&reply, 504, "upstream-timeout");
+    time_out(&proxy, "orders/1", "1", 1000).await;
     let timed_out = started.elapsed();
     assert!(
         timed_out < Duration::from_millis(900),
@@ -115,30 +105,15 @@ async fn upstream_too_slow_is_504_and_quarantine_keeps_order() {
         "quarantine skipped: {:?}",
         started.elapsed()
     );
-    let tokens: Vec<_> = upstream
-        .writes()
-        .iter()
-        .map(|w| w.token().unwrap())
-        .collect();
     assert_eq!(
-        tokens,
+        applied_tokens(&upstream),
         [1, 2],
         "the late write must be applied before the next one"
     );
 
     // Another resource is not affected by the quarantine.
     let t = Instant::now();
-    let reply = proxy
-        .write(
-            "PUT",
-            "/obj",
-            (Some("orders/2"), Some("1")),
-            &[(DELAY_HEADER, "1000")],
-            "late",
-        )
-        .await
-        .unwrap();
-    assert_refused(&reply, 504, "upstream-timeout");
+    time_out(&proxy, "orders/2", "1", 1000).await;
     assert_eq!(put(&proxy, "orders/3", "1", "x").await.status, 200);
     assert!(
         t.elapsed() < Duration::from_millis(1500),
@@ -213,17 +188,7 @@ async fn a_quarantine_outlives_a_graceful_restart() {
     .await
     .unwrap();
     let started = Instant::now();
-    let reply = proxy
-        .write(
-            "PUT",
-            "/obj",
-            (Some("orders/1"), Some("1")),
-            &[(DELAY_HEADER, "1500")],
-            "late",
-        )
-        .await
-        .unwrap();
-    assert_refused(&reply, 504, "upstream-timeout");
+    time_out(&proxy, "orders/1", "1", 1500).await;
     let status = proxy.stop(Duration::from_secs(10)).await.unwrap();
     assert!(
         status.success(),

@@ -81,6 +81,23 @@ async fn put(proxy: &FenceProxy, resource: &str, token: &str, body: &str) -> Rep
         .unwrap()
 }
 
+/// A write the upstream takes `delay_ms` over, longer than the proxy's `--upstream-timeout`:
+/// the proxy answers 504 and quarantines `resource` (the upstream still applies the write).
+async fn time_out(proxy: &FenceProxy, resource: &str, token: &str, delay_ms: u64) {
+    let delay = delay_ms.to_string();
+    let reply = proxy
+        .write(
+            "PUT",
+            "/obj",
+            (Some(resource), Some(token)),
+            &[(lockd_tests::http_upstream::DELAY_HEADER, delay.as_str())],
+            "late",
+        )
+        .await
+        .unwrap();
+    assert_refused(&reply, 504, "upstream-timeout");
+}
+
 /// A refusal as RFC 9457 describes a problem: `application/problem+json` with `type`, `title`,
 /// `status` and `detail`, plus the reason in the header and in `error`.
 fn assert_refused(reply: &Reply, status: u16, reason: &str) {

@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::{put, redb_store};
+use crate::{put, redb_store, time_out};
 use lockd_tests::fence_proxy::FenceProxy;
 use lockd_tests::http_upstream::{BodyEvent, EarlyAnswerUpstream, HttpUpstream};
 use lockd_tests::pg;
@@ -704,17 +704,7 @@ async fn writes_reset_by_the_client_stay_within_max_in_flight() {
     .await
     .unwrap();
     let delay = lockd_tests::http_upstream::DELAY_HEADER;
-    let reply = proxy
-        .write(
-            "PUT",
-            "/obj",
-            (Some("q"), Some("1")),
-            &[(delay, "600")],
-            "late",
-        )
-        .await
-        .unwrap();
-    assert_eq!(reply.status, 504, "{reply:?}");
+    time_out(&proxy, "q", "1", 600).await;
     reset_bursts(&proxy, "q", "2", &[]).await;
     // The quarantine ends 3.3 s after token 1's write; a write left waiting would go then.
     tokio::time::sleep(Duration::from_secs(3)).await;
@@ -797,18 +787,7 @@ async fn writes_reset_before_admission_with_the_postgres_store_are_not_forwarded
     )
     .await
     .unwrap();
-    let delay = lockd_tests::http_upstream::DELAY_HEADER;
-    let reply = proxy
-        .write(
-            "PUT",
-            "/obj",
-            (Some("q"), Some("1")),
-            &[(delay, "600")],
-            "late",
-        )
-        .await
-        .unwrap();
-    assert_eq!(reply.status, 504, "{reply:?}");
+    time_out(&proxy, "q", "1", 600).await;
     reset_bursts(&proxy, "q", "2", &[]).await;
     // Every reset write still waiting is admitted after the quarantine and released unused.
     tokio::time::sleep(Duration::from_secs(3)).await;
