@@ -78,6 +78,9 @@ struct Reopened {
     all_quarantined: Option<Duration>,
     /// Quarantines it saved when it closed, with the time left of each.
     quarantines: Vec<(String, Duration)>,
+    /// The longest quarantine this process or the last one could set: the last one's, kept in
+    /// the file from its open on, and this one's.
+    cap: Duration,
 }
 
 impl RedbStore {
@@ -103,8 +106,8 @@ impl RedbStore {
         };
         // Before any admission: learn how the last process stopped and mark the file open,
         // durably, so that a crash of this process is noticed by the next.
-        let cap = longest_quarantine(&timing);
-        let reopened = reopen(&db, cap).map_err(|e| unavailable(&e))?;
+        let reopened = reopen(&db, longest_quarantine(&timing)).map_err(|e| unavailable(&e))?;
+        let cap = reopened.cap;
         let slots = Slots::new();
         for (resource, left) in &reopened.quarantines {
             slots.quarantine(resource, *left);
@@ -295,12 +298,22 @@ impl EpochStore for RedbStore {
                      quarantines every resource",
                 ));
             };
+            let all_quarantined = self
+                .reopened_quarantine
+                .and_then(|until| until.checked_duration_since(Instant::now()));
+            // This process's longest, or longer if a quarantine it carried from the process
+            // before runs longer: a restart with shorter settings shrinks the cap once those
+            // are over.
+            let longest_left = quarantines
+                .iter()
+                .map(|(_, left)| *left)
+                .chain(all_quarantined)
+                .max()
+                .unwrap_or_default();
             let saved = Saved {
                 quarantines,
-                all_quarantined: self
-                    .reopened_quarantine
-                    .and_then(|until| until.checked_duration_since(Instant::now())),
-                cap: longest_quarantine(&self.timing),
+                all_quarantined,
+                cap: longest_quarantine(&self.timing).max(longest_left),
             };
             let db = self.db.clone();
             let done = tokio::task::spawn_blocking(move || save_and_close(&db, &saved))
@@ -390,14 +403,18 @@ fn reopen(db: &Database, cap: Duration) -> Result<Reopened, redb::Error> {
             }
         }
         saved.retain(|_, _| false)?;
-        for key in [CLOSED_AT, ALL_QUARANTINED_UNTIL, QUARANTINE_CAP] {
+        for key in [CLOSED_AT, ALL_QUARANTINED_UNTIL] {
             state.remove(key)?;
         }
         state.insert(OPENED_AT, now)?;
+        // Kept while the file is open: if this process crashes, the next one waits out the
+        // longest quarantine either could have set.
+        state.insert(QUARANTINE_CAP, cap.as_millis() as u64)?;
         Reopened {
             unclean,
             all_quarantined,
             quarantines,
+            cap,
         }
     };
     txn.commit()?;
@@ -690,8 +707,9 @@ mod tests {
     async fn a_quarantine_outlives_a_clean_close() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("e.redb");
+        // Seconds, so that a slow disk on a loaded machine cannot end it before it is checked.
         let timing = Timing {
-            quarantine: Duration::from_millis(800),
+            quarantine: Duration::from_secs(3),
             ..timing()
         };
         {
@@ -717,7 +735,7 @@ mod tests {
             .release(ForwardOutcome::Answered)
             .await
             .unwrap();
-        tokio::time::sleep(Duration::from_millis(800).saturating_sub(reopened.elapsed())).await;
+        tokio::time::sleep(Duration::from_secs(3).saturating_sub(reopened.elapsed())).await;
         accepted(&store, "a", 2)
             .await
             .release(ForwardOutcome::Answered)
@@ -752,15 +770,19 @@ mod tests {
                 .unwrap();
         }
         let reopened = std::time::Instant::now();
-        let store = RedbStore::open(&path, timing()).unwrap();
-        // The quarantine (forward timeout 100 ms + quarantine 300 ms) outlasts the wait bound
+        let timing = Timing {
+            quarantine: Duration::from_secs(2),
+            ..timing()
+        };
+        let store = RedbStore::open(&path, timing).unwrap();
+        // The quarantine (forward timeout 100 ms + quarantine 2 s) outlasts the wait bound
         // (200 ms): refused at once, any resource.
         for resource in ["a", "never-written"] {
             let err = store.admit(resource, FencingToken(5)).await.unwrap_err();
             assert!(matches!(err, StoreError::Busy { .. }), "{err}");
             assert!(err.to_string().contains("did not stop cleanly"), "{err}");
         }
-        tokio::time::sleep(Duration::from_millis(400).saturating_sub(reopened.elapsed())).await;
+        tokio::time::sleep(Duration::from_millis(2100).saturating_sub(reopened.elapsed())).await;
         accepted(&store, "a", 5)
             .await
             .release(ForwardOutcome::Answered)
@@ -792,7 +814,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("e.redb");
         let timing = Timing {
-            quarantine: Duration::from_secs(5),
+            quarantine: Duration::from_secs(30),
             ..timing()
         };
         {
@@ -813,9 +835,37 @@ mod tests {
             .reopened_quarantine
             .expect("the quarantine of every resource was lost at the clean close")
             .duration_since(Instant::now());
-        assert!(left > Duration::from_secs(4), "{left:?}");
+        assert!(left > Duration::from_secs(20), "{left:?}");
         let err = store.admit("x", FencingToken(1)).await.unwrap_err();
         assert!(err.to_string().contains("did not stop cleanly"), "{err}");
+    }
+
+    /// Goal (third review): after a crash, every resource is quarantined for the longest either
+    /// process could set: the crashed one's cap is in the file from its open on, so a restart
+    /// with shorter settings does not shorten what the crashed process's writes are owed.
+    #[tokio::test]
+    async fn the_quarantine_after_a_crash_follows_the_crashed_process_settings() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("e.redb");
+        let long = Timing {
+            quarantine: Duration::from_secs(30),
+            ..timing()
+        };
+        {
+            let store = RedbStore::open(&path, long).unwrap();
+            accepted(&store, "a", 1)
+                .await
+                .release(ForwardOutcome::Answered)
+                .await
+                .unwrap();
+        }
+        // Dropped without close: a crash. The next process has a 400 ms longest quarantine.
+        let store = RedbStore::open(&path, timing()).unwrap();
+        let left = store
+            .reopened_quarantine
+            .expect("unclean")
+            .duration_since(Instant::now());
+        assert!(left > Duration::from_secs(20), "{left:?}");
     }
 
     /// Goal: a wall clock set back between a close and the next open cannot stretch a saved

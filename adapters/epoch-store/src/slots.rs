@@ -120,7 +120,9 @@ struct Table {
     entries: HashMap<String, Entry>,
     /// Id of the next waiter.
     next_id: u64,
-    /// Set by [`Slots::close`]: nothing is granted or queued from then on.
+    /// Set by [`Slots::close`]: no new write is granted or queued from then on (writes queued
+    /// before a close that found the table in use may still be granted as grants end; the
+    /// store then counts the stop as unclean anyway).
     closed: bool,
 }
 
@@ -371,9 +373,10 @@ impl Slots {
         self.len() == 0
     }
 
-    /// Closes the table for good, in one step with looking at it: from now on nothing is
+    /// Closes the table for good, in one step with looking at it: from now on no new write is
     /// granted or queued. Returns the quarantines running (each resource with the time it has
-    /// left), or [`InUse`] if a resource is still held or waited for, whose outcome is unknown.
+    /// left), or [`InUse`] if a resource is still held or waited for, whose outcome is unknown
+    /// (waiters already queued then may still be granted as the grants ahead of them end).
     pub fn close(&self) -> Result<Vec<(String, std::time::Duration)>, InUse> {
         let mut table = self.lock_table();
         table.closed = true;

@@ -20,6 +20,7 @@ pub fn read_fence(
     verification: Option<&Verification>,
 ) -> Result<Fence, Refusal> {
     refuse_fence_named_hop_by_hop(headers)?;
+    refuse_underscore_spellings(headers)?;
     let Some(v) = verification else {
         return read_plain(headers);
     };
@@ -152,6 +153,45 @@ fn refuse_fence_named_hop_by_hop(headers: &HeaderMap) -> Result<(), Refusal> {
     Ok(())
 }
 
+/// Whether header `name`, read as CGI, WSGI and Rack servers read it (`_` as `-`, any case),
+/// is `canonical`: `Fencing_Token` and `Fencing-Token` are one variable (`HTTP_FENCING_TOKEN`)
+/// there.
+pub(crate) fn reads_as(name: &str, canonical: &str) -> bool {
+    name.len() == canonical.len()
+        && name.bytes().zip(canonical.bytes()).all(|(a, b)| {
+            let a = if a == b'_' { b'-' } else { a };
+            a.eq_ignore_ascii_case(&b)
+        })
+}
+
+/// A header that such a server reads as a fence header, spelled with `_`, would reach the
+/// upstream beside the fence the proxy checked (`Fencing_Token: 999` after `Fencing-Token: 42`),
+/// and the upstream might read it instead: refused, 400.
+fn refuse_underscore_spellings(headers: &HeaderMap) -> Result<(), Refusal> {
+    for name in headers.keys().map(http::HeaderName::as_str) {
+        if !name.contains('_') {
+            continue;
+        }
+        for fence_header in [
+            LOCK_RESOURCE_HEADER,
+            FENCING_TOKEN_HEADER,
+            LOCK_SEQUENCER_HEADER,
+        ] {
+            if reads_as(name, fence_header) {
+                return Err(Refusal::BadFence {
+                    resource: None,
+                    token: None,
+                    detail: format!(
+                        "header {name:?} reads as {fence_header} to servers that take '_' for \
+                         '-' (CGI, WSGI, Rack): send the fence only as {fence_header}"
+                    ),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The one value of header `name` as UTF-8, `None` when absent.
 fn single(headers: &HeaderMap, name: &'static str) -> Result<Option<String>, Refusal> {
     let mut values = headers.get_all(name).iter();
@@ -179,6 +219,23 @@ fn single(headers: &HeaderMap, name: &'static str) -> Result<Option<String>, Ref
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn underscore_spellings_of_fence_headers_are_refused() {
+        assert!(reads_as("fencing_token", "Fencing-Token"));
+        assert!(reads_as("Lock_Resource", "Lock-Resource"));
+        assert!(!reads_as("fencing_tokens", "Fencing-Token"));
+        assert!(!reads_as("x_request_id", "Fencing-Token"));
+        let mut h = HeaderMap::new();
+        h.insert("lock-resource", "r".parse().unwrap());
+        h.insert("fencing-token", "42".parse().unwrap());
+        assert!(read_fence(&h, None).is_ok());
+        h.insert("x_other", "1".parse().unwrap());
+        assert!(read_fence(&h, None).is_ok());
+        h.insert("fencing_token", "999".parse().unwrap());
+        let err = read_fence(&h, None).unwrap_err();
+        assert_eq!(err.reason(), "bad-fence");
+    }
 
     fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
         let mut h = HeaderMap::new();

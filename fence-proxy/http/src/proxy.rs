@@ -46,12 +46,17 @@ const HOP_BY_HOP: [HeaderName; 7] = [
 /// they trust a proxy in front (Rails, Express and Django: `X-Forwarded-Host`; Spring:
 /// `Forwarded`, `X-Forwarded-Prefix`; Symfony, Zend and IIS URL Rewrite: `X-Original-URL`,
 /// `X-Rewrite-URL`). Under `--bind-resource` they are removed from writes: the client's copy would
-/// route a write bound to one path to another object.
-const ROUTING_HEADERS: [HeaderName; 9] = [
+/// route a write bound to one path to another object. Not exhaustive: an upstream that takes
+/// its route from another header must not trust the client's copy.
+const ROUTING_HEADERS: [HeaderName; 13] = [
     header::FORWARDED,
     HeaderName::from_static("x-forwarded-host"),
     HeaderName::from_static("x-forwarded-prefix"),
     HeaderName::from_static("x-forwarded-server"),
+    HeaderName::from_static("x-forwarded-uri"),
+    HeaderName::from_static("x-forwarded-path"),
+    HeaderName::from_static("x-envoy-original-path"),
+    HeaderName::from_static("x-script-name"),
     HeaderName::from_static("x-original-url"),
     HeaderName::from_static("x-original-uri"),
     HeaderName::from_static("x-rewrite-url"),
@@ -227,6 +232,13 @@ impl Proxy {
                 }
             }
         };
+        // The client may have gone in the instant the admission ended: nothing to forward to.
+        if respond.is_closed() {
+            if let Ok(Admission::Accepted(permit)) = admitted {
+                self.release(permit, ForwardOutcome::NotSent).await;
+            }
+            return;
+        }
         // A send fails only when the client has gone; the response is then dropped, which ends
         // its body as abandoned.
         let reply = |response| {
@@ -408,7 +420,18 @@ impl Proxy {
         // default), and the headers frameworks take as the "original" host or URL go.
         if fence.is_some() && self.config.resource_binding != ResourceBinding::Off {
             parts.headers.remove(header::HOST);
-            for name in ROUTING_HEADERS {
+            // Also their spellings with '_', one and the same header to CGI-style servers.
+            let routing: Vec<HeaderName> = parts
+                .headers
+                .keys()
+                .filter(|name| {
+                    ROUTING_HEADERS
+                        .iter()
+                        .any(|r| crate::fence::reads_as(name.as_str(), r.as_str()))
+                })
+                .cloned()
+                .collect();
+            for name in routing {
                 parts.headers.remove(name);
             }
         }

@@ -379,6 +379,10 @@ async fn writes_bound_to_their_path_cannot_name_another_resource() {
         ("X-Original-URL", "/orders/43"),
         ("X-Rewrite-URL", "/orders/43"),
         ("X-Forwarded-Prefix", "/other"),
+        ("X-Forwarded-Uri", "/orders/43"),
+        ("X-Script-Name", "/other"),
+        ("X_Forwarded_Host", "other.example"),
+        ("X-Original_URL", "/orders/43"),
     ];
     let reply = proxy
         .write("PUT", "/orders/42", fence, &routing, "x")
@@ -434,6 +438,44 @@ async fn the_forwarded_token_is_spelled_as_admitted() {
     let writes = upstream.writes();
     assert_eq!(writes.len(), 1);
     assert_eq!(writes[0].header("fencing-token"), Some("42"));
+}
+
+/// Attack (third review): CGI, WSGI and Rack servers read `Fencing_Token` as `Fencing-Token`
+/// (one variable, `HTTP_FENCING_TOKEN`). A write fenced by `Fencing-Token: 42` that also carried
+/// `Fencing_Token: 999` (or `Lock_Resource: other`) went upstream with both, and such an upstream
+/// may read the one the proxy never checked. Goal: refused, 400 bad-fence naming the header,
+/// nothing forwarded; a header of the client's own with '_' still goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fence_headers_spelled_with_underscores_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = HttpUpstream::start().await.unwrap();
+    let proxy = FenceProxy::start(&upstream.url(), &redb_store(&dir), &[])
+        .await
+        .unwrap();
+    let fence = (Some("orders/9"), Some("42"));
+    for (name, value) in [
+        ("Fencing_Token", "999"),
+        ("LOCK_RESOURCE", "orders/10"),
+        ("lock_sequencer", "AAAA"),
+    ] {
+        let reply = proxy
+            .write("PUT", "/obj", fence, &[(name, value)], "x")
+            .await
+            .unwrap();
+        assert_refused(&reply, 400, "bad-fence");
+        let detail = reply.json()["detail"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        assert!(detail.contains(&name.to_ascii_lowercase()), "{detail}");
+    }
+    assert!(upstream.writes().is_empty(), "{:?}", upstream.writes());
+    let reply = proxy
+        .write("PUT", "/obj", fence, &[("X_Request_Id", "7")], "x")
+        .await
+        .unwrap();
+    assert_eq!(reply.status, 200, "{reply:?}");
+    assert_eq!(upstream.writes()[0].header("x_request_id"), Some("7"));
 }
 
 /// Goal: a bad `--bind-resource` value is refused at startup, naming the value and the choices.

@@ -166,9 +166,10 @@ fn applied_tokens(upstream: &HttpUpstream) -> Vec<u64> {
 
 /// Attack (review, HIGH): the redb store's quarantine lived in memory only, so a graceful
 /// restart opened a quarantined resource at once. Token 1's write times out (504, quarantine
-/// 3 s) while the upstream still works on it; the proxy is stopped with SIGTERM and started
-/// again; token 2's write went through at once and the upstream applied 2, then 1. Goal: the
-/// quarantine is saved at a clean stop and holds after the restart, so 1 lands before 2.
+/// 5 s) while the upstream still works on it (4 s, longer than a restart takes even on a loaded
+/// machine); the proxy is stopped with SIGTERM and started again; token 2's write went through
+/// at once and the upstream applied 2, then 1. Goal: the quarantine is saved at a clean stop and
+/// holds after the restart, so 1 lands before 2.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_quarantine_outlives_a_graceful_restart() {
     let dir = tempfile::tempdir().unwrap();
@@ -180,15 +181,15 @@ async fn a_quarantine_outlives_a_graceful_restart() {
             "--upstream-timeout",
             "300ms",
             "--quarantine",
-            "3s",
+            "5s",
             "--lock-wait",
-            "6s",
+            "8s",
         ],
     )
     .await
     .unwrap();
     let started = Instant::now();
-    time_out(&proxy, "orders/1", "1", 1500).await;
+    time_out(&proxy, "orders/1", "1", 4000).await;
     let status = proxy.stop(Duration::from_secs(10)).await.unwrap();
     assert!(
         status.success(),
@@ -199,7 +200,7 @@ async fn a_quarantine_outlives_a_graceful_restart() {
     let reply = put(&proxy, "orders/1", "2", "next").await;
     assert_eq!(reply.status, 200, "{reply:?}");
     assert!(
-        started.elapsed() >= Duration::from_millis(3300),
+        started.elapsed() >= Duration::from_millis(5300),
         "the quarantine ended with the process: token 2 forwarded {:?} after token 1",
         started.elapsed()
     );

@@ -681,7 +681,10 @@ async fn reset_bursts(proxy: &FenceProxy, resource: &str, token: &str, headers: 
 /// write slots taken before it starts, so at most 4 such writes exist.
 /// Method: (1) token 1 of `q` times out (504; quarantine 3 s), then ten bursts of eight
 /// token-2 DELETEs of `q`, each reset after 100 ms; (2) the same bursts on `s`, which the
-/// upstream takes 1.5 s to apply, so that each is admitted and forwarded before its reset.
+/// upstream takes 1 s to apply, so that the first writes are admitted and forwarded before
+/// their reset: they hold the four write slots for that second, in which all later bursts come
+/// and find none free (without the bound, 69 of 80 were at the upstream at once on main). Their
+/// responses are abandoned, an unknown outcome, so `s` is quarantined after them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writes_reset_by_the_client_stay_within_max_in_flight() {
     const MAX_IN_FLIGHT: usize = 4;
