@@ -21,7 +21,9 @@
 //! 3. A forward whose outcome is unknown (timeout, connection lost after sending) may still be
 //!    applied later: the resource stays closed for a quarantine period after it. The Postgres store
 //!    writes the in-flight deadline into the record, so a replica that crashed mid-forward is
-//!    waited out by the others too.
+//!    waited out by the others too. The redb store saves its running quarantines when it is
+//!    closed ([`EpochStore::close`]); opened after an unclean stop, it closes every resource for
+//!    the forward timeout plus the quarantine, since it cannot know which had a write in flight.
 //!
 //! The limit that remains: an upstream that applies a request later than the forward timeout plus
 //! the quarantine after the proxy gave up on it can still apply it after a newer write.
