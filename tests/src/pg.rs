@@ -71,8 +71,23 @@ pub fn unique_name(prefix: &str) -> String {
     format!("{prefix}_{n:016x}")
 }
 
-/// A free TCP port on 127.0.0.1 (bound, then released for the server to take).
+/// Ports [`free_port`] draws from: below Linux's ephemeral range (32768-60999 by default), from
+/// which every `bind(0)` of the tests (upstreams, clients) takes its port. A port handed out by
+/// `bind(0)` and released was taken by another test's `bind(0)` before the server bound it (a
+/// fence-proxy that could not listen while the test talked to someone else's HTTP server).
+const DRAWN_PORTS: std::ops::Range<u16> = 20_000..32_768;
+
+/// A free TCP port on 127.0.0.1 for a server to bind: drawn at random outside the ephemeral
+/// range and checked free by binding it (then released for the server to take).
 pub fn free_port() -> u16 {
+    use rand::RngExt;
+    let mut rng = rand::rng();
+    for _ in 0..100 {
+        let port = rng.random_range(DRAWN_PORTS);
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .expect("binding an ephemeral port")
