@@ -24,8 +24,9 @@ pub(crate) const EPOCHS: TableDefinition<&str, u64> = TableDefinition::new("fenc
 /// the proxy stops cleanly and read back when it starts: a quarantine outlives a restart.
 const QUARANTINES: TableDefinition<&str, u64> = TableDefinition::new("fence_proxy_quarantines");
 
-/// Whether a process has the file open ([`OPENED_AT`]) or closed it cleanly ([`CLOSED_AT`]),
-/// each as milliseconds since the Unix epoch.
+/// How the last process left the file: open ([`OPENED_AT`]) or closed cleanly ([`CLOSED_AT`]),
+/// each as milliseconds since the Unix epoch, with [`ALL_QUARANTINED_UNTIL`] and
+/// [`QUARANTINE_CAP`].
 const STATE: TableDefinition<&str, u64> = TableDefinition::new("fence_proxy_state");
 /// Set when a process opens the file, removed by its clean close: found at open, it means the
 /// last process crashed (or was killed) and may have left writes in flight.
@@ -35,8 +36,9 @@ const CLOSED_AT: &str = "closed_at_unix_ms";
 /// Set by a clean close during the quarantine of every resource that follows an unclean stop:
 /// when that quarantine ends.
 const ALL_QUARANTINED_UNTIL: &str = "all_quarantined_until_unix_ms";
-/// Set by a clean close: the longest quarantine that process could set (`--upstream-timeout` +
-/// `--quarantine`), so that a restart with shorter settings does not cut a saved one short.
+/// Set at open and by a clean close: the longest quarantine that process could set
+/// (`--upstream-timeout` + `--quarantine`, or longer while a carried one runs), so that a
+/// restart with shorter settings, after a crash or not, does not cut a quarantine short.
 const QUARANTINE_CAP: &str = "quarantine_cap_ms";
 
 /// Why every write waits after an unclean stop.
