@@ -1193,8 +1193,10 @@ mod tests {
         }
         assert!(drained > 500, "the index drained for only {drained} steps");
         if gaps {
+            // The count varies from run to run (990 to 1,484 in nine runs on 2026-12-05; CI failed
+            // once at 990 against a bound of 1,000): the bound says "many", with room below.
             assert!(
-                far_times > 1_000,
+                far_times > 500,
                 "only {far_times} creation times were kept aside"
             );
         }
