@@ -24,6 +24,8 @@ pub struct FenceProxy {
     pub metrics_addr: SocketAddr,
     /// The arguments it was started with, to restart it identically.
     args: Vec<String>,
+    /// Environment added to the next starts ([`FenceProxy::set_env`]).
+    env: Vec<(String, String)>,
     child: Option<ChildGuard>,
 }
 
@@ -61,6 +63,7 @@ impl FenceProxy {
             addr,
             metrics_addr,
             args,
+            env: Vec::new(),
             child: None,
         };
         proxy.restart().await?;
@@ -72,6 +75,7 @@ impl FenceProxy {
         self.kill();
         let mut cmd = command("fence-proxy");
         cmd.args(&self.args).env("RUST_LOG", "warn");
+        cmd.envs(self.env.iter().map(|(k, v)| (k, v)));
         let mut child = ChildGuard::spawn(format!("fence-proxy {}", self.addr), cmd)?;
         let deadline = Instant::now() + STARTUP_WAIT;
         loop {
@@ -94,6 +98,15 @@ impl FenceProxy {
         }
         self.child = Some(child);
         Ok(())
+    }
+
+    /// Environment variables for every later [`FenceProxy::restart`] (a preloaded library that
+    /// fakes the clock, say); the running process keeps its own.
+    pub fn set_env(&mut self, env: &[(&str, &str)]) {
+        self.env = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
     }
 
     /// SIGTERM, as a service manager stops it, and waits up to `within` for it to exit; the

@@ -33,6 +33,11 @@ const STATE: TableDefinition<&str, u64> = TableDefinition::new("fence_proxy_stat
 const OPENED_AT: &str = "opened_at_unix_ms";
 /// Set by a clean close.
 const CLOSED_AT: &str = "closed_at_unix_ms";
+/// Set by a clean close: the boot it happened in ([`Stamp::boot`]) and the boot's clock then
+/// (milliseconds of `CLOCK_BOOTTIME`). An open in the same boot measures the time since the close
+/// on that clock, which no setting of the wall clock moves.
+const CLOSED_BOOT: &str = "closed_boot_id";
+const CLOSED_BOOTTIME: &str = "closed_boottime_ms";
 /// Set by a clean close during the quarantine of every resource that follows an unclean stop:
 /// when that quarantine ends.
 const ALL_QUARANTINED_UNTIL: &str = "all_quarantined_until_unix_ms";
@@ -346,11 +351,68 @@ impl EpochStore for RedbStore {
     }
 }
 
-/// Milliseconds since the Unix epoch, by the wall clock: the only clock two processes share.
-fn unix_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
+/// The clocks a close and the next open compare: the wall clock (kept in the file for people and
+/// for files of earlier versions) and, where Linux provides them, the boot and its own clock.
+#[derive(Clone, Copy, Debug)]
+struct Stamp {
+    /// Milliseconds since the Unix epoch, by the wall clock.
+    unix_ms: u64,
+    /// The first 64 bits of the kernel's boot id: equal for two processes of one boot.
+    boot: Option<u64>,
+    /// Milliseconds of `CLOCK_BOOTTIME`: monotonic through the whole boot, suspend included, and
+    /// not moved by the wall clock (NTP steps, an operator's `date -s`).
+    boottime_ms: Option<u64>,
+}
+
+impl Stamp {
+    fn now() -> Stamp {
+        let unix_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+            .ok()
+            .and_then(|id| boot_prefix(&id));
+        let boottime_ms = nix::time::clock_gettime(nix::time::ClockId::CLOCK_BOOTTIME)
+            .ok()
+            .map(|t| Duration::from(t).as_millis() as u64);
+        Stamp {
+            unix_ms,
+            boot,
+            boottime_ms,
+        }
+    }
+
+    /// How long ago a clean close at `closed` was, as far as it can be known for certain: on the
+    /// boot's clock when both are of this boot; zero after a reboot or where the boot is unknown
+    /// (the wall clock is the only clock left, and one set forward would cut a quarantine short:
+    /// waiting it out again costs at most one quarantine); by the wall clock for a close by an
+    /// earlier version, which kept nothing else.
+    fn since(&self, closed: &ClosedAt) -> Duration {
+        let ms = match (closed.boot, closed.boottime_ms) {
+            (Some(boot), Some(then)) => match (self.boot, self.boottime_ms) {
+                (Some(b), Some(now)) if b == boot => now.saturating_sub(then),
+                _ => 0,
+            },
+            _ => self.unix_ms.saturating_sub(closed.unix_ms),
+        };
+        Duration::from_millis(ms)
+    }
+}
+
+/// The first 16 hex digits of a boot id (`/proc/sys/kernel/random/boot_id`, a UUID).
+fn boot_prefix(id: &str) -> Option<u64> {
+    let hex: String = id.trim().chars().filter(|c| *c != '-').take(16).collect();
+    (hex.len() == 16)
+        .then(|| u64::from_str_radix(&hex, 16).ok())
+        .flatten()
+}
+
+/// What a clean close left in the file about when it happened.
+#[derive(Clone, Copy, Debug)]
+struct ClosedAt {
+    unix_ms: u64,
+    boot: Option<u64>,
+    boottime_ms: Option<u64>,
 }
 
 /// The longest a resource can stay closed after a write of this process: its answer waited
@@ -370,13 +432,19 @@ struct Saved {
 }
 
 /// Reads how the last process left the file and marks it open, in one durable commit. Saved
-/// quarantines are taken out of the file (this process saves its own at close) and capped at
-/// the longer of `cap` and the closing process's cap, so that a wall clock set back cannot
-/// close a resource for longer, and a restart with shorter settings does not cut one short.
+/// quarantines are taken out of the file (this process saves its own at close); each keeps the
+/// time it had left at the close less the time since ([`Stamp::since`]), capped at the longer of
+/// `cap` and the closing process's cap, so that a restart with shorter settings does not cut
+/// one short and a file of an earlier version, whose ends are wall-clock times, cannot close a
+/// resource for longer when the clock was set back.
 fn reopen(db: &Database, cap: Duration) -> Result<Reopened, redb::Error> {
+    reopen_at(db, cap, &Stamp::now())
+}
+
+/// [`reopen`] at the time `now`.
+fn reopen_at(db: &Database, cap: Duration, now: &Stamp) -> Result<Reopened, redb::Error> {
     let mut txn = db.begin_write()?;
     txn.set_durability(Durability::Immediate)?;
-    let now = unix_ms();
     let reopened = {
         // Created now too, so that a read before the first write finds the table.
         let epochs = txn.open_table(EPOCHS)?;
@@ -390,9 +458,28 @@ fn reopen(db: &Database, cap: Duration) -> Result<Reopened, redb::Error> {
         let cap = state
             .get(QUARANTINE_CAP)?
             .map_or(cap, |c| cap.max(Duration::from_millis(c.value())));
+        let closed = state.get(CLOSED_AT)?.map(|at| ClosedAt {
+            unix_ms: at.value(),
+            boot: None,
+            boottime_ms: None,
+        });
+        let closed = match closed {
+            Some(mut closed) => {
+                closed.boot = state.get(CLOSED_BOOT)?.map(|v| v.value());
+                closed.boottime_ms = state.get(CLOSED_BOOTTIME)?.map(|v| v.value());
+                Some(closed)
+            }
+            None => None,
+        };
+        // Saved ends are wall-clock times of the close: what was left then is `until - closed
+        // at`, whatever the wall clock says now.
         let left = |until: u64| {
-            Some(Duration::from_millis(until.saturating_sub(now)).min(cap))
-                .filter(|left| !left.is_zero())
+            let left = match &closed {
+                Some(closed) => Duration::from_millis(until.saturating_sub(closed.unix_ms))
+                    .saturating_sub(now.since(closed)),
+                None => Duration::from_millis(until.saturating_sub(now.unix_ms)),
+            };
+            Some(left.min(cap)).filter(|left| !left.is_zero())
         };
         let all_quarantined = state
             .get(ALL_QUARANTINED_UNTIL)?
@@ -405,10 +492,15 @@ fn reopen(db: &Database, cap: Duration) -> Result<Reopened, redb::Error> {
             }
         }
         saved.retain(|_, _| false)?;
-        for key in [CLOSED_AT, ALL_QUARANTINED_UNTIL] {
+        for key in [
+            CLOSED_AT,
+            CLOSED_BOOT,
+            CLOSED_BOOTTIME,
+            ALL_QUARANTINED_UNTIL,
+        ] {
             state.remove(key)?;
         }
-        state.insert(OPENED_AT, now)?;
+        state.insert(OPENED_AT, now.unix_ms)?;
         // Kept while the file is open: if this process crashes, the next one waits out the
         // longest quarantine either could have set.
         state.insert(QUARANTINE_CAP, cap.as_millis() as u64)?;
@@ -425,9 +517,14 @@ fn reopen(db: &Database, cap: Duration) -> Result<Reopened, redb::Error> {
 
 /// Writes what a clean close saves and marks the file closed, durably.
 fn save_and_close(db: &Database, saved: &Saved) -> Result<(), redb::Error> {
+    save_and_close_at(db, saved, &Stamp::now())
+}
+
+/// [`save_and_close`] at the time `stamp`.
+fn save_and_close_at(db: &Database, saved: &Saved, stamp: &Stamp) -> Result<(), redb::Error> {
     let mut txn = db.begin_write()?;
     txn.set_durability(Durability::Immediate)?;
-    let now = unix_ms();
+    let now = stamp.unix_ms;
     // Rounded up: a quarantine is never shortened by the save.
     let until = |left: &Duration| now + left.as_nanos().div_ceil(1_000_000) as u64;
     {
@@ -444,6 +541,12 @@ fn save_and_close(db: &Database, saved: &Saved) -> Result<(), redb::Error> {
         }
         state.insert(QUARANTINE_CAP, saved.cap.as_millis() as u64)?;
         state.insert(CLOSED_AT, now)?;
+        state.remove(CLOSED_BOOT)?;
+        state.remove(CLOSED_BOOTTIME)?;
+        if let (Some(boot), Some(boottime)) = (stamp.boot, stamp.boottime_ms) {
+            state.insert(CLOSED_BOOT, boot)?;
+            state.insert(CLOSED_BOOTTIME, boottime)?;
+        }
     }
     txn.commit()?;
     Ok(())
@@ -905,6 +1008,87 @@ mod tests {
         // Taken out of the file: a crash now leaves no stale copy (the unclean stop covers it).
         let again = reopen(&db, Duration::from_secs(10)).unwrap();
         assert!(again.unclean && again.quarantines.is_empty() && again.all_quarantined.is_none());
+    }
+
+    /// Goal: the time left of a saved quarantine is measured on the boot's clock when the close
+    /// and the open are of one boot, whatever the wall clock did between them; after a reboot
+    /// (or where the boot is unknown) the whole time left at the close is waited again; a file
+    /// closed by an earlier version (wall-clock ends only) keeps the wall-clock rule.
+    #[test]
+    fn saved_quarantines_count_time_on_the_boot_clock() {
+        let minute = Duration::from_secs(60);
+        let at = |unix_ms: u64, boot: Option<u64>, boottime_ms: Option<u64>| Stamp {
+            unix_ms,
+            boot,
+            boottime_ms,
+        };
+        let closing = at(10_000_000, Some(7), Some(50_000));
+        // Opened 10 s later by the boot's clock, with the wall clock an hour ahead, an hour
+        // behind, and right; then after a reboot, with no boot clock, and by an earlier version.
+        let cases: [(&str, Stamp, Stamp, Duration); 6] = [
+            (
+                "wall clock an hour ahead",
+                closing,
+                at(10_000_000 + 3_610_000, Some(7), Some(60_000)),
+                Duration::from_secs(20),
+            ),
+            (
+                "wall clock an hour behind",
+                closing,
+                at(10_000_000 - 3_590_000, Some(7), Some(60_000)),
+                Duration::from_secs(20),
+            ),
+            (
+                "wall clock right",
+                closing,
+                at(10_010_000, Some(7), Some(60_000)),
+                Duration::from_secs(20),
+            ),
+            (
+                "after a reboot",
+                closing,
+                at(10_000_000 + 3_610_000, Some(8), Some(1_000)),
+                Duration::from_secs(30),
+            ),
+            (
+                "no boot clock now",
+                closing,
+                at(10_000_000 + 3_610_000, None, None),
+                Duration::from_secs(30),
+            ),
+            (
+                "closed by an earlier version",
+                at(10_000_000, None, None),
+                at(10_010_000, Some(7), Some(60_000)),
+                Duration::from_secs(20),
+            ),
+        ];
+        for (what, close, open, expected) in cases {
+            let dir = tempfile::tempdir().unwrap();
+            let db = Database::create(dir.path().join("e.redb")).unwrap();
+            let txn = db.begin_write().unwrap();
+            txn.open_table(EPOCHS).unwrap().insert("a", 1).unwrap();
+            txn.commit().unwrap();
+            let saved = Saved {
+                quarantines: vec![("a".to_owned(), Duration::from_secs(30))],
+                all_quarantined: Some(Duration::from_secs(30)),
+                cap: minute,
+            };
+            save_and_close_at(&db, &saved, &close).unwrap();
+            let reopened = reopen_at(&db, minute, &open).unwrap();
+            assert!(!reopened.unclean, "{what}");
+            assert_eq!(
+                reopened.quarantines,
+                vec![("a".to_owned(), expected)],
+                "{what}"
+            );
+            assert_eq!(reopened.all_quarantined, Some(expected), "{what}");
+        }
+        assert_eq!(
+            boot_prefix("5f1c2a0e-7d3b-4c1a-9e2f-0123456789ab\n"),
+            Some(0x5f1c_2a0e_7d3b_4c1a)
+        );
+        assert_eq!(boot_prefix("not a boot id"), None);
     }
 
     /// Goal: a permit dropped where no runtime runs (so no release can be spawned for it)

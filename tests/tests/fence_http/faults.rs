@@ -215,6 +215,60 @@ async fn a_quarantine_outlives_a_graceful_restart() {
     assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
 }
 
+/// Attack: the quarantine a clean stop saves was kept as a wall-clock end; a process restarted
+/// with its wall clock an hour ahead (an NTP step, a VM resumed with a stale clock set right)
+/// found it long over and forwarded the next holder's write while the upstream still worked on
+/// the timed-out one. Goal: within one boot the time left is measured on the boot's own clock
+/// (`CLOCK_BOOTTIME`), which no setting of the wall clock moves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_saved_quarantine_ignores_a_wall_clock_set_forward() {
+    let faketime = lockd_tests::chaos::clock::find_library().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = HttpUpstream::start().await.unwrap();
+    let mut proxy = FenceProxy::start(
+        &upstream.url(),
+        &redb_store(&dir),
+        &[
+            "--upstream-timeout",
+            "300ms",
+            "--quarantine",
+            "5s",
+            "--lock-wait",
+            "8s",
+        ],
+    )
+    .await
+    .unwrap();
+    let started = Instant::now();
+    time_out(&proxy, "orders/1", "1", 4000).await;
+    let status = proxy.stop(Duration::from_secs(10)).await.unwrap();
+    assert!(
+        status.success(),
+        "fence-proxy exited {status} after SIGTERM"
+    );
+    // The wall clock one hour ahead; the monotonic clocks as they are.
+    proxy.set_env(&[
+        ("LD_PRELOAD", faketime.to_str().unwrap()),
+        ("FAKETIME", "+3600"),
+        ("FAKETIME_DONT_FAKE_MONOTONIC", "1"),
+        ("FAKETIME_DONT_RESET", "1"),
+    ]);
+    proxy.restart().await.unwrap();
+
+    let reply = put(&proxy, "orders/1", "2", "next").await;
+    assert_eq!(reply.status, 200, "{reply:?}");
+    assert!(
+        started.elapsed() >= Duration::from_millis(5300),
+        "the wall clock cut the quarantine short: token 2 forwarded {:?} after token 1",
+        started.elapsed()
+    );
+    assert_eq!(
+        applied_tokens(&upstream),
+        [1, 2],
+        "the late write must be applied before the next one"
+    );
+}
+
 /// Attack (review, HIGH): a proxy killed while the upstream works on a write forgot it had been
 /// in flight; restarted at once, it forwarded the next holder's write, and the upstream applied
 /// 2, then 1. Goal: after an unclean stop every resource is quarantined for `--upstream-timeout`
