@@ -15,6 +15,8 @@ pub const DEFAULT_MAX_IN_FLIGHT: u64 = 1024;
 /// Default bound on client connections open at once; past it the proxy stops accepting until one
 /// closes, so that idle or slow connections cannot exhaust file descriptors and memory.
 pub const DEFAULT_MAX_CONNECTIONS: u64 = 4096;
+/// Connections one client address may hold at once, as lockd's gRPC port allows one source.
+pub const DEFAULT_MAX_CONNECTIONS_PER_CLIENT: u64 = 256;
 
 /// Default time a client has to send a complete request head (and, on a new connection, its
 /// first one); past it the connection is closed. Bounds how long a slowloris client holds a
@@ -104,6 +106,13 @@ pub struct Args {
           default_value_t = DEFAULT_MAX_CONNECTIONS, value_parser = clap::value_parser!(u64).range(1..))]
     pub max_connections: u64,
 
+    /// Client connections one source address may hold at once; past it its new connections are
+    /// closed at once, so one client cannot take every connection. Raise it for many clients
+    /// behind one address (a NAT, a load balancer that does not keep client addresses).
+    #[arg(long, env = "FENCE_PROXY_MAX_CONNECTIONS_PER_CLIENT", value_name = "N",
+          default_value_t = DEFAULT_MAX_CONNECTIONS_PER_CLIENT, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_connections_per_client: u64,
+
     /// Time a client has to send a complete request head, also while a kept-alive connection
     /// idles between requests; past it the connection is closed.
     #[arg(long, env = "FENCE_PROXY_HEADER_READ_TIMEOUT", value_name = "DURATION",
@@ -168,6 +177,7 @@ impl Args {
         crate::server::Limits {
             max_in_flight: self.max_in_flight as usize,
             max_connections: self.max_connections as usize,
+            max_connections_per_client: self.max_connections_per_client as usize,
             header_read_timeout: self.header_read_timeout,
             idle_timeout: self.idle_timeout,
             send_timeout: self.send_timeout,

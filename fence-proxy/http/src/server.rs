@@ -13,6 +13,7 @@ use fence_proxy_net::{ConnectionThreads, TlsReloader};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::service::TowerToHyperService;
+use lockd_service_kit::admission::{SourceSlots, TrustedSources};
 use lockd_service_kit::checks::Readiness;
 use lockd_service_kit::flow_watch::FlowWatch;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -424,6 +425,8 @@ pub struct Limits {
     pub max_in_flight: usize,
     /// Client connections open at once; more wait in the kernel's accept backlog.
     pub max_connections: usize,
+    /// Client connections one source address may hold at once; more are closed at once.
+    pub max_connections_per_client: usize,
     /// Time a client has to send a complete request head (and, on a new connection, the first
     /// bytes that show its protocol); past it the connection is closed.
     pub header_read_timeout: Duration,
@@ -442,6 +445,7 @@ impl Default for Limits {
         Limits {
             max_in_flight: crate::args::DEFAULT_MAX_IN_FLIGHT as usize,
             max_connections: crate::args::DEFAULT_MAX_CONNECTIONS as usize,
+            max_connections_per_client: crate::args::DEFAULT_MAX_CONNECTIONS_PER_CLIENT as usize,
             header_read_timeout: humantime::parse_duration(
                 crate::args::DEFAULT_HEADER_READ_TIMEOUT,
             )
@@ -591,6 +595,13 @@ pub async fn serve_with_access(
     // Cancelled at shutdown: every connection closes gracefully (requests in flight end first).
     let drain = CancellationToken::new();
     let connections = Arc::new(Semaphore::new(limits.max_connections));
+    // Without a bound per address, one client holding `--max-connections` idle connections
+    // (a header byte before each header read timeout) kept every other client in the backlog.
+    let per_client = SourceSlots::new(
+        limits.max_connections,
+        limits.max_connections_per_client,
+        TrustedSources::default(),
+    );
     // Each connection is served on one thread for its lifetime, requests and their upstream
     // connections included (see `upstream`): no hand-off between threads per request.
     let threads = ConnectionThreads::start(limits.threads, "fence-proxy-http")?;
@@ -622,6 +633,16 @@ pub async fn serve_with_access(
             drop(stream);
             continue;
         }
+        // Closed at once rather than left waiting: waiting, it would hold up the clients
+        // behind it in the backlog.
+        let place = match per_client.admit(peer.ip()) {
+            Ok(place) => place,
+            Err(why) => {
+                tracing::info!(%peer, "closing a connection: {why} (--max-connections-per-client)");
+                drop(stream);
+                continue;
+            }
+        };
         let _ = stream.set_nodelay(true);
         // Registered again on the thread that serves it.
         let stream = match stream.into_std() {
@@ -642,8 +663,9 @@ pub async fn serve_with_access(
             send: limits.send_timeout,
         };
         threads.spawn(&connection_tasks, async move {
-            // The slot is given back when this task ends, with the connection.
+            // The slot and the place are given back when this task ends, with the connection.
             let _slot = slot;
+            let _place = place;
             let stream = match TcpStream::from_std(stream) {
                 Ok(stream) => stream,
                 Err(e) => {

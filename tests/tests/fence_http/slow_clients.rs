@@ -320,6 +320,83 @@ async fn issue13_max_connections_caps_open_connections() {
     drop(idle_b);
 }
 
+/// A connection to `to` from the loopback address `from`, or `None` if the proxy neither accepts
+/// it nor has room for it in the kernel's backlog within 500 ms.
+async fn connect_from(from: std::net::Ipv4Addr, to: std::net::SocketAddr) -> Option<TcpStream> {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind((from, 0).into()).unwrap();
+    tokio::time::timeout(Duration::from_millis(500), socket.connect(to))
+        .await
+        .ok()?
+        .ok()
+}
+
+/// Attack: one client address opened as many idle connections as `--max-connections` allows
+/// (each kept open by a header byte before the header read timeout): every other client waited
+/// in the kernel's backlog until those connections were closed, and the attacker reopened them.
+/// Goal: one address holds at most `--max-connections-per-client` (default 256) at once; past
+/// it its connections are closed at once, and other clients are served.
+/// Method: `--max-connections 512`; 600 idle connections from one address; a GET from another
+/// address must be answered within 3 s (on main it waited for the 30 s header read timeout).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_client_address_cannot_hold_every_connection() {
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = HttpUpstream::start().await.unwrap();
+    let proxy = FenceProxy::start(
+        &upstream.url(),
+        &redb_store(&dir),
+        &["--max-connections", "512", "--header-read-timeout", "30s"],
+    )
+    .await
+    .unwrap();
+    let attacker = lockd_tests::process::random_loopback_ip();
+    let mut victim = lockd_tests::process::random_loopback_ip();
+    while victim == attacker {
+        victim = lockd_tests::process::random_loopback_ip();
+    }
+    let mut held = Vec::new();
+    for _ in 0..600 {
+        if let Some(s) = connect_from(attacker, proxy.addr).await {
+            held.push(s);
+        }
+    }
+    // Let the proxy accept (and, past the bound, close) what it will.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let started = Instant::now();
+    let served = tokio::time::timeout(Duration::from_secs(3), async {
+        let mut s = connect_from(victim, proxy.addr)
+            .await
+            .expect("the victim could not even connect");
+        s.write_all(b"GET /obj HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        read_response_head(&mut s).await
+    })
+    .await;
+    let head = served.unwrap_or_else(|_| {
+        panic!(
+            "another client was not served for {:?} while one address held {} connections",
+            started.elapsed(),
+            held.len()
+        )
+    });
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    // The attacker's connections past its bound were closed by the proxy: of the first 300,
+    // at most 256 stay open.
+    let mut open = 0;
+    for s in held.iter_mut().take(300) {
+        let mut byte = [0u8; 1];
+        match tokio::time::timeout(Duration::from_millis(20), s.read(&mut byte)).await {
+            Err(_) => open += 1,
+            Ok(Ok(0)) | Ok(Err(_)) => {}
+            Ok(Ok(_)) => panic!("the proxy sent bytes to an idle connection"),
+        }
+    }
+    assert!(open <= 256, "{open} connections of one address stayed open");
+    drop(held);
+}
+
 /// A GET of `path` over a new h2c connection (prior knowledge) to `proxy`: the response (body
 /// unread), the task driving the connection, which ends when the connection does, and the
 /// connection's sender (dropping it lets the client close the connection itself).
