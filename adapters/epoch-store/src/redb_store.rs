@@ -213,6 +213,7 @@ impl RedbStore {
                 RedbPermit {
                     guard,
                     quarantine: self.timing.quarantine,
+                    dropped_quarantine: longest_quarantine(&self.timing),
                     released: false,
                 },
             ))
@@ -243,7 +244,12 @@ impl RedbStore {
 /// The release half of a redb permit: the in-process guard.
 struct RedbPermit {
     guard: SlotGuard,
+    /// After a forward whose outcome is unknown, counted from when the proxy gave up on it.
     quarantine: std::time::Duration,
+    /// After a permit dropped unreleased: its write may have been sent just before, so the
+    /// whole time the proxy would have waited for it and then quarantined it (as after an
+    /// unclean stop).
+    dropped_quarantine: std::time::Duration,
     /// Set by `release`. A permit dropped without it (its `Permit` was dropped where no Tokio
     /// runtime runs, so no release was spawned) quarantines the resource: nobody knows what
     /// became of its write.
@@ -267,7 +273,7 @@ impl PermitRelease for RedbPermit {
 impl Drop for RedbPermit {
     fn drop(&mut self) {
         if !self.released {
-            self.guard.quarantine(self.quarantine);
+            self.guard.quarantine(self.dropped_quarantine);
         }
     }
 }
@@ -1096,9 +1102,18 @@ mod tests {
     #[tokio::test]
     async fn a_permit_dropped_outside_a_runtime_quarantines() {
         let dir = tempfile::tempdir().unwrap();
-        let store = RedbStore::open(dir.path().join("e.redb"), timing()).unwrap();
+        let timing = Timing {
+            forward_timeout: Duration::from_secs(2),
+            ..timing()
+        };
+        let store = RedbStore::open(dir.path().join("e.redb"), timing).unwrap();
         let permit = accepted(&store, "a", 1).await;
         std::thread::spawn(move || drop(permit)).join().unwrap();
+        let err = store.admit("a", FencingToken(2)).await.unwrap_err();
+        assert!(err.to_string().contains("quarantined"), "{err}");
+        // Its write may have been sent just before the drop: the quarantine covers the wait for
+        // its answer too (--upstream-timeout + --quarantine), not --quarantine (300 ms) alone.
+        tokio::time::sleep(Duration::from_millis(600)).await;
         let err = store.admit("a", FencingToken(2)).await.unwrap_err();
         assert!(err.to_string().contains("quarantined"), "{err}");
     }

@@ -91,9 +91,10 @@ pub struct Proxy {
     /// Decides writes and orders them by token per resource; `dyn` so the store is chosen at run
     /// time.
     store: Arc<dyn EpochStore>,
-    /// Connection pool to the upstream. Request bodies are wrapped so that a write's permit is
-    /// held until its body has been sent completely.
-    client: Client<UpstreamConnector, TrackedBody<Incoming>>,
+    /// Connection pools to the upstream for writes, one per thread that forwards writes (see
+    /// [`Proxy::write_client`]). Request bodies are wrapped so that a write's permit is held
+    /// until its body has been sent completely.
+    write_clients: WriteClients,
     /// Connections for reads, driven by the task that forwards each read.
     reads: Arc<UpstreamPool>,
     /// Write tasks in flight, awaited on shutdown so that their permits are released.
@@ -103,27 +104,52 @@ pub struct Proxy {
     /// frees the request's own slot at once), and without this bound a client that resets
     /// every write could leave any number of them queued behind a quarantine.
     write_slots: Arc<Semaphore>,
-    /// Where write tasks run: the runtime [`Proxy::new`] was called on.
-    write_runtime: tokio::runtime::Handle,
+}
+
+/// hyper-util's client drives each pooled connection in a task on the runtime that opened it; one
+/// client per thread keeps a write's connection on the thread that serves the write, so that no
+/// request or response crosses threads (the connection threads of `fence-proxy-net`).
+type WriteClient = Client<UpstreamConnector, TrackedBody<Incoming>>;
+struct WriteClients {
+    connector: UpstreamConnector,
+    by_thread: std::sync::Mutex<Vec<(std::thread::ThreadId, WriteClient)>>,
 }
 
 impl Proxy {
     /// A proxy forwarding to `config.upstream`, admitting writes through `store`, with at most
-    /// `max_writes` write tasks at a time. Must be called inside a Tokio runtime: write tasks run
-    /// on it, also when requests are served elsewhere.
+    /// `max_writes` write tasks at a time. Write tasks run on the runtime of the request that
+    /// starts them.
     pub fn new(config: ProxyConfig, store: Arc<dyn EpochStore>, max_writes: usize) -> Arc<Self> {
         let connector = UpstreamConnector::new(&config.upstream);
-        let client = Client::builder(TokioExecutor::new()).build(connector);
         let reads = UpstreamPool::new(&config.upstream);
         Arc::new(Proxy {
             config,
             store,
-            client,
+            write_clients: WriteClients {
+                connector,
+                by_thread: std::sync::Mutex::default(),
+            },
             reads,
             writes: TaskTracker::new(),
             write_slots: Arc::new(Semaphore::new(max_writes)),
-            write_runtime: tokio::runtime::Handle::current(),
         })
+    }
+
+    /// The write client of the calling thread (made on its first write).
+    fn write_client(&self) -> WriteClient {
+        let thread = std::thread::current().id();
+        let mut clients = self
+            .write_clients
+            .by_thread
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some((_, client)) = clients.iter().find(|(t, _)| *t == thread) {
+            return client.clone();
+        }
+        let client =
+            Client::builder(TokioExecutor::new()).build(self.write_clients.connector.clone());
+        clients.push((thread, client.clone()));
+        client
     }
 
     pub(crate) fn writes(&self) -> &TaskTracker {
@@ -170,9 +196,11 @@ impl Proxy {
         // exchange to its end and releases the permit with the right outcome instead of being
         // cancelled half-way. It hands the response over as soon as the head is there and keeps
         // the permit until both bodies have ended.
-        // It runs on the runtime that made the proxy (the accept loop's), not on the connection
-        // thread: those threads stop at the end of the drain, and a write cut off there would
-        // have its permit dropped without the quarantine its release sets.
+        // It runs on the thread that serves the request (a connection thread), with that
+        // thread's upstream connections: no hand-off between threads per write. The drain waits
+        // for it; a write still running when the drain gives up is dropped with its thread,
+        // and its permit's drop quarantines the resource (the redb store for
+        // `--upstream-timeout` + `--quarantine`; the Postgres store's `busy_until` stays set).
         // The slot is taken here, where waiting is still cancellable: a client that goes away
         // now leaves nothing behind.
         let slot = self
@@ -188,7 +216,7 @@ impl Proxy {
                 let _slot = slot;
                 this.write(request, fence, respond).await
             },
-            &self.write_runtime,
+            &tokio::runtime::Handle::current(),
         );
         Ok(match response.await {
             Ok(response) => response,
@@ -366,7 +394,7 @@ impl Proxy {
             Ok(request) => request,
             Err(refusal) => return (Err(refusal), ForwardOutcome::NotSent),
         };
-        match timed(deadline, self.client.request(request)).await {
+        match timed(deadline, self.write_client().request(request)).await {
             Ok(Ok(response)) => (Ok(strip_response(response)), ForwardOutcome::Answered),
             Ok(Err(e)) => {
                 let not_sent = e.is_connect();

@@ -12,8 +12,9 @@
 //! loop of the thread that opened it, and is reused only by requests served on that thread (the
 //! connection threads of `fence-proxy-net`), so no wake-up crosses threads.
 //!
-//! Writes keep hyper-util's client: their request body must keep flowing while the write task
-//! waits for it, independently of who reads the response body (see `exchange`).
+//! Writes keep hyper-util's client (one per thread, so their connections stay on the thread
+//! too): their request body must keep flowing while the write task waits for it, independently
+//! of who reads the response body (see `exchange`).
 
 use std::collections::VecDeque;
 use std::pin::Pin;
