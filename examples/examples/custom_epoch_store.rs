@@ -61,7 +61,10 @@ impl EpochStore for MemoryStore {
             Ok(Admission::Accepted(Permit::new(
                 resource,
                 token,
-                MemoryPermit { guard },
+                MemoryPermit {
+                    guard,
+                    released: false,
+                },
             )))
         })
     }
@@ -73,6 +76,9 @@ impl EpochStore for MemoryStore {
 
 struct MemoryPermit {
     guard: SlotGuard,
+    /// Set by `release`: a permit dropped without it (its write was cut off, say at shutdown,
+    /// where nothing spawned for it runs) must keep the resource closed all the same.
+    released: bool,
 }
 
 impl PermitRelease for MemoryPermit {
@@ -83,8 +89,17 @@ impl PermitRelease for MemoryPermit {
         if outcome == ForwardOutcome::Unknown {
             self.guard.quarantine(QUARANTINE);
         }
+        self.released = true;
         drop(self);
         Box::pin(async { Ok(()) })
+    }
+}
+
+impl Drop for MemoryPermit {
+    fn drop(&mut self) {
+        if !self.released {
+            self.guard.quarantine(QUARANTINE);
+        }
     }
 }
 

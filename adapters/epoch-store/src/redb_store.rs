@@ -38,6 +38,10 @@ const CLOSED_AT: &str = "closed_at_unix_ms";
 /// on that clock, which no setting of the wall clock moves.
 const CLOSED_BOOT: &str = "closed_boot_id";
 const CLOSED_BOOTTIME: &str = "closed_boottime_ms";
+/// [`CLOSED_AT`] of the close that wrote the two keys above, written by every close of this
+/// version: an earlier version leaves them in place when it opens and closes the file, and its
+/// close must not be measured from them.
+const CLOSED_BOOT_FOR: &str = "closed_boot_for_unix_ms";
 /// Set by a clean close during the quarantine of every resource that follows an unclean stop:
 /// when that quarantine ends.
 const ALL_QUARANTINED_UNTIL: &str = "all_quarantined_until_unix_ms";
@@ -268,6 +272,12 @@ impl PermitRelease for RedbPermit {
         drop(self);
         Box::pin(async { Ok(()) })
     }
+
+    fn abandon(self: Box<Self>) -> BoxFuture<'static, Result<(), StoreError>> {
+        // The drop quarantines for the longer period, as a permit dropped without a runtime.
+        drop(self);
+        Box::pin(async { Ok(()) })
+    }
 }
 
 impl Drop for RedbPermit {
@@ -389,17 +399,18 @@ impl Stamp {
     }
 
     /// How long ago a clean close at `closed` was, as far as it can be known for certain: on the
-    /// boot's clock when both are of this boot; zero after a reboot or where the boot is unknown
-    /// (the wall clock is the only clock left, and one set forward would cut a quarantine short:
-    /// waiting it out again costs at most one quarantine); by the wall clock for a close by an
-    /// earlier version, which kept nothing else.
+    /// boot's clock when both are of this boot; zero after a reboot or where either boot clock
+    /// is unknown (the wall clock is the only clock left, and one set forward would cut a
+    /// quarantine short: waiting it out again costs at most one quarantine); by the wall clock
+    /// for a close by the version before, which kept nothing else.
     fn since(&self, closed: &ClosedAt) -> Duration {
-        let ms = match (closed.boot, closed.boottime_ms) {
-            (Some(boot), Some(then)) => match (self.boot, self.boottime_ms) {
-                (Some(b), Some(now)) if b == boot => now.saturating_sub(then),
+        let ms = match closed.clock {
+            CloseClock::Boot { boot, boottime_ms } => match (self.boot, self.boottime_ms) {
+                (Some(b), Some(now)) if b == boot => now.saturating_sub(boottime_ms),
                 _ => 0,
             },
-            _ => self.unix_ms.saturating_sub(closed.unix_ms),
+            CloseClock::Unknown => 0,
+            CloseClock::WallOnly => self.unix_ms.saturating_sub(closed.unix_ms),
         };
         Duration::from_millis(ms)
     }
@@ -416,9 +427,20 @@ fn boot_prefix(id: &str) -> Option<u64> {
 /// What a clean close left in the file about when it happened.
 #[derive(Clone, Copy, Debug)]
 struct ClosedAt {
+    /// [`CLOSED_AT`].
     unix_ms: u64,
-    boot: Option<u64>,
-    boottime_ms: Option<u64>,
+    clock: CloseClock,
+}
+
+/// The clock a close can be measured from.
+#[derive(Clone, Copy, Debug)]
+enum CloseClock {
+    /// Its boot and the boot's clock then.
+    Boot { boot: u64, boottime_ms: u64 },
+    /// None: the close had no boot clock, or the boot keys are of another close.
+    Unknown,
+    /// The wall clock: a close by the version before, which wrote no boot keys.
+    WallOnly,
 }
 
 /// The longest a resource can stay closed after a write of this process: its answer waited
@@ -464,16 +486,21 @@ fn reopen_at(db: &Database, cap: Duration, now: &Stamp) -> Result<Reopened, redb
         let cap = state
             .get(QUARANTINE_CAP)?
             .map_or(cap, |c| cap.max(Duration::from_millis(c.value())));
-        let closed = state.get(CLOSED_AT)?.map(|at| ClosedAt {
-            unix_ms: at.value(),
-            boot: None,
-            boottime_ms: None,
-        });
-        let closed = match closed {
-            Some(mut closed) => {
-                closed.boot = state.get(CLOSED_BOOT)?.map(|v| v.value());
-                closed.boottime_ms = state.get(CLOSED_BOOTTIME)?.map(|v| v.value());
-                Some(closed)
+        let closed = match state.get(CLOSED_AT)?.map(|at| at.value()) {
+            Some(unix_ms) => {
+                let boot_for = state.get(CLOSED_BOOT_FOR)?.map(|v| v.value());
+                let boot = state.get(CLOSED_BOOT)?.map(|v| v.value());
+                let boottime_ms = state.get(CLOSED_BOOTTIME)?.map(|v| v.value());
+                let clock = match (boot_for, boot, boottime_ms) {
+                    (None, _, _) => CloseClock::WallOnly,
+                    (Some(at), Some(boot), Some(boottime_ms)) if at == unix_ms => {
+                        CloseClock::Boot { boot, boottime_ms }
+                    }
+                    // Without a boot clock at the close, or keys an earlier version left from
+                    // another close (it was run on the file since).
+                    _ => CloseClock::Unknown,
+                };
+                Some(ClosedAt { unix_ms, clock })
             }
             None => None,
         };
@@ -502,6 +529,7 @@ fn reopen_at(db: &Database, cap: Duration, now: &Stamp) -> Result<Reopened, redb
             CLOSED_AT,
             CLOSED_BOOT,
             CLOSED_BOOTTIME,
+            CLOSED_BOOT_FOR,
             ALL_QUARANTINED_UNTIL,
         ] {
             state.remove(key)?;
@@ -553,6 +581,8 @@ fn save_and_close_at(db: &Database, saved: &Saved, stamp: &Stamp) -> Result<(), 
             state.insert(CLOSED_BOOT, boot)?;
             state.insert(CLOSED_BOOTTIME, boottime)?;
         }
+        // Also without a boot clock: boot keys an earlier close left are then not this one's.
+        state.insert(CLOSED_BOOT_FOR, now)?;
     }
     txn.commit()?;
     Ok(())
@@ -1030,7 +1060,7 @@ mod tests {
         };
         let closing = at(10_000_000, Some(7), Some(50_000));
         // Opened 10 s later by the boot's clock, with the wall clock an hour ahead, an hour
-        // behind, and right; then after a reboot, with no boot clock, and by an earlier version.
+        // behind, and right; then after a reboot, and with no boot clock now or at the close.
         let cases: [(&str, Stamp, Stamp, Duration); 6] = [
             (
                 "wall clock an hour ahead",
@@ -1063,10 +1093,10 @@ mod tests {
                 Duration::from_secs(30),
             ),
             (
-                "closed by an earlier version",
+                "no boot clock at the close",
                 at(10_000_000, None, None),
                 at(10_010_000, Some(7), Some(60_000)),
-                Duration::from_secs(20),
+                Duration::from_secs(30),
             ),
         ];
         for (what, close, open, expected) in cases {
@@ -1089,6 +1119,64 @@ mod tests {
                 "{what}"
             );
             assert_eq!(reopened.all_quarantined, Some(expected), "{what}");
+        }
+        // Files the version before (12e96d6, wall-clock ends only) closed, written by hand as
+        // it writes them: one it alone closed keeps the wall-clock rule; one this version closed,
+        // then it opened and closed (a rollback) leaves this version's boot keys behind, which
+        // must not measure its close (review: an hour of boot clock cut its quarantine to 0).
+        for (what, new_close_first, expected) in [
+            (
+                "closed by the version before only",
+                false,
+                Duration::from_secs(20),
+            ),
+            (
+                "closed by it after this version",
+                true,
+                Duration::from_secs(30),
+            ),
+        ] {
+            let dir = tempfile::tempdir().unwrap();
+            let db = Database::create(dir.path().join("e.redb")).unwrap();
+            let txn = db.begin_write().unwrap();
+            txn.open_table(EPOCHS).unwrap().insert("a", 1).unwrap();
+            txn.commit().unwrap();
+            if new_close_first {
+                let saved = Saved {
+                    quarantines: Vec::new(),
+                    all_quarantined: None,
+                    cap: minute,
+                };
+                save_and_close_at(&db, &saved, &closing).unwrap();
+                // The version before opens it: it knows nothing of the boot keys.
+                let txn = db.begin_write().unwrap();
+                {
+                    let mut state = txn.open_table(STATE).unwrap();
+                    state.remove(CLOSED_AT).unwrap();
+                    state.remove(ALL_QUARANTINED_UNTIL).unwrap();
+                    state.insert(OPENED_AT, 10_001_000).unwrap();
+                }
+                txn.commit().unwrap();
+            }
+            let old_close = 10_000_000 + 3_600_000;
+            let txn = db.begin_write().unwrap();
+            {
+                let mut state = txn.open_table(STATE).unwrap();
+                state.remove(OPENED_AT).unwrap();
+                state.insert(CLOSED_AT, old_close).unwrap();
+                state.insert(QUARANTINE_CAP, 60_000).unwrap();
+                let mut saved = txn.open_table(QUARANTINES).unwrap();
+                saved.insert("a", old_close + 30_000).unwrap();
+            }
+            txn.commit().unwrap();
+            let open = at(old_close + 10_000, Some(7), Some(50_000 + 3_610_000));
+            let reopened = reopen_at(&db, minute, &open).unwrap();
+            assert!(!reopened.unclean, "{what}");
+            assert_eq!(
+                reopened.quarantines,
+                vec![("a".to_owned(), expected)],
+                "{what}"
+            );
         }
         assert_eq!(
             boot_prefix("5f1c2a0e-7d3b-4c1a-9e2f-0123456789ab\n"),

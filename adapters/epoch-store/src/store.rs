@@ -127,14 +127,26 @@ pub trait PermitRelease: Send + 'static {
         self: Box<Self>,
         outcome: ForwardOutcome,
     ) -> BoxFuture<'static, Result<(), StoreError>>;
+
+    /// Ends the use of a permit that was dropped unreleased (its forward was cut off, or its task
+    /// panicked): its write may have been sent an instant before, and an upstream connection may
+    /// still be sending it, so a store that can should keep the resource closed for the whole
+    /// time the proxy would have waited for it and then quarantined it. By default, a release
+    /// with [`ForwardOutcome::Unknown`].
+    fn abandon(self: Box<Self>) -> BoxFuture<'static, Result<(), StoreError>> {
+        self.release(ForwardOutcome::Unknown)
+    }
 }
 
 /// Use of one resource, at one accepted token, for the duration of one forward: no write of
 /// another token of the resource is forwarded while it is alive.
 ///
 /// Release it with [`Permit::release`] once the outcome of the forward is known. A permit that is
-/// dropped without being released is released as [`ForwardOutcome::Unknown`] on the current Tokio
-/// runtime, because nobody can tell whether its write reached the upstream.
+/// dropped without being released is abandoned ([`PermitRelease::abandon`]) on the current Tokio
+/// runtime, because nobody can tell whether its write reached the upstream. Where no runtime
+/// runs (or one is shutting down and cancels what is spawned on it), only the store's own drop
+/// glue runs: a store must then keep the resource closed from its drop (the redb store
+/// quarantines it, the Postgres store's `busy_until` stays set).
 pub struct Permit {
     /// The resource this permit excludes others from.
     resource: String,
@@ -199,7 +211,7 @@ impl Drop for Permit {
         // unlocking the mutex); the durable in-flight mark still covers a shared store.
         if let Ok(handle) = tokio::runtime::Handle::try_current() {
             handle.spawn(async move {
-                if let Err(e) = release.release(ForwardOutcome::Unknown).await {
+                if let Err(e) = release.abandon().await {
                     tracing::warn!(%resource, %token, error = %e, "releasing a dropped permit");
                 }
             });

@@ -146,8 +146,13 @@ impl Proxy {
         if let Some((_, client)) = clients.iter().find(|(t, _)| *t == thread) {
             return client.clone();
         }
-        let client =
-            Client::builder(TokioExecutor::new()).build(self.write_clients.connector.clone());
+        // As the read pool: idle connections bounded per thread and closed after a while, so
+        // that a pool per thread does not multiply what one pool would keep.
+        let client = Client::builder(TokioExecutor::new())
+            .pool_timer(hyper_util::rt::TokioTimer::new())
+            .pool_idle_timeout(crate::upstream::IDLE_TIMEOUT)
+            .pool_max_idle_per_host(crate::upstream::MAX_IDLE)
+            .build(self.write_clients.connector.clone());
         clients.push((thread, client.clone()));
         client
     }

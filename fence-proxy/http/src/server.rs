@@ -638,7 +638,9 @@ pub async fn serve_with_access(
         let place = match per_client.admit(peer.ip()) {
             Ok(place) => place,
             Err(why) => {
-                tracing::info!(%peer, "closing a connection: {why} (--max-connections-per-client)");
+                // Debug, not info: one line per refused connection would let a client flood
+                // the log.
+                tracing::debug!(%peer, "closing a connection: {why} (--max-connections-per-client)");
                 drop(stream);
                 continue;
             }
@@ -710,8 +712,16 @@ pub async fn serve_with_access(
             drain_timeout_ms = DRAIN_TIMEOUT.as_millis() as u64,
             "requests still in flight at shutdown"
         );
+        // Writes still running keep their threads until they end (each ends by its deadline):
+        // stopping the threads would cut them off, and a store may set a write's quarantine
+        // only when it is released. The caller's `EpochStore::close` finds them in flight.
+        tokio::spawn(async move {
+            writes.wait().await;
+            drop(threads);
+        });
+        return Ok(());
     }
-    // Stops the connection threads; whatever still runs there is dropped.
+    // Stops the connection threads: nothing of a request runs there any more.
     drop(threads);
     Ok(())
 }

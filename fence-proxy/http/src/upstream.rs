@@ -40,11 +40,11 @@ type Connection = http1::Connection<UpstreamConnection, RequestBody>;
 /// Idle connections kept at most per thread; past it the longest idle one is closed. Each holds
 /// hyper's read and write buffers (some kilobytes); the pool refills to the number of reads in
 /// flight.
-const MAX_IDLE: usize = 256;
+pub(crate) const MAX_IDLE: usize = 256;
 
 /// An idle connection older than this is closed instead of reused (hyper-util's default), so
 /// that a burst's connections do not stay open for good.
-const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
+pub(crate) const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 
 /// Why a read could not be forwarded.
 #[derive(Debug)]
