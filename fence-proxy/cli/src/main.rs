@@ -22,6 +22,13 @@ use lockd_service_kit::recorder;
 use metrics_exporter_prometheus::PrometheusHandle;
 use tokio_util::sync::CancellationToken;
 
+/// mimalloc rather than the system allocator, as lockd: a proxied request allocates and frees
+/// on every connection thread, and glibc's malloc took a tenth of the proxy's CPU under fenced
+/// writes, part of it waiting on its arena locks (docs/benchmarks.md). Without transparent huge
+/// pages (`no_thp`), so an idle proxy stays small.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 mod epochs;
 mod reload;
 
