@@ -101,6 +101,14 @@ pub struct Args {
           default_value_t = DEFAULT_MAX_IN_FLIGHT, value_parser = clap::value_parser!(u64).range(1..))]
     pub max_in_flight: u64,
 
+    /// Requests of one client address handled at once; more of its requests wait for its own
+    /// to end, so one client cannot take every place of --max-in-flight (an HTTP/2 connection
+    /// carries 128 at once). Default: a quarter of --max-in-flight. Raise it for many clients
+    /// behind one address.
+    #[arg(long, env = "FENCE_PROXY_MAX_IN_FLIGHT_PER_CLIENT", value_name = "N",
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_in_flight_per_client: Option<u64>,
+
     /// Client connections open at once; more wait in the kernel's accept backlog.
     #[arg(long, env = "FENCE_PROXY_MAX_CONNECTIONS", value_name = "N",
           default_value_t = DEFAULT_MAX_CONNECTIONS, value_parser = clap::value_parser!(u64).range(1..))]
@@ -171,11 +179,19 @@ fn parse_positive_duration(s: &str) -> Result<Duration, String> {
     Ok(d)
 }
 
+/// A quarter of `max_in_flight`, at least one: four clients fill the proxy, one cannot.
+pub fn default_per_client(max_in_flight: u64) -> usize {
+    (max_in_flight / 4).max(1) as usize
+}
+
 impl Args {
     /// The server's limits derived from these flags.
     pub fn limits(&self) -> crate::server::Limits {
         crate::server::Limits {
             max_in_flight: self.max_in_flight as usize,
+            max_in_flight_per_client: self
+                .max_in_flight_per_client
+                .map_or_else(|| default_per_client(self.max_in_flight), |n| n as usize),
             max_connections: self.max_connections as usize,
             max_connections_per_client: self.max_connections_per_client as usize,
             header_read_timeout: self.header_read_timeout,

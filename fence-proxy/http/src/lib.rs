@@ -27,6 +27,7 @@ pub mod binding;
 pub mod exchange;
 pub mod fence;
 pub mod metrics;
+mod per_client;
 pub mod proxy;
 pub mod ready;
 pub mod refusal;

@@ -25,6 +25,7 @@ use tower::ServiceBuilder;
 use tower::limit::ConcurrencyLimitLayer;
 use tower_http::trace::TraceLayer;
 
+use crate::per_client::{ClientsInFlight, PerClient};
 use crate::tls::Access;
 use crate::{Args, Proxy, ProxyConfig};
 
@@ -423,6 +424,8 @@ const ACCEPT_ERROR_BACKOFF: Duration = Duration::from_millis(100);
 pub struct Limits {
     /// Requests handled at once; more wait for a free slot.
     pub max_in_flight: usize,
+    /// Requests of one client address handled at once; more of them wait for its own.
+    pub max_in_flight_per_client: usize,
     /// Client connections open at once; more wait in the kernel's accept backlog.
     pub max_connections: usize,
     /// Client connections one source address may hold at once; more are closed at once.
@@ -444,6 +447,9 @@ impl Default for Limits {
     fn default() -> Self {
         Limits {
             max_in_flight: crate::args::DEFAULT_MAX_IN_FLIGHT as usize,
+            max_in_flight_per_client: crate::args::default_per_client(
+                crate::args::DEFAULT_MAX_IN_FLIGHT,
+            ),
             max_connections: crate::args::DEFAULT_MAX_CONNECTIONS as usize,
             max_connections_per_client: crate::args::DEFAULT_MAX_CONNECTIONS_PER_CLIENT as usize,
             header_read_timeout: humantime::parse_duration(
@@ -546,6 +552,7 @@ pub async fn serve(
 ) -> anyhow::Result<()> {
     let limits = Limits {
         max_in_flight,
+        max_in_flight_per_client: crate::args::default_per_client(max_in_flight as u64),
         ..Limits::default()
     };
     serve_with_limits(listener, store, config, limits, shutdown).await
@@ -597,6 +604,7 @@ pub async fn serve_with_access(
     let connections = Arc::new(Semaphore::new(limits.max_connections));
     // Without a bound per address, one client holding `--max-connections` idle connections
     // (a header byte before each header read timeout) kept every other client in the backlog.
+    let in_flight_per_client = ClientsInFlight::new(limits.max_in_flight_per_client);
     let per_client = SourceSlots::new(
         limits.max_connections,
         limits.max_connections_per_client,
@@ -654,7 +662,7 @@ pub async fn serve_with_access(
                 continue;
             }
         };
-        let service = service.clone();
+        let service = PerClient::new(service.clone(), in_flight_per_client.of(peer.ip()));
         let builder = builder.clone();
         let drain = drain.clone();
         // The configuration current at accept time: a reload reaches the next connection.

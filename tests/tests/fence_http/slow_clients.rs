@@ -397,6 +397,79 @@ async fn one_client_address_cannot_hold_every_connection() {
     drop(held);
 }
 
+/// Attack: one HTTP/2 connection carries 128 requests at once, so one client address with a
+/// few connections of slow requests held every place of `--max-in-flight`, and every other
+/// client's requests waited behind them. Goal: one address holds at most
+/// `--max-in-flight-per-client` (default a quarter of `--max-in-flight`); its further requests
+/// wait for its own.
+/// Method: `--max-in-flight 16`; one address sends 16 GETs the upstream answers after 3 s, on
+/// one h2c connection; a GET from another address must be answered within 1.5 s (on main it
+/// waited for the slow ones).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_client_address_cannot_hold_every_request_place() {
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = HttpUpstream::start().await.unwrap();
+    let proxy = FenceProxy::start(
+        &upstream.url(),
+        &redb_store(&dir),
+        &["--max-in-flight", "16"],
+    )
+    .await
+    .unwrap();
+    let attacker = lockd_tests::process::random_loopback_ip();
+    let mut victim = lockd_tests::process::random_loopback_ip();
+    while victim == attacker {
+        victim = lockd_tests::process::random_loopback_ip();
+    }
+    let tcp = connect_from(attacker, proxy.addr).await.unwrap();
+    let (sender, connection) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    let connection = tokio::spawn(connection);
+    let mut slow = Vec::new();
+    for _ in 0..16 {
+        let mut sender = sender.clone();
+        let request = hyper::Request::get(proxy.url("/slow"))
+            .header(lockd_tests::http_upstream::DELAY_HEADER, "3000")
+            .body(http_body_util::Empty::<bytes::Bytes>::new())
+            .unwrap();
+        slow.push(tokio::spawn(async move {
+            sender.ready().await.unwrap();
+            sender.send_request(request).await.map(|r| r.status())
+        }));
+    }
+    // Let the slow requests reach the proxy and take their places.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let started = Instant::now();
+    let served = tokio::time::timeout(Duration::from_millis(1500), async {
+        let mut s = connect_from(victim, proxy.addr)
+            .await
+            .expect("the victim could not connect");
+        s.write_all(b"GET /obj HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        read_response_head(&mut s).await
+    })
+    .await;
+    let head = served.unwrap_or_else(|_| {
+        panic!(
+            "another client was not served for {:?} while one address had 16 slow requests",
+            started.elapsed()
+        )
+    });
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    // The attacker's requests are all answered in the end: they waited, none was refused.
+    for s in slow {
+        assert_eq!(s.await.unwrap().unwrap(), 200);
+    }
+    drop(sender);
+    connection.abort();
+}
+
 /// A GET of `path` over a new h2c connection (prior knowledge) to `proxy`: the response (body
 /// unread), the task driving the connection, which ends when the connection does, and the
 /// connection's sender (dropping it lets the client close the connection itself).
