@@ -31,6 +31,8 @@ use tokio_util::sync::CancellationToken;
 const LOCK_WAIT: Duration = Duration::from_secs(5);
 /// How long a resource stays closed after a forward whose outcome is unknown.
 const QUARANTINE: Duration = Duration::from_secs(5);
+/// How long the upstream may take with a write (the proxy's `upstream_timeout` below).
+const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The highest token per resource, in memory.
 #[derive(Default)]
@@ -97,8 +99,9 @@ impl PermitRelease for MemoryPermit {
 
 impl Drop for MemoryPermit {
     fn drop(&mut self) {
+        // Its write may have been sent an instant before: wait out its forward too.
         if !self.released {
-            self.guard.quarantine(QUARANTINE);
+            self.guard.quarantine(UPSTREAM_TIMEOUT + QUARANTINE);
         }
     }
 }
@@ -131,7 +134,7 @@ async fn main() -> anyhow::Result<()> {
         upstream: format!("http://{upstream_addr}")
             .parse::<Upstream>()
             .map_err(anyhow::Error::msg)?,
-        upstream_timeout: Duration::from_secs(5),
+        upstream_timeout: UPSTREAM_TIMEOUT,
         verification: None,
         resource_binding: ResourceBinding::Off,
     };

@@ -492,7 +492,7 @@ fn reopen_at(db: &Database, cap: Duration, now: &Stamp) -> Result<Reopened, redb
                 let boot = state.get(CLOSED_BOOT)?.map(|v| v.value());
                 let boottime_ms = state.get(CLOSED_BOOTTIME)?.map(|v| v.value());
                 let clock = match (boot_for, boot, boottime_ms) {
-                    (None, _, _) => CloseClock::WallOnly,
+                    (None, None, None) => CloseClock::WallOnly,
                     (Some(at), Some(boot), Some(boottime_ms)) if at == unix_ms => {
                         CloseClock::Boot { boot, boottime_ms }
                     }

@@ -210,8 +210,11 @@ impl Drop for Permit {
         // Without a runtime the store's own drop glue runs instead (closing the connection or
         // unlocking the mutex); the durable in-flight mark still covers a shared store.
         if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            // Called here, not in the task: a store that acts at once (the redb store) does so
+            // even when the runtime is shutting down and the task never runs.
+            let abandoned = release.abandon();
             handle.spawn(async move {
-                if let Err(e) = release.abandon().await {
+                if let Err(e) = abandoned.await {
                     tracing::warn!(%resource, %token, error = %e, "releasing a dropped permit");
                 }
             });

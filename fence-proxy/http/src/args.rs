@@ -106,7 +106,7 @@ pub struct Args {
     /// carries 128 at once). Default: a quarter of --max-in-flight. Raise it for many clients
     /// behind one address.
     #[arg(long, env = "FENCE_PROXY_MAX_IN_FLIGHT_PER_CLIENT", value_name = "N",
-          value_parser = clap::value_parser!(u64).range(1..))]
+          value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     pub max_in_flight_per_client: Option<u64>,
 
     /// Client connections open at once; more wait in the kernel's accept backlog.

@@ -18,7 +18,9 @@ type BoxFuture<T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send
 /// The places of every client address that has a connection open.
 pub(crate) struct ClientsInFlight {
     per_client: usize,
-    by_address: Mutex<HashMap<IpAddr, Arc<Semaphore>>>,
+    /// Per address: its open connections and its places. An address is removed with its last
+    /// connection (a request of it still waiting keeps its own handle on the places).
+    by_address: Mutex<HashMap<IpAddr, (usize, Arc<Semaphore>)>>,
 }
 
 impl ClientsInFlight {
@@ -32,11 +34,14 @@ impl ClientsInFlight {
     /// The places of `address`, shared by its connections while one of them is open.
     pub(crate) fn of(self: &Arc<Self>, address: IpAddr) -> ClientPlaces {
         let address = address.to_canonical();
-        let places = self
-            .lock()
-            .entry(address)
-            .or_insert_with(|| Arc::new(Semaphore::new(self.per_client)))
-            .clone();
+        let places = {
+            let mut table = self.lock();
+            let (connections, places) = table
+                .entry(address)
+                .or_insert_with(|| (0, Arc::new(Semaphore::new(self.per_client))));
+            *connections += 1;
+            places.clone()
+        };
         ClientPlaces {
             clients: self.clone(),
             address,
@@ -44,7 +49,7 @@ impl ClientsInFlight {
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<IpAddr, Arc<Semaphore>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<IpAddr, (usize, Arc<Semaphore>)>> {
         self.by_address
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -56,8 +61,8 @@ impl ClientsInFlight {
     }
 }
 
-/// One connection's hold on its address's places; the address is forgotten when the last
-/// connection (and request) of it is gone, so the table holds only addresses with connections.
+/// One connection's hold on its address's places; the address is forgotten when its last
+/// connection is gone, so the table holds only addresses with connections open.
 pub(crate) struct ClientPlaces {
     clients: Arc<ClientsInFlight>,
     address: IpAddr,
@@ -67,11 +72,11 @@ pub(crate) struct ClientPlaces {
 impl Drop for ClientPlaces {
     fn drop(&mut self) {
         let mut table = self.clients.lock();
-        // Two references: the table's and this one. Clones are taken under the lock, so none
-        // can appear between the count and the removal; one held by a request still ending
-        // keeps the entry, which the address's next connection uses and removes.
-        if Arc::strong_count(&self.places) == 2 {
-            table.remove(&self.address);
+        if let Some((connections, _)) = table.get_mut(&self.address) {
+            *connections -= 1;
+            if *connections == 0 {
+                table.remove(&self.address);
+            }
         }
     }
 }

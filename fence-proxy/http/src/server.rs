@@ -331,6 +331,7 @@ async fn serve_connection<I, S, B>(
     service: S,
     builder: auto::Builder<TokioExecutor>,
     drain: CancellationToken,
+    cut: CancellationToken,
     timeouts: Timeouts,
 ) where
     I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
@@ -366,6 +367,8 @@ async fn serve_connection<I, S, B>(
     let ended = loop {
         tokio::select! {
             ended = &mut connection => break ended,
+            // The drain gave up: requests still here end now (write tasks run on apart).
+            () = cut.cancelled() => return,
             () = drain.cancelled(), if !closing => {
                 closing = true;
                 connection.as_mut().graceful_shutdown();
@@ -601,6 +604,8 @@ pub async fn serve_with_access(
         .max_concurrent_streams(H2_STREAMS_PER_CONNECTION_MAX);
     // Cancelled at shutdown: every connection closes gracefully (requests in flight end first).
     let drain = CancellationToken::new();
+    // Cancelled when the drain gives up: connections still open are closed at once.
+    let cut = CancellationToken::new();
     let connections = Arc::new(Semaphore::new(limits.max_connections));
     // Without a bound per address, one client holding `--max-connections` idle connections
     // (a header byte before each header read timeout) kept every other client in the backlog.
@@ -637,7 +642,8 @@ pub async fn serve_with_access(
         // Before TLS or any byte of a request: a client from outside the allow-list costs
         // nothing but this accept.
         if !access.allow.allows(peer.ip()) {
-            tracing::info!(%peer, allow_client = %access.allow, "closing a client outside --allow-client");
+            // Debug, not info: one line per connection would let anyone flood the log.
+            tracing::debug!(%peer, allow_client = %access.allow, "closing a client outside --allow-client");
             drop(stream);
             continue;
         }
@@ -665,6 +671,7 @@ pub async fn serve_with_access(
         let service = PerClient::new(service.clone(), in_flight_per_client.of(peer.ip()));
         let builder = builder.clone();
         let drain = drain.clone();
+        let cut = cut.clone();
         // The configuration current at accept time: a reload reaches the next connection.
         let tls = access.tls.as_ref().map(|t| t.acceptor());
         let timeouts = Timeouts {
@@ -684,7 +691,7 @@ pub async fn serve_with_access(
                 }
             };
             let Some(acceptor) = tls else {
-                serve_connection(stream, peer, service, builder, drain, timeouts).await;
+                serve_connection(stream, peer, service, builder, drain, cut, timeouts).await;
                 return;
             };
             // The handshake shares the header read timeout: a client that opens a connection
@@ -696,7 +703,7 @@ pub async fn serve_with_access(
             };
             match handshake {
                 Ok(Ok(tls_stream)) => {
-                    serve_connection(tls_stream, peer, service, builder, drain, timeouts).await
+                    serve_connection(tls_stream, peer, service, builder, drain, cut, timeouts).await
                 }
                 Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
                 Err(_) => tracing::debug!(%peer, "no TLS handshake within the header read timeout"),
@@ -720,9 +727,12 @@ pub async fn serve_with_access(
             drain_timeout_ms = DRAIN_TIMEOUT.as_millis() as u64,
             "requests still in flight at shutdown"
         );
-        // Writes still running keep their threads until they end (each ends by its deadline):
-        // stopping the threads would cut them off, and a store may set a write's quarantine
-        // only when it is released. The caller's `EpochStore::close` finds them in flight.
+        // Connections still open close now, so no request of theirs reaches the store after
+        // this returns; writes still running keep their threads until they end (each ends by
+        // its deadline): stopping the threads would cut them off, and a store may set a
+        // write's quarantine only when it is released. The caller's `EpochStore::close` finds
+        // them in flight.
+        cut.cancel();
         tokio::spawn(async move {
             writes.wait().await;
             drop(threads);

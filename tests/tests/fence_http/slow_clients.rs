@@ -429,6 +429,7 @@ async fn one_client_address_cannot_hold_every_request_place() {
     .await
     .unwrap();
     let connection = tokio::spawn(connection);
+    let attack_started = Instant::now();
     let mut slow = Vec::new();
     for _ in 0..16 {
         let mut sender = sender.clone();
@@ -462,10 +463,16 @@ async fn one_client_address_cannot_hold_every_request_place() {
         )
     });
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-    // The attacker's requests are all answered in the end: they waited, none was refused.
+    // The attacker's requests are all answered in the end: they waited, none was refused, and
+    // four at a time (a quarter of 16): four rounds of 3 s.
     for s in slow {
         assert_eq!(s.await.unwrap().unwrap(), 200);
     }
+    let all_answered = attack_started.elapsed();
+    assert!(
+        all_answered >= Duration::from_millis(11_500),
+        "16 slow requests of one address were answered in {all_answered:?}: more than 4 at once"
+    );
     drop(sender);
     connection.abort();
 }
