@@ -214,11 +214,19 @@ impl Proxy {
             .acquire_owned()
             .await
             .expect("the write slots are never closed");
+        // The client's place (`--max-in-flight-per-client`) goes with the task too: a client
+        // that resets its writes leaves at most its own bound of tasks behind, so the others
+        // still find write slots.
+        let place = request
+            .extensions()
+            .get::<crate::per_client::HeldPlace>()
+            .and_then(crate::per_client::HeldPlace::take);
         let (respond, response) = oneshot::channel();
         let this = self.clone();
         self.writes.spawn_on(
             async move {
                 let _slot = slot;
+                let _place = place;
                 this.write(request, fence, respond).await
             },
             &tokio::runtime::Handle::current(),

@@ -477,6 +477,112 @@ async fn one_client_address_cannot_hold_every_request_place() {
     connection.abort();
 }
 
+/// Attack (review, MEDIUM): a write task outlives its request when the client resets it, and
+/// with the Postgres store its admission runs to its end (up to `--lock-wait`), holding one of
+/// the proxy's write slots; the client's own place was given back with the request. One address
+/// resetting writes to a resource it keeps busy held every write slot, and every other client's
+/// write waited. Goal: the write task keeps its client's place, so one address's tasks stay
+/// within `--max-in-flight-per-client`.
+/// Method: `--max-in-flight 16` (4 per client), Postgres store, `--lock-wait 8s`; one address
+/// holds `r` with a write the upstream takes 3 s for, then sends 40 token-2 writes of `r` on
+/// one h2c connection and resets each after 100 ms; a write of another resource from another
+/// address must be answered within 1.5 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_reset_by_one_client_leave_write_slots_for_others() {
+    let table = crate::PgTable::new("fence_http_reset_slots");
+    let upstream = HttpUpstream::start().await.unwrap();
+    let proxy = FenceProxy::start(
+        &upstream.url(),
+        &table.store(),
+        &[
+            "--store-table",
+            &table.name,
+            "--max-in-flight",
+            "16",
+            "--lock-wait",
+            "8s",
+            "--upstream-timeout",
+            "4s",
+            // The resource's in-flight mark (upstream timeout + quarantine) ends before the
+            // lock wait: writes behind the holder wait for it instead of being refused at once.
+            "--quarantine",
+            "1s",
+        ],
+    )
+    .await
+    .unwrap();
+    let attacker = lockd_tests::process::random_loopback_ip();
+    let mut victim = lockd_tests::process::random_loopback_ip();
+    while victim == attacker {
+        victim = lockd_tests::process::random_loopback_ip();
+    }
+    let tcp = connect_from(attacker, proxy.addr).await.unwrap();
+    let (sender, connection) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    let connection = tokio::spawn(connection);
+    let write = |token: &str, delay: &str| {
+        hyper::Request::builder()
+            .method("DELETE")
+            .uri(format!("http://{}/obj", proxy.addr))
+            .header("Lock-Resource", "r")
+            .header("Fencing-Token", token)
+            .header(lockd_tests::http_upstream::DELAY_HEADER, delay)
+            .body(http_body_util::Empty::<bytes::Bytes>::new())
+            .unwrap()
+    };
+    let holder = {
+        let mut sender = sender.clone();
+        let request = write("1", "3000");
+        tokio::spawn(async move {
+            sender.ready().await.unwrap();
+            sender.send_request(request).await.map(|r| r.status())
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    for _ in 0..5 {
+        let mut burst = Vec::new();
+        for _ in 0..8 {
+            let mut sender = sender.clone();
+            sender.ready().await.unwrap();
+            burst.push(sender.send_request(write("2", "0")));
+        }
+        let answered =
+            tokio::time::timeout(Duration::from_millis(100), futures::future::join_all(burst))
+                .await;
+        assert!(answered.is_err(), "answered within 100 ms: {answered:?}");
+    }
+
+    let started = Instant::now();
+    let served = tokio::time::timeout(Duration::from_millis(1500), async {
+        let mut s = connect_from(victim, proxy.addr)
+            .await
+            .expect("the victim could not connect");
+        s.write_all(
+            b"PUT /obj HTTP/1.1\r\nHost: x\r\nLock-Resource: s\r\nFencing-Token: 1\r\n\
+              Content-Length: 1\r\nConnection: close\r\n\r\nx",
+        )
+        .await
+        .unwrap();
+        read_response_head(&mut s).await
+    })
+    .await;
+    let head = served.unwrap_or_else(|_| {
+        panic!(
+            "another client's write waited {:?} while one address's reset writes held the write \
+             slots",
+            started.elapsed()
+        )
+    });
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert_eq!(holder.await.unwrap().unwrap(), 200);
+    drop(sender);
+    connection.abort();
+}
+
 /// A GET of `path` over a new h2c connection (prior knowledge) to `proxy`: the response (body
 /// unread), the task driving the connection, which ends when the connection does, and the
 /// connection's sender (dropping it lets the client close the connection itself).
