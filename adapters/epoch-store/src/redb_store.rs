@@ -1009,17 +1009,23 @@ mod tests {
         assert!(left > Duration::from_secs(20), "{left:?}");
     }
 
+    /// A redb file in `dir` with a token recorded (a file without any is clean whatever its
+    /// state says).
+    fn file_with_a_token(dir: &tempfile::TempDir) -> Database {
+        let db = Database::create(dir.path().join("e.redb")).unwrap();
+        let txn = db.begin_write().unwrap();
+        txn.open_table(EPOCHS).unwrap().insert("a", 1).unwrap();
+        txn.commit().unwrap();
+        db
+    }
+
     /// Goal: a wall clock set back between a close and the next open cannot stretch a saved
     /// quarantine past the longest either process could set, and a restart with shorter
     /// settings does not cut one short.
     #[test]
     fn saved_quarantines_are_capped_at_the_longest_either_process_sets() {
         let dir = tempfile::tempdir().unwrap();
-        let db = Database::create(dir.path().join("e.redb")).unwrap();
-        // A token recorded: a file without any is clean whatever its state says.
-        let txn = db.begin_write().unwrap();
-        txn.open_table(EPOCHS).unwrap().insert("a", 1).unwrap();
-        txn.commit().unwrap();
+        let db = file_with_a_token(&dir);
         let hour = Duration::from_secs(3600);
         let minute = Duration::from_secs(60);
         let saved = Saved {
@@ -1101,10 +1107,7 @@ mod tests {
         ];
         for (what, close, open, expected) in cases {
             let dir = tempfile::tempdir().unwrap();
-            let db = Database::create(dir.path().join("e.redb")).unwrap();
-            let txn = db.begin_write().unwrap();
-            txn.open_table(EPOCHS).unwrap().insert("a", 1).unwrap();
-            txn.commit().unwrap();
+            let db = file_with_a_token(&dir);
             let saved = Saved {
                 quarantines: vec![("a".to_owned(), Duration::from_secs(30))],
                 all_quarantined: Some(Duration::from_secs(30)),
@@ -1137,10 +1140,7 @@ mod tests {
             ),
         ] {
             let dir = tempfile::tempdir().unwrap();
-            let db = Database::create(dir.path().join("e.redb")).unwrap();
-            let txn = db.begin_write().unwrap();
-            txn.open_table(EPOCHS).unwrap().insert("a", 1).unwrap();
-            txn.commit().unwrap();
+            let db = file_with_a_token(&dir);
             if new_close_first {
                 let saved = Saved {
                     quarantines: Vec::new(),

@@ -164,19 +164,16 @@ fn applied_tokens(upstream: &HttpUpstream) -> Vec<u64> {
         .collect()
 }
 
-/// Attack (review, HIGH): the redb store's quarantine lived in memory only, so a graceful
-/// restart opened a quarantined resource at once. Token 1's write times out (504, quarantine
-/// 5 s) while the upstream still works on it (4 s, longer than a restart takes even on a loaded
-/// machine); the proxy is stopped with SIGTERM and started again; token 2's write went through
-/// at once and the upstream applied 2, then 1. Goal: the quarantine is saved at a clean stop and
-/// holds after the restart, so 1 lands before 2.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_quarantine_outlives_a_graceful_restart() {
-    let dir = tempfile::tempdir().unwrap();
-    let upstream = HttpUpstream::start().await.unwrap();
+/// A proxy on a redb file whose write of token 1 to `orders/1` timed out (504; quarantine 5 s)
+/// while the upstream still works on it (4 s), then stopped with SIGTERM: the proxy, to restart,
+/// and when token 1 was sent.
+async fn quarantined_then_stopped(
+    dir: &tempfile::TempDir,
+    upstream: &HttpUpstream,
+) -> (FenceProxy, Instant) {
     let mut proxy = FenceProxy::start(
         &upstream.url(),
-        &redb_store(&dir),
+        &redb_store(dir),
         &[
             "--upstream-timeout",
             "300ms",
@@ -195,20 +192,51 @@ async fn a_quarantine_outlives_a_graceful_restart() {
         status.success(),
         "fence-proxy exited {status} after SIGTERM"
     );
-    proxy.restart().await.unwrap();
+    (proxy, started)
+}
 
-    let reply = put(&proxy, "orders/1", "2", "next").await;
+/// Token 2's write of `orders/1` through the restarted proxy waits out the quarantine token 1
+/// (sent at `started`) began, and the upstream applies 1 before 2; `what` names the failure.
+async fn next_holder_waits_out_the_quarantine(
+    proxy: &FenceProxy,
+    upstream: &HttpUpstream,
+    started: Instant,
+    what: &str,
+) {
+    let reply = put(proxy, "orders/1", "2", "next").await;
     assert_eq!(reply.status, 200, "{reply:?}");
     assert!(
         started.elapsed() >= Duration::from_millis(5300),
-        "the quarantine ended with the process: token 2 forwarded {:?} after token 1",
+        "{what}: token 2 forwarded {:?} after token 1",
         started.elapsed()
     );
     assert_eq!(
-        applied_tokens(&upstream),
+        applied_tokens(upstream),
         [1, 2],
         "the late write must be applied before the next one"
     );
+}
+
+/// Attack (review, HIGH): the redb store's quarantine lived in memory only, so a graceful
+/// restart opened a quarantined resource at once. Token 1's write times out (504, quarantine
+/// 5 s) while the upstream still works on it (4 s, longer than a restart takes even on a loaded
+/// machine); the proxy is stopped with SIGTERM and started again; token 2's write went through
+/// at once and the upstream applied 2, then 1. Goal: the quarantine is saved at a clean stop and
+/// holds after the restart, so 1 lands before 2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quarantine_outlives_a_graceful_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = HttpUpstream::start().await.unwrap();
+    let (mut proxy, started) = quarantined_then_stopped(&dir, &upstream).await;
+    proxy.restart().await.unwrap();
+
+    next_holder_waits_out_the_quarantine(
+        &proxy,
+        &upstream,
+        started,
+        "the quarantine ended with the process",
+    )
+    .await;
     // Only the quarantined resource waited.
     let t = Instant::now();
     assert_eq!(put(&proxy, "orders/2", "1", "x").await.status, 200);
@@ -225,27 +253,7 @@ async fn a_saved_quarantine_ignores_a_wall_clock_set_forward() {
     let faketime = lockd_tests::chaos::clock::find_library().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let upstream = HttpUpstream::start().await.unwrap();
-    let mut proxy = FenceProxy::start(
-        &upstream.url(),
-        &redb_store(&dir),
-        &[
-            "--upstream-timeout",
-            "300ms",
-            "--quarantine",
-            "5s",
-            "--lock-wait",
-            "8s",
-        ],
-    )
-    .await
-    .unwrap();
-    let started = Instant::now();
-    time_out(&proxy, "orders/1", "1", 4000).await;
-    let status = proxy.stop(Duration::from_secs(10)).await.unwrap();
-    assert!(
-        status.success(),
-        "fence-proxy exited {status} after SIGTERM"
-    );
+    let (mut proxy, started) = quarantined_then_stopped(&dir, &upstream).await;
     // The wall clock one hour ahead; the monotonic clocks as they are.
     proxy.set_env(&[
         ("LD_PRELOAD", faketime.to_str().unwrap()),
@@ -255,18 +263,13 @@ async fn a_saved_quarantine_ignores_a_wall_clock_set_forward() {
     ]);
     proxy.restart().await.unwrap();
 
-    let reply = put(&proxy, "orders/1", "2", "next").await;
-    assert_eq!(reply.status, 200, "{reply:?}");
-    assert!(
-        started.elapsed() >= Duration::from_millis(5300),
-        "the wall clock cut the quarantine short: token 2 forwarded {:?} after token 1",
-        started.elapsed()
-    );
-    assert_eq!(
-        applied_tokens(&upstream),
-        [1, 2],
-        "the late write must be applied before the next one"
-    );
+    next_holder_waits_out_the_quarantine(
+        &proxy,
+        &upstream,
+        started,
+        "the wall clock cut the quarantine short",
+    )
+    .await;
 }
 
 /// Attack (review, HIGH): a proxy killed while the upstream works on a write forgot it had been

@@ -331,6 +331,59 @@ async fn connect_from(from: std::net::Ipv4Addr, to: std::net::SocketAddr) -> Opt
         .ok()
 }
 
+/// Two distinct random loopback addresses: an attacker's and a victim's.
+fn two_addresses() -> (std::net::Ipv4Addr, std::net::Ipv4Addr) {
+    let attacker = lockd_tests::process::random_loopback_ip();
+    let mut victim = lockd_tests::process::random_loopback_ip();
+    while victim == attacker {
+        victim = lockd_tests::process::random_loopback_ip();
+    }
+    (attacker, victim)
+}
+
+/// An h2c connection (prior knowledge) from `from` to `proxy`: its sender and the task driving
+/// it.
+async fn h2c_from(
+    from: std::net::Ipv4Addr,
+    proxy: &FenceProxy,
+) -> (
+    hyper::client::conn::http2::SendRequest<http_body_util::Empty<bytes::Bytes>>,
+    tokio::task::JoinHandle<Result<(), hyper::Error>>,
+) {
+    let tcp = connect_from(from, proxy.addr).await.unwrap();
+    let (sender, connection) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    (sender, tokio::spawn(connection))
+}
+
+/// Sends `request` (raw HTTP/1.1, `Connection: close`) from `from` and returns the response
+/// head; fails the test with `what` if it does not come within `within`.
+async fn served_within(
+    from: std::net::Ipv4Addr,
+    proxy: &FenceProxy,
+    request: &[u8],
+    within: Duration,
+    what: &str,
+) -> String {
+    let started = Instant::now();
+    let served = tokio::time::timeout(within, async {
+        let mut s = connect_from(from, proxy.addr)
+            .await
+            .expect("the victim could not connect");
+        s.write_all(request).await.unwrap();
+        read_response_head(&mut s).await
+    })
+    .await;
+    served.unwrap_or_else(|_| panic!("{what}: not served for {:?}", started.elapsed()))
+}
+
+/// A GET a victim sends.
+const VICTIM_GET: &[u8] = b"GET /obj HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+
 /// Attack: one client address opened as many idle connections as `--max-connections` allows
 /// (each kept open by a header byte before the header read timeout): every other client waited
 /// in the kernel's backlog until those connections were closed, and the attacker reopened them.
@@ -349,11 +402,7 @@ async fn one_client_address_cannot_hold_every_connection() {
     )
     .await
     .unwrap();
-    let attacker = lockd_tests::process::random_loopback_ip();
-    let mut victim = lockd_tests::process::random_loopback_ip();
-    while victim == attacker {
-        victim = lockd_tests::process::random_loopback_ip();
-    }
+    let (attacker, victim) = two_addresses();
     let mut held = Vec::new();
     for _ in 0..600 {
         if let Some(s) = connect_from(attacker, proxy.addr).await {
@@ -363,24 +412,11 @@ async fn one_client_address_cannot_hold_every_connection() {
     // Let the proxy accept (and, past the bound, close) what it will.
     tokio::time::sleep(Duration::from_millis(300)).await;
 
-    let started = Instant::now();
-    let served = tokio::time::timeout(Duration::from_secs(3), async {
-        let mut s = connect_from(victim, proxy.addr)
-            .await
-            .expect("the victim could not even connect");
-        s.write_all(b"GET /obj HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-            .await
-            .unwrap();
-        read_response_head(&mut s).await
-    })
-    .await;
-    let head = served.unwrap_or_else(|_| {
-        panic!(
-            "another client was not served for {:?} while one address held {} connections",
-            started.elapsed(),
-            held.len()
-        )
-    });
+    let what = format!(
+        "another client, while one address held {} connections",
+        held.len()
+    );
+    let head = served_within(victim, &proxy, VICTIM_GET, Duration::from_secs(3), &what).await;
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
     // The attacker's connections past its bound were closed by the proxy: of the first 300,
     // at most 256 stay open.
@@ -416,19 +452,8 @@ async fn one_client_address_cannot_hold_every_request_place() {
     )
     .await
     .unwrap();
-    let attacker = lockd_tests::process::random_loopback_ip();
-    let mut victim = lockd_tests::process::random_loopback_ip();
-    while victim == attacker {
-        victim = lockd_tests::process::random_loopback_ip();
-    }
-    let tcp = connect_from(attacker, proxy.addr).await.unwrap();
-    let (sender, connection) = hyper::client::conn::http2::handshake(
-        hyper_util::rt::TokioExecutor::new(),
-        hyper_util::rt::TokioIo::new(tcp),
-    )
-    .await
-    .unwrap();
-    let connection = tokio::spawn(connection);
+    let (attacker, victim) = two_addresses();
+    let (sender, connection) = h2c_from(attacker, &proxy).await;
     let attack_started = Instant::now();
     let mut slow = Vec::new();
     for _ in 0..16 {
@@ -445,23 +470,14 @@ async fn one_client_address_cannot_hold_every_request_place() {
     // Let the slow requests reach the proxy and take their places.
     tokio::time::sleep(Duration::from_millis(300)).await;
 
-    let started = Instant::now();
-    let served = tokio::time::timeout(Duration::from_millis(1500), async {
-        let mut s = connect_from(victim, proxy.addr)
-            .await
-            .expect("the victim could not connect");
-        s.write_all(b"GET /obj HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-            .await
-            .unwrap();
-        read_response_head(&mut s).await
-    })
+    let head = served_within(
+        victim,
+        &proxy,
+        VICTIM_GET,
+        Duration::from_millis(1500),
+        "another client, while one address had 16 slow requests",
+    )
     .await;
-    let head = served.unwrap_or_else(|_| {
-        panic!(
-            "another client was not served for {:?} while one address had 16 slow requests",
-            started.elapsed()
-        )
-    });
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
     // The attacker's requests are all answered in the end: they waited, none was refused, and
     // four at a time (a quarter of 16): four rounds of 3 s.
@@ -511,19 +527,8 @@ async fn writes_reset_by_one_client_leave_write_slots_for_others() {
     )
     .await
     .unwrap();
-    let attacker = lockd_tests::process::random_loopback_ip();
-    let mut victim = lockd_tests::process::random_loopback_ip();
-    while victim == attacker {
-        victim = lockd_tests::process::random_loopback_ip();
-    }
-    let tcp = connect_from(attacker, proxy.addr).await.unwrap();
-    let (sender, connection) = hyper::client::conn::http2::handshake(
-        hyper_util::rt::TokioExecutor::new(),
-        hyper_util::rt::TokioIo::new(tcp),
-    )
-    .await
-    .unwrap();
-    let connection = tokio::spawn(connection);
+    let (attacker, victim) = two_addresses();
+    let (sender, connection) = h2c_from(attacker, &proxy).await;
     let write = |token: &str, delay: &str| {
         hyper::Request::builder()
             .method("DELETE")
@@ -556,27 +561,15 @@ async fn writes_reset_by_one_client_leave_write_slots_for_others() {
         assert!(answered.is_err(), "answered within 100 ms: {answered:?}");
     }
 
-    let started = Instant::now();
-    let served = tokio::time::timeout(Duration::from_millis(1500), async {
-        let mut s = connect_from(victim, proxy.addr)
-            .await
-            .expect("the victim could not connect");
-        s.write_all(
-            b"PUT /obj HTTP/1.1\r\nHost: x\r\nLock-Resource: s\r\nFencing-Token: 1\r\n\
-              Content-Length: 1\r\nConnection: close\r\n\r\nx",
-        )
-        .await
-        .unwrap();
-        read_response_head(&mut s).await
-    })
+    let head = served_within(
+        victim,
+        &proxy,
+        b"PUT /obj HTTP/1.1\r\nHost: x\r\nLock-Resource: s\r\nFencing-Token: 1\r\n\
+          Content-Length: 1\r\nConnection: close\r\n\r\nx",
+        Duration::from_millis(1500),
+        "another client's write, while one address's reset writes held the write slots",
+    )
     .await;
-    let head = served.unwrap_or_else(|_| {
-        panic!(
-            "another client's write waited {:?} while one address's reset writes held the write \
-             slots",
-            started.elapsed()
-        )
-    });
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
     assert_eq!(holder.await.unwrap().unwrap(), 200);
     drop(sender);
