@@ -1,9 +1,11 @@
 //! Requests in flight per client address. `--max-in-flight` bounds them for the whole proxy and
 //! `--max-connections-per-client` the connections of one address, but one HTTP/2 connection
-//! carries 128 requests at once: a client with a few connections of slow requests (slow bodies,
-//! responses it does not read, writes waiting behind a quarantine) held every place of
+//! carries 128 requests at once: a client with a few connections of slow requests (slow request
+//! bodies, writes waiting behind a quarantine, reads of a slow upstream) held every place of
 //! `--max-in-flight`, and every other client's requests waited behind them. Past its own bound
-//! a client's requests wait for its own to end, before they take a place of the proxy's.
+//! a client's requests wait for its own to end, before they take a place of the proxy's. A
+//! read's place comes back with its response head (as the proxy's own), a write's when its
+//! write task ends.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
