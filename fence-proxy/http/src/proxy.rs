@@ -203,9 +203,10 @@ impl Proxy {
         // the permit until both bodies have ended.
         // It runs on the thread that serves the request (a connection thread), with that
         // thread's upstream connections: no hand-off between threads per write. The drain waits
-        // for it; a write still running when the drain gives up is dropped with its thread,
-        // and its permit's drop quarantines the resource (the redb store for
-        // `--upstream-timeout` + `--quarantine`; the Postgres store's `busy_until` stays set).
+        // for it, and if the drain gives up, the threads are kept until the write tasks end
+        // (`server`); a write cut off all the same (the process exits) has its permit dropped,
+        // which quarantines the resource (the redb store for `--upstream-timeout` +
+        // `--quarantine`; the Postgres store's `busy_until` stays set).
         // The slot is taken here, where waiting is still cancellable: a client that goes away
         // now leaves nothing behind.
         let slot = self
