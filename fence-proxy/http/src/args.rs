@@ -17,6 +17,9 @@ pub const DEFAULT_MAX_IN_FLIGHT: u64 = 1024;
 pub const DEFAULT_MAX_CONNECTIONS: u64 = 4096;
 /// Connections one client address may hold at once, as lockd's gRPC port allows one source.
 pub const DEFAULT_MAX_CONNECTIONS_PER_CLIENT: u64 = 256;
+/// Largest value of the `--max-*` bounds on requests and connections: far above what one
+/// process serves, and below what a semaphore holds (a larger value panicked at startup).
+pub const PLACES_MAX: u64 = 1_000_000;
 
 /// Default time a client has to send a complete request head (and, on a new connection, its
 /// first one); past it the connection is closed. Bounds how long a slowloris client holds a
@@ -98,7 +101,7 @@ pub struct Args {
     /// Requests handled at once; more wait for a free slot. Also bounds the writes being
     /// admitted or forwarded, counting those whose client has gone away.
     #[arg(long, env = "FENCE_PROXY_MAX_IN_FLIGHT", value_name = "N",
-          default_value_t = DEFAULT_MAX_IN_FLIGHT, value_parser = clap::value_parser!(u64).range(1..))]
+          default_value_t = DEFAULT_MAX_IN_FLIGHT, value_parser = clap::value_parser!(u64).range(1..=PLACES_MAX))]
     pub max_in_flight: u64,
 
     /// Requests of one client address handled at once; more of its requests wait for its own
@@ -106,19 +109,19 @@ pub struct Args {
     /// carries 128 at once). Default: a quarter of --max-in-flight. Raise it for many clients
     /// behind one address.
     #[arg(long, env = "FENCE_PROXY_MAX_IN_FLIGHT_PER_CLIENT", value_name = "N",
-          value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+          value_parser = clap::value_parser!(u64).range(1..=PLACES_MAX))]
     pub max_in_flight_per_client: Option<u64>,
 
     /// Client connections open at once; more wait in the kernel's accept backlog.
     #[arg(long, env = "FENCE_PROXY_MAX_CONNECTIONS", value_name = "N",
-          default_value_t = DEFAULT_MAX_CONNECTIONS, value_parser = clap::value_parser!(u64).range(1..))]
+          default_value_t = DEFAULT_MAX_CONNECTIONS, value_parser = clap::value_parser!(u64).range(1..=PLACES_MAX))]
     pub max_connections: u64,
 
     /// Client connections one source address may hold at once; past it its new connections are
     /// closed at once, so one client cannot take every connection. Raise it for many clients
     /// behind one address (a NAT, a load balancer that does not keep client addresses).
     #[arg(long, env = "FENCE_PROXY_MAX_CONNECTIONS_PER_CLIENT", value_name = "N",
-          default_value_t = DEFAULT_MAX_CONNECTIONS_PER_CLIENT, value_parser = clap::value_parser!(u64).range(1..))]
+          default_value_t = DEFAULT_MAX_CONNECTIONS_PER_CLIENT, value_parser = clap::value_parser!(u64).range(1..=PLACES_MAX))]
     pub max_connections_per_client: u64,
 
     /// Time a client has to send a complete request head, also while a kept-alive connection
@@ -292,6 +295,42 @@ impl std::fmt::Display for Upstream {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::Parser;
+
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: Args,
+    }
+
+    /// Goal: a bound too large for the proxy's semaphores is refused with an error naming the
+    /// flag and the value (it panicked at startup: `--max-in-flight 18446744073709551615`).
+    #[test]
+    fn bounds_too_large_are_refused_by_name() {
+        for flag in [
+            "--max-in-flight",
+            "--max-in-flight-per-client",
+            "--max-connections",
+            "--max-connections-per-client",
+        ] {
+            let huge = u64::MAX.to_string();
+            let base = [
+                "fence-proxy",
+                "--listen",
+                "127.0.0.1:0",
+                "--upstream",
+                "http://h",
+            ];
+            let argv = [&base[..], &[flag, huge.as_str()]].concat();
+            let err = Cli::try_parse_from(argv).err().expect("accepted");
+            let text = err.to_string();
+            assert!(text.contains(flag) && text.contains(&huge), "{text}");
+            let ok = [&base[..], &[flag, "1000000"]].concat();
+            if let Err(e) = Cli::try_parse_from(ok) {
+                panic!("{flag} 1000000 refused: {e}");
+            }
+        }
+    }
 
     #[test]
     fn upstream_urls() {
