@@ -268,11 +268,17 @@ pub async fn run_with_reload(
 ) -> anyhow::Result<()> {
     let fence_table = FenceTable::parse(&args.fence_table).map_err(|e| anyhow::anyhow!("{e}"))?;
     let upstream = upstream::parse(&args.upstream, "--upstream")?;
-    anyhow::ensure!(args.max_sessions > 0, "--max-sessions must be at least 1");
-    anyhow::ensure!(
-        args.max_startups_per_client > 0,
-        "--max-startups-per-client must be at least 1"
-    );
+    // Above the bound a session semaphore cannot be made (it panicked at startup).
+    for (flag, value) in [
+        ("--max-sessions", args.max_sessions),
+        ("--max-startups-per-client", args.max_startups_per_client),
+    ] {
+        anyhow::ensure!(
+            (1..=limits::PLACES_MAX).contains(&value),
+            "{flag} {value} must be between 1 and {}",
+            limits::PLACES_MAX
+        );
+    }
     // Zero would refuse every client (startup) or never reach the upstream (connect).
     anyhow::ensure!(
         !args.connect_timeout.is_zero(),

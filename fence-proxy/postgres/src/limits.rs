@@ -18,6 +18,10 @@ pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
 /// message; libpq sends at most one of each, so a third one means a confused or hostile client.
 pub const MAX_ENCRYPTION_REQUESTS: usize = 2;
 
+/// Largest `--max-sessions` and `--max-startups-per-client`: far above what one process serves,
+/// and below what a semaphore holds.
+pub const PLACES_MAX: usize = 1_000_000;
+
 /// Prepared statements (and, separately, portals) whose kind the proxy remembers per session.
 /// Only transaction-control and setting statements are remembered (every other statement is
 /// ordinary by default), so real clients stay far below this; it bounds a hostile client.

@@ -172,3 +172,26 @@ async fn readyz_is_503_while_the_upstream_refuses_the_login() {
         .await
         .unwrap();
 }
+
+/// Goal: a bound too large for the proxy's session semaphore is refused at startup with an
+/// error naming the flag and the value; `--max-sessions 18446744073709551615` panicked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_bounds_too_large_are_refused_by_name() {
+    let huge = u64::MAX.to_string();
+    for flag in ["--max-sessions", "--max-startups-per-client"] {
+        let mut cmd = lockd_tests::process::command("fence-proxy");
+        cmd.args(["postgres", "--listen", "127.0.0.1:0"])
+            .args(["--upstream", "postgres://postgres@127.0.0.1:1/test"])
+            .args([flag, huge.as_str()]);
+        let out = tokio::task::spawn_blocking(move || cmd.output().unwrap())
+            .await
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{flag} {huge} accepted: {stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        assert!(
+            stderr.contains(&format!("{flag} {huge} must be between 1 and")),
+            "{stderr}"
+        );
+    }
+}
