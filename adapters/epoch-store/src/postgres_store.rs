@@ -9,6 +9,7 @@ use lockd_fence::FencingToken;
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgSslMode};
 use sqlx::{AssertSqlSafe, PgPool, Postgres};
+use tokio::sync::Semaphore;
 use tokio::time::{Instant, timeout};
 
 use crate::{Admission, EpochStore, ForwardOutcome, Permit, PermitRelease, SlotGuard, Slots};
@@ -30,6 +31,10 @@ const SQLSTATE_LOCK_NOT_AVAILABLE: &str = "55P03";
 /// `duplicate_table`, `unique_violation` (on `pg_type`) and `duplicate_object` ("type ... already
 /// exists", for the table's row type).
 const SQLSTATE_ALREADY_CREATED: [&str; 3] = ["42P07", "23505", "42710"];
+
+/// Why a write waited in vain for a resource's advisory lock.
+const LOCKED_BY_ANOTHER_REPLICA: &str = "another proxy replica is forwarding a write of it, or \
+     keeps it quarantined after a forward with an unknown outcome";
 
 /// The statements of one table, built once because the table name is part of them.
 struct Statements {
@@ -81,10 +86,13 @@ impl Statements {
 /// connections) and then a session-level advisory lock keyed by `table/resource` (so that
 /// replicas exclude one another). Holding both, it reads the record, refuses a lower token, and
 /// commits the new token together with `busy_until = now() + forward timeout + quarantine`
-/// before the forward starts. Release clears `busy_until` (or sets it to the quarantine after an
-/// unknown outcome) and unlocks. A replica that dies mid-forward loses its session, which frees
-/// the advisory lock, but its `busy_until` still makes the next writer wait out the forward it
-/// may have left in flight.
+/// before the forward starts. Release clears `busy_until` and unlocks. After an unknown outcome
+/// it sets `busy_until` to the quarantine and keeps the advisory lock for the quarantine, timed
+/// on this process's monotonic clock: the other replicas wait on the lock, not on the database's
+/// wall clock, which an NTP step forward would cut short. A replica that dies mid-forward (or
+/// mid-quarantine) loses its session, which frees the advisory lock; its `busy_until` still
+/// makes the next writer wait out the forward it may have left in flight, as far as the
+/// database's clock keeps time.
 pub struct PostgresStore {
     pub(crate) pool: PgPool,
     /// `host:port/database` (never the password), for error messages.
@@ -96,6 +104,9 @@ pub struct PostgresStore {
     schema_ready: tokio::sync::OnceCell<()>,
     slots: Slots,
     timing: Timing,
+    /// Sessions that may keep their advisory lock through a quarantine at once: half the pool,
+    /// so that quarantines cannot take every connection; beyond that `busy_until` alone.
+    quarantine_holds: Arc<Semaphore>,
 }
 
 /// Whether the store URL (or PGSSLROOTCERT, which sqlx also reads) names a root certificate.
@@ -202,6 +213,7 @@ impl PostgresStore {
             schema_ready: tokio::sync::OnceCell::new(),
             slots: Slots::new(),
             timing,
+            quarantine_holds: Arc::new(Semaphore::new((max_connections as usize / 2).max(1))),
         })
     }
 
@@ -319,7 +331,9 @@ impl PostgresStore {
                     sql: self.sql.clone(),
                     store: self.name.clone(),
                     quarantine: self.timing.quarantine,
+                    dropped_quarantine: self.timing.forward_timeout + self.timing.quarantine,
                     store_timeout: self.timing.store_timeout,
+                    holds: self.quarantine_holds.clone(),
                 },
             ))),
             Decision::Stale(highest) => {
@@ -352,10 +366,10 @@ impl PostgresStore {
         match timeout(remaining, lock).await {
             Ok(Ok(_)) => {}
             Ok(Err(e)) if sqlstate(&e).as_deref() == Some(SQLSTATE_LOCK_NOT_AVAILABLE) => {
-                return Err(busy("another proxy replica is forwarding a write of it"));
+                return Err(busy(LOCKED_BY_ANOTHER_REPLICA));
             }
             Ok(Err(e)) => return Err(self.unavailable("taking the resource's advisory lock", e)),
-            Err(_) => return Err(busy("another proxy replica is forwarding a write of it")),
+            Err(_) => return Err(busy(LOCKED_BY_ANOTHER_REPLICA)),
         }
 
         let row: Option<(i64, i64)> = self
@@ -508,7 +522,11 @@ struct PgPermit {
     /// The store's name, for error messages.
     store: String,
     quarantine: Duration,
+    /// The quarantine of a permit dropped unreleased: its write may have been sent just before,
+    /// so the forward's whole time is added.
+    dropped_quarantine: Duration,
     store_timeout: Duration,
+    holds: Arc<Semaphore>,
 }
 
 impl PermitRelease for PgPermit {
@@ -516,6 +534,23 @@ impl PermitRelease for PgPermit {
         self: Box<Self>,
         outcome: ForwardOutcome,
     ) -> BoxFuture<'static, Result<(), StoreError>> {
+        let quarantine = match outcome {
+            ForwardOutcome::Unknown => self.quarantine,
+            ForwardOutcome::Answered | ForwardOutcome::NotSent => Duration::ZERO,
+        };
+        self.end(quarantine)
+    }
+
+    fn abandon(self: Box<Self>) -> BoxFuture<'static, Result<(), StoreError>> {
+        let quarantine = self.dropped_quarantine;
+        self.end(quarantine)
+    }
+}
+
+impl PgPermit {
+    /// Marks the record busy for `quarantine` (none: clears the mark) and unlocks, at once or,
+    /// with a quarantine, once it has passed on this process's clock.
+    fn end(self: Box<Self>, quarantine: Duration) -> BoxFuture<'static, Result<(), StoreError>> {
         Box::pin(async move {
             let PgPermit {
                 mut conn,
@@ -524,16 +559,14 @@ impl PermitRelease for PgPermit {
                 resource,
                 sql,
                 store,
-                quarantine,
                 store_timeout,
+                holds,
+                ..
             } = *self;
-            let busy_ms = match outcome {
-                ForwardOutcome::Unknown => {
-                    guard.quarantine(quarantine);
-                    quarantine.as_millis() as i64
-                }
-                ForwardOutcome::Answered | ForwardOutcome::NotSent => 0,
-            };
+            if !quarantine.is_zero() {
+                guard.quarantine(quarantine);
+            }
+            let busy_ms = quarantine.as_millis() as i64;
             let marked = timeout(
                 store_timeout,
                 sqlx::query(AssertSqlSafe(sql.mark.clone()))
@@ -557,10 +590,30 @@ impl PermitRelease for PgPermit {
                     ),
                 }),
             };
-            if result.is_ok() {
-                unlock(conn, &sql, &key, store_timeout).await;
-            }
+            // This replica's own writers wait out the quarantine in the process (the guard
+            // starts it as it goes), the others on the advisory lock below.
             drop(guard);
+            if result.is_ok() {
+                if quarantine.is_zero() {
+                    unlock(conn, &sql, &key, store_timeout).await;
+                } else if let Ok(hold) = holds.try_acquire_owned() {
+                    // The other replicas wait on the advisory lock until this clock says the
+                    // quarantine is over; the client has its answer meanwhile.
+                    tokio::spawn(async move {
+                        tokio::time::sleep(quarantine).await;
+                        unlock(conn, &sql, &key, store_timeout).await;
+                        drop(hold);
+                    });
+                    return result;
+                } else {
+                    tracing::warn!(
+                        %resource,
+                        "half the store pool keeps quarantines already: this one rests on \
+                         busy_until, the database's clock, alone"
+                    );
+                    unlock(conn, &sql, &key, store_timeout).await;
+                }
+            }
             result
         })
     }

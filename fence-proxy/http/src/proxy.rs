@@ -442,7 +442,7 @@ impl Proxy {
     }
 
     /// The request as it goes upstream: the upstream's URL, no hop-by-hop headers, HTTP/1.1.
-    fn upstream_request<B>(
+    fn upstream_request<B: http_body::Body>(
         &self,
         request: Request<B>,
         fence: Option<(&str, lockd_fence::FencingToken)>,
@@ -476,6 +476,15 @@ impl Proxy {
             for name in routing {
                 parts.headers.remove(name);
             }
+        }
+        // A body on a method that defines none: an upstream may answer such a request without
+        // reading the body and take the body for the next request on the connection, a write
+        // of the client's choosing that no fence checked ("CL.0" smuggling). Nothing may follow
+        // it on that connection: the upstream is told to close it after answering.
+        if !body.is_end_stream() && defines_no_body(&parts.method) {
+            parts
+                .headers
+                .insert(header::CONNECTION, http::HeaderValue::from_static("close"));
         }
         // Always HTTP/1.1 towards the upstream; the client picks the wire version itself.
         parts.version = http::Version::HTTP_11;
@@ -557,6 +566,14 @@ fn strip_response<B>(response: Response<B>) -> Response<B> {
 /// know (WebDAV's MKCOL, PROPPATCH...), counts as a write and needs a fence: failing closed.
 fn is_read(method: &Method) -> bool {
     matches!(*method, Method::GET | Method::HEAD | Method::OPTIONS)
+}
+
+/// Methods whose requests have no defined body meaning (RFC 9110 9.3): a server may ignore one.
+fn defines_no_body(method: &Method) -> bool {
+    matches!(
+        *method,
+        Method::GET | Method::HEAD | Method::OPTIONS | Method::DELETE | Method::TRACE
+    )
 }
 
 fn refuse(refusal: Refusal) -> Response<ProxyBody> {

@@ -18,8 +18,24 @@ fn invalid(field: &'static str, reason: String) -> InvalidArgument {
     InvalidArgument { field, reason }
 }
 
-/// 1..=256 bytes of UTF-8 without control characters.
+/// The name of a resource to acquire: what [`held_resource`] accepts, and no whitespace at either
+/// end. A header parser (RFC 9110's optional whitespace, `str.strip()`) drops it, so `"orders/42 "`
+/// would be a lock of its own that an upstream checking `Lock-Resource` reads as `orders/42`.
 pub fn resource(name: &str) -> Result<ResourceName, InvalidArgument> {
+    let checked = held_resource(name)?;
+    if name.starts_with(char::is_whitespace) || name.ends_with(char::is_whitespace) {
+        return Err(invalid(
+            "resource",
+            format!("{name:?} starts or ends with whitespace"),
+        ));
+    }
+    Ok(checked)
+}
+
+/// The name of a resource already held or looked at (Renew, Release, Describe): 1..=256 bytes of
+/// UTF-8 without control characters. Laxer than [`resource`] so that a lock acquired before the
+/// whitespace rule can still be released.
+pub fn held_resource(name: &str) -> Result<ResourceName, InvalidArgument> {
     if name.is_empty() {
         return Err(invalid("resource", "must not be empty".into()));
     }
@@ -137,6 +153,13 @@ mod tests {
         assert!(resource(&"x".repeat(257)).is_err());
         assert!(resource(&"x".repeat(256)).is_ok());
         assert!(resource("team/ünïcode").is_ok());
+        // Whitespace at an end: refused for a new lock, accepted for one held already.
+        for edged in ["orders/42 ", " orders/42", "orders/42\u{a0}"] {
+            let e = resource(edged).unwrap_err();
+            assert!(e.to_string().contains("whitespace"), "{e}");
+            assert!(held_resource(edged).is_ok(), "{edged:?}");
+        }
+        assert!(resource("orders/ 42").is_ok());
         let e = lease_ttl_ms(999).unwrap_err();
         assert!(
             e.to_string().contains("lease_ttl_ms") && e.to_string().contains("999"),

@@ -62,7 +62,10 @@ pub enum FenceParseError {
     #[error("fence {0:?} must look like <resource>:<token>")]
     MissingSeparator(String),
     /// The resource name breaks lockd's naming policy.
-    #[error("resource {0:?} must be 1 to 256 bytes without control characters")]
+    #[error(
+        "resource {0:?} must be 1 to 256 bytes without control characters and without \
+         whitespace at either end"
+    )]
     BadResource(String),
 }
 
@@ -82,11 +85,14 @@ impl FromStr for FencingToken {
 }
 
 /// Checks a resource name against lockd's policy: 1..=256 bytes of UTF-8 without control
-/// characters.
+/// characters and without whitespace at either end (a header parser drops it, so `"orders/42 "`
+/// would be fenced apart from the `orders/42` an upstream reads).
 pub fn validate_resource(resource: &str) -> Result<(), FenceParseError> {
     if resource.is_empty()
         || resource.len() > RESOURCE_MAX_BYTES
         || resource.chars().any(char::is_control)
+        || resource.starts_with(char::is_whitespace)
+        || resource.ends_with(char::is_whitespace)
     {
         return Err(FenceParseError::BadResource(resource.to_owned()));
     }
@@ -154,5 +160,22 @@ mod tests {
         assert!("orders:x".parse::<Fence>().is_err());
         let long = format!("{}:1", "r".repeat(257));
         assert!(long.parse::<Fence>().is_err());
+    }
+
+    /// A header parser drops whitespace at a value's ends: "orders/42 " must not be a fence of
+    /// its own that an upstream reads as `orders/42`.
+    #[test]
+    fn resources_with_whitespace_at_an_end_are_refused() {
+        for bad in [
+            "orders/42 ",
+            " orders/42",
+            "orders/42\u{a0}",
+            "\u{3000}orders/42",
+        ] {
+            let err = validate_resource(bad).unwrap_err();
+            assert!(err.to_string().contains("whitespace"), "{err}");
+            assert!(format!("{bad}:7").parse::<Fence>().is_err(), "{bad:?}");
+        }
+        assert!(validate_resource("orders/ 42").is_ok());
     }
 }

@@ -264,6 +264,66 @@ async fn two_proxies_on_postgres_never_apply_41_after_42() {
     );
 }
 
+/// Attack (review, HIGH when the database's wall clock steps forward): after a write's outcome
+/// was unknown (upstream timeout), the other replicas were held back only by `busy_until`, a
+/// time on the database's wall clock. An NTP step forward (or a forged NTP answer) ends that
+/// wait at once, while the upstream may still apply the old write. Method: two proxies on one
+/// table; 41 through `a` takes the upstream 3 s, `a` gives up at 1 s (quarantine 4 s); then the
+/// database's clock "jumps" (`busy_until` set an hour back) and 42 goes through `b`. Goal: `b`
+/// still waits out `a`'s quarantine, timed on `a`'s own clock, so 41 lands before 42.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quarantine_outlasts_a_step_of_the_database_clock() {
+    lockd_tests::skip_without_postgres!();
+    let table = PgTable::new("fence_http_clock");
+    let upstream = HttpUpstream::start().await.unwrap();
+    let extra = [
+        "--store-table",
+        table.name.as_str(),
+        "--lock-wait",
+        "20s",
+        "--upstream-timeout",
+        "1s",
+        "--quarantine",
+        "4s",
+    ];
+    let a = FenceProxy::start(&upstream.url(), &table.store(), &extra)
+        .await
+        .unwrap();
+    let b = FenceProxy::start(&upstream.url(), &table.store(), &extra)
+        .await
+        .unwrap();
+    let resource = pg::unique_name("clock");
+    let r41 = a
+        .write(
+            "PUT",
+            "/obj",
+            (Some(&resource), Some("41")),
+            &[(DELAY_HEADER, "3000")],
+            "41",
+        )
+        .await
+        .unwrap();
+    assert_refused(&r41, 504, "upstream-timeout");
+    table.run(&format!(
+        "UPDATE {} SET busy_until = now() - interval '1 hour' WHERE resource = '{resource}'",
+        table.name
+    ));
+    let r42 = b
+        .write("PUT", "/obj", (Some(&resource), Some("42")), &[], "42")
+        .await
+        .unwrap();
+    assert_eq!(r42.status, 200, "{r42:?}");
+    // Whatever came first, 41 has landed by now.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let tokens: Vec<u64> = upstream
+        .writes()
+        .iter()
+        .filter(|w| w.resource() == Some(resource.as_str()))
+        .map(|w| w.token().unwrap())
+        .collect();
+    assert_eq!(tokens, [41, 42], "the upstream applied 41 after 42");
+}
+
 /// Goal: the fence headers reach the upstream with every write the proxy forwards, as the docs
 /// promise (an upstream that checks `Fencing-Token` itself is the remedy for writes it applies
 /// late). Attack (found by review): a write that names them in `Connection` passed the check,
@@ -499,4 +559,49 @@ fn a_bad_bind_resource_value_is_refused() {
         stderr.contains("'host'") && stderr.contains("path-prefix"),
         "{stderr}"
     );
+}
+
+/// Attack (review, HIGH where the upstream checks `Lock-Resource`): HTTP/2 keeps a header value's
+/// spaces, HTTP/1.1 parsers drop them. `Lock-Resource: "orders/42 "` was a resource of its own to
+/// the proxy, fenced apart from `orders/42`, and went upstream as `orders/42`: token 41 applied
+/// after 42. Goal: refused, 400 bad-fence naming the whitespace, nothing forwarded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resource_with_whitespace_at_an_end_is_refused() {
+    use http_body_util::BodyExt;
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = HttpUpstream::start().await.unwrap();
+    let proxy = FenceProxy::start(&upstream.url(), &redb_store(&dir), &[])
+        .await
+        .unwrap();
+    assert_eq!(put(&proxy, "orders/42", "42", "new").await.status, 200);
+    let tcp = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let (mut sender, connection) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    let connection = tokio::spawn(connection);
+    for resource in ["orders/42 ", " orders/42", "orders/42\u{a0}"] {
+        let request = hyper::Request::put(format!("http://{}/orders/42", proxy.addr))
+            .header("lock-resource", resource)
+            .header("fencing-token", "41")
+            .body(http_body_util::Full::new(bytes::Bytes::from_static(
+                b"stale",
+            )))
+            .unwrap();
+        let reply = sender.send_request(request).await.unwrap();
+        let status = reply.status().as_u16();
+        let body = reply.into_body().collect().await.unwrap().to_bytes();
+        let body = String::from_utf8_lossy(&body);
+        assert_eq!(status, 400, "{resource:?}: {body}");
+        assert!(
+            body.contains("bad-fence") && body.contains("whitespace"),
+            "{resource:?}: {body}"
+        );
+    }
+    connection.abort();
+    let writes = upstream.writes();
+    assert_eq!(writes.len(), 1, "{writes:?}");
+    assert_eq!(writes[0].header("fencing-token"), Some("42"));
 }

@@ -51,6 +51,33 @@ impl PgTable {
     }
 }
 
+impl PgTable {
+    /// Runs `sql` on the shared Postgres with psql; panics naming the statement if it fails.
+    fn run(&self, sql: &str) {
+        let out = std::process::Command::new("psql")
+            .args([
+                "-q",
+                "-X",
+                "-v",
+                "ON_ERROR_STOP=1",
+                "-h",
+                pg::PG_HOST,
+                "-U",
+                pg::PG_USER,
+                "-d",
+                pg::PG_DATABASE,
+            ])
+            .args(["-c", sql])
+            .output()
+            .expect("psql runs");
+        assert!(
+            out.status.success(),
+            "{sql}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
 impl Drop for PgTable {
     fn drop(&mut self) {
         let sql = format!("DROP TABLE IF EXISTS {}", self.name);

@@ -3,8 +3,8 @@
 //! response was read whole, and anything else closes it. These tests run the proxy against a
 //! scripted upstream that counts its connections and can misbehave on purpose.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use lockd_tests::fence_proxy::{FenceProxy, send};
@@ -20,12 +20,15 @@ const BIG_BODY: usize = 16 << 20;
 /// test needs: `/close` answers with `Connection: close` and closes; `/drop-after` answers and
 /// then closes the idle connection without saying so (a keep-alive timeout); `/big` answers
 /// `BIG_BODY` bytes; `/chunked` answers `ok` in chunks; anything else answers `ok`. HEAD gets
-/// the head of the same response.
+/// the head of the same response. It never reads a request's body (it takes whatever follows a
+/// head for the next request, as some servers do) and closes after a request that says
+/// `Connection: close`; it keeps every request line it served.
 struct ScriptedUpstream {
     addr: std::net::SocketAddr,
     /// Connections that carried at least one request.
     connections: Arc<AtomicUsize>,
     requests: Arc<AtomicUsize>,
+    lines: Arc<Mutex<Vec<String>>>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -35,19 +38,21 @@ impl ScriptedUpstream {
         let addr = listener.local_addr().unwrap();
         let connections = Arc::new(AtomicUsize::new(0));
         let requests = Arc::new(AtomicUsize::new(0));
-        let (c, r) = (connections.clone(), requests.clone());
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let (c, r, l) = (connections.clone(), requests.clone(), lines.clone());
         let task = tokio::spawn(async move {
             loop {
                 let Ok((stream, _)) = listener.accept().await else {
                     return;
                 };
-                tokio::spawn(serve(stream, c.clone(), r.clone()));
+                tokio::spawn(serve(stream, c.clone(), r.clone(), l.clone()));
             }
         });
         ScriptedUpstream {
             addr,
             connections,
             requests,
+            lines,
             task,
         }
     }
@@ -63,6 +68,11 @@ impl ScriptedUpstream {
     fn requests(&self) -> usize {
         self.requests.load(Ordering::SeqCst)
     }
+
+    /// The request lines served so far (`GET /x`), in order.
+    fn lines(&self) -> Vec<String> {
+        self.lines.lock().unwrap().clone()
+    }
 }
 
 impl Drop for ScriptedUpstream {
@@ -73,7 +83,12 @@ impl Drop for ScriptedUpstream {
 
 /// Serves one connection. It counts once its first request arrives: the proxy's readiness check
 /// opens connections that send nothing.
-async fn serve(mut stream: TcpStream, connections: Arc<AtomicUsize>, requests: Arc<AtomicUsize>) {
+async fn serve(
+    mut stream: TcpStream,
+    connections: Arc<AtomicUsize>,
+    requests: Arc<AtomicUsize>,
+    lines: Arc<Mutex<Vec<String>>>,
+) {
     let mut buf = Vec::new();
     let mut counted = false;
     loop {
@@ -98,6 +113,10 @@ async fn serve(mut stream: TcpStream, connections: Arc<AtomicUsize>, requests: A
         let mut words = head.split_whitespace();
         let method = words.next().unwrap_or_default().to_owned();
         let path = words.next().unwrap_or_default().to_owned();
+        lines.lock().unwrap().push(format!("{method} {path}"));
+        let asked_to_close = head
+            .to_ascii_lowercase()
+            .contains("\r\nconnection: close\r\n");
         let body = if path == "/big" {
             vec![b'x'; BIG_BODY]
         } else {
@@ -127,6 +146,19 @@ async fn serve(mut stream: TcpStream, connections: Arc<AtomicUsize>, requests: A
             return;
         }
         if close {
+            return;
+        }
+        if asked_to_close {
+            // Take what the client still sends before closing, so that the close is not a
+            // reset that could cost the client the answer.
+            let mut rest = [0u8; 4096];
+            while let Ok(Ok(n)) =
+                tokio::time::timeout(Duration::from_millis(100), stream.read(&mut rest)).await
+            {
+                if n == 0 {
+                    break;
+                }
+            }
             return;
         }
         if path == "/drop-after" {
@@ -251,4 +283,53 @@ async fn an_abandoned_response_does_not_poison_the_pool() {
     // A large body read whole still comes through intact.
     let (status, body) = read(&proxy, "GET", "/big").await;
     assert_eq!((status, body.len()), (200, BIG_BODY));
+}
+
+/// Attack (review, HIGH where the upstream does not read bodies): a GET (or a fenced DELETE)
+/// carrying `PUT /orders/42 ...` as its body went upstream body and all on a kept-alive
+/// connection; an upstream that answers without reading a body (a static file handler, Python's
+/// `http.server`) then took the body for the next request: an unfenced write smuggled inside a
+/// read, or inside another resource's write. Goal: a body on a method that defines none goes
+/// upstream with `Connection: close`, so nothing is read after it on that connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_on_a_method_that_defines_none_cannot_smuggle_a_request() {
+    let upstream = ScriptedUpstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = proxy_for(&upstream, &dir, "1").await;
+    let smuggled = "PUT /orders/42 HTTP/1.1\r\nHost: up\r\nContent-Length: 0\r\n\r\n";
+    let reply = send("GET", &proxy.url("/static"), &[], smuggled)
+        .await
+        .unwrap();
+    assert_eq!(reply.status, 200, "{reply:?}");
+    let reply = proxy
+        .write(
+            "DELETE",
+            "/orders/1",
+            (Some("orders/1"), Some("5")),
+            &[],
+            smuggled,
+        )
+        .await
+        .unwrap();
+    assert_eq!(reply.status, 200, "{reply:?}");
+    // Reads without a body still share connections, and answer as before.
+    for _ in 0..3 {
+        assert_eq!(read(&proxy, "GET", "/after").await, (200, "ok".to_owned()));
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let lines = upstream.lines();
+    assert!(
+        !lines.iter().any(|l| l.starts_with("PUT")),
+        "a request smuggled in a body reached the upstream: {lines:?}"
+    );
+    assert_eq!(
+        lines,
+        [
+            "GET /static",
+            "DELETE /orders/1",
+            "GET /after",
+            "GET /after",
+            "GET /after"
+        ]
+    );
 }

@@ -309,8 +309,8 @@ impl LockService {
     }
 
     async fn describe_local(&self, req: DescribeRequest) -> Result<DescribeResponse, Status> {
-        let resource =
-            validate::resource(&req.resource).map_err(|e| errors::invalid_field("resource", e))?;
+        let resource = validate::held_resource(&req.resource)
+            .map_err(|e| errors::invalid_field("resource", e))?;
         match tokio::time::timeout(READ_TIMEOUT, self.ctx.reads.confirm()).await {
             Ok(Ok(_)) => {}
             Ok(Err(e @ crate::read_barrier::ReadRefused::Overloaded)) => {
@@ -413,8 +413,8 @@ impl Drop for WaitGuard {
 
 impl LockService {
     async fn renew_local(&self, r: RenewRequest) -> Result<RenewResponse, Status> {
-        let resource =
-            validate::resource(&r.resource).map_err(|e| errors::invalid_field("resource", e))?;
+        let resource = validate::held_resource(&r.resource)
+            .map_err(|e| errors::invalid_field("resource", e))?;
         let lease_id =
             validate::lease_id(&r.lease_id).map_err(|e| errors::invalid_field("lease_id", e))?;
         let ttl = if r.lease_ttl_ms == 0 {
@@ -444,8 +444,8 @@ impl LockService {
     }
 
     async fn release_local(&self, r: ReleaseRequest) -> Result<ReleaseResponse, Status> {
-        let resource =
-            validate::resource(&r.resource).map_err(|e| errors::invalid_field("resource", e))?;
+        let resource = validate::held_resource(&r.resource)
+            .map_err(|e| errors::invalid_field("resource", e))?;
         let lease_id =
             validate::lease_id(&r.lease_id).map_err(|e| errors::invalid_field("lease_id", e))?;
         match self
