@@ -56,8 +56,14 @@
 //! safety rests on rules that hold whatever the kind:
 //!
 //! - At projected status `I`, every client Execute (whatever its believed kind: COMMIT,
-//!   ROLLBACK, ROLLBACK TO, SET, or anything else) is preceded by the proxy's own BEGIN, so no
-//!   client statement runs in an implicit transaction that commits on its own at Sync. A
+//!   ROLLBACK, ROLLBACK TO, SET, or anything else), and every Parse, Bind and Describe before
+//!   it, is preceded by the proxy's own BEGIN, so no client code runs in an implicit
+//!   transaction that commits on its own at Sync (Parse, Bind and Describe run client code: a
+//!   domain's CHECK, functions folded by the planner). A block that held no client Execute is
+//!   rolled back at Sync, not committed. A Parse of a BEGIN text, and a Bind or Describe of a
+//!   believed BEGIN, go without it (see `Session::before_client_message`): the server's
+//!   implicit transaction they start becomes a block at the proxy's BEGIN in the client's
+//!   Execute, or at Sync, where the proxy rolls it back. A
 //!   believed BEGIN is not forwarded at all: the proxy runs the same BEGIN in its place (so
 //!   Postgres does not warn 25001 and log a line per transaction); if the name was really
 //!   something else, that statement does not run. After a believed transaction end the projected status is `I`
@@ -421,6 +427,16 @@ struct Group {
     owns: bool,
     /// A client Execute was sent in this group.
     executed: bool,
+    /// A client Execute was sent since the proxy opened its current block: the block may hold
+    /// a client statement's writes, so it ends through the guard and COMMIT; without one it
+    /// held only what Parse, Bind and Describe ran, and is rolled back.
+    block_executed: bool,
+    /// At projected status `I`, a Bind or Describe of a client's BEGIN was forwarded outside any
+    /// block: the server runs it in an implicit transaction (a Bind reads its parameters, which
+    /// may run a domain's CHECK), which the proxy's BEGIN standing in for the client's Execute
+    /// turns into the client's block. If the group reaches Sync without that Execute, the proxy
+    /// turns it into a block of its own and rolls it back.
+    implicit: bool,
     /// An error was received: the upstream skips everything up to Sync.
     failed: bool,
 }
@@ -1238,6 +1254,8 @@ impl Session {
                 status: self.status,
                 owns: false,
                 executed: false,
+                block_executed: false,
+                implicit: false,
                 failed: false,
             });
         }
@@ -1256,6 +1274,20 @@ impl Session {
             b'E' => self.execute(m).await,
             b'C' => self.close(m).await,
             b'D' => {
+                let mut body = m.body();
+                let kind = match (body.first().copied(), body.get(1..)) {
+                    (Some(variant), Some(rest)) => {
+                        body = rest;
+                        let name = codec::read_cstr(&mut body).unwrap_or_default();
+                        if variant == b'P' {
+                            self.portals.get(&name)
+                        } else {
+                            self.statements.get(&name)
+                        }
+                    }
+                    _ => StatementKind::Other,
+                };
+                self.before_client_message(&kind)?;
                 let owns = self.group_owns();
                 self.pending.push_back(Pending::new(Unit::Describe, owns));
                 self.out.extend_from_slice(&m.frame);
@@ -1271,6 +1303,47 @@ impl Session {
 
     fn group_owns(&self) -> bool {
         self.group.as_ref().is_some_and(|g| g.owns)
+    }
+
+    /// Opens the proxy's block in the group at projected status `I` (its BEGIN, under the
+    /// proxy's internal names, ahead of the client's next message).
+    fn open_block(&mut self, g: &mut Group) -> anyhow::Result<()> {
+        self.put_internal(fence_sql::BEGIN_SQL, false, true)?;
+        g.owns = true;
+        g.status = b'T';
+        g.block_executed = false;
+        // The BEGIN turns an implicit transaction the server had started into this block.
+        g.implicit = false;
+        self.guarded = false;
+        Ok(())
+    }
+
+    /// Before a client's Parse, Bind or Describe of a statement or portal of kind `kind`: at
+    /// projected status `I` the server would start an implicit transaction for it, which the
+    /// client's Sync commits, and each of them can run client code there (a constant coerced to
+    /// a domain runs its CHECK at Parse, a parameter of a domain type at Bind, planning folds
+    /// functions at Bind, a statement re-analysed at Describe). So the proxy's block opens first,
+    /// as before an Execute. The one exception is a client's BEGIN, whose Execute the proxy
+    /// answers with a BEGIN of its own carrying the client's options (see `execute`): a Parse of
+    /// a BEGIN text runs nothing and is forwarded as it is; a Bind or Describe of a believed
+    /// BEGIN (which may read parameters, or be another statement SQL `PREPARE` put under the
+    /// name) is forwarded too, and the group remembers that an implicit transaction is open,
+    /// which the proxy's BEGIN at the Execute turns into the client's block, or the proxy's at
+    /// Sync (and rolls back).
+    fn before_client_message(&mut self, kind: &StatementKind) -> anyhow::Result<()> {
+        let Some(mut g) = self.group.take() else {
+            anyhow::bail!("client message outside a group");
+        };
+        let result = if g.status != b'I' {
+            Ok(())
+        } else if matches!(kind, StatementKind::Begin(_)) {
+            g.implicit = true;
+            Ok(())
+        } else {
+            self.open_block(&mut g)
+        };
+        self.group = Some(g);
+        result
     }
 
     /// Checks a statement or portal name against [`MAX_NAME_BYTES`].
@@ -1318,6 +1391,11 @@ impl Session {
                 ))
                 .await;
         }
+        // A Parse of a BEGIN text runs nothing (no expression, no type input), so it needs no
+        // block; every other Parse may (see `before_client_message`).
+        if !(refusal.is_none() && matches!(kind, StatementKind::Begin(_))) {
+            self.before_client_message(&StatementKind::Other)?;
+        }
         let owns = self.group_owns();
         let mut p = Pending::new(Unit::Parse, owns);
         self.project(&mut p, Track::Statement(name.clone(), kind));
@@ -1351,6 +1429,7 @@ impl Session {
                 ))
                 .await;
         }
+        self.before_client_message(&kind)?;
         let owns = self.group_owns();
         let mut p = Pending::new(Unit::Bind, owns);
         self.project(&mut p, Track::Portal(portal, kind));
@@ -1359,6 +1438,10 @@ impl Session {
         Ok(Flow::Continue)
     }
 
+    /// A Close needs no block at `I`: closing a statement drops its cached plan and closing a
+    /// portal there can only drop a WITH HOLD cursor, whose rows were materialised at its
+    /// commit; neither runs client code, so the implicit transaction the server starts for it
+    /// holds nothing to commit.
     async fn close(&mut self, m: Message) -> anyhow::Result<Flow> {
         let mut body = m.body();
         let owns = self.group_owns();
@@ -1456,6 +1539,7 @@ impl Session {
             self.put_internal_with(begin, false, false, |p| p.answers_client = true)?;
             g.status = b'T';
             g.executed = true;
+            g.implicit = false;
             self.guarded = false;
             self.group = Some(g);
             return Ok(Flow::Continue);
@@ -1465,10 +1549,7 @@ impl Session {
         // proxy does not track) then only costs compatibility, never an implicit transaction
         // that commits on its own.
         if g.status == b'I' {
-            self.put_internal(fence_sql::BEGIN_SQL, false, true)?;
-            g.owns = true;
-            g.status = b'T';
-            self.guarded = false;
+            self.open_block(&mut g)?;
         }
         // A believed BEGIN here runs as the client sent it, whatever it really is.
         if matches!(kind, StatementKind::Begin(_)) || forgets_unfenced(&kind) {
@@ -1532,6 +1613,7 @@ impl Session {
             self.copy = Copy::Starting;
         }
         g.executed = true;
+        g.block_executed = true;
         let mut p = Pending::new(Unit::Execute, g.owns);
         p.starts_copy = starts_copy;
         p.confirms_commit = matches!(kind, StatementKind::Commit { .. });
@@ -1547,8 +1629,21 @@ impl Session {
             anyhow::bail!("Sync outside a group");
         };
         if g.owns && !g.failed {
-            self.put_guard(true, false, true, true)?;
-            self.put_internal(fence_sql::COMMIT_SQL, true, false)?;
+            if g.block_executed {
+                self.put_guard(true, false, true, true)?;
+                self.put_internal(fence_sql::COMMIT_SQL, true, false)?;
+            } else {
+                // Only Parse, Bind or Describe ran in the block: nothing of it is the client's
+                // to keep (prepared statements outlive a rollback; portals end with the
+                // transaction either way), and whatever client code they ran is undone.
+                self.put_internal(fence_sql::ROLLBACK_SQL, true, false)?;
+            }
+            self.guarded = false;
+        } else if g.implicit && !g.failed && g.status == b'I' {
+            // A Bind or Describe of a client's BEGIN without its Execute: the server's implicit
+            // transaction becomes the proxy's block and is rolled back.
+            self.put_internal(fence_sql::BEGIN_SQL, false, true)?;
+            self.put_internal(fence_sql::ROLLBACK_SQL, true, false)?;
             self.guarded = false;
         }
         self.pending

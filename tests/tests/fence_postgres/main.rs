@@ -10,6 +10,8 @@
 //! - `end_to_end`: password authentication through the proxy, and a zombie holder fenced with
 //!   tokens from a real lockd cluster.
 //! - `bypass`: attacks on the guard that try to run a statement without the fence.
+//! - `implicit`: Parse, Bind and Describe at status `I` run client code; never in an implicit
+//!   transaction that commits unguarded.
 //! - `commit`: what the proxy checks at commit time.
 //! - `overhead`: what the proxy adds to each transaction (its BEGIN in place of a prepared one,
 //!   the opening guard only where it can refuse), and that no check goes with it.
@@ -27,6 +29,7 @@
 mod bypass;
 mod commit;
 mod end_to_end;
+mod implicit;
 mod interrupted;
 mod overhead;
 mod preauth;
