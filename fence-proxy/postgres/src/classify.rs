@@ -12,7 +12,7 @@
 //! contains a backslash while the setting is off ([`needs_standard_strings`]).
 
 use pg_query::NodeEnum;
-use pg_query::protobuf::{TransactionStmtKind, VariableSetKind, a_const};
+use pg_query::protobuf::{DiscardMode, TransactionStmtKind, VariableSetKind, a_const};
 
 use crate::limits::{MAX_CLASSIFIED_SQL_BYTES, MAX_STATEMENTS_PER_QUERY};
 use crate::parser;
@@ -95,6 +95,10 @@ pub struct Statement {
     /// literal. `None` for other statements, and for a `PREPARE TRANSACTION` whose identifier
     /// is not printable ASCII.
     pub commit_sql: Option<String>,
+    /// `DISCARD ALL`: resets the session (every setting, `lockd.fence` with them, prepared
+    /// statements, portals, temporary tables, advisory locks, LISTEN). Postgres runs it only
+    /// outside a transaction block, so the proxy forwards it alone at status `I` as it is.
+    pub discards_all: bool,
 }
 
 /// Why a text was not classified.
@@ -193,6 +197,7 @@ fn statements(
                 kind,
                 sets_fence: node.and_then(fence_assignment),
                 commit_sql: node.and_then(commit_sql),
+                discards_all: matches!(node, Some(NodeEnum::DiscardStmt(d)) if d.target() == DiscardMode::DiscardAll),
                 start: usize::try_from(raw.stmt_location)
                     .unwrap_or(0)
                     .min(sql.len()),
@@ -233,6 +238,12 @@ fn kind_of(node: &NodeEnum) -> Result<StatementKind, ClassifyError> {
                     .get(..FENCE_NAMESPACE.len())
                     .is_some_and(|prefix| prefix.eq_ignore_ascii_case(FENCE_NAMESPACE.as_bytes())),
         },
+        // It resets every setting, as RESET ALL does.
+        NodeEnum::DiscardStmt(d) if d.target() == DiscardMode::DiscardAll => {
+            StatementKind::Setting {
+                touches_fence: true,
+            }
+        }
         NodeEnum::VariableShowStmt(_) => StatementKind::Setting {
             touches_fence: false,
         },

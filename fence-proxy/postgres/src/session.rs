@@ -277,6 +277,9 @@ struct Pending {
     confirms_commit: bool,
     /// Replaces the upstream's error for this unit (a Parse the proxy refused).
     refusal: Option<ProxyError>,
+    /// A client's lone DISCARD ALL: its CommandComplete means the server dropped every prepared
+    /// statement and portal, so the proxy's name maps are cleared.
+    discards_all: bool,
     /// A client Execute the proxy believes to start COPY FROM STDIN: if it completes without
     /// entering copy mode (a wrong kind), the client's messages need not wait any longer.
     starts_copy: bool,
@@ -301,6 +304,7 @@ impl Pending {
             reading: None,
             confirms_commit: false,
             refusal: None,
+            discards_all: false,
             starts_copy: false,
             script: VecDeque::new(),
             moved: Vec::new(),
@@ -997,6 +1001,20 @@ impl Session {
                 .push_back(Pending::ready(false, false, After::Report));
             return Ok(Flow::Continue);
         }
+        // A lone DISCARD ALL at `I` cannot run inside the proxy's block (Postgres refuses it
+        // there, 25001); it runs no client code and writes nothing to commit, so it goes as it
+        // came, like a lone COMMIT. What it resets in the server the proxy forgets too: the
+        // session's fence (the next data statement gets its opening guard), and, once the
+        // server reports it done, the kinds of prepared statements and portals.
+        if self.status == b'I' && stmts.len() == 1 && stmts[0].discards_all {
+            self.forget_unfenced();
+            self.start_request();
+            self.out.extend_from_slice(&m.frame);
+            let mut p = Pending::ready(false, false, After::Report);
+            p.discards_all = true;
+            self.pending.push_back(p);
+            return Ok(Flow::Continue);
+        }
         self.plan_simple(&stmts, ClientOp::Query(text, m)).await
     }
 
@@ -1015,6 +1033,7 @@ impl Session {
             start: 0,
             sets_fence: None,
             commit_sql: None,
+            discards_all: false,
         }];
         self.plan_simple(&stmts, ClientOp::Message(m)).await
     }
@@ -1699,6 +1718,10 @@ impl Session {
                     None => front.and_then(|p| p.reading),
                 };
                 let confirms_commit = front.is_some_and(|p| p.confirms_commit);
+                if tag == b'C' && front.is_some_and(|p| p.discards_all) {
+                    self.statements.kinds.clear();
+                    self.portals.kinds.clear();
+                }
                 let completes = front.is_some_and(|p| p.unit.completed_by(tag));
                 if tag == b'D'
                     && let Some(reading) = reading

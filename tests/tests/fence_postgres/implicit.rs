@@ -37,6 +37,9 @@ async fn world(require_fence: bool) -> (Attack, String, u32) {
     (a, d, oid)
 }
 
+/// Writes one attack's messages.
+type Builds<'a> = Box<dyn Fn(&mut BytesMut) + 'a>;
+
 /// Parse with parameter types.
 fn parse_typed(name: &str, sql: &str, types: &[u32], out: &mut BytesMut) {
     frontend::parse(name, sql, types.iter().copied(), out).unwrap();
@@ -76,7 +79,7 @@ async fn review_parse_bind_describe_at_idle_commit_nothing_unguarded() {
     let mut broken = Vec::new();
     for require_fence in [false, true] {
         let (a, d, oid) = world(require_fence).await;
-        let variants: Vec<(&str, Box<dyn Fn(&mut BytesMut)>)> = vec![
+        let variants: Vec<(&str, Builds<'_>)> = vec![
             (
                 "Parse of a constant cast to the domain, Sync",
                 Box::new(|out| wire::parse("", &format!("SELECT '{{1}}'::{d}[]"), out)),

@@ -13,6 +13,7 @@
 //! - `implicit`: Parse, Bind and Describe at status `I` run client code; never in an implicit
 //!   transaction that commits unguarded.
 //! - `commit`: what the proxy checks at commit time.
+//! - `discard`: a lone DISCARD ALL (Npgsql's pool, PgBouncer's reset) works and resets.
 //! - `overhead`: what the proxy adds to each transaction (its BEGIN in place of a prepared one,
 //!   the opening guard only where it can refuse), and that no check goes with it.
 //! - `preauth`: what a client can hold before it has authenticated (startup places, the size of
@@ -28,6 +29,7 @@
 
 mod bypass;
 mod commit;
+mod discard;
 mod end_to_end;
 mod implicit;
 mod interrupted;
