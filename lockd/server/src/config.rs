@@ -205,6 +205,10 @@ pub struct NodeConfig {
     pub(crate) cluster_id: String,
     /// Certificates; `None` runs without TLS (replication unauthenticated).
     pub(crate) tls: Option<crate::tls::TlsFiles>,
+    /// `--insecure-plaintext`: without TLS, every caller that reaches the port may call the
+    /// internal services; without it (on loopback) only processes of this node's user may
+    /// (`crate::local_peer`).
+    pub(crate) insecure_plaintext: bool,
     /// `--auth-policy` and `--auth-tokens`; `None` runs open (see `crate::auth`).
     pub(crate) auth: Option<crate::auth::AuthFiles>,
     /// `--allow-backup-without-policy`: without a policy, backups for anyone who reaches the port.
@@ -266,6 +270,7 @@ impl NodeConfig {
             tuning,
             cluster_id: crate::tls::DEFAULT_CLUSTER_ID.to_owned(),
             tls: None,
+            insecure_plaintext: false,
             auth: None,
             allow_backup_without_policy: false,
             allow_membership_without_policy: false,
@@ -300,6 +305,7 @@ impl NodeConfig {
     ) -> Result<Self, String> {
         crate::tls::validate_cluster_id(&cluster_id)?;
         self.cluster_id = cluster_id;
+        self.insecure_plaintext = insecure_plaintext;
         self.tls = match (cert, key, peer_ca) {
             (Some(cert), Some(key), Some(peer_ca)) => Some(crate::tls::TlsFiles {
                 cert,
@@ -309,7 +315,9 @@ impl NodeConfig {
             }),
             (None, None, None) if client_ca.is_none() => {
                 // Fail closed: without TLS anyone who reaches the port can forge replication,
-                // acceptable on loopback (tests, `lockd dev`) and otherwise only when asked for.
+                // acceptable on loopback (tests, `lockd dev`), where only processes of this
+                // user may call the internal services (`crate::local_peer`), and otherwise only
+                // when asked for.
                 if !self.listen.ip().is_loopback() && !insecure_plaintext {
                     return Err(format!(
                         "--listen {} is not a loopback address and TLS is off: anyone who \

@@ -63,23 +63,36 @@ pub(crate) struct Untaken {
     next_id: AtomicU64,
 }
 
-/// The open connections' [`Untaken`], by (local, remote) address, for the services, which see a
-/// call's addresses but not its connection.
-static OPEN: LazyLock<Mutex<HashMap<ConnectionKey, Weak<Untaken>>>> = LazyLock::new(Mutex::default);
+/// What the services may need of an open connection, which they see only through a call's
+/// addresses.
+#[derive(Default)]
+pub(crate) struct Open {
+    /// The answers its client has not taken yet.
+    pub(crate) untaken: Arc<Untaken>,
+    /// The uid that owns the socket at the other end, looked up when a call first needs it (an
+    /// internal service on a plaintext loopback port, `crate::local_peer`), then kept: a socket's
+    /// owner never changes. A lookup that failed keeps its reason.
+    pub(crate) owner: tokio::sync::OnceCell<Result<u32, String>>,
+}
+
+/// The open connections' [`Open`] state, by (local, remote) address.
+static OPEN: LazyLock<Mutex<HashMap<ConnectionKey, Weak<Open>>>> = LazyLock::new(Mutex::default);
 
 /// A connection's (local, remote) addresses.
 type ConnectionKey = (SocketAddr, SocketAddr);
 
-impl Untaken {
-    /// The answers of the open connection between `local` and `remote`, if it is one of
+impl Open {
+    /// The state of the open connection between `local` and `remote`, if it is one of
     /// [`Admitted`]'s.
-    pub(crate) fn of(local: SocketAddr, remote: SocketAddr) -> Option<Arc<Untaken>> {
+    pub(crate) fn of(local: SocketAddr, remote: SocketAddr) -> Option<Arc<Open>> {
         OPEN.lock()
             .unwrap_or_else(PoisonError::into_inner)
             .get(&(local, remote))
             .and_then(Weak::upgrade)
     }
+}
 
+impl Untaken {
     /// A new answer, waiting from now until hyper first takes a frame of it.
     pub(crate) fn answer(self: &Arc<Self>) -> UntakenAnswer {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
@@ -135,8 +148,9 @@ pub(crate) struct Admitted<S> {
     /// Until the first byte arrives: reads fail with `TimedOut` once it has passed, so the server
     /// drops the connection.
     first_bytes: Option<Pin<Box<tokio::time::Sleep>>>,
-    /// With the (local, remote) addresses it is registered under in [`OPEN`].
-    untaken: Option<(ConnectionKey, Arc<Untaken>)>,
+    /// Its state for the services, with the (local, remote) addresses it is registered under in
+    /// [`OPEN`].
+    open: Option<(ConnectionKey, Arc<Open>)>,
     /// The HTTP/2 windows the client grants.
     flow: FlowWatch,
     /// Since the socket last took a byte, while the node has bytes for it: fires at
@@ -148,25 +162,25 @@ pub(crate) struct Admitted<S> {
 
 impl<S> Admitted<S> {
     /// `io` holding `slot`; it must read its first byte by `deadline`. `addresses` (local, remote)
-    /// register it for the services to find its [`Untaken`].
+    /// register it for the services to find its [`Open`] state.
     pub(crate) fn new(
         io: S,
         slot: SourceSlot,
         deadline: tokio::time::Instant,
         addresses: Option<ConnectionKey>,
     ) -> Self {
-        let untaken = addresses.map(|key| {
-            let untaken = Arc::new(Untaken::default());
+        let open = addresses.map(|key| {
+            let open = Arc::new(Open::default());
             OPEN.lock()
                 .unwrap_or_else(PoisonError::into_inner)
-                .insert(key, Arc::downgrade(&untaken));
-            (key, untaken)
+                .insert(key, Arc::downgrade(&open));
+            (key, open)
         });
         Admitted {
             io,
             _slot: slot,
             first_bytes: Some(Box::pin(tokio::time::sleep_until(deadline))),
-            untaken,
+            open,
             flow: FlowWatch::new(),
             write_blocked: None,
             starving_check: None,
@@ -198,8 +212,8 @@ impl<S> Admitted<S> {
         if let Some(starved) = self.flow.overdue(SEND_TIMEOUT) {
             return Some(io::Error::new(io::ErrorKind::TimedOut, starved.to_string()));
         }
-        let (_, untaken) = self.untaken.as_ref()?;
-        let waited = untaken.longest_wait()?;
+        let (_, open) = self.open.as_ref()?;
+        let waited = open.untaken.longest_wait()?;
         (waited > SEND_TIMEOUT).then(|| {
             io::Error::new(
                 io::ErrorKind::TimedOut,
@@ -271,12 +285,12 @@ impl ResetOnClose for tokio_rustls::server::TlsStream<tokio::net::TcpStream> {
 
 impl<S> Drop for Admitted<S> {
     fn drop(&mut self) {
-        if let Some((key, untaken)) = &self.untaken {
+        if let Some((key, state)) = &self.open {
             let mut open = OPEN.lock().unwrap_or_else(PoisonError::into_inner);
             // Only this connection's entry: another with the same addresses may follow it.
             if open
                 .get(key)
-                .is_some_and(|w| std::ptr::eq(w.as_ptr(), Arc::as_ptr(untaken)))
+                .is_some_and(|w| std::ptr::eq(w.as_ptr(), Arc::as_ptr(state)))
             {
                 open.remove(key);
             }

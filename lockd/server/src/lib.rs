@@ -12,6 +12,7 @@
 //! - `members`: the other members, from the Raft membership, and channels to them.
 //! - [`storage`]: the redb log store and the state machine with its snapshots.
 //! - [`receiving`]: what a call may hold while it arrives (bytes per source, time).
+//! - [`local_peer`]: on a plaintext loopback port, internal services for this user's processes only.
 //! - [`connections`], [`flow_watch`]: what a connection may hold (places, time to speak, answers
 //!   and bytes its client does not take, the HTTP/2 windows it grants).
 //! - `proposer`: group commit of client commands into Raft entries.
@@ -36,6 +37,7 @@ pub mod dev;
 /// The HTTP/2 window watch, shared with fence-proxy's HTTP front end.
 pub use lockd_service_kit::flow_watch;
 pub(crate) mod forwarder;
+pub mod local_peer;
 pub(crate) mod members;
 pub mod node;
 pub(crate) mod observe;

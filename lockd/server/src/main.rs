@@ -70,7 +70,8 @@ struct Cli {
     #[arg(long = "tls-client-ca", env = "LOCKD_TLS_CLIENT_CA")]
     client_ca: Option<PathBuf>,
     /// Run without TLS on a non-loopback --listen: anyone who reaches the port can then send
-    /// replication messages. Only for a network you trust.
+    /// replication messages. Only for a network you trust. On a loopback --listen it lets every
+    /// local process (not only this user's) call the internal services.
     #[arg(long, env = "LOCKD_INSECURE_PLAINTEXT")]
     insecure_plaintext: bool,
     /// Authorization policy (TOML): which identities may do which operations on which resource

@@ -14,6 +14,7 @@ use tonic::service::interceptor::InterceptedService;
 
 use crate::clock::Clock;
 use crate::config::NodeConfig;
+use crate::local_peer::{LocalPeers, Lookup};
 use crate::members::Members;
 use crate::observe::audit::{AuditKey, AuditLog};
 use crate::observe::hot::{HotEvent, HotTracker};
@@ -420,11 +421,19 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
             config.id,
             &config.cluster_id,
         )?),
+        None if config.insecure_plaintext => {
+            tracing::warn!(
+                "lockd: TLS is off (no --tls-cert, --tls-key, --peer-ca) and --insecure-plaintext \
+                 is given: replication is unauthenticated, and anyone who reaches --listen can \
+                 send Raft messages; use only on a trusted network"
+            );
+            None
+        }
         None => {
             tracing::warn!(
-                "lockd: TLS is off (no --tls-cert, --tls-key, --peer-ca): replication is unauthenticated, \
-                 and anyone who reaches --listen can send Raft messages; use only on a trusted \
-                 network"
+                "lockd: TLS is off (no --tls-cert, --tls-key, --peer-ca): replication is \
+                 unauthenticated; on this loopback --listen only processes of this user may send \
+                 Raft messages (any local process with --insecure-plaintext)"
             );
             None
         }
@@ -441,9 +450,13 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
     // start; `Members::trust` keeps the set current once Raft knows the membership.
     let member_ips = lockd_service_kit::admission::TrustedSources::new(peer_ips(&config).await);
     let members = Members::new(config.id, &config.peers, dial.clone());
+    // Without TLS and without --insecure-plaintext (so on loopback), the internal services are
+    // served to this user's processes only (`crate::local_peer`).
+    let local_peers = LocalPeers::of(tls.is_some(), config.insecure_plaintext);
     let auth = crate::auth::Auth::load(
         config.auth.as_ref(),
         tls.clone(),
+        local_peers,
         members.clone(),
         metrics.clone(),
     )?;
@@ -551,6 +564,18 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .map_err(|e| anyhow::anyhow!("binding --listen {}: {e}", config.listen))?;
+    if let LocalPeers::SameUser(uid) = local_peers {
+        // The owners of connecting sockets must be readable, or no peer would ever be served.
+        let bound = listener.local_addr()?;
+        tokio::task::spawn_blocking(move || crate::local_peer::check_available(bound, uid))
+            .await?
+            .map_err(|e| anyhow::anyhow!(e))?;
+        tracing::info!(
+            uid,
+            "lockd: plaintext loopback port: the internal services (Raft, forwarding) are served \
+             only to processes of this user"
+        );
+    }
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     tokio::spawn(watch_leadership(
         ctx.clone(),
@@ -607,11 +632,13 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
     }
     let (reflection_v1, reflection_v1alpha) = reflection()?;
     // One for the internal services (Raft, Forward): one cache of peer certificate checks.
-    let peer_auth = crate::service::raft::PeerAuth::new(&config, tls.clone(), members.clone());
+    let peer_auth =
+        crate::service::raft::PeerAuth::new(&config, tls.clone(), local_peers, members.clone());
     // What calls to the client-facing services may hold while they arrive (each of them decodes
     // messages of CLIENT_MESSAGE_MAX_BYTES at most, which the budget relies on). With TLS, the
     // internal services (Raft, Forward) refuse a caller that is not a member before reading its
-    // body; without TLS, anyone who sends the cluster id is read (a trusted-network mode).
+    // body; without TLS on loopback, one whose socket is not this user's; with
+    // --insecure-plaintext, anyone who sends the cluster id is read (a trusted-network mode).
     let receiving = crate::receiving::ReceiveBudget::new(member_ips.clone());
     let router = tonic::transport::Server::builder()
         // Bounds what one connection can make this node hold at once.
@@ -631,35 +658,49 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
             receiving
                 .reflection(reflection_v1alpha.max_decoding_message_size(CLIENT_MESSAGE_MAX_BYTES)),
         )
+        // `Lookup`: on a plaintext loopback port, who owns the caller's socket, for the calls
+        // only members may make (`crate::local_peer`); the interceptors refuse the others.
         .add_service({
             let auth = auth.clone();
-            receiving.unary(InterceptedService::new(
-                LockServer::new(LockService::new(ctx.clone()))
-                    .max_decoding_message_size(CLIENT_MESSAGE_MAX_BYTES),
-                move |req| auth.intercept(req),
+            receiving.unary(Lookup::forwarding_headers(
+                local_peers,
+                InterceptedService::new(
+                    LockServer::new(LockService::new(ctx.clone()))
+                        .max_decoding_message_size(CLIENT_MESSAGE_MAX_BYTES),
+                    move |req| auth.intercept(req),
+                ),
             ))
         })
         .add_service({
             let auth = auth.clone();
-            receiving.unary(InterceptedService::new(
-                ClusterServer::new(ClusterService::new(ctx.clone()))
-                    .max_decoding_message_size(CLIENT_MESSAGE_MAX_BYTES),
-                move |req| auth.intercept(req),
+            receiving.unary(Lookup::forwarding_headers(
+                local_peers,
+                InterceptedService::new(
+                    ClusterServer::new(ClusterService::new(ctx.clone()))
+                        .max_decoding_message_size(CLIENT_MESSAGE_MAX_BYTES),
+                    move |req| auth.intercept(req),
+                ),
             ))
         })
-        .add_service(crate::service::forward::ForwardService::server(
-            ctx.clone(),
-            peer_auth.clone(),
-            shutdown.clone(),
+        .add_service(Lookup::internal(
+            local_peers,
+            crate::service::forward::ForwardService::server(
+                ctx.clone(),
+                peer_auth.clone(),
+                shutdown.clone(),
+            ),
         ))
-        .add_service(RaftService::server(
-            raft.clone(),
-            refuse_votes_until,
-            vote_gate.clone(),
-            raft_log,
-            peer_auth,
-            restore.clone(),
-            protocols.clone(),
+        .add_service(Lookup::internal(
+            local_peers,
+            RaftService::server(
+                raft.clone(),
+                refuse_votes_until,
+                vote_gate.clone(),
+                raft_log,
+                peer_auth,
+                restore.clone(),
+                protocols.clone(),
+            ),
         ));
     let stop = shutdown.clone().cancelled_owned();
     let server: futures::future::BoxFuture<'static, Result<(), tonic::transport::Error>> =

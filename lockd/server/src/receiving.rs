@@ -527,7 +527,8 @@ where
     fn call(&mut self, req: http::Request<Body>) -> Self::Future {
         let source = source_of(&req);
         let untaken = connection_of(&req)
-            .and_then(|(local, remote)| crate::connections::Untaken::of(local, remote));
+            .and_then(|(local, remote)| crate::connections::Open::of(local, remote))
+            .map(|open| open.untaken.clone());
         let header_bytes = head_bytes(&req);
         let long_lived = LONG_LIVED_ANSWERS.contains(&req.uri().path());
         let (parts, body) = req.into_parts();

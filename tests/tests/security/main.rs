@@ -7,6 +7,7 @@
 //! - `requests`: what calls that never finish arriving can hold.
 //! - `windows`: what a client's HTTP/2 windows and unread socket can make a node hold.
 //! - `replication`: forged Raft messages are refused and change nothing; the plaintext mode's checks.
+//! - `loopback`: a plaintext loopback port serves its internal services to its own user only.
 //! - `transport`: `lockctl` over TLS, certificate reload under load.
 //! - `authz`: tenants, request ids, bearer tokens, forwarded identities and the policy's checks.
 
@@ -17,6 +18,8 @@
 
 mod authz;
 mod connections;
+#[cfg(target_os = "linux")]
+mod loopback;
 mod replication;
 mod requests;
 mod transport;

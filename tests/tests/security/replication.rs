@@ -109,7 +109,7 @@ async fn send_as(
 }
 
 /// A forwarded Acquire (no wait) of `resource`, numbered `id`, acting for `identity`.
-fn forwarded_acquire(
+pub(super) fn forwarded_acquire(
     id: u64,
     identity: Option<&str>,
     resource: &str,
@@ -129,11 +129,13 @@ fn forwarded_acquire(
     }
 }
 
-/// Opens a forward stream (the calls a follower forwards to the leader) and sends one Acquire of
-/// `resource` on it, claiming to act for `cert:bob`; the leader's answer, or the refusal.
+/// Opens a forward stream (the calls a follower forwards to the leader) with `incarnation` in
+/// `lockd-restore-id`, as a follower sends it, and sends one Acquire of `resource` on it,
+/// claiming to act for `cert:bob`; the leader's answer, or the refusal.
 async fn forward_acquire(
     ch: Channel,
     cluster_id: &str,
+    incarnation: Option<&str>,
     resource: &str,
 ) -> Result<forward_reply::Result, tonic::Status> {
     let call = forwarded_acquire(7, Some("cert:bob"), resource, &format!("forged-{resource}"));
@@ -141,6 +143,10 @@ async fn forward_acquire(
     if !cluster_id.is_empty() {
         req.metadata_mut()
             .insert("lockd-cluster-id", cluster_id.parse().unwrap());
+    }
+    if let Some(id) = incarnation {
+        req.metadata_mut()
+            .insert("lockd-restore-id", id.parse().unwrap());
     }
     req.set_timeout(Duration::from_secs(3));
     let mut replies = ForwardClient::new(ch).calls(req).await?.into_inner();
@@ -302,6 +308,7 @@ async fn issue15_forged_raft_messages_are_refused_and_change_nothing() {
         let r = forward_acquire(
             channel(&cluster, leader, *identity),
             cluster_id,
+            None,
             "forged/forward",
         )
         .await;
@@ -315,9 +322,11 @@ async fn issue15_forged_raft_messages_are_refused_and_change_nothing() {
     // Control: a member may forward on it (without a policy, for anyone).
     let member = (1..=3).find(|i| *i != leader).unwrap();
     let member_cert = cluster.tls.as_ref().unwrap().nodes[member as usize - 1].clone();
+    let own = incarnation(channel(&cluster, leader, Some(&member_cert)), "test").await;
     let granted = forward_acquire(
         channel(&cluster, leader, Some(&member_cert)),
         "test",
+        own.as_deref(),
         "member/forward",
     )
     .await
@@ -379,7 +388,7 @@ async fn issue15_plaintext_checks_the_cluster_id_and_stays_on_loopback() {
             Code::Unauthenticated,
             "{cluster_id:?}: {status:?}"
         );
-        let status = forward_acquire(ch, cluster_id, "plain/forward")
+        let status = forward_acquire(ch, cluster_id, None, "plain/forward")
             .await
             .unwrap_err();
         assert_eq!(
@@ -485,6 +494,35 @@ async fn issue16_a_node_of_another_incarnation_moves_neither_term_nor_log() {
     );
     let s = cluster.status(1).await.unwrap();
     assert!(s.commit_index >= commit_before, "{s:?}");
+    // The forward stream too (review of the loopback mode, LOW: it checked only the member and
+    // the peer protocol): another incarnation's, or none, forwards nothing.
+    for incarnation_sent in [Some(other), None] {
+        let status = forward_acquire(
+            channel_to(&cluster, leader),
+            "lockd",
+            incarnation_sent,
+            "incarnation/forward",
+        )
+        .await
+        .expect_err(&format!(
+            "a forward stream with {incarnation_sent:?} was accepted"
+        ));
+        assert_eq!(status.code(), Code::FailedPrecondition, "{status:?}");
+        assert!(status.message().contains(&own), "{status:?}");
+    }
+    assert!(!held(&cluster, leader, "incarnation/forward").await);
+    let granted = forward_acquire(
+        channel_to(&cluster, leader),
+        "lockd",
+        Some(&own),
+        "incarnation/own-forward",
+    )
+    .await
+    .expect("a forward stream with the cluster's own incarnation id is accepted");
+    assert!(
+        matches!(&granted, forward_reply::Result::Acquire(a) if a.fencing_token > 0),
+        "{granted:?}"
+    );
     let token_before = acquire_token(&cluster, "incarnation/a").await;
     let token_after = acquire_token(&cluster, "incarnation/b").await;
     assert!(
@@ -511,6 +549,13 @@ async fn issue16_a_node_of_another_incarnation_moves_neither_term_nor_log() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// A plaintext channel to node `id`.
+fn channel_to(cluster: &Cluster, id: u64) -> Channel {
+    Channel::from_shared(format!("http://{}", cluster.addr(id)))
+        .unwrap()
+        .connect_lazy()
 }
 
 /// Acquires `resource` through any node (retrying UNAVAILABLE with the same request id); its
@@ -548,10 +593,15 @@ async fn forward_stream_of_a_removed_member_is_refused_mid_stream() {
     let leader = cluster.leader().await.unwrap();
     let removed = (1..=3).find(|i| *i != leader).unwrap();
     let cert = cluster.tls.as_ref().unwrap().nodes[removed as usize - 1].clone();
+    let own = incarnation(channel(&cluster, leader, Some(&cert)), "test")
+        .await
+        .unwrap();
     let (tx, rx) = tokio::sync::mpsc::channel::<ForwardBatch>(4);
     let mut req = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
     req.metadata_mut()
         .insert("lockd-cluster-id", "test".parse().unwrap());
+    req.metadata_mut()
+        .insert("lockd-restore-id", own.parse().unwrap());
     let call = |id: u64, resource: &str| ForwardBatch {
         calls: vec![forwarded_acquire(
             id,

@@ -37,6 +37,7 @@ use tonic::{Request, Status};
 pub(crate) use policy::{Operation, Policy};
 pub(crate) use tokens::Tokens;
 
+use crate::local_peer::{LocalPeers, PeerOwner};
 use crate::observe::metrics::NodeMetrics;
 use crate::raft::NodeId;
 use crate::service::errors;
@@ -98,6 +99,8 @@ pub(crate) struct Auth {
     tls: Option<Arc<TlsHandle>>,
     /// The other members, from the Raft membership: the only nodes that forward calls here.
     members: Arc<crate::members::Members>,
+    /// Without TLS on loopback: the forwarding headers only from this node's user's processes.
+    local: LocalPeers,
     /// Certificate checks by SHA-256 of the leaf: a connection presents the same certificate on
     /// every call, so a call costs one hash.
     checked: Mutex<HashMap<[u8; 32], Checked>>,
@@ -113,6 +116,7 @@ impl Auth {
     pub fn load(
         files: Option<&AuthFiles>,
         tls: Option<Arc<TlsHandle>>,
+        local: LocalPeers,
         members: Arc<crate::members::Members>,
         metrics: Arc<NodeMetrics>,
     ) -> anyhow::Result<Arc<Auth>> {
@@ -146,6 +150,7 @@ impl Auth {
             tokens,
             tls,
             members,
+            local,
             checked: Mutex::new(HashMap::new()),
             metrics,
             last_logged_ms: AtomicU64::new(0),
@@ -175,8 +180,20 @@ impl Auth {
         let marked = md.contains_key(FORWARDED_HEADER);
         let claims_forward = marked || md.contains_key(FORWARDED_IDENTITY_HEADER);
         if self.tls.is_none() {
-            // Without TLS nothing can be authenticated (and no policy is allowed): as before, the
-            // mark only keeps a forwarded call from being forwarded again.
+            // Without TLS nothing can be authenticated (and no policy is allowed): the mark only
+            // keeps a forwarded call from being forwarded again. On a loopback port only this
+            // node's user's processes may set it (`crate::local_peer`).
+            if claims_forward
+                && let Some(why) = self.local.refusal(
+                    req.extensions().get::<PeerOwner>(),
+                    &format!("{FORWARDED_HEADER} and {FORWARDED_IDENTITY_HEADER} refused"),
+                )
+            {
+                return Err(errors::unauthenticated(why));
+            }
+            if marked {
+                self.same_incarnation(md)?;
+            }
             return Ok(Caller {
                 identity: None,
                 forwarded: marked,
@@ -199,6 +216,9 @@ impl Auth {
             )));
         }
         let forwarded = node.is_some() && marked;
+        if forwarded {
+            self.same_incarnation(md)?;
+        }
         if self.policy.is_none() {
             return Ok(Caller {
                 identity: None,
@@ -258,6 +278,25 @@ impl Auth {
         Ok(Caller {
             identity: Some(identity.into()),
             forwarded: false,
+        })
+    }
+
+    /// A forwarded call must come from this node's cluster incarnation (its restore id, see
+    /// `raft::restore_id`), as Raft messages must: FAILED_PRECONDITION naming both ids otherwise.
+    /// A call without the id is taken: followers of releases before it was sent on forwarded
+    /// calls send none (a rolling upgrade); the forward stream always requires it.
+    fn same_incarnation(&self, md: &tonic::metadata::MetadataMap) -> Result<(), Status> {
+        let Some(theirs) = crate::raft::restore_id::from_metadata(md) else {
+            return Ok(());
+        };
+        let from = md
+            .get(FORWARDED_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .map_or_else(|| "the forwarding node".to_owned(), |n| format!("node {n}"));
+        let restore = &self.members.dial().restore;
+        restore.check(&from, Some(theirs)).map_err(|why| {
+            restore.log_mismatch(&why);
+            errors::precondition("restore_id", why)
         })
     }
 
@@ -403,9 +442,11 @@ impl Auth {
         self.tls.is_some()
     }
 
-    /// Marks a call this node forwards to the leader: by this node, for `caller`.
+    /// Marks a call this node forwards to the leader: by this node, of its cluster incarnation,
+    /// for `caller`.
     pub fn mark_forwarded<T>(&self, node: NodeId, caller: &Caller, req: &mut Request<T>) {
         let md = req.metadata_mut();
+        self.members.dial().restore.attach(md);
         md.insert(
             FORWARDED_HEADER,
             node.to_string().parse().expect("digits are valid metadata"),

@@ -12,7 +12,8 @@
 //! message is at most [`MESSAGE_MAX_BYTES`].
 //!
 //! Only members send here: the Raft service's [`PeerAuth`] checks the caller when the stream
-//! opens, and again before every message with the membership and certificates current then (a
+//! opens (on a plaintext loopback port: that it is a process of this node's user,
+//! `crate::local_peer`), that it is of this cluster incarnation (the restore id), and again before every message with the membership and certificates current then (a
 //! removed member, a certificate revoked by a reload or expired, is refused mid-stream: its calls
 //! are answered UNAUTHENTICATED unserved, and the stream ends).
 //!
@@ -30,7 +31,7 @@ use tonic::{Request, Response, Status, Streaming};
 use super::lock::LockService;
 use super::raft::{PeerAuth, PeerCredentials, authenticated_member, pb};
 use crate::node::NodeCtx;
-use crate::raft::peer_protocol;
+use crate::raft::{peer_protocol, restore_id};
 
 /// Calls of one stream served at once, as many as one connection may have unary calls open
 /// (`node::STREAMS_PER_CONNECTION_MAX`); the proposer's queue holds 8,192 for all callers.
@@ -90,6 +91,16 @@ impl pb::forward_server::Forward for ForwardService {
         let sender = from.map_or_else(|| "the sending node".to_owned(), |n| format!("node {n}"));
         peer_protocol::check(&sender, version)
             .map_err(|why| super::errors::precondition("peer_protocol", why))?;
+        // A member of another cluster incarnation (founded apart on the same addresses, or
+        // restored apart) forwards nothing here, as its Raft messages move nothing
+        // (`INV-INCARNATION`). Every follower that opens this stream sends its id.
+        let restore = &self.ctx.members.dial().restore;
+        restore
+            .check(&sender, restore_id::from_metadata(req.metadata()))
+            .map_err(|why| {
+                restore.log_mismatch(&why);
+                super::errors::precondition("restore_id", why)
+            })?;
 
         let credentials = PeerCredentials::of(&req);
         let mut inbound = req.into_inner();

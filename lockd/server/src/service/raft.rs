@@ -6,6 +6,7 @@ use tonic::{Request, Response, Status};
 
 use std::sync::Arc;
 
+use crate::local_peer::{LocalPeers, PeerOwner};
 use crate::raft::NodeId;
 use crate::raft::peer_protocol::{self, PeerProtocols};
 use crate::raft::restore_id::{self, RestoreIdentity};
@@ -59,6 +60,8 @@ pub(crate) struct PeerAuth {
     /// from this node itself, nor from a node that was removed.
     members: Arc<crate::members::Members>,
     tls: Option<Arc<TlsHandle>>,
+    /// Without TLS on loopback: only connections of this node's user (`crate::local_peer`).
+    local: LocalPeers,
     /// Outcomes of certificate checks, by SHA-256 of the leaf, with when they were made. A
     /// connection presents the same certificate on every message, so a peer's messages cost one
     /// hash, and a refused caller's too (failures are remembered as well).
@@ -123,12 +126,14 @@ impl PeerAuth {
     pub fn new(
         config: &crate::config::NodeConfig,
         tls: Option<Arc<TlsHandle>>,
+        local: LocalPeers,
         members: Arc<crate::members::Members>,
     ) -> Arc<Self> {
         Arc::new(PeerAuth {
             cluster_id: config.cluster_id.clone(),
             members,
             tls,
+            local,
             checked: Mutex::new(HashMap::new()),
             last_logged_ms: AtomicU64::new(0),
             started: Instant::now(),
@@ -137,6 +142,15 @@ impl PeerAuth {
 
     /// The interceptor: authenticates the caller and records who it is, or refuses.
     pub fn intercept(&self, mut req: Request<()>) -> Result<Request<()>, Status> {
+        // First the connection's owner on a plaintext loopback port: nothing else there tells a
+        // member from any local process. The message names both users (the caller is local).
+        if let Some(why) = self
+            .local
+            .refusal(req.extensions().get::<PeerOwner>(), "raft message refused")
+        {
+            self.log_refusal(&req, &why);
+            return Err(errors::unauthenticated(why));
+        }
         match self.identify(&req) {
             Ok(caller) => {
                 req.extensions_mut().insert(Caller(caller));
