@@ -137,6 +137,14 @@ pub struct Tuning {
     /// Resources one tenant may have held or with waiters at once.
     #[arg(long, env = "LOCKD_ACTIVE_RESOURCES_PER_TENANT_MAX", default_value_t = ACTIVE_RESOURCES_PER_TENANT_DEFAULT)]
     pub active_resources_per_tenant_max: u32,
+    /// Waiting Acquires (wait_timeout_ms > 0) one source address may have parked on this node
+    /// at once, whatever tenants they name; past it a new one gets RESOURCE_EXHAUSTED at once.
+    #[arg(long, env = "LOCKD_WAITS_PER_SOURCE_MAX", default_value_t = crate::parked::WAITS_PER_SOURCE_DEFAULT)]
+    pub waits_per_source_max: usize,
+    /// Waiting Acquires this node keeps parked at once for its clients (calls a member forwarded
+    /// to it are counted by that member). Also sizes a follower's connections to the leader.
+    #[arg(long, env = "LOCKD_WAITS_MAX", default_value_t = crate::parked::WAITS_DEFAULT)]
+    pub waits_max: usize,
     /// Audit log: a file path, or `-` for stdout. One JSON line per state change.
     #[arg(long, env = "LOCKD_AUDIT_LOG")]
     pub audit_log: Option<PathBuf>,
@@ -165,8 +173,8 @@ impl Tuning {
     }
 
     /// Refuses flag values that cannot work: an election timeout under three heartbeats, an
-    /// audit log cap under 4 KiB, snapshots more often than every 10 entries. The error names
-    /// the flag.
+    /// audit log cap under 4 KiB, snapshots more often than every 10 entries, a bound on parked
+    /// waits outside 1..=[`crate::parked::WAITS_FLAG_MAX`]. The error names the flag.
     pub fn validate(&self) -> Result<(), String> {
         if self.heartbeat.is_zero() || self.election_timeout < 3 * self.heartbeat {
             return Err(format!(
@@ -179,6 +187,17 @@ impl Tuning {
                 "--audit-log-max-bytes {} must be at least 4096",
                 self.audit_log_max_bytes
             ));
+        }
+        for (flag, value) in [
+            ("--waits-per-source-max", self.waits_per_source_max),
+            ("--waits-max", self.waits_max),
+        ] {
+            if !(1..=crate::parked::WAITS_FLAG_MAX).contains(&value) {
+                return Err(format!(
+                    "{flag} {value} must be 1 to {}",
+                    crate::parked::WAITS_FLAG_MAX
+                ));
+            }
         }
         if self.snapshot_every < 10 {
             return Err(format!(

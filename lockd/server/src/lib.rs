@@ -18,6 +18,7 @@
 //! - `proposer`: group commit of client commands into Raft entries.
 //! - `forwarder`: a follower's calls to the leader, many per message on one stream.
 //! - `waiters`: calls parked until the log grants them.
+//! - [`parked`]: the places of parked waiting calls, per source address and per node.
 //! - `signing`: signing grants with the replicated sequencer key, and installing it.
 //! - [`service`]: the gRPC services and the status-code table.
 //! - `observe`: metrics and health endpoints.
@@ -41,6 +42,7 @@ pub mod local_peer;
 pub(crate) mod members;
 pub mod node;
 pub(crate) mod observe;
+pub mod parked;
 pub(crate) mod proposer;
 pub mod raft;
 pub(crate) mod read_barrier;

@@ -15,6 +15,7 @@
 //! [`Members::trust`] also resolves them every few seconds for the accept loops' exemption.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 use lockd_api::v1::cluster_client::ClusterClient;
@@ -36,13 +37,123 @@ struct Peer {
     clients: Option<Clients>,
 }
 
-/// The stubs of one member: the Lock and Cluster services on one channel (one HTTP/2
-/// connection), the forward stream on another.
+/// The stubs of one member, each kind of call on connections of its own, so that no kind can
+/// fill the 1,024 streams (`node::STREAMS_PER_CONNECTION_MAX`) another kind needs: the Lock
+/// service's calls that do not wait for a lock (Describe, and every call to a leader of peer
+/// protocol 2 or older), the Cluster service's admin calls, the forward stream, and waiting
+/// Acquires, which park for up to 5 minutes each, on a pool that grows with them.
 #[derive(Clone)]
 struct Clients {
     lock: LockClient<Channel>,
     cluster: ClusterClient<Channel>,
     forward: ForwardClient<Channel>,
+    waits: Arc<WaitPool>,
+}
+
+/// Waiting Acquires one connection to a member carries at once: under the 1,024 streams a node
+/// allows a connection, with room for the streams of calls that just ended (a reset stream is
+/// released a moment after its call returns).
+pub(crate) const WAITS_PER_CONNECTION: usize = 1_000;
+
+/// The connections that carry this node's waiting Acquires to one member (the leader): a new one
+/// is opened when every one has [`WAITS_PER_CONNECTION`] in flight, up to `connections_max`,
+/// derived from the node's bound on parked waits (`--waits-max`), which every forwarded wait holds
+/// a place of first; so the pool is never full unless that bound is, and beyond it a call is
+/// refused at once rather than queued behind the others for its whole wait. Connections are
+/// opened lazily and kept for the member's life in the view.
+struct WaitPool {
+    id: NodeId,
+    addr: String,
+    dial: PeerDial,
+    per_connection: usize,
+    connections_max: usize,
+    /// Each connection's client and its waits in flight.
+    connections: Mutex<Vec<(LockClient<Channel>, Arc<AtomicUsize>)>>,
+}
+
+/// A waiting Acquire's place on one of a [`WaitPool`]'s connections, given back when dropped.
+#[must_use = "the place is given back when this is dropped"]
+pub(crate) struct WaitConnection {
+    pub client: LockClient<Channel>,
+    in_flight: Arc<AtomicUsize>,
+}
+
+impl Drop for WaitConnection {
+    fn drop(&mut self) {
+        self.in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Why a waiting Acquire found no place in a [`WaitPool`].
+#[derive(Debug)]
+pub(crate) enum WaitPoolRefused {
+    /// Every connection carries its share.
+    Full {
+        connections: usize,
+        per_connection: usize,
+    },
+    /// A new connection could not be made (the address cannot be dialled).
+    Dial(String),
+}
+
+impl WaitPool {
+    fn new(
+        id: NodeId,
+        addr: String,
+        dial: PeerDial,
+        per_connection: usize,
+        connections_max: usize,
+    ) -> Self {
+        WaitPool {
+            id,
+            addr,
+            dial,
+            per_connection,
+            connections_max,
+            connections: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// A place on the first connection with room, on a new one if none has any.
+    fn take(&self) -> Result<WaitConnection, WaitPoolRefused> {
+        let mut connections = self.connections.lock().unwrap_or_else(|e| e.into_inner());
+        let with_room = connections
+            .iter()
+            .find(|(_, n)| n.load(Ordering::Acquire) < self.per_connection);
+        let (client, in_flight) = match with_room {
+            Some((client, n)) => (client.clone(), n.clone()),
+            None if connections.len() < self.connections_max => {
+                let channel = self
+                    .dial
+                    .channel(self.id, &self.addr)
+                    .map_err(|e| WaitPoolRefused::Dial(e.to_string()))?;
+                let client = lock_client(channel);
+                let n = Arc::new(AtomicUsize::new(0));
+                connections.push((client.clone(), n.clone()));
+                (client, n)
+            }
+            None => {
+                return Err(WaitPoolRefused::Full {
+                    connections: connections.len(),
+                    per_connection: self.per_connection,
+                });
+            }
+        };
+        // Under the lock: two calls never both take a connection's last place.
+        in_flight.fetch_add(1, Ordering::AcqRel);
+        Ok(WaitConnection { client, in_flight })
+    }
+}
+
+/// The connections a follower may open to the leader for `waits_max` waiting Acquires.
+pub(crate) fn wait_connections_max(waits_max: usize) -> usize {
+    waits_max.div_ceil(WAITS_PER_CONNECTION).max(1)
+}
+
+fn lock_client(channel: Channel) -> LockClient<Channel> {
+    LockClient::new(channel)
+        .max_decoding_message_size(CLIENT_MESSAGE_MAX_BYTES)
+        .max_encoding_message_size(CLIENT_MESSAGE_MAX_BYTES)
 }
 
 /// See the module docs.
@@ -62,6 +173,8 @@ pub struct Members {
     from_raft: std::sync::atomic::AtomicBool,
     /// How peers are dialled (TLS, source address, cluster id).
     dial: PeerDial,
+    /// Connections each member's [`WaitPool`] may open.
+    wait_connections_max: usize,
     /// Bumped on every change of the view, so caches of "is this caller a member" (the peer
     /// certificate checks of `service::raft`) are dropped when a member is added or removed.
     generation: std::sync::atomic::AtomicU64,
@@ -70,7 +183,14 @@ pub struct Members {
 }
 
 impl Members {
-    pub fn new(id: NodeId, flags: &BTreeMap<NodeId, String>, dial: PeerDial) -> Arc<Self> {
+    /// The members of `flags` (this node's `--peer`) until Raft knows a membership; waiting
+    /// Acquires to each go on up to `wait_connections_max` connections.
+    pub fn new(
+        id: NodeId,
+        flags: &BTreeMap<NodeId, String>,
+        dial: PeerDial,
+        wait_connections_max: usize,
+    ) -> Arc<Self> {
         let flags: BTreeMap<NodeId, String> = flags
             .iter()
             .filter(|(p, _)| **p != id)
@@ -83,6 +203,7 @@ impl Members {
             view: RwLock::new(Arc::new(BTreeMap::new())),
             from_raft: std::sync::atomic::AtomicBool::new(false),
             dial,
+            wait_connections_max,
             generation: std::sync::atomic::AtomicU64::new(0),
             changed: tokio::sync::Notify::new(),
         });
@@ -128,9 +249,23 @@ impl Members {
             .map(|c| (p.addr.clone(), pick(c).clone()))
     }
 
-    /// The Lock service of member `id`, for forwarding, with its address (for messages).
+    /// The Lock service of member `id`, for forwarding calls that do not wait for a lock, with
+    /// its address (for messages).
     pub fn lock_client(&self, id: NodeId) -> Option<(String, LockClient<Channel>)> {
         self.client(id, |c| &c.lock)
+    }
+
+    /// A place for a waiting Acquire on the connections to member `id` (see [`WaitPool`]), with
+    /// its address; `None` if it is not a member or cannot be dialled.
+    pub fn wait_client(
+        &self,
+        id: NodeId,
+    ) -> Option<(String, Result<WaitConnection, WaitPoolRefused>)> {
+        let view = self.view();
+        let p = view.get(&id)?;
+        let pool = p.clients.as_ref()?.waits.clone();
+        drop(view);
+        Some((pool.addr.clone(), pool.take()))
     }
 
     /// The forward stream service of member `id` (see `crate::forwarder`), with its address.
@@ -176,24 +311,30 @@ impl Members {
     }
 
     fn connect(&self, id: NodeId, addr: String) -> Peer {
-        let clients = match self.dial.channel(id, &addr) {
-            // The forward stream gets a connection of its own: a stream the leader stops
-            // reading (its calls in flight at the bound) would otherwise hold the connection's
-            // flow-control window, and the unary forwards beside it would wait.
-            Ok(channel) => match self.dial.channel(id, &addr) {
-                Ok(stream_channel) => Some(Clients {
-                    lock: LockClient::new(channel.clone())
-                        .max_decoding_message_size(CLIENT_MESSAGE_MAX_BYTES)
-                        .max_encoding_message_size(CLIENT_MESSAGE_MAX_BYTES),
-                    cluster: ClusterClient::new(channel),
-                    forward: ForwardClient::new(stream_channel),
-                }),
-                Err(e) => {
-                    tracing::warn!(peer = id, address = %addr, error = %e, "lockd: cannot dial member");
-                    None
-                }
-            },
-            Err(e) => {
+        // Channels are lazy: a connection is opened at its first call. The forward stream gets
+        // one of its own: a stream the leader stops reading (its calls in flight at the bound)
+        // would otherwise hold the connection's flow-control window, and the unary forwards
+        // beside it would wait. Admin calls get another, so that a flood of Describes (each a
+        // quorum round on the leader, 4.5 s at most) cannot hold them up either.
+        let channels = (
+            self.dial.channel(id, &addr),
+            self.dial.channel(id, &addr),
+            self.dial.channel(id, &addr),
+        );
+        let clients = match channels {
+            (Ok(calls), Ok(admin), Ok(stream)) => Some(Clients {
+                lock: lock_client(calls),
+                cluster: ClusterClient::new(admin),
+                forward: ForwardClient::new(stream),
+                waits: Arc::new(WaitPool::new(
+                    id,
+                    addr.clone(),
+                    self.dial.clone(),
+                    WAITS_PER_CONNECTION,
+                    self.wait_connections_max,
+                )),
+            }),
+            (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => {
                 tracing::warn!(peer = id, address = %addr, error = %e, "lockd: cannot dial member");
                 None
             }
@@ -372,7 +513,7 @@ mod tests {
             .into_iter()
             .map(|(i, a)| (i, a.to_owned()))
             .collect();
-        let m = Members::new(1, &flags, dial());
+        let m = Members::new(1, &flags, dial(), 1);
         assert_eq!(m.others(), [2, 3]);
         assert!(m.cluster_client(2).is_some());
         // An empty membership (a node that has not joined yet) keeps the flags.
@@ -412,7 +553,7 @@ mod tests {
             .into_iter()
             .map(|(i, a)| (i, a.to_owned()))
             .collect();
-        let m = Members::new(1, &flags, dial());
+        let m = Members::new(1, &flags, dial(), 1);
         let nodes: BTreeMap<NodeId, BasicNode> = [(1, "a:1"), (2, "b:2"), (4, "d:4")]
             .into_iter()
             .map(|(i, a)| (i, BasicNode::new(a)))
@@ -424,5 +565,37 @@ mod tests {
         assert_eq!(m.others(), [2, 4]);
         m.learn(&Membership::new(vec![BTreeSet::from([1, 2, 5])], ()));
         assert_eq!(m.others(), [2, 4], "reports no longer count");
+    }
+
+    /// Goal (review of waiting calls, MEDIUM 1): waiting Acquires to the leader go on a pool of
+    /// connections that grows when every connection carries its share, up to a bound, beyond
+    /// which a call is refused rather than queued; places come back when calls end. Method: a
+    /// pool of 3 places per connection and 2 connections (lazy channels: nothing is dialled).
+    #[tokio::test]
+    async fn the_wait_pool_grows_by_connection_up_to_its_bound() {
+        let pool = WaitPool::new(2, "127.0.0.1:1".to_owned(), dial(), 3, 2);
+        let mut held: Vec<_> = (0..6).map(|_| pool.take().unwrap()).collect();
+        {
+            let connections = pool.connections.lock().unwrap();
+            assert_eq!(connections.len(), 2);
+            assert!(
+                connections
+                    .iter()
+                    .all(|(_, n)| n.load(Ordering::Acquire) == 3)
+            );
+        }
+        match pool.take() {
+            Err(WaitPoolRefused::Full {
+                connections: 2,
+                per_connection: 3,
+            }) => {}
+            other => panic!("{:?}", other.map(|_| ())),
+        }
+        drop(held.remove(4));
+        assert!(pool.take().is_ok(), "a place came back");
+        assert_eq!(pool.connections.lock().unwrap().len(), 2);
+        assert_eq!(wait_connections_max(65_536), 66);
+        assert_eq!(wait_connections_max(1), 1);
+        assert_eq!(wait_connections_max(1_000_000), 1_000);
     }
 }

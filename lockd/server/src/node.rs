@@ -80,6 +80,8 @@ pub(crate) struct NodeCtx {
     pub forwarder: crate::forwarder::Forwarder,
     /// Linearizable reads, many per leadership check (see `crate::read_barrier`).
     pub reads: crate::read_barrier::ReadBarrier,
+    /// The places of waiting Acquires parked here for their clients (see `crate::parked`).
+    pub parked: crate::parked::ParkedWaits,
 }
 
 impl NodeCtx {
@@ -449,7 +451,12 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
     // The members' addresses as the flags name them, trusted by the accept loops from the
     // start; `Members::trust` keeps the set current once Raft knows the membership.
     let member_ips = lockd_service_kit::admission::TrustedSources::new(peer_ips(&config).await);
-    let members = Members::new(config.id, &config.peers, dial.clone());
+    let members = Members::new(
+        config.id,
+        &config.peers,
+        dial.clone(),
+        crate::members::wait_connections_max(config.tuning.waits_max),
+    );
     // Without TLS and without --insecure-plaintext (so on loopback), the internal services are
     // served to this user's processes only (`crate::local_peer`).
     let local_peers = LocalPeers::of(tls.is_some(), config.insecure_plaintext);
@@ -559,6 +566,12 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
                 }
             })
         },
+        parked: crate::parked::ParkedWaits::new(
+            config.tuning.waits_per_source_max,
+            config.tuning.waits_max,
+            member_ips.clone(),
+            tls.is_some(),
+        ),
     });
 
     let listener = tokio::net::TcpListener::bind(config.listen)

@@ -17,7 +17,8 @@
 //! any client's may). Filling both takes over 250 source addresses. A call whose request is
 //! already there when it is read is never counted at all. The members' addresses (kept current
 //! with the membership) count against a budget of their own per address, outside the node's. A
-//! call waiting for a lock holds nothing here; the waiter limits bound it.
+//! call waiting for a lock holds nothing here; the places of parked waits bound it, per source
+//! address and per node (`parked.rs`), beside the table's waiter limits.
 //!
 //! Answers count too, from the moment the handler returns one until hyper has handed it all to
 //! HTTP/2 ([`ANSWER_BYTES`]): a client that grants no HTTP/2 flow-control window leaves every

@@ -105,6 +105,18 @@ pub fn exhausted(limit: Limit, msg: impl std::fmt::Display) -> Status {
     )
 }
 
+/// `RESOURCE_EXHAUSTED` for one of the bounds on waiting Acquires parked on the node the client
+/// called (`parked.rs`: per source address, per node; `members.rs`: the follower's connections
+/// to the leader), named in the metadata key `limit`. Nothing was proposed.
+pub fn waits_exhausted(limit: &'static str, msg: impl std::fmt::Display) -> Status {
+    status(
+        Code::ResourceExhausted,
+        prefixed(msg),
+        Reason::WaitersExhausted,
+        &[("limit", limit)],
+    )
+}
+
 /// `RESOURCE_EXHAUSTED` for one of the node's bounds on calls in transit (`receiving.rs`: bytes of
 /// requests not yet received and answers not yet taken, per address or in all; the time to
 /// arrive; reflection calls), named in the metadata key `limit`. The handler never ran.

@@ -23,6 +23,7 @@ use tonic::{Request, Response, Status};
 use super::errors;
 use super::raft::pb;
 use crate::auth::{self, Caller, Operation, Resourced};
+use crate::members::{WaitConnection, WaitPoolRefused};
 use crate::node::NodeCtx;
 use crate::observe::metrics::Op;
 use crate::raft::NodeId;
@@ -463,11 +464,17 @@ impl LockService {
     /// within `budget` from arrival, then count the answer once, on the node the client called.
     /// The caller is authorized first, on this node (refusals are counted in
     /// `lockd_auth_denied_total`, not as requests); a forwarded call again on the leader.
+    ///
+    /// A call that `parks` (a waiting Acquire) first takes a place among the node's parked waits
+    /// (`crate::parked`), held until it returns, and is forwarded on the connections for waits
+    /// ([`crate::members::Members::wait_client`]), so that it never holds a stream of the
+    /// connection the other forwarded calls take.
     async fn serve<Req, Resp, LocalFut, FwdFut>(
         &self,
         op: Op,
         req: Request<Req>,
         budget: Duration,
+        parks: bool,
         local: impl FnOnce(Req, Caller) -> LocalFut,
         forward: impl FnOnce(LockClient<Channel>, Request<Req>) -> FwdFut,
     ) -> Result<Response<Resp>, Status>
@@ -482,59 +489,139 @@ impl LockService {
                 .auth
                 .authorize(&req, operation(op), Some(req.get_ref().resource()))?;
         let forwarded = caller.forwarded;
+        let place = if parks {
+            let source = req.remote_addr().map(|a| a.ip());
+            match self.ctx.parked.admit(forwarded, source) {
+                Ok(place) => place,
+                Err((limit, status)) => {
+                    self.count_refusal(limit);
+                    let result = Err(status);
+                    self.record(op, forwarded, started, &result);
+                    return result;
+                }
+            }
+        } else {
+            None
+        };
         let deadline = tokio::time::Instant::now() + budget;
         let result = match self.route(forwarded, deadline).await {
             Ok(Route::Local) => {
                 self.within(deadline, budget, local(req.into_inner(), caller))
                     .await
             }
-            Ok(Route::Forward(leader)) => match (forward_timeout(deadline), self.peer(leader)) {
-                (Some(timeout), Some((addr, client))) => {
-                    let msg = req.into_inner();
-                    let streamed = if self.ctx.forwarder.streams_to(leader) {
-                        msg.streamed()
-                    } else {
-                        Err(msg)
-                    };
-                    let answer = match streamed {
-                        Ok(call) => {
-                            self.ctx.metrics.forwarded(true);
-                            let call = pb::ForwardedCall {
-                                id: 0,
-                                timeout_ms: 0,
-                                identity: caller.identity.as_deref().map(str::to_owned),
-                                call: Some(call),
-                            };
-                            self.ctx
-                                .forwarder
-                                .call(leader, call, timeout)
-                                .await
-                                .and_then(Req::answer)
-                        }
-                        Err(msg) => {
-                            self.ctx.metrics.forwarded(false);
-                            let fwd = self.forward_request(msg, timeout, &caller);
-                            forward(client, fwd).await.map(Response::into_inner)
-                        }
-                    };
-                    answer.map_err(|s| self.forward_error(leader, &addr, s))
+            Ok(Route::Forward(leader)) => {
+                match (forward_timeout(deadline), self.target(leader, parks)) {
+                    (_, Some((addr, Err(refused)))) => {
+                        Err(self.wait_pool_refused(leader, &addr, refused))
+                    }
+                    (Some(timeout), Some((addr, Ok((client, _on_connection))))) => {
+                        let msg = req.into_inner();
+                        let streamed = if self.ctx.forwarder.streams_to(leader) {
+                            msg.streamed()
+                        } else {
+                            Err(msg)
+                        };
+                        let answer = match streamed {
+                            Ok(call) => {
+                                self.ctx.metrics.forwarded(true);
+                                let call = pb::ForwardedCall {
+                                    id: 0,
+                                    timeout_ms: 0,
+                                    identity: caller.identity.as_deref().map(str::to_owned),
+                                    call: Some(call),
+                                };
+                                self.ctx
+                                    .forwarder
+                                    .call(leader, call, timeout)
+                                    .await
+                                    .and_then(Req::answer)
+                            }
+                            Err(msg) => {
+                                self.ctx.metrics.forwarded(false);
+                                let fwd = self.forward_request(msg, timeout, &caller);
+                                forward(client, fwd).await.map(Response::into_inner)
+                            }
+                        };
+                        answer.map_err(|s| self.forward_error(leader, &addr, s))
+                    }
+                    (_, None) => Err(errors::no_quorum(format!(
+                        "node {} found leader {leader}, which is no longer a member; nothing was done, retry",
+                        self.ctx.id
+                    ))),
+                    (None, _) => Err(errors::no_quorum(format!(
+                        "node {} found leader {leader} too late to forward within {} ms; nothing was done, retry",
+                        self.ctx.id,
+                        budget.as_millis()
+                    ))),
                 }
-                (_, None) => Err(errors::no_quorum(format!(
-                    "node {} found leader {leader}, which is no longer a member; nothing was done, retry",
-                    self.ctx.id
-                ))),
-                (None, _) => Err(errors::no_quorum(format!(
-                    "node {} found leader {leader} too late to forward within {} ms; nothing was done, retry",
-                    self.ctx.id,
-                    budget.as_millis()
-                ))),
-            },
+            }
             Err(s) => Err(s),
         };
+        drop(place);
         self.record(op, forwarded, started, &result);
         result.map(Response::new)
     }
+
+    /// Where a call to `leader` goes: a waiting Acquire (`parks`) on a place of the connections
+    /// for waits, any other call on the connection for calls; with the leader's address.
+    fn target(
+        &self,
+        leader: NodeId,
+        parks: bool,
+    ) -> Option<(String, Result<Target, WaitPoolRefused>)> {
+        if parks {
+            self.ctx
+                .members
+                .wait_client(leader)
+                .map(|(addr, taken)| (addr, taken.map(|w| (w.client.clone(), Some(w)))))
+        } else {
+            self.peer(leader)
+                .map(|(addr, client)| (addr, Ok((client, None))))
+        }
+    }
+
+    /// A waiting Acquire that found no place on the connections to the leader: refused at once
+    /// (queued, it would wait behind the others for its whole wait).
+    fn wait_pool_refused(&self, leader: NodeId, addr: &str, refused: WaitPoolRefused) -> Status {
+        match refused {
+            WaitPoolRefused::Full {
+                connections,
+                per_connection,
+            } => {
+                self.count_refusal(LIMIT_WAIT_CONNECTIONS);
+                errors::waits_exhausted(
+                    LIMIT_WAIT_CONNECTIONS,
+                    format!(
+                        "node {} already forwards {} waiting Acquires to leader {leader} at \
+                         {addr} on {connections} connections, the most it opens for waits \
+                         (--waits-max / {per_connection}); nothing was done, retry later",
+                        self.ctx.id,
+                        connections * per_connection,
+                    ),
+                )
+            }
+            WaitPoolRefused::Dial(why) => errors::no_quorum(format!(
+                "node {} cannot dial leader {leader} at {addr}: {why}; nothing was done, retry",
+                self.ctx.id
+            )),
+        }
+    }
+
+    /// Counts a refusal by a bound on waits in `lockd_acquire_refusals_total{limit}`.
+    fn count_refusal(&self, limit: &'static str) {
+        self.ctx.metrics.with(|| {
+            metrics::counter!("lockd_acquire_refusals_total", "limit" => limit).increment(1)
+        });
+    }
 }
+
+/// A forwarded call's client, and the place of a waiting Acquire on its connection (given back
+/// when the call returns).
+type Target = (LockClient<Channel>, Option<WaitConnection>);
+
+/// The `limit` of a waiting Acquire refused for want of a place on the connections to the
+/// leader (ErrorInfo metadata, `lockd_acquire_refusals_total{limit}`).
+const LIMIT_WAIT_CONNECTIONS: &str = "wait_connections_max";
 
 impl LockService {
     /// The local part of a call, within what is left of its budget.
@@ -706,10 +793,12 @@ impl Lock for LockService {
                 .wait_timeout_ms
                 .min(lockd_core::limits::WAIT_TIMEOUT_MAX_MS),
         );
+        let parks = req.get_ref().wait_timeout_ms > 0;
         self.serve(
             Op::Acquire,
             req,
             CALL_BUDGET + wait + WAIT_BACKSTOP,
+            parks,
             |r, c| self.acquire_local(r, c),
             |mut c, r| async move { c.acquire(r).await },
         )
@@ -721,6 +810,7 @@ impl Lock for LockService {
             Op::Renew,
             req,
             CALL_BUDGET,
+            false,
             |r, _| self.renew_local(r),
             |mut c, r| async move { c.renew(r).await },
         )
@@ -735,6 +825,7 @@ impl Lock for LockService {
             Op::Release,
             req,
             CALL_BUDGET,
+            false,
             |r, _| self.release_local(r),
             |mut c, r| async move { c.release(r).await },
         )
@@ -749,6 +840,7 @@ impl Lock for LockService {
             Op::Describe,
             req,
             CALL_BUDGET,
+            false,
             |r, _| self.describe_local(r),
             |mut c, r| async move { c.describe(r).await },
         )
