@@ -104,8 +104,8 @@ pub struct PostgresStore {
     schema_ready: tokio::sync::OnceCell<()>,
     slots: Slots,
     timing: Timing,
-    /// Sessions that may keep their advisory lock through a quarantine at once: half the pool,
-    /// so that quarantines cannot take every connection; beyond that `busy_until` alone.
+    /// Sessions that may keep their advisory lock through a quarantine at once: under half the
+    /// pool, so that quarantines cannot take every connection; beyond that `busy_until` alone.
     quarantine_holds: Arc<Semaphore>,
 }
 
@@ -213,7 +213,10 @@ impl PostgresStore {
             schema_ready: tokio::sync::OnceCell::new(),
             slots: Slots::new(),
             timing,
-            quarantine_holds: Arc::new(Semaphore::new((max_connections as usize / 2).max(1))),
+            // Fewer than half: a pool of one or two keeps its connection for writes.
+            quarantine_holds: Arc::new(Semaphore::new(
+                (max_connections as usize).saturating_sub(1) / 2,
+            )),
         })
     }
 

@@ -334,7 +334,7 @@ impl Client {
         deadline: Instant,
         attempt_timeout: Duration,
     ) -> Result<Renewed, Error> {
-        check_resource(resource)?;
+        check_held_resource(resource)?;
         let request = RenewRequest {
             resource: resource.to_owned(),
             lease_id: lease_id.as_str().to_owned(),
@@ -366,7 +366,7 @@ impl Client {
     /// release retried after an unanswered attempt may also answer `false` because that earlier
     /// attempt released it.
     pub async fn release(&self, resource: &str, lease_id: &LeaseId) -> Result<bool, Error> {
-        check_resource(resource)?;
+        check_held_resource(resource)?;
         let request = ReleaseRequest {
             resource: resource.to_owned(),
             lease_id: lease_id.as_str().to_owned(),
@@ -391,7 +391,7 @@ impl Client {
 
     /// The linearizable state of `resource` (never its lease id).
     pub async fn describe(&self, resource: &str) -> Result<DescribeResponse, Error> {
-        check_resource(resource)?;
+        check_held_resource(resource)?;
         let request = DescribeRequest {
             resource: resource.to_owned(),
         };
@@ -624,6 +624,23 @@ fn check_resource(resource: &str) -> Result<(), Error> {
     lockd_fence::validate_resource(resource).map_err(|e| Error::InvalidArgument {
         message: e.to_string(),
     })
+}
+
+/// For Renew, Release and Describe: the server's rule for a name held already, which is laxer
+/// (whitespace at either end allowed, so a lock acquired before that rule can still be released).
+fn check_held_resource(resource: &str) -> Result<(), Error> {
+    if resource.is_empty()
+        || resource.len() > lockd_fence::RESOURCE_MAX_BYTES
+        || resource.chars().any(char::is_control)
+    {
+        return Err(Error::InvalidArgument {
+            message: format!(
+                "resource {resource:?} must be 1 to {} bytes without control characters",
+                lockd_fence::RESOURCE_MAX_BYTES
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// Milliseconds for the wire, saturating (the server rejects absurd values with the value named).

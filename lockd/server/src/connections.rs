@@ -71,8 +71,8 @@ pub(crate) struct Open {
     pub(crate) untaken: Arc<Untaken>,
     /// The uid that owns the socket at the other end, looked up when a call first needs it (an
     /// internal service on a plaintext loopback port, `crate::local_peer`), then kept: a socket's
-    /// owner never changes. A lookup that failed keeps its reason.
-    pub(crate) owner: tokio::sync::OnceCell<Result<u32, String>>,
+    /// owner never changes. A lookup that failed is not kept: the next call asks again.
+    pub(crate) owner: tokio::sync::OnceCell<u32>,
 }
 
 /// The open connections' [`Open`] state, by (local, remote) address.

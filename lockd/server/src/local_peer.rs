@@ -97,7 +97,7 @@ impl LocalPeers {
     }
 }
 
-/// Wraps a service so that each call that needs it carries its connection's [`PeerOwner`]: every
+/// Wraps a service so that each call that needs it carries its connection's `PeerOwner`: every
 /// call of an internal service (`all`), or, on a client service, a call that claims to be
 /// forwarded by a member. Other calls pass untouched, with no lookup and no allocation.
 #[derive(Clone)]
@@ -149,8 +149,14 @@ where
     }
 
     fn call(&mut self, mut req: http::Request<Body>) -> Self::Future {
+        let admin = req
+            .uri()
+            .path()
+            .rsplit_once('/')
+            .and_then(|(_, method)| ADMIN_METHODS.iter().find(|m| **m == method));
         let needed = matches!(self.mode, LocalPeers::SameUser(_))
             && (self.all
+                || admin.is_some()
                 || req.headers().contains_key(FORWARDED_HEADER)
                 || req.headers().contains_key(FORWARDED_IDENTITY_HEADER));
         if !needed {
@@ -163,11 +169,54 @@ where
             .extensions()
             .get::<TcpConnectInfo>()
             .and_then(|c| Some((c.local_addr()?, c.remote_addr()?)));
+        if let Some(method) = admin {
+            req.extensions_mut().insert(AdminCall(method));
+        }
         Either::Right(Box::pin(async move {
             let owner = owner_of(addresses).await;
             req.extensions_mut().insert(PeerOwner(owner));
             inner.call(req).await
         }))
+    }
+}
+
+/// The Cluster calls that change who is in the cluster, who leads, or which key signs, or that
+/// take a backup (the keys included): on a loopback port without TLS, this node's user's only.
+const ADMIN_METHODS: [&str; 6] = [
+    "AddMember",
+    "PromoteMember",
+    "RemoveMember",
+    "TransferLeader",
+    "RotateSigningKey",
+    "SaveSnapshot",
+];
+
+/// Put in a call's extensions by [`Lookup`] when it is one of the admin calls (its method's
+/// name), for the interceptor.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct AdminCall(pub &'static str);
+
+/// Checks, before a node sends anything on a connection it opened to a member's port, that the
+/// socket that accepted it belongs to this node's user: on a plaintext loopback cluster another
+/// local user could otherwise bind the port of a member that is down and take its replication
+/// (entries, snapshots with the signing keys, votes) and its forwarded calls.
+pub(crate) async fn check_listener(
+    stream: &tokio::net::TcpStream,
+    uid: u32,
+) -> std::io::Result<()> {
+    let (local, remote) = (stream.local_addr()?, stream.peer_addr()?);
+    match look_up(local, remote).await {
+        Ok(theirs) if theirs == uid => Ok(()),
+        Ok(theirs) => Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!(
+                "refusing to talk to {remote}: on a plaintext loopback cluster a member's port \
+                 must belong to this node's user (uid {uid}); it belongs to uid {theirs}"
+            ),
+        )),
+        Err(why) => Err(std::io::Error::other(format!(
+            "refusing to talk to {remote}: the owner of its socket is not known ({why})"
+        ))),
     }
 }
 
@@ -177,11 +226,13 @@ async fn owner_of(addresses: Option<(SocketAddr, SocketAddr)>) -> Result<u32, St
     let (local, remote) = addresses
         .ok_or_else(|| "the transport gave no addresses for this connection".to_owned())?;
     match crate::connections::Open::of(local, remote) {
+        // Only a found owner is kept: a lookup that failed (a descriptor limit, a read error)
+        // is tried again on the next call rather than refusing the connection for good.
         Some(open) => open
             .owner
-            .get_or_init(|| look_up(local, remote))
+            .get_or_try_init(|| look_up(local, remote))
             .await
-            .clone(),
+            .copied(),
         // Not one of the accept loop's connections (it registers each): ask every time.
         None => look_up(local, remote).await,
     }
@@ -211,9 +262,22 @@ async fn look_up(local: SocketAddr, remote: SocketAddr) -> Result<u32, String> {
     if start {
         tokio::task::spawn_blocking(read_while_pending);
     }
-    rx.await
-        .unwrap_or_else(|_| Err("the lookup was dropped".to_owned()))
+    match tokio::time::timeout(LOOKUP_TIMEOUT, rx).await {
+        Ok(answer) => answer.unwrap_or_else(|_| Err("the lookup was dropped".to_owned())),
+        Err(_) => {
+            // A reader that never ran (a runtime shutting down refuses blocking tasks) must not
+            // keep every later lookup waiting: the next one starts a reader of its own.
+            PENDING.lock().unwrap_or_else(PoisonError::into_inner).1 = false;
+            Err(format!(
+                "/proc/net/tcp was not read within {} ms",
+                LOOKUP_TIMEOUT.as_millis()
+            ))
+        }
+    }
 }
+
+/// How long a lookup waits for a read of the table.
+const LOOKUP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
 static PENDING: LazyLock<Mutex<Pending>> = LazyLock::new(Mutex::default);
 
@@ -304,6 +368,8 @@ fn find_socket(
 #[cfg(target_os = "linux")]
 const TCP_TIME_WAIT: u8 = 0x06;
 #[cfg(target_os = "linux")]
+const TCP_ESTABLISHED: u8 = 0x01;
+#[cfg(target_os = "linux")]
 const TCP_LISTEN: u8 = 0x0A;
 #[cfg(target_os = "linux")]
 const TCP_NEW_SYN_RECV: u8 = 0x0C;
@@ -354,6 +420,13 @@ fn find_sockets(
                 if matches!(entry.state, TCP_TIME_WAIT | TCP_LISTEN | TCP_NEW_SYN_RECV) {
                     continue;
                 }
+                // A socket no process holds any more (closed, finishing its FIN exchange) is
+                // listed as uid 0 with inode 0: it stands for nobody. An established one with
+                // inode 0 is accepted by the kernel and not yet by its process, and carries the
+                // listening socket's owner.
+                if entry.inode == 0 && entry.state != TCP_ESTABLISHED {
+                    continue;
+                }
                 (entry.local, Some(entry.remote))
             };
             if let Some(slots) = index.remove(&key) {
@@ -393,6 +466,8 @@ struct Entry {
     remote: SocketAddr,
     state: u8,
     uid: u32,
+    /// 0 for a socket no process holds.
+    inode: u64,
 }
 
 #[cfg(target_os = "linux")]
@@ -406,11 +481,13 @@ impl Entry {
         let remote = parse_address(fields.next()?)?;
         let state = u8::from_str_radix(fields.next()?, 16).ok()?;
         let uid = fields.nth(3)?.parse().ok()?;
+        let inode = fields.nth(1)?.parse().ok()?;
         Some(Entry {
             local,
             remote,
             state,
             uid,
+            inode,
         })
     }
 }
@@ -455,6 +532,7 @@ mod tests {
                 remote: "127.0.0.1:7001".parse().unwrap(),
                 state: 1,
                 uid: 65534,
+                inode: 123456,
             })
         );
         // ::1 and a v4-mapped 127.0.0.1, as tcp6 lists them.
@@ -518,5 +596,29 @@ mod tests {
                 vec![Some(uid), None, Some(uid)]
             );
         }
+    }
+
+    /// Goal: a node dialling a member's port finds the owner of the socket that accepted it,
+    /// also before the listener's process has called `accept` (the kernel lists that socket with
+    /// inode 0 and the listener's uid), and refuses a port of another user. Method: a listener
+    /// of this process, dialled without accepting; checked against this uid and against another.
+    #[cfg(target_os = "linux")]
+    #[tokio::test]
+    async fn a_dialled_port_must_belong_to_this_user() {
+        let uid = nix::unistd::geteuid().as_raw();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let stream = tokio::net::TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        check_listener(&stream, uid).await.unwrap();
+        let other = uid.wrapping_add(1);
+        let e = check_listener(&stream, other).await.unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::PermissionDenied, "{e}");
+        assert!(
+            e.to_string().contains(&format!("uid {other}"))
+                && e.to_string().contains(&format!("belongs to uid {uid}")),
+            "{e}"
+        );
+        drop(listener);
     }
 }

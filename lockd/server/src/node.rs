@@ -451,15 +451,20 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
     // The members' addresses as the flags name them, trusted by the accept loops from the
     // start; `Members::trust` keeps the set current once Raft knows the membership.
     let member_ips = lockd_service_kit::admission::TrustedSources::new(peer_ips(&config).await);
+    // Without TLS and without --insecure-plaintext (so on loopback), the internal services are
+    // served to this user's processes only, and the members' ports must be this user's too
+    // (`crate::local_peer`).
+    let local_peers = LocalPeers::of(tls.is_some(), config.insecure_plaintext);
+    let mut dial = dial;
+    if let LocalPeers::SameUser(uid) = local_peers {
+        dial.same_user = Some(uid);
+    }
     let members = Members::new(
         config.id,
         &config.peers,
         dial.clone(),
         crate::members::wait_connections_max(config.tuning.waits_max),
     );
-    // Without TLS and without --insecure-plaintext (so on loopback), the internal services are
-    // served to this user's processes only (`crate::local_peer`).
-    let local_peers = LocalPeers::of(tls.is_some(), config.insecure_plaintext);
     let auth = crate::auth::Auth::load(
         config.auth.as_ref(),
         tls.clone(),

@@ -10,7 +10,7 @@
 //! places bound them at the edge, before anything is proposed; the replicated table and its apply
 //! are untouched, so replicas of different versions still apply alike.
 //!
-//! A call a member forwarded (see [`ParkedWaits::admit`]) takes no place on the leader: the
+//! A call a member forwarded (see `ParkedWaits::admit`) takes no place on the leader: the
 //! follower counted it against its client's address, and counting it again would make the
 //! follower's address one source for all its clients. Members' addresses are otherwise counted
 //! like any other: an application beside a node calls from the node's address.
@@ -29,7 +29,7 @@ use crate::service::errors;
 pub const WAITS_PER_SOURCE_DEFAULT: usize = 10_000;
 /// Default of `--waits-max`: about 1 GiB of the node at 16 KiB a call, and what 65,536 waiting
 /// clients (more than 6 addresses at their bound) need; the follower's connections to the leader
-/// are sized from it ([`crate::members::WAITS_PER_CONNECTION`]).
+/// are sized from it (`members::WAITS_PER_CONNECTION`).
 pub const WAITS_DEFAULT: usize = 65_536;
 /// Largest value of either flag: 1,000,000 waits are about 16 GiB of a node, and the follower
 /// then opens up to 1,000 connections to the leader for them, under the 1,024 a member may hold

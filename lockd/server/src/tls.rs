@@ -466,6 +466,7 @@ pub(crate) fn peer_connector(
 /// tonic's own connector, whose lookups would run beside this node's others).
 pub(crate) fn plain_peer_connector(
     local_ip: Option<std::net::IpAddr>,
+    same_user: Option<u32>,
 ) -> impl tower::Service<
     http::Uri,
     Response = hyper_util::rt::TokioIo<tokio::net::TcpStream>,
@@ -475,9 +476,11 @@ pub(crate) fn plain_peer_connector(
 + Send
 + 'static {
     tower::service_fn(move |uri: http::Uri| async move {
-        Ok(hyper_util::rt::TokioIo::new(
-            dial_uri(&uri, local_ip).await?,
-        ))
+        let stream = dial_uri(&uri, local_ip).await?;
+        if let Some(uid) = same_user {
+            crate::local_peer::check_listener(&stream, uid).await?;
+        }
+        Ok(hyper_util::rt::TokioIo::new(stream))
     })
 }
 

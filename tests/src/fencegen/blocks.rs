@@ -173,10 +173,11 @@ pub enum Block {
     OddQuoting,
     ShadowFenceTable,
     Interrupted,
+    CodeAtParse,
 }
 
 /// Every block kind, for drawing at random.
-pub const ALL: [Block; 25] = [
+pub const ALL: [Block; 26] = [
     Block::SimpleWrite,
     Block::ExtendedWrite,
     Block::PipelineWithoutSync,
@@ -202,6 +203,7 @@ pub const ALL: [Block; 25] = [
     Block::OddQuoting,
     Block::ShadowFenceTable,
     Block::Interrupted,
+    Block::CodeAtParse,
 ];
 
 impl Block {
@@ -233,6 +235,7 @@ impl Block {
             Block::OddQuoting => odd_quoting(c),
             Block::ShadowFenceTable => shadow_fence_table(c),
             Block::Interrupted => interrupted(c),
+            Block::CodeAtParse => code_at_parse(c),
         }
     }
 }
@@ -541,6 +544,27 @@ fn function_from_select(c: &mut Ctx<'_>) {
     } else {
         c.extended(sql, true);
     }
+}
+
+/// User code run by a Parse (and its Bind) alone, with no Execute: the elements of an array of
+/// a domain are checked as the literal is parsed, and this domain's CHECK writes a row (the
+/// run's `<write_fn>_dom`, whose function reads `case|resource|claim` from the value). At status
+/// I the server runs it in an implicit transaction that the Sync commits.
+fn code_at_parse(c: &mut Ctx<'_>) {
+    let payload = format!("{}|{}|{}", c.case_id, c.resource, c.claim.column());
+    let sql = format!("SELECT '{{\"{payload}\"}}'::{}_dom[]", c.write_fn);
+    let name = c.name("cp");
+    c.steps.push(Step::Parse {
+        name: name.clone(),
+        sql,
+    });
+    if c.rng.random_bool(0.5) {
+        c.steps.push(Step::Bind {
+            portal: String::new(),
+            statement: name,
+        });
+    }
+    c.steps.push(Step::Sync);
 }
 
 fn copy_in(c: &mut Ctx<'_>) {

@@ -203,7 +203,12 @@ pub async fn run(cfg: Config) -> anyhow::Result<Summary> {
            $$ INSERT INTO {d} VALUES (c, r, t, k); SELECT 1 $$;
          CREATE PROCEDURE {p}(c bigint, r text, t bigint) LANGUAGE plpgsql AS
            $$ BEGIN INSERT INTO {d} VALUES (c, r, t, 'attacker'); COMMIT;
-                    INSERT INTO {d} VALUES (c, r, t, 'attacker'); END $$;",
+                    INSERT INTO {d} VALUES (c, r, t, 'attacker'); END $$;
+         CREATE FUNCTION {f}_check(v text) RETURNS bool LANGUAGE plpgsql AS
+           $$ BEGIN INSERT INTO {d} VALUES (split_part(v, '|', 1)::bigint, split_part(v, '|', 2),
+                      split_part(v, '|', 3)::bigint, 'attacker');
+                    RETURN true; END $$;
+         CREATE DOMAIN {f}_dom AS text CHECK ({f}_check(VALUE));",
         d = objects.data_table,
         f = objects.write_fn,
         p = objects.proc_name
@@ -229,8 +234,12 @@ pub async fn run(cfg: Config) -> anyhow::Result<Summary> {
     }
     let _ = db
         .batch_execute(&format!(
-            "DROP PROCEDURE IF EXISTS {}; DROP FUNCTION IF EXISTS {}; DROP TABLE IF EXISTS {}",
-            objects.proc_name, objects.write_fn, objects.data_table
+            "DROP PROCEDURE IF EXISTS {p}; DROP DOMAIN IF EXISTS {f}_dom; \
+             DROP FUNCTION IF EXISTS {f}_check; DROP FUNCTION IF EXISTS {f}; \
+             DROP TABLE IF EXISTS {d}",
+            p = objects.proc_name,
+            f = objects.write_fn,
+            d = objects.data_table
         ))
         .await;
     result

@@ -11,7 +11,9 @@ use std::time::Duration;
 
 use lockd_api::v1::cluster_client::ClusterClient;
 use lockd_api::v1::lock_client::LockClient;
-use lockd_api::v1::{AcquireRequest, DescribeRequest, StatusRequest};
+use lockd_api::v1::{
+    AcquireRequest, AddMemberRequest, DescribeRequest, StatusRequest, TransferLeaderRequest,
+};
 use lockd_server::raft::TypeConfig;
 use lockd_server::service::raft::ElectRequest;
 use lockd_server::service::raft::pb::forward_client::ForwardClient;
@@ -41,6 +43,8 @@ const INTERNAL: &[&str] = &[
     "elect",
     "install_snapshot",
     "append_entries",
+    "transfer_leader",
+    "add_member",
 ];
 /// Calls any local user may make; each must keep working.
 const CLIENT: &[&str] = &["client_acquire", "client_status"];
@@ -146,6 +150,22 @@ async fn foreign_user_probe() {
     report("client_status", status, |r| {
         format!("leader {}", r.into_inner().leader_id)
     });
+
+    // Admin calls: they hand the cluster to whoever makes them (`lockd dev` allows membership
+    // changes without a policy), so another user's process may make none.
+    let transfer = ClusterClient::new(channel(&spec.follower))
+        .transfer_leader(TransferLeaderRequest { id: 0 })
+        .await;
+    report("transfer_leader", transfer, |r| {
+        format!("leader {}", r.into_inner().leader_id)
+    });
+    let add = ClusterClient::new(channel(&spec.leader))
+        .add_member(AddMemberRequest {
+            id: 9,
+            address: "127.0.0.1:1".into(),
+        })
+        .await;
+    report("add_member", add, |_| "added".to_owned());
 
     // The forward stream: an Acquire as a follower forwards it.
     let call = super::replication::forwarded_acquire(7, None, "foreign/forward", "foreign-fwd");
@@ -258,9 +278,20 @@ type Outcomes = std::collections::HashMap<String, (String, String)>;
 /// Runs [`foreign_user_probe`] as uid [`FOREIGN_UID`] against `spec`; `Err` with the reason
 /// when this machine cannot run a process as another user.
 async fn probe_as_another_user(spec: &Spec) -> Result<Outcomes, String> {
-    let exe = std::env::current_exe().map_err(|e| format!("current_exe: {e}"))?;
+    use std::os::unix::fs::PermissionsExt;
+    let own = std::env::current_exe().map_err(|e| format!("current_exe: {e}"))?;
+    // A copy the other user can reach: the checkout (and so this binary) may sit in a home
+    // directory other users cannot enter.
+    let dir = tempfile::tempdir().map_err(|e| format!("temporary directory: {e}"))?;
+    let exe = dir.path().join("probe");
+    std::fs::copy(&own, &exe).map_err(|e| format!("copying {}: {e}", own.display()))?;
+    for (path, mode) in [(dir.path(), 0o755), (exe.as_path(), 0o755)] {
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+            .map_err(|e| format!("chmod {}: {e}", path.display()))?;
+    }
     let mut cmd = tokio::process::Command::new(&exe);
     cmd.args([PROBE_TEST, "--exact", "--nocapture", "--test-threads", "1"])
+        .current_dir(dir.path())
         .env(PROBE_ENV, spec.encode())
         .env("RUST_LOG", "off")
         .uid(FOREIGN_UID)

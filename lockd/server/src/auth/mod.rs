@@ -191,6 +191,17 @@ impl Auth {
             {
                 return Err(errors::unauthenticated(why));
             }
+            // Changing the membership (or the leader, the signing key, or taking a backup with
+            // the keys) hands the cluster to whoever calls: on a loopback port, where `lockd dev`
+            // allows it without a policy, only this node's user's processes may.
+            if let Some(crate::local_peer::AdminCall(method)) = req.extensions().get().copied()
+                && let Some(why) = self.local.refusal(
+                    req.extensions().get::<PeerOwner>(),
+                    &format!("{method} refused"),
+                )
+            {
+                return Err(errors::unauthenticated(why));
+            }
             if marked {
                 self.same_incarnation(md)?;
             }

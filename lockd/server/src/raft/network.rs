@@ -45,6 +45,9 @@ pub struct PeerDial {
     /// Source address of connections to peers: the node's listen IP, so peers (and fault-injection
     /// relays in tests) see which node is calling. `None` when listening on a wildcard address.
     pub local_ip: Option<std::net::IpAddr>,
+    /// On a plaintext loopback cluster, the uid every member's port must belong to
+    /// ([`crate::local_peer::check_listener`]); `None` otherwise.
+    pub same_user: Option<u32>,
     /// Mutual TLS with the peers; `None` dials plaintext.
     pub tls: Option<Arc<TlsHandle>>,
     /// Sent on every Raft message ([`CLUSTER_ID_HEADER`]).
@@ -80,6 +83,7 @@ impl PeerDial {
     ) -> anyhow::Result<Self> {
         Ok(PeerDial {
             local_ip,
+            same_user: None,
             tls,
             restore,
             protocols,
@@ -109,8 +113,10 @@ impl PeerDial {
             )),
             // Our own connector here too, so that every name lookup of the node goes through
             // `crate::resolve` (one at a time).
-            None => endpoint
-                .connect_with_connector_lazy(crate::tls::plain_peer_connector(self.local_ip)),
+            None => endpoint.connect_with_connector_lazy(crate::tls::plain_peer_connector(
+                self.local_ip,
+                self.same_user,
+            )),
         })
     }
 
