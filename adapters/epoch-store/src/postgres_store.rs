@@ -611,8 +611,8 @@ impl PgPermit {
                 } else {
                     tracing::warn!(
                         %resource,
-                        "half the store pool keeps quarantines already: this one rests on \
-                         busy_until, the database's clock, alone"
+                        "every session the store may keep for quarantines (under half the \
+                         pool) is kept: this one rests on busy_until, the database's clock, alone"
                     );
                     unlock(conn, &sql, &key, store_timeout).await;
                 }

@@ -54,22 +54,7 @@ impl PgTable {
 impl PgTable {
     /// Runs `sql` on the shared Postgres with psql; panics naming the statement if it fails.
     fn run(&self, sql: &str) {
-        let out = std::process::Command::new("psql")
-            .args([
-                "-q",
-                "-X",
-                "-v",
-                "ON_ERROR_STOP=1",
-                "-h",
-                pg::PG_HOST,
-                "-U",
-                pg::PG_USER,
-                "-d",
-                pg::PG_DATABASE,
-            ])
-            .args(["-c", sql])
-            .output()
-            .expect("psql runs");
+        let out = psql(sql).expect("psql runs");
         assert!(
             out.status.success(),
             "{sql}: {}",
@@ -80,21 +65,27 @@ impl PgTable {
 
 impl Drop for PgTable {
     fn drop(&mut self) {
-        let sql = format!("DROP TABLE IF EXISTS {}", self.name);
-        let _ = std::process::Command::new("psql")
-            .args([
-                "-q",
-                "-X",
-                "-h",
-                pg::PG_HOST,
-                "-U",
-                pg::PG_USER,
-                "-d",
-                pg::PG_DATABASE,
-            ])
-            .args(["-c", &sql])
-            .output();
+        let _ = psql(&format!("DROP TABLE IF EXISTS {}", self.name));
     }
+}
+
+/// `sql` run by psql on the shared Postgres, stopping at the first error.
+fn psql(sql: &str) -> std::io::Result<std::process::Output> {
+    std::process::Command::new("psql")
+        .args([
+            "-q",
+            "-X",
+            "-v",
+            "ON_ERROR_STOP=1",
+            "-h",
+            pg::PG_HOST,
+            "-U",
+            pg::PG_USER,
+            "-d",
+            pg::PG_DATABASE,
+        ])
+        .args(["-c", sql])
+        .output()
 }
 
 fn redb_store(dir: &tempfile::TempDir) -> String {
