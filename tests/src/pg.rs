@@ -892,12 +892,18 @@ pub fn try_init_guard_with(
     table: &str,
     require_verified: bool,
 ) -> anyhow::Result<()> {
-    let args = fence_proxy_postgres::InitArgs {
+    try_init(fence_proxy_postgres::InitArgs {
         upstream: upstream.to_owned(),
         fence_table: table.to_owned(),
         grant_to: Vec::new(),
         require_verified,
-    };
+        token_floor: None,
+    })
+    .map(drop)
+}
+
+/// `fence-proxy postgres init` with these flags (on a thread of its own), returning its report.
+pub fn try_init(args: fence_proxy_postgres::InitArgs) -> anyhow::Result<String> {
     std::thread::spawn(move || {
         tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -907,7 +913,6 @@ pub fn try_init_guard_with(
     })
     .join()
     .expect("init thread")
-    .map(drop)
 }
 
 /// SQL that lets `role` use this process's guard function, as `init --grant-to` does.

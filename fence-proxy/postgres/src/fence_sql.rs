@@ -134,9 +134,23 @@ impl FenceTable {
     /// What `fence-proxy postgres init` runs, in one transaction: the table (owned by the init
     /// role, no privilege for anyone else) and the guard function (EXECUTE only for the granted
     /// roles). Idempotent: running it again replaces the function and keeps the recorded fences.
-    pub fn init_sql(&self) -> String {
+    ///
+    /// Each table init creates is recorded (`lockd_fence_proxy.fence_tables`, by oid). Whoever
+    /// owns the table's schema (a database owner owns `public`) can drop it, and with it every
+    /// token it recorded: a new empty table would then accept a stale holder's token. So when
+    /// the recorded table is gone or replaced, init refuses unless `token_floor` is given, and
+    /// the guard refuses every token below that floor (rows kept are raised to it).
+    pub fn init_sql(&self, token_floor: Option<u64>) -> String {
         let t = self.qualified();
         let f = self.guard_function();
+        let floor_given = token_floor.is_some();
+        let floor = token_floor.unwrap_or(0);
+        let raise_rows = match token_floor {
+            Some(n) => format!(
+                "UPDATE {t} SET token = {n}, updated_at = pg_catalog.now() WHERE token < {n};\n"
+            ),
+            None => String::new(),
+        };
         format!(
             r#"SELECT pg_catalog.pg_advisory_xact_lock(pg_catalog.hashtext('{guard_schema}'));
 CREATE SCHEMA IF NOT EXISTS {guard_schema};
@@ -149,10 +163,35 @@ BEGIN
 END
 $lockd_init$;
 REVOKE ALL ON SCHEMA {guard_schema} FROM PUBLIC;
+CREATE TABLE IF NOT EXISTS {guard_schema}.fence_tables (
+  fence_table text PRIMARY KEY,
+  relid oid NOT NULL,
+  token_floor bigint NOT NULL DEFAULT 0,
+  recorded_at timestamptz NOT NULL);
+REVOKE ALL ON TABLE {guard_schema}.fence_tables FROM PUBLIC;
+DO $lockd_lost$
+DECLARE
+  v_recorded oid;
+  v_at timestamptz;
+BEGIN
+  SELECT r.relid, r.recorded_at INTO v_recorded, v_at FROM {guard_schema}.fence_tables AS r WHERE r.fence_table = '{t}';
+  IF FOUND AND pg_catalog.to_regclass('{t}') ::pg_catalog.oid IS DISTINCT FROM v_recorded AND NOT {floor_given} THEN
+    RAISE EXCEPTION USING
+      ERRCODE = '55000',
+      MESSAGE = pg_catalog.format('fence-proxy: the fence table {t} that init created (recorded %s) is gone or was replaced: the tokens it recorded are lost, and a new table would accept a stale holder''s token; rerun init with --token-floor N, N at least the highest fencing token lockd has granted', v_at),
+      HINT = 'Rerun init with --token-floor N, N at least the highest fencing token lockd has granted (the token of a fresh Acquire on any resource is above every earlier one); tokens below N are then refused.';
+  END IF;
+END
+$lockd_lost$;
 CREATE SCHEMA IF NOT EXISTS {schema};
 CREATE TABLE IF NOT EXISTS {t} (resource text PRIMARY KEY, token bigint NOT NULL, updated_at timestamptz NOT NULL);
 REVOKE ALL ON TABLE {t} FROM PUBLIC;
--- Proof keys (see verify.rs), one per fence table: a row only after init --require-verified;
+INSERT INTO {guard_schema}.fence_tables AS r (fence_table, relid, token_floor, recorded_at)
+VALUES ('{t}', pg_catalog.to_regclass('{t}'), {floor}, pg_catalog.now())
+ON CONFLICT (fence_table) DO UPDATE SET relid = EXCLUDED.relid,
+  token_floor = GREATEST(r.token_floor, EXCLUDED.token_floor),
+  recorded_at = CASE WHEN r.relid OPERATOR(pg_catalog.=) EXCLUDED.relid THEN r.recorded_at ELSE EXCLUDED.recorded_at END;
+{raise_rows}-- Proof keys (see verify.rs), one per fence table: a row only after init --require-verified;
 -- then the guard of that table accepts only fence values a fence-proxy with --verify-key
 -- verified. Nobody but its owner (and a proxy role it is granted to) may read them.
 CREATE TABLE IF NOT EXISTS {guard_schema}.proof_key (
@@ -182,6 +221,7 @@ DECLARE
   v_kout bytea;
   v_proof text;
   v_p integer;
+  v_floor bigint;
 BEGIN
   IF v_fence IS NULL OR v_fence = '' THEN
     IF require_fence THEN
@@ -190,6 +230,16 @@ BEGIN
           ERRCODE = '25006',
           MESSAGE = 'fence-proxy: this session has no fence (lockd.fence is empty) and the proxy runs with --require-fence: a transaction that wrote cannot commit',
           HINT = 'SET lockd.fence = ''<resource>:<token>'' before writing.';
+      END IF;
+      -- READ ONLY is not a complete barrier: Postgres 15 lets a read-only transaction create
+      -- and write large objects. What runs after this guard is the COMMIT, and the only
+      -- client code a COMMIT runs is a WITH HOLD cursor's query (materialized then) and the
+      -- deferred triggers that query queues: so none may be open.
+      IF at_commit AND EXISTS (SELECT 1 FROM pg_catalog.pg_cursors AS c WHERE c.is_holdable) THEN
+        RAISE EXCEPTION USING
+          ERRCODE = '25006',
+          MESSAGE = pg_catalog.format('fence-proxy: this session has no fence (lockd.fence is empty) and the proxy runs with --require-fence: WITH HOLD cursor %s is open, whose query would run at COMMIT, after the guard', pg_catalog.quote_ident((SELECT c.name FROM pg_catalog.pg_cursors AS c WHERE c.is_holdable LIMIT 1))),
+          HINT = 'CLOSE the cursor, or SET lockd.fence = ''<resource>:<token>'' first: an unfenced session cannot hold a WITH HOLD cursor past a commit.';
       END IF;
       PERFORM pg_catalog.set_config('transaction_read_only', 'on', true);
     END IF;
@@ -208,7 +258,7 @@ BEGIN
     RAISE EXCEPTION USING
       ERRCODE = '55000',
       MESSAGE = pg_catalog.format('fence-proxy: the fence table {t} is missing, not an ordinary table, or not owned by %s, the owner of the guard: no transaction can be fenced', CURRENT_USER),
-      HINT = 'Rerun fence-proxy postgres init as the role that owns the guard, after removing the foreign table.';
+      HINT = 'Rerun fence-proxy postgres init as the role that owns the guard, after removing a foreign table; if the table was dropped, its recorded tokens are lost and init asks for --token-floor.';
   END IF;
   -- <resource>:<token>, the token being the digits after the last ':' (lockd's Fence rules).
   IF pg_catalog.strpos(v_fence, ':') = 0 THEN
@@ -310,13 +360,21 @@ BEGIN
   IF NOT FOUND OR v_highest < v_token THEN
     -- A raise waits for every commit of an older holder that holds the advisory lock above.
     PERFORM pg_catalog.pg_advisory_xact_lock(pg_catalog.hashtext('{t}'), pg_catalog.hashtext(v_resource));
-    INSERT INTO {t} AS f (resource, token, updated_at) VALUES (v_resource, v_token, pg_catalog.now())
-    ON CONFLICT (resource) DO UPDATE SET token = EXCLUDED.token, updated_at = pg_catalog.now()
-    WHERE f.token <= EXCLUDED.token;
-    IF FOUND THEN
-      RETURN;
+    -- The floor `init --token-floor` set when this table was lost: every token below it may be
+    -- older than one the lost table accepted (init raised the rows it kept to it). Read only
+    -- on this path, which writes anyway.
+    SELECT r.token_floor INTO v_floor FROM {guard_schema}.fence_tables AS r WHERE r.fence_table = '{t}';
+    IF v_floor > v_token THEN
+      v_highest := v_floor;
+    ELSE
+      INSERT INTO {t} AS f (resource, token, updated_at) VALUES (v_resource, v_token, pg_catalog.now())
+      ON CONFLICT (resource) DO UPDATE SET token = EXCLUDED.token, updated_at = pg_catalog.now()
+      WHERE f.token <= EXCLUDED.token;
+      IF FOUND THEN
+        RETURN;
+      END IF;
+      SELECT f.token INTO v_highest FROM {t} AS f WHERE f.resource = v_resource;
     END IF;
-    SELECT f.token INTO v_highest FROM {t} AS f WHERE f.resource = v_resource;
   END IF;
   RAISE EXCEPTION USING
     ERRCODE = '55P03',
@@ -452,7 +510,7 @@ mod tests {
     #[test]
     fn init_sql_has_no_backslash_and_grants_nothing_on_the_table() {
         let t = FenceTable::parse("public.lockd_fence").unwrap();
-        let sql = t.init_sql();
+        let sql = t.init_sql(None);
         assert!(!sql.contains('\\'));
         assert!(sql.contains("REVOKE ALL ON TABLE public.lockd_fence FROM PUBLIC"));
         let g = t.grant_sql("app\"x");

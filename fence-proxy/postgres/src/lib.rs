@@ -175,6 +175,12 @@ pub struct InitArgs {
     /// --upstream role must be able to read it (see the printed GRANT).
     #[arg(long)]
     pub require_verified: bool,
+    /// After the fence table was lost (dropped by its schema's owner, restored without it):
+    /// refuse every token below N, which must be at least the highest fencing token lockd has
+    /// granted (the token of a fresh Acquire on any resource is above every earlier one). init
+    /// refuses to recreate a table it recorded without it.
+    #[arg(long, value_name = "N")]
+    pub token_floor: Option<u64>,
 }
 
 /// How long `init` waits for its connection (TCP, TLS, authentication) when the URL sets no
@@ -194,7 +200,14 @@ pub async fn init(args: &InitArgs) -> anyhow::Result<String> {
             upstream::redact(&args.upstream)
         )
     })?;
-    let mut sql = format!("BEGIN;\n{}", table.init_sql());
+    if let Some(n) = args.token_floor {
+        anyhow::ensure!(
+            n <= fence_sql::MAX_RECORDABLE_TOKEN,
+            "--token-floor {n} is above {}, the largest token the fence table records",
+            fence_sql::MAX_RECORDABLE_TOKEN
+        );
+    }
+    let mut sql = format!("BEGIN;\n{}", table.init_sql(args.token_floor));
     for role in &args.grant_to {
         sql.push_str(&table.grant_sql(role));
     }

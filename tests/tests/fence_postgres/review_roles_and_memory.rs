@@ -71,6 +71,7 @@ async fn review13_database_owner_replaces_the_guard_in_public() {
         fence_table: fence_proxy_postgres::DEFAULT_FENCE_TABLE.to_owned(),
         grant_to: vec![role.clone()],
         require_verified: false,
+        token_floor: None,
     };
     std::thread::spawn(move || {
         tokio::runtime::Builder::new_current_thread()

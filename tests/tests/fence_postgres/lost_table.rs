@@ -1,0 +1,144 @@
+//! The fence table lost: whoever owns its schema (a database owner owns `public`) may drop it,
+//! and with it every token it recorded. A new empty table must not accept a stale holder.
+
+use lockd_tests::pg;
+
+/// A role and a schema of one test, dropped (with psql, so it also runs while panicking) when the
+/// test ends.
+struct DropOnExit {
+    schema: String,
+    role: String,
+    data: String,
+}
+
+impl Drop for DropOnExit {
+    fn drop(&mut self) {
+        for sql in [
+            format!("DROP TABLE IF EXISTS {}", self.data),
+            format!("DROP SCHEMA IF EXISTS {} CASCADE", self.schema),
+            format!(
+                "DELETE FROM lockd_fence_proxy.fence_tables WHERE fence_table = '{}.lockd_fence'",
+                self.schema
+            ),
+            format!("DROP ROLE IF EXISTS {}", self.role),
+        ] {
+            let _ = std::process::Command::new("psql")
+                .args(["-X", "-q", "-h", pg::PG_HOST, "-U", pg::PG_USER, "-d"])
+                .arg(pg::PG_DATABASE)
+                .args(["-c", &sql])
+                .status();
+        }
+    }
+}
+
+fn init(table: &str, token_floor: Option<u64>) -> anyhow::Result<String> {
+    pg::try_init(fence_proxy_postgres::InitArgs {
+        upstream: pg::direct_url(),
+        fence_table: table.to_owned(),
+        grant_to: Vec::new(),
+        require_verified: false,
+        token_floor,
+    })
+}
+
+/// Goal: once a fence table recorded tokens, losing it loses no fence. The owner of the table's
+/// schema (since Postgres 15 a database's owner owns `public`, where the default table lives)
+/// may drop a table it has no privilege on; the guard then fails every fenced transaction
+/// (closed), and its hint sent the operator to rerun `init`, which created the table again,
+/// empty: the holder of 41, superseded by 42, then wrote again.
+/// Method: a schema owned by role `o` (as `public` is by a database owner), `init` of
+/// `<schema>.lockd_fence` as postgres, a proxy; the holder of 42 writes; `o` drops the table.
+/// Fenced writes fail; `init` without `--token-floor` is refused naming the flag; with
+/// `--token-floor 42` the stale 41 is refused with 55P03 and 42 and 43 write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review_a_dropped_fence_table_is_not_recreated_empty() {
+    lockd_tests::skip_without_postgres!();
+    let direct = pg::connect(&pg::direct_url().parse().unwrap()).await;
+    let role = pg::unique_name("lost_owner");
+    let schema = pg::unique_name("lost_schema");
+    let data = pg::unique_name("lost_rows");
+    let _cleanup = DropOnExit {
+        schema: schema.clone(),
+        role: role.clone(),
+        data: data.clone(),
+    };
+    direct
+        .batch_execute(&format!(
+            "CREATE ROLE {role} LOGIN; CREATE SCHEMA {schema} AUTHORIZATION {role}; \
+             CREATE TABLE {data} (token bigint NOT NULL)"
+        ))
+        .await
+        .unwrap();
+    let table = format!("{schema}.lockd_fence");
+    init(&table, None).expect("first init");
+    let proxy = pg::PgProxy::start_args(pg::proxy_args(pg::direct_url(), table.clone(), false));
+    let resource = pg::unique_name("lost");
+    let write = |token: u64| {
+        let config = proxy.config(Some(&format!("{resource}:{token}")));
+        let data = data.clone();
+        async move {
+            let c = pg::connect(&config).await;
+            c.batch_execute(&format!("INSERT INTO {data} VALUES ({token})"))
+                .await
+                .map_err(|e| e.code().map(|c| c.code().to_owned()).unwrap_or_default())
+        }
+    };
+    write(42).await.expect("the holder of 42 writes");
+
+    let owner = pg::connect(
+        &format!(
+            "postgres://{role}@{}:{}/{}",
+            pg::PG_HOST,
+            pg::PG_PORT,
+            pg::PG_DATABASE
+        )
+        .parse()
+        .unwrap(),
+    )
+    .await;
+    owner
+        .batch_execute(&format!("DROP TABLE {table}"))
+        .await
+        .expect("the owner of the schema drops the fence table it has no privilege on");
+    assert_eq!(
+        write(42).await,
+        Err("55000".to_owned()),
+        "a fenced write with the table gone"
+    );
+
+    let refused = init(&table, None);
+    eprintln!("init without --token-floor after the loss -> {refused:?}");
+    let message = format!(
+        "{:#}",
+        refused.expect_err("init recreated the lost table empty")
+    );
+    assert!(
+        message.contains("--token-floor") && message.contains(&table),
+        "the refusal names the table and the flag: {message}"
+    );
+    assert_eq!(write(41).await, Err("55000".to_owned()), "still closed");
+
+    let over = init(&table, Some(i64::MAX as u64 + 1)).expect_err("a floor above bigint");
+    assert!(format!("{over:#}").contains("--token-floor 9223372036854775808"));
+    init(&table, Some(42)).expect("init with --token-floor 42");
+    assert_eq!(
+        write(41).await,
+        Err("55P03".to_owned()),
+        "the superseded holder of 41 after the table was recreated"
+    );
+    write(42).await.expect("the holder of 42 writes again");
+    write(43).await.expect("a newer holder raises");
+    assert_eq!(write(42).await, Err("55P03".to_owned()), "42 after 43");
+    let stale: i64 = direct
+        .query_one(
+            &format!("SELECT count(*) FROM {data} WHERE token = 41"),
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(stale, 0, "a row of the superseded holder committed");
+    // Rerunning init on the recreated table needs no floor and keeps the one set.
+    init(&table, None).expect("init again on the table it recorded");
+    assert_eq!(write(41).await, Err("55P03".to_owned()), "the floor stays");
+}
