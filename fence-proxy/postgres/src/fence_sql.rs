@@ -146,8 +146,11 @@ impl FenceTable {
         let floor_given = token_floor.is_some();
         let floor = token_floor.unwrap_or(0);
         let raise_rows = match token_floor {
+            // The lock waits for every guard transaction that wrote a row and has not
+            // committed yet (a row this UPDATE could not see), and holds new ones back.
             Some(n) => format!(
-                "UPDATE {t} SET token = {n}, updated_at = pg_catalog.now() WHERE token < {n};\n"
+                "LOCK TABLE {t} IN SHARE ROW EXCLUSIVE MODE;\n\
+                 UPDATE {t} SET token = {n}, updated_at = pg_catalog.now() WHERE token < {n};\n"
             ),
             None => String::new(),
         };
@@ -185,6 +188,20 @@ END
 $lockd_lost$;
 CREATE SCHEMA IF NOT EXISTS {schema};
 CREATE TABLE IF NOT EXISTS {t} (resource text PRIMARY KEY, token bigint NOT NULL, updated_at timestamptz NOT NULL);
+-- A table of that name that init did not make (the schema's owner may drop ours and create
+-- one, with triggers or rules that the UPDATE below would run as this role) is never adopted.
+DO $lockd_own$
+BEGIN
+  IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_class c
+                 WHERE c.oid = pg_catalog.to_regclass('{t}')
+                   AND c.relkind = 'r'
+                   AND c.relowner = (SELECT r.oid FROM pg_catalog.pg_roles r WHERE r.rolname = CURRENT_USER)) THEN
+    RAISE EXCEPTION USING
+      ERRCODE = '55000',
+      MESSAGE = pg_catalog.format('fence-proxy: %s exists and is not an ordinary table owned by %s, the role running init: init does not adopt a table it did not make; drop it (its rows are no fences) and rerun init', '{t}', CURRENT_USER);
+  END IF;
+END
+$lockd_own$;
 REVOKE ALL ON TABLE {t} FROM PUBLIC;
 INSERT INTO {guard_schema}.fence_tables AS r (fence_table, relid, token_floor, recorded_at)
 VALUES ('{t}', pg_catalog.to_regclass('{t}'), {floor}, pg_catalog.now())
@@ -245,14 +262,17 @@ BEGIN
     END IF;
     RETURN;
   END IF;
-  -- A fenced transaction. The table must be the one init created: an ordinary table owned by
-  -- this function's owner (CURRENT_USER inside SECURITY DEFINER). Whoever owns the table's
-  -- schema (a database owner owns public) could otherwise drop it and create one of their own
-  -- with lower tokens. Checked only here: an unfenced transaction never reads the table, and
+  -- A fenced transaction. The table must be the one init created and recorded (by oid): an
+  -- ordinary table owned by this function's owner (CURRENT_USER inside SECURITY DEFINER).
+  -- Whoever owns the table's schema (a database owner owns public) could otherwise drop it and
+  -- create one of their own with lower tokens, and a table recreated by hand or restored from an
+  -- older dump may hold lower tokens too: init then asks for --token-floor. Checked only here: an unfenced transaction never reads the table, and
   -- every guard call would pay for the lookup (pg_get_userbyid is a cache lookup, the pg_roles
   -- view a join).
   IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_class c
+                 JOIN {guard_schema}.fence_tables AS r ON r.relid OPERATOR(pg_catalog.=) c.oid
                  WHERE c.oid = pg_catalog.to_regclass('{t}')
+                   AND r.fence_table = '{t}'
                    AND c.relkind = 'r'
                    AND pg_catalog.pg_get_userbyid(c.relowner) = CURRENT_USER) THEN
     RAISE EXCEPTION USING
@@ -343,6 +363,16 @@ BEGIN
           RETURN;
         END IF;
       ELSIF pg_catalog.current_setting('transaction_read_only') = 'on' THEN
+        -- The read above saw this transaction's snapshot, so a raise committed since is not
+        -- seen: safe only because the transaction writes nothing. A WITH HOLD cursor's query
+        -- runs during COMMIT, after this guard, and may write large objects (READ ONLY does
+        -- not stop them).
+        IF EXISTS (SELECT 1 FROM pg_catalog.pg_cursors AS c WHERE c.is_holdable) THEN
+          RAISE EXCEPTION USING
+            ERRCODE = '0A000',
+            MESSAGE = pg_catalog.format('fence-proxy: a READ ONLY transaction at %s isolation cannot commit with a WITH HOLD cursor open (%s): its query runs at COMMIT, after the guard, which cannot see a newer holder from this snapshot', pg_catalog.current_setting('transaction_isolation'), pg_catalog.quote_ident((SELECT c.name FROM pg_catalog.pg_cursors AS c WHERE c.is_holdable LIMIT 1))),
+            HINT = 'CLOSE the cursor before COMMIT, or use READ COMMITTED.';
+        END IF;
         PERFORM pg_catalog.pg_advisory_xact_lock_shared(pg_catalog.hashtext('{t}'), pg_catalog.hashtext(v_resource));
         RETURN;
       END IF;

@@ -202,6 +202,10 @@ pub async fn init(args: &InitArgs) -> anyhow::Result<String> {
     })?;
     if let Some(n) = args.token_floor {
         anyhow::ensure!(
+            n >= 1,
+            "--token-floor 0 refuses no token: give the highest fencing token lockd has granted"
+        );
+        anyhow::ensure!(
             n <= fence_sql::MAX_RECORDABLE_TOKEN,
             "--token-floor {n} is above {}, the largest token the fence table records",
             fence_sql::MAX_RECORDABLE_TOKEN

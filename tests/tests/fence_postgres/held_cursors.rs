@@ -96,3 +96,60 @@ async fn review_a_with_hold_cursor_writes_nothing_at_commit_without_a_fence() {
     let fetched = holder.query("FETCH ALL h").await;
     assert_eq!(fetched.first_error(), "", "{fetched:?}");
 }
+
+/// Goal: a holder superseded during a REPEATABLE READ, READ ONLY transaction commits no write.
+/// Its guard before COMMIT reads the fence row from the transaction's snapshot, which predates
+/// the newer holder's raise; that is safe only while the transaction writes nothing, and a WITH
+/// HOLD cursor's query runs (and may write a large object) during COMMIT, after the guard.
+/// Method: the holder of 42 opens `BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY` and reads
+/// (the opening guard takes the snapshot); the holder of 43 writes (raises); the first declares
+/// `CURSOR WITH HOLD FOR SELECT lo_from_bytea(0, <marker>)` and commits. No large object may
+/// hold the marker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review_a_superseded_repeatable_read_transaction_writes_nothing_at_commit() {
+    lockd_tests::skip_without_postgres!();
+    let a = Attack::new(false, "held_rr").await;
+    let marker = pg::unique_name("stale_lo");
+    let mut old = a.attacker(Some(42)).await;
+    for q in [
+        "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY",
+        &format!("SELECT count(*) FROM {}", a.tbl),
+    ] {
+        let r = old.query(q).await;
+        assert_eq!(r.first_error(), "", "{q}: {r:?}");
+    }
+    let mut newer = a.attacker(Some(43)).await;
+    let raised = newer.query(&a.insert(43)).await;
+    assert_eq!(
+        raised.first_error(),
+        "",
+        "the holder of 43 writes: {raised:?}"
+    );
+    let declared = old
+        .query(&format!(
+            "DECLARE c CURSOR WITH HOLD FOR SELECT pg_catalog.lo_from_bytea(0, '{marker}'::bytea)"
+        ))
+        .await;
+    let committed = old.query("COMMIT").await;
+    let objects: i64 = a
+        .direct
+        .query_one(
+            "SELECT count(DISTINCT loid) FROM pg_catalog.pg_largeobject WHERE data = $1::text::bytea",
+            &[&marker],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    eprintln!("declare: {declared:?}; commit: {committed:?}; large objects: {objects}");
+    a.direct
+        .batch_execute(&format!(
+            "SELECT pg_catalog.lo_unlink(l.loid) FROM (SELECT DISTINCT loid \
+             FROM pg_catalog.pg_largeobject WHERE data = '{marker}'::bytea) AS l"
+        ))
+        .await
+        .unwrap();
+    assert_eq!(
+        objects, 0,
+        "the superseded holder of 42 committed a large object after 43"
+    );
+}
