@@ -27,12 +27,16 @@ import {
   FINAL,
   finalError,
   grantedTtlMs,
+  grantedUnconfirmed,
   humanize,
   MAYBE_SENT,
   newRequestId,
   now,
+  refusedAfterMaybeSent,
+  repeatNotCurrent,
+  speaksForThisAttemptOnly,
 } from './core.js';
-import { InvalidArgumentError, OutcomeUnknownError, UnavailableError } from './errors.js';
+import { InvalidArgumentError, LeaseNotCurrentError, LockdError, UnavailableError } from './errors.js';
 import { Lease, type LeaseOwner } from './lease.js';
 import { methods } from './proto.js';
 import { statusInfo } from './status.js';
@@ -93,7 +97,8 @@ export class Grant {
     /** The id every attempt carried; acquiring again with it returns this same lease. */
     readonly requestId: string,
     /** When the first attempt that may have reached a node was sent (`performance.now()`). The
-     * grant happened later, so the lease cannot expire before `sentAt + ttlMs` (rule 7). */
+     * grant happened later, so the lease cannot expire before `sentAt + ttlMs` (rule 7). With a
+     * caller-given `requestId` (whose grant may be minutes old): the confirming renewal's (rule 3a). */
     readonly sentAt: number,
     /** The leader's wall-clock estimate of expiry. Informative only, never used for timing. */
     readonly expiresAtUnixMs: number,
@@ -422,7 +427,22 @@ export class Client {
           if (!isServiceError(e)) throw e;
           const info = statusInfo(e);
           const kind = classify(ctx.op, info);
-          if (kind === FINAL) throw finalError(ctx.op, info, ctx.resource, ctx.leaseId, ctx.waitMs ?? 0);
+          if (kind === FINAL) {
+            // firstSent is set by maybe-sent attempts only: an earlier attempt (rule 6).
+            const earlier = firstSent !== undefined || ctx.sentBefore === true;
+            if (earlier && speaksForThisAttemptOnly(ctx.op, info)) {
+              throw exhaustedError(
+                ctx.op,
+                ctx.resource,
+                ctx.requestId,
+                true,
+                attempts,
+                now() - started,
+                refusedAfterMaybeSent(ep.target, info),
+              );
+            }
+            throw finalError(ctx.op, info, ctx.resource, ctx.leaseId, ctx.waitMs ?? 0);
+          }
           // Not-sent and maybe-sent attempts both retry; only a maybe-sent one makes the outcome
           // unknown and starts the lease's time (rule 7).
           if (kind === MAYBE_SENT) firstSent ??= sent;
@@ -480,13 +500,34 @@ export class Client {
       },
     );
     const reply = answered.value;
+    const token = BigInt(reply.fencingToken);
+    let sentAt = answered.firstSent;
+    let granted = grantedTtlMs(reply.leaseTtlMs, ttlMs || undefined);
+    if (options.requestId !== undefined) {
+      // Rule 3: a caller-given id may repeat a call made long ago, and lockd answers it with the
+      // original grant, expired or not; when that grant was made is unknown here. A Renew proves
+      // the lease current and starts its time afresh.
+      const t = now();
+      const deadline = Math.max(started + budget, t + this.attemptTimeoutMs);
+      try {
+        const renewed = await this.#renewUntil(resource, reply.leaseId, undefined, deadline, this.attemptTimeoutMs);
+        sentAt = renewed.sentAt;
+        granted = renewed.ttlMs;
+      } catch (e) {
+        if (e instanceof LeaseNotCurrentError) throw repeatNotCurrent(resource, requestId, token, e);
+        if (e instanceof LockdError) {
+          throw grantedUnconfirmed(resource, requestId, token, 'the renewal that confirms a repeated request id', e);
+        }
+        throw e;
+      }
+    }
     return new Grant(
       resource,
       reply.leaseId,
-      BigInt(reply.fencingToken),
-      grantedTtlMs(reply.leaseTtlMs, ttlMs || undefined),
+      token,
+      granted,
       requestId,
-      answered.firstSent,
+      sentAt,
       Number(reply.expiresAtUnixMs),
       Buffer.from(reply.sequencer),
     );
@@ -609,12 +650,12 @@ export class Client {
         // The lease was granted; unless the renewal or the release proved it gone, it may still
         // be held (until its ttl), which is not "not done".
         if (e instanceof UnavailableError && !released) {
-          throw new OutcomeUnknownError(
-            `acquire of ${JSON.stringify(resource)}: granted, then the renewal before handing out the lease failed: ${e.message}`,
+          throw grantedUnconfirmed(
+            resource,
             grant.requestId,
-            e.attempts,
-            e.elapsedMs,
-            { op: 'acquire', resource },
+            grant.fencingToken,
+            'the renewal before handing out the lease',
+            e,
           );
         }
         throw e;

@@ -151,9 +151,70 @@ export function humanize(ms: number): string {
   return `${(ms / 1000).toFixed(1)}s`;
 }
 
-/** A lease id is a secret: errors and logs show its first 8 characters. */
-export function abbreviate(leaseId: string): string {
-  return leaseId.length > 8 ? `${leaseId.slice(0, 8)}\u2026` : leaseId;
+/** Lease ids and request ids are credentials (rule 15): errors and logs show their first 8 characters. */
+export function abbreviate(secret: string): string {
+  return secret.length > 8 ? `${secret.slice(0, 8)}\u2026` : secret;
+}
+
+/**
+ * The ErrorInfo metadata entry lockd puts on a refusal that its replicated state machine decided
+ * for this request (after looking its request id up): only such a refusal speaks for every attempt
+ * of the request (docs/api.md, "Status codes and reasons").
+ */
+export const DECIDED_BY_KEY = 'decided_by';
+export const DECIDED_BY_STATE_MACHINE = 'state_machine';
+
+export function decidedByStateMachine(s: StatusInfo): boolean {
+  return s.reason !== undefined && s.metadata[DECIDED_BY_KEY] === DECIDED_BY_STATE_MACHINE;
+}
+
+/**
+ * Rule 6: whether a final refusal of a state-changing call says nothing about earlier attempts of
+ * it. lockd refuses some calls before it looks the request id up (bounds on parked waits and on
+ * calls in transit, field checks and the authorization policy, which may differ between nodes
+ * during a rollout); after an earlier attempt that may have arrived, such a refusal leaves the
+ * outcome unknown. A Renew answered NOT_FOUND is final whatever came before: an earlier renewal
+ * that succeeded could only have extended the current lease, so the lease is not current now.
+ */
+export function speaksForThisAttemptOnly(op: string, s: StatusInfo): boolean {
+  if (!MUTATING.has(op) || decidedByStateMachine(s)) return false;
+  return !(op === 'renew' && s.code === Code.NOT_FOUND);
+}
+
+export function refusedAfterMaybeSent(endpoint: string, s: StatusInfo): string {
+  return `an earlier attempt may have taken effect, and lockd refused a later one before its state machine decided the request, which says nothing about the earlier one: ${describeStatus(endpoint, s)}`;
+}
+
+/**
+ * Rule 3: a request id repeated by the caller returned grant `token`, and the Renew that confirms
+ * it answered NOT_FOUND: that grant existed but is not current, so nothing is held.
+ */
+export function repeatNotCurrent(resource: string, requestId: string, token: bigint, cause: LockdError): LockdError {
+  return new LeaseNotCurrentError(
+    `acquire of ${quote(resource)}: request id ${abbreviate(requestId)} was granted token ${token}, which is no longer current (expired or released since): nothing is held; acquire with a new request id (${cause.message})`,
+    { op: 'acquire', resource, code: cause.code, reason: cause.reason, metadata: { ...cause.metadata } },
+  );
+}
+
+/**
+ * Rules 3 and 10: a grant the client cannot hand out because the renewal `what` describes failed
+ * without proving the lease gone: it may still be held, until its ttl.
+ */
+export function grantedUnconfirmed(
+  resource: string,
+  requestId: string,
+  token: bigint,
+  what: string,
+  cause: LockdError,
+): LockdError {
+  const c = cause as Partial<{ attempts: number; elapsedMs: number }>;
+  return new OutcomeUnknownError(
+    `acquire of ${quote(resource)}: granted token ${token}, then ${what} failed; the lease may still be held (retry with request id ${abbreviate(requestId)}): ${cause.message}`,
+    requestId,
+    c.attempts ?? 0,
+    c.elapsedMs ?? 0,
+    { op: 'acquire', resource },
+  );
 }
 
 // What one failed attempt means for the retry loop (rule 4).
@@ -255,7 +316,8 @@ export function exhaustedError(
   lastError: string,
 ): LockdError {
   if (maybeSent && MUTATING.has(op)) {
-    const retry = requestId ? ` (retry with request id ${requestId})` : '';
+    // The id in full only as the error's `requestId`: it is a credential (rule 15).
+    const retry = requestId ? ` (retry with request id ${abbreviate(requestId)})` : '';
     return new OutcomeUnknownError(
       `${op} of ${quote(resource ?? '')}: outcome unknown after ${attempts} attempt(s) in ${humanize(elapsedMs)}${retry}: ${lastError}`,
       requestId,

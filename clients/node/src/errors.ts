@@ -120,14 +120,24 @@ export class UnavailableError extends LockdError {
  * wait and holder) to learn the outcome; a lease nobody learns of expires after its ttl.
  */
 export class OutcomeUnknownError extends LockdError {
+  // A private field behind a getter: `inspect()` and `JSON.stringify` of the error leave it out,
+  // since a request id is a credential (docs/clients.md, rule 15); the message shows its start.
+  readonly #requestId: string | undefined;
+
   constructor(
     message: string,
-    readonly requestId: string | undefined,
+    requestId: string | undefined,
     readonly attempts: number,
     readonly elapsedMs: number,
     fields: ErrorFields = {},
   ) {
     super(message, fields, 'unknown');
+    this.#requestId = requestId;
+  }
+
+  /** The request id to repeat the `acquire` with (same ttl, wait and holder), in full. */
+  get requestId(): string | undefined {
+    return this.#requestId;
   }
 }
 

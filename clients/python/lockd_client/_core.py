@@ -32,6 +32,11 @@ RESOURCE_MAX_BYTES = 256
 REQUEST_ID_MAX_BYTES = 128
 DOMAIN = "lockd"
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
+# The ErrorInfo metadata entry lockd puts on a refusal that its replicated state machine decided
+# for this request (after looking its request id up): only such a refusal speaks for every
+# attempt of the request (docs/api.md, "Status codes and reasons").
+DECIDED_BY_KEY = "decided_by"
+DECIDED_BY_STATE_MACHINE = "state_machine"
 
 # The Acquire/Renew/Release RPCs change state: an unanswered attempt leaves the outcome unknown.
 MUTATING = {"acquire", "renew", "release"}
@@ -174,8 +179,10 @@ def humanize(seconds: float) -> str:
     return "%.1fs" % seconds
 
 
-def abbreviate(lease_id: str) -> str:
-    return lease_id[:8] + "\u2026" if len(lease_id) > 8 else lease_id
+def abbreviate(secret: str) -> str:
+    """A lease id or request id for messages: both are credentials (docs/clients.md, rule 15),
+    so only the first 8 characters are shown."""
+    return secret[:8] + "\u2026" if len(secret) > 8 else secret
 
 
 # --- reading statuses -------------------------------------------------------------------------
@@ -239,6 +246,31 @@ def classify(op: str, s: StatusInfo) -> str:
     return FINAL
 
 
+def decided_by_state_machine(s: StatusInfo) -> bool:
+    return s.reason is not None and s.metadata.get(DECIDED_BY_KEY) == DECIDED_BY_STATE_MACHINE
+
+
+# docs/clients.md, rule 6.
+def speaks_for_this_attempt_only(op: str, s: StatusInfo) -> bool:
+    """Whether a final refusal of a state-changing call says nothing about earlier attempts of it:
+    lockd refuses some calls before it looks the request id up (bounds on parked waits and on
+    calls in transit, field checks and the authorization policy, which may differ between nodes
+    during a rollout). After an earlier attempt that may have arrived, such a refusal leaves the
+    outcome unknown. A Renew answered NOT_FOUND is final whatever came before: an earlier renewal
+    that succeeded could only have extended the current lease, so the lease is not current now."""
+    if op not in MUTATING or decided_by_state_machine(s):
+        return False
+    return not (op == "renew" and s.code == grpc.StatusCode.NOT_FOUND)
+
+
+def refused_after_maybe_sent(endpoint: str, s: StatusInfo) -> str:
+    return (
+        "an earlier attempt may have taken effect, and lockd refused a later one before its state "
+        "machine decided the request, which says nothing about the earlier one: %s"
+        % describe_status(endpoint, s)
+    )
+
+
 # docs/clients.md, rule 6.
 def final_error(
     op: str, s: StatusInfo, resource: Optional[str], lease_id: Optional[str], wait: float
@@ -291,7 +323,8 @@ def exhausted_error(
 ) -> E.LockdError:
     """The error of a call whose retries ran out of time ."""
     if maybe_sent and op in MUTATING:
-        retry = " (retry with request id %s)" % request_id if request_id else ""
+        # The id in full only as the error's `request_id`: it is a credential (rule 15).
+        retry = " (retry with request id %s)" % abbreviate(request_id) if request_id else ""
         return E.OutcomeUnknown(
             "%s of %r: outcome unknown after %d attempt(s) in %s%s: %s"
             % (op, resource, attempts, humanize(elapsed), retry, last_error),
@@ -309,6 +342,39 @@ def exhausted_error(
         resource=resource,
         attempts=attempts,
         elapsed=elapsed,
+    )
+
+
+# docs/clients.md, rule 3.
+def repeat_not_current(resource: str, request_id: str, token: int, cause: E.LockdError) -> E.LockdError:
+    """A request id repeated by the caller returned grant `token`, and the Renew that confirms it
+    answered NOT_FOUND: that grant existed but is not current, so nothing is held."""
+    return E.LeaseNotCurrent(
+        "acquire of %r: request id %s was granted token %d, which is no longer current (expired "
+        "or released since): nothing is held; acquire with a new request id (%s)"
+        % (resource, abbreviate(request_id), token, cause),
+        op="acquire",
+        resource=resource,
+        code=cause.code,
+        reason=cause.reason,
+        metadata=cause.metadata,
+    )
+
+
+# docs/clients.md, rules 3 and 10.
+def granted_unconfirmed(
+    resource: str, request_id: str, token: int, what: str, cause: E.LockdError
+) -> E.LockdError:
+    """A grant (token `token`) the client cannot hand out because the renewal `what` describes
+    failed without proving the lease gone: it may still be held, until its ttl."""
+    return E.OutcomeUnknown(
+        "acquire of %r: granted token %d, then %s failed; the lease may still be held (retry "
+        "with request id %s): %s" % (resource, token, what, abbreviate(request_id), cause),
+        op="acquire",
+        resource=resource,
+        request_id=request_id,
+        attempts=getattr(cause, "attempts", 0),
+        elapsed=getattr(cause, "elapsed", 0.0),
     )
 
 

@@ -41,7 +41,8 @@ class Grant:
     #: The id every attempt carried; acquiring again with it returns this same lease.
     request_id: str
     #: When the first attempt that may have reached a node was sent (monotonic clock). The grant
-    #: happened later, so the lease cannot expire before ``sent_at + ttl``.
+    #: happened later, so the lease cannot expire before ``sent_at + ttl``. With a caller-given
+    #: ``request_id`` (whose grant may be minutes old): the send time of the confirming renewal.
     sent_at: float
     #: The leader's wall-clock estimate of expiry. Informative only, never used for timing.
     expires_at_unix_ms: int
@@ -257,6 +258,18 @@ class Client:
                     info = _status_info(err)
                     kind = core.classify(op, info)
                     if kind == core.FINAL:
+                        # first_sent is set by maybe-sent attempts only: an earlier attempt.
+                        earlier = first_sent is not None or sent_before
+                        if earlier and core.speaks_for_this_attempt_only(op, info):
+                            raise core.exhausted_error(
+                                op,
+                                resource,
+                                request_id,
+                                True,
+                                attempts,
+                                _now() - started,
+                                core.refused_after_maybe_sent(ep.target, info),
+                            ) from None
                         raise core.final_error(op, info, resource, lease_id, wait) from None
                     if kind == core.MAYBE_SENT and first_sent is None:
                         first_sent = sent
@@ -321,13 +334,29 @@ class Client:
             wait=wait_s,
             sent_before=request_id is not None,
         )
+        sent_at, granted = first_sent, core.granted_ttl(reply.lease_ttl_ms, ttl)
+        if request_id is not None:
+            # docs/clients.md, rule 3: a caller-given id may repeat a call made long ago, and lockd
+            # answers it with the original grant, expired or not; when that grant was made is
+            # unknown here. A Renew proves the lease current and starts its time afresh.
+            now = _now()
+            deadline = max(started + budget, now + self.attempt_timeout)
+            try:
+                renewed = self._renew_until(resource, reply.lease_id, None, deadline, self.attempt_timeout)
+            except E.LeaseNotCurrent as e:
+                raise core.repeat_not_current(resource, rid, reply.fencing_token, e) from None
+            except E.LockdError as e:
+                raise core.granted_unconfirmed(
+                    resource, rid, reply.fencing_token, "the renewal that confirms a repeated request id", e
+                ) from None
+            sent_at, granted = renewed.sent_at, renewed.ttl
         return Grant(
             resource=resource,
             lease_id=reply.lease_id,
             fencing_token=reply.fencing_token,
-            ttl=core.granted_ttl(reply.lease_ttl_ms, ttl),
+            ttl=granted,
             request_id=rid,
-            sent_at=first_sent,
+            sent_at=sent_at,
             expires_at_unix_ms=reply.expires_at_unix_ms,
             sequencer=bytes(reply.sequencer),
         )
@@ -432,11 +461,19 @@ class Client:
             deadline = max(started + budget, now + self.attempt_timeout)
             try:
                 renewed = self._renew_until(resource, grant.lease_id, None, deadline, self.attempt_timeout)
-            except BaseException:
+            except BaseException as e:
+                released = False
                 try:
                     self.release(resource, grant.lease_id)
+                    released = True
                 except E.LockdError:
                     pass  # it expires after its ttl
+                # The lease was granted: unless the renewal or the release proved it gone, it may
+                # still be held (until its ttl), which is not "not done" (rule 10).
+                if isinstance(e, E.Unavailable) and not released:
+                    raise core.granted_unconfirmed(
+                        resource, grant.request_id, grant.fencing_token, "the renewal before handing out the lease", e
+                    ) from None
                 raise
             valid_from, granted = renewed.sent_at, renewed.ttl
         return Lease(self, grant, valid_from, granted, margin)

@@ -130,6 +130,26 @@ pub mod errors {
         }
     }
 
+    /// The ErrorInfo metadata key that marks a refusal as the decision of lockd's replicated state
+    /// machine for this request: it looked the request id up and decided (the resource is held,
+    /// the wait timed out in the queue, a table bound, the request id reused with other
+    /// arguments, a lease that is not current). Such a refusal is the request's outcome, also for
+    /// every earlier attempt of it. A refusal without the mark was decided before the request id
+    /// was looked up (bounds on parked waits or calls in transit, field checks, authorization,
+    /// which may differ between nodes) and speaks for the attempt it answers only.
+    pub const DECIDED_BY_KEY: &str = "decided_by";
+    /// The value of [`DECIDED_BY_KEY`] on a refusal the state machine decided.
+    pub const DECIDED_BY_STATE_MACHINE: &str = "state_machine";
+
+    /// Whether `status` carries lockd's ErrorInfo with the [`DECIDED_BY_KEY`] mark.
+    pub fn decided_by_state_machine(status: &Status) -> bool {
+        status.get_details_error_info().is_some_and(|info| {
+            info.domain == DOMAIN
+                && info.metadata.get(DECIDED_BY_KEY).map(String::as_str)
+                    == Some(DECIDED_BY_STATE_MACHINE)
+        })
+    }
+
     /// A status with lockd's ErrorInfo: `code`, `message`, `reason` and `metadata` pairs.
     pub fn status(
         code: Code,
@@ -211,6 +231,37 @@ pub mod errors {
                 assert_eq!(md.get("field").map(String::as_str), Some("resource"));
                 assert_eq!(Reason::parse(r.as_str()), Some(r));
             }
+        }
+
+        #[test]
+        fn the_state_machine_mark_survives_the_wire_and_needs_lockds_domain() {
+            let marked = status(
+                Code::Aborted,
+                "lockd: held".into(),
+                Reason::LockHeld,
+                &[(DECIDED_BY_KEY, DECIDED_BY_STATE_MACHINE)],
+            );
+            let http: tonic::codegen::http::Response<()> = marked.into_http();
+            let wire = Status::from_header_map(http.headers()).unwrap();
+            assert!(decided_by_state_machine(&wire));
+            let plain = status(Code::Aborted, "lockd: held".into(), Reason::LockHeld, &[]);
+            assert!(!decided_by_state_machine(&plain));
+            let other = Status::with_error_details(
+                Code::Aborted,
+                "x",
+                ErrorDetails::with_error_info(
+                    "LOCK_HELD",
+                    "envoy",
+                    HashMap::from([(
+                        DECIDED_BY_KEY.to_owned(),
+                        DECIDED_BY_STATE_MACHINE.to_owned(),
+                    )]),
+                ),
+            );
+            assert!(
+                !decided_by_state_machine(&other),
+                "only the lockd domain counts"
+            );
         }
 
         #[test]

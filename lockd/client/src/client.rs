@@ -19,9 +19,11 @@ use tonic::transport::Channel;
 
 use crate::config::ClientConfig;
 use crate::endpoints::Endpoints;
-use crate::error::{AttemptFailure, Error, Op, classify, from_final_status, humanize};
+use crate::error::{
+    AttemptFailure, Error, Op, classify, from_final_status, humanize, speaks_for_this_attempt_only,
+};
 use crate::guard::LeaseGuard;
-use crate::lease::{Lease, LeaseId, default_safety_margin};
+use crate::lease::{Lease, LeaseId, abbreviate, default_safety_margin};
 use crate::request_id::RequestId;
 use crate::retry::{backoff, next_delay, remaining};
 
@@ -45,9 +47,14 @@ pub struct AcquireOptions {
     /// The idempotency key; `None` = a fresh random one. Pass the id of an earlier attempt whose
     /// outcome is unknown to learn it. With a given id the call can never end in
     /// [`Error::Unavailable`] ("nothing was done"), only in [`Error::OutcomeUnknown`], since the
-    /// earlier call may have been granted. A lease learnt this way counts its local deadline
-    /// from this call's first send, later than the original grant: keep a margin of the time
-    /// since the earlier call (or release it and acquire anew) when that matters.
+    /// earlier call may have been granted; and a refusal that lockd decided before looking the id
+    /// up is no answer for that earlier call either ([`Error::OutcomeUnknown`] too).
+    ///
+    /// lockd answers a repeated id with the original grant for 10 minutes, also after that grant
+    /// expired, and this call cannot know when the grant was made. So a lease learnt with a given
+    /// id is confirmed by a `Renew` before it is returned, and its local deadline counts from that
+    /// renewal; a grant that is no longer current ends the call with [`Error::NotFound`]: nothing
+    /// is held, acquire again with a new id.
     pub request_id: Option<RequestId>,
     /// Total time for the call including retries; `None` = `wait + call_timeout`.
     pub timeout: Option<Duration>,
@@ -79,6 +86,20 @@ impl AcquireOptions {
         self.timeout = Some(timeout);
         self
     }
+}
+
+/// What a `Release` did ([`Client::release_outcome`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReleaseOutcome {
+    /// The lease was current and is released now.
+    Released,
+    /// The lease was not current (expired, released or superseded), and no earlier attempt of
+    /// this call may have reached a node: this call released nothing.
+    NotCurrent,
+    /// The lease was not current when the answered attempt arrived, but an earlier attempt of
+    /// this call went unanswered and may have released it: whether this call released it is
+    /// unknown. Either way the lease is not held now.
+    NotCurrentAfterRetry,
 }
 
 /// A successful `Renew`.
@@ -227,13 +248,63 @@ impl Client {
             .await
             .map_err(|f| self.failed(f, &ctx, None, wait))?;
         let reply = answered.value;
+        let lease_id = LeaseId::new(reply.lease_id);
+        let token = FencingToken(reply.fencing_token);
+        let (sent_at, ttl) = if ctx.sent_before {
+            // A given id may repeat a call made long ago, and lockd answers it with the original
+            // grant, expired or not: when that grant was made is unknown here, so its deadline
+            // cannot be counted from this call. A Renew proves the lease current and starts its
+            // time afresh (docs/clients.md, rule 3).
+            let deadline = ctx
+                .deadline
+                .max(Instant::now() + self.inner.config.attempt_timeout);
+            match self
+                .renew_until(
+                    resource,
+                    &lease_id,
+                    None,
+                    deadline,
+                    self.inner.config.attempt_timeout,
+                )
+                .await
+            {
+                Ok(r) => (r.sent_at, r.ttl),
+                Err(Error::NotFound { lease, message, .. }) => {
+                    return Err(Error::NotFound {
+                        resource: resource.to_owned(),
+                        lease,
+                        message: format!(
+                            "request id {} was granted token {token}, which is no longer current \
+                             (expired or released since): nothing is held; acquire with a new \
+                             request id ({message})",
+                            abbreviate(request_id.as_str())
+                        ),
+                    });
+                }
+                Err(e) => {
+                    return Err(granted_unconfirmed(
+                        resource,
+                        &request_id,
+                        token,
+                        "the renewal that confirms a repeated request id",
+                        e,
+                        started.elapsed(),
+                    ));
+                }
+            }
+        } else {
+            (
+                answered.first_sent,
+                granted_ttl(reply.lease_ttl_ms, opts.ttl),
+            )
+        };
         Ok(Lease {
             resource: resource.to_owned(),
-            lease_id: LeaseId::new(reply.lease_id),
-            fencing_token: FencingToken(reply.fencing_token),
-            ttl: granted_ttl(reply.lease_ttl_ms, opts.ttl),
+            lease_id,
+            fencing_token: token,
+            ttl,
             request_id,
-            sent_at: answered.first_sent,
+            sent_at,
             expires_at_unix_ms: reply.expires_at_unix_ms,
             sequencer: reply.sequencer,
         })
@@ -275,21 +346,16 @@ impl Client {
                     return Err(match e {
                         // The lease was granted; unless the renewal or the release proved it
                         // gone, it may still be held (until its ttl), which is not "not done".
-                        Error::Unavailable {
-                            attempts,
-                            elapsed,
-                            last_error,
-                            ..
-                        } if !matches!(released, Ok(Ok(_))) => Error::OutcomeUnknown {
-                            op: Op::Acquire,
-                            resource: resource.to_owned(),
-                            request_id: Some(lease.request_id.as_str().to_owned()),
-                            attempts,
-                            elapsed,
-                            last_error: format!(
-                                "granted, then the renewal before handing out the guard failed: {last_error}"
-                            ),
-                        },
+                        e @ Error::Unavailable { .. } if !matches!(released, Ok(Ok(_))) => {
+                            granted_unconfirmed(
+                                resource,
+                                &lease.request_id,
+                                lease.fencing_token,
+                                "the renewal before handing out the guard",
+                                e,
+                                started.elapsed(),
+                            )
+                        }
                         other => other,
                     });
                 }
@@ -364,8 +430,18 @@ impl Client {
 
     /// Gives up `lease_id`. `Ok(false)` when it was not the current lease (nothing released). A
     /// release retried after an unanswered attempt may also answer `false` because that earlier
-    /// attempt released it.
+    /// attempt released it: [`Client::release_outcome`] tells the two apart.
     pub async fn release(&self, resource: &str, lease_id: &LeaseId) -> Result<bool, Error> {
+        Ok(self.release_outcome(resource, lease_id).await? == ReleaseOutcome::Released)
+    }
+
+    /// Gives up `lease_id`, saying whether an answer "not current" may follow an earlier attempt
+    /// of this call that released it ([`ReleaseOutcome::NotCurrentAfterRetry`]).
+    pub async fn release_outcome(
+        &self,
+        resource: &str,
+        lease_id: &LeaseId,
+    ) -> Result<ReleaseOutcome, Error> {
         check_held_resource(resource)?;
         let request = ReleaseRequest {
             resource: resource.to_owned(),
@@ -386,7 +462,14 @@ impl Client {
             })
             .await
             .map_err(|f| self.failed(f, &ctx, Some(lease_id), Duration::ZERO))?;
-        Ok(answered.value.released)
+        Ok(if answered.value.released {
+            ReleaseOutcome::Released
+        } else if answered.first_sent < answered.sent {
+            // An earlier attempt went unanswered and may have released the lease.
+            ReleaseOutcome::NotCurrentAfterRetry
+        } else {
+            ReleaseOutcome::NotCurrent
+        })
     }
 
     /// The linearizable state of `resource` (never its lease id).
@@ -540,7 +623,30 @@ impl Client {
                             });
                         }
                         Ok(Err(status)) => {
+                            // Before this attempt's own send time is recorded: whether an
+                            // *earlier* attempt (or an earlier call) may have reached a node.
+                            let earlier = first_sent.is_some() || ctx.sent_before;
                             let failure = classify(ctx.op, status, name);
+                            if let AttemptFailure::Final(status) = &failure
+                                && earlier
+                                && speaks_for_this_attempt_only(ctx.op, status)
+                            {
+                                return Err(Failed::Exhausted(Error::OutcomeUnknown {
+                                    op: ctx.op,
+                                    resource: ctx.resource.unwrap_or_default().to_owned(),
+                                    request_id: ctx.request_id.cloned(),
+                                    attempts,
+                                    elapsed: started.elapsed(),
+                                    last_error: format!(
+                                        "an earlier attempt may have taken effect, and lockd \
+                                         refused a later one before its state machine decided \
+                                         the request, which says nothing about the earlier one: \
+                                         {name}: {:?}: {}",
+                                        status.code(),
+                                        status.message()
+                                    ),
+                                }));
+                            }
                             if !matches!(failure, AttemptFailure::NotSent(_)) {
                                 first_sent.get_or_insert(sent);
                             }
@@ -580,7 +686,7 @@ impl Client {
                 Error::OutcomeUnknown {
                     op: ctx.op,
                     resource: resource.unwrap_or_default(),
-                    request_id: ctx.request_id.map(|id| id.as_str().to_owned()),
+                    request_id: ctx.request_id.cloned(),
                     attempts,
                     elapsed,
                     last_error,
@@ -618,6 +724,33 @@ impl Client {
 }
 
 mod snapshot;
+
+/// The error of a granted lease that cannot be handed out because the renewal `what` describes
+/// failed without proving it gone (`NOT_FOUND` does): it may still be held, until its ttl, so the
+/// outcome is unknown and a repeat of the request id tells (docs/clients.md, rules 3 and 10).
+fn granted_unconfirmed(
+    resource: &str,
+    request_id: &RequestId,
+    token: FencingToken,
+    what: &str,
+    cause: Error,
+    elapsed: Duration,
+) -> Error {
+    let attempts = match &cause {
+        Error::Unavailable { attempts, .. } | Error::OutcomeUnknown { attempts, .. } => *attempts,
+        _ => 1,
+    };
+    Error::OutcomeUnknown {
+        op: Op::Acquire,
+        resource: resource.to_owned(),
+        request_id: Some(request_id.clone()),
+        attempts,
+        elapsed,
+        last_error: format!(
+            "granted token {token}, then {what} failed; the lease may still be held: {cause}"
+        ),
+    }
+}
 
 /// Refuses to send a resource name the server would reject anyway, naming it.
 fn check_resource(resource: &str) -> Result<(), Error> {
@@ -768,7 +901,7 @@ mod tests {
         holder.abort();
         match &err {
             Error::OutcomeUnknown { request_id, .. } => {
-                assert_eq!(request_id.as_deref(), Some(id.as_str()));
+                assert_eq!(request_id.as_ref(), Some(&id));
             }
             other => panic!("expected OutcomeUnknown, got {other:?}"),
         }

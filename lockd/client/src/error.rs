@@ -3,7 +3,7 @@
 //! | status from lockd | `Acquire` | `Renew` | `Release` / `Describe` / `Status` |
 //! |---|---|---|---|
 //! | `ABORTED` | [`Error::Held`] | - | - |
-//! | `DEADLINE_EXCEEDED` | [`Error::WaitTimedOut`] | retried | retried |
+//! | `DEADLINE_EXCEEDED` with reason `WAIT_TIMEOUT` | [`Error::WaitTimedOut`] | retried | retried |
 //! | `RESOURCE_EXHAUSTED` | [`Error::LimitReached`] | same | same |
 //! | `INVALID_ARGUMENT` | [`Error::InvalidArgument`] | same | same |
 //! | `NOT_FOUND` | [`Error::NotFound`] | [`Error::NotFound`] | [`Error::NotFound`] |
@@ -12,12 +12,19 @@
 //! | `UNAVAILABLE`, transport error, no answer | retried, then [`Error::OutcomeUnknown`] | same | same (reads: [`Error::Unavailable`]) |
 //! | connection refused on every attempt | [`Error::Unavailable`] | same | same |
 //! | anything else | [`Error::Protocol`] | same | same |
+//!
+//! Once an earlier attempt of an `Acquire`, `Renew` or `Release` may have reached a node (or the
+//! caller gave the request id of an earlier call), a refusal without lockd's `decided_by =
+//! state_machine` mark becomes [`Error::OutcomeUnknown`]: it was decided before the request id
+//! was looked up and says nothing about that earlier attempt (see [`speaks_for_this_attempt_only`]).
 
 use std::fmt;
 use std::time::Duration;
 
-use lockd_api::errors::{Reason, is_connect_error, reason_of};
+use lockd_api::errors::{Reason, decided_by_state_machine, is_connect_error, reason_of};
 use tonic::{Code, Status};
+
+use crate::request_id::RequestId;
 
 /// The RPC an error came from; it decides how a status is read (see the table above).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -145,19 +152,21 @@ pub enum Error {
     },
 
     /// The call may or may not have taken effect: an attempt reached a node (or may have) but no
-    /// answer arrived before the deadline. For `Acquire`, retry with `request_id`.
+    /// answer arrived before the deadline, or a later attempt was refused in a way that says
+    /// nothing about it. For `Acquire`, retry with `request_id`.
     #[error(
         "{op} of {resource:?}: outcome unknown after {attempts} attempt(s) in {}{}: {last_error}",
         humanize(*elapsed),
-        request_id.as_ref().map(|id| format!(" (retry with request id {id})")).unwrap_or_default()
+        request_id.as_ref().map(|id| format!(" (retry with request id {})", crate::lease::abbreviate(id.as_str()))).unwrap_or_default()
     )]
     OutcomeUnknown {
         /// The RPC.
         op: Op,
         /// The resource it was for.
         resource: String,
-        /// The request id to retry an `Acquire` with; `None` for other RPCs.
-        request_id: Option<String>,
+        /// The request id to retry an `Acquire` with; `None` for other RPCs. A credential:
+        /// messages and `Debug` show its start only, [`RequestId::as_str`] all of it.
+        request_id: Option<RequestId>,
         /// Attempts made.
         attempts: u32,
         /// Time spent on them.
@@ -293,11 +302,32 @@ pub(crate) fn classify(op: Op, status: Status, endpoint: &str) -> AttemptFailure
         Code::Unknown | Code::Cancelled | Code::Internal if from_transport => {
             AttemptFailure::MaybeSent(describe(&status))
         }
-        // Only a waiting Acquire has a deadline of its own; elsewhere this comes from a proxy or
-        // a server-side timeout and says nothing final.
-        Code::DeadlineExceeded if op != Op::Acquire => AttemptFailure::MaybeSent(describe(&status)),
+        // Only a waiting Acquire has a deadline of its own, and lockd says so with WAIT_TIMEOUT;
+        // anything else (a proxy's or a server-side timeout) says nothing final.
+        Code::DeadlineExceeded if op != Op::Acquire || reason != Some(Reason::WaitTimeout) => {
+            AttemptFailure::MaybeSent(describe(&status))
+        }
         _ => AttemptFailure::Final(status),
     }
+}
+
+/// Whether a final refusal of `op` speaks for the attempt it answers only, so that after an
+/// earlier attempt that may have arrived the outcome is unknown. lockd refuses some calls before
+/// it looks the request id up: bounds on parked waits and on calls in transit, field checks and
+/// the authorization policy (which may differ between nodes during a rollout). It marks the
+/// refusals its state machine decided for the request (`decided_by = state_machine`); an older
+/// lockd marks none, which only makes this client more cautious.
+///
+/// A Renew answered `NOT_FOUND` is final whatever came before: Renew is not deduplicated, and an
+/// earlier renewal that succeeded could only have extended the current lease, so `NOT_FOUND`
+/// now means the lease is not current now. The admin calls are not covered: their refusals
+/// (`FAILED_PRECONDITION` of the membership calls) are about the cluster's state and their
+/// retries are safe by design.
+pub(crate) fn speaks_for_this_attempt_only(op: Op, status: &Status) -> bool {
+    if !matches!(op, Op::Acquire | Op::Renew | Op::Release) || decided_by_state_machine(status) {
+        return false;
+    }
+    !(op == Op::Renew && status.code() == Code::NotFound)
 }
 
 /// Maps a final status of `op` on `resource` to the caller's error (the table above).
@@ -436,8 +466,17 @@ mod tests {
         // Server-sent UNKNOWN (no transport source) is a final answer, not a retry.
         let f = classify(Op::Acquire, Status::unknown("boom"), "e1");
         assert!(matches!(f, AttemptFailure::Final(_)), "{f:?}");
-        // DEADLINE_EXCEEDED is final only for a waiting Acquire.
+        // DEADLINE_EXCEEDED is final only for a waiting Acquire, and only with lockd's
+        // WAIT_TIMEOUT (review "clients" finding 2: a proxy's timeout is not "waited").
         let f = classify(Op::Acquire, Status::deadline_exceeded("w"), "e1");
+        assert!(matches!(f, AttemptFailure::MaybeSent(_)), "{f:?}");
+        let waited = lockd_api::errors::status(
+            Code::DeadlineExceeded,
+            "lockd: waited".into(),
+            Reason::WaitTimeout,
+            &[],
+        );
+        let f = classify(Op::Acquire, waited, "e1");
         assert!(matches!(f, AttemptFailure::Final(_)));
         let f = classify(Op::Renew, Status::deadline_exceeded("w"), "e1");
         assert!(matches!(f, AttemptFailure::MaybeSent(_)));
@@ -473,6 +512,60 @@ mod tests {
         assert!(matches!(f, AttemptFailure::MaybeSent(_)), "{f:?}");
     }
 
+    /// Goal (review "clients" finding 2): only a refusal the state machine decided speaks for
+    /// earlier attempts of a request; edge refusals (no mark, or an older lockd) do not, and
+    /// `NOT_FOUND` on Renew is final whatever came before.
+    #[test]
+    fn review_clients_finding2_which_refusals_speak_for_earlier_attempts() {
+        use lockd_api::errors::{DECIDED_BY_KEY, DECIDED_BY_STATE_MACHINE, status};
+        let marked = |code, reason| {
+            status(
+                code,
+                "lockd: x".into(),
+                reason,
+                &[(DECIDED_BY_KEY, DECIDED_BY_STATE_MACHINE)],
+            )
+        };
+        let plain = |code, reason| status(code, "lockd: x".into(), reason, &[]);
+        for op in [Op::Acquire, Op::Release] {
+            for (code, reason) in [
+                (Code::ResourceExhausted, Reason::WaitersExhausted),
+                (Code::ResourceExhausted, Reason::LimitReached),
+                (Code::InvalidArgument, Reason::InvalidField),
+                (Code::PermissionDenied, Reason::PermissionDenied),
+                (Code::Unauthenticated, Reason::Unauthenticated),
+                (Code::Aborted, Reason::LockHeld),
+            ] {
+                assert!(
+                    speaks_for_this_attempt_only(op, &plain(code, reason)),
+                    "{op} {code:?}"
+                );
+                assert!(
+                    !speaks_for_this_attempt_only(op, &marked(code, reason)),
+                    "{op} {code:?}"
+                );
+            }
+            assert!(speaks_for_this_attempt_only(
+                op,
+                &Status::resource_exhausted("proxy")
+            ));
+        }
+        assert!(!speaks_for_this_attempt_only(
+            Op::Renew,
+            &plain(Code::NotFound, Reason::LeaseNotCurrent)
+        ));
+        assert!(speaks_for_this_attempt_only(
+            Op::Renew,
+            &plain(Code::PermissionDenied, Reason::PermissionDenied)
+        ));
+        for op in [Op::Describe, Op::Status, Op::ChangeMembers] {
+            assert!(!speaks_for_this_attempt_only(
+                op,
+                &plain(Code::PermissionDenied, Reason::PermissionDenied)
+            ));
+        }
+    }
+
     #[test]
     fn connect_errors_are_not_sent() {
         let io = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused");
@@ -484,19 +577,35 @@ mod tests {
 
     #[test]
     fn outcome_unknown_names_the_request_id() {
+        let id = RequestId::parse("0123456789abcdef0123456789abcdef").unwrap();
         let e = Error::OutcomeUnknown {
             op: Op::Acquire,
             resource: "orders/1".into(),
-            request_id: Some("rid-7".into()),
+            request_id: Some(id.clone()),
             attempts: 4,
             elapsed: Duration::from_millis(1500),
             last_error: "e1: Unavailable: no quorum".into(),
         };
         let s = e.to_string();
         assert!(
-            s.contains("rid-7") && s.contains("\"orders/1\"") && s.contains("1.5s"),
+            s.contains("01234567…") && s.contains("\"orders/1\"") && s.contains("1.5s"),
             "{s}"
         );
+        // Review "clients" finding 4: a request id is a credential, shown like a lease id.
+        let debug = format!("{e:?}");
+        assert!(
+            !s.contains(id.as_str()) && !debug.contains("89abcdef0123"),
+            "{s} / {debug}"
+        );
+        match &e {
+            Error::OutcomeUnknown { request_id, .. } => {
+                assert_eq!(
+                    request_id.as_ref().map(RequestId::as_str),
+                    Some(id.as_str())
+                );
+            }
+            _ => unreachable!(),
+        }
         assert_eq!(e.outcome(), Outcome::Unknown);
         assert!(!e.is_definitely_not_granted());
     }

@@ -78,7 +78,9 @@ pub struct Lease {
     pub request_id: RequestId,
     /// When the first attempt of the `Acquire` left this client. The grant happened after it, so
     /// the lease cannot expire before `sent_at + ttl`. The *first* attempt, not the one that was
-    /// answered: a retry may return a grant that an earlier attempt caused.
+    /// answered: a retry may return a grant that an earlier attempt caused. With a request id
+    /// the caller gave (a repeat of an earlier call, whose grant may be minutes old), the send
+    /// time of the `Renew` that confirmed the grant, and `ttl` is that renewal's.
     pub sent_at: Instant,
     /// The leader's wall-clock estimate of expiry. Informative only: never used for timing.
     pub expires_at_unix_ms: i64,

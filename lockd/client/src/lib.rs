@@ -46,7 +46,7 @@ pub mod lease;
 pub mod request_id;
 pub mod retry;
 
-pub use client::{AcquireOptions, Client, Renewed};
+pub use client::{AcquireOptions, Client, ReleaseOutcome, Renewed};
 pub use config::{BearerToken, ClientConfig, ClientTls};
 pub use error::{Error, Op, Outcome};
 pub use guard::{LeaseGuard, LossReason, LostSignal};

@@ -16,7 +16,8 @@ pub const REQUEST_ID_RANDOM_BYTES: usize = 16;
 ///
 /// Because a retry returns the original `lease_id`, whoever knows an id within its 10-minute
 /// window can obtain the lease id and release or renew the lease: an id is a bearer credential
-/// and must be unguessable. [`RequestId::random`] is; an id given to [`RequestId::parse`] must be
+/// and must be unguessable, and is never printed in full (`Debug` and error messages show its
+/// first [`crate::lease::LEASE_ID_SHOWN_CHARS`] characters, [`RequestId::as_str`] all of it). [`RequestId::random`] is; an id given to [`RequestId::parse`] must be
 /// too (never a counter, a timestamp or a name derived from the resource).
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct RequestId(String);
@@ -51,15 +52,11 @@ impl RequestId {
     }
 }
 
-impl fmt::Display for RequestId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
+// No `Display`: like a lease id, a request id is a credential, and `to_string()` must not be the
+// way to store one (it would store what a log may show). `as_str` gives all of it.
 impl fmt::Debug for RequestId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "RequestId({:?})", self.0)
+        write!(f, "RequestId({})", crate::lease::abbreviate(&self.0))
     }
 }
 
@@ -86,6 +83,30 @@ mod tests {
             .iter()
             .fold((0u128, 0u128), |(o, z), id| (o | bits(id), z | !bits(id)));
         assert_eq!((ones, zeros), (u128::MAX, u128::MAX));
+    }
+
+    /// Goal (review "clients" finding 4): a request id is shown like a lease id, and a `Lease`
+    /// (which derives `Debug`) prints neither in full.
+    #[test]
+    fn review_clients_finding4_request_ids_are_shortened_in_debug() {
+        let id = RequestId::parse("0123456789abcdef0123456789abcdef").unwrap();
+        assert_eq!(format!("{id:?}"), "RequestId(01234567…)");
+        assert_eq!(id.as_str(), "0123456789abcdef0123456789abcdef");
+        let lease = crate::Lease {
+            resource: "r".into(),
+            lease_id: crate::LeaseId::new("fedcba9876543210fedcba9876543210"),
+            fencing_token: lockd_fence::FencingToken(7),
+            ttl: std::time::Duration::from_secs(2),
+            request_id: id,
+            sent_at: tokio::time::Instant::now(),
+            expires_at_unix_ms: 0,
+            sequencer: Vec::new(),
+        };
+        let debug = format!("{lease:?}");
+        assert!(
+            !debug.contains("89abcdef01") && !debug.contains("76543210fe"),
+            "{debug}"
+        );
     }
 
     #[test]

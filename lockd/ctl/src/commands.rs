@@ -4,7 +4,8 @@
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use lockd_client::{
-    AcquireOptions, BearerToken, Client, ClientConfig, ClientTls, LeaseId, RequestId,
+    AcquireOptions, BearerToken, Client, ClientConfig, ClientTls, LeaseId, ReleaseOutcome,
+    RequestId,
 };
 use lockd_fence::sequencer::encode_text;
 use serde_json::json;
@@ -88,16 +89,29 @@ pub async fn run(cli: Cli) -> Result<u8, Failure> {
         }
         Command::Release { resource, lease_id } => {
             let lease_id = LeaseId::new(lease_id);
-            let released = client.release(&resource, &lease_id).await?;
-            if !released {
-                return Err(Failure::new(
-                    exit::NOT_FOUND,
-                    "not_found",
-                    format!(
-                        "lease {} of {resource:?} is not current (expired, released or superseded); nothing released",
-                        lockd_client::lease::abbreviate(lease_id.as_str())
-                    ),
-                ));
+            let shown = lockd_client::lease::abbreviate(lease_id.as_str());
+            match client.release_outcome(&resource, &lease_id).await? {
+                ReleaseOutcome::Released => {}
+                ReleaseOutcome::NotCurrent => {
+                    return Err(Failure::new(
+                        exit::NOT_FOUND,
+                        "not_found",
+                        format!(
+                            "lease {shown} of {resource:?} is not current (expired, released or superseded); nothing released"
+                        ),
+                    ));
+                }
+                // The retry's "not current" may be the first attempt's doing: whether this
+                // command released the lease is unknown (it is not held now either way).
+                ReleaseOutcome::NotCurrentAfterRetry => {
+                    return Err(Failure::new(
+                        exit::OUTCOME_UNKNOWN,
+                        "outcome_unknown",
+                        format!(
+                            "lease {shown} of {resource:?} is not current now; an earlier attempt of this release went unanswered and may have released it"
+                        ),
+                    ));
+                }
             }
             print_fields(
                 json,

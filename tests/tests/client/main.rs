@@ -12,6 +12,8 @@
 //! - `guard`: the library's guards and acquires: renewals, a stalled holder, retries across a
 //!   leader kill, dead endpoints, long waits, a lease that is gone.
 //! - `lockctl`: `lockctl hold` and the other commands, their errors and JSON output.
+//! - `retry`: what the client concludes from a repeated request id and from answers after a
+//!   retry (review "clients" findings 1, 2 and 5).
 
 #![allow(
     clippy::unwrap_used,
@@ -20,6 +22,7 @@
 
 mod guard;
 mod lockctl;
+mod retry;
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;

@@ -44,6 +44,9 @@ async fn check_refusals(c: &mut LockClient<Channel>, tag: &str) {
     let (r, md) = reason(&held, Code::Aborted);
     assert_eq!(r, Reason::LockHeld);
     assert_eq!(md["resource"], resource);
+    // The state machine's refusals say so (`decided_by`), also through a follower; refusals made
+    // at the edge do not (review "clients" finding 2).
+    assert_eq!(md["decided_by"], "state_machine");
 
     let waited = c
         .acquire(acquire(&resource, &format!("{tag}-c"), 200))
@@ -52,6 +55,18 @@ async fn check_refusals(c: &mut LockClient<Channel>, tag: &str) {
     let (r, md) = reason(&waited, Code::DeadlineExceeded);
     assert_eq!(r, Reason::WaitTimeout);
     assert_eq!(md["wait_timeout_ms"], "200");
+    assert_eq!(md["decided_by"], "state_machine");
+
+    let reused = c
+        .acquire(AcquireRequest {
+            lease_ttl_ms: 20_000,
+            ..acquire(&resource, &format!("{tag}-b"), 0)
+        })
+        .await
+        .unwrap_err();
+    let (r, md) = reason(&reused, Code::InvalidArgument);
+    assert_eq!(r, Reason::InvalidField);
+    assert_eq!(md["decided_by"], "state_machine", "request_id reused");
 
     let bad_ttl = c
         .acquire(AcquireRequest {
@@ -63,6 +78,10 @@ async fn check_refusals(c: &mut LockClient<Channel>, tag: &str) {
     let (r, md) = reason(&bad_ttl, Code::InvalidArgument);
     assert_eq!(r, Reason::InvalidField);
     assert_eq!(md["field"], "lease_ttl_ms");
+    assert!(
+        !md.contains_key("decided_by"),
+        "a field check at the edge: {md:?}"
+    );
 
     let bad_resource = c
         .acquire(acquire("", &format!("{tag}-e"), 0))
@@ -81,7 +100,9 @@ async fn check_refusals(c: &mut LockClient<Channel>, tag: &str) {
         })
         .await
         .unwrap_err();
-    assert_eq!(reason(&stale, Code::NotFound).0, Reason::LeaseNotCurrent);
+    let (r, md) = reason(&stale, Code::NotFound);
+    assert_eq!(r, Reason::LeaseNotCurrent);
+    assert_eq!(md["decided_by"], "state_machine");
 
     // Release is idempotent for the lease that held the resource last; nothing to refuse.
     c.release(ReleaseRequest {
@@ -117,7 +138,8 @@ async fn refusals_carry_their_reason_on_the_leader_and_through_a_follower() {
             .parse()
             .unwrap()
     };
-    assert_eq!(forwarded("stream"), 6, "{metrics}");
+    // acquire, held, reused request_id, the two field errors, renew, release.
+    assert_eq!(forwarded("stream"), 7, "{metrics}");
     assert_eq!(forwarded("call"), 1, "{metrics}");
     let metrics = cluster.metrics_text(leader).await.unwrap();
     assert!(

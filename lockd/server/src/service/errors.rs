@@ -3,11 +3,18 @@
 //! (see [`lockd_api::errors::Reason`]); the message starts with `lockd: ` and names the values
 //! involved, for people.
 
-use lockd_api::errors::{Reason, status};
+use lockd_api::errors::{DECIDED_BY_KEY, DECIDED_BY_STATE_MACHINE, Reason, status};
 use lockd_core::command::Limit;
 use tonic::{Code, Status};
 
 use crate::proposer::ProposeError;
+
+/// The ErrorInfo metadata entry on every refusal that is the replicated state machine's decision
+/// for this request (made after it looked the request id up): clients read a refusal without it,
+/// after an earlier attempt of theirs may have arrived, as "outcome unknown", since such a
+/// refusal (parked-wait and transit bounds, field checks, authorization) says nothing about
+/// that earlier attempt (docs/api.md, "Status codes and reasons").
+const DECIDED: (&str, &str) = (DECIDED_BY_KEY, DECIDED_BY_STATE_MACHINE);
 
 /// `lockd: ` and the message (once: messages of the vote gate already start with it).
 fn prefixed(msg: impl std::fmt::Display) -> String {
@@ -29,13 +36,24 @@ pub fn invalid_field(field: &str, msg: impl std::fmt::Display) -> Status {
     )
 }
 
-/// `INVALID_ARGUMENT` where no single field is at fault (the state machine's own checks).
+/// `INVALID_ARGUMENT` where no single field is at fault, decided at the edge.
 pub fn invalid(msg: impl std::fmt::Display) -> Status {
     status(
         Code::InvalidArgument,
         prefixed(msg),
         Reason::InvalidField,
         &[],
+    )
+}
+
+/// `INVALID_ARGUMENT` from the state machine's own checks of a request id (reused with other
+/// arguments, a digest collision): its decision for this request.
+pub fn decided_invalid(msg: impl std::fmt::Display) -> Status {
+    status(
+        Code::InvalidArgument,
+        prefixed(msg),
+        Reason::InvalidField,
+        &[DECIDED],
     )
 }
 
@@ -61,19 +79,30 @@ pub fn held(resource: &str, holder: &str) -> Status {
              wait_timeout_ms to queue)"
         ),
         Reason::LockHeld,
-        &[("resource", resource)],
+        &[("resource", resource), DECIDED],
     )
 }
 
-pub fn wait_timed_out(resource: &str, wait_ms: u64) -> Status {
+/// Whether a refusal is the state machine's decision for this request (see [`DECIDED`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Decided {
+    /// The log decided it for this request.
+    ByStateMachine,
+    /// A node decided it on its own (e.g. a backstop timer): it may not speak for every attempt.
+    ByThisNode,
+}
+
+pub fn wait_timed_out(resource: &str, wait_ms: u64, decided: Decided) -> Status {
+    let wait = wait_ms.to_string();
+    let mut metadata = vec![("resource", resource), ("wait_timeout_ms", wait.as_str())];
+    if decided == Decided::ByStateMachine {
+        metadata.push(DECIDED);
+    }
     status(
         Code::DeadlineExceeded,
         format!("lockd: waited {wait_ms} ms for {resource:?} without getting the lock"),
         Reason::WaitTimeout,
-        &[
-            ("resource", resource),
-            ("wait_timeout_ms", &wait_ms.to_string()),
-        ],
+        &metadata,
     )
 }
 
@@ -84,11 +113,12 @@ pub fn not_found(resource: &str) -> Status {
             "lockd: that lease is not the current lease of {resource:?} (expired, released, superseded or unknown); stop work that depends on it"
         ),
         Reason::LeaseNotCurrent,
-        &[("resource", resource)],
+        &[("resource", resource), DECIDED],
     )
 }
 
-/// `RESOURCE_EXHAUSTED` for `limit`, named in the metadata key `limit`.
+/// `RESOURCE_EXHAUSTED` for `limit` of the table (the state machine's decision), named in the
+/// metadata key `limit`.
 pub fn exhausted(limit: Limit, msg: impl std::fmt::Display) -> Status {
     let reason = match limit {
         Limit::WaitersPerResource | Limit::WaitersPerTenant => Reason::WaitersExhausted,
@@ -101,7 +131,7 @@ pub fn exhausted(limit: Limit, msg: impl std::fmt::Display) -> Status {
         Code::ResourceExhausted,
         prefixed(msg),
         reason,
-        &[("limit", limit.name())],
+        &[("limit", limit.name()), DECIDED],
     )
 }
 
@@ -283,7 +313,10 @@ mod tests {
             (invalid("x"), Reason::InvalidField),
             (precondition("replaces_key_id", "x"), Reason::InvalidField),
             (held("a", "h"), Reason::LockHeld),
-            (wait_timed_out("a", 5), Reason::WaitTimeout),
+            (
+                wait_timed_out("a", 5, Decided::ByStateMachine),
+                Reason::WaitTimeout,
+            ),
             (not_found("a"), Reason::LeaseNotCurrent),
             (
                 exhausted(Limit::WaitersPerTenant, "x"),
@@ -317,6 +350,49 @@ mod tests {
         assert_eq!(md["field"], "lease_ttl_ms");
         let (_, md) = reason_of(&exhausted(Limit::DedupRecordsPerTenant, "x")).unwrap();
         assert_eq!(md["limit"], "dedup_records_per_tenant_max");
+    }
+
+    /// Goal (review "clients" finding 2): exactly the refusals the state machine decides for a
+    /// request carry the `decided_by` mark; those decided before the request id is looked up
+    /// (parked-wait and transit bounds, field checks, authorization, forwarding) do not, so that
+    /// clients never read them as the outcome of an earlier attempt.
+    #[test]
+    fn review_clients_finding2_only_the_state_machines_refusals_are_marked() {
+        use lockd_api::errors::decided_by_state_machine;
+        let marked = [
+            held("a", "h"),
+            wait_timed_out("a", 5, Decided::ByStateMachine),
+            not_found("a"),
+            exhausted(Limit::WaitersPerResource, "x"),
+            exhausted(Limit::DedupRecordsPerTenant, "x"),
+            decided_invalid("request_id reused"),
+        ];
+        for s in &marked {
+            assert!(decided_by_state_machine(s), "not marked: {s:?}");
+        }
+        let unmarked = [
+            wait_timed_out("a", 5, Decided::ByThisNode),
+            invalid_field("lease_ttl_ms", "x"),
+            invalid("x"),
+            precondition("id", "x"),
+            waits_exhausted("waits_per_source_max", "x"),
+            transit_exhausted("receiving_per_source_max", "x"),
+            watch_refused("watch_streams_max", "x"),
+            no_quorum("x"),
+            overloaded("x"),
+            outcome_unknown("x"),
+            internal("x"),
+            unauthenticated("x"),
+            permission_denied("x", "anonymous", "acquire", Some("a")),
+            forward_failed("x".into(), &Status::unavailable("reset")),
+        ];
+        for s in &unmarked {
+            assert!(!decided_by_state_machine(s), "marked: {s:?}");
+        }
+        // The mark sits beside the other metadata, which keeps its meaning.
+        let (_, md) = reason_of(&exhausted(Limit::WaitersPerTenant, "x")).unwrap();
+        assert_eq!(md["limit"], "waiters_per_tenant_max");
+        assert_eq!(md["decided_by"], "state_machine");
     }
 
     #[test]

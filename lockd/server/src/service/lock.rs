@@ -20,7 +20,7 @@ use rand::RngExt;
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
-use super::errors;
+use super::errors::{self, Decided};
 use super::raft::pb;
 use crate::auth::{self, Caller, Operation, Resourced};
 use crate::members::{WaitConnection, WaitPoolRefused};
@@ -214,8 +214,14 @@ impl LockService {
         match outcome {
             Outcome::Granted(g) => self.signed_reply(&resource, g).await,
             Outcome::Held { holder } => Err(errors::held(resource.as_str(), &holder)),
-            Outcome::WaitTimedOut => Err(errors::wait_timed_out(resource.as_str(), wait)),
-            Outcome::InvalidArgument(msg) => Err(errors::invalid(msg)),
+            // Every refusal here is the table's decision after its request-id lookup, so it is
+            // this request's outcome for every attempt (marked, see `errors::DECIDED`).
+            Outcome::WaitTimedOut => Err(errors::wait_timed_out(
+                resource.as_str(),
+                wait,
+                Decided::ByStateMachine,
+            )),
+            Outcome::InvalidArgument(msg) => Err(errors::decided_invalid(msg)),
             Outcome::Exhausted(limit, msg) => {
                 self.ctx.metrics.with(|| {
                     metrics::counter!("lockd_acquire_refusals_total", "limit" => limit.name())
@@ -253,7 +259,7 @@ impl LockService {
                     guard.armed = false;
                     return match end {
                         Ok(WaitEnd::Granted(g)) => self.signed_reply(&guard.resource, g).await,
-                        Ok(WaitEnd::TimedOut) => Err(errors::wait_timed_out(guard.resource.as_str(), wait_ms)),
+                        Ok(WaitEnd::TimedOut) => Err(errors::wait_timed_out(guard.resource.as_str(), wait_ms, Decided::ByStateMachine)),
                         // A retry of the same request took over the registration.
                         Err(_) => Err(errors::outcome_unknown(format!(
                             "a newer call with request_id {:?} took over this wait", guard.request_id
@@ -270,7 +276,9 @@ impl LockService {
                     }).await?;
                     return match outcome {
                         Outcome::Granted(g) => self.signed_reply(&guard.resource, g).await,
-                        _ => Err(errors::wait_timed_out(guard.resource.as_str(), wait_ms)),
+                        // Also when a retry had replaced this attempt (the table then ends
+                        // nothing and that retry may still be granted): not the request's outcome.
+                        _ => Err(errors::wait_timed_out(guard.resource.as_str(), wait_ms, Decided::ByThisNode)),
                     };
                 }
                 changed = leader.changed() => {
