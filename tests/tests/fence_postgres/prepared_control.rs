@@ -365,17 +365,32 @@ async fn malformed_frames_end_the_session() {
             frame(b'P', b"\0SELECT 1\0\0\x01"),
         ),
         ("Parse without its count", frame(b'P', b"\0SELECT 1\0")),
-        ("Bind with two formats for no parameter", frame(b'B', &bind_formats)),
-        ("Bind with a byte at the end", frame(b'B', b"\0\0\0\0\0\0\0\0\0")),
-        ("Execute with a byte at the end", frame(b'E', b"\0\0\0\0\0\0")),
+        (
+            "Bind with two formats for no parameter",
+            frame(b'B', &bind_formats),
+        ),
+        (
+            "Bind with a byte at the end",
+            frame(b'B', b"\0\0\0\0\0\0\0\0\0"),
+        ),
+        (
+            "Execute with a byte at the end",
+            frame(b'E', b"\0\0\0\0\0\0"),
+        ),
         ("Execute without its row count", frame(b'E', b"\0")),
         ("Describe of an unknown variant", frame(b'D', b"X\0")),
         ("Close with a byte at the end", frame(b'C', b"S\0\0")),
         ("Sync with a body", frame(b'S', b"\0")),
         ("Flush with a body", frame(b'H', b"x")),
-        ("Query with a byte after its NUL", frame(b'Q', b"COMMIT\0\0")),
+        (
+            "Query with a byte after its NUL",
+            frame(b'Q', b"COMMIT\0\0"),
+        ),
         ("Query without its NUL", frame(b'Q', b"COMMIT")),
-        ("FunctionCall with a byte at the end", frame(b'F', b"\0\0\0\x01\0\0\0\0\0\0\0")),
+        (
+            "FunctionCall with a byte at the end",
+            frame(b'F', b"\0\0\0\x01\0\0\0\0\0\0\0"),
+        ),
         ("an unknown message type", frame(b'y', b"")),
     ];
     let mut broken = Vec::new();
