@@ -45,38 +45,63 @@
 //!   In copy mode the server ignores Flush and Sync, so the proxy drops them and expects no
 //!   ReadyForQuery; CopyDone or CopyFail end the mode, and the proxy ends its block after that.
 //!
+//! # The upstream never holds prepared transaction control
+//!
+//! A Parse whose text is transaction control (any `TransactionStmt`: BEGIN, COMMIT, ROLLBACK,
+//! SAVEPOINT, RELEASE, ROLLBACK TO, PREPARE TRANSACTION, COMMIT/ROLLBACK PREPARED) is never
+//! forwarded with that text: the upstream gets [`classify::PLACEHOLDER_SQL`] under the client's
+//! name and parameter types, and at the client's Execute the proxy runs the statement rebuilt
+//! from the parse tree under its own names (`execute_control`), after the guard where it is a
+//! commit point. SQL `PREPARE` cannot make transaction control (its grammar takes SELECT, INSERT,
+//! UPDATE, DELETE, MERGE and VALUES only), and a Parse of several statements is refused, so no
+//! prepared statement in the upstream is transaction control, and SQL `EXECUTE` (from the
+//! client's text, or from dynamic SQL in a function) can neither end the guarded block nor undo
+//! its guard with a ROLLBACK TO: it runs a placeholder, which fails. Before this (review of
+//! 2026-12-05, second round) `EXECUTE c` of a protocol-prepared COMMIT committed a zombie's rows
+//! after the new holder's, and of a ROLLBACK TO undid the read-only setting of an unfenced
+//! session under `--require-fence`.
+//!
+//! # Every client frame is read completely
+//!
+//! Each client message is decoded field by field as Postgres reads it (`crate::frontend`) before
+//! anything of it is planned or forwarded; a frame with bytes after its last field, short
+//! fields or inconsistent counts ends the session (08P01). A Parse with a byte after its
+//! parameter types once failed in the server before the unnamed statement was replaced, while
+//! the proxy took the old one for gone.
+//!
 //! # Why a wrong statement kind can only cost compatibility
 //!
 //! The kinds of prepared statements and portals are projected as Parse, Bind and Close are sent
 //! (a Bind pipelined right behind its Parse must see the Parse's kind) along the path where every
 //! message succeeds, which is exact because an error makes the upstream skip to Sync: on an error
-//! the failed and skipped messages' projections are undone, a failed Parse of the unnamed
-//! statement leaves it absent, and a failed Parse of a named one keeps the old entry. The map can
-//! still be wrong: SQL `PREPARE` and `DEALLOCATE` redefine names the proxy does not follow. So
-//! safety rests on rules that hold whatever the kind:
+//! the failed and skipped messages' projections are undone; a failed Parse of a named statement
+//! keeps the old entry (Postgres drops nothing of it); a failed Parse of the unnamed statement
+//! makes it unknown (Postgres drops the old one early in the Parse, not when the Parse fails
+//! before that), and a Bind of an unknown statement is refused until a Parse of it succeeds or a
+//! Close drops it. A client's SQL `DEALLOCATE` drops names as it is sent. The map can still be
+//! wrong (SQL `PREPARE`/`DEALLOCATE` from dynamic SQL the proxy does not see, a DEALLOCATE that
+//! did not run), so safety rests on rules that hold whatever the kind:
 //!
-//! - At projected status `I`, every client Execute (whatever its believed kind: COMMIT,
-//!   ROLLBACK, ROLLBACK TO, SET, or anything else), and every Parse, Bind and Describe before
+//! - A name the proxy takes for transaction control runs the proxy's own statement at Execute,
+//!   never the client's; a name it takes for anything else that holds a placeholder fails
+//!   wherever it runs. So a wrong belief never runs transaction control the proxy did not plan.
+//! - At projected status `I`, every client Execute, and every Parse, Bind and Describe before
 //!   it, is preceded by the proxy's own BEGIN, so no client code runs in an implicit
 //!   transaction that commits on its own at Sync (Parse, Bind and Describe run client code: a
 //!   domain's CHECK, functions folded by the planner). A block that held no client Execute is
-//!   rolled back at Sync, not committed. A Parse of a BEGIN text, and a Bind or Describe of a
-//!   believed BEGIN, go without it (see `Session::before_client_message`): the server's
-//!   implicit transaction they start becomes a block at the proxy's BEGIN in the client's
-//!   Execute, or at Sync, where the proxy rolls it back. A
-//!   believed BEGIN is not forwarded at all: the proxy runs the same BEGIN in its place (so
-//!   Postgres does not warn 25001 and log a line per transaction); if the name was really
-//!   something else, that statement does not run. After a believed transaction end the projected status is `I`
-//!   again, so the next statement again gets a BEGIN (and the guard where it needs one); whether
-//!   the transaction was guarded is tracked per projected transaction.
-//! - The guard runs right before every Execute believed to be a commit, and before the proxy's
-//!   own COMMIT. A statement believed to be something else that really is a COMMIT can only have
-//!   been created by a protocol Parse (SQL `PREPARE` accepts SELECT, INSERT, UPDATE, DELETE,
-//!   MERGE and VALUES only), and every Parse is projected before its name can be bound.
-//! - A statement believed to be transaction control or a setting that really is a data statement
-//!   runs inside a block: either the proxy's (which it ends through the guard) or one left open
-//!   for the client (status `T`), whose COMMIT again goes through the guard; under
-//!   `--require-fence` the guard refuses the commit of an unfenced transaction that wrote.
+//!   rolled back at Sync, not committed. A Parse of transaction control (the placeholder, which
+//!   runs nothing), and a Bind or Describe of a believed BEGIN, go without it (see
+//!   `Session::before_client_message`): the server's implicit transaction they start becomes a
+//!   block at the proxy's BEGIN in the client's Execute, or at Sync, where the proxy rolls it
+//!   back. After a believed transaction end the projected status is `I` again, so the next
+//!   statement again gets a BEGIN (and the guard where it needs one); whether the transaction
+//!   was guarded is tracked per projected transaction.
+//! - The guard runs right before every COMMIT the proxy runs for a client's Execute, and before
+//!   the proxy's own COMMIT.
+//! - A statement believed to be a setting that really is a data statement runs inside a block:
+//!   either the proxy's (which it ends through the guard) or one left open for the client
+//!   (status `T`), whose COMMIT again goes through the guard; under `--require-fence` the guard
+//!   refuses the commit of an unfenced transaction that wrote.
 //! - A wrong "COPY" belief only holds the client until the statement's answer; a wrong "not
 //!   COPY" makes the proxy's own messages fail the COPY, which rolls back.
 //!
@@ -267,7 +292,7 @@ struct Pending {
     undo: Option<(bool, String, Option<Known>)>,
     /// Drop the 25001 "already a transaction in progress" warning the proxy's block causes.
     suppress_begin_warning: bool,
-    /// The proxy's own Execute standing in for a client's (a believed BEGIN at status `I`): its
+    /// The proxy's own Execute standing in for a client's (of prepared transaction control): its
     /// CommandComplete goes to the client as the answer to the client's Execute.
     answers_client: bool,
     /// A guard call: its row says whether the session has a fence, and this is what the answer
@@ -1432,11 +1457,11 @@ impl Session {
     /// client's Sync commits, and each of them can run client code there (a constant coerced to
     /// a domain runs its CHECK at Parse, a parameter of a domain type at Bind, planning folds
     /// functions at Bind, a statement re-analysed at Describe). So the proxy's block opens first,
-    /// as before an Execute. The one exception is a client's BEGIN, whose Execute the proxy
-    /// answers with a BEGIN of its own carrying the client's options (see `execute`): a Parse of
-    /// a BEGIN text runs nothing and is forwarded as it is; a Bind or Describe of a believed
-    /// BEGIN (which may read parameters, or be another statement SQL `PREPARE` put under the
-    /// name) is forwarded too, and the group remembers that an implicit transaction is open,
+    /// as before an Execute. The exceptions: a Parse of transaction control, which goes upstream
+    /// as the placeholder and runs nothing (see `parse`), and a Bind or Describe of a believed
+    /// BEGIN, whose Execute the proxy answers with a BEGIN of its own carrying the client's
+    /// options (see `execute_control`): it may read parameters, or be another statement SQL
+    /// `PREPARE` put under the name, so the group remembers that an implicit transaction is open,
     /// which the proxy's BEGIN at the Execute turns into the client's block, or the proxy's at
     /// Sync (and rolls back).
     fn before_client_message(&mut self, kind: &StatementKind) -> anyhow::Result<()> {
