@@ -99,7 +99,49 @@ pub struct Statement {
     /// statements, portals, temporary tables, advisory locks, LISTEN). Postgres runs it only
     /// outside a transaction block, so the proxy forwards it alone at status `I` as it is.
     pub discards_all: bool,
+    /// Transaction control: any statement of Postgres's `TransactionStmt` (BEGIN, START
+    /// TRANSACTION, COMMIT, END, ROLLBACK, ABORT, SAVEPOINT, RELEASE, ROLLBACK TO, PREPARE
+    /// TRANSACTION, COMMIT PREPARED, ROLLBACK PREPARED, with or without AND CHAIN). The proxy never
+    /// lets the upstream hold such a statement prepared: SQL `EXECUTE` of it would end or undo a
+    /// guarded block where the proxy does not see it.
+    pub transaction_control: bool,
+    /// For transaction control, the statement rebuilt from the parse tree (keywords, savepoint
+    /// names as quoted identifiers, transaction identifiers as `E''` literals: it reads the same
+    /// under any lexer setting), for the proxy to run in the place of a prepared one. `None` for
+    /// other statements, and for transaction control naming a savepoint or transaction
+    /// identifier that is not printable ASCII.
+    pub control_sql: Option<String>,
+    /// `DEALLOCATE`: the prepared statements it drops.
+    pub deallocates: Option<Deallocate>,
 }
+
+/// What a `DEALLOCATE` drops.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Deallocate {
+    /// `DEALLOCATE ALL`.
+    All,
+    /// `DEALLOCATE [PREPARE] name`.
+    Name(String),
+}
+
+/// The prefix of the proxy's own names (prepared statements, portals, and the savepoint its
+/// placeholder statements name). A client statement naming a savepoint with it is refused
+/// (case-insensitively, as a quoted name may differ in case only): that savepoint must never exist.
+pub const RESERVED_PREFIX: &str = "__lockd_fence_proxy";
+
+/// What the upstream holds under the name of a client's prepared transaction-control statement
+/// (see [`Statement::transaction_control`]): a ROLLBACK TO of a savepoint that cannot exist. It
+/// is a transaction-exit statement to Postgres, so its Parse and Bind are accepted in a failed
+/// block as the client's ROLLBACK or COMMIT would be; it takes no parameters beyond those the
+/// client declared, returns no rows (Describe answers NoData), and whatever runs it (SQL
+/// `EXECUTE`, a function's dynamic SQL, a client Execute the proxy misjudged) fails: outside a
+/// block (25P01), or because the savepoint does not exist (3B001). It reads the same under
+/// any lexer setting (ASCII, no backslash, a quoted identifier).
+pub const PLACEHOLDER_SQL: &str =
+    "ROLLBACK TO SAVEPOINT \"__lockd_fence_proxy prepared transaction control\"";
+
+/// The savepoint name of [`PLACEHOLDER_SQL`], as the server's errors quote it.
+pub const PLACEHOLDER_SAVEPOINT: &str = "__lockd_fence_proxy prepared transaction control";
 
 /// Why a text was not classified.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -113,6 +155,9 @@ pub enum ClassifyError {
     /// A `BEGIN` option the proxy cannot rebuild; the option.
     #[error("unsupported BEGIN option {0}")]
     BeginOption(String),
+    /// A savepoint name with the proxy's reserved prefix; the name.
+    #[error("savepoint name {0:?} is reserved for the proxy (prefix {RESERVED_PREFIX})")]
+    ReservedName(String),
     /// The text is longer than the proxy parses; its length in bytes.
     #[error(
         "query text of {0} bytes exceeds the {MAX_CLASSIFIED_SQL_BYTES} bytes the proxy parses; pass large values as parameters or load data with COPY"
@@ -193,11 +238,28 @@ fn statements(
                 Some(node) => kind_of(node)?,
                 None => StatementKind::Other,
             };
+            if let Some(NodeEnum::TransactionStmt(t)) = node
+                && t.savepoint_name
+                    .as_bytes()
+                    .get(..RESERVED_PREFIX.len())
+                    .is_some_and(|p| p.eq_ignore_ascii_case(RESERVED_PREFIX.as_bytes()))
+            {
+                return Err(ClassifyError::ReservedName(t.savepoint_name.clone()));
+            }
             Ok(Statement {
                 kind,
                 sets_fence: node.and_then(fence_assignment),
                 commit_sql: node.and_then(commit_sql),
                 discards_all: matches!(node, Some(NodeEnum::DiscardStmt(d)) if d.target() == DiscardMode::DiscardAll),
+                transaction_control: matches!(node, Some(NodeEnum::TransactionStmt(_))),
+                control_sql: node.and_then(control_sql),
+                deallocates: match node {
+                    Some(NodeEnum::DeallocateStmt(d)) if d.isall || d.name.is_empty() => {
+                        Some(Deallocate::All)
+                    }
+                    Some(NodeEnum::DeallocateStmt(d)) => Some(Deallocate::Name(d.name.clone())),
+                    _ => None,
+                },
                 start: usize::try_from(raw.stmt_location)
                     .unwrap_or(0)
                     .min(sql.len()),
@@ -294,6 +356,65 @@ fn commit_sql(node: &NodeEnum) -> Option<String> {
         }
         _ => None,
     }
+}
+
+/// Any transaction-control statement rebuilt from its parse tree (see
+/// [`Statement::control_sql`]).
+fn control_sql(node: &NodeEnum) -> Option<String> {
+    let NodeEnum::TransactionStmt(t) = node else {
+        return None;
+    };
+    let chain = if t.chain { " AND CHAIN" } else { "" };
+    Some(match t.kind() {
+        TransactionStmtKind::TransStmtBegin => begin_sql("BEGIN", &t.options).ok()?,
+        TransactionStmtKind::TransStmtStart => begin_sql("START TRANSACTION", &t.options).ok()?,
+        TransactionStmtKind::TransStmtCommit => format!("COMMIT{chain}"),
+        TransactionStmtKind::TransStmtRollback => format!("ROLLBACK{chain}"),
+        TransactionStmtKind::TransStmtSavepoint => {
+            format!("SAVEPOINT {}", quoted_identifier(&t.savepoint_name)?)
+        }
+        TransactionStmtKind::TransStmtRelease => {
+            format!(
+                "RELEASE SAVEPOINT {}",
+                quoted_identifier(&t.savepoint_name)?
+            )
+        }
+        TransactionStmtKind::TransStmtRollbackTo => {
+            format!(
+                "ROLLBACK TO SAVEPOINT {}",
+                quoted_identifier(&t.savepoint_name)?
+            )
+        }
+        TransactionStmtKind::TransStmtPrepare => {
+            format!("PREPARE TRANSACTION {}", escaped_literal(&t.gid)?)
+        }
+        TransactionStmtKind::TransStmtCommitPrepared => {
+            format!("COMMIT PREPARED {}", escaped_literal(&t.gid)?)
+        }
+        TransactionStmtKind::TransStmtRollbackPrepared => {
+            format!("ROLLBACK PREPARED {}", escaped_literal(&t.gid)?)
+        }
+        TransactionStmtKind::Undefined => return None,
+    })
+}
+
+/// `name` as a quoted identifier, if it is printable ASCII (quoted identifiers read the same
+/// under any `standard_conforming_strings` and any client encoding).
+fn quoted_identifier(name: &str) -> Option<String> {
+    if name.is_empty() || !name.bytes().all(|b| (0x20..0x7f).contains(&b)) {
+        return None;
+    }
+    Some(format!("\"{}\"", name.replace('"', "\"\"")))
+}
+
+/// `value` as an `E''` literal, if it is printable ASCII (an `E''` literal reads the same under
+/// any `standard_conforming_strings`).
+fn escaped_literal(value: &str) -> Option<String> {
+    if !value.bytes().all(|b| (0x20..0x7f).contains(&b)) {
+        return None;
+    }
+    let escaped = value.replace('\\', "\\\\").replace('\'', "''");
+    Some(format!("E'{escaped}'"))
 }
 
 /// The setting that carries a session's fence.
@@ -408,6 +529,81 @@ mod tests {
         );
         assert_eq!(rebuilt("prepare transaction 'ü'"), vec![None]);
         assert_eq!(rebuilt("rollback; rollback prepared 'x'"), vec![None, None]);
+    }
+
+    /// Review of 2026-12-05 (second round): every transaction-control statement is marked and
+    /// rebuilt from its tree (the proxy runs the rebuilt one in the place of a prepared one),
+    /// names that are not printable ASCII are not rebuilt, the proxy's savepoint prefix is
+    /// refused in any case, and DEALLOCATE says what it drops.
+    #[test]
+    fn review_transaction_control_is_rebuilt_from_the_tree() {
+        let control = |sql: &str| {
+            let s = classify(sql).unwrap().remove(0);
+            assert!(s.transaction_control, "{sql}");
+            s.control_sql
+        };
+        for (sql, rebuilt) in [
+            ("begin read only", "BEGIN READ ONLY"),
+            ("start transaction", "START TRANSACTION"),
+            ("commit work", "COMMIT"),
+            ("end", "COMMIT"),
+            ("commit and chain", "COMMIT AND CHAIN"),
+            ("abort", "ROLLBACK"),
+            ("rollback and chain", "ROLLBACK AND CHAIN"),
+            ("savepoint Sp", "SAVEPOINT \"sp\""),
+            ("release \"A\"\"b\"", "RELEASE SAVEPOINT \"A\"\"b\""),
+            ("rollback to sp", "ROLLBACK TO SAVEPOINT \"sp\""),
+            (
+                "prepare transaction 'it''s'",
+                "PREPARE TRANSACTION E'it''s'",
+            ),
+            ("commit prepared 'g'", "COMMIT PREPARED E'g'"),
+            ("rollback prepared E'a\\\\b'", "ROLLBACK PREPARED E'a\\\\b'"),
+        ] {
+            assert_eq!(control(sql).as_deref(), Some(rebuilt), "{sql}");
+            // The rebuilt text reads back as the same statement.
+            let again = classify(rebuilt).unwrap().remove(0);
+            assert_eq!(again.control_sql.as_deref(), Some(rebuilt), "{sql}");
+            assert_eq!(again.kind, classify(sql).unwrap()[0].kind, "{sql}");
+        }
+        assert_eq!(control("savepoint \"ü\""), None);
+        assert_eq!(control("commit prepared 'ü'"), None);
+        for sql in [
+            "select 1",
+            "set lockd.fence = 'a:1'",
+            "execute c",
+            "deallocate c",
+        ] {
+            let s = classify(sql).unwrap().remove(0);
+            assert!(!s.transaction_control && s.control_sql.is_none(), "{sql}");
+        }
+        for sql in [
+            "savepoint __lockd_fence_proxy_x",
+            "rollback to \"__LOCKD_FENCE_PROXY prepared transaction control\"",
+            "release __lockd_fence_proxy",
+            PLACEHOLDER_SQL,
+        ] {
+            assert!(
+                matches!(classify(sql), Err(ClassifyError::ReservedName(_))),
+                "{sql}"
+            );
+        }
+        let drops = |sql: &str| {
+            classify(sql)
+                .unwrap()
+                .into_iter()
+                .map(|s| s.deallocates)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            drops("deallocate a; deallocate prepare \"B\"; deallocate all; select 1"),
+            vec![
+                Some(Deallocate::Name("a".into())),
+                Some(Deallocate::Name("B".into())),
+                Some(Deallocate::All),
+                None
+            ]
+        );
     }
 
     #[test]

@@ -112,16 +112,8 @@ pub async fn read_startup_packet<R: AsyncRead + Unpin>(
     Ok(packet.freeze())
 }
 
-/// Reads a NUL-terminated string from the front of `buf`, advancing past the NUL.
-/// Reads a NUL-terminated byte string without decoding it (client SQL text, which must never
-/// be decoded lossily: the proxy must read exactly the bytes the server reads).
-pub fn read_cbytes<'a>(buf: &mut &'a [u8]) -> Option<&'a [u8]> {
-    let end = buf.iter().position(|&b| b == 0)?;
-    let s = &buf[..end];
-    *buf = &buf[end + 1..];
-    Some(s)
-}
-
+/// Reads a NUL-terminated string from the front of `buf`, advancing past the NUL (lossily
+/// decoded: for the server's messages; client messages are read by `frontend`).
 pub fn read_cstr(buf: &mut &[u8]) -> Option<String> {
     let end = buf.iter().position(|&b| b == 0)?;
     let s = String::from_utf8_lossy(&buf[..end]).into_owned();

@@ -8,11 +8,14 @@
 //! | with `--verify-key` and without `--allow-unsigned`: a plain token in `lockd.fence` | `28000` invalid_authorization_specification | ERROR (FATAL at startup) |
 //! | unfenced transaction wrote under `--require-fence` (raised by the guard) | `25006` read_only_sql_transaction | ERROR |
 //! | a statement after COMMIT/END/ROLLBACK/ABORT/PREPARE TRANSACTION in one query; a backslash while `standard_conforming_strings` is off; an unsupported BEGIN option | `0A000` feature_not_supported | ERROR |
-//! | query text the Postgres parser rejects | `42601` syntax_error | ERROR |
+//! | query text the Postgres parser rejects; several statements in one Parse | `42601` syntax_error | ERROR |
+//! | SQL `EXECUTE` of transaction control prepared through the extended protocol; prepared transaction control naming a savepoint or transaction identifier that is not printable ASCII | `0A000` feature_not_supported | ERROR |
+//! | a savepoint name with the proxy's prefix `__lockd_fence_proxy` | `42939` reserved_name | ERROR |
+//! | Bind of the unnamed statement after a Parse of it failed (unknown to the proxy) | `26000` invalid_sql_statement_name | ERROR |
 //! | guard function missing in the session's database | `42883` undefined_function | ERROR |
 //! | role not granted EXECUTE on the guard function | `42501` insufficient_privilege | ERROR |
 //! | message longer than `--max-message-bytes`, statement or portal name too long, too many tracked names | `54000` program_limit_exceeded | FATAL |
-//! | malformed frame or startup packet, unsupported protocol version | `08P01` protocol_violation | FATAL |
+//! | malformed frame (bytes after the last field, short fields, inconsistent counts, a message type a client does not send) or startup packet, unsupported protocol version | `08P01` protocol_violation | FATAL |
 //! | upstream unreachable or its connection lost | `08006` connection_failure | FATAL |
 //! | `--max-sessions` reached | `53300` too_many_connections | FATAL |
 //! | proxy shutting down | `57P01` admin_shutdown | FATAL |
@@ -43,6 +46,11 @@ pub const CHARACTER_NOT_IN_REPERTOIRE: &str = "22021";
 pub const GUARD_MISSING: &str = "42883";
 /// SQLSTATE of a role that may not execute the guard function.
 pub const INSUFFICIENT_PRIVILEGE: &str = "42501";
+/// SQLSTATE of a savepoint name with the proxy's reserved prefix.
+pub const RESERVED_NAME: &str = "42939";
+/// SQLSTATE of a Bind of a prepared statement the proxy does not know (the unnamed statement
+/// after a failed Parse), as Postgres answers a Bind of a statement that does not exist.
+pub const INVALID_STATEMENT_NAME: &str = "26000";
 /// SQLSTATE of a size or count limit.
 pub const LIMIT_EXCEEDED: &str = "54000";
 /// SQLSTATE of a protocol violation by a peer.

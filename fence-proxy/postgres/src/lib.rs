@@ -17,6 +17,7 @@
 //! - `config`: settings shared by sessions.
 //! - `limits`: every bound, with its reason.
 //! - `codec`: length-bounded message framing.
+//! - `frontend`: complete, strict reading of each client message, as Postgres reads it.
 //! - `startup`: SSL/cancel requests, startup packet, authentication relay.
 //! - `session`: the relay, the proxy's blocks and the guard placement.
 //! - [`classify`]: statement classification by Postgres's own parser (pure, fuzzable).
@@ -35,6 +36,7 @@ pub mod epochs;
 mod error;
 pub mod fence_sql;
 mod fence_value;
+mod frontend;
 pub mod limits;
 mod metrics_names;
 mod parser;

@@ -45,38 +45,63 @@
 //!   In copy mode the server ignores Flush and Sync, so the proxy drops them and expects no
 //!   ReadyForQuery; CopyDone or CopyFail end the mode, and the proxy ends its block after that.
 //!
+//! # The upstream never holds prepared transaction control
+//!
+//! A Parse whose text is transaction control (any `TransactionStmt`: BEGIN, COMMIT, ROLLBACK,
+//! SAVEPOINT, RELEASE, ROLLBACK TO, PREPARE TRANSACTION, COMMIT/ROLLBACK PREPARED) is never
+//! forwarded with that text: the upstream gets [`classify::PLACEHOLDER_SQL`] under the client's
+//! name and parameter types, and at the client's Execute the proxy runs the statement rebuilt
+//! from the parse tree under its own names (`execute_control`), after the guard where it is a
+//! commit point. SQL `PREPARE` cannot make transaction control (its grammar takes SELECT, INSERT,
+//! UPDATE, DELETE, MERGE and VALUES only), and a Parse of several statements is refused, so no
+//! prepared statement in the upstream is transaction control, and SQL `EXECUTE` (from the
+//! client's text, or from dynamic SQL in a function) can neither end the guarded block nor undo
+//! its guard with a ROLLBACK TO: it runs a placeholder, which fails. Before this (review of
+//! 2026-12-05, second round) `EXECUTE c` of a protocol-prepared COMMIT committed a zombie's rows
+//! after the new holder's, and of a ROLLBACK TO undid the read-only setting of an unfenced
+//! session under `--require-fence`.
+//!
+//! # Every client frame is read completely
+//!
+//! Each client message is decoded field by field as Postgres reads it (`crate::frontend`) before
+//! anything of it is planned or forwarded; a frame with bytes after its last field, short
+//! fields or inconsistent counts ends the session (08P01). A Parse with a byte after its
+//! parameter types once failed in the server before the unnamed statement was replaced, while
+//! the proxy took the old one for gone.
+//!
 //! # Why a wrong statement kind can only cost compatibility
 //!
 //! The kinds of prepared statements and portals are projected as Parse, Bind and Close are sent
 //! (a Bind pipelined right behind its Parse must see the Parse's kind) along the path where every
 //! message succeeds, which is exact because an error makes the upstream skip to Sync: on an error
-//! the failed and skipped messages' projections are undone, a failed Parse of the unnamed
-//! statement leaves it absent, and a failed Parse of a named one keeps the old entry. The map can
-//! still be wrong: SQL `PREPARE` and `DEALLOCATE` redefine names the proxy does not follow. So
-//! safety rests on rules that hold whatever the kind:
+//! the failed and skipped messages' projections are undone; a failed Parse of a named statement
+//! keeps the old entry (Postgres drops nothing of it); a failed Parse of the unnamed statement
+//! makes it unknown (Postgres drops the old one early in the Parse, not when the Parse fails
+//! before that), and a Bind of an unknown statement is refused until a Parse of it succeeds or a
+//! Close drops it. A client's SQL `DEALLOCATE` drops names as it is sent. The map can still be
+//! wrong (SQL `PREPARE`/`DEALLOCATE` from dynamic SQL the proxy does not see, a DEALLOCATE that
+//! did not run), so safety rests on rules that hold whatever the kind:
 //!
-//! - At projected status `I`, every client Execute (whatever its believed kind: COMMIT,
-//!   ROLLBACK, ROLLBACK TO, SET, or anything else), and every Parse, Bind and Describe before
+//! - A name the proxy takes for transaction control runs the proxy's own statement at Execute,
+//!   never the client's; a name it takes for anything else that holds a placeholder fails
+//!   wherever it runs. So a wrong belief never runs transaction control the proxy did not plan.
+//! - At projected status `I`, every client Execute, and every Parse, Bind and Describe before
 //!   it, is preceded by the proxy's own BEGIN, so no client code runs in an implicit
 //!   transaction that commits on its own at Sync (Parse, Bind and Describe run client code: a
 //!   domain's CHECK, functions folded by the planner). A block that held no client Execute is
-//!   rolled back at Sync, not committed. A Parse of a BEGIN text, and a Bind or Describe of a
-//!   believed BEGIN, go without it (see `Session::before_client_message`): the server's
-//!   implicit transaction they start becomes a block at the proxy's BEGIN in the client's
-//!   Execute, or at Sync, where the proxy rolls it back. A
-//!   believed BEGIN is not forwarded at all: the proxy runs the same BEGIN in its place (so
-//!   Postgres does not warn 25001 and log a line per transaction); if the name was really
-//!   something else, that statement does not run. After a believed transaction end the projected status is `I`
-//!   again, so the next statement again gets a BEGIN (and the guard where it needs one); whether
-//!   the transaction was guarded is tracked per projected transaction.
-//! - The guard runs right before every Execute believed to be a commit, and before the proxy's
-//!   own COMMIT. A statement believed to be something else that really is a COMMIT can only have
-//!   been created by a protocol Parse (SQL `PREPARE` accepts SELECT, INSERT, UPDATE, DELETE,
-//!   MERGE and VALUES only), and every Parse is projected before its name can be bound.
-//! - A statement believed to be transaction control or a setting that really is a data statement
-//!   runs inside a block: either the proxy's (which it ends through the guard) or one left open
-//!   for the client (status `T`), whose COMMIT again goes through the guard; under
-//!   `--require-fence` the guard refuses the commit of an unfenced transaction that wrote.
+//!   rolled back at Sync, not committed. A Parse of transaction control (the placeholder, which
+//!   runs nothing), and a Bind or Describe of a believed BEGIN, go without it (see
+//!   `Session::before_client_message`): the server's implicit transaction they start becomes a
+//!   block at the proxy's BEGIN in the client's Execute, or at Sync, where the proxy rolls it
+//!   back. After a believed transaction end the projected status is `I` again, so the next
+//!   statement again gets a BEGIN (and the guard where it needs one); whether the transaction
+//!   was guarded is tracked per projected transaction.
+//! - The guard runs right before every COMMIT the proxy runs for a client's Execute, and before
+//!   the proxy's own COMMIT.
+//! - A statement believed to be a setting that really is a data statement runs inside a block:
+//!   either the proxy's (which it ends through the guard) or one left open for the client
+//!   (status `T`), whose COMMIT again goes through the guard; under `--require-fence` the guard
+//!   refuses the commit of an unfenced transaction that wrote.
 //! - A wrong "COPY" belief only holds the client until the statement's answer; a wrong "not
 //!   COPY" makes the proxy's own messages fail the COPY, which rolls back.
 //!
@@ -106,11 +131,12 @@ use tokio::io::{ReadHalf, WriteHalf};
 use tokio_util::codec::FramedRead;
 use tokio_util::sync::CancellationToken;
 
-use crate::classify::{self, ClassifyError, Statement, StatementKind};
+use crate::classify::{self, ClassifyError, Deallocate, Statement, StatementKind};
 use crate::codec::{self, FrameError, Message, MessageCodec};
 use crate::config::Config;
 use crate::error::{self, ProxyError, ready_for_query};
 use crate::fence_sql;
+use crate::frontend::{Frontend, Malformed, Target};
 use crate::limits::{MAX_GUARDS_PER_QUERY, MAX_NAME_BYTES, MAX_PENDING_UNITS, MAX_TRACKED_NAMES};
 use crate::metrics_names::{RequestResult, record_request};
 use crate::verify::{Proofs, Verified};
@@ -159,10 +185,10 @@ impl Unit {
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Track {
     Nothing,
-    /// ParseComplete: the statement now has this kind. On error: an unnamed statement is gone.
-    Statement(String, StatementKind),
-    /// BindComplete: the portal now has this kind.
-    Portal(String, StatementKind),
+    /// ParseComplete: the statement now is this. On error: the unnamed statement is unknown.
+    Statement(String, Known),
+    /// BindComplete: the portal now is this.
+    Portal(String, Known),
     /// CloseComplete: the statement or portal is gone.
     CloseStatement(String),
     ClosePortal(String),
@@ -262,11 +288,11 @@ struct Pending {
     owns_after: bool,
     track: Track,
     /// How to restore the name map if this unit is skipped or fails: which map (`true` =
-    /// portals), the name, and its kind before the unit was projected.
-    undo: Option<(bool, String, Option<StatementKind>)>,
+    /// portals), the name, and its entry before the unit was projected.
+    undo: Option<(bool, String, Option<Known>)>,
     /// Drop the 25001 "already a transaction in progress" warning the proxy's block causes.
     suppress_begin_warning: bool,
-    /// The proxy's own Execute standing in for a client's (a believed BEGIN at status `I`): its
+    /// The proxy's own Execute standing in for a client's (of prepared transaction control): its
     /// CommandComplete goes to the client as the answer to the client's Execute.
     answers_client: bool,
     /// A guard call: its row says whether the session has a fence, and this is what the answer
@@ -363,26 +389,75 @@ impl Pending {
     }
 }
 
-/// Kinds of prepared statements or portals, as the upstream confirmed them. Ordinary statements
-/// are the default and are not stored, so real clients stay far below the bounds.
+/// What the proxy knows of one prepared statement or portal.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Known {
+    /// What its text was read as. For transaction control (`control`: the statement rebuilt from
+    /// the client's text) the upstream holds [`classify::PLACEHOLDER_SQL`] under the name, and
+    /// the proxy runs `control` in the place of the client's Execute.
+    Kind {
+        kind: StatementKind,
+        control: Option<String>,
+    },
+    /// The unnamed statement after a Parse of it failed: Postgres drops the old one early in
+    /// the Parse, so it may or may not still be there. A Bind of it is refused until a Parse of
+    /// it succeeds or a Close drops it.
+    Unknown,
+}
+
+impl Known {
+    /// An ordinary statement: the default, not stored.
+    const ORDINARY: Known = Known::Kind {
+        kind: StatementKind::Other,
+        control: None,
+    };
+
+    /// Its kind as the placement rules read it (an unknown one is ordinary: never a BEGIN, so
+    /// the proxy's block opens before it).
+    fn kind(&self) -> StatementKind {
+        match self {
+            Known::Kind { kind, .. } => kind.clone(),
+            Known::Unknown => StatementKind::Other,
+        }
+    }
+}
+
+/// The name maps' key for a statement or portal name: the name's bytes, as UTF-8 when they are,
+/// else as a NUL (which no name contains) and their hex digits, so that two different names
+/// never share an entry.
+fn name_key(raw: &[u8]) -> String {
+    match std::str::from_utf8(raw) {
+        Ok(s) => s.to_owned(),
+        Err(_) => std::iter::once('\0')
+            .chain(raw.iter().flat_map(|b| {
+                let hex = b"0123456789abcdef";
+                [
+                    hex[usize::from(b >> 4)] as char,
+                    hex[usize::from(b & 15)] as char,
+                ]
+            }))
+            .collect(),
+    }
+}
+
+/// What the proxy knows of prepared statements or portals, projected as the client's messages
+/// are sent (see [`Session::project`]). Ordinary statements are the default and are not stored,
+/// so real clients stay far below the bounds.
 #[derive(Debug, Default)]
 struct NameMap {
-    kinds: HashMap<String, StatementKind>,
+    kinds: HashMap<String, Known>,
 }
 
 impl NameMap {
-    fn get(&self, name: &str) -> StatementKind {
-        self.kinds
-            .get(name)
-            .cloned()
-            .unwrap_or(StatementKind::Other)
+    fn get(&self, name: &str) -> Known {
+        self.kinds.get(name).cloned().unwrap_or(Known::ORDINARY)
     }
 
-    fn set(&mut self, name: String, kind: StatementKind) {
-        if kind == StatementKind::Other {
+    fn set(&mut self, name: String, known: Known) {
+        if known == Known::ORDINARY {
             self.kinds.remove(&name);
         } else {
-            self.kinds.insert(name, kind);
+            self.kinds.insert(name, known);
         }
     }
 
@@ -875,20 +950,42 @@ impl Session {
 
     async fn on_client(&mut self, m: Message) -> anyhow::Result<Flow> {
         tracing::trace!(tag = %(m.tag as char), len = m.frame.len(), pending = self.pending.len(), "client message");
+        // Every frame is read completely, as the server reads it, before anything of it is
+        // forwarded or planned (see `frontend`): one the proxy does not fully understand never
+        // reaches the upstream.
+        let decoded = match crate::frontend::decode(m.tag, m.frame.slice(5..)) {
+            Ok(d) => d,
+            Err(e) => return self.refuse_frame(e).await,
+        };
         if self.copy == Copy::In {
             return self.in_copy(m).await;
         }
-        match m.tag {
-            b'Q' => self.simple_query(m).await,
-            b'F' => self.function_call(m).await,
-            b'P' | b'B' | b'E' | b'D' | b'C' | b'S' | b'H' => self.extended(m).await,
-            b'X' => Ok(Flow::Close),
-            // CopyData, CopyDone, CopyFail and anything unknown: the upstream decides.
-            _ => {
+        match decoded {
+            Frontend::Query { text } => self.simple_query(m, &text).await,
+            Frontend::FunctionCall => self.function_call(m).await,
+            Frontend::Terminate => Ok(Flow::Close),
+            // Outside COPY the server ignores them.
+            Frontend::CopyData | Frontend::CopyDone | Frontend::CopyFail => {
                 self.out.extend_from_slice(&m.frame);
                 Ok(Flow::Continue)
             }
+            extended => self.extended(m, extended).await,
         }
+    }
+
+    /// A client frame that does not decode: the session ends with a protocol violation, as the
+    /// server ends it; nothing of the frame (or after it) is forwarded.
+    async fn refuse_frame(&mut self, e: Malformed) -> anyhow::Result<Flow> {
+        self.refuse_in_group(
+            ProxyError::fatal(
+                error::PROTOCOL_VIOLATION,
+                format!("client message refused: {e}"),
+            )
+            .with_hint(
+                "the proxy forwards only messages it has read completely, as Postgres reads them",
+            ),
+        )
+        .await
     }
 
     /// A client message while the upstream is in COPY FROM STDIN. The server accepts CopyData,
@@ -935,7 +1032,7 @@ impl Session {
         self.awaiting_ready = true;
     }
 
-    async fn simple_query(&mut self, m: Message) -> anyhow::Result<Flow> {
+    async fn simple_query(&mut self, m: Message, raw: &[u8]) -> anyhow::Result<Flow> {
         if self.group.is_some() {
             return self
                 .reject_request(ProxyError::error(
@@ -944,8 +1041,6 @@ impl Session {
                 ))
                 .await;
         }
-        let mut body = m.body();
-        let raw = codec::read_cbytes(&mut body).unwrap_or_default();
         let text = match self.sql_text(raw) {
             Ok(t) => t,
             Err(e) => return self.reject_request(e).await,
@@ -957,6 +1052,7 @@ impl Session {
         if let Err(e) = self.verify_fence_sets(&stmts) {
             return self.refuse_fence_set(e).await;
         }
+        self.forget_deallocated(&stmts);
         if stmts.is_empty() {
             self.start_request();
             self.out.extend_from_slice(&m.frame);
@@ -1034,6 +1130,9 @@ impl Session {
             sets_fence: None,
             commit_sql: None,
             discards_all: false,
+            transaction_control: false,
+            control_sql: None,
+            deallocates: None,
         }];
         self.plan_simple(&stmts, ClientOp::Message(m)).await
     }
@@ -1106,9 +1205,27 @@ impl Session {
                 ClassifyError::Syntax(_) => ProxyError::error(error::SYNTAX_ERROR, &e),
                 ClassifyError::TooManyStatements => ProxyError::error(error::LIMIT_EXCEEDED, &e),
                 ClassifyError::BeginOption(_) => ProxyError::error(error::NOT_SUPPORTED, &e),
+                ClassifyError::ReservedName(_) => ProxyError::error(error::RESERVED_NAME, &e),
                 ClassifyError::TooLong(_) => ProxyError::error(error::LIMIT_EXCEEDED, &e),
                 ClassifyError::Parser(_) => ProxyError::error(error::INTERNAL_ERROR, &e),
             })
+        }
+    }
+
+    /// What the proxy knows of prepared statements that a client's `DEALLOCATE` drops, it
+    /// forgets as the statement is sent (the drop is not transactional). If the statement does
+    /// not run after all, a name the proxy then takes for ordinary may still be the placeholder
+    /// of transaction control, which fails wherever it runs: fail closed.
+    fn forget_deallocated(&mut self, stmts: &[Statement]) {
+        for s in stmts {
+            match &s.deallocates {
+                // The unnamed statement is not one of them (Postgres keeps it apart).
+                Some(Deallocate::All) => self.statements.kinds.retain(|name, _| name.is_empty()),
+                Some(Deallocate::Name(name)) => {
+                    self.statements.kinds.remove(name);
+                }
+                None => {}
+            }
         }
     }
 
@@ -1265,8 +1382,9 @@ impl Session {
         Ok(())
     }
 
-    /// Parse, Bind, Describe, Execute, Close, Sync, Flush.
-    async fn extended(&mut self, m: Message) -> anyhow::Result<Flow> {
+    /// Parse, Bind, Describe, Execute, Close, Sync, Flush (`decoded`: the message, read
+    /// completely).
+    async fn extended(&mut self, m: Message, decoded: Frontend) -> anyhow::Result<Flow> {
         if self.group.is_none() {
             self.request = Request::new();
             self.group = Some(Group {
@@ -1287,25 +1405,22 @@ impl Session {
             self.out.extend_from_slice(&m.frame);
             return Ok(Flow::Continue);
         }
-        match m.tag {
-            b'P' => self.parse(m).await,
-            b'B' => self.bind(m).await,
-            b'E' => self.execute(m).await,
-            b'C' => self.close(m).await,
-            b'D' => {
-                let mut body = m.body();
-                let kind = match (body.first().copied(), body.get(1..)) {
-                    (Some(variant), Some(rest)) => {
-                        body = rest;
-                        let name = codec::read_cstr(&mut body).unwrap_or_default();
-                        if variant == b'P' {
-                            self.portals.get(&name)
-                        } else {
-                            self.statements.get(&name)
-                        }
-                    }
-                    _ => StatementKind::Other,
-                };
+        match decoded {
+            Frontend::Parse {
+                name,
+                text,
+                param_types,
+            } => self.parse(m, &name, &text, &param_types).await,
+            Frontend::Bind { portal, statement } => self.bind(m, &portal, &statement).await,
+            Frontend::Execute { portal, .. } => self.execute(m, &portal).await,
+            Frontend::Close { target, name } => self.close(m, target, &name).await,
+            Frontend::Describe { target, name } => {
+                let name = name_key(&name);
+                let kind = match target {
+                    Target::Portal => self.portals.get(&name),
+                    Target::Statement => self.statements.get(&name),
+                }
+                .kind();
                 self.before_client_message(&kind)?;
                 let owns = self.group_owns();
                 self.pending.push_back(Pending::new(Unit::Describe, owns));
@@ -1342,11 +1457,11 @@ impl Session {
     /// client's Sync commits, and each of them can run client code there (a constant coerced to
     /// a domain runs its CHECK at Parse, a parameter of a domain type at Bind, planning folds
     /// functions at Bind, a statement re-analysed at Describe). So the proxy's block opens first,
-    /// as before an Execute. The one exception is a client's BEGIN, whose Execute the proxy
-    /// answers with a BEGIN of its own carrying the client's options (see `execute`): a Parse of
-    /// a BEGIN text runs nothing and is forwarded as it is; a Bind or Describe of a believed
-    /// BEGIN (which may read parameters, or be another statement SQL `PREPARE` put under the
-    /// name) is forwarded too, and the group remembers that an implicit transaction is open,
+    /// as before an Execute. The exceptions: a Parse of transaction control, which goes upstream
+    /// as the placeholder and runs nothing (see `parse`), and a Bind or Describe of a believed
+    /// BEGIN, whose Execute the proxy answers with a BEGIN of its own carrying the client's
+    /// options (see `execute_control`): it may read parameters, or be another statement SQL
+    /// `PREPARE` put under the name, so the group remembers that an implicit transaction is open,
     /// which the proxy's BEGIN at the Execute turns into the client's block, or the proxy's at
     /// Sync (and rolls back).
     fn before_client_message(&mut self, kind: &StatementKind) -> anyhow::Result<()> {
@@ -1366,7 +1481,7 @@ impl Session {
     }
 
     /// Checks a statement or portal name against [`MAX_NAME_BYTES`].
-    fn check_name(name: &str, what: &str) -> Result<(), ProxyError> {
+    fn check_name(name: &[u8], what: &str) -> Result<(), ProxyError> {
         if name.len() > MAX_NAME_BYTES {
             return Err(ProxyError::error(
                 error::LIMIT_EXCEEDED,
@@ -1379,28 +1494,63 @@ impl Session {
         Ok(())
     }
 
-    async fn parse(&mut self, m: Message) -> anyhow::Result<Flow> {
-        let mut body = m.body();
-        let name = codec::read_cstr(&mut body).unwrap_or_default();
-        let raw = codec::read_cbytes(&mut body).unwrap_or_default();
-        if let Err(e) = Self::check_name(&name, "prepared statement") {
+    async fn parse(
+        &mut self,
+        m: Message,
+        raw_name: &[u8],
+        raw: &[u8],
+        param_types: &[u32],
+    ) -> anyhow::Result<Flow> {
+        if let Err(e) = Self::check_name(raw_name, "prepared statement") {
             return self.refuse_in_group(e).await;
         }
+        let name = name_key(raw_name);
         let read = match self.sql_text(raw) {
             Ok(text) => self.read_sql(&text).await,
             Err(e) => Err(e),
         };
-        let (kind, refusal) = match read {
-            // One statement: its kind. Several: the upstream refuses the Parse anyway. A SET of
-            // lockd.fence that does not verify fails at Parse, like any refused statement.
+        let (known, refusal) = match read {
+            // One statement: what it is. A SET of lockd.fence that does not verify fails at
+            // Parse, like any refused statement.
             Ok(stmts) if stmts.len() == 1 => match self.verify_fence_sets(&stmts) {
-                Ok(()) => (stmts[0].kind.clone(), None),
-                Err(e) => (StatementKind::Other, Some(e)),
+                Err(e) => (Known::ORDINARY, Some(e)),
+                // Transaction control the proxy cannot rebuild is refused: the upstream may not
+                // hold it (see `Known::Kind`).
+                Ok(()) if stmts[0].transaction_control && stmts[0].control_sql.is_none() => (
+                    Known::ORDINARY,
+                    Some(
+                        ProxyError::error(
+                            error::NOT_SUPPORTED,
+                            "a prepared transaction-control statement naming a savepoint or transaction identifier that is not printable ASCII: the proxy runs prepared transaction control rebuilt from the parse tree, and rebuilds ASCII names only",
+                        )
+                        .with_hint("send it as a simple query, or use an ASCII name"),
+                    ),
+                ),
+                Ok(()) => {
+                    self.forget_deallocated(&stmts);
+                    (
+                        Known::Kind {
+                            kind: stmts[0].kind.clone(),
+                            control: stmts[0].control_sql.clone(),
+                        },
+                        None,
+                    )
+                }
             },
-            Ok(_) => (StatementKind::Other, None),
-            Err(e) => (StatementKind::Other, Some(e)),
+            // An empty text: an empty statement.
+            Ok(stmts) if stmts.is_empty() => (Known::ORDINARY, None),
+            // Several: refused as Postgres refuses them, by the proxy, which does not forward
+            // what it would read as several statements.
+            Ok(_) => (
+                Known::ORDINARY,
+                Some(ProxyError::error(
+                    error::SYNTAX_ERROR,
+                    "cannot insert multiple commands into a prepared statement",
+                )),
+            ),
+            Err(e) => (Known::ORDINARY, Some(e)),
         };
-        if kind != StatementKind::Other && self.statements.full_for(&name) {
+        if known != Known::ORDINARY && self.statements.full_for(&name) {
             return self
                 .refuse_in_group(ProxyError::error(
                     error::LIMIT_EXCEEDED,
@@ -1410,19 +1560,37 @@ impl Session {
                 ))
                 .await;
         }
-        // A Parse of a BEGIN text runs nothing (no expression, no type input), so it needs no
-        // block; every other Parse may (see `before_client_message`).
-        if !(refusal.is_none() && matches!(kind, StatementKind::Begin(_))) {
+        let control = matches!(
+            &known,
+            Known::Kind {
+                control: Some(_),
+                ..
+            }
+        );
+        // The Parse of a transaction-control text is the placeholder's, which runs nothing (no
+        // expression, no type input), so it needs no block; every other Parse may run client
+        // code (see `before_client_message`).
+        if !(refusal.is_none() && control) {
             self.before_client_message(&StatementKind::Other)?;
         }
         let owns = self.group_owns();
         let mut p = Pending::new(Unit::Parse, owns);
-        self.project(&mut p, Track::Statement(name.clone(), kind));
+        self.project(&mut p, Track::Statement(name, known));
         if let Some(e) = refusal {
             // Replaced by a statement that fails at Parse, so the refusal keeps the upstream's
             // response order and the upstream skips to Sync.
-            frontend::parse(&name, REFUSED_PARSE_SQL, std::iter::empty(), &mut self.out)?;
+            self.out
+                .extend_from_slice(&parse_frame(raw_name, REFUSED_PARSE_SQL, &[]).frame);
             p.refusal = Some(e);
+        } else if control {
+            // The upstream never holds transaction control as a prepared statement: SQL EXECUTE
+            // (from the client's text, a function's dynamic SQL) would run it where the proxy
+            // does not see it, ending or undoing the guarded block. It gets the placeholder
+            // under the client's name and the client's parameter types; at Execute the proxy
+            // runs the statement rebuilt from the parse tree in its place (`execute`).
+            self.out.extend_from_slice(
+                &parse_frame(raw_name, classify::PLACEHOLDER_SQL, param_types).frame,
+            );
         } else {
             self.out.extend_from_slice(&m.frame);
         }
@@ -1430,15 +1598,37 @@ impl Session {
         Ok(Flow::Continue)
     }
 
-    async fn bind(&mut self, m: Message) -> anyhow::Result<Flow> {
-        let mut body = m.body();
-        let portal = codec::read_cstr(&mut body).unwrap_or_default();
-        let statement = codec::read_cstr(&mut body).unwrap_or_default();
-        if let Err(e) = Self::check_name(&portal, "portal") {
+    async fn bind(
+        &mut self,
+        m: Message,
+        raw_portal: &[u8],
+        raw_statement: &[u8],
+    ) -> anyhow::Result<Flow> {
+        if let Err(e) = Self::check_name(raw_portal, "portal") {
             return self.refuse_in_group(e).await;
         }
-        let kind = self.statements.get(&statement);
-        if kind != StatementKind::Other && self.portals.full_for(&portal) {
+        let portal = name_key(raw_portal);
+        let known = self.statements.get(&name_key(raw_statement));
+        if known == Known::Unknown {
+            // Fail closed: the old unnamed statement may have outlived a failed Parse (a
+            // prepared COMMIT the proxy would no longer see). The Bind is replaced by a Parse
+            // that fails under the proxy's own name, so the refusal keeps the upstream's
+            // response order and the upstream skips to Sync; no portal is made.
+            let mut p = Pending::new(Unit::Bind, self.group_owns());
+            p.refusal = Some(
+                ProxyError::error(
+                    error::INVALID_STATEMENT_NAME,
+                    "the unnamed prepared statement is unknown after its last Parse failed: the proxy binds it only after a Parse of it succeeds",
+                )
+                .with_hint("send a Parse of the unnamed statement before binding it"),
+            );
+            self.out.extend_from_slice(
+                &parse_frame(INTERNAL_STATEMENT.as_bytes(), REFUSED_PARSE_SQL, &[]).frame,
+            );
+            self.pending.push_back(p);
+            return Ok(Flow::Continue);
+        }
+        if known != Known::ORDINARY && self.portals.full_for(&portal) {
             return self
                 .refuse_in_group(ProxyError::error(
                     error::LIMIT_EXCEEDED,
@@ -1448,10 +1638,10 @@ impl Session {
                 ))
                 .await;
         }
-        self.before_client_message(&kind)?;
+        self.before_client_message(&known.kind())?;
         let owns = self.group_owns();
         let mut p = Pending::new(Unit::Bind, owns);
-        self.project(&mut p, Track::Portal(portal, kind));
+        self.project(&mut p, Track::Portal(portal, known));
         self.pending.push_back(p);
         self.out.extend_from_slice(&m.frame);
         Ok(Flow::Continue)
@@ -1461,24 +1651,20 @@ impl Session {
     /// portal there can only drop a WITH HOLD cursor, whose rows were materialised at its
     /// commit; neither runs client code, so the implicit transaction the server starts for it
     /// holds nothing to commit.
-    async fn close(&mut self, m: Message) -> anyhow::Result<Flow> {
-        let mut body = m.body();
+    async fn close(&mut self, m: Message, target: Target, raw_name: &[u8]) -> anyhow::Result<Flow> {
         let owns = self.group_owns();
         let mut p = Pending::new(Unit::Close, owns);
-        if let Some((&variant, rest)) = body.split_first() {
-            body = rest;
-            if let Some(name) = codec::read_cstr(&mut body) {
-                // Only names the maps hold need remembering; the others are ordinary anyway.
-                let track = match variant {
-                    b'S' if self.statements.kinds.contains_key(&name) => {
-                        Track::CloseStatement(name)
-                    }
-                    b'P' if self.portals.kinds.contains_key(&name) => Track::ClosePortal(name),
-                    _ => Track::Nothing,
-                };
-                self.project(&mut p, track);
+        let name = name_key(raw_name);
+        // Only names the maps hold need remembering; the others are ordinary anyway. A Close
+        // drops the name whether or not it existed, so an unknown one is known again (absent).
+        let track = match target {
+            Target::Statement if self.statements.kinds.contains_key(&name) => {
+                Track::CloseStatement(name)
             }
-        }
+            Target::Portal if self.portals.kinds.contains_key(&name) => Track::ClosePortal(name),
+            _ => Track::Nothing,
+        };
+        self.project(&mut p, track);
         self.pending.push_back(p);
         self.out.extend_from_slice(&m.frame);
         Ok(Flow::Continue)
@@ -1541,26 +1727,19 @@ impl Session {
         Ok(())
     }
 
-    async fn execute(&mut self, m: Message) -> anyhow::Result<Flow> {
-        let mut body = m.body();
-        let portal = codec::read_cstr(&mut body).unwrap_or_default();
-        let kind = self.portals.get(&portal);
+    async fn execute(&mut self, m: Message, raw_portal: &[u8]) -> anyhow::Result<Flow> {
+        let known = self.portals.get(&name_key(raw_portal));
+        let kind = known.kind();
         let Some(mut g) = self.group.take() else {
             anyhow::bail!("Execute outside a group");
         };
-        if let (b'I', StatementKind::Begin(begin)) = (g.status, &kind) {
-            // A believed BEGIN at `I` is not forwarded: the proxy runs the same BEGIN (the
-            // client's options, rebuilt from its parse tree) under its own name and hands its
-            // CommandComplete to the client. The block is the client's at once, and Postgres
-            // has no reason to warn (25001) and log a line per transaction. If the belief is
-            // wrong (a name SQL PREPARE redefined unseen), the client's statement simply does
-            // not run: compatibility, never safety.
-            self.put_internal_with(begin, false, false, |p| p.answers_client = true)?;
-            g.status = b'T';
-            g.executed = true;
-            g.implicit = false;
-            self.guarded = false;
+        if let Known::Kind {
+            control: Some(sql), ..
+        } = &known
+        {
+            let result = self.execute_control(&mut g, &kind, sql);
             self.group = Some(g);
+            result?;
             return Ok(Flow::Continue);
         }
         // Whatever the projected kind says, no client Execute is forwarded outside a block the
@@ -1570,14 +1749,77 @@ impl Session {
         if g.status == b'I' {
             self.open_block(&mut g)?;
         }
-        // A believed BEGIN here runs as the client sent it, whatever it really is.
-        if matches!(kind, StatementKind::Begin(_)) || forgets_unfenced(&kind) {
+        if forgets_unfenced(&kind) {
             self.forget_unfenced();
         }
-        let mut suppress = false;
         match &kind {
+            StatementKind::Setting { touches_fence } => {
+                // The next data statement is guarded again, with the fence this sets.
+                if *touches_fence {
+                    self.guarded = false;
+                }
+            }
+            // Everything else forwarded is a data statement (transaction control is never
+            // forwarded: its portals carry `control`).
+            _ => {
+                if g.status == b'T' && !self.guarded {
+                    if !self.skip_opening_guard() {
+                        self.put_guard(false, false, g.owns, g.owns)?;
+                    }
+                    self.guarded = true;
+                }
+            }
+        }
+        let starts_copy = kind == StatementKind::CopyIn;
+        if starts_copy {
+            // The server reads CopyData right after this Execute: nothing of the proxy's own may
+            // follow it, so the client's next messages wait for CopyInResponse (or an error, or
+            // CommandComplete if the kind was wrong).
+            self.copy = Copy::Starting;
+        }
+        g.executed = true;
+        g.block_executed = true;
+        let mut p = Pending::new(Unit::Execute, g.owns);
+        p.starts_copy = starts_copy;
+        self.pending.push_back(p);
+        self.group = Some(g);
+        self.out.extend_from_slice(&m.frame);
+        Ok(Flow::Continue)
+    }
+
+    /// A client Execute of a portal of prepared transaction control (`sql`: the statement
+    /// rebuilt from the client's text). The upstream's portal holds the placeholder, so the
+    /// client's Execute is not forwarded: the proxy runs `sql` under its own names and hands its
+    /// CommandComplete (or error) to the client as the answer, after the guard where `sql` is a
+    /// commit point. Because the statement is the proxy's own text, what runs is what the
+    /// proxy planned for, whatever the client or SQL `PREPARE`/`DEALLOCATE` did to the name:
+    /// if the belief is wrong, the client's statement simply does not run (compatibility, never
+    /// safety). A BEGIN at `I` opens the client's block itself (no 25001 warning, no line in
+    /// the server's log per transaction); everything else runs in a block (the proxy's at `I`).
+    fn execute_control(
+        &mut self,
+        g: &mut Group,
+        kind: &StatementKind,
+        sql: &str,
+    ) -> anyhow::Result<()> {
+        let begin_at_idle = g.status == b'I' && matches!(kind, StatementKind::Begin(_));
+        if g.status == b'I' && !begin_at_idle {
+            self.open_block(g)?;
+        }
+        if forgets_unfenced(kind) {
+            self.forget_unfenced();
+        }
+        let owns_before = g.owns;
+        let mut suppress = false;
+        match kind {
             StatementKind::Begin(_) => {
-                if g.owns {
+                if begin_at_idle {
+                    // The block is the client's at once; an implicit transaction a Bind or
+                    // Describe of it started becomes that block.
+                    g.status = b'T';
+                    g.implicit = false;
+                    self.guarded = false;
+                } else if g.owns {
                     // Behind statements of this group in the proxy's block: the client turns
                     // that block into its own, as BEGIN turns an implicit transaction into a
                     // block, and the 25001 warning is the proxy's, not the client's. (Inside
@@ -1609,38 +1851,21 @@ impl Session {
                 }
                 self.guarded = false;
             }
-            StatementKind::Setting { touches_fence } => {
-                // The next data statement is guarded again, with the fence this sets.
-                if *touches_fence {
-                    self.guarded = false;
-                }
-            }
-            StatementKind::CopyIn | StatementKind::Other => {
-                if g.status == b'T' && !self.guarded {
-                    if !self.skip_opening_guard() {
-                        self.put_guard(false, false, g.owns, g.owns)?;
-                    }
-                    self.guarded = true;
-                }
-            }
+            // SAVEPOINT and RELEASE; COMMIT PREPARED and ROLLBACK PREPARED, which Postgres
+            // refuses inside the block (25001).
+            _ => {}
         }
-        let starts_copy = kind == StatementKind::CopyIn;
-        if starts_copy {
-            // The server reads CopyData right after this Execute: nothing of the proxy's own may
-            // follow it, so the client's next messages wait for CopyInResponse (or an error, or
-            // CommandComplete if the kind was wrong).
-            self.copy = Copy::Starting;
-        }
+        let commit = matches!(kind, StatementKind::Commit { .. });
+        self.put_internal_with(sql, owns_before, g.owns, |p| {
+            p.answers_client = true;
+            p.confirms_commit = commit;
+            p.suppress_begin_warning = suppress;
+        })?;
         g.executed = true;
-        g.block_executed = true;
-        let mut p = Pending::new(Unit::Execute, g.owns);
-        p.starts_copy = starts_copy;
-        p.confirms_commit = matches!(kind, StatementKind::Commit { .. });
-        p.suppress_begin_warning = suppress;
-        self.pending.push_back(p);
-        self.group = Some(g);
-        self.out.extend_from_slice(&m.frame);
-        Ok(Flow::Continue)
+        if !begin_at_idle {
+            g.block_executed = true;
+        }
+        Ok(())
     }
 
     async fn sync(&mut self, m: Message) -> anyhow::Result<Flow> {
@@ -1681,8 +1906,7 @@ impl Session {
             b'E' => self.on_error(m).await?,
             b'N' => {
                 let suppress = self.pending.front().is_some_and(|p| {
-                    p.internal
-                        || p.answering_proxy()
+                    p.answering_proxy()
                         || (p.suppress_begin_warning
                             && error::error_code(m.body()).as_deref()
                                 == Some(ACTIVE_SQL_TRANSACTION))
@@ -1719,7 +1943,9 @@ impl Session {
                 };
                 let confirms_commit = front.is_some_and(|p| p.confirms_commit);
                 if tag == b'C' && front.is_some_and(|p| p.discards_all) {
-                    self.statements.kinds.clear();
+                    // Every named statement and every portal is gone; the unnamed statement is
+                    // not one of them (Postgres keeps it apart), so what is known of it stays.
+                    self.statements.kinds.retain(|name, _| name.is_empty());
                     self.portals.kinds.clear();
                 }
                 let completes = front.is_some_and(|p| p.unit.completed_by(tag));
@@ -1790,7 +2016,7 @@ impl Session {
         p.track = track;
     }
 
-    fn undo(&mut self, undo: (bool, String, Option<StatementKind>)) {
+    fn undo(&mut self, undo: (bool, String, Option<Known>)) {
         let (portal, name, prev) = undo;
         let map = if portal {
             &mut self.portals
@@ -1828,13 +2054,29 @@ impl Session {
         let code = error::error_code(m.body());
         let client_view = self.pending.front().map(|p| p.for_client(&m));
         let (internal, refusal, unnamed_parse) = match self.pending.front_mut() {
+            // The proxy's Execute standing in for a client's answers with the client's error.
             Some(p) => (
-                p.internal || p.answering_proxy(),
+                (p.internal && !p.answers_client) || p.answering_proxy(),
                 p.refusal.take(),
                 matches!((p.unit, &p.track), (Unit::Parse, Track::Statement(name, _)) if name.is_empty()),
             ),
             None => (false, None, false),
         };
+        // A client statement ran a placeholder (SQL EXECUTE of a name the client prepared as
+        // transaction control): say so instead of naming a savepoint the client never made.
+        let refusal = refusal.or_else(|| {
+            let placeholder = !internal
+                && code.as_deref() == Some("3B001")
+                && error::error_field(m.body(), b'M')
+                    .is_some_and(|msg| msg.contains(classify::PLACEHOLDER_SAVEPOINT));
+            placeholder.then(|| {
+                ProxyError::error(
+                    error::NOT_SUPPORTED,
+                    "this prepared statement is transaction control, prepared through the extended protocol: the proxy runs it only as the answer to a protocol Execute of it, never through SQL EXECUTE (which would end or undo the guarded transaction where the proxy does not see it)",
+                )
+                .with_hint("Bind and Execute the statement, or send the transaction-control statement as a query")
+            })
+        });
         let m = client_view.unwrap_or(m);
         // The upstream skips everything up to the next Sync; so do the expectations, and the
         // projected name kinds of the failed and skipped messages are undone, newest first.
@@ -1845,10 +2087,13 @@ impl Session {
         for undo in skipped.into_iter().rev() {
             self.undo(undo);
         }
-        // A failed Parse of the unnamed statement leaves none; a named one keeps its old
-        // statement (restored above).
+        // A failed Parse of a named statement leaves the old one as it was (restored above):
+        // Postgres drops nothing of it, and refuses to redefine an existing name (42P05). A
+        // failed Parse of the unnamed statement may or may not have dropped the old one
+        // (Postgres drops it early in the Parse, but not when the Parse fails before that), so
+        // it is unknown until a Parse of it succeeds or a Close drops it.
         if unnamed_parse {
-            self.statements.kinds.remove("");
+            self.statements.set(String::new(), Known::Unknown);
         }
         if let Some(g) = self.group.as_mut() {
             g.failed = true;
@@ -2169,6 +2414,23 @@ fn data_row_column(body: &[u8], index: usize) -> Option<&[u8]> {
         rest = &rest[len..];
     }
     None
+}
+
+/// A Parse message of `sql` under the client's statement name (its raw bytes), with these
+/// parameter types.
+fn parse_frame(name: &[u8], sql: &str, param_types: &[u32]) -> Message {
+    let mut body = Vec::with_capacity(name.len() + sql.len() + 4 + 4 * param_types.len());
+    body.extend_from_slice(name);
+    body.push(0);
+    body.extend_from_slice(sql.as_bytes());
+    body.push(0);
+    // At most u16::MAX types: the decoder read them under a 16-bit count.
+    let count = u16::try_from(param_types.len()).unwrap_or(u16::MAX);
+    body.extend_from_slice(&count.to_be_bytes());
+    for t in param_types.iter().take(usize::from(count)) {
+        body.extend_from_slice(&t.to_be_bytes());
+    }
+    Message::new(b'P', &body)
 }
 
 /// Name and value of a ParameterStatus body.

@@ -26,6 +26,9 @@ pub enum Step {
     Flush,
     /// COPY FROM STDIN payload, sent right after the COPY query without waiting.
     CopyData(Vec<u8>),
+    /// Bytes sent as they are: a frame no driver would build (a field too many, a count that
+    /// does not match). Never counted as expecting a ReadyForQuery.
+    Raw(Vec<u8>),
     CopyDone,
     /// A CancelRequest for the session's own backend, sent on a connection of its own this many
     /// microseconds after the messages that follow it in the same batch were written.
@@ -174,10 +177,12 @@ pub enum Block {
     ShadowFenceTable,
     Interrupted,
     CodeAtParse,
+    ExecuteControl,
+    MalformedFrame,
 }
 
 /// Every block kind, for drawing at random.
-pub const ALL: [Block; 26] = [
+pub const ALL: [Block; 28] = [
     Block::SimpleWrite,
     Block::ExtendedWrite,
     Block::PipelineWithoutSync,
@@ -204,6 +209,8 @@ pub const ALL: [Block; 26] = [
     Block::ShadowFenceTable,
     Block::Interrupted,
     Block::CodeAtParse,
+    Block::ExecuteControl,
+    Block::MalformedFrame,
 ];
 
 impl Block {
@@ -236,6 +243,8 @@ impl Block {
             Block::ShadowFenceTable => shadow_fence_table(c),
             Block::Interrupted => interrupted(c),
             Block::CodeAtParse => code_at_parse(c),
+            Block::ExecuteControl => execute_control(c),
+            Block::MalformedFrame => malformed_frame(c),
         }
     }
 }
@@ -565,6 +574,113 @@ fn code_at_parse(c: &mut Ctx<'_>) {
         });
     }
     c.steps.push(Step::Sync);
+}
+
+/// Transaction control prepared through the extended protocol and run with SQL `EXECUTE` (from
+/// a Query, a Parse, a DO block's dynamic SQL), where the proxy would not see it end or undo its
+/// guarded block: a ROLLBACK TO that undoes the guard's read-only setting before a write, a
+/// COMMIT (END, COMMIT AND CHAIN, PREPARE TRANSACTION) after a write, a ROLLBACK between
+/// statements of one Query (review of 2026-12-05, second round).
+fn execute_control(c: &mut Ctx<'_>) {
+    let w = c.write();
+    let sp = c.name("xs");
+    let rt = c.name("xr");
+    let cm = c.name("xc");
+    let gid = format!("{}_{}_{}", c.gid_prefix, c.case_id, c.names);
+    let commit = [
+        "COMMIT".to_owned(),
+        "END".to_owned(),
+        "COMMIT AND CHAIN".to_owned(),
+        "ROLLBACK".to_owned(),
+        format!("PREPARE TRANSACTION '{gid}'"),
+    ][c.rng.random_range(0..5)]
+    .clone();
+    for (name, sql) in [(&rt, format!("ROLLBACK TO SAVEPOINT {sp}")), (&cm, commit)] {
+        c.steps.push(Step::Parse {
+            name: name.clone(),
+            sql,
+        });
+    }
+    c.steps.push(Step::Sync);
+    let execute = |name: &str, how: u32| match how {
+        0 => format!("EXECUTE {name}"),
+        _ => format!("DO $$BEGIN EXECUTE 'EXECUTE {name}'; END$$"),
+    };
+    let how = c.rng.random_range(0..2);
+    match c.rng.random_range(0..4) {
+        0 => {
+            c.q("BEGIN");
+            c.q(format!("SAVEPOINT {sp}"));
+            c.q("SELECT 1");
+            c.q(execute(&rt, how));
+            c.q(w);
+            c.q(execute(&cm, how));
+        }
+        1 => {
+            c.q(format!(
+                "BEGIN; SAVEPOINT {sp}; SELECT 1; {}; {w}",
+                execute(&rt, how)
+            ));
+            c.q(execute(&cm, how));
+        }
+        2 => {
+            c.q(format!("{w}; {}; {w}", execute(&cm, how)));
+        }
+        _ => {
+            // The EXECUTE as a protocol statement of its own.
+            c.q("BEGIN");
+            c.extended(w, false);
+            c.extended(execute(&cm, how), true);
+        }
+    }
+    if c.rng.random_bool(0.5) {
+        c.q(format!("COMMIT PREPARED '{gid}'"));
+    }
+}
+
+/// Frames the proxy and Postgres could read differently: a byte after a Parse's parameter types
+/// (Postgres fails it before the unnamed statement is replaced, so an unnamed COMMIT parsed just
+/// before survives), and the like for Bind, Execute, Describe, Close, Sync and Query; each after
+/// an unnamed COMMIT in an open block, followed by that COMMIT's Bind and Execute and a write
+/// (review of 2026-12-05, second round). The proxy ends the session.
+fn malformed_frame(c: &mut Ctx<'_>) {
+    fn frame(tag: u8, body: &[u8]) -> Vec<u8> {
+        let mut f = vec![tag];
+        f.extend_from_slice(
+            &i32::try_from(body.len() + 4)
+                .unwrap_or(i32::MAX)
+                .to_be_bytes(),
+        );
+        f.extend_from_slice(body);
+        f
+    }
+    let w = c.write();
+    let extra: &[u8] = [&b"\0"[..], b"\x01", b"\0\0\0\0"][c.rng.random_range(0..3)];
+    let with = |body: &[u8]| [body, extra].concat();
+    let bad = match c.rng.random_range(0..7) {
+        0 => frame(b'P', &with(b"\0SELECT 1\0\0\0")),
+        1 => frame(b'B', &with(b"\0\0\0\0\0\0\0\0")),
+        2 => frame(b'E', &with(b"\0\0\0\0\0")),
+        3 => frame(b'D', &with(b"S\0")),
+        4 => frame(b'C', &with(b"P\0")),
+        5 => frame(b'S', extra),
+        _ => frame(b'Q', &with(b"SELECT 1\0")),
+    };
+    c.q("BEGIN");
+    c.steps.push(Step::Parse {
+        name: String::new(),
+        sql: "COMMIT".into(),
+    });
+    c.steps.push(Step::Raw(bad));
+    c.steps.push(Step::Sync);
+    c.steps.push(Step::Bind {
+        portal: String::new(),
+        statement: String::new(),
+    });
+    c.steps.push(Step::Execute {
+        portal: String::new(),
+    });
+    c.extended(w, true);
 }
 
 fn copy_in(c: &mut Ctx<'_>) {

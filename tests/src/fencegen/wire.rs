@@ -208,6 +208,7 @@ fn encode(step: &Step, buf: &mut BytesMut) -> std::io::Result<()> {
             buf.put_slice(data);
         }
         Step::CopyDone => frontend::copy_done(buf),
+        Step::Raw(bytes) => buf.put_slice(bytes),
         // Sent on a connection of its own once the batch is written (see `send_cancel`).
         Step::Cancel { .. } => {}
     }

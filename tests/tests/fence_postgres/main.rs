@@ -18,6 +18,9 @@
 //!   the opening guard only where it can refuse), and that no check goes with it.
 //! - `preauth`: what a client can hold before it has authenticated (startup places, the size of
 //!   its answers to the password challenge).
+//! - `prepared_control`: transaction control prepared through the extended protocol never stays
+//!   in the upstream (SQL `EXECUTE` of it cannot end or undo the guarded block), and client frames
+//!   are read completely (review of 2026-12-05, second round).
 //! - `readiness`: `/readyz` follows the upstream.
 //! - `review_wire`, `review_roles_and_memory`: the adversarial review's raw-wire attacks, and its
 //!   attacks through database ownership and memory.
@@ -37,6 +40,7 @@ mod interrupted;
 mod lost_table;
 mod overhead;
 mod preauth;
+mod prepared_control;
 mod protocol;
 mod readiness;
 mod reguard;

@@ -366,11 +366,16 @@ async fn a_begin_behind_a_statement_of_its_group_opens_the_clients_block() {
         .unwrap();
 }
 
-/// Review finding (LOW): a name the proxy believes to be COMMIT, redefined in SQL as a
-/// `set_config` of a stale fence, answers `SELECT 1`, not `COMMIT`: the guard's "no fence"
-/// before it must not count, so the next statement gets its opening guard and is refused.
+/// Review finding (LOW): a name the proxy believed to be COMMIT, redefined in SQL as a
+/// `set_config` of a stale fence, answered `SELECT 1`, not `COMMIT`, and the guard's "no fence"
+/// before it must not count. Since the review of 2026-12-05 (second round) the proxy never
+/// forwards the Execute of a believed COMMIT (it runs its own COMMIT in its place) and forgets a
+/// name at the client's `DEALLOCATE`, so the redefined statement runs as the client's ordinary
+/// statement: like any data statement that calls `set_config`, in a session seen unfenced it runs
+/// without an opening guard, and the guard before the COMMIT reads the fence it set and refuses
+/// the commit: nothing of the transaction is applied.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_believed_commit_that_was_not_one_does_not_skip_the_next_guard() {
+async fn a_commit_name_redefined_in_sql_runs_as_the_clients_and_its_fence_is_checked() {
     lockd_tests::skip_without_postgres!();
     let proxy = PgProxy::start(false);
     let direct = pg::connect(&pg::direct_url().parse().unwrap()).await;
@@ -414,8 +419,17 @@ async fn a_believed_commit_that_was_not_one_does_not_skip_the_next_guard() {
     wire::sync(&mut out);
     conn.send(&out).await;
     let reply = conn.read_until_ready().await;
-    assert_eq!(reply.first_error(), STALE, "{reply:?}");
-    assert_eq!(reply.completions, Vec::<String>::new(), "the INSERT ran");
+    eprintln!("INSERT after the set_config -> {reply:?}");
+    let commit = conn.query("COMMIT").await;
+    assert_eq!(commit.first_error(), STALE, "{commit:?}");
+    assert_eq!(commit.status, b'I');
+    let rows: i64 = direct
+        .query_one(&format!("SELECT count(*) FROM {tbl} WHERE token = 1"), &[])
+        .await
+        .unwrap()
+        .get(0);
+    // The session's first, unfenced INSERT only.
+    assert_eq!(rows, 1, "the INSERT after the stale set_config committed");
     direct
         .batch_execute(&format!("DROP TABLE {tbl}"))
         .await
