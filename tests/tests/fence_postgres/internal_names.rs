@@ -185,7 +185,11 @@ async fn review_failed_internal_bind_leaves_a_commit_for_sql_execute() {
         0,
         "a row of the zombie's token 41 committed after 42 was recorded"
     );
-    assert_ne!(lingering, Some(true), "the proxy's statement outlived its group");
+    assert_ne!(
+        lingering,
+        Some(true),
+        "the proxy's statement outlived its group"
+    );
 }
 
 /// Goal (finding 1, dynamic SQL): the same through a cursor and an `EXECUTE` the proxy cannot
@@ -212,7 +216,11 @@ async fn review_failed_internal_bind_dynamic_sql() {
         0,
         "a row of the zombie's token 41 committed after 42 was recorded"
     );
-    assert_ne!(lingering, Some(true), "the proxy's statement outlived its group");
+    assert_ne!(
+        lingering,
+        Some(true),
+        "the proxy's statement outlived its group"
+    );
 }
 
 /// Goal (finding 1, commit-time failure): the proxy's own COMMIT failing after its guard passed
@@ -251,7 +259,11 @@ async fn review_failed_internal_commit_at_deferred_constraint() {
         0,
         "a row of the zombie's token 41 committed after 42 was recorded"
     );
-    assert_ne!(lingering, Some(true), "the proxy's statement outlived its failed COMMIT");
+    assert_ne!(
+        lingering,
+        Some(true),
+        "the proxy's statement outlived its failed COMMIT"
+    );
 }
 
 /// Goal (finding 2): a statement name the proxy reads differently from Postgres (another
@@ -350,9 +362,7 @@ async fn review_reserved_and_non_ascii_names() {
             wire::execute(P, &mut o);
             o
         }),
-        ("Close", {
-            raw_close_statement(S.as_bytes())
-        }),
+        ("Close", { raw_close_statement(S.as_bytes()) }),
         ("Parse upper case", {
             let mut o = BytesMut::new();
             wire::parse(&S.to_uppercase(), "SELECT 1", &mut o);
@@ -378,10 +388,7 @@ async fn review_reserved_and_non_ascii_names() {
         let r = c.query(&sql).await;
         expect(sql, &r, "42939");
     }
-    for (what, name) in [
-        ("UTF8 é", "\u{e9}".as_bytes()),
-        ("LATIN1 é", &b"\xe9"[..]),
-    ] {
+    for (what, name) in [("UTF8 é", "\u{e9}".as_bytes()), ("LATIN1 é", &b"\xe9"[..])] {
         let mut out = raw_parse(name, "SELECT 1");
         wire::sync(&mut out);
         let r = exchange(&mut c, &out).await;
