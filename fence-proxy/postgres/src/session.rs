@@ -61,6 +61,38 @@
 //! after the new holder's, and of a ROLLBACK TO undid the read-only setting of an unfenced
 //! session under `--require-fence`.
 //!
+//! # The proxy's own statement never outlives its group, and its names are its own
+//!
+//! The proxy runs its own statements in a group (`put_internal_with`: Close S, Parse
+//! [`INTERNAL_STATEMENT`], Bind [`INTERNAL_PORTAL`], Execute, Close P, Close S), which is the one
+//! way a real `COMMIT` (the proxy's, or the client's prepared one rebuilt) is ever a prepared
+//! statement upstream. Pipelined with nothing of the client's in between, it exists only while
+//! the proxy's own Bind and Execute run; code run inside that Execute (deferred triggers at its
+//! COMMIT) runs in an atomic context, where Postgres refuses transaction control. But if one of
+//! its messages fails (its Bind because the portal name is taken, its COMMIT at a deferred
+//! constraint), Postgres skips the Closes up to Sync and the statement stays. So any error at an
+//! internal message, or at a message before one the upstream then skips, or one the proxy cannot
+//! place, sets `internal_may_linger`, and at the ReadyForQuery that ends the skip the proxy sends
+//! Close S, Close P, Sync (`close_internal_names`; Close works in a failed block). Nothing of the
+//! client's runs from the failed message to there: the upstream skips the rest of the group,
+//! what the proxy sends after a Sync is its own simple queries, and the client's next request
+//! waits for the ReadyForQuery the Closes go out on. Before this (review of 2026-12-05, second
+//! round, follow-up) a failed internal Bind left `__lockd_fence_proxy_s | COMMIT` upstream, and
+//! SQL `EXECUTE` of it (from the Query, or from dynamic SQL) ended a zombie's block unguarded.
+//!
+//! A client name starting with [`classify::RESERVED_PREFIX`] (any case) is refused (42939): in
+//! Parse, Bind, Describe, Execute and Close (`check_client_name`, replaced by a Parse that fails,
+//! so the refusal is an ERROR in the upstream's response order) and in SQL (`classify`:
+//! `PREPARE`/`EXECUTE`/`DEALLOCATE`, `DECLARE`/`FETCH`/`MOVE`/`CLOSE` cursors, savepoints). A
+//! cursor opened by dynamic SQL under the portal name can still make the proxy's Bind fail: the
+//! client's own transaction fails, and the statement is closed as above.
+//!
+//! Statement and portal names in frames must be ASCII (42602): Postgres converts them from
+//! `client_encoding`, so `"\xe9"` under LATIN1 and `"\xc3\xa9"` under UTF8 name one server
+//! statement, which the name maps (keyed by bytes) took for two. ASCII reads the same in every
+//! client encoding; names in SQL come from text read as UTF-8 (non-ASCII text needs UTF8), so a
+//! SQL `DEALLOCATE` of a protocol name finds the same entry the server drops.
+//!
 //! # Every client frame is read completely
 //!
 //! Each client message is decoded field by field as Postgres reads it (`crate::frontend`) before
@@ -141,9 +173,8 @@ use crate::limits::{MAX_GUARDS_PER_QUERY, MAX_NAME_BYTES, MAX_PENDING_UNITS, MAX
 use crate::metrics_names::{RequestResult, record_request};
 use crate::verify::{Proofs, Verified};
 
-/// Prepared statement and portal names of the proxy's own extended-protocol work. The prefix
-/// keeps them apart from names drivers generate (`s0`, `sqlx_s_1`, `__asyncpg_...`); a client
-/// that uses them anyway only breaks its own transactions.
+/// Prepared statement and portal names of the proxy's own extended-protocol work, under the
+/// reserved prefix that client names may not use (see the module header).
 const INTERNAL_STATEMENT: &str = "__lockd_fence_proxy_s";
 const INTERNAL_PORTAL: &str = "__lockd_fence_proxy_p";
 
