@@ -129,6 +129,37 @@ pub enum Deallocate {
 /// (case-insensitively, as a quoted name may differ in case only): that savepoint must never exist.
 pub const RESERVED_PREFIX: &str = "__lockd_fence_proxy";
 
+/// Whether `name` starts with [`RESERVED_PREFIX`], in any case (a quoted SQL name may differ from
+/// the proxy's in case only; refusing every case is simpler than reasoning about which fold).
+pub fn is_reserved(name: &[u8]) -> bool {
+    name.get(..RESERVED_PREFIX.len())
+        .is_some_and(|p| p.eq_ignore_ascii_case(RESERVED_PREFIX.as_bytes()))
+}
+
+/// A name in `node` that the client may not use because it is the proxy's (see
+/// [`RESERVED_PREFIX`]): what it names and the name. Savepoints (the placeholder's savepoint
+/// must never exist), prepared statements (`PREPARE`, `EXECUTE`, `DEALLOCATE`, also under
+/// `EXPLAIN` and `CREATE TABLE ... AS EXECUTE`) and cursors (`DECLARE`, `FETCH`, `MOVE`,
+/// `CLOSE`: a cursor is a portal, and one named like the proxy's portal makes every internal
+/// Bind fail). These are all the places the grammar puts such a name in a top-level statement.
+fn reserved_name(node: &NodeEnum) -> Option<(&'static str, &str)> {
+    let (what, name) = match node {
+        NodeEnum::TransactionStmt(t) => ("savepoint", t.savepoint_name.as_str()),
+        NodeEnum::PrepareStmt(p) => ("prepared statement", p.name.as_str()),
+        NodeEnum::ExecuteStmt(e) => ("prepared statement", e.name.as_str()),
+        NodeEnum::DeallocateStmt(d) => ("prepared statement", d.name.as_str()),
+        NodeEnum::DeclareCursorStmt(d) => ("cursor", d.portalname.as_str()),
+        NodeEnum::FetchStmt(f) => ("cursor", f.portalname.as_str()),
+        NodeEnum::ClosePortalStmt(c) => ("cursor", c.portalname.as_str()),
+        NodeEnum::ExplainStmt(e) => return e.query.as_ref()?.node.as_ref().and_then(reserved_name),
+        NodeEnum::CreateTableAsStmt(c) => {
+            return c.query.as_ref()?.node.as_ref().and_then(reserved_name);
+        }
+        _ => return None,
+    };
+    is_reserved(name.as_bytes()).then_some((what, name))
+}
+
 /// What the upstream holds under the name of a client's prepared transaction-control statement
 /// (see [`Statement::transaction_control`]): a ROLLBACK TO of a savepoint that cannot exist. It
 /// is a transaction-exit statement to Postgres, so its Parse and Bind are accepted in a failed
@@ -155,9 +186,12 @@ pub enum ClassifyError {
     /// A `BEGIN` option the proxy cannot rebuild; the option.
     #[error("unsupported BEGIN option {0}")]
     BeginOption(String),
-    /// A savepoint name with the proxy's reserved prefix; the name.
-    #[error("savepoint name {0:?} is reserved for the proxy (prefix {RESERVED_PREFIX})")]
-    ReservedName(String),
+    /// A savepoint, prepared statement or cursor name with the proxy's reserved prefix: what it
+    /// names, and the name.
+    #[error(
+        "{0} name {1:?} is reserved for the proxy (names starting with {RESERVED_PREFIX}, in any case, are its own)"
+    )]
+    ReservedName(&'static str, String),
     /// The text is longer than the proxy parses; its length in bytes.
     #[error(
         "query text of {0} bytes exceeds the {MAX_CLASSIFIED_SQL_BYTES} bytes the proxy parses; pass large values as parameters or load data with COPY"
@@ -238,13 +272,8 @@ fn statements(
                 Some(node) => kind_of(node)?,
                 None => StatementKind::Other,
             };
-            if let Some(NodeEnum::TransactionStmt(t)) = node
-                && t.savepoint_name
-                    .as_bytes()
-                    .get(..RESERVED_PREFIX.len())
-                    .is_some_and(|p| p.eq_ignore_ascii_case(RESERVED_PREFIX.as_bytes()))
-            {
-                return Err(ClassifyError::ReservedName(t.savepoint_name.clone()));
+            if let Some((what, name)) = node.and_then(reserved_name) {
+                return Err(ClassifyError::ReservedName(what, name.to_owned()));
             }
             Ok(Statement {
                 kind,
@@ -582,9 +611,21 @@ mod tests {
             "rollback to \"__LOCKD_FENCE_PROXY prepared transaction control\"",
             "release __lockd_fence_proxy",
             PLACEHOLDER_SQL,
+            "prepare __lockd_fence_proxy_s as select 1",
+            "execute __lockd_fence_proxy_s",
+            "execute \"__LOCKD_FENCE_PROXY_S\"",
+            "deallocate prepare __lockd_fence_proxy_s",
+            "explain execute __lockd_fence_proxy_s",
+            "explain analyze create table t as execute __lockd_fence_proxy_s",
+            "create temp table t as execute __lockd_fence_proxy_s",
+            "declare __lockd_fence_proxy_p cursor with hold for select 1",
+            "explain declare __lockd_fence_proxy_p cursor for select 1",
+            "fetch next from __lockd_fence_proxy_p",
+            "move __lockd_fence_proxy_p",
+            "close __lockd_fence_proxy_p",
         ] {
             assert!(
-                matches!(classify(sql), Err(ClassifyError::ReservedName(_))),
+                matches!(classify(sql), Err(ClassifyError::ReservedName(..))),
                 "{sql}"
             );
         }

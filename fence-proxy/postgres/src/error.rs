@@ -10,7 +10,8 @@
 //! | a statement after COMMIT/END/ROLLBACK/ABORT/PREPARE TRANSACTION in one query; a backslash while `standard_conforming_strings` is off; an unsupported BEGIN option | `0A000` feature_not_supported | ERROR |
 //! | query text the Postgres parser rejects; several statements in one Parse | `42601` syntax_error | ERROR |
 //! | SQL `EXECUTE` of transaction control prepared through the extended protocol; prepared transaction control naming a savepoint or transaction identifier that is not printable ASCII | `0A000` feature_not_supported | ERROR |
-//! | a savepoint name with the proxy's prefix `__lockd_fence_proxy` | `42939` reserved_name | ERROR |
+//! | a name with the proxy's prefix `__lockd_fence_proxy` (any case): a statement or portal name in Parse, Bind, Describe, Execute or Close; a prepared statement name in SQL `PREPARE`/`EXECUTE`/`DEALLOCATE`; a cursor name in `DECLARE`/`FETCH`/`MOVE`/`CLOSE`; a savepoint name | `42939` reserved_name | ERROR |
+//! | a statement or portal name that is not ASCII in a Parse, Bind, Describe, Execute or Close | `42602` invalid_name | ERROR |
 //! | Bind of the unnamed statement after a Parse of it failed (unknown to the proxy) | `26000` invalid_sql_statement_name | ERROR |
 //! | guard function missing in the session's database | `42883` undefined_function | ERROR |
 //! | role not granted EXECUTE on the guard function | `42501` insufficient_privilege | ERROR |
@@ -46,8 +47,12 @@ pub const CHARACTER_NOT_IN_REPERTOIRE: &str = "22021";
 pub const GUARD_MISSING: &str = "42883";
 /// SQLSTATE of a role that may not execute the guard function.
 pub const INSUFFICIENT_PRIVILEGE: &str = "42501";
-/// SQLSTATE of a savepoint name with the proxy's reserved prefix.
+/// SQLSTATE of a client name (savepoint, prepared statement, portal, cursor) with the proxy's
+/// reserved prefix.
 pub const RESERVED_NAME: &str = "42939";
+/// SQLSTATE of a statement or portal name in a protocol frame that is not ASCII (Postgres reads
+/// it in `client_encoding`, the proxy could not know which name the server means).
+pub const INVALID_NAME: &str = "42602";
 /// SQLSTATE of a Bind of a prepared statement the proxy does not know (the unnamed statement
 /// after a failed Parse), as Postgres answers a Bind of a statement that does not exist.
 pub const INVALID_STATEMENT_NAME: &str = "26000";

@@ -61,6 +61,38 @@
 //! after the new holder's, and of a ROLLBACK TO undid the read-only setting of an unfenced
 //! session under `--require-fence`.
 //!
+//! # The proxy's own statement never outlives its group, and its names are its own
+//!
+//! The proxy runs its own statements in a group (`put_internal_with`: Close S, Parse
+//! [`INTERNAL_STATEMENT`], Bind [`INTERNAL_PORTAL`], Execute, Close P, Close S), which is the one
+//! way a real `COMMIT` (the proxy's, or the client's prepared one rebuilt) is ever a prepared
+//! statement upstream. Pipelined with nothing of the client's in between, it exists only while
+//! the proxy's own Bind and Execute run; code run inside that Execute (deferred triggers at its
+//! COMMIT) runs in an atomic context, where Postgres refuses transaction control. But if one of
+//! its messages fails (its Bind because the portal name is taken, its COMMIT at a deferred
+//! constraint), Postgres skips the Closes up to Sync and the statement stays. So any error at an
+//! internal message, or at a message before one the upstream then skips, or one the proxy cannot
+//! place, sets `internal_may_linger`, and at the ReadyForQuery that ends the skip the proxy sends
+//! Close S, Close P, Sync (`close_internal_names`; Close works in a failed block). Nothing of the
+//! client's runs from the failed message to there: the upstream skips the rest of the group,
+//! what the proxy sends after a Sync is its own simple queries, and the client's next request
+//! waits for the ReadyForQuery the Closes go out on. Before this (review of 2026-12-05, second
+//! round, follow-up) a failed internal Bind left `__lockd_fence_proxy_s | COMMIT` upstream, and
+//! SQL `EXECUTE` of it (from the Query, or from dynamic SQL) ended a zombie's block unguarded.
+//!
+//! A client name starting with [`classify::RESERVED_PREFIX`] (any case) is refused (42939): in
+//! Parse, Bind, Describe, Execute and Close (`check_client_name`, replaced by a Parse that fails,
+//! so the refusal is an ERROR in the upstream's response order) and in SQL (`classify`:
+//! `PREPARE`/`EXECUTE`/`DEALLOCATE`, `DECLARE`/`FETCH`/`MOVE`/`CLOSE` cursors, savepoints). A
+//! cursor opened by dynamic SQL under the portal name can still make the proxy's Bind fail: the
+//! client's own transaction fails, and the statement is closed as above.
+//!
+//! Statement and portal names in frames must be ASCII (42602): Postgres converts them from
+//! `client_encoding`, so `"\xe9"` under LATIN1 and `"\xc3\xa9"` under UTF8 name one server
+//! statement, which the name maps (keyed by bytes) took for two. ASCII reads the same in every
+//! client encoding; names in SQL come from text read as UTF-8 (non-ASCII text needs UTF8), so a
+//! SQL `DEALLOCATE` of a protocol name finds the same entry the server drops.
+//!
 //! # Every client frame is read completely
 //!
 //! Each client message is decoded field by field as Postgres reads it (`crate::frontend`) before
@@ -141,9 +173,8 @@ use crate::limits::{MAX_GUARDS_PER_QUERY, MAX_NAME_BYTES, MAX_PENDING_UNITS, MAX
 use crate::metrics_names::{RequestResult, record_request};
 use crate::verify::{Proofs, Verified};
 
-/// Prepared statement and portal names of the proxy's own extended-protocol work. The prefix
-/// keeps them apart from names drivers generate (`s0`, `sqlx_s_1`, `__asyncpg_...`); a client
-/// that uses them anyway only breaks its own transactions.
+/// Prepared statement and portal names of the proxy's own extended-protocol work, under the
+/// reserved prefix that client names may not use (see the module header).
 const INTERNAL_STATEMENT: &str = "__lockd_fence_proxy_s";
 const INTERNAL_PORTAL: &str = "__lockd_fence_proxy_p";
 
@@ -624,6 +655,12 @@ pub struct Session {
     out: BytesMut,
     /// Proofs of the fence values verified in this session (`--verify-key` only).
     proofs: Proofs,
+    /// An error arrived where one of the proxy's internal groups (see
+    /// [`Self::put_internal_with`]) may have stopped after its Parse and before its final
+    /// Close: the upstream may hold the proxy's statement (a real `COMMIT`) and portal. At the
+    /// next ReadyForQuery, before anything more of the client's is forwarded, the proxy closes
+    /// both (see [`Self::close_internal_names`]).
+    internal_may_linger: bool,
 }
 
 impl Session {
@@ -668,6 +705,7 @@ impl Session {
             copy: Copy::Off,
             out: BytesMut::new(),
             proofs,
+            internal_may_linger: false,
         }
     }
 
@@ -1205,7 +1243,7 @@ impl Session {
                 ClassifyError::Syntax(_) => ProxyError::error(error::SYNTAX_ERROR, &e),
                 ClassifyError::TooManyStatements => ProxyError::error(error::LIMIT_EXCEEDED, &e),
                 ClassifyError::BeginOption(_) => ProxyError::error(error::NOT_SUPPORTED, &e),
-                ClassifyError::ReservedName(_) => ProxyError::error(error::RESERVED_NAME, &e),
+                ClassifyError::ReservedName(..) => ProxyError::error(error::RESERVED_NAME, &e),
                 ClassifyError::TooLong(_) => ProxyError::error(error::LIMIT_EXCEEDED, &e),
                 ClassifyError::Parser(_) => ProxyError::error(error::INTERNAL_ERROR, &e),
             })
@@ -1415,6 +1453,13 @@ impl Session {
             Frontend::Execute { portal, .. } => self.execute(m, &portal).await,
             Frontend::Close { target, name } => self.close(m, target, &name).await,
             Frontend::Describe { target, name } => {
+                let what = match target {
+                    Target::Portal => "portal",
+                    Target::Statement => "prepared statement",
+                };
+                if let Err(e) = Self::check_client_name(&name, what) {
+                    return self.refuse_message(e);
+                }
                 let name = name_key(&name);
                 let kind = match target {
                     Target::Portal => self.portals.get(&name),
@@ -1494,6 +1539,49 @@ impl Session {
         Ok(())
     }
 
+    /// Checks a statement or portal name of a client's protocol message (see "Names" in the
+    /// module header): names with the proxy's prefix are its own (42939), and a name that is not
+    /// ASCII is refused (42602) because Postgres converts it from `client_encoding`, so the proxy
+    /// cannot know which server name its bytes are.
+    fn check_client_name(name: &[u8], what: &str) -> Result<(), ProxyError> {
+        let shown = name.escape_ascii().to_string();
+        if classify::is_reserved(name) {
+            return Err(ProxyError::error(
+                error::RESERVED_NAME,
+                format!(
+                    "{what} name \"{shown}\" is reserved for the proxy (names starting with {}, in any case, are its own)",
+                    classify::RESERVED_PREFIX
+                ),
+            )
+            .with_hint("use another name"));
+        }
+        if !name.is_ascii() {
+            return Err(ProxyError::error(
+                error::INVALID_NAME,
+                format!(
+                    "{what} name \"{shown}\" is not ASCII: Postgres reads names in client_encoding, so the proxy cannot know which name the server would use"
+                ),
+            )
+            .with_hint("use an ASCII name"));
+        }
+        Ok(())
+    }
+
+    /// Refuses one client message of a group with `e` as an ERROR: in its place goes a Parse
+    /// that fails under the proxy's own statement name (a syntax error, so nothing is stored),
+    /// which keeps the upstream's response order and makes it skip to Sync, as for any failed
+    /// message.
+    fn refuse_message(&mut self, e: ProxyError) -> anyhow::Result<Flow> {
+        tracing::info!(code = e.code, "{}", e.message);
+        let mut p = Pending::new(Unit::Parse, self.group_owns());
+        p.refusal = Some(e);
+        self.out.extend_from_slice(
+            &parse_frame(INTERNAL_STATEMENT.as_bytes(), REFUSED_PARSE_SQL, &[]).frame,
+        );
+        self.pending.push_back(p);
+        Ok(Flow::Continue)
+    }
+
     async fn parse(
         &mut self,
         m: Message,
@@ -1503,6 +1591,9 @@ impl Session {
     ) -> anyhow::Result<Flow> {
         if let Err(e) = Self::check_name(raw_name, "prepared statement") {
             return self.refuse_in_group(e).await;
+        }
+        if let Err(e) = Self::check_client_name(raw_name, "prepared statement") {
+            return self.refuse_message(e);
         }
         let name = name_key(raw_name);
         let read = match self.sql_text(raw) {
@@ -1607,6 +1698,11 @@ impl Session {
         if let Err(e) = Self::check_name(raw_portal, "portal") {
             return self.refuse_in_group(e).await;
         }
+        if let Err(e) = Self::check_client_name(raw_portal, "portal")
+            .and_then(|()| Self::check_client_name(raw_statement, "prepared statement"))
+        {
+            return self.refuse_message(e);
+        }
         let portal = name_key(raw_portal);
         let known = self.statements.get(&name_key(raw_statement));
         if known == Known::Unknown {
@@ -1652,6 +1748,13 @@ impl Session {
     /// commit; neither runs client code, so the implicit transaction the server starts for it
     /// holds nothing to commit.
     async fn close(&mut self, m: Message, target: Target, raw_name: &[u8]) -> anyhow::Result<Flow> {
+        let what = match target {
+            Target::Portal => "portal",
+            Target::Statement => "prepared statement",
+        };
+        if let Err(e) = Self::check_client_name(raw_name, what) {
+            return self.refuse_message(e);
+        }
         let owns = self.group_owns();
         let mut p = Pending::new(Unit::Close, owns);
         let name = name_key(raw_name);
@@ -1728,6 +1831,9 @@ impl Session {
     }
 
     async fn execute(&mut self, m: Message, raw_portal: &[u8]) -> anyhow::Result<Flow> {
+        if let Err(e) = Self::check_client_name(raw_portal, "portal") {
+            return self.refuse_message(e);
+        }
         let known = self.portals.get(&name_key(raw_portal));
         let kind = known.kind();
         let Some(mut g) = self.group.take() else {
@@ -2051,6 +2157,22 @@ impl Session {
             // options): `ever_fenced` is set above; the client asked for nothing.
             return Ok(());
         }
+        // The proxy's own group may have stopped between its Parse and its final Close: the
+        // failed unit or one the upstream now skips is one of its messages (or the error cannot
+        // be placed at all). Its statement and portal are closed before anything more of the
+        // client's goes upstream (`close_internal_names`).
+        if self
+            .pending
+            .front()
+            .is_none_or(|p| p.after == After::SyncEnd)
+            || self
+                .pending
+                .iter()
+                .take_while(|p| p.unit != Unit::Ready)
+                .any(|p| p.internal)
+        {
+            self.internal_may_linger = true;
+        }
         let code = error::error_code(m.body());
         let client_view = self.pending.front().map(|p| p.for_client(&m));
         let (internal, refusal, unnamed_parse) = match self.pending.front_mut() {
@@ -2178,6 +2300,9 @@ impl Session {
             // Portals live until their transaction ends.
             self.portals.kinds.clear();
         }
+        if self.internal_may_linger {
+            self.close_internal_names()?;
+        }
         let Some(ready) = ready else {
             // A ReadyForQuery nobody asked for: pass it on.
             self.send_client(&m).await?;
@@ -2247,6 +2372,27 @@ impl Session {
                 }
             }
         }
+    }
+
+    /// Closes the proxy's internal statement and portal after an error that may have left them
+    /// (see `internal_may_linger`): Close S, Close P, Sync, all answers swallowed. Called on the
+    /// ReadyForQuery that ends the upstream's skip: nothing of the client's has been forwarded
+    /// since the error (the upstream skipped the rest of the group, the client's next request
+    /// waits for this ReadyForQuery, and what the proxy sends itself after a Sync is simple
+    /// queries), so these go upstream before any client code can run. Close works in a failed
+    /// block and for a name that does not exist.
+    fn close_internal_names(&mut self) -> anyhow::Result<()> {
+        self.internal_may_linger = false;
+        frontend::close(b'S', INTERNAL_STATEMENT, &mut self.out)?;
+        frontend::close(b'P', INTERNAL_PORTAL, &mut self.out)?;
+        frontend::sync(&mut self.out);
+        self.pending
+            .push_back(Pending::internal(Unit::Close, false));
+        self.pending
+            .push_back(Pending::internal(Unit::Close, false));
+        self.pending
+            .push_back(Pending::ready(true, false, After::Continue));
+        Ok(())
     }
 
     /// Queues the proxy's own COMMIT or ROLLBACK as the request's last unit.

@@ -179,10 +179,11 @@ pub enum Block {
     CodeAtParse,
     ExecuteControl,
     MalformedFrame,
+    InternalNames,
 }
 
 /// Every block kind, for drawing at random.
-pub const ALL: [Block; 28] = [
+pub const ALL: [Block; 29] = [
     Block::SimpleWrite,
     Block::ExtendedWrite,
     Block::PipelineWithoutSync,
@@ -211,6 +212,7 @@ pub const ALL: [Block; 28] = [
     Block::CodeAtParse,
     Block::ExecuteControl,
     Block::MalformedFrame,
+    Block::InternalNames,
 ];
 
 impl Block {
@@ -245,6 +247,7 @@ impl Block {
             Block::CodeAtParse => code_at_parse(c),
             Block::ExecuteControl => execute_control(c),
             Block::MalformedFrame => malformed_frame(c),
+            Block::InternalNames => internal_names(c),
         }
     }
 }
@@ -807,4 +810,121 @@ fn shadow_fence_table(c: &mut Ctx<'_>) {
     }
     let w = c.write();
     c.q(w);
+}
+
+/// The proxy's own statement and portal names, and names read in two client encodings (review
+/// of 2026-12-05, second round, follow-up): a client portal or cursor named like the proxy's
+/// portal makes the proxy's own Bind fail (in a failed block, at a prepared COMMIT's Execute),
+/// which once left `__lockd_fence_proxy_s` holding a real COMMIT for SQL `EXECUTE` (from the
+/// Query or a DO block); the names themselves in SQL; and a statement name sent as UTF-8 and as
+/// LATIN1 (one server name, once two proxy entries: an INSERT taken for SHOW).
+fn internal_names(c: &mut Ctx<'_>) {
+    const S: &str = "__lockd_fence_proxy_s";
+    const P: &str = "__lockd_fence_proxy_p";
+    fn frame(tag: u8, body: &[u8]) -> Vec<u8> {
+        let mut f = vec![tag];
+        f.extend_from_slice(
+            &i32::try_from(body.len() + 4)
+                .unwrap_or(i32::MAX)
+                .to_be_bytes(),
+        );
+        f.extend_from_slice(body);
+        f
+    }
+    fn parse(name: &[u8], sql: &str) -> Vec<u8> {
+        frame(b'P', &[name, b"\0", sql.as_bytes(), b"\0\0\0"].concat())
+    }
+    fn close(name: &[u8]) -> Vec<u8> {
+        frame(b'C', &[b"S", name, b"\0"].concat())
+    }
+    fn bind(statement: &[u8]) -> Vec<u8> {
+        frame(b'B', &[b"\0", statement, b"\0\0\0\0\0\0\0"].concat())
+    }
+    let w = c.write();
+    let run = if c.rng.random_bool(0.5) {
+        format!("EXECUTE {S}")
+    } else {
+        format!("DO $$BEGIN EXECUTE 'EXECUTE {S}'; END$$")
+    };
+    match c.rng.random_range(0..5) {
+        0 | 1 => {
+            // Take the proxy's portal name, fail the block, make the proxy run its own COMMIT.
+            c.q("BEGIN");
+            if c.rng.random_bool(0.5) {
+                let x = c.name("ix");
+                c.steps.push(Step::Parse {
+                    name: x.clone(),
+                    sql: "SELECT 1".to_owned(),
+                });
+                c.steps.push(Step::Bind {
+                    portal: P.to_owned(),
+                    statement: x,
+                });
+                c.steps.push(Step::Sync);
+            } else {
+                c.q(format!(
+                    "DO $$DECLARE k refcursor := '{P}'; BEGIN OPEN k FOR SELECT 1; END$$"
+                ));
+            }
+            c.steps.push(Step::Parse {
+                name: String::new(),
+                sql: "SELEC".to_owned(),
+            });
+            c.steps.push(Step::Sync);
+            let cm = c.name("ic");
+            c.steps.push(Step::Parse {
+                name: cm.clone(),
+                sql: "COMMIT".to_owned(),
+            });
+            c.steps.push(Step::Bind {
+                portal: String::new(),
+                statement: cm,
+            });
+            c.steps.push(Step::Execute {
+                portal: String::new(),
+            });
+            c.steps.push(Step::Sync);
+            c.q("ROLLBACK");
+            c.q("BEGIN");
+            c.q(w);
+            c.q(run);
+            c.q("COMMIT");
+        }
+        2 => {
+            // The names in SQL, then ordinary extended-protocol writes.
+            let sql = [
+                format!("DECLARE {P} CURSOR WITH HOLD FOR SELECT 1"),
+                format!("PREPARE {S} AS {w}"),
+                format!("EXECUTE {S}"),
+                format!("DEALLOCATE {S}"),
+                format!("FETCH {P}"),
+                format!("CLOSE {P}"),
+            ][c.rng.random_range(0..6)]
+            .clone();
+            c.q(sql);
+            c.extended(w.clone(), true);
+            c.q(format!("BEGIN; {w}"));
+            c.q(run);
+            c.q("COMMIT");
+        }
+        _ => {
+            // One server name, two byte spellings.
+            let utf8 = "\u{e9}".as_bytes();
+            let latin1 = &b"\xe9"[..];
+            c.steps.push(Step::Raw(parse(utf8, "SHOW work_mem")));
+            c.steps.push(Step::Sync);
+            c.q("BEGIN");
+            c.q("SET client_encoding = 'LATIN1'");
+            c.steps.push(Step::Raw(close(latin1)));
+            c.steps.push(Step::Raw(parse(latin1, &w)));
+            c.steps.push(Step::Sync);
+            c.q("SET client_encoding = 'UTF8'");
+            c.steps.push(Step::Raw(bind(utf8)));
+            c.steps.push(Step::Execute {
+                portal: String::new(),
+            });
+            c.steps.push(Step::Sync);
+            c.q("COMMIT");
+        }
+    }
 }

@@ -21,6 +21,9 @@
 //! - `prepared_control`: transaction control prepared through the extended protocol never stays
 //!   in the upstream (SQL `EXECUTE` of it cannot end or undo the guarded block), and client frames
 //!   are read completely (review of 2026-12-05, second round).
+//! - `internal_names`: the proxy's own statement and portal names never outlive a failed
+//!   internal group, client names with its prefix are refused, and protocol names are ASCII
+//!   (review of 2026-12-05, second round, follow-up).
 //! - `readiness`: `/readyz` follows the upstream.
 //! - `review_wire`, `review_roles_and_memory`: the adversarial review's raw-wire attacks, and its
 //!   attacks through database ownership and memory.
@@ -36,6 +39,7 @@ mod discard;
 mod end_to_end;
 mod held_cursors;
 mod implicit;
+mod internal_names;
 mod interrupted;
 mod lost_table;
 mod overhead;
