@@ -67,8 +67,10 @@
 //! [`INTERNAL_STATEMENT`], Bind [`INTERNAL_PORTAL`], Execute, Close P, Close S), which is the one
 //! way a real `COMMIT` (the proxy's, or the client's prepared one rebuilt) is ever a prepared
 //! statement upstream. Pipelined with nothing of the client's in between, it exists only while
-//! the proxy's own Bind and Execute run; code run inside that Execute (deferred triggers at its
-//! COMMIT) runs in an atomic context, where Postgres refuses transaction control. But if one of
+//! the proxy's own Bind and Execute run. Code run inside that Execute (a deferred trigger at its
+//! COMMIT) can reach the statement by dynamic SQL (`EXECUTE 'EXECUTE ...'`), but only after the
+//! guard ran, and Postgres 15 then ends the session (FATAL XX000, "EndTransactionBlock: unexpected
+//! state END", checked with a raw client): nothing commits. But if one of
 //! its messages fails (its Bind because the portal name is taken, its COMMIT at a deferred
 //! constraint), Postgres skips the Closes up to Sync and the statement stays. So any error at an
 //! internal message, or at a message before one the upstream then skips, or one the proxy cannot
