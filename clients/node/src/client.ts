@@ -28,6 +28,7 @@ import {
   finalError,
   grantedTtlMs,
   grantedUnconfirmed,
+  handoutRenewalFailed,
   humanize,
   MAYBE_SENT,
   newRequestId,
@@ -36,7 +37,7 @@ import {
   repeatNotCurrent,
   speaksForThisAttemptOnly,
 } from './core.js';
-import { InvalidArgumentError, LeaseNotCurrentError, LockdError, UnavailableError } from './errors.js';
+import { InvalidArgumentError, LeaseNotCurrentError, LockdError } from './errors.js';
 import { Lease, type LeaseOwner } from './lease.js';
 import { methods } from './proto.js';
 import { statusInfo } from './status.js';
@@ -640,23 +641,18 @@ export class Client {
         validFrom = renewed.sentAt;
         ttlMs = renewed.ttlMs;
       } catch (e) {
-        let released = false;
-        try {
-          await this.#releaseUntil(resource, grant.leaseId, now() + this.attemptTimeoutMs);
-          released = true;
-        } catch {
-          // It expires after its ttl.
+        let released: boolean | undefined;
+        // Nothing to release when the renewal proved the lease not current.
+        if (!(e instanceof LeaseNotCurrentError)) {
+          try {
+            released = await this.#releaseUntil(resource, grant.leaseId, now() + this.attemptTimeoutMs);
+          } catch {
+            // It expires after its ttl.
+          }
         }
-        // The lease was granted; unless the renewal or the release proved it gone, it may still
-        // be held (until its ttl), which is not "not done".
-        if (e instanceof UnavailableError && !released) {
-          throw grantedUnconfirmed(
-            resource,
-            grant.requestId,
-            grant.fencingToken,
-            'the renewal before handing out the lease',
-            e,
-          );
+        // The lease was granted: never report the renewal's "not done" (rule 10).
+        if (e instanceof LockdError) {
+          throw handoutRenewalFailed(resource, grant.requestId, grant.fencingToken, e, released);
         }
         throw e;
       }

@@ -378,6 +378,41 @@ def granted_unconfirmed(
     )
 
 
+# docs/clients.md, rule 10.
+def handout_renewal_failed(
+    resource: str, request_id: str, token: int, cause: E.LockdError, released: Optional[bool]
+) -> E.LockdError:
+    """lock() was granted `token`, and the renewal before handing the lease out failed with
+    `cause`; the release after it answered `released` (None: failed or not tried). Only a
+    NOT_FOUND proves nothing is held. Any other failure (an unmarked transit bound, a policy that
+    allows acquire but not renew, the renewal's own unknown outcome) is OutcomeUnknown for the
+    acquire with its request id, whatever the release answered: never "not granted"."""
+    if isinstance(cause, E.LeaseNotCurrent):
+        return E.LeaseNotCurrent(
+            "acquire of %r: granted token %d, which the renewal before handing out the lease found "
+            "not current (expired since): nothing is held; acquire again (%s)" % (resource, token, cause),
+            op="acquire",
+            resource=resource,
+            code=cause.code,
+            reason=cause.reason,
+            metadata=cause.metadata,
+        )
+    after = {
+        True: "it was released afterwards",
+        False: "the release afterwards found it not current",
+        None: "no release afterwards was answered, so the lease may still be held",
+    }[released]
+    return E.OutcomeUnknown(
+        "acquire of %r: granted token %d, then the renewal before handing out the lease failed (%s; "
+        "retry with request id %s): %s" % (resource, token, after, abbreviate(request_id), cause),
+        op="acquire",
+        resource=resource,
+        request_id=request_id,
+        attempts=getattr(cause, "attempts", 0),
+        elapsed=getattr(cause, "elapsed", 0.0),
+    )
+
+
 def describe_status(endpoint: str, s: StatusInfo) -> str:
     reason = " (%s)" % s.reason if s.reason else ""
     return "%s: %s%s: %s" % (endpoint, s.code.name, reason, s.message)

@@ -353,19 +353,18 @@ class AsyncClient:
             try:
                 renewed = await self._renew_until(resource, grant.lease_id, None, deadline, self.attempt_timeout)
             except BaseException as e:
-                released = False
-                try:
-                    await self.release(resource, grant.lease_id)
-                    released = True
-                except E.LockdError:
-                    pass  # it expires after its ttl
-                # The lease was granted: unless the renewal or the release proved it gone, it may
-                # still be held (until its ttl), which is not "not done" (rule 10).
-                if isinstance(e, E.Unavailable) and not released:
-                    raise core.granted_unconfirmed(
-                        resource, grant.request_id, grant.fencing_token, "the renewal before handing out the lease", e
-                    ) from None
-                raise
+                released: Optional[bool] = None
+                if not isinstance(e, E.LeaseNotCurrent):  # nothing to release then
+                    try:
+                        released = await self.release(resource, grant.lease_id)
+                    except E.LockdError:
+                        pass  # it expires after its ttl
+                if not isinstance(e, E.LockdError):
+                    raise  # an interrupt or a cancellation, not an answer
+                # The lease was granted: never report the renewal's "not done" (rule 10).
+                raise core.handout_renewal_failed(
+                    resource, grant.request_id, grant.fencing_token, e, released
+                ) from None
             valid_from, granted = renewed.sent_at, renewed.ttl
         return AsyncLease(self, grant, valid_from, granted, margin)
 

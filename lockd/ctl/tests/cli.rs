@@ -203,5 +203,9 @@ fn review_clients2_finding1_outcome_unknown_shows_the_full_request_id() {
         stderr.lines().nth(1).is_some_and(|l| l.contains(given)),
         "{stderr}"
     );
-    assert!(out.stdout.is_empty(), "{:?}", String::from_utf8_lossy(&out.stdout));
+    assert!(
+        out.stdout.is_empty(),
+        "{:?}",
+        String::from_utf8_lossy(&out.stdout)
+    );
 }
