@@ -214,8 +214,9 @@ impl LockService {
         match outcome {
             Outcome::Granted(g) => self.signed_reply(&resource, g).await,
             Outcome::Held { holder } => Err(errors::held(resource.as_str(), &holder)),
-            // Every refusal here is the table's decision after its request-id lookup, so it is
-            // this request's outcome for every attempt (marked, see `errors::DECIDED`).
+            // Held and WaitTimedOut are recorded under the request id, so they are its outcome
+            // for every attempt; InvalidArgument is this call's (a reused id); all three are
+            // marked (see `errors::DECIDED`). The table's bounds are not recorded, not marked.
             Outcome::WaitTimedOut => Err(errors::wait_timed_out(
                 resource.as_str(),
                 wait,
