@@ -301,3 +301,33 @@ describe('a failed renewal before lock() hands the lease out (review "clients2" 
     }
   });
 });
+
+describe('release says which "not current" it is (review "clients2" finding 6)', () => {
+  const noAcquire: Answer = (_n, cb) => cb({ code: grpc.status.UNIMPLEMENTED, details: 'no' });
+  for (const [firstUnanswered, released, expected] of [
+    [false, true, 'released'],
+    [false, false, 'not_current'],
+    [true, false, 'not_current_after_retry'],
+    [true, true, 'released'],
+  ] as const) {
+    test(`first attempt ${firstUnanswered ? 'unanswered' : 'answered'}, released=${released}: ${expected}`, async () => {
+      let offset = 0;
+      const fake = await fakeLock(noAcquire, undefined, (n, cb) => {
+        if (firstUnanswered && n - offset === 0) {
+          setTimeout(() => cb({ code: grpc.status.UNAVAILABLE, details: 'too late' }), 600).unref();
+        } else {
+          cb(null, { released });
+        }
+      });
+      const c = new Client({ endpoints: [fake.endpoint], callTimeoutMs: 3000, attemptTimeoutMs: 400 });
+      try {
+        assert.equal(await c.releaseOutcome('orders/1', 'ab'.repeat(16)), expected);
+        offset = fake.calls.release;
+        assert.equal(await c.release('orders/1', 'ab'.repeat(16)), released);
+      } finally {
+        c.close();
+        fake.stop();
+      }
+    });
+  }
+});

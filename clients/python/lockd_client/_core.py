@@ -4,6 +4,7 @@ The algorithm is the Rust client's, described in docs/client.md."""
 
 from __future__ import annotations
 
+import enum
 import os
 import random
 import secrets
@@ -411,6 +412,28 @@ def handout_renewal_failed(
         attempts=getattr(cause, "attempts", 0),
         elapsed=getattr(cause, "elapsed", 0.0),
     )
+
+
+# docs/clients.md, rule 14.
+class ReleaseOutcome(str, enum.Enum):
+    """What a release did. A str, so it compares equal to its value."""
+
+    RELEASED = "released"
+    """The lease was current and is released."""
+    NOT_CURRENT = "not_current"
+    """Not current at the first attempt that reached lockd: this call released nothing."""
+    NOT_CURRENT_AFTER_RETRY = "not_current_after_retry"
+    """Not current now, answered to a retry after an attempt that went unanswered and may have
+    released it: whether this call released the lease is unknown (it is not held either way)."""
+
+
+def release_outcome(released: bool, first_sent: float, sent: float) -> ReleaseOutcome:
+    """The outcome of a Release answered `released` by the attempt sent at `sent`, whose call's
+    first maybe-sent attempt left at `first_sent`."""
+    if released:
+        return ReleaseOutcome.RELEASED
+    # An earlier attempt went unanswered and may have released the lease.
+    return ReleaseOutcome.NOT_CURRENT_AFTER_RETRY if first_sent < sent else ReleaseOutcome.NOT_CURRENT
 
 
 def describe_status(endpoint: str, s: StatusInfo) -> str:

@@ -289,8 +289,14 @@ class AsyncClient:
         return Renewed(core.granted_ttl(reply.lease_ttl_ms, ttl), sent, reply.expires_at_unix_ms)
 
     async def release(self, resource: str, lease_id: str) -> bool:
+        """Gives ``lease_id`` up. False when it was not the current lease; see
+        :meth:`release_outcome` for which of the two "not current" answers it was."""
+        return await self.release_outcome(resource, lease_id) is core.ReleaseOutcome.RELEASED
+
+    async def release_outcome(self, resource: str, lease_id: str) -> core.ReleaseOutcome:
+        """Gives ``lease_id`` up and says what happened (see :class:`ReleaseOutcome`)."""
         core.check_resource(resource)
-        reply, _, _ = await self._call(
+        reply, first_sent, sent = await self._call(
             "release",
             "Release",
             "Lock",
@@ -300,7 +306,7 @@ class AsyncClient:
             resource=resource,
             lease_id=lease_id,
         )
-        return bool(reply.released)
+        return core.release_outcome(bool(reply.released), first_sent, sent)
 
     async def describe(self, resource: str) -> "pb.DescribeResponse":
         core.check_resource(resource)

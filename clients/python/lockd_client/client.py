@@ -391,9 +391,15 @@ class Client:
     def release(self, resource: str, lease_id: str) -> bool:
         """Gives ``lease_id`` up. False when it was not the current lease (nothing released); a
         release retried after an unanswered attempt may also answer False because that attempt
-        released it."""
+        released it: :meth:`release_outcome` tells the two apart."""
+        return self.release_outcome(resource, lease_id) is core.ReleaseOutcome.RELEASED
+
+    def release_outcome(self, resource: str, lease_id: str) -> core.ReleaseOutcome:
+        """Gives ``lease_id`` up and says what happened: ``RELEASED``, ``NOT_CURRENT`` (nothing
+        released), or ``NOT_CURRENT_AFTER_RETRY`` (a retry found it not current after an attempt
+        that went unanswered and may have released it; docs/clients.md, rule 14)."""
         core.check_resource(resource)
-        reply, _, _ = self._call(
+        reply, first_sent, sent = self._call(
             "release",
             "Release",
             "Lock",
@@ -403,7 +409,7 @@ class Client:
             resource=resource,
             lease_id=lease_id,
         )
-        return bool(reply.released)
+        return core.release_outcome(bool(reply.released), first_sent, sent)
 
     def describe(self, resource: str) -> "pb.DescribeResponse":
         """The linearizable state of ``resource``: ``held``, ``holder``, ``fencing_token``,

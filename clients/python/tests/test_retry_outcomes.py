@@ -366,3 +366,51 @@ def test_review_clients2_finding4_a_handout_renewal_not_found_says_nothing_is_he
         assert not fake.calls["Release"]
     finally:
         fake.stop()
+
+
+# --- review "clients2" finding 6: release says which "not current" it is -------------------------
+
+
+def _grant(n, context):
+    return pb.AcquireResponse(lease_id="ab" * 16, fencing_token=7, lease_ttl_ms=5000)
+
+
+@pytest.mark.parametrize(
+    "first_unanswered,released,expected",
+    [
+        (False, True, "released"),
+        (False, False, "not_current"),
+        (True, False, "not_current_after_retry"),
+        (True, True, "released"),
+    ],
+)
+def test_review_clients2_finding6_release_outcome_tells_not_current_apart(first_unanswered, released, expected):
+    """release_outcome: released; not current at the first attempt that reached lockd; or not
+    current after an attempt that went unanswered, which may have released it (rule 14). release()
+    stays a bool."""
+
+    def release(n, context):
+        if first_unanswered and n == 0:
+            time.sleep(0.6)  # past the attempt timeout: maybe sent
+            context.abort(grpc.StatusCode.UNAVAILABLE, "too late")
+        return pb.ReleaseResponse(released=released)
+
+    fake = _Fake(Release=release)
+    try:
+        c = Client([fake.endpoint], call_timeout=3.0, attempt_timeout=0.4)
+        try:
+            outcome = c.release_outcome("orders/1", "ab" * 16)
+            assert outcome == expected and outcome is lockd_client.ReleaseOutcome(expected), outcome
+            fake.calls["Release"].clear()
+            assert c.release("orders/1", "ab" * 16) is released
+        finally:
+            c.close()
+
+        async def main():
+            fake.calls["Release"].clear()
+            async with AsyncClient([fake.endpoint], call_timeout=3.0, attempt_timeout=0.4) as ac:
+                return await ac.release_outcome("orders/1", "ab" * 16)
+
+        assert asyncio.run(main()) == expected
+    finally:
+        fake.stop()
