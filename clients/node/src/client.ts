@@ -28,6 +28,7 @@ import {
   finalError,
   grantedTtlMs,
   grantedUnconfirmed,
+  handoutRenewalFailed,
   humanize,
   MAYBE_SENT,
   newRequestId,
@@ -36,7 +37,7 @@ import {
   repeatNotCurrent,
   speaksForThisAttemptOnly,
 } from './core.js';
-import { InvalidArgumentError, LeaseNotCurrentError, LockdError, UnavailableError } from './errors.js';
+import { InvalidArgumentError, LeaseNotCurrentError, LockdError } from './errors.js';
 import { Lease, type LeaseOwner } from './lease.js';
 import { methods } from './proto.js';
 import { statusInfo } from './status.js';
@@ -125,6 +126,14 @@ export class Grant {
 }
 
 /** What a renewal returned. */
+/**
+ * What a release did (rule 14): `released`; `not_current` at the first attempt that reached
+ * lockd (this call released nothing); `not_current_after_retry`, answered to a retry after an
+ * attempt that went unanswered and may have released it (whether this call released the lease is
+ * unknown; it is not held either way).
+ */
+export type ReleaseOutcome = 'released' | 'not_current' | 'not_current_after_retry';
+
 export interface Renewed {
   ttlMs: number;
   /** Send time of the answered attempt: the new deadline counts from here (rule 9). */
@@ -561,20 +570,32 @@ export class Client {
 
   /**
    * Gives `leaseId` up. False when it was not the current lease (nothing released); a release
-   * retried after an unanswered attempt may also answer false because that attempt released it.
+   * retried after an unanswered attempt may also answer false because that attempt released it:
+   * {@link Client.releaseOutcome} tells the two apart.
    */
-  release(resource: string, leaseId: string): Promise<boolean> {
+  async release(resource: string, leaseId: string): Promise<boolean> {
+    return (await this.releaseOutcome(resource, leaseId)) === 'released';
+  }
+
+  /**
+   * Gives `leaseId` up and says what happened: `released`, `not_current` (nothing released), or
+   * `not_current_after_retry` (a retry found it not current after an attempt that went
+   * unanswered and may have released it; rule 14).
+   */
+  releaseOutcome(resource: string, leaseId: string): Promise<ReleaseOutcome> {
     return this.#releaseUntil(resource, leaseId, now() + this.callTimeoutMs);
   }
 
-  async #releaseUntil(resource: string, leaseId: string, deadline: number): Promise<boolean> {
+  async #releaseUntil(resource: string, leaseId: string, deadline: number): Promise<ReleaseOutcome> {
     checkResource(resource);
     const answered = await this.#call(
       methods.release,
       { resource, leaseId },
       { op: 'release', deadline, attemptTimeoutMs: this.attemptTimeoutMs, resource, leaseId },
     );
-    return answered.value.released;
+    if (answered.value.released) return 'released';
+    // firstSent is earlier than sent only after an unanswered attempt, which may have released it.
+    return answered.firstSent < answered.sent ? 'not_current_after_retry' : 'not_current';
   }
 
   /** The linearizable state of `resource`. Never the lease id. */
@@ -640,23 +661,18 @@ export class Client {
         validFrom = renewed.sentAt;
         ttlMs = renewed.ttlMs;
       } catch (e) {
-        let released = false;
-        try {
-          await this.#releaseUntil(resource, grant.leaseId, now() + this.attemptTimeoutMs);
-          released = true;
-        } catch {
-          // It expires after its ttl.
+        let released: boolean | undefined;
+        // Nothing to release when the renewal proved the lease not current.
+        if (!(e instanceof LeaseNotCurrentError)) {
+          try {
+            released = (await this.#releaseUntil(resource, grant.leaseId, now() + this.attemptTimeoutMs)) === 'released';
+          } catch {
+            // It expires after its ttl.
+          }
         }
-        // The lease was granted; unless the renewal or the release proved it gone, it may still
-        // be held (until its ttl), which is not "not done".
-        if (e instanceof UnavailableError && !released) {
-          throw grantedUnconfirmed(
-            resource,
-            grant.requestId,
-            grant.fencingToken,
-            'the renewal before handing out the lease',
-            e,
-          );
+        // The lease was granted: never report the renewal's "not done" (rule 10).
+        if (e instanceof LockdError) {
+          throw handoutRenewalFailed(resource, grant.requestId, grant.fencingToken, e, released);
         }
         throw e;
       }

@@ -217,6 +217,42 @@ export function grantedUnconfirmed(
   );
 }
 
+/**
+ * Rule 10: `lock()` was granted `token`, and the renewal before handing the lease out failed with
+ * `cause`; the release after it answered `released` (undefined: failed or not tried). Only a
+ * NOT_FOUND proves nothing is held. Any other failure (an unmarked transit bound, a policy that
+ * allows acquire but not renew, the renewal's own unknown outcome) is outcome unknown for the
+ * acquire with its request id, whatever the release answered: never "not granted".
+ */
+export function handoutRenewalFailed(
+  resource: string,
+  requestId: string,
+  token: bigint,
+  cause: LockdError,
+  released: boolean | undefined,
+): LockdError {
+  if (cause instanceof LeaseNotCurrentError) {
+    return new LeaseNotCurrentError(
+      `acquire of ${quote(resource)}: granted token ${token}, which the renewal before handing out the lease found not current (expired since): nothing is held; acquire again (${cause.message})`,
+      { op: 'acquire', resource, code: cause.code, reason: cause.reason, metadata: { ...cause.metadata } },
+    );
+  }
+  const after =
+    released === undefined
+      ? 'no release afterwards was answered, so the lease may still be held'
+      : released
+        ? 'it was released afterwards'
+        : 'the release afterwards found it not current';
+  const c = cause as Partial<{ attempts: number; elapsedMs: number }>;
+  return new OutcomeUnknownError(
+    `acquire of ${quote(resource)}: granted token ${token}, then the renewal before handing out the lease failed (${after}; retry with request id ${abbreviate(requestId)}): ${cause.message}`,
+    requestId,
+    c.attempts ?? 0,
+    c.elapsedMs ?? 0,
+    { op: 'acquire', resource },
+  );
+}
+
 // What one failed attempt means for the retry loop (rule 4).
 /** Never reached a node, or lockd said nothing was done: retry, no effect. */
 export const NOT_SENT = 'not_sent';

@@ -24,6 +24,7 @@ export {
   type ClusterStatus,
   type Description,
   type HotResource,
+  type ReleaseOutcome,
   type Renewed,
   type TlsOptions,
 } from './client.js';

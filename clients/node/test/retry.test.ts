@@ -114,26 +114,48 @@ function lockdStatus(code: number, message: string, reason: string, metadata: Re
 
 type Answer = (attempt: number, callback: grpc.sendUnaryData<unknown>) => void;
 
-/** Acquire answered by `answer`, given the attempt's number for its request id (0 first). */
-async function fakeAcquire(answer: Answer): Promise<{ endpoint: string; requestIds: string[]; stop: () => void }> {
+interface Fake {
+  endpoint: string;
+  /** The request id of every Acquire attempt, in order. */
+  requestIds: string[];
+  /** How many Renew and Release calls arrived. */
+  calls: { renew: number; release: number };
+  stop: () => void;
+}
+
+/**
+ * A fake lockd.v1.Lock: Acquire answered by `acquire`, given the attempt's number for its request
+ * id (0 first); Renew and Release (if given) by theirs, given the call's number.
+ */
+async function fakeLock(acquire: Answer, renew?: Answer, release?: Answer): Promise<Fake> {
   const def = loadSync('lockd/v1/lockd.proto', { includeDirs: [join(PACKAGE_DIR, 'proto')] });
   const pkg = grpc.loadPackageDefinition(def) as unknown as {
     lockd: { v1: { Lock: { service: grpc.ServiceDefinition } } };
   };
   const requestIds: string[] = [];
+  const calls = { renew: 0, release: 0 };
   const server = new grpc.Server();
+  const counted = (name: 'renew' | 'release', answer: Answer) => (_call: unknown, callback: grpc.sendUnaryData<unknown>) =>
+    answer(calls[name]++, callback);
   server.addService(pkg.lockd.v1.Lock.service, {
     Acquire: (call: grpc.ServerUnaryCall<{ requestId: string }, unknown>, callback: grpc.sendUnaryData<unknown>) => {
       const id = call.request.requestId;
       const attempt = requestIds.filter((r) => r === id).length;
       requestIds.push(id);
-      answer(attempt, callback);
+      acquire(attempt, callback);
     },
+    ...(renew ? { Renew: counted('renew', renew) } : {}),
+    ...(release ? { Release: counted('release', release) } : {}),
   });
   const port = await new Promise<number>((done, fail) =>
     server.bindAsync('127.0.0.1:0', grpc.ServerCredentials.createInsecure(), (err, p) => (err ? fail(err) : done(p))),
   );
-  return { endpoint: `127.0.0.1:${port}`, requestIds, stop: () => server.forceShutdown() };
+  return { endpoint: `127.0.0.1:${port}`, requestIds, calls, stop: () => server.forceShutdown() };
+}
+
+/** Acquire answered by `answer`, given the attempt's number for its request id (0 first). */
+function fakeAcquire(answer: Answer): Promise<Fake> {
+  return fakeLock(answer);
 }
 
 async function failure(endpoint: string, options: { waitMs?: number; requestId?: string }): Promise<LockdError> {
@@ -210,5 +232,102 @@ test('request ids are shown shortened, and kept in full on the error (finding 4)
     assert.ok(!inspect(e).includes(requestId.slice(8)), inspect(e));
   } finally {
     fake.stop();
+  }
+});
+
+describe('a failed renewal before lock() hands the lease out (review "clients2" finding 4)', () => {
+  // Granted so late (0.7 s of a 1 s ttl) that lock() renews before handing the lease out.
+  const lateGrant: Answer = (_attempt, callback) =>
+    setTimeout(
+      () => callback(null, { leaseId: 'ab'.repeat(16), fencingToken: '41', leaseTtlMs: '1000' }),
+      700,
+    ).unref();
+  const renewals: Record<string, Answer> = {
+    'an unmarked transit bound': (_n, cb) =>
+      cb(lockdStatus(grpc.status.RESOURCE_EXHAUSTED, 'lockd: limit', 'LIMIT_REACHED', { limit: 'receiving_per_source_max' })),
+    'a policy that allows acquire but not renew': (_n, cb) =>
+      cb(lockdStatus(grpc.status.PERMISSION_DENIED, 'lockd: denied', 'PERMISSION_DENIED', {})),
+    "the renewal's own unknown outcome": (_n, cb) => cb({ code: grpc.status.UNAVAILABLE, details: 'proxy: reset' }),
+  };
+  const releases: Record<string, Answer> = {
+    'released': (_n, cb) => cb(null, { released: true }),
+    'the release fails': (_n, cb) => cb(lockdStatus(grpc.status.UNAVAILABLE, 'lockd: no leader', 'NO_QUORUM', {})),
+  };
+
+  async function lockFailure(endpoint: string): Promise<LockdError> {
+    const c = new Client({ endpoints: [endpoint], callTimeoutMs: 1500, attemptTimeoutMs: 1000 });
+    try {
+      return await c.lock('orders/1', { ttlMs: 1000 }).then(
+        () => assert.fail('handed out'),
+        (e: unknown) => {
+          assert.ok(e instanceof LockdError, String(e));
+          return e;
+        },
+      );
+    } finally {
+      c.close();
+    }
+  }
+
+  for (const [renewal, renew] of Object.entries(renewals)) {
+    for (const [release, answer] of Object.entries(releases)) {
+      test(`${renewal}, ${release}: outcome unknown for the acquire`, async () => {
+        const fake = await fakeLock(lateGrant, renew, answer);
+        try {
+          const e = await lockFailure(fake.endpoint);
+          assert.ok(e instanceof OutcomeUnknownError, `${e.name}: ${e.message}`);
+          assert.equal(e.op, 'acquire');
+          assert.equal(e.requestId, fake.requestIds[0]);
+          assert.ok(!e.definitelyNotDone && e.message.includes('41'), e.message);
+          assert.ok(fake.calls.renew > 0 && fake.calls.release > 0, JSON.stringify(fake.calls));
+        } finally {
+          fake.stop();
+        }
+      });
+    }
+  }
+
+  test('NOT_FOUND says nothing is held, naming the token, without a release', async () => {
+    const notFound: Answer = (_n, cb) =>
+      cb(lockdStatus(grpc.status.NOT_FOUND, 'lockd: not current', 'LEASE_NOT_CURRENT', { decided_by: 'state_machine' }));
+    const fake = await fakeLock(lateGrant, notFound, releases.released);
+    try {
+      const e = await lockFailure(fake.endpoint);
+      assert.ok(e instanceof LeaseNotCurrentError, `${e.name}: ${e.message}`);
+      assert.ok(e.definitelyNotDone && e.message.includes('41') && e.message.includes('nothing is held'), e.message);
+      assert.equal(fake.calls.release, 0);
+    } finally {
+      fake.stop();
+    }
+  });
+});
+
+describe('release says which "not current" it is (review "clients2" finding 6)', () => {
+  const noAcquire: Answer = (_n, cb) => cb({ code: grpc.status.UNIMPLEMENTED, details: 'no' });
+  for (const [firstUnanswered, released, expected] of [
+    [false, true, 'released'],
+    [false, false, 'not_current'],
+    [true, false, 'not_current_after_retry'],
+    [true, true, 'released'],
+  ] as const) {
+    test(`first attempt ${firstUnanswered ? 'unanswered' : 'answered'}, released=${released}: ${expected}`, async () => {
+      let offset = 0;
+      const fake = await fakeLock(noAcquire, undefined, (n, cb) => {
+        if (firstUnanswered && n - offset === 0) {
+          setTimeout(() => cb({ code: grpc.status.UNAVAILABLE, details: 'too late' }), 600).unref();
+        } else {
+          cb(null, { released });
+        }
+      });
+      const c = new Client({ endpoints: [fake.endpoint], callTimeoutMs: 3000, attemptTimeoutMs: 400 });
+      try {
+        assert.equal(await c.releaseOutcome('orders/1', 'ab'.repeat(16)), expected);
+        offset = fake.calls.release;
+        assert.equal(await c.release('orders/1', 'ab'.repeat(16)), released);
+      } finally {
+        c.close();
+        fake.stop();
+      }
+    });
   }
 });

@@ -12,7 +12,7 @@ Semantics (retries with one request id, endpoint rotation, deadlines from send t
 ttl/3 with jitter, the lost signal) are those of the Rust client: docs/client.md.
 """
 
-from ._core import TLS
+from ._core import TLS, ReleaseOutcome
 from .aio import AsyncClient, AsyncLease, AsyncLostSignal
 from .client import Client, Grant, Lease, LostSignal, Renewed
 from .errors import (
@@ -46,6 +46,7 @@ __all__ = [
     "AsyncLostSignal",
     "Grant",
     "Renewed",
+    "ReleaseOutcome",
     "LockdError",
     "Held",
     "WaitTimedOut",

@@ -4,6 +4,7 @@ The algorithm is the Rust client's, described in docs/client.md."""
 
 from __future__ import annotations
 
+import enum
 import os
 import random
 import secrets
@@ -376,6 +377,63 @@ def granted_unconfirmed(
         attempts=getattr(cause, "attempts", 0),
         elapsed=getattr(cause, "elapsed", 0.0),
     )
+
+
+# docs/clients.md, rule 10.
+def handout_renewal_failed(
+    resource: str, request_id: str, token: int, cause: E.LockdError, released: Optional[bool]
+) -> E.LockdError:
+    """lock() was granted `token`, and the renewal before handing the lease out failed with
+    `cause`; the release after it answered `released` (None: failed or not tried). Only a
+    NOT_FOUND proves nothing is held. Any other failure (an unmarked transit bound, a policy that
+    allows acquire but not renew, the renewal's own unknown outcome) is OutcomeUnknown for the
+    acquire with its request id, whatever the release answered: never "not granted"."""
+    if isinstance(cause, E.LeaseNotCurrent):
+        return E.LeaseNotCurrent(
+            "acquire of %r: granted token %d, which the renewal before handing out the lease found "
+            "not current (expired since): nothing is held; acquire again (%s)" % (resource, token, cause),
+            op="acquire",
+            resource=resource,
+            code=cause.code,
+            reason=cause.reason,
+            metadata=cause.metadata,
+        )
+    after = {
+        True: "it was released afterwards",
+        False: "the release afterwards found it not current",
+        None: "no release afterwards was answered, so the lease may still be held",
+    }[released]
+    return E.OutcomeUnknown(
+        "acquire of %r: granted token %d, then the renewal before handing out the lease failed (%s; "
+        "retry with request id %s): %s" % (resource, token, after, abbreviate(request_id), cause),
+        op="acquire",
+        resource=resource,
+        request_id=request_id,
+        attempts=getattr(cause, "attempts", 0),
+        elapsed=getattr(cause, "elapsed", 0.0),
+    )
+
+
+# docs/clients.md, rule 14.
+class ReleaseOutcome(str, enum.Enum):
+    """What a release did. A str, so it compares equal to its value."""
+
+    RELEASED = "released"
+    """The lease was current and is released."""
+    NOT_CURRENT = "not_current"
+    """Not current at the first attempt that reached lockd: this call released nothing."""
+    NOT_CURRENT_AFTER_RETRY = "not_current_after_retry"
+    """Not current now, answered to a retry after an attempt that went unanswered and may have
+    released it: whether this call released the lease is unknown (it is not held either way)."""
+
+
+def release_outcome(released: bool, first_sent: float, sent: float) -> ReleaseOutcome:
+    """The outcome of a Release answered `released` by the attempt sent at `sent`, whose call's
+    first maybe-sent attempt left at `first_sent`."""
+    if released:
+        return ReleaseOutcome.RELEASED
+    # An earlier attempt went unanswered and may have released the lease.
+    return ReleaseOutcome.NOT_CURRENT_AFTER_RETRY if first_sent < sent else ReleaseOutcome.NOT_CURRENT
 
 
 def describe_status(endpoint: str, s: StatusInfo) -> str:

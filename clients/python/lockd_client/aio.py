@@ -289,8 +289,14 @@ class AsyncClient:
         return Renewed(core.granted_ttl(reply.lease_ttl_ms, ttl), sent, reply.expires_at_unix_ms)
 
     async def release(self, resource: str, lease_id: str) -> bool:
+        """Gives ``lease_id`` up. False when it was not the current lease; see
+        :meth:`release_outcome` for which of the two "not current" answers it was."""
+        return await self.release_outcome(resource, lease_id) is core.ReleaseOutcome.RELEASED
+
+    async def release_outcome(self, resource: str, lease_id: str) -> core.ReleaseOutcome:
+        """Gives ``lease_id`` up and says what happened (see :class:`ReleaseOutcome`)."""
         core.check_resource(resource)
-        reply, _, _ = await self._call(
+        reply, first_sent, sent = await self._call(
             "release",
             "Release",
             "Lock",
@@ -300,7 +306,7 @@ class AsyncClient:
             resource=resource,
             lease_id=lease_id,
         )
-        return bool(reply.released)
+        return core.release_outcome(bool(reply.released), first_sent, sent)
 
     async def describe(self, resource: str) -> "pb.DescribeResponse":
         core.check_resource(resource)
@@ -353,19 +359,18 @@ class AsyncClient:
             try:
                 renewed = await self._renew_until(resource, grant.lease_id, None, deadline, self.attempt_timeout)
             except BaseException as e:
-                released = False
-                try:
-                    await self.release(resource, grant.lease_id)
-                    released = True
-                except E.LockdError:
-                    pass  # it expires after its ttl
-                # The lease was granted: unless the renewal or the release proved it gone, it may
-                # still be held (until its ttl), which is not "not done" (rule 10).
-                if isinstance(e, E.Unavailable) and not released:
-                    raise core.granted_unconfirmed(
-                        resource, grant.request_id, grant.fencing_token, "the renewal before handing out the lease", e
-                    ) from None
-                raise
+                released: Optional[bool] = None
+                if not isinstance(e, E.LeaseNotCurrent):  # nothing to release then
+                    try:
+                        released = await self.release(resource, grant.lease_id)
+                    except E.LockdError:
+                        pass  # it expires after its ttl
+                if not isinstance(e, E.LockdError):
+                    raise  # an interrupt or a cancellation, not an answer
+                # The lease was granted: never report the renewal's "not done" (rule 10).
+                raise core.handout_renewal_failed(
+                    resource, grant.request_id, grant.fencing_token, e, released
+                ) from None
             valid_from, granted = renewed.sent_at, renewed.ttl
         return AsyncLease(self, grant, valid_from, granted, margin)
 

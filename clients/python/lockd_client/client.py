@@ -391,9 +391,15 @@ class Client:
     def release(self, resource: str, lease_id: str) -> bool:
         """Gives ``lease_id`` up. False when it was not the current lease (nothing released); a
         release retried after an unanswered attempt may also answer False because that attempt
-        released it."""
+        released it: :meth:`release_outcome` tells the two apart."""
+        return self.release_outcome(resource, lease_id) is core.ReleaseOutcome.RELEASED
+
+    def release_outcome(self, resource: str, lease_id: str) -> core.ReleaseOutcome:
+        """Gives ``lease_id`` up and says what happened: ``RELEASED``, ``NOT_CURRENT`` (nothing
+        released), or ``NOT_CURRENT_AFTER_RETRY`` (a retry found it not current after an attempt
+        that went unanswered and may have released it; docs/clients.md, rule 14)."""
         core.check_resource(resource)
-        reply, _, _ = self._call(
+        reply, first_sent, sent = self._call(
             "release",
             "Release",
             "Lock",
@@ -403,7 +409,7 @@ class Client:
             resource=resource,
             lease_id=lease_id,
         )
-        return bool(reply.released)
+        return core.release_outcome(bool(reply.released), first_sent, sent)
 
     def describe(self, resource: str) -> "pb.DescribeResponse":
         """The linearizable state of ``resource``: ``held``, ``holder``, ``fencing_token``,
@@ -462,19 +468,18 @@ class Client:
             try:
                 renewed = self._renew_until(resource, grant.lease_id, None, deadline, self.attempt_timeout)
             except BaseException as e:
-                released = False
-                try:
-                    self.release(resource, grant.lease_id)
-                    released = True
-                except E.LockdError:
-                    pass  # it expires after its ttl
-                # The lease was granted: unless the renewal or the release proved it gone, it may
-                # still be held (until its ttl), which is not "not done" (rule 10).
-                if isinstance(e, E.Unavailable) and not released:
-                    raise core.granted_unconfirmed(
-                        resource, grant.request_id, grant.fencing_token, "the renewal before handing out the lease", e
-                    ) from None
-                raise
+                released: Optional[bool] = None
+                if not isinstance(e, E.LeaseNotCurrent):  # nothing to release then
+                    try:
+                        released = self.release(resource, grant.lease_id)
+                    except E.LockdError:
+                        pass  # it expires after its ttl
+                if not isinstance(e, E.LockdError):
+                    raise  # an interrupt or a cancellation, not an answer
+                # The lease was granted: never report the renewal's "not done" (rule 10).
+                raise core.handout_renewal_failed(
+                    resource, grant.request_id, grant.fencing_token, e, released
+                ) from None
             valid_from, granted = renewed.sent_at, renewed.ttl
         return Lease(self, grant, valid_from, granted, margin)
 

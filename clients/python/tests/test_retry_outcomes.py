@@ -285,3 +285,132 @@ def test_review_clients_finding4_request_ids_are_shortened_in_messages_and_reprs
         sent_at=0.0, expires_at_unix_ms=0, sequencer=b"",
     )
     assert rid not in repr(g) and rid not in str(g)
+
+
+# --- review "clients2" finding 4: any failed renewal before handing out -------------------------
+
+
+def _abort(code: grpc.StatusCode, reason: Optional[str], metadata: Dict[str, str]) -> Callable:
+    def handle(n, context):
+        if reason is None:
+            context.abort(code, "proxy: connection reset")  # no ErrorInfo: maybe sent
+        context.abort_with_status(_status(code, "lockd: %s" % reason, reason, metadata))
+
+    return handle
+
+
+_RENEWALS = {
+    "limit_in_transit": _abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "LIMIT_REACHED", {"limit": "receiving_per_source_max"}),
+    "renew_denied": _abort(grpc.StatusCode.PERMISSION_DENIED, "PERMISSION_DENIED", {}),
+    "renew_outcome_unknown": _abort(grpc.StatusCode.UNAVAILABLE, None, {}),
+}
+_RELEASES = {
+    "released": lambda n, context: pb.ReleaseResponse(released=True),
+    "release_fails": _abort(grpc.StatusCode.UNAVAILABLE, "NO_QUORUM", {}),
+}
+
+
+def _lock_both(endpoint: str) -> List[lockd_client.LockdError]:
+    """lock("orders/1", ttl=1) with a sync and an async client; both errors."""
+    c = Client([endpoint], call_timeout=1.5, attempt_timeout=1.0)
+    try:
+        with pytest.raises(lockd_client.LockdError) as e:
+            c.lock("orders/1", ttl=1)
+    finally:
+        c.close()
+
+    async def main():
+        async with AsyncClient([endpoint], call_timeout=1.5, attempt_timeout=1.0) as ac:
+            with pytest.raises(lockd_client.LockdError) as ae:
+                await ac.lock("orders/1", ttl=1)
+            return ae.value
+
+    return [e.value, asyncio.run(main())]
+
+
+def _late_grant(n, context):
+    time.sleep(0.7)  # so late that lock() renews before handing the lease out
+    return pb.AcquireResponse(lease_id="ab" * 16, fencing_token=41, lease_ttl_ms=1000)
+
+
+@pytest.mark.parametrize("release", sorted(_RELEASES))
+@pytest.mark.parametrize("renewal", sorted(_RENEWALS))
+def test_review_clients2_finding4_a_failed_handout_renewal_is_never_not_done(renewal, release):
+    """lock() was granted token 41; the renewal before handing it out fails in a way that proves
+    nothing (an unmarked transit bound, a policy that allows acquire but not renew, a renewal
+    whose own outcome is unknown). Whatever the release answers after, the error is
+    OutcomeUnknown for the acquire with its request id, never "not granted" / "not done"."""
+    fake = _Fake(Acquire=_late_grant, Renew=_RENEWALS[renewal], Release=_RELEASES[release])
+    try:
+        for err in _lock_both(fake.endpoint):
+            assert type(err) is lockd_client.OutcomeUnknown, repr(err)
+            assert err.op == "acquire", repr(err)
+            assert err.request_id in fake.calls["Acquire"], repr(err)
+            assert not err.definitely_not_done
+            assert "41" in str(err), str(err)
+        assert fake.calls["Renew"] and fake.calls["Release"]
+    finally:
+        fake.stop()
+
+
+def test_review_clients2_finding4_a_handout_renewal_not_found_says_nothing_is_held():
+    """The renewal before handing out answers NOT_FOUND: nothing is held, and the error says so
+    naming the token (LeaseNotCurrent), without a release."""
+    not_found = _abort(grpc.StatusCode.NOT_FOUND, "LEASE_NOT_CURRENT", {"decided_by": "state_machine"})
+    fake = _Fake(Acquire=_late_grant, Renew=not_found, Release=_RELEASES["released"])
+    try:
+        for err in _lock_both(fake.endpoint):
+            assert type(err) is lockd_client.LeaseNotCurrent, repr(err)
+            assert "41" in str(err) and "nothing is held" in str(err), str(err)
+            assert err.definitely_not_done
+        assert not fake.calls["Release"]
+    finally:
+        fake.stop()
+
+
+# --- review "clients2" finding 6: release says which "not current" it is -------------------------
+
+
+def _grant(n, context):
+    return pb.AcquireResponse(lease_id="ab" * 16, fencing_token=7, lease_ttl_ms=5000)
+
+
+@pytest.mark.parametrize(
+    "first_unanswered,released,expected",
+    [
+        (False, True, "released"),
+        (False, False, "not_current"),
+        (True, False, "not_current_after_retry"),
+        (True, True, "released"),
+    ],
+)
+def test_review_clients2_finding6_release_outcome_tells_not_current_apart(first_unanswered, released, expected):
+    """release_outcome: released; not current at the first attempt that reached lockd; or not
+    current after an attempt that went unanswered, which may have released it (rule 14). release()
+    stays a bool."""
+
+    def release(n, context):
+        if first_unanswered and n == 0:
+            time.sleep(0.6)  # past the attempt timeout: maybe sent
+            context.abort(grpc.StatusCode.UNAVAILABLE, "too late")
+        return pb.ReleaseResponse(released=released)
+
+    fake = _Fake(Release=release)
+    try:
+        c = Client([fake.endpoint], call_timeout=3.0, attempt_timeout=0.4)
+        try:
+            outcome = c.release_outcome("orders/1", "ab" * 16)
+            assert outcome == expected and outcome is lockd_client.ReleaseOutcome(expected), outcome
+            fake.calls["Release"].clear()
+            assert c.release("orders/1", "ab" * 16) is released
+        finally:
+            c.close()
+
+        async def main():
+            fake.calls["Release"].clear()
+            async with AsyncClient([fake.endpoint], call_timeout=3.0, attempt_timeout=0.4) as ac:
+                return await ac.release_outcome("orders/1", "ab" * 16)
+
+        assert asyncio.run(main()) == expected
+    finally:
+        fake.stop()

@@ -130,13 +130,16 @@ pub mod errors {
         }
     }
 
-    /// The ErrorInfo metadata key that marks a refusal as the decision of lockd's replicated state
-    /// machine for this request: it looked the request id up and decided (the resource is held,
-    /// the wait timed out in the queue, a table bound, the request id reused with other
-    /// arguments, a lease that is not current). Such a refusal is the request's outcome, also for
-    /// every earlier attempt of it. A refusal without the mark was decided before the request id
-    /// was looked up (bounds on parked waits or calls in transit, field checks, authorization,
-    /// which may differ between nodes) and speaks for the attempt it answers only.
+    /// The ErrorInfo metadata key that marks a refusal as settled by lockd's replicated state
+    /// machine for this call, with these arguments, after it looked the request id up: the
+    /// resource is held or the wait timed out in the queue (both recorded under the request id,
+    /// so the outcome of every attempt of the call), a lease that is not current, or the request
+    /// id recorded for a call with other arguments (this call is refused; it says nothing about
+    /// the other call's outcome). A refusal without the mark speaks for the attempt it answers
+    /// only: it was decided before the request id was looked up (bounds on parked waits or calls
+    /// in transit, field checks, authorization, which may differ between nodes), or it is a
+    /// table bound, which is not recorded, so that a late copy of an earlier attempt may still be
+    /// granted once the bound has room.
     pub const DECIDED_BY_KEY: &str = "decided_by";
     /// The value of [`DECIDED_BY_KEY`] on a refusal the state machine decided.
     pub const DECIDED_BY_STATE_MACHINE: &str = "state_machine";

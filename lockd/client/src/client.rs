@@ -338,26 +338,24 @@ impl Client {
             {
                 Ok(r) => (r.sent_at, r.ttl),
                 Err(e) => {
-                    let released = timeout(
-                        self.inner.config.attempt_timeout,
-                        self.release(resource, &lease.lease_id),
-                    )
-                    .await;
-                    return Err(match e {
-                        // The lease was granted; unless the renewal or the release proved it
-                        // gone, it may still be held (until its ttl), which is not "not done".
-                        e @ Error::Unavailable { .. } if !matches!(released, Ok(Ok(_))) => {
-                            granted_unconfirmed(
-                                resource,
-                                &lease.request_id,
-                                lease.fencing_token,
-                                "the renewal before handing out the guard",
-                                e,
-                                started.elapsed(),
-                            )
-                        }
-                        other => other,
-                    });
+                    // Nothing to release when the renewal proved the lease not current.
+                    let released = if matches!(e, Error::NotFound { .. }) {
+                        None
+                    } else {
+                        timeout(
+                            self.inner.config.attempt_timeout,
+                            self.release(resource, &lease.lease_id),
+                        )
+                        .await
+                        .ok()
+                        .and_then(Result::ok)
+                    };
+                    return Err(handout_renewal_failed(
+                        &lease,
+                        e,
+                        released,
+                        started.elapsed(),
+                    ));
                 }
             }
         } else {
@@ -752,6 +750,60 @@ fn granted_unconfirmed(
     }
 }
 
+/// What `lock()` reports when the renewal before handing out the guard of `lease` failed with
+/// `renewal`, and the release that followed answered `released` (`None`: it failed, or was not
+/// tried). The lease was granted: only a renewal answered `NOT_FOUND` proves that nothing is
+/// held. Any other failure (a transit bound's refusal, a policy that allows acquire but not
+/// renew, a renewal whose own outcome is unknown) is "outcome unknown" for the Acquire, with its
+/// request id, whatever the release answered: never the renewal's own "not granted" or "not
+/// done" (docs/clients.md, rule 10).
+fn handout_renewal_failed(
+    lease: &Lease,
+    renewal: Error,
+    released: Option<bool>,
+    elapsed: Duration,
+) -> Error {
+    let token = lease.fencing_token;
+    match renewal {
+        Error::NotFound {
+            resource,
+            lease: shown,
+            message,
+        } => Error::NotFound {
+            resource,
+            lease: shown,
+            message: format!(
+                "granted token {token}, which the renewal before handing out the guard found \
+                 not current (expired since): nothing is held; acquire again ({message})"
+            ),
+        },
+        e => {
+            let after = match released {
+                Some(true) => "it was released afterwards",
+                Some(false) => "the release afterwards found it not current",
+                None => "no release afterwards was answered, so the lease may still be held",
+            };
+            let attempts = match &e {
+                Error::Unavailable { attempts, .. } | Error::OutcomeUnknown { attempts, .. } => {
+                    *attempts
+                }
+                _ => 1,
+            };
+            Error::OutcomeUnknown {
+                op: Op::Acquire,
+                resource: lease.resource.clone(),
+                request_id: Some(lease.request_id.clone()),
+                attempts,
+                elapsed,
+                last_error: format!(
+                    "granted token {token}, then the renewal before handing out the guard \
+                     failed ({after}): {e}"
+                ),
+            }
+        }
+    }
+}
+
 /// Refuses to send a resource name the server would reject anyway, naming it.
 fn check_resource(resource: &str) -> Result<(), Error> {
     lockd_fence::validate_resource(resource).map_err(|e| Error::InvalidArgument {
@@ -820,6 +872,90 @@ fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Goal (review "clients2" finding 4): once `lock()` was granted a lease, a failure of the
+    /// renewal before handing it out never says "not granted" or "not done" (a transit bound's
+    /// unmarked LIMIT_REACHED, a policy that allows acquire but not renew, a renewal whose own
+    /// outcome is unknown): it is "outcome unknown" for the Acquire, with its request id, also
+    /// when the release that follows fails. A renewal answered NOT_FOUND proves nothing is
+    /// held, and says so naming the token.
+    #[test]
+    fn review_clients2_finding4_a_failed_handout_renewal_is_never_not_granted() {
+        let request_id = RequestId::parse("0123456789abcdef0123456789abcdef").unwrap();
+        let lease = Lease {
+            resource: "orders/1".into(),
+            lease_id: LeaseId::new("fedcba9876543210fedcba9876543210"),
+            fencing_token: FencingToken(41),
+            ttl: Duration::from_secs(2),
+            request_id: request_id.clone(),
+            sent_at: Instant::now(),
+            expires_at_unix_ms: 0,
+            sequencer: Vec::new(),
+        };
+        let renewals = || {
+            [
+                Error::LimitReached {
+                    resource: "orders/1".into(),
+                    message: "receiving_per_source_max".into(),
+                },
+                Error::PermissionDenied {
+                    op: Op::Renew,
+                    message: "token:ci may not renew \"orders/1\"".into(),
+                },
+                Error::OutcomeUnknown {
+                    op: Op::Renew,
+                    resource: "orders/1".into(),
+                    request_id: None,
+                    attempts: 3,
+                    elapsed: Duration::from_secs(1),
+                    last_error: "no answer".into(),
+                },
+                Error::Unavailable {
+                    op: Op::Renew,
+                    resource: Some("orders/1".into()),
+                    attempts: 2,
+                    elapsed: Duration::from_secs(1),
+                    last_error: "no quorum".into(),
+                },
+            ]
+        };
+        for i in 0..renewals().len() {
+            for released in [None, Some(false), Some(true)] {
+                // `Error` is not Clone: a fresh one for every case.
+                let renewal = renewals().into_iter().nth(i).unwrap();
+                let shown = renewal.to_string();
+                let e = handout_renewal_failed(&lease, renewal, released, Duration::ZERO);
+                match &e {
+                    Error::OutcomeUnknown {
+                        op: Op::Acquire,
+                        request_id: Some(id),
+                        last_error,
+                        ..
+                    } => {
+                        assert_eq!(id.as_str(), request_id.as_str());
+                        assert!(
+                            last_error.contains("token 41") && last_error.contains(&shown),
+                            "{e}"
+                        );
+                    }
+                    other => panic!("{shown} (released {released:?}) became {other:?}: {other}"),
+                }
+                assert!(!e.is_definitely_not_granted());
+            }
+        }
+        let gone = Error::NotFound {
+            resource: "orders/1".into(),
+            lease: "fedcba98…".into(),
+            message: "lockd: not current".into(),
+        };
+        let e = handout_renewal_failed(&lease, gone, None, Duration::ZERO);
+        assert!(
+            matches!(&e, Error::NotFound { .. })
+                && e.to_string().contains("token 41")
+                && e.to_string().contains("nothing is held"),
+            "{e}"
+        );
+    }
 
     #[test]
     fn granted_ttl_prefers_the_reply() {

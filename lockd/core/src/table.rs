@@ -12,7 +12,7 @@ use crate::command::{
 };
 use crate::keys::SigningKeys;
 use crate::limits::{ACTIVE_RESOURCES_MAX, DEDUP_RECORDS_MAX, Policy};
-use crate::types::{LeaseId, RequestKey, ResourceName};
+use crate::types::{LeaseId, RequestKey, ResourceName, shown_request_id};
 
 /// The replicated lock table. Changed only by [`LockTable::apply`]; everything else reads.
 ///
@@ -363,9 +363,10 @@ impl LockTable {
                 holder,
             ) {
                 return Outcome::InvalidArgument(format!(
-                    "invalid request_id: {request_id:?} was already used with other arguments \
+                    "invalid request_id: {} was already used with other arguments \
                      (resource, lease_ttl_ms, wait_timeout_ms or holder); use a new request_id \
-                     for a new attempt"
+                     for a new attempt",
+                    shown_request_id(request_id)
                 ));
             }
             return match state {
@@ -386,8 +387,9 @@ impl LockTable {
                         // Only a digest collision with a request queued elsewhere gets here: answer
                         // the client, never stop the replica (INV-NO-CLIENT-PANIC).
                         None => Outcome::InvalidArgument(format!(
-                            "invalid request_id: {request_id:?} matches a request queued on another \
-                         resource than {resource:?}; use a new request_id"
+                            "invalid request_id: {} matches a request queued on another \
+                         resource than {resource:?}; use a new request_id",
+                            shown_request_id(request_id)
                         )),
                     }
                 }
@@ -1161,7 +1163,10 @@ impl LockTable {
             for w in &state.waiters {
                 waiting += 1;
                 if !keys.insert(w.key) {
-                    return Err(format!("{name} queues {:?} twice", w.request_id));
+                    return Err(format!(
+                        "{name} queues {} twice",
+                        shown_request_id(&w.request_id)
+                    ));
                 }
                 *tenants.entry(name.tenant().to_owned()).or_default() += 1;
                 deadlines.insert((w.deadline_ms, name.clone(), w.key));
@@ -1169,8 +1174,8 @@ impl LockTable {
                     Some(DedupState::Waiting) => {}
                     other => {
                         return Err(format!(
-                            "waiter {:?} has dedup state {other:?}",
-                            w.request_id
+                            "waiter {} has dedup state {other:?}",
+                            shown_request_id(&w.request_id)
                         ));
                     }
                 }

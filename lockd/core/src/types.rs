@@ -55,6 +55,34 @@ impl RequestKey {
     }
 }
 
+/// How many characters of a request id messages show (as of a lease id, and as the clients do):
+/// a request id is a credential, since repeating the Acquire with it returns the lease id.
+pub const REQUEST_ID_SHOWN_CHARS: usize = 8;
+
+/// The mark around the identity of a request id the server scoped to its caller:
+/// `\u{1}<identity>\u{1}<the client's id>` (the dedup window is keyed by the scoped id, so that
+/// one identity cannot learn another's outcome by reusing its id).
+pub const REQUEST_ID_SCOPE_MARK: char = '\u{1}';
+
+/// The identity and the client's own id of a scoped request id (see [`REQUEST_ID_SCOPE_MARK`]);
+/// `(None, id)` for an id that is not scoped.
+pub fn split_scoped_request_id(id: &str) -> (Option<&str>, &str) {
+    id.strip_prefix(REQUEST_ID_SCOPE_MARK)
+        .and_then(|rest| rest.split_once(REQUEST_ID_SCOPE_MARK))
+        .map(|(identity, original)| (Some(identity), original))
+        .unwrap_or((None, id))
+}
+
+/// A request id for messages and logs: the first [`REQUEST_ID_SHOWN_CHARS`] characters of the
+/// client's own id (without a scope), then `…`, quoted; an id that short shown whole.
+pub fn shown_request_id(id: &str) -> String {
+    let (_, own) = split_scoped_request_id(id);
+    match own.char_indices().nth(REQUEST_ID_SHOWN_CHARS) {
+        Some((cut, _)) => format!("{:?}", format!("{}…", &own[..cut])),
+        None => format!("{own:?}"),
+    }
+}
+
 /// A validated resource name: 1..=256 bytes of UTF-8 without control characters (checked once,
 /// at the edge, by [`crate::validate`]).
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]

@@ -44,7 +44,10 @@ pub async fn run(cli: Cli) -> Result<u8, Failure> {
             if let Some(id) = request_id {
                 opts.request_id = Some(RequestId::parse(id)?);
             }
-            let granted = client.acquire(&resource, opts).await?;
+            let granted = client
+                .acquire(&resource, opts)
+                .await
+                .map_err(Failure::from_acquire)?;
             print_fields(
                 json,
                 json!({

@@ -1,6 +1,6 @@
 //! Exit codes (documented in docs/client.md) and the one-line error every failure becomes.
 
-use lockd_client::Error;
+use lockd_client::{Error, RequestId};
 
 /// Success.
 pub const OK: u8 = 0;
@@ -35,11 +35,26 @@ pub const COMMAND_NOT_FOUND: u8 = 127;
 
 /// A failed command: its exit code, a short machine-readable kind, and a one-line message that
 /// names the values involved.
-#[derive(Debug)]
 pub struct Failure {
     pub code: u8,
     pub kind: &'static str,
     pub message: String,
+    /// The whole request id of an `acquire` whose outcome is unknown. The message shows only its
+    /// start (it is a credential), but repeating the acquire with it is the only way to learn
+    /// the outcome, so the user must be given all of it, once, apart from the message.
+    pub request_id: Option<RequestId>,
+}
+
+// By hand: the request id is a credential, and `RequestId`'s own `Debug` shortens it.
+impl std::fmt::Debug for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Failure")
+            .field("code", &self.code)
+            .field("kind", &self.kind)
+            .field("message", &self.message)
+            .field("request_id", &self.request_id)
+            .finish()
+    }
 }
 
 impl Failure {
@@ -48,20 +63,31 @@ impl Failure {
             code,
             kind,
             message: message.into(),
+            request_id: None,
         }
     }
 
-    /// Prints the one-line error (and, with `--json`, one JSON object on stdout); returns the code.
+    /// Prints the one-line error (and, with `--json`, one JSON object on stdout); returns the
+    /// code. An acquire with an unknown outcome adds a second stderr line with its whole request
+    /// id (and `request_id` in the JSON object), to repeat it with `--request-id`.
     pub fn report(&self, json: bool) -> u8 {
         let line = self.message.replace(['\n', '\r'], " ");
         eprintln!("lockctl: {line}");
-        if json {
-            println!(
-                "{}",
-                serde_json::json!({
-                    "error": { "kind": self.kind, "message": line, "exit_code": self.code }
-                })
+        if let Some(id) = &self.request_id {
+            eprintln!(
+                "lockctl: request id: {} (a credential: repeat the acquire with --request-id and \
+                 the same flags to learn the outcome)",
+                id.as_str()
             );
+        }
+        if json {
+            let mut error = serde_json::json!({
+                "kind": self.kind, "message": line, "exit_code": self.code
+            });
+            if let Some(id) = &self.request_id {
+                error["request_id"] = id.as_str().into();
+            }
+            println!("{}", serde_json::json!({ "error": error }));
         }
         self.code
     }
@@ -85,6 +111,22 @@ impl From<Error> for Failure {
             _ => (INTERNAL, "protocol"),
         };
         Failure::new(code, kind, e.to_string())
+    }
+}
+
+impl Failure {
+    /// The failure of `lockctl acquire`: as [`From<Error>`], plus the whole request id when the
+    /// outcome is unknown. Only there: `hold` sends other arguments (its holder), so repeating
+    /// its id with `acquire --request-id` would be refused as reused.
+    pub fn from_acquire(e: Error) -> Self {
+        let request_id = match &e {
+            Error::OutcomeUnknown { request_id, .. } => request_id.clone(),
+            _ => None,
+        };
+        Failure {
+            request_id,
+            ..Failure::from(e)
+        }
     }
 }
 

@@ -122,3 +122,90 @@ fn help_succeeds_and_lists_commands() {
         assert!(help.contains(cmd), "{cmd} missing from help");
     }
 }
+
+/// A local endpoint that accepts connections and never answers: every attempt sent there may
+/// have arrived, so an acquire against it ends as "outcome unknown" (exit 8). The listener and
+/// its connections live until the process ends.
+fn silent_endpoint() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for conn in l.incoming().flatten() {
+            held.push(conn);
+        }
+    });
+    addr
+}
+
+/// The one 32-hex-digit word of `text` (a random request id), if any.
+fn hex_id_in(text: &str) -> Option<String> {
+    text.split(|c: char| !c.is_ascii_hexdigit())
+        .find(|w| w.len() == 32)
+        .map(str::to_owned)
+}
+
+/// Goal (review "clients2" finding 1): after exit 8 on `acquire` the user can repeat it with
+/// `--request-id`, so lockctl must show the whole request id (the library's message shortens it,
+/// as it is a credential): on a second stderr line, and as `request_id` in the JSON error.
+/// Method: acquire against a node that never answers, with a random id and with a given one.
+#[test]
+fn review_clients2_finding1_outcome_unknown_shows_the_full_request_id() {
+    let silent = silent_endpoint();
+    let out = lockctl(&[
+        "--json",
+        "--endpoints",
+        &silent,
+        "--timeout",
+        "1s",
+        "acquire",
+        "r",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(8), "stderr: {stderr}");
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 2, "the error and the request id: {stderr:?}");
+    assert!(lines[0].starts_with("lockctl: "), "{stderr}");
+    let id = hex_id_in(lines[1]).unwrap_or_else(|| panic!("no full request id in {stderr:?}"));
+    assert!(
+        lines[1].contains("--request-id") && lines[1].contains("credential"),
+        "{stderr}"
+    );
+    assert!(
+        lines[0].contains(&id[..8]) && !lines[0].contains(&id),
+        "the message shows the id shortened: {stderr}"
+    );
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let v: serde_json::Value =
+        serde_json::from_str(stdout.trim()).expect("stdout is one JSON object");
+    assert_eq!(v["error"]["kind"], "outcome_unknown", "{v}");
+    assert_eq!(v["error"]["request_id"], id.as_str(), "{v}");
+    assert!(
+        !v["error"]["message"].as_str().unwrap().contains(&id),
+        "{v}"
+    );
+
+    // A given id is shown whole as well (in text mode, without a JSON object).
+    let given = "given-0123456789-abcdef";
+    let out = lockctl(&[
+        "--endpoints",
+        &silent,
+        "--timeout",
+        "1s",
+        "acquire",
+        "r",
+        "--request-id",
+        given,
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(8), "stderr: {stderr}");
+    assert!(
+        stderr.lines().nth(1).is_some_and(|l| l.contains(given)),
+        "{stderr}"
+    );
+    assert!(
+        out.stdout.is_empty(),
+        "{:?}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}

@@ -205,6 +205,48 @@ fn retry_returns_original_grant_and_rejects_other_arguments() {
     assert!(!h.table.describe(&res("r")).held);
 }
 
+/// Goal (review "clients2" finding 3): a request id is a credential (repeating the Acquire with it
+/// returns the lease id), so the table's messages, which reach clients and their logs, show its
+/// first 8 characters only, also when the server scoped it to an identity. Method: reuse a long id
+/// with other arguments, and collide a queued one (the two InvalidArgument messages).
+#[test]
+fn review_clients2_finding3_messages_show_request_ids_shortened() {
+    let long = "0123456789abcdef0123456789abcdef";
+    let scoped = format!("\u{1}cert:alice\u{1}{long}");
+    for id in [long, scoped.as_str()] {
+        let mut h = Harness::new();
+        h.granted("r", id);
+        match h.acquire("other", id, 10_000, 0) {
+            Outcome::InvalidArgument(msg) => assert!(
+                msg.contains("\"01234567…\"")
+                    && !msg.contains("89abcdef")
+                    && !msg.contains("alice"),
+                "{msg}"
+            ),
+            other => panic!("{other:?}"),
+        }
+        let mut h = Harness::new();
+        h.granted("a/x", "holder");
+        with_collisions(|| {
+            assert_eq!(
+                h.acquire("a/x", id, 10_000, 60_000),
+                Outcome::Queued { position: 1 }
+            );
+            match h.acquire("b/y", id, 10_000, 60_000) {
+                Outcome::InvalidArgument(msg) => assert!(
+                    msg.contains("queued on another")
+                        && msg.contains("\"01234567…\"")
+                        && !msg.contains("89abcdef"),
+                    "{msg}"
+                ),
+                other => panic!("{other:?}"),
+            }
+        });
+    }
+    assert_eq!(crate::types::shown_request_id("x"), "\"x\"");
+    assert_eq!(crate::types::shown_request_id("01234567"), "\"01234567\"");
+}
+
 /// Digest collisions: before keyed digests, `Acquire(B, "x")` whose argument hash collides with the
 /// queued `Acquire(A, "x")` found A's Waiting record, did not find itself in B's queue and hit the
 /// INV-QUEUE-ONCE panic on every replica (and again at every restart: the entry is committed). With

@@ -48,8 +48,9 @@ pub const FORWARDED_IDENTITY_HEADER: &str = "lockd-forwarded-identity-bin";
 /// The header of bearer tokens.
 const AUTHORIZATION_HEADER: &str = "authorization";
 /// First byte of a request id scoped to an identity (see [`Auth::scope_request_id`]); a control
-/// character, which no identity a policy can grant contains.
-const SCOPE_MARK: char = '\u{1}';
+/// character, which no identity a policy can grant contains. lockd-core owns the convention, so
+/// that its messages show the client's own id.
+const SCOPE_MARK: char = lockd_core::types::REQUEST_ID_SCOPE_MARK;
 /// How long a certificate check is trusted without checking again (expiry, mostly).
 const CHECKED_FOR: Duration = Duration::from_secs(60);
 /// Certificate checks remembered at most; the cache is cleared when full.
@@ -532,21 +533,7 @@ fn client_certificate(
 /// The identity and the client's request id of a scoped request id (see
 /// [`Auth::scope_request_id`]); `(None, id)` for an id that is not scoped.
 pub(crate) fn split_request_id(id: &str) -> (Option<&str>, &str) {
-    id.strip_prefix(SCOPE_MARK)
-        .and_then(|rest| rest.split_once(SCOPE_MARK))
-        .map(|(identity, original)| (Some(identity), original))
-        .unwrap_or((None, id))
-}
-
-/// `status` with the scoped request id in its message replaced by the client's own.
-pub(crate) fn unscope_status(status: Status, scoped: &str, original: &str) -> Status {
-    if scoped == original {
-        return status;
-    }
-    let message = status
-        .message()
-        .replace(&format!("{scoped:?}"), &format!("{original:?}"));
-    lockd_api::errors::with_message(&status, message)
+    lockd_core::types::split_scoped_request_id(id)
 }
 
 /// PERMISSION_DENIED for `identity` doing `op` (on `resource`).
@@ -611,9 +598,13 @@ mod tests {
         assert_eq!(split_request_id("r1"), (None, "r1"));
         let scoped = format!("{SCOPE_MARK}cert:a{SCOPE_MARK}r{SCOPE_MARK}1");
         assert_eq!(split_request_id(&scoped), (Some("cert:a"), "r\u{1}1"));
-        let s = Status::invalid_argument(format!("lockd: request_id {scoped:?} reused"));
-        let s = unscope_status(s, &scoped, "r\u{1}1");
-        assert_eq!(s.message(), "lockd: request_id \"r\\u{1}1\" reused");
+        // Messages show the start of the client's own id, never the identity's scope.
+        assert_eq!(
+            lockd_core::types::shown_request_id(&format!(
+                "{SCOPE_MARK}cert:a{SCOPE_MARK}0123456789"
+            )),
+            "\"01234567…\""
+        );
     }
 
     #[test]

@@ -9,11 +9,13 @@ use tonic::{Code, Status};
 
 use crate::proposer::ProposeError;
 
-/// The ErrorInfo metadata entry on every refusal that is the replicated state machine's decision
-/// for this request (made after it looked the request id up): clients read a refusal without it,
-/// after an earlier attempt of theirs may have arrived, as "outcome unknown", since such a
-/// refusal (parked-wait and transit bounds, field checks, authorization) says nothing about
-/// that earlier attempt (docs/api.md, "Status codes and reasons").
+/// The ErrorInfo metadata entry on every refusal that settles this call (see
+/// [`lockd_api::errors::DECIDED_BY_KEY`]): the state machine's answers recorded under the request
+/// id (held, a wait the queue timed out), a lease that is not current, and a request id reused
+/// with other arguments. Clients read a refusal without it, after an earlier attempt of theirs may
+/// have arrived, as "outcome unknown", since such a refusal (parked-wait and transit bounds, field
+/// checks, authorization, the table's bounds, which are not recorded) says nothing about that
+/// earlier attempt (docs/api.md, "Status codes and reasons").
 const DECIDED: (&str, &str) = (DECIDED_BY_KEY, DECIDED_BY_STATE_MACHINE);
 
 /// `lockd: ` and the message (once: messages of the vote gate already start with it).
@@ -117,8 +119,10 @@ pub fn not_found(resource: &str) -> Status {
     )
 }
 
-/// `RESOURCE_EXHAUSTED` for `limit` of the table (the state machine's decision), named in the
-/// metadata key `limit`.
+/// `RESOURCE_EXHAUSTED` for `limit` of the table, named in the metadata key `limit`. Not marked
+/// [`DECIDED`], although the state machine decides it: the table does not record it under the
+/// request id (unlike `LOCK_HELD`), so it does not settle the request, and a late copy of an
+/// earlier attempt may still be granted once the bound has room.
 pub fn exhausted(limit: Limit, msg: impl std::fmt::Display) -> Status {
     let reason = match limit {
         Limit::WaitersPerResource | Limit::WaitersPerTenant => Reason::WaitersExhausted,
@@ -131,7 +135,7 @@ pub fn exhausted(limit: Limit, msg: impl std::fmt::Display) -> Status {
         Code::ResourceExhausted,
         prefixed(msg),
         reason,
-        &[("limit", limit.name()), DECIDED],
+        &[("limit", limit.name())],
     )
 }
 
@@ -352,10 +356,13 @@ mod tests {
         assert_eq!(md["limit"], "dedup_records_per_tenant_max");
     }
 
-    /// Goal (review "clients" finding 2): exactly the refusals the state machine decides for a
-    /// request carry the `decided_by` mark; those decided before the request id is looked up
-    /// (parked-wait and transit bounds, field checks, authorization, forwarding) do not, so that
-    /// clients never read them as the outcome of an earlier attempt.
+    /// Goal (review "clients" finding 2, review "clients2" finding 2): exactly the refusals that
+    /// settle the request carry the `decided_by` mark: those the state machine records under the
+    /// request id (held, a wait the queue timed out), a lease that is not current, and a request id
+    /// reused with other arguments (this call's answer). Those decided before the request id is
+    /// looked up (parked-wait and transit bounds, field checks, authorization, forwarding) do not,
+    /// nor do the table's bounds: they are not recorded, so a late copy of an earlier attempt of
+    /// the same request may still be granted once the bound has room.
     #[test]
     fn review_clients_finding2_only_the_state_machines_refusals_are_marked() {
         use lockd_api::errors::decided_by_state_machine;
@@ -363,14 +370,18 @@ mod tests {
             held("a", "h"),
             wait_timed_out("a", 5, Decided::ByStateMachine),
             not_found("a"),
-            exhausted(Limit::WaitersPerResource, "x"),
-            exhausted(Limit::DedupRecordsPerTenant, "x"),
             decided_invalid("request_id reused"),
         ];
         for s in &marked {
             assert!(decided_by_state_machine(s), "not marked: {s:?}");
         }
         let unmarked = [
+            exhausted(Limit::WaitersPerResource, "x"),
+            exhausted(Limit::WaitersPerTenant, "x"),
+            exhausted(Limit::DedupRecords, "x"),
+            exhausted(Limit::DedupRecordsPerTenant, "x"),
+            exhausted(Limit::ActiveResources, "x"),
+            exhausted(Limit::ActiveResourcesPerTenant, "x"),
             wait_timed_out("a", 5, Decided::ByThisNode),
             invalid_field("lease_ttl_ms", "x"),
             invalid("x"),
@@ -390,8 +401,8 @@ mod tests {
             assert!(!decided_by_state_machine(s), "marked: {s:?}");
         }
         // The mark sits beside the other metadata, which keeps its meaning.
-        let (_, md) = reason_of(&exhausted(Limit::WaitersPerTenant, "x")).unwrap();
-        assert_eq!(md["limit"], "waiters_per_tenant_max");
+        let (_, md) = reason_of(&held("a", "h")).unwrap();
+        assert_eq!(md["resource"], "a");
         assert_eq!(md["decided_by"], "state_machine");
     }
 

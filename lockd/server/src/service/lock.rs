@@ -14,6 +14,7 @@ use lockd_api::v1::{
     AcquireRequest, AcquireResponse, DescribeRequest, DescribeResponse, ReleaseRequest,
     ReleaseResponse, RenewRequest, RenewResponse,
 };
+use lockd_core::types::shown_request_id;
 use lockd_core::{Command, EndWaitReason, Grant, LeaseId, Outcome, ResourceName, validate};
 use openraft::ServerState;
 use rand::RngExt;
@@ -22,7 +23,7 @@ use tonic::{Request, Response, Status};
 
 use super::errors::{self, Decided};
 use super::raft::pb;
-use crate::auth::{self, Caller, Operation, Resourced};
+use crate::auth::{Caller, Operation, Resourced};
 use crate::members::{WaitConnection, WaitPoolRefused};
 use crate::node::NodeCtx;
 use crate::observe::metrics::Op;
@@ -165,7 +166,8 @@ impl LockService {
     // ---- Acquire ----
 
     /// Acquire on the leader, with the request id scoped to the caller (see
-    /// [`auth::Auth::scope_request_id`]); messages name the client's own id.
+    /// [`auth::Auth::scope_request_id`]); messages show the start of the client's own id
+    /// ([`shown_request_id`]: a request id is a credential).
     async fn acquire_local(
         &self,
         mut req: AcquireRequest,
@@ -173,12 +175,8 @@ impl LockService {
     ) -> Result<AcquireResponse, Status> {
         validate::request_id(&req.request_id)
             .map_err(|e| errors::invalid_field("request_id", e))?;
-        let original = std::mem::take(&mut req.request_id);
-        req.request_id = self.ctx.auth.scope_request_id(&caller, &original);
-        let scoped = req.request_id.clone();
-        self.acquire_scoped(req)
-            .await
-            .map_err(|s| auth::unscope_status(s, &scoped, &original))
+        req.request_id = self.ctx.auth.scope_request_id(&caller, &req.request_id);
+        self.acquire_scoped(req).await
     }
 
     async fn acquire_scoped(&self, req: AcquireRequest) -> Result<AcquireResponse, Status> {
@@ -214,8 +212,9 @@ impl LockService {
         match outcome {
             Outcome::Granted(g) => self.signed_reply(&resource, g).await,
             Outcome::Held { holder } => Err(errors::held(resource.as_str(), &holder)),
-            // Every refusal here is the table's decision after its request-id lookup, so it is
-            // this request's outcome for every attempt (marked, see `errors::DECIDED`).
+            // Held and WaitTimedOut are recorded under the request id, so they are its outcome
+            // for every attempt; InvalidArgument is this call's (a reused id); all three are
+            // marked (see `errors::DECIDED`). The table's bounds are not recorded, not marked.
             Outcome::WaitTimedOut => Err(errors::wait_timed_out(
                 resource.as_str(),
                 wait,
@@ -262,7 +261,8 @@ impl LockService {
                         Ok(WaitEnd::TimedOut) => Err(errors::wait_timed_out(guard.resource.as_str(), wait_ms, Decided::ByStateMachine)),
                         // A retry of the same request took over the registration.
                         Err(_) => Err(errors::outcome_unknown(format!(
-                            "a newer call with request_id {:?} took over this wait", guard.request_id
+                            "a newer call with request_id {} took over this wait",
+                            shown_request_id(&guard.request_id)
                         ))),
                     };
                 }
@@ -287,8 +287,8 @@ impl LockService {
                         // The queue is replicated: the place is kept for a retry on the new leader.
                         guard.armed = false;
                         return Err(errors::outcome_unknown(format!(
-                            "node {} stopped being the leader while {:?} waited; retry with the same request_id to keep its place",
-                            self.ctx.id, guard.request_id
+                            "node {} stopped being the leader while request_id {} waited; retry with the same request_id to keep its place",
+                            self.ctx.id, shown_request_id(&guard.request_id)
                         )));
                     }
                 }
