@@ -254,6 +254,32 @@ pub fn proxy_args(
     }
 }
 
+/// SQL statements run with psql against the shared database when dropped, each on its own (a
+/// failed one does not stop the rest), so a test's roles, schemas and databases go also when it
+/// panics half-way.
+pub struct SqlOnDrop(pub Vec<String>);
+
+impl Drop for SqlOnDrop {
+    fn drop(&mut self) {
+        for sql in &self.0 {
+            let _ = Command::new("psql")
+                .args([
+                    "-X",
+                    "-q",
+                    "-h",
+                    PG_HOST,
+                    "-U",
+                    PG_USER,
+                    "-d",
+                    PG_DATABASE,
+                    "-c",
+                ])
+                .arg(sql)
+                .status();
+        }
+    }
+}
+
 /// Connects with tokio-postgres and drives the connection on the current runtime.
 pub async fn connect(config: &tokio_postgres::Config) -> tokio_postgres::Client {
     let (client, connection) = config

@@ -3,32 +3,17 @@
 
 use lockd_tests::pg;
 
-/// A role and a schema of one test, dropped (with psql, so it also runs while panicking) when the
-/// test ends.
-struct DropOnExit {
-    schema: String,
-    role: String,
-    data: String,
-}
-
-impl Drop for DropOnExit {
-    fn drop(&mut self) {
-        for sql in [
-            format!("DROP TABLE IF EXISTS {}", self.data),
-            format!("DROP SCHEMA IF EXISTS {} CASCADE", self.schema),
-            format!(
-                "DELETE FROM lockd_fence_proxy.fence_tables WHERE fence_table = '{}.lockd_fence'",
-                self.schema
-            ),
-            format!("DROP ROLE IF EXISTS {}", self.role),
-        ] {
-            let _ = std::process::Command::new("psql")
-                .args(["-X", "-q", "-h", pg::PG_HOST, "-U", pg::PG_USER, "-d"])
-                .arg(pg::PG_DATABASE)
-                .args(["-c", &sql])
-                .status();
-        }
-    }
+/// What a test made: its data table, its schema (with the fence table), the schema's record in
+/// `init`'s table, its role.
+fn cleanup(schema: &str, role: &str, data: &str) -> pg::SqlOnDrop {
+    pg::SqlOnDrop(vec![
+        format!("DROP TABLE IF EXISTS {data}"),
+        format!("DROP SCHEMA IF EXISTS {schema} CASCADE"),
+        format!(
+            "DELETE FROM lockd_fence_proxy.fence_tables WHERE fence_table = '{schema}.lockd_fence'"
+        ),
+        format!("DROP ROLE IF EXISTS {role}"),
+    ])
 }
 
 fn init(table: &str, token_floor: Option<u64>) -> anyhow::Result<String> {
@@ -57,11 +42,7 @@ async fn review_a_dropped_fence_table_is_not_recreated_empty() {
     let role = pg::unique_name("lost_owner");
     let schema = pg::unique_name("lost_schema");
     let data = pg::unique_name("lost_rows");
-    let _cleanup = DropOnExit {
-        schema: schema.clone(),
-        role: role.clone(),
-        data: data.clone(),
-    };
+    let _cleanup = cleanup(&schema, &role, &data);
     direct
         .batch_execute(&format!(
             "CREATE ROLE {role} LOGIN; CREATE SCHEMA {schema} AUTHORIZATION {role}; \
@@ -194,11 +175,7 @@ async fn review_a_floor_raises_the_rows_of_guards_still_open() {
     let role = pg::unique_name("floor_unused");
     let schema = pg::unique_name("floor_schema");
     let data = pg::unique_name("floor_rows");
-    let _cleanup = DropOnExit {
-        schema: schema.clone(),
-        role,
-        data: data.clone(),
-    };
+    let _cleanup = cleanup(&schema, &role, &data);
     direct
         .batch_execute(&format!(
             "CREATE SCHEMA {schema}; CREATE TABLE {data} (token bigint NOT NULL)"

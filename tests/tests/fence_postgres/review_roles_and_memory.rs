@@ -6,28 +6,6 @@ use std::time::Duration;
 use bytes::BytesMut;
 use lockd_tests::pg::{self, Attack};
 
-/// A database and role of one test, dropped (with psql, so it also runs while panicking) when
-/// the test ends.
-struct DropOnExit {
-    db: String,
-    role: String,
-}
-
-impl Drop for DropOnExit {
-    fn drop(&mut self) {
-        for sql in [
-            format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.db),
-            format!("DROP ROLE IF EXISTS {}", self.role),
-        ] {
-            let _ = std::process::Command::new("psql")
-                .args(["-X", "-q", "-h", pg::PG_HOST, "-U", pg::PG_USER, "-d"])
-                .arg(pg::PG_DATABASE)
-                .args(["-c", &sql])
-                .status();
-        }
-    }
-}
-
 /// Goal: the documented setup ("init as postgres, --grant-to app; applications cannot touch the
 /// fence") must hold when the application role owns its database, the usual way databases are
 /// created. It does not with the default `public.lockd_fence`: since Postgres 15 the `public`
@@ -56,10 +34,10 @@ async fn review13_database_owner_replaces_the_guard_in_public() {
         .await
         .unwrap();
     // Drops the database and role even when the test panics half-way.
-    let _cleanup = DropOnExit {
-        db: db.clone(),
-        role: role.clone(),
-    };
+    let _cleanup = pg::SqlOnDrop(vec![
+        format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"),
+        format!("DROP ROLE IF EXISTS {role}"),
+    ]);
     let upstream = format!(
         "postgres://{}@{}:{}/{db}",
         pg::PG_USER,
