@@ -280,6 +280,13 @@ export function classify(op: string, s: StatusInfo): AttemptKind {
   ) {
     return MAYBE_SENT;
   }
+  // lockd's own INTERNAL says OUTCOME_UNKNOWN: retry with the same request id.
+  if (
+    s.reason === 'OUTCOME_UNKNOWN' &&
+    (s.code === Code.CANCELLED || s.code === Code.UNKNOWN || s.code === Code.INTERNAL)
+  ) {
+    return MAYBE_SENT;
+  }
   // Only a waiting Acquire has a deadline of its own; elsewhere this says nothing final.
   if (s.code === Code.DEADLINE_EXCEEDED && (op !== 'acquire' || s.reason !== 'WAIT_TIMEOUT')) {
     return MAYBE_SENT;

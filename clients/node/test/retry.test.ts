@@ -219,6 +219,20 @@ describe('a refusal after an attempt that may have been granted (finding 2)', ()
   });
 });
 
+test("lockd's INTERNAL with OUTCOME_UNKNOWN is retried, and the Acquire ends with its request id", async () => {
+  const fake = await fakeAcquire((_attempt, callback) =>
+    callback(lockdStatus(grpc.status.INTERNAL, 'lockd: internal', 'OUTCOME_UNKNOWN', {})),
+  );
+  try {
+    const e = await failure(fake.endpoint, {});
+    assert.ok(e instanceof OutcomeUnknownError, `${e.name}: ${e.message}`);
+    assert.ok(fake.requestIds.length > 1, 'retried with the same id');
+    assert.equal(e.requestId, fake.requestIds[0]);
+  } finally {
+    fake.stop();
+  }
+});
+
 test('request ids are shown shortened, and kept in full on the error (finding 4)', async () => {
   const fake = await fakeAcquire((_attempt, callback) =>
     callback({ code: grpc.status.UNAVAILABLE, details: 'lockd: maybe' }),

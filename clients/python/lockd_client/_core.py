@@ -242,6 +242,13 @@ def classify(op: str, s: StatusInfo) -> str:
         grpc.StatusCode.INTERNAL,
     ):
         return MAYBE_SENT
+    # lockd's own INTERNAL says OUTCOME_UNKNOWN: retry with the same request id.
+    if s.reason == "OUTCOME_UNKNOWN" and code in (
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.INTERNAL,
+    ):
+        return MAYBE_SENT
     if code == grpc.StatusCode.DEADLINE_EXCEEDED and s.reason != "WAIT_TIMEOUT":
         return MAYBE_SENT
     return FINAL

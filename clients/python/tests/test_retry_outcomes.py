@@ -414,3 +414,21 @@ def test_review_clients2_finding6_release_outcome_tells_not_current_apart(first_
         assert asyncio.run(main()) == expected
     finally:
         fake.stop()
+
+
+# --- review of the fixes: lockd's own INTERNAL with OUTCOME_UNKNOWN -------------------------------
+
+
+def test_review_clients2_internal_with_outcome_unknown_is_maybe_sent():
+    """lockd answers INTERNAL with reason OUTCOME_UNKNOWN when it cannot tell what happened
+    (docs/api.md: retry with the same request id). That is "maybe sent", so an Acquire ends with
+    its request id, never as a protocol error without one."""
+    from lockd_client._core import MAYBE_SENT, FINAL, StatusInfo, classify
+
+    for code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED):
+        lockd_unknown = StatusInfo(code, "lockd: internal", "OUTCOME_UNKNOWN", {})
+        assert classify("acquire", lockd_unknown) == MAYBE_SENT
+        no_error_info = StatusInfo(code, "a proxy's", None, {})
+        assert classify("acquire", no_error_info) == MAYBE_SENT
+    other = StatusInfo(grpc.StatusCode.INTERNAL, "lockd: bad", "INVALID_FIELD", {})
+    assert classify("acquire", other) == FINAL

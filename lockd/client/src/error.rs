@@ -298,8 +298,12 @@ pub(crate) fn classify(op: Op, status: Status, endpoint: &str) -> AttemptFailure
             AttemptFailure::NotSent(describe(&status))
         }
         Code::Unavailable => AttemptFailure::MaybeSent(describe(&status)),
-        // A broken connection surfaces as UNKNOWN or CANCELLED with the I/O error as source.
-        Code::Unknown | Code::Cancelled | Code::Internal if from_transport => {
+        // A broken connection surfaces as UNKNOWN or CANCELLED with the I/O error as source; a
+        // proxy's INTERNAL carries no ErrorInfo, and lockd's own INTERNAL says OUTCOME_UNKNOWN
+        // (docs/clients.md rule 4): none says what happened to the request.
+        Code::Unknown | Code::Cancelled | Code::Internal
+            if from_transport || reason.is_none() || reason == Some(Reason::OutcomeUnknown) =>
+        {
             AttemptFailure::MaybeSent(describe(&status))
         }
         // Only a waiting Acquire has a deadline of its own, and lockd says so with WAIT_TIMEOUT;
@@ -463,8 +467,35 @@ mod tests {
             matches!(f, AttemptFailure::MaybeSent(ref m) if m.contains("e1")),
             "{f:?}"
         );
-        // Server-sent UNKNOWN (no transport source) is a final answer, not a retry.
-        let f = classify(Op::Acquire, Status::unknown("boom"), "e1");
+        // UNKNOWN, CANCELLED or INTERNAL without lockd's ErrorInfo (a proxy's), or lockd's own
+        // INTERNAL with OUTCOME_UNKNOWN, says nothing of the request: retried with the same id,
+        // so that an Acquire ends with its request id (review of the clients, second round:
+        // such an Acquire ended as a protocol error with no id, and lockctl exited 1).
+        for status in [
+            Status::unknown("boom"),
+            Status::internal("a proxy's"),
+            Status::cancelled("gone"),
+            lockd_api::errors::status(
+                Code::Internal,
+                "lockd: internal".into(),
+                Reason::OutcomeUnknown,
+                &[],
+            ),
+        ] {
+            let f = classify(Op::Acquire, status, "e1");
+            assert!(matches!(f, AttemptFailure::MaybeSent(_)), "{f:?}");
+        }
+        // With another reason of lockd's it is final.
+        let f = classify(
+            Op::Acquire,
+            lockd_api::errors::status(
+                Code::Internal,
+                "lockd: bad".into(),
+                Reason::InvalidField,
+                &[],
+            ),
+            "e1",
+        );
         assert!(matches!(f, AttemptFailure::Final(_)), "{f:?}");
         // DEADLINE_EXCEEDED is final only for a waiting Acquire, and only with lockd's
         // WAIT_TIMEOUT (review "clients" finding 2: a proxy's timeout is not "waited").
