@@ -295,13 +295,16 @@ class AsyncClient:
 
     async def release_outcome(self, resource: str, lease_id: str) -> core.ReleaseOutcome:
         """Gives ``lease_id`` up and says what happened (see :class:`ReleaseOutcome`)."""
+        return await self._release_within(resource, lease_id, self.call_timeout)
+
+    async def _release_within(self, resource: str, lease_id: str, seconds: float) -> core.ReleaseOutcome:
         core.check_resource(resource)
         reply, first_sent, sent = await self._call(
             "release",
             "Release",
             "Lock",
             pb.ReleaseRequest(resource=resource, lease_id=lease_id),
-            deadline=_now() + self.call_timeout,
+            deadline=_now() + seconds,
             attempt_timeout=self.attempt_timeout,
             resource=resource,
             lease_id=lease_id,
@@ -362,7 +365,12 @@ class AsyncClient:
                 released: Optional[bool] = None
                 if not isinstance(e, E.LeaseNotCurrent):  # nothing to release then
                     try:
-                        released = await self.release(resource, grant.lease_id)
+                        # Bounded by one attempt timeout (rule 10): the caller waits for
+                        # an answer, and the lease expires after its ttl anyway.
+                        released = (
+                            await self._release_within(resource, grant.lease_id, self.attempt_timeout)
+                            is core.ReleaseOutcome.RELEASED
+                        )
                     except E.LockdError:
                         pass  # it expires after its ttl
                 if not isinstance(e, E.LockdError):

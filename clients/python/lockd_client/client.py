@@ -398,13 +398,16 @@ class Client:
         """Gives ``lease_id`` up and says what happened: ``RELEASED``, ``NOT_CURRENT`` (nothing
         released), or ``NOT_CURRENT_AFTER_RETRY`` (a retry found it not current after an attempt
         that went unanswered and may have released it; docs/clients.md, rule 14)."""
+        return self._release_within(resource, lease_id, self.call_timeout)
+
+    def _release_within(self, resource: str, lease_id: str, seconds: float) -> core.ReleaseOutcome:
         core.check_resource(resource)
         reply, first_sent, sent = self._call(
             "release",
             "Release",
             "Lock",
             pb.ReleaseRequest(resource=resource, lease_id=lease_id),
-            deadline=_now() + self.call_timeout,
+            deadline=_now() + seconds,
             attempt_timeout=self.attempt_timeout,
             resource=resource,
             lease_id=lease_id,
@@ -471,7 +474,12 @@ class Client:
                 released: Optional[bool] = None
                 if not isinstance(e, E.LeaseNotCurrent):  # nothing to release then
                     try:
-                        released = self.release(resource, grant.lease_id)
+                        # Bounded by one attempt timeout (rule 10): the caller waits for
+                        # an answer, and the lease expires after its ttl anyway.
+                        released = (
+                            self._release_within(resource, grant.lease_id, self.attempt_timeout)
+                            is core.ReleaseOutcome.RELEASED
+                        )
                     except E.LockdError:
                         pass  # it expires after its ttl
                 if not isinstance(e, E.LockdError):
