@@ -16,7 +16,7 @@
 //! Once an earlier attempt of an `Acquire`, `Renew` or `Release` may have reached a node (or the
 //! caller gave the request id of an earlier call), a refusal without lockd's `decided_by =
 //! state_machine` mark becomes [`Error::OutcomeUnknown`]: it was decided before the request id
-//! was looked up and says nothing about that earlier attempt (see [`speaks_for_this_attempt_only`]).
+//! was looked up and says nothing about that earlier attempt (docs/clients.md, rule 6).
 
 use std::fmt;
 use std::time::Duration;
