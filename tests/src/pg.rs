@@ -663,6 +663,12 @@ impl RawConn {
     }
 
     /// Reads backend messages until ReadyForQuery (or the connection ends).
+    /// Sends `bytes` and reads the answer up to ReadyForQuery.
+    pub async fn exchange(&mut self, bytes: &[u8]) -> RawReply {
+        self.send(bytes).await;
+        self.read_until_ready().await
+    }
+
     pub async fn read_until_ready(&mut self) -> RawReply {
         use tokio::io::AsyncReadExt;
         let mut reply = RawReply::default();
@@ -871,6 +877,17 @@ pub mod wire {
 
     pub fn sync(out: &mut BytesMut) {
         frontend::sync(out);
+    }
+
+    /// A frame of type `tag` with this body, the length computed: for frames no encoder
+    /// would build (bytes after the last field, raw non-UTF-8 names).
+    pub fn frame(tag: u8, body: &[u8]) -> BytesMut {
+        use bytes::BufMut;
+        let mut out = BytesMut::with_capacity(body.len() + 5);
+        out.put_u8(tag);
+        out.put_i32(i32::try_from(body.len() + 4).unwrap_or(i32::MAX));
+        out.put_slice(body);
+        out
     }
 
     /// Parse, Bind and Execute of `sql` in the unnamed statement and portal.

@@ -648,14 +648,7 @@ fn execute_control(c: &mut Ctx<'_>) {
 /// (review of 2026-12-05, second round). The proxy ends the session.
 fn malformed_frame(c: &mut Ctx<'_>) {
     fn frame(tag: u8, body: &[u8]) -> Vec<u8> {
-        let mut f = vec![tag];
-        f.extend_from_slice(
-            &i32::try_from(body.len() + 4)
-                .unwrap_or(i32::MAX)
-                .to_be_bytes(),
-        );
-        f.extend_from_slice(body);
-        f
+        crate::pg::wire::frame(tag, body).to_vec()
     }
     let w = c.write();
     let extra: &[u8] = [&b"\0"[..], b"\x01", b"\0\0\0\0"][c.rng.random_range(0..3)];
@@ -822,14 +815,7 @@ fn internal_names(c: &mut Ctx<'_>) {
     const S: &str = "__lockd_fence_proxy_s";
     const P: &str = "__lockd_fence_proxy_p";
     fn frame(tag: u8, body: &[u8]) -> Vec<u8> {
-        let mut f = vec![tag];
-        f.extend_from_slice(
-            &i32::try_from(body.len() + 4)
-                .unwrap_or(i32::MAX)
-                .to_be_bytes(),
-        );
-        f.extend_from_slice(body);
-        f
+        crate::pg::wire::frame(tag, body).to_vec()
     }
     fn parse(name: &[u8], sql: &str) -> Vec<u8> {
         frame(b'P', &[name, b"\0", sql.as_bytes(), b"\0\0\0"].concat())

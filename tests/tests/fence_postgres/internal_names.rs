@@ -18,26 +18,11 @@
 //! The oracle is the table (no row of the stale token 41 committed) and, for 2, that a stale
 //! session's data statement never runs before its guard.
 
-use bytes::{BufMut, BytesMut};
+use bytes::BytesMut;
 use lockd_tests::pg::{Attack, RawConn, RawReply, wire};
 
 const S: &str = "__lockd_fence_proxy_s";
 const P: &str = "__lockd_fence_proxy_p";
-
-/// Sends `out` and reads the answer.
-async fn exchange(c: &mut RawConn, out: &[u8]) -> RawReply {
-    c.send(out).await;
-    c.read_until_ready().await
-}
-
-/// A frame of type `tag` with this body, length computed.
-fn frame(tag: u8, body: &[u8]) -> BytesMut {
-    let mut out = BytesMut::new();
-    out.put_u8(tag);
-    out.put_i32(i32::try_from(body.len() + 4).unwrap());
-    out.put_slice(body);
-    out
-}
 
 /// A Parse of `sql` under the raw statement name `name`.
 fn raw_parse(name: &[u8], sql: &str) -> BytesMut {
@@ -47,7 +32,7 @@ fn raw_parse(name: &[u8], sql: &str) -> BytesMut {
     body.extend_from_slice(sql.as_bytes());
     body.push(0);
     body.extend_from_slice(&0i16.to_be_bytes());
-    frame(b'P', &body)
+    wire::frame(b'P', &body)
 }
 
 /// A Bind of the unnamed portal to the raw statement name `statement`, no parameters.
@@ -58,7 +43,7 @@ fn raw_bind(statement: &[u8]) -> BytesMut {
     body.extend_from_slice(&0i16.to_be_bytes());
     body.extend_from_slice(&0i16.to_be_bytes());
     body.extend_from_slice(&0i16.to_be_bytes());
-    frame(b'B', &body)
+    wire::frame(b'B', &body)
 }
 
 /// A Close of the raw statement name `name`.
@@ -66,7 +51,7 @@ fn raw_close_statement(name: &[u8]) -> BytesMut {
     let mut body = vec![b'S'];
     body.extend_from_slice(name);
     body.push(0);
-    frame(b'C', &body)
+    wire::frame(b'C', &body)
 }
 
 /// The session's prepared statements as `name=statement`, read through the session itself.
@@ -110,20 +95,20 @@ async fn leave_internal_commit(c: &mut RawConn, dynamic: bool) -> Vec<String> {
         wire::parse("x", "SELECT 1", &mut out);
         wire::bind(P, "x", &mut out);
         wire::sync(&mut out);
-        let r = exchange(c, &out).await;
+        let r = c.exchange(&out).await;
         log.push(format!("Parse x, Bind {P} from x, Sync -> {r:?}"));
     }
     let mut out = BytesMut::new();
     wire::parse("", "SELEC", &mut out);
     wire::sync(&mut out);
-    let r = exchange(c, &out).await;
+    let r = c.exchange(&out).await;
     log.push(format!("Parse \"\" = SELEC, Sync -> {r:?}"));
     let mut out = BytesMut::new();
     wire::parse("c", "COMMIT", &mut out);
     wire::bind("", "c", &mut out);
     wire::execute("", &mut out);
     wire::sync(&mut out);
-    let r = exchange(c, &out).await;
+    let r = c.exchange(&out).await;
     log.push(format!("Parse c = COMMIT, Bind, Execute, Sync -> {r:?}"));
     let r = c.query("ROLLBACK").await;
     log.push(format!("ROLLBACK -> {r:?}"));
@@ -243,7 +228,7 @@ async fn review_failed_internal_commit_at_deferred_constraint() {
     let mut out = BytesMut::new();
     wire::run(&format!("INSERT INTO {d} VALUES (1), (1)"), &mut out);
     wire::sync(&mut out);
-    let r = exchange(&mut c, &out).await;
+    let r = c.exchange(&out).await;
     eprintln!("INSERT of two equal deferred-unique values, Sync -> {r:?}");
     assert_eq!(r.first_error(), "23505", "the COMMIT fails: {r:?}");
     let r = prepared(&mut c).await;
@@ -284,7 +269,7 @@ async fn review_statement_name_read_in_two_encodings() {
     let latin1 = b"\xe9";
     let mut out = raw_parse(utf8, "SHOW work_mem");
     wire::sync(&mut out);
-    let r = exchange(&mut c, &out).await;
+    let r = c.exchange(&out).await;
     log.push(format!("Parse é(UTF8) = SHOW, Sync -> {r:?}"));
     // Inside the client's block a SET is guard-free; outside, the proxy's block around it would
     // end through the (failing) commit guard and roll the SET back.
@@ -295,14 +280,14 @@ async fn review_statement_name_read_in_two_encodings() {
     let mut out = raw_close_statement(latin1);
     out.extend_from_slice(&raw_parse(latin1, &a.insert(41)));
     wire::sync(&mut out);
-    let r = exchange(&mut c, &out).await;
+    let r = c.exchange(&out).await;
     log.push(format!("Close, Parse é(LATIN1) = INSERT 41, Sync -> {r:?}"));
     let r = c.query("SET client_encoding = 'UTF8'").await;
     log.push(format!("SET client_encoding UTF8 -> {r:?}"));
     let mut out = raw_bind(utf8);
     wire::execute("", &mut out);
     wire::sync(&mut out);
-    let r = exchange(&mut c, &out).await;
+    let r = c.exchange(&out).await;
     let ran = r.completions.iter().any(|t| t.starts_with("INSERT"));
     log.push(format!("Bind/Execute é(UTF8), Sync -> {r:?}"));
     let r = c.query("COMMIT").await;
@@ -371,7 +356,7 @@ async fn review_reserved_and_non_ascii_names() {
     ] {
         let mut out = group;
         wire::sync(&mut out);
-        let r = exchange(&mut c, &out).await;
+        let r = c.exchange(&out).await;
         expect(format!("{what} {S}/{P}"), &r, "42939");
     }
     for sql in [
@@ -391,14 +376,14 @@ async fn review_reserved_and_non_ascii_names() {
     for (what, name) in [("UTF8 é", "\u{e9}".as_bytes()), ("LATIN1 é", &b"\xe9"[..])] {
         let mut out = raw_parse(name, "SELECT 1");
         wire::sync(&mut out);
-        let r = exchange(&mut c, &out).await;
+        let r = c.exchange(&out).await;
         expect(format!("Parse of non-ASCII name {what}"), &r, "42602");
     }
     // The DoS: an extended-protocol statement still works.
     let mut out = BytesMut::new();
     wire::run("SELECT 1", &mut out);
     wire::sync(&mut out);
-    let r = exchange(&mut c, &out).await;
+    let r = c.exchange(&out).await;
     eprintln!("extended SELECT 1 after the attempts -> {r:?}");
     if !r.errors.is_empty() {
         broken.push(format!("an ordinary extended-protocol SELECT fails: {r:?}"));

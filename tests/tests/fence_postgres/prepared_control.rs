@@ -14,22 +14,13 @@
 //! token); the attacker is fenced with the stale 41, or unfenced under `--require-fence`. The
 //! oracle is the table: no row of 41 committed.
 
-use bytes::{BufMut, BytesMut};
-use lockd_tests::pg::{Attack, RawConn, RawReply, wire};
+use bytes::BytesMut;
+use lockd_tests::pg::{Attack, RawConn, wire};
 use postgres_protocol::message::frontend;
 
 /// The attacker's session: fenced with the stale 41, or unfenced under `--require-fence`.
 async fn attacker(a: &Attack, require_fence: bool) -> RawConn {
     a.attacker((!require_fence).then_some(41)).await
-}
-
-/// A frame of type `tag` with this body, length computed.
-fn frame(tag: u8, body: &[u8]) -> BytesMut {
-    let mut out = BytesMut::new();
-    out.put_u8(tag);
-    out.put_i32(i32::try_from(body.len() + 4).unwrap());
-    out.put_slice(body);
-    out
 }
 
 /// A Parse of `sql` as statement `name`, no parameter types, with `extra` bytes after the
@@ -42,13 +33,7 @@ fn parse_with_trailing(name: &str, sql: &str, extra: &[u8]) -> BytesMut {
     body.push(0);
     body.extend_from_slice(&0i16.to_be_bytes());
     body.extend_from_slice(extra);
-    frame(b'P', &body)
-}
-
-/// Sends `out` and reads the answer (status `X` when the session was closed).
-async fn exchange(c: &mut RawConn, out: &[u8]) -> RawReply {
-    c.send(out).await;
-    c.read_until_ready().await
+    wire::frame(b'P', &body)
 }
 
 /// Goal (finding 1): a Parse frame the proxy does not fully understand never reaches the
@@ -72,7 +57,7 @@ async fn review_malformed_parse_keeps_a_prepared_commit() {
         wire::parse("", "COMMIT", &mut out);
         out.extend_from_slice(&parse_with_trailing("", "SELECT 1", b"\0"));
         wire::sync(&mut out);
-        let r = exchange(&mut c, &out).await;
+        let r = c.exchange(&out).await;
         eprintln!("require_fence={require_fence}: Parse COMMIT, malformed Parse, Sync -> {r:?}");
         if r.status == b'X' {
             // The session is gone: nothing more can be sent on it.
@@ -89,7 +74,7 @@ async fn review_malformed_parse_keeps_a_prepared_commit() {
             wire::bind("pw", "w", &mut out);
             wire::execute("pw", &mut out);
             wire::sync(&mut out);
-            let r = exchange(&mut c, &out).await;
+            let r = c.exchange(&out).await;
             eprintln!("require_fence={require_fence}: Bind/Execute pc, INSERT, Sync -> {r:?}");
             broken.push(format!(
                 "require_fence={require_fence}: the proxy forwarded a malformed Parse and kept the session"
@@ -121,7 +106,7 @@ async fn review_sql_execute_of_prepared_commit_by_a_zombie() {
     let mut out = BytesMut::new();
     wire::parse("c", "COMMIT", &mut out);
     wire::sync(&mut out);
-    let r = exchange(&mut c, &out).await;
+    let r = c.exchange(&out).await;
     assert!(r.errors.is_empty(), "Parse c = COMMIT: {r:?}");
     for sql in ["BEGIN".to_owned(), a.insert(41)] {
         let r = c.query(&sql).await;
@@ -158,7 +143,7 @@ async fn review_sql_execute_of_prepared_rollback_to_undoes_read_only() {
     wire::parse("rt", "ROLLBACK TO SAVEPOINT sp", &mut out);
     wire::parse("c", "COMMIT", &mut out);
     wire::sync(&mut out);
-    let r = exchange(&mut c, &out).await;
+    let r = c.exchange(&out).await;
     assert!(r.errors.is_empty(), "Parse rt, c: {r:?}");
     for sql in [
         "BEGIN".to_owned(),
@@ -231,7 +216,7 @@ async fn prepared_transaction_control_works_in_the_clients_place() {
         frontend::describe(b'S', name, &mut out).unwrap();
     }
     wire::sync(&mut out);
-    let r = exchange(&mut c, &out).await;
+    let r = c.exchange(&out).await;
     assert!(r.errors.is_empty(), "{r:?}");
     // ParseComplete, ParameterDescription, NoData, six times.
     assert_eq!(r.tags, b"1tn".repeat(6), "{r:?}");
@@ -249,7 +234,7 @@ async fn prepared_transaction_control_works_in_the_clients_place() {
     wire::run(&a.insert(7), &mut out);
     run(&["rt", "rel", "c"], &mut out);
     wire::sync(&mut out);
-    let r = exchange(&mut c, &out).await;
+    let r = c.exchange(&out).await;
     assert!(r.errors.is_empty(), "{r:?}");
     assert_eq!(
         r.completions,
@@ -275,7 +260,7 @@ async fn prepared_transaction_control_works_in_the_clients_place() {
     let mut out = BytesMut::new();
     wire::run("ROLLBACK", &mut out);
     wire::sync(&mut out);
-    let r = exchange(&mut c, &out).await;
+    let r = c.exchange(&out).await;
     assert!(r.errors.is_empty(), "{r:?}");
     assert_eq!(r.completions, ["ROLLBACK"], "{r:?}");
     assert_eq!(r.status, b'I');
@@ -286,7 +271,7 @@ async fn prepared_transaction_control_works_in_the_clients_place() {
     let mut out = BytesMut::new();
     run(&["c"], &mut out);
     wire::sync(&mut out);
-    let r = exchange(&mut c, &out).await;
+    let r = c.exchange(&out).await;
     assert!(r.errors.is_empty(), "{r:?}");
     assert_eq!(r.completions, ["ROLLBACK"], "{r:?}");
     assert_eq!(r.status, b'I');
@@ -317,25 +302,25 @@ async fn bind_after_a_failed_unnamed_parse_is_refused() {
     let mut out = BytesMut::new();
     wire::parse("", "SELECT 1", &mut out);
     wire::sync(&mut out);
-    let r = exchange(&mut c, &out).await;
+    let r = c.exchange(&out).await;
     assert!(r.errors.is_empty(), "{r:?}");
     let mut out = BytesMut::new();
     wire::parse("", "SELEC 1", &mut out);
     wire::sync(&mut out);
-    let r = exchange(&mut c, &out).await;
+    let r = c.exchange(&out).await;
     assert_eq!(r.first_error(), "42601", "{r:?}");
     let mut out = BytesMut::new();
     wire::bind("", "", &mut out);
     wire::execute("", &mut out);
     wire::sync(&mut out);
-    let r = exchange(&mut c, &out).await;
+    let r = c.exchange(&out).await;
     assert_eq!(r.first_error(), "26000", "{r:?}");
     assert!(r.errors[0].1.starts_with("fence-proxy: "), "{r:?}");
     assert_eq!(r.status, b'I');
     let mut out = BytesMut::new();
     wire::run("SELECT 2", &mut out);
     wire::sync(&mut out);
-    let r = exchange(&mut c, &out).await;
+    let r = c.exchange(&out).await;
     assert!(r.errors.is_empty(), "{r:?}");
     assert_eq!(r.completions, ["SELECT 1"], "{r:?}");
 }
@@ -362,36 +347,39 @@ async fn malformed_frames_end_the_session() {
         ),
         (
             "Parse declaring a type it does not carry",
-            frame(b'P', b"\0SELECT 1\0\0\x01"),
+            wire::frame(b'P', b"\0SELECT 1\0\0\x01"),
         ),
-        ("Parse without its count", frame(b'P', b"\0SELECT 1\0")),
+        (
+            "Parse without its count",
+            wire::frame(b'P', b"\0SELECT 1\0"),
+        ),
         (
             "Bind with two formats for no parameter",
-            frame(b'B', &bind_formats),
+            wire::frame(b'B', &bind_formats),
         ),
         (
             "Bind with a byte at the end",
-            frame(b'B', b"\0\0\0\0\0\0\0\0\0"),
+            wire::frame(b'B', b"\0\0\0\0\0\0\0\0\0"),
         ),
         (
             "Execute with a byte at the end",
-            frame(b'E', b"\0\0\0\0\0\0"),
+            wire::frame(b'E', b"\0\0\0\0\0\0"),
         ),
-        ("Execute without its row count", frame(b'E', b"\0")),
-        ("Describe of an unknown variant", frame(b'D', b"X\0")),
-        ("Close with a byte at the end", frame(b'C', b"S\0\0")),
-        ("Sync with a body", frame(b'S', b"\0")),
-        ("Flush with a body", frame(b'H', b"x")),
+        ("Execute without its row count", wire::frame(b'E', b"\0")),
+        ("Describe of an unknown variant", wire::frame(b'D', b"X\0")),
+        ("Close with a byte at the end", wire::frame(b'C', b"S\0\0")),
+        ("Sync with a body", wire::frame(b'S', b"\0")),
+        ("Flush with a body", wire::frame(b'H', b"x")),
         (
             "Query with a byte after its NUL",
-            frame(b'Q', b"COMMIT\0\0"),
+            wire::frame(b'Q', b"COMMIT\0\0"),
         ),
-        ("Query without its NUL", frame(b'Q', b"COMMIT")),
+        ("Query without its NUL", wire::frame(b'Q', b"COMMIT")),
         (
             "FunctionCall with a byte at the end",
-            frame(b'F', b"\0\0\0\x01\0\0\0\0\0\0\0"),
+            wire::frame(b'F', b"\0\0\0\x01\0\0\0\0\0\0\0"),
         ),
-        ("an unknown message type", frame(b'y', b"")),
+        ("an unknown message type", wire::frame(b'y', b"")),
     ];
     let mut broken = Vec::new();
     for require_fence in [false, true] {
@@ -405,7 +393,7 @@ async fn malformed_frames_end_the_session() {
             wire::sync(&mut out);
             wire::run("COMMIT", &mut out);
             wire::sync(&mut out);
-            let r = exchange(&mut c, &out).await;
+            let r = c.exchange(&out).await;
             eprintln!("require_fence={require_fence}: {what} -> {r:?}");
             let fatal = r.status == b'X'
                 && r.first_error() == "08P01"
