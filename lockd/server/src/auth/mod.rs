@@ -443,6 +443,20 @@ impl Auth {
         Err(status)
     }
 
+    /// Whether a reply that lists resources of every tenant (Status's hot lists) may name
+    /// `resource` to `caller`: in open mode always; under a policy only to an identity granted
+    /// `admin` or `describe` of that resource, since a resource's name is its tenant's business
+    /// (`customer-4711/payroll-run`) and the caller could not Describe it either. Neither counted
+    /// nor logged: it refuses no call, it leaves names out.
+    pub fn may_list(&self, caller: &Caller, resource: &str) -> bool {
+        let Some(policy) = &self.policy else {
+            return true;
+        };
+        let identity = caller.identity.as_deref().unwrap_or("anonymous");
+        policy.allows(identity, Operation::Admin, None)
+            || policy.allows(identity, Operation::Describe, Some(resource))
+    }
+
     /// Whether a policy (`--auth-policy`) decides who may do what; `false` in open mode.
     pub fn has_policy(&self) -> bool {
         self.policy.is_some()

@@ -1,5 +1,6 @@
 //! `lockd.v1.Cluster`: this node's view of the cluster (`Status`, answered locally, never
-//! forwarded, so an operator can ask every node what it sees), and the admin calls on the
+//! forwarded, so an operator can ask every node what it sees; under a policy its hot lists name
+//! only the resources the caller may describe), and the admin calls on the
 //! sequencer signing keys (`SigningKeys`, `RotateSigningKey`), which the leader answers.
 //!
 //! `SaveSnapshot` (admin) streams a backup from the leader (`service/snapshot.rs`).
@@ -27,6 +28,7 @@ use tonic::{Request, Response, Status};
 
 use super::errors;
 use crate::node::NodeCtx;
+use crate::observe::hot::{HOT_ACQUIRES_TRACKED, HOT_QUEUES_TRACKED};
 use crate::raft::NodeId;
 
 /// How long an admin call waits for a leader to be known, as Lock calls do.
@@ -338,7 +340,8 @@ impl Cluster for ClusterService {
         &self,
         req: Request<StatusRequest>,
     ) -> Result<Response<StatusResponse>, Status> {
-        self.ctx
+        let caller = self
+            .ctx
             .auth
             .authorize(&req, crate::auth::Operation::Status, None)?;
         let m = self.ctx.raft.metrics().borrow().clone();
@@ -346,6 +349,16 @@ impl Cluster for ClusterService {
         // O(k), so Status never scans the table or holds a lock that apply waits for.
         let stats = self.ctx.sm.read().expect("state lock").table.stats();
         let hot = &self.ctx.hub.hot;
+        // Under a policy the lists name only what the caller may describe (admins see all):
+        // from every tracked entry, so that a caller still gets its own top ten when other
+        // tenants' resources are hotter. Open mode lists the top ten as they are.
+        let auth = &self.ctx.auth;
+        let listed = |r: &str| auth.may_list(&caller, r);
+        let (acquires_scanned, queues_scanned) = if auth.has_policy() {
+            (HOT_ACQUIRES_TRACKED, HOT_QUEUES_TRACKED)
+        } else {
+            (HOT_RESOURCES_LISTED, HOT_RESOURCES_LISTED)
+        };
         let applied = m.last_applied.map(|l| l.index).unwrap_or(0);
         let commit = self.ctx.committed.load(Ordering::Relaxed).max(applied);
         let members = m
@@ -376,8 +389,10 @@ impl Cluster for ClusterService {
             role: role.into(),
             lag: commit.saturating_sub(applied),
             hot_by_acquires: hot
-                .top_by_acquires(HOT_RESOURCES_LISTED)
+                .top_by_acquires(acquires_scanned)
                 .into_iter()
+                .filter(|(resource, ..)| listed(resource))
+                .take(HOT_RESOURCES_LISTED)
                 .map(|(resource, acquires, waiters)| HotResource {
                     resource,
                     acquires,
@@ -385,8 +400,10 @@ impl Cluster for ClusterService {
                 })
                 .collect(),
             hot_by_waiters: hot
-                .top_by_waiters(HOT_RESOURCES_LISTED)
+                .top_by_waiters(queues_scanned)
                 .into_iter()
+                .filter(|(resource, _)| listed(resource))
+                .take(HOT_RESOURCES_LISTED)
                 .map(|(resource, waiters)| HotResource {
                     resource,
                     acquires: 0,

@@ -6,9 +6,11 @@
 //! - `cert:alice (client)`: tenant `tenant-a/` and the shared prefix `shared/`;
 //! - `cert:bob (client)` and `token:ci`: tenant `tenant-b/` and `shared/`;
 //! - `cert:ops (client)`: status and admin only;
+//! - `cert:b-monitor (client)`: status, and describe of tenant `tenant-b/` only;
 //! - `anonymous`: status only (the harness waits for a leader with anonymous status calls).
 
 mod backup;
+mod hot;
 mod identity;
 mod tenants;
 
@@ -44,6 +46,12 @@ operations = ["acquire", "renew", "release", "describe"]
 [[grant]]
 identities = ["cert:ops (client)"]
 operations = ["status", "admin"]
+
+# Tenant B's monitoring: the cluster status, and its own tenant's locks.
+[[grant]]
+identities = ["cert:b-monitor (client)"]
+resources = ["tenant-b/"]
+operations = ["describe", "status"]
 
 [[grant]]
 identities = ["anonymous"]
