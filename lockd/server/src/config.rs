@@ -235,6 +235,10 @@ pub struct NodeConfig {
     /// `--allow-membership-without-policy`: without a policy, membership changes and leader
     /// transfers for anyone who reaches the port.
     pub(crate) allow_membership_without_policy: bool,
+    /// `lockd dev`: the admin calls (membership, leader transfer, key rotation, backup) only from
+    /// processes of this node's user, with TLS as without (`crate::local_peer`): a dev cluster
+    /// answers them without a policy, on a port every local user reaches.
+    pub(crate) admin_own_user_only: bool,
     /// `--join`: this node is being added to a running cluster (`lockctl member add`). It never
     /// proposes an initial membership, whatever its peers answer; it waits for the leader.
     pub(crate) join: bool,
@@ -293,6 +297,7 @@ impl NodeConfig {
             auth: None,
             allow_backup_without_policy: false,
             allow_membership_without_policy: false,
+            admin_own_user_only: false,
             join: false,
         })
     }
@@ -380,6 +385,14 @@ impl NodeConfig {
     /// `service::membership::may_change`); without it, they answer none.
     pub fn allow_membership_without_policy(mut self, allow: bool) -> Self {
         self.allow_membership_without_policy = allow;
+        self
+    }
+
+    /// Keeps the admin calls (membership, leader transfer, key rotation, backup) to processes of
+    /// this node's user, with TLS as without (`lockd dev`; see `crate::local_peer`). Without TLS
+    /// on loopback they are kept so anyway.
+    pub fn admin_calls_from_own_user_only(mut self, only: bool) -> Self {
+        self.admin_own_user_only = only;
         self
     }
 

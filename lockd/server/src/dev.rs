@@ -14,8 +14,9 @@ pub(crate) const DEV_METRICS_PORTS: [u16; 3] = [9101, 9102, 9103];
 
 /// Runs `lockd dev`: three nodes on `host` (ports 7001-7003, metrics 9101-9103) with their data
 /// under `data_dir` (and, with `tls`, certificates made for them there), answering backups when
-/// `allow_backup_without_policy` and membership changes from any caller (a dev cluster has no
-/// policy), until `shutdown` is cancelled or a node fails.
+/// `allow_backup_without_policy` and membership changes (a dev cluster has no policy) to
+/// processes of this user only, with TLS as without, until `shutdown` is cancelled or a node
+/// fails. `host` must be a loopback address.
 pub async fn run(
     data_dir: PathBuf,
     host: std::net::Ipv4Addr,
@@ -24,6 +25,10 @@ pub async fn run(
     allow_backup_without_policy: bool,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
+    // A dev cluster answers admin calls without a policy: never to the network.
+    if !host.is_loopback() {
+        anyhow::bail!("--host {host} is not a loopback address: `lockd dev` binds only 127.x.y.z");
+    }
     let certs = if tls {
         Some(crate::tls::dev::make(&data_dir.join("tls"), host, 3)?)
     } else {
@@ -62,8 +67,11 @@ pub async fn run(
             None => Ok(c),
         })
         .map(|c| c.allow_backup_without_policy(allow_backup_without_policy))
-        // A dev cluster on loopback is the place to try `lockctl member` and `leader transfer`.
+        // A dev cluster on loopback is the place to try `lockctl member` and `leader transfer`:
+        // for this user's processes only, with TLS too (`local_peer::LocalPeers::AdminSameUser`),
+        // since the other local users reach the port as well.
         .map(|c| c.allow_membership_without_policy(true))
+        .map(|c| c.admin_calls_from_own_user_only(true))
         .map_err(|e| anyhow::anyhow!(e))?;
         nodes.push(node::start(config, shutdown.clone()).await?);
     }

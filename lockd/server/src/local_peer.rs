@@ -14,6 +14,12 @@
 //! operator, run as. With TLS the certificates decide instead; with `--insecure-plaintext` the
 //! operator chose to trust the network, and nothing is checked.
 //!
+//! The admin calls (membership, leader transfer, key rotation, backup) are kept to the same user
+//! in that mode too, since `lockd dev` answers them without a policy; and `lockd dev --tls` keeps
+//! them so as well ([`LocalPeers::AdminSameUser`]): without a client CA, TLS tells nothing about
+//! who calls, and every local user reaches the port. The lookup works on any local socket, TLS or
+//! not.
+//!
 //! How: the caller's socket is the one whose local address is the connection's remote address
 //! and whose remote address is the connection's local one, a 4-tuple no other live socket of the
 //! network namespace has. On Linux its owner is the `uid` column of its line in `/proc/net/tcp`
@@ -38,7 +44,7 @@ use futures::future::{BoxFuture, Either};
 use tokio::sync::oneshot;
 use tonic::body::Body;
 use tonic::server::NamedService;
-use tonic::transport::server::TcpConnectInfo;
+use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
 
 use crate::auth::FORWARDED_IDENTITY_HEADER;
 use lockd_api::FORWARDED_HEADER;
@@ -56,6 +62,10 @@ pub enum LocalPeers {
     Unchecked,
     /// A plaintext loopback port: only connections whose socket belongs to this user id.
     SameUser(u32),
+    /// TLS is on (certificates decide who is a member), but the node answers admin calls
+    /// without a policy (`lockd dev --tls`): those calls only from connections whose socket
+    /// belongs to this user id; nothing else is checked here.
+    AdminSameUser(u32),
 }
 
 /// The owner of a connection's peer socket as the kernel reported it (the reason it is not
@@ -66,12 +76,24 @@ pub(crate) struct PeerOwner(pub Result<u32, String>);
 impl LocalPeers {
     /// The mode of a node: [`LocalPeers::SameUser`] with this process's effective uid when TLS
     /// is off and `--insecure-plaintext` was not given (then `--listen` is on loopback:
-    /// `NodeConfig::with_security` refuses anything else).
-    pub fn of(tls: bool, insecure_plaintext: bool) -> Self {
-        if tls || insecure_plaintext {
+    /// `NodeConfig::with_security` refuses anything else); [`LocalPeers::AdminSameUser`] with
+    /// TLS when `admin_own_user_only` (`lockd dev --tls`).
+    pub fn of(tls: bool, insecure_plaintext: bool, admin_own_user_only: bool) -> Self {
+        let uid = || nix::unistd::geteuid().as_raw();
+        if tls && admin_own_user_only {
+            LocalPeers::AdminSameUser(uid())
+        } else if tls || insecure_plaintext {
             LocalPeers::Unchecked
         } else {
-            LocalPeers::SameUser(nix::unistd::geteuid().as_raw())
+            LocalPeers::SameUser(uid())
+        }
+    }
+
+    /// The user id whose sockets this mode looks up, if it looks any up.
+    pub fn uid(&self) -> Option<u32> {
+        match *self {
+            LocalPeers::Unchecked => None,
+            LocalPeers::SameUser(uid) | LocalPeers::AdminSameUser(uid) => Some(uid),
         }
     }
 
@@ -82,19 +104,40 @@ impl LocalPeers {
         let LocalPeers::SameUser(uid) = *self else {
             return None;
         };
-        let whose = match owner {
-            Some(PeerOwner(Ok(theirs))) if *theirs == uid => return None,
-            Some(PeerOwner(Ok(theirs))) => format!("this connection belongs to uid {theirs}"),
-            Some(PeerOwner(Err(why))) => {
-                format!("the owner of this connection is not known ({why})")
-            }
-            None => "the owner of this connection was not looked up".to_owned(),
-        };
+        let whose = not_same_user(owner, uid)?;
         Some(format!(
             "{what}: on a plaintext loopback port only processes of the same user (uid {uid}) \
              may call the cluster's internal services; {whose}"
         ))
     }
+
+    /// Why an admin call (`method`, one of [`ADMIN_METHODS`]) is refused, or `None` when it may
+    /// go on: in both checked modes only this user's processes may make one.
+    pub(crate) fn admin_refusal(&self, owner: Option<&PeerOwner>, method: &str) -> Option<String> {
+        match *self {
+            LocalPeers::Unchecked => None,
+            LocalPeers::SameUser(_) => self.refusal(owner, &format!("{method} refused")),
+            LocalPeers::AdminSameUser(uid) => {
+                let whose = not_same_user(owner, uid)?;
+                Some(format!(
+                    "{method} refused: this node answers admin calls without a policy (`lockd \
+                     dev`), so only processes of the same user (uid {uid}) may make them; {whose}"
+                ))
+            }
+        }
+    }
+}
+
+/// Why `owner` is not `uid` (for a message), or `None` when it is.
+fn not_same_user(owner: Option<&PeerOwner>, uid: u32) -> Option<String> {
+    Some(match owner {
+        Some(PeerOwner(Ok(theirs))) if *theirs == uid => return None,
+        Some(PeerOwner(Ok(theirs))) => format!("this connection belongs to uid {theirs}"),
+        Some(PeerOwner(Err(why))) => {
+            format!("the owner of this connection is not known ({why})")
+        }
+        None => "the owner of this connection was not looked up".to_owned(),
+    })
 }
 
 /// Wraps a service so that each call that needs it carries its connection's `PeerOwner`: every
@@ -154,11 +197,17 @@ where
             .path()
             .rsplit_once('/')
             .and_then(|(_, method)| ADMIN_METHODS.iter().find(|m| **m == method));
-        let needed = matches!(self.mode, LocalPeers::SameUser(_))
-            && (self.all
-                || admin.is_some()
-                || req.headers().contains_key(FORWARDED_HEADER)
-                || req.headers().contains_key(FORWARDED_IDENTITY_HEADER));
+        let needed = match self.mode {
+            LocalPeers::Unchecked => false,
+            LocalPeers::SameUser(_) => {
+                self.all
+                    || admin.is_some()
+                    || req.headers().contains_key(FORWARDED_HEADER)
+                    || req.headers().contains_key(FORWARDED_IDENTITY_HEADER)
+            }
+            // With TLS the internal services and the forwarding headers are the certificates'.
+            LocalPeers::AdminSameUser(_) => admin.is_some(),
+        };
         if !needed {
             return Either::Left(self.inner.call(req));
         }
@@ -168,6 +217,11 @@ where
         let addresses = req
             .extensions()
             .get::<TcpConnectInfo>()
+            .or_else(|| {
+                req.extensions()
+                    .get::<TlsConnectInfo<TcpConnectInfo>>()
+                    .map(TlsConnectInfo::get_ref)
+            })
             .and_then(|c| Some((c.local_addr()?, c.remote_addr()?)));
         if let Some(method) = admin {
             req.extensions_mut().insert(AdminCall(method));
@@ -181,7 +235,8 @@ where
 }
 
 /// The Cluster calls that change who is in the cluster, who leads, or which key signs, or that
-/// take a backup (the keys included): on a loopback port without TLS, this node's user's only.
+/// take a backup (the keys included): on a loopback port without TLS, and in `lockd dev --tls`,
+/// this node's user's only.
 const ADMIN_METHODS: [&str; 6] = [
     "AddMember",
     "PromoteMember",
@@ -572,6 +627,44 @@ mod tests {
         assert!(e.contains("not known (gone)"), "{e}");
         assert!(mode.refusal(None, "x").unwrap().contains("not looked up"));
         assert_eq!(LocalPeers::Unchecked.refusal(None, "x"), None);
+    }
+
+    /// Goal: with TLS in `lockd dev` (`AdminSameUser`) the admin calls are kept to the node's
+    /// user, while the internal services and forwarding headers are left to the certificates.
+    #[test]
+    fn dev_tls_keeps_admin_calls_only_to_the_own_user() {
+        assert_eq!(
+            LocalPeers::of(true, false, true),
+            LocalPeers::AdminSameUser(nix::unistd::geteuid().as_raw())
+        );
+        assert_eq!(LocalPeers::of(true, false, false), LocalPeers::Unchecked);
+        let mode = LocalPeers::AdminSameUser(1000);
+        assert_eq!(
+            mode.refusal(Some(&PeerOwner(Ok(65534))), "raft message refused"),
+            None
+        );
+        assert_eq!(
+            mode.admin_refusal(Some(&PeerOwner(Ok(1000))), "TransferLeader"),
+            None
+        );
+        let e = mode
+            .admin_refusal(Some(&PeerOwner(Ok(65534))), "TransferLeader")
+            .unwrap();
+        assert!(
+            e.starts_with("TransferLeader refused: ")
+                && e.contains("uid 1000")
+                && e.contains("belongs to uid 65534"),
+            "{e}"
+        );
+        assert!(mode.admin_refusal(None, "AddMember").is_some());
+        // Without TLS the admin calls are kept as before; unchecked, not at all.
+        assert!(
+            LocalPeers::SameUser(1000)
+                .admin_refusal(Some(&PeerOwner(Ok(65534))), "AddMember")
+                .unwrap()
+                .starts_with("AddMember refused: ")
+        );
+        assert_eq!(LocalPeers::Unchecked.admin_refusal(None, "AddMember"), None);
     }
 
     /// Goal: the lookup finds the owner of a real loopback connection, in both directions, and

@@ -135,7 +135,8 @@ enum Cmd {
         #[arg(long, default_value = "lockd-dev-data")]
         data_dir: PathBuf,
         /// Loopback address to bind (any 127.x.y.z), so several dev clusters can run side by side.
-        #[arg(long, default_value = "127.0.0.1")]
+        /// Anything else is refused: a dev cluster answers membership changes without a policy.
+        #[arg(long, default_value = "127.0.0.1", value_parser = loopback_host)]
         host: std::net::Ipv4Addr,
         /// TLS with a throwaway CA and node certificates made in DATA_DIR/tls (ca.pem is what
         /// lockctl needs as --cacert).
@@ -175,6 +176,23 @@ enum Cmd {
     },
     #[command(flatten)]
     Docs(DocsCommand),
+}
+
+/// `lockd dev --host`: an IPv4 loopback address (127.x.y.z). A dev cluster runs without a policy
+/// and answers membership changes and leader transfers, so it must not be reachable from the
+/// network (`0.0.0.0` or a host address would serve it to everyone who reaches the machine).
+fn loopback_host(s: &str) -> Result<std::net::Ipv4Addr, String> {
+    let host: std::net::Ipv4Addr = s
+        .parse()
+        .map_err(|e| format!("{s:?} is not an IPv4 address ({e})"))?;
+    if !host.is_loopback() {
+        return Err(format!(
+            "{host} is not a loopback address: `lockd dev` binds only 127.x.y.z, since it \
+             answers membership changes and leader transfers without a policy; run `lockd` \
+             with --auth-policy to serve other hosts"
+        ));
+    }
+    Ok(host)
 }
 
 /// Bad flags: one line like every other lockd error; the usage is what `lockd --help` shows.

@@ -454,7 +454,11 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
     // Without TLS and without --insecure-plaintext (so on loopback), the internal services are
     // served to this user's processes only, and the members' ports must be this user's too
     // (`crate::local_peer`).
-    let local_peers = LocalPeers::of(tls.is_some(), config.insecure_plaintext);
+    let local_peers = LocalPeers::of(
+        tls.is_some(),
+        config.insecure_plaintext,
+        config.admin_own_user_only,
+    );
     let mut dial = dial;
     if let LocalPeers::SameUser(uid) = local_peers {
         dial.same_user = Some(uid);
@@ -582,17 +586,34 @@ pub async fn start(config: NodeConfig, shutdown: CancellationToken) -> anyhow::R
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .map_err(|e| anyhow::anyhow!("binding --listen {}: {e}", config.listen))?;
-    if let LocalPeers::SameUser(uid) = local_peers {
-        // The owners of connecting sockets must be readable, or no peer would ever be served.
+    if let Some(uid) = local_peers.uid() {
+        // The owners of connecting sockets must be readable, or no peer would ever be served:
+        // a plaintext loopback node refuses to start without them. `lockd dev --tls` starts
+        // anyway (its replicas are certificates' business) and refuses the admin calls, as
+        // every call whose owner is not known.
         let bound = listener.local_addr()?;
-        tokio::task::spawn_blocking(move || crate::local_peer::check_available(bound, uid))
-            .await?
-            .map_err(|e| anyhow::anyhow!(e))?;
-        tracing::info!(
-            uid,
-            "lockd: plaintext loopback port: the internal services (Raft, forwarding) are served \
-             only to processes of this user"
-        );
+        let available =
+            tokio::task::spawn_blocking(move || crate::local_peer::check_available(bound, uid))
+                .await?;
+        match (local_peers, available) {
+            (LocalPeers::SameUser(_), Err(e)) => anyhow::bail!(e),
+            (LocalPeers::SameUser(_), Ok(())) => tracing::info!(
+                uid,
+                "lockd: plaintext loopback port: the internal services (Raft, forwarding) are \
+                 served only to processes of this user"
+            ),
+            (_, Ok(())) => tracing::info!(
+                uid,
+                "lockd: admin calls (membership, leader transfer, key rotation, backup) are \
+                 served only to processes of this user"
+            ),
+            (_, Err(e)) => tracing::warn!(
+                uid,
+                "lockd: admin calls (membership, leader transfer, key rotation, backup) will be \
+                 refused to every caller: they are served only to processes of this user, and \
+                 the owner of a connection cannot be found here: {e}"
+            ),
+        }
     }
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     tokio::spawn(watch_leadership(

@@ -577,8 +577,31 @@ pub(crate) mod dev {
         }
     }
 
+    /// A private key file: readable by this user only (0600), also when it replaces one. Whoever
+    /// reads a node's key is a member to the others (`ca.pem` and the certificates are public).
+    fn write_private(path: &Path, text: &str) -> anyhow::Result<()> {
+        use std::io::Write;
+        use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+        let failed = |e: std::io::Error| anyhow::anyhow!("writing {}: {e}", path.display());
+        // An older file keeps its mode through a truncating open: remove it first.
+        match std::fs::remove_file(path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(failed(e)),
+            _ => {}
+        }
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(path)
+            .map_err(failed)?;
+        file.set_permissions(std::fs::Permissions::from_mode(0o600))
+            .map_err(failed)?;
+        file.write_all(text.as_bytes()).map_err(failed)
+    }
+
     /// A new CA and `nodes` node certificates in `dir` (replacing what is there), each naming
-    /// `node-<id>.<DEFAULT_CLUSTER_ID>.lockd`, `localhost` and `host`.
+    /// `node-<id>.<DEFAULT_CLUSTER_ID>.lockd`, `localhost` and `host`; the keys readable by this
+    /// user only.
     pub fn make(dir: &Path, host: Ipv4Addr, nodes: u64) -> anyhow::Result<DevCerts> {
         std::fs::create_dir_all(dir)
             .map_err(|e| anyhow::anyhow!("creating {}: {e}", dir.display()))?;
@@ -616,7 +639,7 @@ pub(crate) mod dev {
             let key = KeyPair::generate()?;
             let cert = params.signed_by(&key, &ca)?;
             write(format!("node{id}.pem"), cert.pem())?;
-            write(format!("node{id}-key.pem"), key.serialize_pem())?;
+            write_private(&dir.join(format!("node{id}-key.pem")), &key.serialize_pem())?;
         }
         Ok(DevCerts {
             ca: dir.join("ca.pem"),
@@ -627,6 +650,25 @@ pub(crate) mod dev {
 
 #[cfg(test)]
 mod tests {
+    /// Goal (review of 2026-12-05, third round, finding 2): `lockd dev --tls` writes the node
+    /// keys readable by this user only, also over files an older version left readable by all.
+    /// Method: make the certificates twice in one folder, the second time over a 0644 key.
+    #[test]
+    fn dev_node_keys_are_private() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        let certs = super::dev::make(dir.path(), std::net::Ipv4Addr::LOCALHOST, 2).unwrap();
+        let (cert, key) = certs.node(1);
+        assert_eq!(mode(&key), 0o600);
+        assert_eq!(mode(&cert) & 0o044, 0o044, "certificates stay readable");
+        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let certs = super::dev::make(dir.path(), std::net::Ipv4Addr::LOCALHOST, 2).unwrap();
+        for id in 1..=2 {
+            assert_eq!(mode(&certs.node(id).1), 0o600, "node {id}");
+        }
+    }
+
     /// Goal: a peer name's dead or unreachable addresses before a live one do not stop the dial,
     /// and when none answers the error names each address and why.
     #[tokio::test]

@@ -27,7 +27,7 @@ use tonic::transport::Channel;
 /// Set in the environment of the probe process: what it should call (see [`Spec`]).
 const PROBE_ENV: &str = "LOCKD_TEST_LOOPBACK_PROBE";
 /// The user the probe runs as: `nobody` on most systems, never the nodes' user here.
-const FOREIGN_UID: u32 = 65534;
+pub(crate) const FOREIGN_UID: u32 = 65534;
 /// The probe's full test name, as `--exact` takes it.
 const PROBE_TEST: &str = "loopback::foreign_user_probe";
 /// The cluster id of a default test cluster (no TLS).
@@ -102,7 +102,11 @@ fn member_request<T>(msg: T, incarnation: Option<&str>) -> tonic::Request<T> {
 }
 
 /// One line the parent reads: `PROBE <name> <code> <message>`.
-fn report<T>(name: &str, outcome: Result<T, tonic::Status>, ok: impl FnOnce(T) -> String) {
+pub(crate) fn report<T>(
+    name: &str,
+    outcome: Result<T, tonic::Status>,
+    ok: impl FnOnce(T) -> String,
+) {
     let (code, message) = match outcome {
         Ok(v) => ("Ok".to_owned(), ok(v)),
         Err(s) => (format!("{:?}", s.code()), s.message().to_owned()),
@@ -273,11 +277,29 @@ async fn foreign_user_probe() {
 }
 
 /// The outcomes the probe reported, by call name: (code, message).
-type Outcomes = std::collections::HashMap<String, (String, String)>;
+pub(crate) type Outcomes = std::collections::HashMap<String, (String, String)>;
 
 /// Runs [`foreign_user_probe`] as uid [`FOREIGN_UID`] against `spec`; `Err` with the reason
 /// when this machine cannot run a process as another user.
 async fn probe_as_another_user(spec: &Spec) -> Result<Outcomes, String> {
+    run_probe_as_another_user(
+        PROBE_TEST,
+        PROBE_ENV,
+        &spec.encode(),
+        INTERNAL.len() + CLIENT.len(),
+    )
+    .await
+}
+
+/// Runs this test binary's test `probe_test` as uid [`FOREIGN_UID`] with `env=value` in its
+/// environment, and collects the `PROBE` lines it prints ([`report`]); it must print `expected`
+/// of them. `Err` with the reason when this machine cannot run a process as another user.
+pub(crate) async fn run_probe_as_another_user(
+    probe_test: &str,
+    env: &str,
+    value: &str,
+    expected: usize,
+) -> Result<Outcomes, String> {
     use std::os::unix::fs::PermissionsExt;
     let own = std::env::current_exe().map_err(|e| format!("current_exe: {e}"))?;
     // A copy the other user can reach: the checkout (and so this binary) may sit in a home
@@ -290,9 +312,9 @@ async fn probe_as_another_user(spec: &Spec) -> Result<Outcomes, String> {
             .map_err(|e| format!("chmod {}: {e}", path.display()))?;
     }
     let mut cmd = tokio::process::Command::new(&exe);
-    cmd.args([PROBE_TEST, "--exact", "--nocapture", "--test-threads", "1"])
+    cmd.args([probe_test, "--exact", "--nocapture", "--test-threads", "1"])
         .current_dir(dir.path())
-        .env(PROBE_ENV, spec.encode())
+        .env(env, value)
         .env("RUST_LOG", "off")
         .uid(FOREIGN_UID)
         .gid(FOREIGN_UID)
@@ -324,7 +346,7 @@ async fn probe_as_another_user(spec: &Spec) -> Result<Outcomes, String> {
         })
         .collect();
     assert!(
-        out.status.success() && outcomes.len() == INTERNAL.len() + CLIENT.len(),
+        out.status.success() && outcomes.len() == expected,
         "the probe as uid {FOREIGN_UID} failed ({}): stdout:\n{stdout}\nstderr:\n{}",
         out.status,
         String::from_utf8_lossy(&out.stderr)

@@ -8,6 +8,7 @@
 //! - `windows`: what a client's HTTP/2 windows and unread socket can make a node hold.
 //! - `replication`: forged Raft messages are refused and change nothing; the plaintext mode's checks.
 //! - `loopback`: a plaintext loopback port serves its internal services to its own user only.
+//! - `dev`: `lockd dev` stays on loopback and keeps admin calls to its own user, with TLS too.
 //! - `transport`: `lockctl` over TLS, certificate reload under load.
 //! - `authz`: tenants, request ids, bearer tokens, forwarded identities and the policy's checks.
 
@@ -18,6 +19,8 @@
 
 mod authz;
 mod connections;
+#[cfg(target_os = "linux")]
+mod dev;
 #[cfg(target_os = "linux")]
 mod loopback;
 mod replication;

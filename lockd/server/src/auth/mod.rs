@@ -180,6 +180,17 @@ impl Auth {
         let md = req.metadata();
         let marked = md.contains_key(FORWARDED_HEADER);
         let claims_forward = marked || md.contains_key(FORWARDED_IDENTITY_HEADER);
+        // Changing the membership (or the leader, the signing key, or taking a backup with the
+        // keys) hands the cluster to whoever calls: on a plaintext loopback port, where `lockd
+        // dev` allows it without a policy, and in `lockd dev --tls`, only this node's user's
+        // processes may.
+        if let Some(crate::local_peer::AdminCall(method)) = req.extensions().get().copied()
+            && let Some(why) = self
+                .local
+                .admin_refusal(req.extensions().get::<PeerOwner>(), method)
+        {
+            return Err(errors::unauthenticated(why));
+        }
         if self.tls.is_none() {
             // Without TLS nothing can be authenticated (and no policy is allowed): the mark only
             // keeps a forwarded call from being forwarded again. On a loopback port only this
@@ -188,17 +199,6 @@ impl Auth {
                 && let Some(why) = self.local.refusal(
                     req.extensions().get::<PeerOwner>(),
                     &format!("{FORWARDED_HEADER} and {FORWARDED_IDENTITY_HEADER} refused"),
-                )
-            {
-                return Err(errors::unauthenticated(why));
-            }
-            // Changing the membership (or the leader, the signing key, or taking a backup with
-            // the keys) hands the cluster to whoever calls: on a loopback port, where `lockd dev`
-            // allows it without a policy, only this node's user's processes may.
-            if let Some(crate::local_peer::AdminCall(method)) = req.extensions().get().copied()
-                && let Some(why) = self.local.refusal(
-                    req.extensions().get::<PeerOwner>(),
-                    &format!("{method} refused"),
                 )
             {
                 return Err(errors::unauthenticated(why));
