@@ -143,12 +143,18 @@ impl NodeTls {
             .collect::<anyhow::Result<Vec<_>>>()?;
 
         // A client CA that is also the peer CA would let every client certificate stand next to
-        // the node certificates; the two roles need two CAs.
-        if client_ca.iter().any(|c| peer_ca.contains(c)) {
-            anyhow::bail!(
-                "--tls-client-ca and {peer_what} share a certificate: use a CA of its own for \
-                 client certificates"
-            );
+        // the node certificates; the two roles need two CAs. The same CA re-issued (renewed
+        // validity, same key) has other bytes but is the same authority: compared by public key.
+        for c in &client_ca {
+            for p in &peer_ca {
+                if let Some(subject) = same_authority(c, p) {
+                    anyhow::bail!(
+                        "--tls-client-ca and {peer_what} share a CA ({subject}, the same public \
+                         key in both files): a client certificate of it could pass for a node; \
+                         use a CA of its own for client certificates"
+                    );
+                }
+            }
         }
         let mut callers = roots(&peer_ca, &peer_what)?;
         for c in &client_ca {
@@ -212,8 +218,8 @@ impl NodeTls {
     /// The member that `chain` (leaf first, as the caller presented it) authenticates: the
     /// leaf must be issued directly by the peer CA (intermediates the caller sends are not
     /// trusted), be valid now for client authentication, and name exactly one of `members` as
-    /// `node-<id>.<cluster-id>.lockd` (a wildcard or a certificate naming several nodes is
-    /// refused). The chain is checked once, whatever the number of members. The error says
+    /// `node-<id>.<cluster-id>.lockd` (a wildcard, whatever it matches, or a certificate naming
+    /// several nodes is refused). The chain is checked once, whatever the number of members. The error says
     /// which part failed, for the server's log.
     pub fn identify_member(
         &self,
@@ -221,6 +227,14 @@ impl NodeTls {
         members: &[NodeId],
     ) -> Result<NodeId, String> {
         let cert = self.verify_chain(chain, webpki::KeyUsage::client_auth())?;
+        // A name no node has: a certificate valid for it is a wildcard, refused outright (where
+        // it matches one member only, a 2-node cluster's other node, it would otherwise pass).
+        if names_dns(&cert, &format!("not-a-node.{}.lockd", self.cluster_id)) {
+            return Err(format!(
+                "the certificate is a wildcard (*.{}.lockd); a node certificate names one node",
+                self.cluster_id
+            ));
+        }
         let named: Vec<NodeId> = members
             .iter()
             .copied()
@@ -285,14 +299,31 @@ impl NodeTls {
                 node_name(id, &self.cluster_id)
             ));
         }
-        // A name no node has: a certificate valid for it is a wildcard.
-        if names_dns(&server, &format!("not-a-node.{}.lockd", self.cluster_id)) {
-            return Err(
-                "the certificate is a wildcard; a node certificate names one node".to_owned(),
-            );
-        }
+        // `identify_member` refuses a wildcard too.
         self.identify_member(chain, &[id]).map(|_| ())
     }
+}
+
+/// The subject of `a` when `a` and `b` are one certificate authority: the same
+/// SubjectPublicKeyInfo (whatever the rest of the certificates: a CA re-issued with a new
+/// validity or serial, or even under another name, signs with the same key), or the same bytes.
+/// `None` when they differ (or one cannot be read: `webpki` refused such files already).
+fn same_authority(a: &CertificateDer<'_>, b: &CertificateDer<'_>) -> Option<String> {
+    if a == b {
+        return Some(subject_of(a));
+    }
+    let (_, ca) = x509_parser::parse_x509_certificate(a.as_ref()).ok()?;
+    let (_, cb) = x509_parser::parse_x509_certificate(b.as_ref()).ok()?;
+    (ca.public_key().raw == cb.public_key().raw)
+        .then(|| format!("subject {:?}", ca.subject().to_string()))
+}
+
+/// `subject "<subject>"` of a certificate, for messages.
+fn subject_of(cert: &CertificateDer<'_>) -> String {
+    x509_parser::parse_x509_certificate(cert.as_ref()).map_or_else(
+        |_| "an unreadable certificate".to_owned(),
+        |(_, c)| format!("subject {:?}", c.subject().to_string()),
+    )
 }
 
 /// The node's current TLS material. SIGHUP loads the files again and, if they pass the start-up
@@ -736,6 +767,145 @@ mod tests {
             "{e}"
         );
         assert!(tls.identify_member(&[], &[1]).is_err());
+    }
+
+    /// A self-signed CA named `name` on `key`, valid from `from_year`, written to `path`.
+    fn test_ca(
+        path: &Path,
+        name: &str,
+        key: &str,
+        from_year: i32,
+    ) -> rcgen::CertifiedIssuer<'static, rcgen::KeyPair> {
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, name);
+        params.key_usages = vec![
+            rcgen::KeyUsagePurpose::KeyCertSign,
+            rcgen::KeyUsagePurpose::DigitalSignature,
+        ];
+        params.not_before = rcgen::date_time_ymd(from_year, 1, 1);
+        let ca =
+            rcgen::CertifiedIssuer::self_signed(params, rcgen::KeyPair::from_pem(key).unwrap())
+                .unwrap();
+        std::fs::write(path, ca.pem()).unwrap();
+        ca
+    }
+
+    /// A certificate of `ca` for `dns` (server and client authentication); its files.
+    fn test_leaf(
+        dir: &Path,
+        file: &str,
+        ca: &rcgen::CertifiedIssuer<'static, rcgen::KeyPair>,
+        dns: &[&str],
+    ) -> (PathBuf, PathBuf) {
+        let mut params =
+            rcgen::CertificateParams::new(dns.iter().map(|d| d.to_string()).collect::<Vec<_>>())
+                .unwrap();
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, file);
+        params.extended_key_usages = vec![
+            rcgen::ExtendedKeyUsagePurpose::ServerAuth,
+            rcgen::ExtendedKeyUsagePurpose::ClientAuth,
+        ];
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = params.signed_by(&key, ca).unwrap();
+        let (c, k) = (
+            dir.join(format!("{file}.pem")),
+            dir.join(format!("{file}-key.pem")),
+        );
+        std::fs::write(&c, cert.pem()).unwrap();
+        std::fs::write(&k, key.serialize_pem()).unwrap();
+        (c, k)
+    }
+
+    /// Goal (review of 2026-12-05, third round, finding 3): a client CA that is the peer CA
+    /// re-issued (same subject and key, new validity: other bytes) is the same trust anchor, so
+    /// it is refused at start as the identical certificate is; a client certificate of it would
+    /// otherwise be a node wherever it names one. Method: one key, two self-signed CA
+    /// certificates of one name, valid from different years; a node loads with one as
+    /// `--peer-ca` and the other as `--tls-client-ca`. Controls: a client CA of its own loads;
+    /// the re-issued CA is indeed a peer anchor to the check (a client certificate of it naming
+    /// node 2 is a node).
+    #[test]
+    fn review3_a_reissued_peer_ca_is_not_a_client_ca() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = rcgen::KeyPair::generate().unwrap().serialize_pem();
+        let peer = test_ca(&dir.path().join("peer-ca.pem"), "lockd CA", &key, 2024);
+        let renewed = test_ca(&dir.path().join("renewed-ca.pem"), "lockd CA", &key, 2025);
+        assert_ne!(
+            std::fs::read(dir.path().join("peer-ca.pem")).unwrap(),
+            std::fs::read(dir.path().join("renewed-ca.pem")).unwrap()
+        );
+        let (cert, key1) = test_leaf(dir.path(), "node1", &peer, &["node-1.lockd.lockd"]);
+        let files = |client_ca: &str| TlsFiles {
+            cert: cert.clone(),
+            key: key1.clone(),
+            peer_ca: dir.path().join("peer-ca.pem"),
+            client_ca: Some(dir.path().join(client_ca)),
+        };
+        // What the check would make of a "client" certificate of the renewed CA.
+        let (c2, _) = test_leaf(
+            dir.path(),
+            "client-as-node2",
+            &renewed,
+            &["node-2.lockd.lockd"],
+        );
+        let chain = certs_in(&std::fs::read(&c2).unwrap(), "client").unwrap();
+        let other_key = rcgen::KeyPair::generate().unwrap().serialize_pem();
+        test_ca(
+            &dir.path().join("client-ca.pem"),
+            "lockd client CA",
+            &other_key,
+            2024,
+        );
+        let own = NodeTls::load(&files("client-ca.pem"), 1, DEFAULT_CLUSTER_ID).unwrap();
+        assert_eq!(own.identify_member(&chain, &[2, 3]), Ok(2));
+
+        let e = NodeTls::load(&files("renewed-ca.pem"), 1, DEFAULT_CLUSTER_ID)
+            .err()
+            .expect("a re-issued peer CA is accepted as the client CA")
+            .to_string();
+        assert!(
+            e.contains("--tls-client-ca") && e.contains("--peer-ca") && e.contains("lockd CA"),
+            "{e}"
+        );
+        // The identical certificate, as before.
+        assert!(NodeTls::load(&files("peer-ca.pem"), 1, DEFAULT_CLUSTER_ID).is_err());
+    }
+
+    /// Goal (review of 2026-12-05, third round, finding 3): a wildcard peer certificate
+    /// (`*.<cluster>.lockd`) is no node, also where it matches one member only (a 2-node
+    /// cluster's one other node). Method: the peer CA issues such a certificate; the check with
+    /// one member, and with two, must refuse it. Control: node 2's own certificate is node 2.
+    #[test]
+    fn review3_a_wildcard_peer_certificate_is_never_a_node() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = rcgen::KeyPair::generate().unwrap().serialize_pem();
+        let peer = test_ca(&dir.path().join("peer-ca.pem"), "lockd CA", &key, 2024);
+        let (cert, key1) = test_leaf(dir.path(), "node1", &peer, &["node-1.lockd.lockd"]);
+        let tls = NodeTls::load(
+            &TlsFiles {
+                cert,
+                key: key1,
+                peer_ca: dir.path().join("peer-ca.pem"),
+                client_ca: None,
+            },
+            1,
+            DEFAULT_CLUSTER_ID,
+        )
+        .unwrap();
+        let (wild, _) = test_leaf(dir.path(), "wild", &peer, &["*.lockd.lockd"]);
+        let chain = certs_in(&std::fs::read(&wild).unwrap(), "wild").unwrap();
+        for members in [&[2][..], &[2, 3][..]] {
+            let e = tls.identify_member(&chain, members).unwrap_err();
+            assert!(e.contains("wildcard"), "members {members:?}: {e}");
+        }
+        let (two, _) = test_leaf(dir.path(), "node2", &peer, &["node-2.lockd.lockd"]);
+        let chain = certs_in(&std::fs::read(&two).unwrap(), "node2").unwrap();
+        assert_eq!(tls.identify_member(&chain, &[2]), Ok(2));
     }
 
     #[test]

@@ -161,8 +161,8 @@ impl PeerAuth {
                 if self.certified_outsider(&req) {
                     let names = self.tls.as_ref().zip(req.peer_certs()).map(|(tls, chain)| {
                         let material = tls.current();
-                        // With a second id, so that a certificate naming several nodes (a
-                        // wildcard) is refused, as it is among members.
+                        // With a second id, so that a certificate naming several nodes is
+                        // refused, as it is among members (a wildcard is refused anyway).
                         Arc::new(move |id: NodeId| {
                             let other = id.checked_add(1).unwrap_or(id - 1);
                             material.identify_member(&chain, &[id, other]) == Ok(id)
