@@ -29,6 +29,8 @@ pub async fn run(
     if !host.is_loopback() {
         anyhow::bail!("--host {host} is not a loopback address: `lockd dev` binds only 127.x.y.z");
     }
+    // Everything the nodes read from it (keys, certificates, the log) must be this user's alone.
+    crate::storage::private_dir(&data_dir)?;
     let certs = if tls {
         Some(crate::tls::dev::make(&data_dir.join("tls"), host, 3)?)
     } else {

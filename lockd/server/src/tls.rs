@@ -62,6 +62,9 @@ pub(crate) struct TlsFiles {
 /// A node's TLS material, loaded and checked at start and again on every SIGHUP.
 pub(crate) struct NodeTls {
     cluster_id: String,
+    /// This node's id: a certificate that names it besides the member it is checked for names
+    /// several nodes, though the members checked against (the others) hold one of them only.
+    own_id: NodeId,
     /// The listener's rustls configuration: this node's certificate, and a certificate asked of
     /// every caller, checked against the peer CA and the client CA but not required (clients may
     /// have none).
@@ -189,6 +192,7 @@ impl NodeTls {
 
         let tls = NodeTls {
             cluster_id: cluster_id.to_owned(),
+            own_id: id,
             server: Arc::new(server),
             metrics: Arc::new(metrics),
             client: Arc::new(client),
@@ -218,9 +222,10 @@ impl NodeTls {
     /// The member that `chain` (leaf first, as the caller presented it) authenticates: the
     /// leaf must be issued directly by the peer CA (intermediates the caller sends are not
     /// trusted), be valid now for client authentication, and name exactly one of `members` as
-    /// `node-<id>.<cluster-id>.lockd` (a wildcard, whatever it matches, or a certificate naming
-    /// several nodes is refused). The chain is checked once, whatever the number of members. The error says
-    /// which part failed, for the server's log.
+    /// `node-<id>.<cluster-id>.lockd` and no other node: a wildcard, whatever it matches, or a
+    /// certificate naming several nodes (among `members` and this node, which callers leave out
+    /// of `members`) is refused. The chain is checked once, whatever the number of members. The
+    /// error says which part failed, for the server's log.
     pub fn identify_member(
         &self,
         chain: &[CertificateDer<'static>],
@@ -235,13 +240,21 @@ impl NodeTls {
                 self.cluster_id
             ));
         }
-        let named: Vec<NodeId> = members
+        let mut known = members.to_vec();
+        if !known.contains(&self.own_id) {
+            known.push(self.own_id);
+        }
+        let named: Vec<NodeId> = known
             .iter()
             .copied()
             .filter(|id| self.names(&cert, *id))
             .collect();
         match named.as_slice() {
-            [id] => Ok(*id),
+            [id] if members.contains(id) => Ok(*id),
+            [id] => Err(format!(
+                "the certificate names this node ({}), not a member it is checked for                  ({members:?})",
+                node_name(*id, &self.cluster_id)
+            )),
             [] => Err(format!(
                 "the certificate names no member as node-<id>.{}.lockd (members {members:?})",
                 self.cluster_id
@@ -608,9 +621,10 @@ pub(crate) mod dev {
         }
     }
 
-    /// A private key file: readable by this user only (0600), also when it replaces one. Whoever
-    /// reads a node's key is a member to the others (`ca.pem` and the certificates are public).
-    fn write_private(path: &Path, text: &str) -> anyhow::Result<()> {
+    /// Writes a new file `path` with `mode`, also when it replaces one: never through a link
+    /// planted in its place (`O_EXCL`). A private key is 0600: whoever reads a node's key is a
+    /// member to the others (`ca.pem` and the certificates are public, 0644).
+    fn write_new(path: &Path, text: &str, mode: u32) -> anyhow::Result<()> {
         use std::io::Write;
         use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
         let failed = |e: std::io::Error| anyhow::anyhow!("writing {}: {e}", path.display());
@@ -622,10 +636,10 @@ pub(crate) mod dev {
         let mut file = std::fs::OpenOptions::new()
             .write(true)
             .create_new(true)
-            .mode(0o600)
+            .mode(mode)
             .open(path)
             .map_err(failed)?;
-        file.set_permissions(std::fs::Permissions::from_mode(0o600))
+        file.set_permissions(std::fs::Permissions::from_mode(mode))
             .map_err(failed)?;
         file.write_all(text.as_bytes()).map_err(failed)
     }
@@ -634,13 +648,8 @@ pub(crate) mod dev {
     /// `node-<id>.<DEFAULT_CLUSTER_ID>.lockd`, `localhost` and `host`; the keys readable by this
     /// user only.
     pub fn make(dir: &Path, host: Ipv4Addr, nodes: u64) -> anyhow::Result<DevCerts> {
-        std::fs::create_dir_all(dir)
-            .map_err(|e| anyhow::anyhow!("creating {}: {e}", dir.display()))?;
-        let write = |name: String, text: String| {
-            let path = dir.join(&name);
-            std::fs::write(&path, text)
-                .map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))
-        };
+        crate::storage::private_dir(dir)?;
+        let write = |name: String, text: String| write_new(&dir.join(&name), &text, 0o644);
         let mut params = CertificateParams::new(Vec::<String>::new())?;
         params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
         params
@@ -670,7 +679,11 @@ pub(crate) mod dev {
             let key = KeyPair::generate()?;
             let cert = params.signed_by(&key, &ca)?;
             write(format!("node{id}.pem"), cert.pem())?;
-            write_private(&dir.join(format!("node{id}-key.pem")), &key.serialize_pem())?;
+            write_new(
+                &dir.join(format!("node{id}-key.pem")),
+                &key.serialize_pem(),
+                0o600,
+            )?;
         }
         Ok(DevCerts {
             ca: dir.join("ca.pem"),
@@ -906,6 +919,48 @@ mod tests {
         let (two, _) = test_leaf(dir.path(), "node2", &peer, &["node-2.lockd.lockd"]);
         let chain = certs_in(&std::fs::read(&two).unwrap(), "node2").unwrap();
         assert_eq!(tls.identify_member(&chain, &[2]), Ok(2));
+    }
+
+    /// Goal (review of the third round's fixes): a certificate that names two nodes explicitly
+    /// is no node either, also where the members it is checked against (the others: callers
+    /// leave this node out) hold one of them only, as in a 2-node cluster. Method: the peer CA
+    /// issues one certificate for node 1 and node 2; node 1 checks it against `[2]` and
+    /// `[2, 3]`. Controls: node 1's own certificate is not a member it is checked for; node 2's
+    /// own certificate is node 2.
+    #[test]
+    fn review3_a_certificate_naming_this_node_and_another_is_no_node() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = rcgen::KeyPair::generate().unwrap().serialize_pem();
+        let peer = test_ca(&dir.path().join("peer-ca.pem"), "lockd CA", &key, 2024);
+        let (cert, key1) = test_leaf(dir.path(), "node1", &peer, &["node-1.lockd.lockd"]);
+        let tls = NodeTls::load(
+            &TlsFiles {
+                cert: cert.clone(),
+                key: key1,
+                peer_ca: dir.path().join("peer-ca.pem"),
+                client_ca: None,
+            },
+            1,
+            DEFAULT_CLUSTER_ID,
+        )
+        .unwrap();
+        let (both, _) = test_leaf(
+            dir.path(),
+            "both",
+            &peer,
+            &["node-1.lockd.lockd", "node-2.lockd.lockd"],
+        );
+        let chain = certs_in(&std::fs::read(&both).unwrap(), "both").unwrap();
+        for members in [&[2][..], &[2, 3][..]] {
+            let e = tls.identify_member(&chain, members).unwrap_err();
+            assert!(e.contains("several"), "members {members:?}: {e}");
+        }
+        let own = certs_in(&std::fs::read(&cert).unwrap(), "node1").unwrap();
+        let e = tls.identify_member(&own, &[2, 3]).unwrap_err();
+        assert!(e.contains("names this node"), "{e}");
+        let (two, _) = test_leaf(dir.path(), "node2", &peer, &["node-2.lockd.lockd"]);
+        let chain = certs_in(&std::fs::read(&two).unwrap(), "node2").unwrap();
+        assert_eq!(tls.identify_member(&chain, &[2, 3]), Ok(2));
     }
 
     #[test]

@@ -208,9 +208,14 @@ async fn review3_dev_tls_keeps_admin_calls_to_its_own_user() {
     })
     .await;
 
+    // The CA certificate is public (every client needs it) but `lockd dev` keeps its folder to
+    // its own user: the other user gets a copy, as a developer would hand it over.
+    let public_ca = dir.path().join("ca.pem");
+    std::fs::write(&public_ca, &ca).unwrap();
+    std::fs::set_permissions(&public_ca, std::fs::Permissions::from_mode(0o644)).unwrap();
     let spec = format!(
         "{host} {leader} {} {}",
-        ca_path.display(),
+        public_ca.display(),
         data.join("tls").join("node1-key.pem").display()
     );
     let outcomes = match run_probe_as_another_user(

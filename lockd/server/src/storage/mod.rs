@@ -116,6 +116,43 @@ pub(crate) fn open_unmarked(data_dir: &Path) -> anyhow::Result<Databases> {
 
 /// Creates `data_dir` (and missing parents) for its owner only, or restricts it to its owner,
 /// and makes every new name durable.
+/// Creates `dir` (and what is missing above it) for this user only, or checks that an existing
+/// one is this user's and writable by nobody else: whoever may write in it could swap what a
+/// node reads from it (`lockd dev --tls` writes its CA and node keys there) or rename it away.
+/// A symbolic link is refused, not followed.
+pub(crate) fn private_dir(dir: &Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(|e| anyhow::anyhow!("creating {}: {e}", dir.display()))?;
+    let meta = std::fs::symlink_metadata(dir)
+        .map_err(|e| anyhow::anyhow!("reading {}: {e}", dir.display()))?;
+    let uid = nix::unistd::geteuid().as_raw();
+    if !meta.is_dir() {
+        anyhow::bail!(
+            "{} is not a directory (a link?): use a folder of your own",
+            dir.display()
+        );
+    }
+    if meta.uid() != uid {
+        anyhow::bail!(
+            "{} belongs to uid {}, not to this user (uid {uid}): use a folder of your own",
+            dir.display(),
+            meta.uid()
+        );
+    }
+    if meta.mode() & 0o022 != 0 {
+        anyhow::bail!(
+            "{} is writable by others (mode {:o}): use a folder of your own, or chmod go-w it",
+            dir.display(),
+            meta.mode() & 0o7777
+        );
+    }
+    Ok(())
+}
+
 pub(crate) fn create_data_dir(data_dir: &Path) -> anyhow::Result<()> {
     // Owner only: the log and snapshots hold every lease id and the sequencer signing key.
     use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
@@ -237,5 +274,51 @@ fn lower_thread_priority() {
     unsafe {
         let tid = libc::gettid();
         libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, 10);
+    }
+}
+
+#[cfg(test)]
+mod private_dir_tests {
+    use super::private_dir;
+    use std::os::unix::fs::PermissionsExt;
+
+    /// Goal (review of the third round's fixes): `lockd dev` keeps its keys and log only in a
+    /// folder this user alone may change: a folder writable by others, one of another user, and
+    /// a link are refused with the path named; a new folder is made 0700; the user's own 0755
+    /// folder is accepted. Method: such folders in a temporary directory (the test runs as root
+    /// in CI, so the other user's folder is made by chown where allowed).
+    #[test]
+    fn a_folder_others_may_change_is_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let fresh = tmp.path().join("a/b");
+        private_dir(&fresh).unwrap();
+        let mode = std::fs::metadata(&fresh).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o700);
+
+        let shared = tmp.path().join("shared");
+        std::fs::create_dir(&shared).unwrap();
+        std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let e = private_dir(&shared).unwrap_err().to_string();
+        assert!(
+            e.contains("writable by others") && e.contains("shared"),
+            "{e}"
+        );
+
+        let own = tmp.path().join("own");
+        std::fs::create_dir(&own).unwrap();
+        std::fs::set_permissions(&own, std::fs::Permissions::from_mode(0o755)).unwrap();
+        private_dir(&own).unwrap();
+
+        let link = tmp.path().join("link");
+        std::os::unix::fs::symlink(&own, &link).unwrap();
+        let e = private_dir(&link).unwrap_err().to_string();
+        assert!(e.contains("not a directory"), "{e}");
+
+        let theirs = tmp.path().join("theirs");
+        std::fs::create_dir(&theirs).unwrap();
+        if nix::unistd::chown(&theirs, Some(nix::unistd::Uid::from_raw(65534)), None).is_ok() {
+            let e = private_dir(&theirs).unwrap_err().to_string();
+            assert!(e.contains("belongs to uid 65534"), "{e}");
+        }
     }
 }

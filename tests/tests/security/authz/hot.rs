@@ -36,9 +36,11 @@ async fn status(
 /// granted `status` (tenant B's monitor, or anonymous, as the README's example policy grants)
 /// read tenant A's resource names there, though Describe of them was refused.
 /// Method: alice (tenant A) acquires `tenant-a/customer-4711/payroll-run` and queues a waiter
-/// behind it; bob (tenant B) acquires `tenant-b/nightly`. On every node, once the operator
-/// (`admin`) sees all three in the hot lists: B's monitor sees `tenant-b/nightly` and no
-/// `tenant-a/` name (it is refused a Describe of A's); anonymous (status only) sees no name.
+/// behind it; bob (tenant B) acquires `tenant-b/nightly`; alice then acquires twelve more
+/// resources twice each, so that the top ten by acquires are all A's. On every node, once the
+/// operator (`admin`) sees that: B's monitor sees `tenant-b/nightly` (from beyond the top ten)
+/// and no `tenant-a/` name (it is refused a Describe of A's); anonymous (status only) sees no
+/// name.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn review3_status_hot_lists_show_only_what_the_caller_may_describe() {
     let s = setup().await;
@@ -79,19 +81,42 @@ async fn review3_status_hot_lists_show_only_what_the_caller_may_describe() {
     });
     let mut bob = lock(&s.cluster, 1, Some(&s.bob));
     acquire(&mut bob, "tenant-b/nightly", "n-1").await.unwrap();
+    // Twelve resources of A's, each acquired twice, push B's (acquired once) out of the top ten:
+    // B's monitor must still find its own there (the lists are chosen from every tracked
+    // resource, not from the top ten after the cut).
+    for k in 0..12 {
+        let resource = format!("tenant-a/hot-{k}");
+        for i in 0..2 {
+            let held = acquire(&mut alice, &resource, &format!("hot-{k}-{i}"))
+                .await
+                .unwrap();
+            alice
+                .release(with_headers(
+                    lockd_api::v1::ReleaseRequest {
+                        resource: resource.clone(),
+                        lease_id: held.lease_id,
+                    },
+                    &[],
+                ))
+                .await
+                .unwrap();
+        }
+    }
 
     for node in 1..=3 {
         poll::until_async(
-            "the operator sees both tenants' resources in the hot lists",
+            "the operator sees A's resources fill the top ten, A's waiter among the queues",
             Duration::from_secs(20),
             || async {
                 let st = status(&s.cluster, node, Some(&s.ops)).await;
                 let names = hot_names(&st);
                 let queued = st.hot_by_waiters.iter().any(|h| h.resource == SECRET);
-                if names.iter().any(|n| n == SECRET)
-                    && names.iter().any(|n| n == "tenant-b/nightly")
-                    && queued
-                {
+                let top_is_a = st.hot_by_acquires.len() == 10
+                    && st
+                        .hot_by_acquires
+                        .iter()
+                        .all(|h| h.resource.starts_with("tenant-a/"));
+                if names.iter().any(|n| n == SECRET) && top_is_a && queued {
                     Ok(())
                 } else {
                     Err(format!("{st:?}"))
