@@ -180,8 +180,15 @@ impl PostgresStore {
             // database's, or the role's) default `synchronous_commit = off` a commit is
             // acknowledged before its WAL is flushed, and a crash could lower the highest token
             // after a newer write was forwarded. Startup options override every such default.
+            // A session keeps a resource's advisory lock through a forward and a quarantine,
+            // idle meanwhile: a default `idle_session_timeout` (Postgres 14 and later) or
+            // `idle_in_transaction_session_timeout` shorter than that would end the session and
+            // free the lock, and the other replicas would fall back to `busy_until`, timed by the
+            // database's clock. Both are off; the store's own timeouts bound every wait.
             .options([
                 ("synchronous_commit", "on".to_owned()),
+                ("idle_session_timeout", "0".to_owned()),
+                ("idle_in_transaction_session_timeout", "0".to_owned()),
                 (
                     "lock_timeout",
                     format!("{}ms", timing.lock_wait.as_millis()),
