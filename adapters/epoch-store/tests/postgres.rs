@@ -324,15 +324,16 @@ async fn idle_session_timeouts_do_not_end_a_quarantine_hold() {
     // Cleanup before the verdict, so that a failure leaves nothing behind.
     drop(store);
     for sql in [
-        format!(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}'"
-        ),
+        format!("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}'"),
         format!("DROP TABLE IF EXISTS {table}"),
         format!("DROP ROLE IF EXISTS {role}"),
     ] {
         run(sql).execute(&mut admin).await.unwrap();
     }
-    assert_eq!(default, "500ms", "the test role must default to a short timeout");
+    assert_eq!(
+        default, "500ms",
+        "the test role must default to a short timeout"
+    );
     assert_eq!(
         held, 1,
         "the quarantine's advisory lock was not held 1.5 s into a 3 s quarantine"

@@ -303,6 +303,15 @@ impl Proxy {
                     detail: e.to_string(),
                 }));
             }
+            Err(e @ StoreError::ResourceLimit { .. }) => {
+                // Counted (`result="resource-limit"`), not logged at warn: a client naming
+                // fresh resources would otherwise fill the log as it would have filled the store.
+                return reply(refuse(Refusal::ResourceLimit {
+                    resource,
+                    token,
+                    detail: e.to_string(),
+                }));
+            }
             Err(e @ StoreError::TokenOutOfRange { .. }) => {
                 return reply(refuse(Refusal::BadFence {
                     resource: Some(resource),
@@ -630,7 +639,15 @@ mod tests {
         for method in ["POST", "PUT", "PATCH"] {
             assert!(body_keeps_connection(&method.parse().unwrap()), "{method}");
         }
-        for method in ["put", "Post", "MOVE", "PROPFIND", "DELETE", "GET", "FROBNICATE"] {
+        for method in [
+            "put",
+            "Post",
+            "MOVE",
+            "PROPFIND",
+            "DELETE",
+            "GET",
+            "FROBNICATE",
+        ] {
             assert!(!body_keeps_connection(&method.parse().unwrap()), "{method}");
         }
     }

@@ -627,12 +627,18 @@ async fn resource_bound(store: &str, extra: &[&str]) {
         assert_refused(&reply, 507, "resource-limit");
         let message = reply.json()["message"].as_str().unwrap().to_owned();
         assert!(
-            message.contains("--max-resources") && message.contains(" 3 ") && message.contains("limit/d"),
+            message.contains("--max-resources")
+                && message.contains(" 3 ")
+                && message.contains("limit/d"),
             "{message}"
         );
     }
     for (r, token) in [("limit/a", "2"), ("limit/c", "1"), ("limit/b", "7")] {
-        assert_eq!(put(&proxy, r, token, "again").await.status, 200, "{r}:{token}");
+        assert_eq!(
+            put(&proxy, r, token, "again").await.status,
+            200,
+            "{r}:{token}"
+        );
     }
     let stale = put(&proxy, "limit/b", "6", "stale").await;
     assert_refused(&stale, 412, "stale-fencing-token");
@@ -640,12 +646,14 @@ async fn resource_bound(store: &str, extra: &[&str]) {
     // Phase 3: nothing of the refused resource reached the upstream; the refusals are counted.
     let writes = upstream.writes();
     assert_eq!(writes.len(), 6, "{writes:?}");
-    assert!(writes.iter().all(|w| w.resource() != Some("limit/d")), "{writes:?}");
+    assert!(
+        writes.iter().all(|w| w.resource() != Some("limit/d")),
+        "{writes:?}"
+    );
     let metrics = proxy.metrics().await.unwrap();
     assert!(
-        metrics.contains(
-            r#"fence_proxy_requests_total{frontend="http",result="resource-limit"} 2"#
-        ),
+        metrics
+            .contains(r#"fence_proxy_requests_total{frontend="http",result="resource-limit"} 2"#),
         "{metrics}"
     );
 }

@@ -130,8 +130,7 @@ async fn serve_methods(mut stream: TcpStream, connection: usize, log: Arc<Mutex<
 
 /// The body of the request whose head is `head`; `None` if the connection ends first.
 async fn read_body(stream: &mut TcpStream, buf: &mut Vec<u8>, head: &str) -> Option<Vec<u8>> {
-    if let Some(length) = raw_header(head, "content-length").and_then(|v| v.parse::<usize>().ok())
-    {
+    if let Some(length) = raw_header(head, "content-length").and_then(|v| v.parse::<usize>().ok()) {
         fill(stream, buf, length).await?;
         return Some(buf.drain(..length).collect());
     }
@@ -199,7 +198,13 @@ async fn a_body_on_a_method_other_than_post_put_patch_cannot_smuggle_a_request()
 
     // Phase 1: token 42's write of orders/42 is applied.
     let reply = proxy
-        .write("PUT", "/orders/42", (Some("orders/42"), Some("42")), &[], "new42")
+        .write(
+            "PUT",
+            "/orders/42",
+            (Some("orders/42"), Some("42")),
+            &[],
+            "new42",
+        )
         .await
         .unwrap();
     assert_eq!(reply.status, 200, "{reply:?}");
@@ -245,7 +250,10 @@ async fn a_body_on_a_method_other_than_post_put_patch_cannot_smuggle_a_request()
         !seen.iter().any(|s| s.applied.as_deref() == Some("old41")),
         "a request smuggled in a body reached the upstream: {applied:?}"
     );
-    let expected: Vec<(&str, u16)> = attacks.iter().flat_map(|m| [(*m, 405), ("POST", 200)]).collect();
+    let expected: Vec<(&str, u16)> = attacks
+        .iter()
+        .flat_map(|m| [(*m, 405), ("POST", 200)])
+        .collect();
     assert_eq!(statuses, expected, "{seen:?}");
     for s in seen.iter().filter(|s| s.path == "/junk") {
         assert!(
@@ -284,7 +292,13 @@ async fn expect_100_continue_is_not_forwarded() {
         .unwrap();
     let expect = [("Expect", "100-continue")];
     let reply = proxy
-        .write("PUT", "/obj", (Some("obj"), Some("1")), &expect, "whole body")
+        .write(
+            "PUT",
+            "/obj",
+            (Some("obj"), Some("1")),
+            &expect,
+            "whole body",
+        )
         .await
         .unwrap();
     assert_eq!(reply.status, 200, "{reply:?}");
@@ -340,7 +354,8 @@ async fn an_http2_upload_reset_with_no_error_is_not_applied_as_complete() {
     let (response, mut body) = sender
         .send_request(h2_put(&proxy, "objects/whole", "7"), false)
         .unwrap();
-    body.send_data(Bytes::from_static(b"whole-"), false).unwrap();
+    body.send_data(Bytes::from_static(b"whole-"), false)
+        .unwrap();
     body.send_data(Bytes::from_static(b"body"), true).unwrap();
     let response = response.await.unwrap();
     assert_eq!(response.status(), 200, "{response:?}");
