@@ -37,6 +37,20 @@ pub enum StoreError {
         /// The kind of store.
         store: &'static str,
     },
+    /// The store records `limit` resources, its bound (`--max-resources`), and this write is of
+    /// a resource it has no record of: refused rather than grow the store without end. Writes
+    /// of recorded resources go on.
+    #[error(
+        "epoch store {store} records {limit} resources, its limit (--max-resources): a write of the new resource {resource:?} is refused"
+    )]
+    ResourceLimit {
+        /// The resource written.
+        resource: String,
+        /// The bound on resources recorded.
+        limit: u64,
+        /// The store, as its spec names it (without a password).
+        store: String,
+    },
     /// The store's configuration is invalid (bad path, bad table name).
     #[error("epoch store configuration: {0}")]
     Config(String),

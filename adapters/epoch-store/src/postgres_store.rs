@@ -44,6 +44,8 @@ struct Statements {
     upsert: Arc<str>,
     mark: Arc<str>,
     unlock: Arc<str>,
+    /// The records, counted up to a bound (`--max-resources`).
+    count: Arc<str>,
 }
 
 impl Statements {
@@ -76,6 +78,9 @@ impl Statements {
                  WHERE resource = $1"
             )),
             unlock: s("SELECT pg_advisory_unlock(hashtextextended($1, 0))".to_owned()),
+            count: s(format!(
+                "SELECT count(*) FROM (SELECT 1 FROM {table} LIMIT $1) AS records"
+            )),
         }
     }
 }
@@ -107,6 +112,9 @@ pub struct PostgresStore {
     /// Sessions that may keep their advisory lock through a quarantine at once: under half the
     /// pool, so that quarantines cannot take every connection; beyond that `busy_until` alone.
     quarantine_holds: Arc<Semaphore>,
+    /// Resources the table may record (`--max-resources`): a write of a resource without a
+    /// record counts the records first (up to this many, an index-only scan).
+    max_resources: u64,
 }
 
 /// Whether the store URL (or PGSSLROOTCERT, which sqlx also reads) names a root certificate.
@@ -180,8 +188,15 @@ impl PostgresStore {
             // database's, or the role's) default `synchronous_commit = off` a commit is
             // acknowledged before its WAL is flushed, and a crash could lower the highest token
             // after a newer write was forwarded. Startup options override every such default.
+            // A session keeps a resource's advisory lock through a forward and a quarantine,
+            // idle meanwhile: a default `idle_session_timeout` (Postgres 14 and later) or
+            // `idle_in_transaction_session_timeout` shorter than that would end the session and
+            // free the lock, and the other replicas would fall back to `busy_until`, timed by the
+            // database's clock. Both are off; the store's own timeouts bound every wait.
             .options([
                 ("synchronous_commit", "on".to_owned()),
+                ("idle_session_timeout", "0".to_owned()),
+                ("idle_in_transaction_session_timeout", "0".to_owned()),
                 (
                     "lock_timeout",
                     format!("{}ms", timing.lock_wait.as_millis()),
@@ -217,7 +232,18 @@ impl PostgresStore {
             quarantine_holds: Arc::new(Semaphore::new(
                 (max_connections as usize).saturating_sub(1) / 2,
             )),
+            max_resources: crate::spec::DEFAULT_MAX_RESOURCES,
         })
+    }
+
+    /// The store with a bound on the resources its table records (default
+    /// [`crate::spec::DEFAULT_MAX_RESOURCES`]): a write of a resource without a record is
+    /// refused ([`StoreError::ResourceLimit`]) once the table holds `max` records. Replicas
+    /// count the shared table, each under its own resource's lock: new resources written at
+    /// the same moment on several replicas can pass the bound by as many.
+    pub fn with_max_resources(mut self, max: u64) -> Self {
+        self.max_resources = max;
+        self
     }
 
     /// The table tokens are recorded in.
@@ -343,7 +369,7 @@ impl PostgresStore {
                 unlock(conn, &self.sql, &key, self.timing.store_timeout).await;
                 Ok(Admission::Stale { highest })
             }
-            Decision::Busy(e) => {
+            Decision::Refused(e) => {
                 unlock(conn, &self.sql, &key, self.timing.store_timeout).await;
                 Err(e)
             }
@@ -390,11 +416,28 @@ impl PostgresStore {
             if busy_ms > 0 {
                 let busy_for = Duration::from_millis(busy_ms as u64);
                 if started.elapsed() + busy_for > wait_max {
-                    return Ok(Decision::Busy(busy(
+                    return Ok(Decision::Refused(busy(
                         "a forward with an unknown outcome (timeout or crashed replica) may still be in flight",
                     )));
                 }
                 tokio::time::sleep(busy_for).await;
+            }
+        } else {
+            let limit = self.max_resources;
+            let records: i64 = self
+                .bounded(
+                    "counting the records",
+                    sqlx::query_scalar(AssertSqlSafe(self.sql.count.clone()))
+                        .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+                        .fetch_one(conn.get()),
+                )
+                .await?;
+            if records as u64 >= limit {
+                return Ok(Decision::Refused(StoreError::ResourceLimit {
+                    resource: resource.to_owned(),
+                    limit,
+                    store: self.name.clone(),
+                }));
             }
         }
 
@@ -432,7 +475,8 @@ impl PostgresStore {
 enum Decision {
     Accepted,
     Stale(FencingToken),
-    Busy(StoreError),
+    /// Neither accepted nor stale: busy, or a new resource beyond `--max-resources`.
+    Refused(StoreError),
 }
 
 fn sqlstate(e: &sqlx::Error) -> Option<String> {

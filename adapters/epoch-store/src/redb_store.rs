@@ -12,7 +12,7 @@ use redb::{
 };
 use tokio::time::Instant;
 
-use crate::redb_writer::{Hook, RedbWriter};
+use crate::redb_writer::{Hook, Raised, RedbWriter};
 use crate::slots::Share;
 use crate::{Admission, EpochStore, ForwardOutcome, Permit, PermitRelease, SlotGuard, Slots};
 use crate::{StoreError, Timing};
@@ -154,6 +154,14 @@ impl RedbStore {
         })
     }
 
+    /// The store with a bound on the resources it records (default
+    /// [`crate::spec::DEFAULT_MAX_RESOURCES`]): a write of a resource without a record is
+    /// refused ([`StoreError::ResourceLimit`]) once the file records `max` of them.
+    pub fn with_max_resources(self, max: u64) -> Self {
+        self.writer.set_max_resources(max);
+        self
+    }
+
     /// Durable commits made since the store was opened: fewer than the admissions that raised a
     /// token when they were grouped.
     pub fn commits(&self) -> u64 {
@@ -233,13 +241,20 @@ impl RedbStore {
             .await
             .map_err(|e| self.unavailable(e))?;
         Ok(match decided {
-            Ok(()) => {
+            Raised::Recorded => {
                 guard.note_recorded(token);
                 permit(guard)
             }
-            Err(highest) => {
+            Raised::Stale(highest) => {
                 guard.note_recorded(highest);
                 Admission::Stale { highest }
+            }
+            Raised::Full(limit) => {
+                return Err(StoreError::ResourceLimit {
+                    resource: resource.to_owned(),
+                    limit,
+                    store: format!("redb:{}", self.path.display()),
+                });
             }
         })
     }

@@ -17,7 +17,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use lockd_fence::FencingToken;
-use redb::{Database, Durability, ReadableTable};
+use redb::{Database, Durability, ReadableTable, ReadableTableMetadata};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::redb_store::EPOCHS;
@@ -44,9 +44,17 @@ pub(crate) enum Phase {
 /// A hook the commit thread runs at each [`Phase`] (tests only: to stall or break it).
 pub(crate) type Hook = Arc<dyn Fn(Phase) + Send + Sync>;
 
-/// What became of one raise: recorded (or found recorded at that token), or refused because
-/// this higher token is recorded.
-pub(crate) type Raised = Result<(), FencingToken>;
+/// What became of one raise.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Raised {
+    /// Recorded, or found recorded at that token.
+    Recorded,
+    /// Refused: this higher token is recorded.
+    Stale(FencingToken),
+    /// Refused: the resource has no record, and the store already records its bound's worth
+    /// (`--max-resources`, the `u64` given).
+    Full(u64),
+}
 
 /// One admission's request to record `token` for `resource` unless a higher one is recorded.
 struct Raise {
@@ -64,6 +72,9 @@ pub(crate) struct RedbWriter {
     thread: Option<JoinHandle<()>>,
     /// Durable commits made, for tests and benchmarks.
     commits: Arc<AtomicU64>,
+    /// Resources the table may hold at most (`--max-resources`); set after the start, read by
+    /// the commit thread at each new resource.
+    max_resources: Arc<AtomicU64>,
 }
 
 impl RedbWriter {
@@ -72,14 +83,22 @@ impl RedbWriter {
         let (queue, raises) = mpsc::channel(QUEUE_MAX);
         let commits = Arc::new(AtomicU64::new(0));
         let counted = commits.clone();
+        let max_resources = Arc::new(AtomicU64::new(crate::spec::DEFAULT_MAX_RESOURCES));
+        let limit = max_resources.clone();
         let thread = std::thread::Builder::new()
             .name("fence-epochs-commit".to_owned())
-            .spawn(move || run(&db, raises, &counted, hook.as_deref()))?;
+            .spawn(move || run(&db, raises, &counted, &limit, hook.as_deref()))?;
         Ok(RedbWriter {
             queue: Some(queue),
             thread: Some(thread),
             commits,
+            max_resources,
         })
+    }
+
+    /// Sets the bound on the resources the table records.
+    pub(crate) fn set_max_resources(&self, max: u64) {
+        self.max_resources.store(max, Ordering::Relaxed);
     }
 
     /// Records `token` for `resource` unless a higher token is recorded, durably, in the next
@@ -158,6 +177,7 @@ fn run(
     db: &Database,
     mut raises: mpsc::Receiver<Raise>,
     commits: &AtomicU64,
+    max_resources: &AtomicU64,
     hook: Option<&(dyn Fn(Phase) + Send + Sync)>,
 ) {
     while let Some(first) = raises.blocking_recv() {
@@ -180,6 +200,7 @@ fn run(
             commit(
                 db,
                 batch.iter().map(|r| (r.resource.as_str(), r.token)),
+                max_resources.load(Ordering::Relaxed),
                 commits,
             )
             .map_err(|e| e.to_string())
@@ -211,10 +232,13 @@ fn run(
 
 /// Applies `raises` in order in one write transaction and commits it durably if it changed
 /// anything; returns each raise's result. A raise below the token recorded for its resource,
-/// by an earlier commit or by an earlier raise of the same batch, is refused with that token.
+/// by an earlier commit or by an earlier raise of the same batch, is refused with that token;
+/// a raise of a resource without a record while the table holds `max_resources` records is
+/// refused as full (redb keeps a table's length in its header: counting costs nothing).
 pub(crate) fn commit<'a>(
     db: &Database,
     raises: impl Iterator<Item = (&'a str, FencingToken)>,
+    max_resources: u64,
     commits: &AtomicU64,
 ) -> Result<Vec<Raised>, redb::Error> {
     let mut txn = db.begin_write()?;
@@ -228,12 +252,13 @@ pub(crate) fn commit<'a>(
         for (resource, token) in raises {
             let current = table.get(resource)?.map(|v| v.value());
             results.push(match current {
-                Some(current) if current > token.0 => Err(FencingToken(current)),
-                Some(current) if current == token.0 => Ok(()),
+                Some(current) if current > token.0 => Raised::Stale(FencingToken(current)),
+                Some(current) if current == token.0 => Raised::Recorded,
+                None if table.len()? >= max_resources => Raised::Full(max_resources),
                 _ => {
                     table.insert(resource, token.0)?;
                     changed = true;
-                    Ok(())
+                    Raised::Recorded
                 }
             });
         }
@@ -266,8 +291,8 @@ mod tests {
         {
             let db = Database::create(&path).unwrap();
             let t = FencingToken;
-            let first = commit(&db, [("a", t(10))].into_iter(), &commits).unwrap();
-            assert_eq!(first, [Ok(())]);
+            let first = commit(&db, [("a", t(10))].into_iter(), u64::MAX, &commits).unwrap();
+            assert_eq!(first, [Raised::Recorded]);
             let batch = [
                 ("b", t(3)),
                 ("a", t(5)),
@@ -278,24 +303,30 @@ mod tests {
                 ("d", t(4)),
                 ("a", t(10)),
             ];
-            let results = commit(&db, batch.into_iter(), &commits).unwrap();
+            let results = commit(&db, batch.into_iter(), u64::MAX, &commits).unwrap();
             assert_eq!(
                 results,
                 [
-                    Ok(()),
-                    Err(t(10)),
-                    Ok(()),
-                    Err(t(7)),
-                    Ok(()),
-                    Ok(()),
-                    Ok(()),
-                    Ok(())
+                    Raised::Recorded,
+                    Raised::Stale(t(10)),
+                    Raised::Recorded,
+                    Raised::Stale(t(7)),
+                    Raised::Recorded,
+                    Raised::Recorded,
+                    Raised::Recorded,
+                    Raised::Recorded
                 ]
             );
             assert_eq!(commits.load(Ordering::Relaxed), 2);
             // Nothing to change: no commit.
-            let again = commit(&db, [("a", t(10)), ("b", t(1))].into_iter(), &commits).unwrap();
-            assert_eq!(again, [Ok(()), Err(t(3))]);
+            let again = commit(
+                &db,
+                [("a", t(10)), ("b", t(1))].into_iter(),
+                u64::MAX,
+                &commits,
+            )
+            .unwrap();
+            assert_eq!(again, [Raised::Recorded, Raised::Stale(t(3))]);
             assert_eq!(commits.load(Ordering::Relaxed), 2);
         }
         let db = Database::create(&path).unwrap();
@@ -308,5 +339,35 @@ mod tests {
                 "{resource}"
             );
         }
+    }
+
+    /// Goal (review of 2026-12-05, third round): the table records at most `max_resources`
+    /// resources; a raise of a new one beyond the bound is refused, raises of recorded ones go
+    /// on, also within one batch; a higher bound lets it in.
+    #[test]
+    fn a_new_resource_beyond_the_bound_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Database::create(dir.path().join("e.redb")).unwrap();
+        let commits = AtomicU64::new(0);
+        let t = FencingToken;
+        let batch = [("a", t(1)), ("b", t(1)), ("c", t(1)), ("a", t(2))];
+        let results = commit(&db, batch.into_iter(), 2, &commits).unwrap();
+        assert_eq!(
+            results,
+            [
+                Raised::Recorded,
+                Raised::Recorded,
+                Raised::Full(2),
+                Raised::Recorded
+            ]
+        );
+        let batch = [("c", t(5)), ("b", t(3)), ("b", t(0))];
+        let again = commit(&db, batch.into_iter(), 2, &commits).unwrap();
+        assert_eq!(
+            again,
+            [Raised::Full(2), Raised::Recorded, Raised::Stale(t(3))]
+        );
+        let raised = commit(&db, [("c", t(5))].into_iter(), 3, &commits).unwrap();
+        assert_eq!(raised, [Raised::Recorded]);
     }
 }

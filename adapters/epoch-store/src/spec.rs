@@ -13,6 +13,13 @@ use crate::{EpochStore, PostgresStore, RedbStore, StoreError, Timing};
 /// at once; excess writers wait for a connection up to the store timeout.
 pub const DEFAULT_POSTGRES_CONNECTIONS: u32 = 32;
 
+/// Default bound on the resources a store records (`--max-resources`). A record is never deleted
+/// (forgetting a resource's highest token would let an older holder write again), so without a
+/// bound any client with a plain token could grow the store by one row per fresh resource name,
+/// forever. A million records of 250-byte names take about 0.7 GB of redb file (the review of
+/// 2026-12-05 measured 2.1 MB for 3,000), within what a proxy host is expected to have.
+pub const DEFAULT_MAX_RESOURCES: u64 = 1_000_000;
+
 /// Which store to open, parsed from `redb:PATH`, `postgres://...` or `postgresql://...`.
 #[derive(Clone, PartialEq, Eq)]
 pub enum StoreSpec {
@@ -72,6 +79,9 @@ pub struct StoreOptions {
     pub postgres_table: String,
     /// Pool size of the Postgres store.
     pub postgres_max_connections: u32,
+    /// Resources the store records at most; a write of a new resource beyond it is refused
+    /// ([`StoreError::ResourceLimit`]).
+    pub max_resources: u64,
 }
 
 impl Default for StoreOptions {
@@ -80,6 +90,7 @@ impl Default for StoreOptions {
             timing: Timing::default(),
             postgres_table: DEFAULT_TABLE.to_owned(),
             postgres_max_connections: DEFAULT_POSTGRES_CONNECTIONS,
+            max_resources: DEFAULT_MAX_RESOURCES,
         }
     }
 }
@@ -89,13 +100,18 @@ impl StoreSpec {
     /// first use, so that the proxy starts, and fails closed, while the database is down.
     pub fn open(&self, options: &StoreOptions) -> Result<Arc<dyn EpochStore>, StoreError> {
         Ok(match self {
-            StoreSpec::Redb(path) => Arc::new(RedbStore::open(path, options.timing)?),
-            StoreSpec::Postgres(url) => Arc::new(PostgresStore::connect_lazy(
-                url,
-                &options.postgres_table,
-                options.postgres_max_connections,
-                options.timing,
-            )?),
+            StoreSpec::Redb(path) => Arc::new(
+                RedbStore::open(path, options.timing)?.with_max_resources(options.max_resources),
+            ),
+            StoreSpec::Postgres(url) => Arc::new(
+                PostgresStore::connect_lazy(
+                    url,
+                    &options.postgres_table,
+                    options.postgres_max_connections,
+                    options.timing,
+                )?
+                .with_max_resources(options.max_resources),
+            ),
         })
     }
 }

@@ -263,3 +263,79 @@ async fn replicas_creating_the_table_at_once_all_succeed() {
         drop_table(&table).await;
     }
 }
+
+/// Review of 2026-12-05 (third round), LOW: a session that keeps a resource's advisory lock
+/// through a quarantine sits idle meanwhile, and a role's or database's `idle_session_timeout`
+/// (Postgres 14+; `idle_in_transaction_session_timeout` for a session left in a transaction)
+/// shorter than `--upstream-timeout` + `--quarantine` ended it: the lock went with it and the
+/// other replicas fell back to `busy_until`, the database's clock. Goal: the store's sessions
+/// run with both timeouts off whatever the defaults. Method: a role of this test with both set
+/// to 500 ms; its store quarantines a resource for 3 s; 1.5 s later its session still holds the
+/// advisory lock (`pg_locks`).
+#[tokio::test]
+async fn idle_session_timeouts_do_not_end_a_quarantine_hold() {
+    require_postgres().await;
+    let role = format!("fence_idle_{}", std::process::id());
+    let table = unique_table("idle");
+    let mut admin = sqlx::PgConnection::connect(URL).await.unwrap();
+    let run = |sql: String| sqlx::query(sqlx::AssertSqlSafe(sql));
+    for sql in [
+        format!("DROP TABLE IF EXISTS {table}"),
+        format!("DROP ROLE IF EXISTS {role}"),
+        format!("CREATE ROLE {role} LOGIN SUPERUSER"),
+        format!("ALTER ROLE {role} SET idle_session_timeout = '500ms'"),
+        format!("ALTER ROLE {role} SET idle_in_transaction_session_timeout = '500ms'"),
+    ] {
+        run(sql).execute(&mut admin).await.unwrap();
+    }
+    let url = format!("postgres://{role}@127.0.0.1:5432/test");
+
+    // Phase 1: a plain session of the role has the short default.
+    let mut plain = sqlx::PgConnection::connect(&url).await.unwrap();
+    let default: String = sqlx::query_scalar("SHOW idle_session_timeout")
+        .fetch_one(&mut plain)
+        .await
+        .unwrap();
+    drop(plain);
+
+    // Phase 2: a quarantine of 3 s held by the role's store, checked after 1.5 s.
+    let timing = Timing {
+        lock_wait: Duration::from_secs(2),
+        forward_timeout: Duration::from_millis(500),
+        quarantine: Duration::from_secs(3),
+        store_timeout: Duration::from_secs(2),
+    };
+    let store = PostgresStore::connect_lazy(&url, &table, 4, timing).unwrap();
+    accepted(&store, "r", 7)
+        .await
+        .release(ForwardOutcome::Unknown)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let held: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) \
+         WHERE l.locktype = 'advisory' AND l.granted AND a.usename = $1",
+    )
+    .bind(&role)
+    .fetch_one(&mut admin)
+    .await
+    .unwrap();
+
+    // Cleanup before the verdict, so that a failure leaves nothing behind.
+    drop(store);
+    for sql in [
+        format!("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}'"),
+        format!("DROP TABLE IF EXISTS {table}"),
+        format!("DROP ROLE IF EXISTS {role}"),
+    ] {
+        run(sql).execute(&mut admin).await.unwrap();
+    }
+    assert_eq!(
+        default, "500ms",
+        "the test role must default to a short timeout"
+    );
+    assert_eq!(
+        held, 1,
+        "the quarantine's advisory lock was not held 1.5 s into a 3 s quarantine"
+    );
+}

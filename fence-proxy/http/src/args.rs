@@ -5,7 +5,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use fence_epoch_store::postgres_store::DEFAULT_TABLE;
-use fence_epoch_store::spec::DEFAULT_POSTGRES_CONNECTIONS;
+use fence_epoch_store::spec::{DEFAULT_MAX_RESOURCES, DEFAULT_POSTGRES_CONNECTIONS};
 use fence_epoch_store::{StoreOptions, StoreSpec, Timing};
 
 /// Default bound on requests handled at once; beyond it new requests wait for a free slot, so a
@@ -65,6 +65,14 @@ pub struct Args {
     #[arg(long, env = "FENCE_PROXY_STORE_MAX_CONNECTIONS", value_name = "N",
           default_value_t = DEFAULT_POSTGRES_CONNECTIONS)]
     pub store_max_connections: u32,
+
+    /// Resources the epoch store records at most. Records are never deleted (a forgotten
+    /// token would let an older holder write again), so past this a write of a resource the
+    /// store has no record of is refused (507 resource-limit); writes of recorded resources go
+    /// on. With the Postgres store, a write of a new resource counts the table's records.
+    #[arg(long, env = "FENCE_PROXY_MAX_RESOURCES", value_name = "N",
+          default_value_t = DEFAULT_MAX_RESOURCES, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_resources: u64,
 
     /// Bound on one epoch-store operation (connecting, one statement); past it: 503.
     #[arg(long, env = "FENCE_PROXY_STORE_TIMEOUT", value_name = "DURATION",
@@ -215,6 +223,7 @@ impl Args {
             },
             postgres_table: self.store_table.clone(),
             postgres_max_connections: self.store_max_connections,
+            max_resources: self.max_resources,
         }
     }
 }

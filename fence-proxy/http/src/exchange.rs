@@ -36,11 +36,26 @@ pub enum BodyEnd {
 #[error("fence-proxy: the exchange of this write did not end within --upstream-timeout; cut off")]
 pub struct ExchangeTimedOut;
 
+/// An HTTP/2 request body ended without the client's END_STREAM: the client reset the stream
+/// (or the connection went away) mid-body.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "fence-proxy: the client's HTTP/2 stream ended before its END_STREAM (reset mid-body); the request body is incomplete"
+)]
+pub struct EndedWithoutEndStream;
+
 /// A body that reports how it ended, and that ends itself with an error at the exchange deadline.
 ///
 /// A body without a tracker (reads) behaves exactly as the body it wraps.
 pub struct TrackedBody<B: Body> {
     inner: B,
+    /// Whether an end of the body counts only when the peer announced it: true for an HTTP/2
+    /// request body. hyper's `Incoming` also ends such a body without an error when the client
+    /// resets the stream with NO_ERROR (RFC 9113 §8.1 lets a server stop reading so after an
+    /// early response); passed on as an end, the upstream would get a cut-off upload as a whole
+    /// one. h2 (0.4.20 and later) reports `is_end_stream` only once END_STREAM was received, so
+    /// an end without it is a failure here.
+    end_announced: bool,
     /// Told once how the body ended; `None` when untracked or already told.
     end: Option<oneshot::Sender<BodyEnd>>,
     /// The exchange deadline; only watched while the body is still tracked.
@@ -52,16 +67,24 @@ impl<B: Body> TrackedBody<B> {
     pub fn untracked(inner: B) -> Self {
         TrackedBody {
             inner,
+            end_announced: false,
             end: None,
             deadline: None,
         }
     }
 
-    /// A body whose end is reported on the returned receiver, cut off at `deadline`.
-    pub fn tracked(inner: B, deadline: Instant) -> (Self, oneshot::Receiver<BodyEnd>) {
+    /// A body whose end is reported on the returned receiver, cut off at `deadline`. With
+    /// `end_announced` (an HTTP/2 request body), an end the peer did not announce by END_STREAM
+    /// is a failure, passed on as an error so that the upstream body is aborted.
+    pub fn tracked(
+        inner: B,
+        deadline: Instant,
+        end_announced: bool,
+    ) -> (Self, oneshot::Receiver<BodyEnd>) {
         let (tx, rx) = oneshot::channel();
         let body = TrackedBody {
             inner,
+            end_announced,
             end: Some(tx),
             deadline: Some(Box::pin(tokio::time::sleep_until(deadline))),
         };
@@ -100,6 +123,10 @@ where
         }
         let frame = ready!(Pin::new(&mut this.inner).poll_frame(cx));
         match frame {
+            None if this.end_announced && !this.inner.is_end_stream() => {
+                this.tell(BodyEnd::Failed);
+                Poll::Ready(Some(Err(Box::new(EndedWithoutEndStream))))
+            }
             None => {
                 this.tell(BodyEnd::Complete);
                 Poll::Ready(None)

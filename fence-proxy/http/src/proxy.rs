@@ -303,6 +303,15 @@ impl Proxy {
                     detail: e.to_string(),
                 }));
             }
+            Err(e @ StoreError::ResourceLimit { .. }) => {
+                // Counted (`result="resource-limit"`), not logged at warn: a client naming
+                // fresh resources would otherwise fill the log as it would have filled the store.
+                return reply(refuse(Refusal::ResourceLimit {
+                    resource,
+                    token,
+                    detail: e.to_string(),
+                }));
+            }
             Err(e @ StoreError::TokenOutOfRange { .. }) => {
                 return reply(refuse(Refusal::BadFence {
                     resource: Some(resource),
@@ -324,7 +333,8 @@ impl Proxy {
         let deadline = Instant::now() + self.config.upstream_timeout;
         let (request, request_end) = {
             let (parts, body) = request.into_parts();
-            let (body, end) = TrackedBody::tracked(body, deadline);
+            let h2 = parts.version == http::Version::HTTP_2;
+            let (body, end) = TrackedBody::tracked(body, deadline, h2);
             (Request::from_parts(parts, body), end)
         };
         let (result, outcome) = self
@@ -374,7 +384,7 @@ impl Proxy {
         }
         m::count(m::RESULT_FORWARDED);
         let (parts, body) = response.into_parts();
-        let (body, response_end) = TrackedBody::tracked(body, deadline);
+        let (body, response_end) = TrackedBody::tracked(body, deadline, false);
         reply(Response::from_parts(parts, body.boxed()));
         let request_end = async move {
             match request_ended {
@@ -477,11 +487,19 @@ impl Proxy {
                 parts.headers.remove(name);
             }
         }
-        // A body on a method that defines none: an upstream may answer such a request without
-        // reading the body and take the body for the next request on the connection, a write
-        // of the client's choosing that no fence checked ("CL.0" smuggling). Nothing may follow
-        // it on that connection: the upstream is told to close it after answering.
-        if !body.is_end_stream() && defines_no_body(&parts.method) {
+        // `Expect: 100-continue` asks the upstream to answer before the body, but the proxy's
+        // client sends the body at once: an upstream that answers early (417, or a final status
+        // it takes as the end of the exchange) would read the body as the next request. The
+        // proxy's own server side already answers 100 to the client when the body is read.
+        parts.headers.remove(header::EXPECT);
+        // A body on any method but POST, PUT and PATCH: an upstream may answer such a request
+        // without reading the body (the method defines none, or the upstream does not implement
+        // it: WebDAV's MOVE, a lowercase `put`, a method of the client's naming, answered 405)
+        // and take the body for the next request on the connection, a write of the client's
+        // choosing that no fence checked ("CL.0" smuggling). Nothing may follow it on that
+        // connection: the upstream is told to close it after answering. Failing closed: only
+        // the three methods every upstream that takes writes reads bodies of keep it.
+        if !body.is_end_stream() && !body_keeps_connection(&parts.method) {
             parts
                 .headers
                 .insert(header::CONNECTION, http::HeaderValue::from_static("close"));
@@ -568,12 +586,12 @@ fn is_read(method: &Method) -> bool {
     matches!(*method, Method::GET | Method::HEAD | Method::OPTIONS)
 }
 
-/// Methods whose requests have no defined body meaning (RFC 9110 9.3): a server may ignore one.
-fn defines_no_body(method: &Method) -> bool {
-    matches!(
-        *method,
-        Method::GET | Method::HEAD | Method::OPTIONS | Method::DELETE | Method::TRACE
-    )
+/// Methods whose request bodies an upstream reads before the next request on the connection:
+/// POST, PUT and PATCH, exactly (methods are case-sensitive, RFC 9110 §9.1: `put` is another
+/// method, which an upstream may answer 405 without reading its body). A body on any other
+/// method closes its upstream connection.
+fn body_keeps_connection(method: &Method) -> bool {
+    matches!(*method, Method::POST | Method::PUT | Method::PATCH)
 }
 
 fn refuse(refusal: Refusal) -> Response<ProxyBody> {
@@ -614,5 +632,23 @@ mod tests {
         let mut left: Vec<_> = h.keys().map(|k| k.as_str()).collect();
         left.sort();
         assert_eq!(left, ["if-match", "if-unmodified-since"]);
+    }
+
+    #[test]
+    fn only_post_put_and_patch_bodies_keep_the_upstream_connection() {
+        for method in ["POST", "PUT", "PATCH"] {
+            assert!(body_keeps_connection(&method.parse().unwrap()), "{method}");
+        }
+        for method in [
+            "put",
+            "Post",
+            "MOVE",
+            "PROPFIND",
+            "DELETE",
+            "GET",
+            "FROBNICATE",
+        ] {
+            assert!(!body_keeps_connection(&method.parse().unwrap()), "{method}");
+        }
     }
 }

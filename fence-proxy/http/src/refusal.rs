@@ -82,6 +82,16 @@ pub enum Refusal {
         /// What went wrong, for the problem body.
         detail: String,
     },
+    /// 507: a write of a resource the epoch store has no record of, while it records
+    /// `--max-resources` of them. Writes of recorded resources go on.
+    ResourceLimit {
+        /// The write's `Lock-Resource`.
+        resource: String,
+        /// The write's `Fencing-Token`.
+        token: FencingToken,
+        /// The store's message, naming the limit.
+        detail: String,
+    },
     /// 502: the upstream could not be reached or broke the connection.
     UpstreamError {
         /// The write's `Lock-Resource`, when it had a valid one.
@@ -120,6 +130,7 @@ impl Refusal {
             Refusal::StoreUnavailable { .. } | Refusal::ResourceBusy { .. } => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
+            Refusal::ResourceLimit { .. } => StatusCode::INSUFFICIENT_STORAGE,
             Refusal::UpstreamError { .. } => StatusCode::BAD_GATEWAY,
             Refusal::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
         }
@@ -135,6 +146,7 @@ impl Refusal {
             Refusal::SequencerRequired { .. } => "sequencer-required",
             Refusal::StoreUnavailable { .. } => "store-unavailable",
             Refusal::ResourceBusy { .. } => "resource-busy",
+            Refusal::ResourceLimit { .. } => "resource-limit",
             Refusal::UpstreamError { .. } => "upstream-error",
             Refusal::UpstreamTimeout { .. } => "upstream-timeout",
         }
@@ -150,6 +162,7 @@ impl Refusal {
             Refusal::SequencerRequired { .. } => "Sequencer required",
             Refusal::StoreUnavailable { .. } => "Epoch store unavailable",
             Refusal::ResourceBusy { .. } => "Resource busy",
+            Refusal::ResourceLimit { .. } => "Resource limit reached",
             Refusal::UpstreamError { .. } => "Upstream error",
             Refusal::UpstreamTimeout { .. } => "Upstream timeout",
         }
@@ -196,6 +209,9 @@ impl Refusal {
             Refusal::ResourceBusy { detail, .. } => {
                 format!("fence-proxy: {detail}; not forwarded, retry later")
             }
+            Refusal::ResourceLimit { detail, .. } => {
+                format!("fence-proxy: {detail}; not forwarded")
+            }
             Refusal::UpstreamError {
                 detail,
                 maybe_applied,
@@ -228,6 +244,9 @@ impl Refusal {
                 resource, token, ..
             }
             | Refusal::ResourceBusy {
+                resource, token, ..
+            }
+            | Refusal::ResourceLimit {
                 resource, token, ..
             } => (Some(resource), Some(*token), None),
             Refusal::FenceRequired {

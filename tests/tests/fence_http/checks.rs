@@ -605,3 +605,73 @@ async fn a_resource_with_whitespace_at_an_end_is_refused() {
     assert_eq!(writes.len(), 1, "{writes:?}");
     assert_eq!(writes[0].header("fencing-token"), Some("42"));
 }
+
+/// `--max-resources 3` against either store: three resources are recorded, a fourth is refused
+/// (507 `resource-limit`, naming the limit, nothing forwarded, counted), writes of the recorded
+/// ones go on, and the fourth stays refused.
+async fn resource_bound(store: &str, extra: &[&str]) {
+    let upstream = HttpUpstream::start().await.unwrap();
+    let mut args = vec!["--max-resources", "3"];
+    args.extend_from_slice(extra);
+    let proxy = FenceProxy::start(&upstream.url(), store, &args)
+        .await
+        .unwrap();
+
+    // Phase 1: three resources are recorded.
+    for r in ["limit/a", "limit/b", "limit/c"] {
+        assert_eq!(put(&proxy, r, "1", "first").await.status, 200, "{r}");
+    }
+    // Phase 2: a fourth is refused, twice; the recorded ones take higher and equal tokens.
+    for _ in 0..2 {
+        let reply = put(&proxy, "limit/d", "1", "new").await;
+        assert_refused(&reply, 507, "resource-limit");
+        let message = reply.json()["message"].as_str().unwrap().to_owned();
+        assert!(
+            message.contains("--max-resources")
+                && message.contains(" 3 ")
+                && message.contains("limit/d"),
+            "{message}"
+        );
+    }
+    for (r, token) in [("limit/a", "2"), ("limit/c", "1"), ("limit/b", "7")] {
+        assert_eq!(
+            put(&proxy, r, token, "again").await.status,
+            200,
+            "{r}:{token}"
+        );
+    }
+    let stale = put(&proxy, "limit/b", "6", "stale").await;
+    assert_refused(&stale, 412, "stale-fencing-token");
+
+    // Phase 3: nothing of the refused resource reached the upstream; the refusals are counted.
+    let writes = upstream.writes();
+    assert_eq!(writes.len(), 6, "{writes:?}");
+    assert!(
+        writes.iter().all(|w| w.resource() != Some("limit/d")),
+        "{writes:?}"
+    );
+    let metrics = proxy.metrics().await.unwrap();
+    assert!(
+        metrics
+            .contains(r#"fence_proxy_requests_total{frontend="http",result="resource-limit"} 2"#),
+        "{metrics}"
+    );
+}
+
+/// Attack (review of 2026-12-05, third round, MEDIUM, resource bound): the epoch store grew by
+/// one record per resource name forever, and with plain tokens any client can name fresh
+/// resources (3,000 MOVE writes with fresh 250-byte names grew the redb file by about 2.1 MB).
+/// Records cannot be deleted safely. Goal: `--max-resources` bounds them; past it a write of a
+/// new resource is refused (fail closed) while recorded resources are written as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_of_new_resources_beyond_max_resources_are_refused_redb() {
+    let dir = tempfile::tempdir().unwrap();
+    resource_bound(&redb_store(&dir), &[]).await;
+}
+
+/// The same with the Postgres store, which counts its shared table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_of_new_resources_beyond_max_resources_are_refused_postgres() {
+    let table = PgTable::new("fence_limit");
+    resource_bound(&table.store(), &["--store-table", &table.name]).await;
+}

@@ -11,6 +11,8 @@
 //! - `slow_clients`: trickling bodies, stalled and disconnected writers, slow headers and the
 //!   connection cap.
 //! - `readiness`: `/readyz` follows the epoch store and the upstream.
+//! - `framing`: nothing inside a body reaches the upstream as a request of its own (methods that
+//!   keep the connection, `Expect`), and an HTTP/2 upload its client reset is never complete.
 //! - `reads`: reads reuse the upstream connections of their thread, and a connection that was
 //!   closed or left half-read is never used again.
 //! - `shared`: writes of one token share their resource; a higher token waits for them.
@@ -25,6 +27,7 @@
 mod checks;
 mod epochs;
 mod faults;
+mod framing;
 mod readiness;
 mod reads;
 mod shared;
