@@ -44,7 +44,8 @@ struct Statements {
     upsert: Arc<str>,
     mark: Arc<str>,
     unlock: Arc<str>,
-    /// The records, counted up to a bound (`--max-resources`).
+    /// The records, counted up to a bound (`--max-resources`), or 0 where the table's
+    /// statistics put it well below the bound.
     count: Arc<str>,
 }
 
@@ -78,8 +79,19 @@ impl Statements {
                  WHERE resource = $1"
             )),
             unlock: s("SELECT pg_advisory_unlock(hashtextextended($1, 0))".to_owned()),
+            // The statistics first (O(1)): well below a large bound a new resource needs no
+            // count. Near it, and for bounds up to 10,000 (a count of that many index entries
+            // takes about a millisecond), the records are counted, up to the bound, so the
+            // refusal is exact where it matters; the statistics lag a second or so (and reset
+            // with `pg_stat_reset`), and a tenth of the bound is the margin for that.
             count: s(format!(
-                "SELECT count(*) FROM (SELECT 1 FROM {table} LIMIT $1) AS records"
+                "SELECT CASE WHEN $1 > 10000 AND GREATEST( \
+                   COALESCE((SELECT n_live_tup FROM pg_stat_user_tables \
+                             WHERE relid = to_regclass('{table}')), 0), \
+                   COALESCE((SELECT reltuples::bigint FROM pg_class \
+                             WHERE oid = to_regclass('{table}')), 0)) < $1 / 10 * 9 \
+                 THEN 0 \
+                 ELSE (SELECT count(*) FROM (SELECT 1 FROM {table} LIMIT $1) AS records) END"
             )),
         }
     }
@@ -113,7 +125,8 @@ pub struct PostgresStore {
     /// pool, so that quarantines cannot take every connection; beyond that `busy_until` alone.
     quarantine_holds: Arc<Semaphore>,
     /// Resources the table may record (`--max-resources`): a write of a resource without a
-    /// record counts the records first (up to this many, an index-only scan).
+    /// record reads the statistics first and, near the bound, counts the records (up to this
+    /// many, an index-only scan).
     max_resources: u64,
 }
 

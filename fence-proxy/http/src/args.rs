@@ -69,7 +69,8 @@ pub struct Args {
     /// Resources the epoch store records at most. Records are never deleted (a forgotten
     /// token would let an older holder write again), so past this a write of a resource the
     /// store has no record of is refused (507 resource-limit); writes of recorded resources go
-    /// on. With the Postgres store, a write of a new resource counts the table's records.
+    /// on. With the Postgres store, a write of a new resource near the bound counts the table's
+    /// records.
     #[arg(long, env = "FENCE_PROXY_MAX_RESOURCES", value_name = "N",
           default_value_t = DEFAULT_MAX_RESOURCES, value_parser = clap::value_parser!(u64).range(1..))]
     pub max_resources: u64,
