@@ -137,6 +137,8 @@ async fn main() -> anyhow::Result<()> {
         upstream_timeout: UPSTREAM_TIMEOUT,
         verification: None,
         resource_binding: ResourceBinding::Off,
+        // Every request with a body closes its upstream connection (the safe default).
+        reuse_after_body: false,
     };
     let store: Arc<dyn EpochStore> = Arc::new(MemoryStore::default());
     let server = tokio::spawn(fence_proxy_http::serve(

@@ -128,6 +128,10 @@ pub struct PostgresStore {
     /// record reads the statistics first and, near the bound, counts the records (up to this
     /// many, an index-only scan).
     max_resources: u64,
+    /// Set once a count found the table at `max_resources`: records are never deleted by the
+    /// proxy, so it stays full, and new resources are refused without counting again (a count
+    /// of a full table of a million records takes tens of milliseconds and a pool connection).
+    full: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// Whether the store URL (or PGSSLROOTCERT, which sqlx also reads) names a root certificate.
@@ -246,6 +250,7 @@ impl PostgresStore {
                 (max_connections as usize).saturating_sub(1) / 2,
             )),
             max_resources: crate::spec::DEFAULT_MAX_RESOURCES,
+            full: Arc::new(std::sync::atomic::AtomicBool::new(false)),
         })
     }
 
@@ -437,6 +442,16 @@ impl PostgresStore {
             }
         } else {
             let limit = self.max_resources;
+            let full = || {
+                Ok(Decision::Refused(StoreError::ResourceLimit {
+                    resource: resource.to_owned(),
+                    limit,
+                    store: self.name.clone(),
+                }))
+            };
+            if self.full.load(std::sync::atomic::Ordering::Relaxed) {
+                return full();
+            }
             let records: i64 = self
                 .bounded(
                     "counting the records",
@@ -446,11 +461,8 @@ impl PostgresStore {
                 )
                 .await?;
             if records as u64 >= limit {
-                return Ok(Decision::Refused(StoreError::ResourceLimit {
-                    resource: resource.to_owned(),
-                    limit,
-                    store: self.name.clone(),
-                }));
+                self.full.store(true, std::sync::atomic::Ordering::Relaxed);
+                return full();
             }
         }
 

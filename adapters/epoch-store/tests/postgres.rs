@@ -339,3 +339,42 @@ async fn idle_session_timeouts_do_not_end_a_quarantine_hold() {
         "the quarantine's advisory lock was not held 1.5 s into a 3 s quarantine"
     );
 }
+
+/// Goal (review of the third round's HTTP fixes): once a count finds the table at
+/// `--max-resources`, new resources are refused without counting it again (records are never
+/// deleted, so it stays full; a count of a full table of a million records took about 60 ms and
+/// a pool connection per fresh name), while recorded resources stay writable; a new process
+/// counts again. Method: a bound of 2; two resources recorded, a third refused; then the rows
+/// deleted behind the store's back: a fourth is still refused by the same store (no count ran),
+/// and admitted by a fresh one.
+#[tokio::test]
+async fn a_full_table_is_remembered_until_the_next_start() {
+    require_postgres().await;
+    let table = unique_table("full");
+    drop_table(&table).await;
+    let a = replica(&table, 2000, 500).with_max_resources(2);
+    for r in ["r1", "r2"] {
+        accepted(&a, r, 1)
+            .await
+            .release(ForwardOutcome::Answered)
+            .await
+            .unwrap();
+    }
+    let refused = |e: &StoreError| matches!(e, StoreError::ResourceLimit { limit: 2, .. });
+    let e = a.admit("r3", FencingToken(1)).await.unwrap_err();
+    assert!(refused(&e), "{e}");
+    let mut conn = sqlx::PgConnection::connect(URL).await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!("DELETE FROM {table}")))
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    let e = a.admit("r4", FencingToken(1)).await.unwrap_err();
+    assert!(refused(&e), "the same store counted again: {e}");
+    let b = replica(&table, 2000, 500).with_max_resources(2);
+    accepted(&b, "r4", 1)
+        .await
+        .release(ForwardOutcome::Answered)
+        .await
+        .unwrap();
+    drop_table(&table).await;
+}

@@ -107,6 +107,16 @@ pub struct Args {
           default_value_t = crate::binding::ResourceBinding::Off)]
     pub bind_resource: crate::binding::ResourceBinding,
 
+    /// Keep the upstream connection after a POST, PUT or PATCH with a body, for upstreams that
+    /// read (or discard) the body of every request they answer, as HTTP/1.1 requires. Off by
+    /// default: an upstream that answers early without reading a body (a router's 404, an
+    /// authentication check's 401, its own fencing check's 412) and keeps the connection would
+    /// take the rest of the body for the next request, one that no fence checked; so every
+    /// request with a body goes upstream with `Connection: close`, which costs a new upstream
+    /// connection per such request. A body on any other method closes its connection always.
+    #[arg(long, env = "FENCE_PROXY_UPSTREAM_REUSE_AFTER_BODY")]
+    pub upstream_reuse_after_body: bool,
+
     /// Requests handled at once; more wait for a free slot. Also bounds the writes being
     /// admitted or forwarded, counting those whose client has gone away.
     #[arg(long, env = "FENCE_PROXY_MAX_IN_FLIGHT", value_name = "N",

@@ -83,6 +83,9 @@ pub struct ProxyConfig {
     pub verification: Option<Arc<crate::verify::Verification>>,
     /// `--bind-resource`: whether a write's resource must name its path.
     pub resource_binding: ResourceBinding,
+    /// `--upstream-reuse-after-body`: a POST, PUT or PATCH with a body keeps its upstream
+    /// connection (otherwise every request with a body closes it).
+    pub reuse_after_body: bool,
 }
 
 /// The proxy's state, shared by all connections.
@@ -166,6 +169,13 @@ impl Proxy {
         self: Arc<Self>,
         request: Request<Incoming>,
     ) -> Result<Response<ProxyBody>, Infallible> {
+        // A transfer coding besides `chunked` (`gzip, chunked`): hyper takes the chunks off and
+        // nothing else, and the proxy forwards the body chunked: the upstream would apply the
+        // compressed bytes as the body. Refused, as RFC 9112 6.1 has a server do with a coding
+        // it does not implement.
+        if let Some(coding) = unsupported_transfer_coding(request.headers()) {
+            return Ok(refuse(Refusal::UnsupportedTransferCoding { coding }));
+        }
         if is_read(request.method()) {
             let request = request.map(TrackedBody::untracked);
             let deadline = Instant::now() + self.config.upstream_timeout;
@@ -492,14 +502,17 @@ impl Proxy {
         // it takes as the end of the exchange) would read the body as the next request. The
         // proxy's own server side already answers 100 to the client when the body is read.
         parts.headers.remove(header::EXPECT);
-        // A body on any method but POST, PUT and PATCH: an upstream may answer such a request
-        // without reading the body (the method defines none, or the upstream does not implement
-        // it: WebDAV's MOVE, a lowercase `put`, a method of the client's naming, answered 405)
-        // and take the body for the next request on the connection, a write of the client's
-        // choosing that no fence checked ("CL.0" smuggling). Nothing may follow it on that
-        // connection: the upstream is told to close it after answering. Failing closed: only
-        // the three methods every upstream that takes writes reads bodies of keep it.
-        if !body.is_end_stream() && !body_keeps_connection(&parts.method) {
+        // A body: an upstream may answer the request without reading it (the method defines
+        // none, or the upstream does not implement it: WebDAV's MOVE, a lowercase `put`, a
+        // method of the client's naming, answered 405; or it answers early: a router's 404, an
+        // authentication check's 401, its own fencing check's 412) and take the body for the
+        // next request on the connection, a write of the client's choosing that no fence
+        // checked ("CL.0" smuggling). The proxy cannot see whether the upstream read a body, so
+        // nothing follows one on its connection: the upstream is told to close it after
+        // answering. `--upstream-reuse-after-body` keeps it for POST, PUT and PATCH, whose
+        // bodies an upstream that follows HTTP/1.1 reads or discards.
+        let keeps = self.config.reuse_after_body && body_keeps_connection(&parts.method);
+        if !body.is_end_stream() && !keeps {
             parts
                 .headers
                 .insert(header::CONNECTION, http::HeaderValue::from_static("close"));
@@ -586,12 +599,35 @@ fn is_read(method: &Method) -> bool {
     matches!(*method, Method::GET | Method::HEAD | Method::OPTIONS)
 }
 
-/// Methods whose request bodies an upstream reads before the next request on the connection:
-/// POST, PUT and PATCH, exactly (methods are case-sensitive, RFC 9110 §9.1: `put` is another
-/// method, which an upstream may answer 405 without reading its body). A body on any other
-/// method closes its upstream connection.
+/// Methods whose request bodies an upstream that implements them reads before the next request
+/// on the connection, under `--upstream-reuse-after-body`: POST, PUT and PATCH, exactly (methods
+/// are case-sensitive, RFC 9110 §9.1: `put` is another method, which an upstream may answer 405
+/// without reading its body). A body on any other method closes its upstream connection.
 fn body_keeps_connection(method: &Method) -> bool {
     matches!(*method, Method::POST | Method::PUT | Method::PATCH)
+}
+
+/// The request's transfer coding when it is anything but `chunked` alone (hyper decodes only
+/// that one): `None` without a `Transfer-Encoding` or with `chunked`.
+fn unsupported_transfer_coding(headers: &http::HeaderMap) -> Option<String> {
+    let values: Vec<&http::HeaderValue> =
+        headers.get_all(header::TRANSFER_ENCODING).iter().collect();
+    if values.is_empty() {
+        return None;
+    }
+    let text: Vec<String> = values
+        .iter()
+        .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+        .collect();
+    let codings: Vec<&str> = text
+        .iter()
+        .flat_map(|t| t.split(','))
+        .map(str::trim)
+        .collect();
+    match codings.as_slice() {
+        [only] if only.eq_ignore_ascii_case("chunked") => None,
+        _ => Some(text.join(", ")),
+    }
 }
 
 fn refuse(refusal: Refusal) -> Response<ProxyBody> {

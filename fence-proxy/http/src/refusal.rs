@@ -92,6 +92,12 @@ pub enum Refusal {
         /// The store's message, naming the limit.
         detail: String,
     },
+    /// 501: a `Transfer-Encoding` other than `chunked` alone (`gzip, chunked`): the proxy
+    /// decodes only chunks, so the upstream would get the still-coded bytes as the body.
+    UnsupportedTransferCoding {
+        /// The header's value(s), as sent.
+        coding: String,
+    },
     /// 502: the upstream could not be reached or broke the connection.
     UpstreamError {
         /// The write's `Lock-Resource`, when it had a valid one.
@@ -131,6 +137,7 @@ impl Refusal {
                 StatusCode::SERVICE_UNAVAILABLE
             }
             Refusal::ResourceLimit { .. } => StatusCode::INSUFFICIENT_STORAGE,
+            Refusal::UnsupportedTransferCoding { .. } => StatusCode::NOT_IMPLEMENTED,
             Refusal::UpstreamError { .. } => StatusCode::BAD_GATEWAY,
             Refusal::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
         }
@@ -147,6 +154,7 @@ impl Refusal {
             Refusal::StoreUnavailable { .. } => "store-unavailable",
             Refusal::ResourceBusy { .. } => "resource-busy",
             Refusal::ResourceLimit { .. } => "resource-limit",
+            Refusal::UnsupportedTransferCoding { .. } => "unsupported-transfer-coding",
             Refusal::UpstreamError { .. } => "upstream-error",
             Refusal::UpstreamTimeout { .. } => "upstream-timeout",
         }
@@ -163,6 +171,7 @@ impl Refusal {
             Refusal::StoreUnavailable { .. } => "Epoch store unavailable",
             Refusal::ResourceBusy { .. } => "Resource busy",
             Refusal::ResourceLimit { .. } => "Resource limit reached",
+            Refusal::UnsupportedTransferCoding { .. } => "Unsupported transfer coding",
             Refusal::UpstreamError { .. } => "Upstream error",
             Refusal::UpstreamTimeout { .. } => "Upstream timeout",
         }
@@ -212,6 +221,9 @@ impl Refusal {
             Refusal::ResourceLimit { detail, .. } => {
                 format!("fence-proxy: {detail}; not forwarded")
             }
+            Refusal::UnsupportedTransferCoding { coding } => format!(
+                "fence-proxy: Transfer-Encoding {coding:?} is not supported (only chunked); not forwarded"
+            ),
             Refusal::UpstreamError {
                 detail,
                 maybe_applied,
@@ -265,6 +277,7 @@ impl Refusal {
             | Refusal::UpstreamTimeout {
                 resource, token, ..
             } => (resource.as_deref(), *token, None),
+            Refusal::UnsupportedTransferCoding { .. } => (None, None, None),
         }
     }
 

@@ -532,6 +532,7 @@ pub async fn run_with_reload(
         upstream_timeout: args.upstream_timeout,
         verification: verification.map(Arc::new),
         resource_binding: args.bind_resource,
+        reuse_after_body: args.upstream_reuse_after_body,
     };
     let served = serve_with_access(listener, store.clone(), config, limits, access, shutdown).await;
     // After the drain: the store saves what must outlive this process (the redb store: its

@@ -40,8 +40,10 @@ impl Seen {
 /// An HTTP/1.1 upstream on raw sockets that implements PUT, POST and PATCH only, as many do: it
 /// reads their bodies (`Content-Length` or chunked) and applies them; any other method, in any
 /// spelling, is answered `405` at once and kept alive, its body unread: whatever follows the head
-/// is taken for the next request. A request that says `Connection: close` is the last one read
-/// on its connection, as on any server.
+/// is taken for the next request. So is a POST to `/early`, answered `404` at once (as a router,
+/// an authentication check or the upstream's own fencing check answers before the body). A
+/// request that says `Connection: close` is the last one read on its connection, as on any
+/// server.
 struct MethodUpstream {
     addr: SocketAddr,
     seen: Arc<Mutex<Vec<Seen>>>,
@@ -86,7 +88,7 @@ async fn serve_methods(mut stream: TcpStream, connection: usize, log: Arc<Mutex<
         let mut words = head.split_whitespace();
         let method = words.next().unwrap_or_default().to_owned();
         let path = words.next().unwrap_or_default().to_owned();
-        let applied = if matches!(method.as_str(), "PUT" | "POST" | "PATCH") {
+        let applied = if matches!(method.as_str(), "PUT" | "POST" | "PATCH") && path != "/early" {
             let Some(body) = read_body(&mut stream, &mut buf, &head).await else {
                 return;
             };
@@ -103,6 +105,8 @@ async fn serve_methods(mut stream: TcpStream, connection: usize, log: Arc<Mutex<
         };
         let status = if seen.applied.is_some() {
             "200 OK"
+        } else if seen.path == "/early" {
+            "404 Not Found"
         } else {
             "405 Method Not Allowed"
         };
@@ -179,20 +183,77 @@ async fn read_line(stream: &mut TcpStream, buf: &mut Vec<u8>) -> Option<String> 
     }
 }
 
-/// Attack (review of 2026-12-05, third round, HIGH): `Connection: close` went only with a body
-/// on GET, HEAD, OPTIONS, DELETE and TRACE, so a fenced write by MOVE, PROPFIND, a lowercase
-/// `put` or a method of the client's own naming kept its pooled upstream connection; an upstream
-/// that answers a method it does not implement with 405 without reading the body took the body
-/// for the next request: a stale `PUT /orders/42` with token 41, inside a write of `junk/1`,
-/// applied after 42's write. Goal: a body on any method but POST, PUT and PATCH (exactly those,
-/// uppercase) goes upstream with `Connection: close`; those three keep their connection.
-/// Method: token 42 applied for `orders/42`, then each attack method carrying the stale write as
-/// its body, each followed by a plain POST; the upstream of the finding never applies `old41`.
+/// Attack (review of 2026-12-05, third round, HIGH, and the review of its fix): `Connection:
+/// close` went only with a body on GET, HEAD, OPTIONS, DELETE and TRACE, so a fenced write by
+/// MOVE, PROPFIND, a lowercase `put` or a method of the client's own naming kept its pooled
+/// upstream connection; an upstream that answers a method it does not implement with 405 without
+/// reading the body took the body for the next request: a stale `PUT /orders/42` with token 41,
+/// inside a write of `junk/1`, applied after 42's write. The first fix kept POST, PUT and PATCH
+/// on their connections, and a POST the upstream answered early (404) without reading its body
+/// smuggled the same write. Goal: by default every request with a body goes upstream with
+/// `Connection: close`. Method: token 42 applied for `orders/42`, then each attack carrying the
+/// stale write as its body, each followed by a plain POST; the upstream of the finding never
+/// applies `old41`; plain POST, PUT and PATCH writes ask to close too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_body_on_a_method_other_than_post_put_patch_cannot_smuggle_a_request() {
+async fn a_body_on_any_method_cannot_smuggle_a_request() {
+    let (upstream, seen, statuses) = smuggle_through(&[]).await;
+    let expected: Vec<(&str, u16)> = ATTACKS
+        .iter()
+        .flat_map(|(m, p)| [(*m, if *p == "/early" { 404 } else { 405 }), ("POST", 200)])
+        .collect();
+    assert_eq!(statuses, expected, "{seen:?}");
+    let plain: Vec<&Seen> = seen.iter().filter(|s| s.path == "/plain").collect();
+    assert_eq!(plain.len(), 6, "{seen:?}");
+    assert!(
+        plain.iter().all(|s| s.asks_to_close()),
+        "POST, PUT and PATCH bodies must close their upstream connection by default: {plain:?}"
+    );
+    drop(upstream);
+}
+
+/// Goal: `--upstream-reuse-after-body` (for upstreams that read or discard every body they
+/// answer) keeps the connection after POST, PUT and PATCH bodies, and still closes it after a
+/// body on any other method. Method: the attacks of the test above but the early POST (which
+/// such an upstream would not answer so); the plain writes share their connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reuse_after_body_keeps_post_put_patch_connections_and_no_other() {
+    let (upstream, seen, _) = smuggle_through(&["--upstream-reuse-after-body"]).await;
+    let plain: Vec<&Seen> = seen.iter().filter(|s| s.path == "/plain").collect();
+    assert_eq!(plain.len(), 6, "{seen:?}");
+    assert!(
+        plain.iter().all(|s| !s.asks_to_close()),
+        "POST, PUT and PATCH must keep their upstream connection: {plain:?}"
+    );
+    let mut connections: Vec<usize> = plain.iter().map(|s| s.connection).collect();
+    connections.dedup();
+    assert!(
+        connections.len() <= 2,
+        "six writes one after the other should share a connection: {connections:?}"
+    );
+    drop(upstream);
+}
+
+/// Bodies that smuggle a stale write: methods the upstream does not implement, and a POST it
+/// answers early without reading the body (only without `--upstream-reuse-after-body`).
+const ATTACKS: [(&str, &str); 5] = [
+    ("MOVE", "/junk"),
+    ("PROPFIND", "/junk"),
+    ("put", "/junk"),
+    ("FROBNICATE", "/junk"),
+    ("POST", "/early"),
+];
+
+/// Runs the smuggling attempts of [`ATTACKS`] through a proxy with `extra` flags, then six
+/// plain POST, PUT and PATCH writes; checks that no smuggled write was applied and that every
+/// attack asked its connection to close; returns what the upstream saw and the attacks'
+/// statuses (each attack followed by a plain POST).
+async fn smuggle_through(extra: &[&str]) -> (MethodUpstream, Vec<Seen>, Vec<(&'static str, u16)>) {
     let upstream = MethodUpstream::start().await;
     let dir = tempfile::tempdir().unwrap();
-    let proxy = FenceProxy::start(&upstream.url(), &redb_store(&dir), &["--threads", "1"])
+    let mut flags = vec!["--threads", "1"];
+    flags.extend_from_slice(extra);
+    let reuse = extra.contains(&"--upstream-reuse-after-body");
+    let proxy = FenceProxy::start(&upstream.url(), &redb_store(&dir), &flags)
         .await
         .unwrap();
 
@@ -215,12 +276,14 @@ async fn a_body_on_a_method_other_than_post_put_patch_cannot_smuggle_a_request()
                     Fencing-Token: 41\r\nContent-Length: 5\r\n\r\nold41";
     // Their answers are checked after the upstream's record: a smuggled request also shifts
     // the answers on its connection by one.
-    let attacks = ["MOVE", "PROPFIND", "put", "FROBNICATE"];
     let mut statuses = Vec::new();
-    for (i, method) in attacks.iter().enumerate() {
+    for (i, (method, path)) in ATTACKS.iter().enumerate() {
+        if reuse && *path == "/early" {
+            continue;
+        }
         let resource = format!("junk/{i}");
         let reply = proxy
-            .write(method, "/junk", (Some(&resource), Some("1")), &[], smuggled)
+            .write(method, path, (Some(&resource), Some("1")), &[], smuggled)
             .await
             .unwrap();
         statuses.push((*method, reply.status));
@@ -250,12 +313,10 @@ async fn a_body_on_a_method_other_than_post_put_patch_cannot_smuggle_a_request()
         !seen.iter().any(|s| s.applied.as_deref() == Some("old41")),
         "a request smuggled in a body reached the upstream: {applied:?}"
     );
-    let expected: Vec<(&str, u16)> = attacks
+    for s in seen
         .iter()
-        .flat_map(|m| [(*m, 405), ("POST", 200)])
-        .collect();
-    assert_eq!(statuses, expected, "{seen:?}");
-    for s in seen.iter().filter(|s| s.path == "/junk") {
+        .filter(|s| s.path == "/junk" || s.path == "/early")
+    {
         assert!(
             s.asks_to_close(),
             "{} with a body went upstream without Connection: close: {:?}",
@@ -263,18 +324,67 @@ async fn a_body_on_a_method_other_than_post_put_patch_cannot_smuggle_a_request()
             s.head
         );
     }
-    let plain: Vec<&Seen> = seen.iter().filter(|s| s.path == "/plain").collect();
-    assert_eq!(plain.len(), 6, "{seen:?}");
-    assert!(
-        plain.iter().all(|s| !s.asks_to_close()),
-        "POST, PUT and PATCH must keep their upstream connection: {plain:?}"
+    drop(proxy);
+    (upstream, seen, statuses)
+}
+
+/// Attack (review of the third round's HTTP fixes, LOW): `Transfer-Encoding: gzip, chunked` was
+/// taken apart by hyper's chunked decoding only and forwarded chunked: the upstream stored the
+/// compressed bytes as the body. Goal: any transfer coding but `chunked` alone is refused, 501
+/// `unsupported-transfer-coding`, and nothing reaches the upstream. Method: a raw HTTP/1.1 PUT
+/// with `gzip, chunked`, and one with two Transfer-Encoding fields; then a plain chunked PUT,
+/// which is applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transfer_coding_other_than_chunked_is_refused() {
+    let upstream = MethodUpstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = FenceProxy::start(&upstream.url(), &redb_store(&dir), &[])
+        .await
+        .unwrap();
+    let chunked = "5\r\nhello\r\n0\r\n\r\n";
+    for (i, coding) in [
+        "Transfer-Encoding: gzip, chunked\r\n",
+        "Transfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n",
+    ]
+    .iter()
+    .enumerate()
+    {
+        let request = format!(
+            "PUT /obj/{i} HTTP/1.1\r\nHost: p\r\nLock-Resource: obj/{i}\r\nFencing-Token: 1\r\n\
+             {coding}Connection: close\r\n\r\n{chunked}"
+        );
+        let reply = raw_exchange(proxy.addr, &request).await;
+        assert!(
+            reply.starts_with("HTTP/1.1 501")
+                && reply
+                    .to_ascii_lowercase()
+                    .contains("fence-proxy-error: unsupported-transfer-coding"),
+            "{coding:?}: {reply}"
+        );
+    }
+    let request = format!(
+        "PUT /obj/plain HTTP/1.1\r\nHost: p\r\nLock-Resource: obj/plain\r\nFencing-Token: 1\r\n\
+         Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n{chunked}"
     );
-    let mut connections: Vec<usize> = plain.iter().map(|s| s.connection).collect();
-    connections.dedup();
-    assert!(
-        connections.len() <= 2,
-        "six writes one after the other should share a connection: {connections:?}"
+    let reply = raw_exchange(proxy.addr, &request).await;
+    assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+    let seen = upstream.seen();
+    assert_eq!(
+        seen.iter()
+            .map(|s| (s.path.as_str(), s.applied.as_deref()))
+            .collect::<Vec<_>>(),
+        [("/obj/plain", Some("hello"))],
+        "{seen:?}"
     );
+}
+
+/// Sends `request` on a new connection to `addr` and reads the answer until the proxy closes.
+async fn raw_exchange(addr: SocketAddr, request: &str) -> String {
+    let mut stream = TcpStream::connect(addr).await.unwrap();
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut answer)).await;
+    String::from_utf8_lossy(&answer).into_owned()
 }
 
 /// Attack (review of 2026-12-05, third round, LOW): `Expect: 100-continue` went upstream while
