@@ -221,6 +221,24 @@ pub async fn read_raw_head(
     Some(head)
 }
 
+/// Takes what the peer still sends (until it stops for 100 ms or closes) before a raw upstream
+/// closes the connection, so that the close is not a reset that could cost the peer the answer;
+/// none of it is read as a request.
+pub async fn drain_before_close(stream: &mut tokio::net::TcpStream) {
+    use tokio::io::AsyncReadExt;
+    let mut rest = [0u8; 4096];
+    while let Ok(Ok(n)) = tokio::time::timeout(
+        std::time::Duration::from_millis(100),
+        stream.read(&mut rest),
+    )
+    .await
+    {
+        if n == 0 {
+            break;
+        }
+    }
+}
+
 /// The value of header `name` (any case) in a head read by [`read_raw_head`].
 pub fn raw_header(head: &str, name: &str) -> Option<String> {
     head.lines().skip(1).find_map(|line| {

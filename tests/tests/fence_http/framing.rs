@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use lockd_tests::fence_proxy::{FenceProxy, send};
-use lockd_tests::http_upstream::{HttpUpstream, raw_header, read_raw_head};
+use lockd_tests::http_upstream::{HttpUpstream, drain_before_close, raw_header, read_raw_head};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -117,16 +117,7 @@ async fn serve_methods(mut stream: TcpStream, connection: usize, log: Arc<Mutex<
             return;
         }
         if close {
-            // Take what the client still sends before closing, so that the close is not a
-            // reset that could cost the client the answer; none of it is read as a request.
-            let mut rest = [0u8; 4096];
-            while let Ok(Ok(n)) =
-                tokio::time::timeout(Duration::from_millis(100), stream.read(&mut rest)).await
-            {
-                if n == 0 {
-                    break;
-                }
-            }
+            drain_before_close(&mut stream).await;
             return;
         }
     }

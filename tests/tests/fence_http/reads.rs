@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use lockd_tests::fence_proxy::{FenceProxy, send};
+use lockd_tests::http_upstream::drain_before_close;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -149,16 +150,7 @@ async fn serve(
             return;
         }
         if asked_to_close {
-            // Take what the client still sends before closing, so that the close is not a
-            // reset that could cost the client the answer.
-            let mut rest = [0u8; 4096];
-            while let Ok(Ok(n)) =
-                tokio::time::timeout(Duration::from_millis(100), stream.read(&mut rest)).await
-            {
-                if n == 0 {
-                    break;
-                }
-            }
+            drain_before_close(&mut stream).await;
             return;
         }
         if path == "/drop-after" {

@@ -19,7 +19,7 @@ use lockd_tests::poll;
 use lockd_tests::process::{ChildGuard, bin_path};
 use tonic::transport::{Certificate, Channel, ClientTlsConfig};
 
-use super::loopback::{FOREIGN_UID, report, run_probe_as_another_user};
+use super::loopback::{FOREIGN_UID, can_run_as_another_user, report, run_probe_as_another_user};
 
 /// Set in the environment of the probe process: `<host> <leader id> <ca.pem> <node key>`.
 const DEV_PROBE_ENV: &str = "LOCKD_TEST_DEV_TLS_PROBE";
@@ -177,16 +177,7 @@ fn own_loopback_host() -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn review3_dev_tls_keeps_admin_calls_to_its_own_user() {
     use std::os::unix::fs::PermissionsExt;
-    let own_uid = nix::unistd::geteuid().as_raw();
-    if own_uid != 0 {
-        let why = format!(
-            "runs a process as uid {FOREIGN_UID}, which needs root (running as uid {own_uid})"
-        );
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "{why}; CI is set, so this test fails instead of skipping"
-        );
-        lockd_tests::skip::report(&why);
+    if !can_run_as_another_user() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();

@@ -291,6 +291,23 @@ async fn probe_as_another_user(spec: &Spec) -> Result<Outcomes, String> {
     .await
 }
 
+/// Whether this process may start one as uid [`FOREIGN_UID`] (it runs as root). If not, the
+/// test is reported skipped, or fails under CI, where it must run.
+pub(crate) fn can_run_as_another_user() -> bool {
+    let own_uid = nix::unistd::geteuid().as_raw();
+    if own_uid == 0 {
+        return true;
+    }
+    let why =
+        format!("runs a process as uid {FOREIGN_UID}, which needs root (running as uid {own_uid})");
+    assert!(
+        std::env::var_os("CI").is_none(),
+        "{why}; CI is set, so this test fails instead of skipping"
+    );
+    lockd_tests::skip::report(&why);
+    false
+}
+
 /// Runs this test binary's test `probe_test` as uid [`FOREIGN_UID`] with `env=value` in its
 /// environment, and collects the `PROBE` lines it prints ([`report`]); it must print `expected`
 /// of them. `Err` with the reason when this machine cannot run a process as another user.
@@ -379,16 +396,7 @@ async fn terms(cluster: &Cluster) -> Vec<(u64, u64)> {
 /// is answered. Skipped when not root (fails instead under CI).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn review_loopback_another_local_user_reaches_no_internal_service() {
-    let own_uid = nix::unistd::geteuid().as_raw();
-    if own_uid != 0 {
-        let why = format!(
-            "runs a process as uid {FOREIGN_UID}, which needs root (running as uid {own_uid})"
-        );
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "{why}; CI is set, so this test fails instead of skipping"
-        );
-        lockd_tests::skip::report(&why);
+    if !can_run_as_another_user() {
         return;
     }
     let mut cluster = Cluster::start_default().await.unwrap();
