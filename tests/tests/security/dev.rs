@@ -180,6 +180,7 @@ async fn review3_dev_tls_keeps_admin_calls_to_its_own_user() {
     if !can_run_as_another_user() {
         return;
     }
+    let own_uid = nix::unistd::geteuid().as_raw();
     let dir = tempfile::tempdir().unwrap();
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     let data = dir.path().join("lockd-dev-data");

@@ -399,6 +399,7 @@ async fn review_loopback_another_local_user_reaches_no_internal_service() {
     if !can_run_as_another_user() {
         return;
     }
+    let own_uid = nix::unistd::geteuid().as_raw();
     let mut cluster = Cluster::start_default().await.unwrap();
     let leader = cluster.leader().await.unwrap();
     let follower = (1..=3).find(|i| *i != leader).unwrap();
