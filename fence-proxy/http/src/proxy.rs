@@ -619,10 +619,12 @@ fn unsupported_transfer_coding(headers: &http::HeaderMap) -> Option<String> {
         .iter()
         .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
         .collect();
+    // Empty list elements (`, chunked`) are ignored, as RFC 9110 5.6.1 has it.
     let codings: Vec<&str> = text
         .iter()
         .flat_map(|t| t.split(','))
         .map(str::trim)
+        .filter(|c| !c.is_empty())
         .collect();
     match codings.as_slice() {
         [only] if only.eq_ignore_ascii_case("chunked") => None,
@@ -668,6 +670,37 @@ mod tests {
         let mut left: Vec<_> = h.keys().map(|k| k.as_str()).collect();
         left.sort();
         assert_eq!(left, ["if-match", "if-unmodified-since"]);
+    }
+
+    /// Goal: only `chunked` alone passes (any case, empty list elements ignored); any other
+    /// coding, alone, before it or repeated, is named back for the 501.
+    #[test]
+    fn only_chunked_alone_is_a_supported_transfer_coding() {
+        let te = |values: &[&str]| {
+            let mut h = http::HeaderMap::new();
+            for v in values {
+                h.append(header::TRANSFER_ENCODING, v.parse().unwrap());
+            }
+            unsupported_transfer_coding(&h)
+        };
+        assert_eq!(te(&[]), None);
+        for ok in [
+            &["chunked"][..],
+            &["Chunked"],
+            &[", chunked"],
+            &[" chunked ,"],
+        ] {
+            assert_eq!(te(ok), None, "{ok:?}");
+        }
+        for bad in [
+            &["gzip, chunked"][..],
+            &["gzip", "chunked"],
+            &["chunked, chunked"],
+            &["chunked", "chunked"],
+            &["identity"],
+        ] {
+            assert!(te(bad).is_some(), "{bad:?}");
+        }
     }
 
     #[test]

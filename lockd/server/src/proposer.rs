@@ -217,7 +217,26 @@ async fn run(
         let metrics = metrics.clone();
         tokio::spawn(async move {
             let started = std::time::Instant::now();
-            let result = raft.client_write(batch).await;
+            // Bounded: openraft 0.9 never answers a write whose entry a snapshot install purged
+            // from a former leader's log (it answers only applied or truncated entries), and the
+            // one permit held for good would stop this node's proposals for good. The callers
+            // have given up by then (`COMMIT_TIMEOUT` from their own start); the entry may still
+            // commit, so the outcome stays unknown.
+            let result = match tokio::time::timeout(COMMIT_TIMEOUT, raft.client_write(batch)).await
+            {
+                Ok(result) => result,
+                Err(_) => {
+                    drop(permit);
+                    let err = ProposeError::Unknown(format!(
+                        "not committed within {} ms",
+                        COMMIT_TIMEOUT.as_millis()
+                    ));
+                    for reply in replies {
+                        let _ = reply.send(Err(err.clone()));
+                    }
+                    return;
+                }
+            };
             drop(permit);
             metrics.with(|| {
                 metrics::histogram!("lockd_raft_commit_duration_seconds")
