@@ -889,19 +889,21 @@ mod tests {
         assert!(NodeTls::load(&files("peer-ca.pem"), 1, DEFAULT_CLUSTER_ID).is_err());
     }
 
-    /// Goal (review of 2026-12-05, third round, finding 3): a wildcard peer certificate
-    /// (`*.<cluster>.lockd`) is no node, also where it matches one member only (a 2-node
-    /// cluster's one other node). Method: the peer CA issues such a certificate; the check with
-    /// one member, and with two, must refuse it. Control: node 2's own certificate is node 2.
-    #[test]
-    fn review3_a_wildcard_peer_certificate_is_never_a_node() {
+    /// Node 1's TLS in a folder of its own, under a new peer CA; with the CA (to issue more
+    /// certificates) and node 1's certificate file.
+    fn node1_under_a_peer_ca() -> (
+        tempfile::TempDir,
+        rcgen::CertifiedIssuer<'static, rcgen::KeyPair>,
+        Arc<NodeTls>,
+        PathBuf,
+    ) {
         let dir = tempfile::tempdir().unwrap();
         let key = rcgen::KeyPair::generate().unwrap().serialize_pem();
         let peer = test_ca(&dir.path().join("peer-ca.pem"), "lockd CA", &key, 2024);
         let (cert, key1) = test_leaf(dir.path(), "node1", &peer, &["node-1.lockd.lockd"]);
         let tls = NodeTls::load(
             &TlsFiles {
-                cert,
+                cert: cert.clone(),
                 key: key1,
                 peer_ca: dir.path().join("peer-ca.pem"),
                 client_ca: None,
@@ -910,6 +912,16 @@ mod tests {
             DEFAULT_CLUSTER_ID,
         )
         .unwrap();
+        (dir, peer, tls, cert)
+    }
+
+    /// Goal (review of 2026-12-05, third round, finding 3): a wildcard peer certificate
+    /// (`*.<cluster>.lockd`) is no node, also where it matches one member only (a 2-node
+    /// cluster's one other node). Method: the peer CA issues such a certificate; the check with
+    /// one member, and with two, must refuse it. Control: node 2's own certificate is node 2.
+    #[test]
+    fn review3_a_wildcard_peer_certificate_is_never_a_node() {
+        let (dir, peer, tls, _) = node1_under_a_peer_ca();
         let (wild, _) = test_leaf(dir.path(), "wild", &peer, &["*.lockd.lockd"]);
         let chain = certs_in(&std::fs::read(&wild).unwrap(), "wild").unwrap();
         for members in [&[2][..], &[2, 3][..]] {
@@ -929,21 +941,7 @@ mod tests {
     /// own certificate is node 2.
     #[test]
     fn review3_a_certificate_naming_this_node_and_another_is_no_node() {
-        let dir = tempfile::tempdir().unwrap();
-        let key = rcgen::KeyPair::generate().unwrap().serialize_pem();
-        let peer = test_ca(&dir.path().join("peer-ca.pem"), "lockd CA", &key, 2024);
-        let (cert, key1) = test_leaf(dir.path(), "node1", &peer, &["node-1.lockd.lockd"]);
-        let tls = NodeTls::load(
-            &TlsFiles {
-                cert: cert.clone(),
-                key: key1,
-                peer_ca: dir.path().join("peer-ca.pem"),
-                client_ca: None,
-            },
-            1,
-            DEFAULT_CLUSTER_ID,
-        )
-        .unwrap();
+        let (dir, peer, tls, cert) = node1_under_a_peer_ca();
         let (both, _) = test_leaf(
             dir.path(),
             "both",

@@ -298,14 +298,19 @@ pub(crate) fn can_run_as_another_user() -> bool {
     if own_uid == 0 {
         return true;
     }
-    let why =
-        format!("runs a process as uid {FOREIGN_UID}, which needs root (running as uid {own_uid})");
+    skip_outside_ci(&format!(
+        "runs a process as uid {FOREIGN_UID}, which needs root (running as uid {own_uid})"
+    ));
+    false
+}
+
+/// Reports the test skipped for `why`, or fails it under CI, where it must run.
+pub(crate) fn skip_outside_ci(why: &str) {
     assert!(
         std::env::var_os("CI").is_none(),
         "{why}; CI is set, so this test fails instead of skipping"
     );
-    lockd_tests::skip::report(&why);
-    false
+    lockd_tests::skip::report(why);
 }
 
 /// Runs this test binary's test `probe_test` as uid [`FOREIGN_UID`] with `env=value` in its
@@ -413,11 +418,7 @@ async fn review_loopback_another_local_user_reaches_no_internal_service() {
     let outcomes = match probe_as_another_user(&spec).await {
         Ok(o) => o,
         Err(why) => {
-            assert!(
-                std::env::var_os("CI").is_none(),
-                "{why}; CI is set, so this test fails instead of skipping"
-            );
-            lockd_tests::skip::report(&why);
+            skip_outside_ci(&why);
             return;
         }
     };
