@@ -282,3 +282,108 @@ async fn a_paused_leader_keeps_no_forwarded_call_past_its_bound() {
     }
     eprintln!("slowest of 1,500 forwarded calls with the leader paused: {slowest:?}");
 }
+
+/// Goal: a former leader with a proposal it could not commit proposes again once it leads again
+/// (review of one proposer batch in flight: the proposer's one permit is held until openraft
+/// answers the write, and a write openraft never answered stopped the node's proposals for good;
+/// the wait is now bounded by `COMMIT_TIMEOUT`). Method: the followers are stopped (SIGSTOP) and
+/// an Acquire sent to the leader, which appends it and cannot commit it; the leader is stopped
+/// and the followers resumed, and they commit past two snapshots; the old leader is resumed,
+/// catches up and gets leadership back: it must grant at once. Here openraft answers the stale
+/// write when the new leader's entries overwrite it (it purges no entry that a request to an
+/// unreachable follower may still need), so this covers the proposer's handling of that answer;
+/// the purge that answers nothing (a snapshot over a pending entry) is not provoked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_former_leader_with_an_uncommitted_proposal_proposes_again_once_it_leads() {
+    use lockd_api::v1::TransferLeaderRequest;
+    use lockd_tests::cluster::ClusterOptions;
+    let mut cluster = Cluster::start(ClusterOptions {
+        snapshot_every: 20,
+        logs_kept_after_snapshot: 0,
+        extra_args: vec!["--allow-membership-without-policy".into()],
+        ..ClusterOptions::default()
+    })
+    .await
+    .unwrap();
+    let old = cluster.leader().await.unwrap();
+    let followers = others(old);
+    let mut at_old = cluster.lock_client(old).await.unwrap();
+    acquire(&mut at_old, "stale/warm", "stale-warm", 60_000)
+        .await
+        .unwrap();
+    // The leader's lease since its election ends before the followers are stopped, so that
+    // they may elect another once resumed.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    for f in &followers {
+        cluster.pause(*f);
+    }
+    let pending = tokio::spawn(async move {
+        let mut r = tonic::Request::new(req("stale/pending", "stale-pending", 60_000));
+        r.set_timeout(Duration::from_secs(30));
+        at_old.acquire(r).await.map(|r| r.into_inner())
+    });
+    // Appended on the old leader, not committed; then the old leader stops too.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    cluster.pause(old);
+    for f in &followers {
+        cluster.resume(*f);
+    }
+    // The new leader commits past two snapshots (20 entries each) meanwhile.
+    for i in 0..60 {
+        acquire_retrying(
+            &cluster,
+            &followers,
+            &format!("stale/after-{i}"),
+            &format!("stale-after-{i}"),
+            60_000,
+        )
+        .await;
+    }
+    cluster.resume(old);
+    // The old leader answers its pending caller (OUTCOME_UNKNOWN: not committed in time).
+    let answer = pending.await.unwrap();
+    assert!(
+        answer.is_err(),
+        "the acquire sent to a leader without quorum was granted: {answer:?}"
+    );
+    // Leadership back to the old leader, which must then grant.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let leader = cluster.leader().await.unwrap();
+        if leader == old {
+            break;
+        }
+        let mut admin = cluster.cluster_client(leader).await.unwrap();
+        let answer = admin
+            .transfer_leader(TransferLeaderRequest { id: old })
+            .await;
+        assert!(
+            Instant::now() < deadline,
+            "leadership never came back to node {old}: {answer:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let mut at_old = cluster.lock_client(old).await.unwrap();
+    for i in 0..3 {
+        let started = Instant::now();
+        let r = acquire(
+            &mut at_old,
+            &format!("stale/again-{i}"),
+            &format!("stale-again-{i}"),
+            60_000,
+        )
+        .await;
+        let took = started.elapsed();
+        match r {
+            Ok(_) => assert!(
+                took < Duration::from_secs(2),
+                "node {old} granted only after {took:?}"
+            ),
+            // Leadership may move once more right after the transfer: not what this test is about.
+            Err(s) if s.code() == Code::Unavailable && cluster.leader().await.unwrap() != old => {
+                return;
+            }
+            Err(s) => panic!("node {old}, leading again, did not grant within {took:?}: {s:?}"),
+        }
+    }
+}
