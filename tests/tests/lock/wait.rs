@@ -393,3 +393,153 @@ async fn issue14_finding5_tenant_quotas_leave_other_tenants_served() {
         "{metrics}"
     );
 }
+
+/// Stops the nodes `paused`, so that the leader cannot commit; sends a waiting Acquire of
+/// `gone/r` to node `via` whose caller gives up after 300 ms; resumes the nodes and releases
+/// `held`, the lease on `gone/r`. Returns what Describe shows then.
+async fn release_after_a_caller_left_before_the_commit(
+    cluster: &Cluster,
+    via: u64,
+    paused: &[u64],
+    held: &AcquireResponse,
+) -> DescribeResponse {
+    let mut waiting = cluster.lock_client(via).await.unwrap();
+    for n in paused {
+        cluster.pause(*n);
+    }
+    let gone = tokio::time::timeout(
+        Duration::from_millis(300),
+        waiting.acquire(req("gone/r", "gone", 60_000)),
+    )
+    .await;
+    assert!(gone.is_err(), "answered without a quorum: {gone:?}");
+    // Time for the call's reset to reach the leader while the log still stands still.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    for n in paused {
+        cluster.resume(*n);
+    }
+    let mut c = cluster.lock_client(via).await.unwrap();
+    assert!(release(&mut c, "gone/r", held).await);
+    describe(&mut c, "gone/r").await
+}
+
+/// Timings for the tests that stop a quorum of followers for half a second: elections slow
+/// enough that the resumed followers keep their leader.
+fn patient_elections(nodes: u64) -> ClusterOptions {
+    ClusterOptions {
+        nodes,
+        election_timeout_ms: 1_500,
+        ..ClusterOptions::default()
+    }
+}
+
+/// Goal (review of the waiters, MEDIUM): a waiting Acquire whose caller leaves while its
+/// proposal is not committed yet is passed over, never granted (README: "A caller that cancels
+/// its call is passed over at once"). Before the fix the call's guard was armed only once the
+/// log answered Queued: a caller gone before that left a live waiter, granted a lease nobody
+/// received, and the lock stayed blocked for that lease's ttl. Method: hold `gone/r`; stop both
+/// followers; a waiting Acquire to the leader whose caller gives up after 300 ms; resume them;
+/// release: nobody holds `gone/r` and nobody is counted waiting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review_waiters_m_a_caller_gone_before_the_commit_is_never_granted() {
+    let mut cluster = Cluster::start(patient_elections(3)).await.unwrap();
+    let leader = cluster.leader().await.unwrap();
+    let mut c = cluster.lock_client(leader).await.unwrap();
+    let held = c
+        .acquire(req("gone/r", "holder", 0))
+        .await
+        .unwrap()
+        .into_inner();
+    let followers: Vec<u64> = (1..=3).filter(|n| *n != leader).collect();
+    let d =
+        release_after_a_caller_left_before_the_commit(&cluster, leader, &followers, &held).await;
+    assert_eq!(
+        (d.held, d.holder.as_str(), d.waiters),
+        (false, "", 0),
+        "the caller that left was granted: {d:?}"
+    );
+    assert_eq!(
+        cluster.leader().await.unwrap(),
+        leader,
+        "the leader changed"
+    );
+}
+
+/// Goal (review of the waiters, MEDIUM): as above for a waiting Acquire sent to a follower,
+/// which forwards it to the leader as a call of its own: the caller leaving ends the forwarded
+/// call, and the leader passes the waiter over. Method: five nodes, so that the leader and the
+/// follower called are no quorum with the other three stopped; then as above.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review_waiters_m_a_caller_gone_before_the_commit_through_a_follower_is_never_granted() {
+    let mut cluster = Cluster::start(patient_elections(5)).await.unwrap();
+    let leader = cluster.leader().await.unwrap();
+    let follower = leader % 5 + 1;
+    let mut c = cluster.lock_client(leader).await.unwrap();
+    let held = c
+        .acquire(req("gone/r", "holder", 0))
+        .await
+        .unwrap()
+        .into_inner();
+    let others: Vec<u64> = (1..=5).filter(|n| *n != leader && *n != follower).collect();
+    let d = release_after_a_caller_left_before_the_commit(&cluster, follower, &others, &held).await;
+    assert_eq!(
+        (d.held, d.holder.as_str(), d.waiters),
+        (false, "", 0),
+        "the caller that left was granted: {d:?}"
+    );
+    assert_eq!(
+        cluster.leader().await.unwrap(),
+        leader,
+        "the leader changed"
+    );
+}
+
+/// Goal (review of the waiters, LOW): a call refused for reusing a request_id with other
+/// arguments does not take over the wait of the call that owns that id. Before the fix every
+/// waiting call registered under its request_id before proposing, replacing the earlier call:
+/// the owner was answered OUTCOME_UNKNOWN at once ("a newer call ... took over this wait") while
+/// its waiter stayed queued with no call to hand a grant to. Method: hold `steal/a` and
+/// `steal/b`; `shared-id` waits for `steal/a`; the same id waits for `steal/b`: refused with
+/// INVALID_ARGUMENT; the first call still waits, and is granted when `steal/a` is released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review_waiters_low_a_refused_reuse_of_a_request_id_leaves_its_wait_alone() {
+    let mut cluster = Cluster::start_default().await.unwrap();
+    let leader = cluster.leader().await.unwrap();
+    let mut c = cluster.lock_client(leader).await.unwrap();
+    let held = c
+        .acquire(req("steal/a", "holder-a", 0))
+        .await
+        .unwrap()
+        .into_inner();
+    c.acquire(req("steal/b", "holder-b", 0)).await.unwrap();
+    let owner = enqueue(&cluster, leader, "steal/a", "shared-id", 60_000, 1).await;
+    let err = c
+        .acquire(req("steal/b", "shared-id", 60_000))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    assert!(
+        err.message().contains("already used with other arguments"),
+        "{}",
+        err.message()
+    );
+    // A fixed wait: what is checked is that the owner's call does not end in it.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !owner.is_finished(),
+        "the owner's wait ended: {:?}",
+        owner.await.unwrap()
+    );
+    assert_eq!(describe(&mut c, "steal/a").await.waiters, 1);
+    assert!(release(&mut c, "steal/a", &held).await);
+    let granted = tokio::time::timeout(Duration::from_secs(5), owner)
+        .await
+        .expect("the owner was not woken")
+        .unwrap()
+        .unwrap();
+    let d = describe(&mut c, "steal/a").await;
+    assert_eq!(
+        (d.holder.as_str(), d.fencing_token),
+        ("shared-id", granted.fencing_token)
+    );
+}

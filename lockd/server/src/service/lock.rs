@@ -27,6 +27,7 @@ use crate::auth::{Caller, Operation, Resourced};
 use crate::members::{WaitConnection, WaitPoolRefused};
 use crate::node::NodeCtx;
 use crate::observe::metrics::Op;
+use crate::proposer::ProposeError;
 use crate::raft::NodeId;
 use crate::waiters::WaitEnd;
 
@@ -191,15 +192,22 @@ impl LockService {
         // Registered before proposing, so a grant that applies at once is not missed.
         let registration = (wait > 0).then(|| self.ctx.waits.register(&req.request_id));
         let lease_id = LeaseId(rand::rng().random::<u128>());
+        // Armed before proposing: a caller that leaves while the Acquire is in flight must not
+        // leave a live waiter behind, granted a lease nobody receives. The Acquire is queued in
+        // the proposer before the first await, so the cancel follows it in the log; a cancel of
+        // an attempt that did not queue (dropped unproposed, granted, refused, or replaced by a
+        // retry) ends nothing.
         let mut guard = WaitGuard {
             ctx: self.ctx.clone(),
             resource: resource.clone(),
             request_id: req.request_id.clone(),
             attempt: lease_id,
             registration: registration.as_ref().map(|(id, _)| *id),
-            armed: false,
+            armed: wait > 0,
         };
-        let outcome = self
+        let proposed = self
+            .ctx
+            .proposer
             .propose(Command::AcquireV2 {
                 resource: resource.clone(),
                 request_id: req.request_id.clone(),
@@ -208,7 +216,20 @@ impl LockService {
                 holder: req.holder.clone(),
                 lease_id,
             })
-            .await?;
+            .await;
+        let outcome = match proposed {
+            Ok(outcome) => outcome,
+            Err(e) => {
+                // Overloaded: nothing was proposed. Unknown: the Acquire may still queue with
+                // no call to answer, so the cancel stays, unless this node no longer leads (the
+                // cancel could not commit here; as in `wait_for_grant`, the place is kept for a
+                // retry on the new leader).
+                guard.armed &=
+                    matches!(e, ProposeError::Unknown(_)) && *self.ctx.is_leader.borrow();
+                return Err(errors::propose_failed(self.ctx.id, e));
+            }
+        };
+        guard.armed &= matches!(outcome, Outcome::Queued { .. });
         match outcome {
             Outcome::Granted(g) => self.signed_reply(&resource, g).await,
             Outcome::Held { holder } => Err(errors::held(resource.as_str(), &holder)),
@@ -229,8 +250,9 @@ impl LockService {
                 Err(errors::exhausted(limit, msg))
             }
             Outcome::Queued { .. } => {
-                let (_, rx) = registration.expect("queued only when waiting");
-                guard.armed = true;
+                let (id, rx) = registration.expect("queued only when waiting");
+                // Only now: a call refused for reusing the id must not end the owner's wait.
+                self.ctx.waits.take_over(&req.request_id, id);
                 self.wait_for_grant(&mut guard, rx, wait).await
             }
             other => Err(errors::internal(format!(
@@ -386,7 +408,7 @@ fn grant_reply(g: Grant) -> AcquireResponse {
 }
 
 /// Removes a waiter from the queue when its call ends without an answer from the log (the
-/// caller cancelled or disconnected).
+/// caller cancelled or disconnected), also while its Acquire is still in flight.
 struct WaitGuard {
     ctx: Arc<NodeCtx>,
     resource: ResourceName,
@@ -395,6 +417,8 @@ struct WaitGuard {
     /// the current one (a retry with the same request_id replaces it).
     attempt: LeaseId,
     registration: Option<u64>,
+    /// Whether dropping the guard proposes the cancel: from before the Acquire is proposed
+    /// until the call has its answer, or has no queued waiter to end.
     armed: bool,
 }
 
