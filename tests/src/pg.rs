@@ -251,6 +251,7 @@ pub fn proxy_args(
         access: Default::default(),
         verify_key: Vec::new(),
         allow_unsigned: false,
+        allow_database: Vec::new(),
     }
 }
 
@@ -622,30 +623,46 @@ pub struct RawConn {
 impl RawConn {
     /// Connects as `user` to `database` at `addr` with startup `options` (e.g. `-c lockd.fence=r:41`).
     pub async fn connect(addr: SocketAddr, user: &str, options: Option<&str>) -> RawConn {
-        use tokio::io::AsyncWriteExt;
-        let stream = tokio::net::TcpStream::connect(addr)
-            .await
-            .unwrap_or_else(|e| panic!("connecting to {addr}: {e}"));
-        let mut conn = RawConn {
-            stream,
-            buf: bytes::BytesMut::new(),
-            backend_key: None,
-        };
         let mut params = vec![("user", user), ("database", PG_DATABASE)];
         if let Some(o) = options {
             params.push(("options", o));
         }
-        let mut out = bytes::BytesMut::new();
-        postgres_protocol::message::frontend::startup_message(params, &mut out).unwrap();
-        conn.stream.write_all(&out).await.unwrap();
-        let reply = conn.read_until_ready().await;
+        let (conn, reply) = RawConn::start(addr, &params).await;
         assert!(
             reply.errors.is_empty(),
             "startup as {user} with {options:?} failed: {:?}",
             reply.errors
         );
-        conn.backend_key = reply.backend_key;
         conn
+    }
+
+    /// Sends a startup message with exactly these parameters, in this order, and reads up to
+    /// the first ReadyForQuery (or the end of the connection, status `X`, after a FATAL).
+    pub async fn start(addr: SocketAddr, params: &[(&str, &str)]) -> (RawConn, RawReply) {
+        let stream = tokio::net::TcpStream::connect(addr)
+            .await
+            .unwrap_or_else(|e| panic!("connecting to {addr}: {e}"));
+        RawConn::start_on(stream, params).await
+    }
+
+    /// [`RawConn::start`] on a connected stream (one with socket options of the test's own).
+    pub async fn start_on(
+        stream: tokio::net::TcpStream,
+        params: &[(&str, &str)],
+    ) -> (RawConn, RawReply) {
+        use tokio::io::AsyncWriteExt;
+        let mut conn = RawConn {
+            stream,
+            buf: bytes::BytesMut::new(),
+            backend_key: None,
+        };
+        let mut out = bytes::BytesMut::new();
+        postgres_protocol::message::frontend::startup_message(params.iter().copied(), &mut out)
+            .unwrap();
+        conn.stream.write_all(&out).await.unwrap();
+        let reply = conn.read_until_ready().await;
+        conn.backend_key = reply.backend_key;
+        (conn, reply)
     }
 
     /// Sends raw bytes (one or more encoded frontend messages).

@@ -1,5 +1,6 @@
 //! Settings shared by every session, derived once from the command-line flags.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -31,7 +32,12 @@ pub struct Config {
     pub client_tls: Option<Arc<ReloadableServerConfig>>,
     /// Whether a client must have started TLS before its startup message (`--require-tls`).
     pub require_tls: bool,
-    /// With `--verify-key`: the keys, `--allow-unsigned` and the proof key shared with the
-    /// guard. `None`: plain tokens, not authenticated.
-    pub verification: Option<crate::verify::Verification>,
+    /// The databases sessions may connect to: the `--upstream` URL's and each
+    /// `--allow-database`, every one checked at start as the URL's is. Each maps to its
+    /// verification under `--verify-key` (the keys, `--allow-unsigned`, and the proof key of
+    /// that database's fence table: every database has its own), `None` without. A session
+    /// naming another database is refused before anything reaches the upstream.
+    pub databases: BTreeMap<String, Option<Arc<crate::verify::Verification>>>,
+    /// The `--upstream` URL's database, as the server named it; named in refusals.
+    pub url_database: String,
 }

@@ -131,6 +131,17 @@ impl FenceTable {
         )
     }
 
+    /// Whether the guard in the connected database is at least [`GUARD_REVISION`]: a proxy with
+    /// `--verify-key` needs a guard that refuses proofs on a table without a proof key. NULL
+    /// when the guard is missing.
+    pub fn revision_sql(&self) -> String {
+        format!(
+            "SELECT pg_catalog.strpos(p.prosrc, '{GUARD_REVISION}') > 0 FROM pg_catalog.pg_proc p \
+             WHERE p.oid = pg_catalog.to_regprocedure('{}')",
+            self.guard_signature()
+        )
+    }
+
     /// What `fence-proxy postgres init` runs, in one transaction: the table (owned by the init
     /// role, no privilege for anyone else) and the guard function (EXECUTE only for the granted
     /// roles). Idempotent: running it again replaces the function and keeps the recorded fences.
@@ -291,6 +302,16 @@ BEGIN
     v_digits := pg_catalog.substr(v_fence, v_sep + 1);
   END IF;
   SELECT k.kin, k.kout INTO v_kin, v_kout FROM {guard_schema}.proof_key AS k WHERE k.fence_table = '{t}';
+  -- {revision}
+  -- Proofs come only from a proxy with --verify-key: it takes plain tokens for unverified, so
+  -- a table without a proof key (its row deleted while the proxy runs, a database the proxy
+  -- never checked) must refuse, not fall back to taking the token from the value.
+  IF NOT FOUND AND proofs IS NOT NULL THEN
+    RAISE EXCEPTION USING
+      ERRCODE = '28000',
+      MESSAGE = pg_catalog.format('fence-proxy: a fence-proxy with --verify-key guards this transaction, but the fence table {t} in database %s has no proof key: it would take any plain token', pg_catalog.to_json(pg_catalog.current_database())::text),
+      HINT = 'Run fence-proxy postgres init --require-verified in this database and restart the proxy, or run the proxy without --verify-key.';
+  END IF;
   IF FOUND THEN
     -- Verified fences only: the token comes from the proof, <token>:<mac>, whose MAC over this
     -- exact value and token only the proxy (holding the proof key) can make.
@@ -418,6 +439,7 @@ REVOKE ALL ON FUNCTION {f}(boolean, text[], boolean) FROM PUBLIC;
 "#,
             schema = self.schema,
             guard_schema = GUARD_SCHEMA,
+            revision = GUARD_REVISION,
         )
     }
 
@@ -473,6 +495,11 @@ REVOKE ALL ON FUNCTION {f}(boolean, text[], boolean) FROM PUBLIC;
 fn quote_ident(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))
 }
+
+/// A line of the guard's body that names its revision; a proxy with `--verify-key` refuses to
+/// start on a guard without it (an older `init`'s guard takes plain tokens from a table whose
+/// proof key is gone, see the guard).
+pub const GUARD_REVISION: &str = "fence-proxy guard revision 5: proofs need a proof key";
 
 /// The largest token the `bigint` column holds.
 pub const MAX_RECORDABLE_TOKEN: u64 = i64::MAX as u64;

@@ -152,6 +152,16 @@ pub struct Args {
     /// --verify-key it changes nothing.
     #[arg(long, env = "FENCE_PROXY_ALLOW_UNSIGNED")]
     pub allow_unsigned: bool,
+    /// A database other than the --upstream URL's that clients may name (repeatable). Each is
+    /// checked at start as the URL's is (guard, proof key), with the URL's role; a session
+    /// naming a database not served is refused (FATAL 28000).
+    #[arg(
+        long = "allow-database",
+        env = "FENCE_PROXY_PG_ALLOW_DATABASE",
+        value_name = "NAME",
+        value_delimiter = ','
+    )]
+    pub allow_database: Vec<String>,
 }
 
 /// The fence table when `--fence-table` is not given.
@@ -338,7 +348,8 @@ pub async fn run_with_reload(
         upstream_tls: upstream.tls.clone(),
         client_tls: args.access.server_tls()?,
         require_tls: args.access.tls_required(),
-        verification: None,
+        databases: Default::default(),
+        url_database: String::new(),
     };
     let allow = args.access.allow_list();
     if let Some(tls) = &cfg.client_tls {
@@ -346,24 +357,46 @@ pub async fn run_with_reload(
     }
     cfg.upstream_tls.register(reloader);
 
-    let proof_key = check_guard(&upstream, &cfg, verify_flags.is_some()).await?;
-    cfg.verification = match (verify_flags, proof_key) {
-        (Some(flags), Some(proof_key)) => Some(verify::Verification {
-            keys: flags.keys,
-            allow_unsigned: flags.allow_unsigned,
-            proof_key,
-        }),
-        (None, Some(_)) => anyhow::bail!(
-            "the guard of {} accepts only verified fences (init --require-verified): start the proxy with --verify-key FILE",
-            cfg.fence_table.qualified()
-        ),
-        (Some(_), None) => anyhow::bail!(
-            "--verify-key needs the guard of {} to require verified fences, or the guard would still take any token set by a statement the proxy does not read: run `fence-proxy postgres init --upstream <url> --fence-table {} --require-verified` first",
-            cfg.fence_table.qualified(),
-            cfg.fence_table.qualified()
-        ),
-        (None, None) => None,
-    };
+    // Every database a session may name is checked as the URL's is: a database the proxy never
+    // looked at may have no guard, an older one, or (under --verify-key) one that takes plain
+    // tokens, which a client naming it in its startup packet would reach.
+    let verify = verify_flags.is_some();
+    let (url_database, proof_key) = check_guard(&upstream, &cfg, verify).await?;
+    let mut checked = vec![(url_database.clone(), proof_key)];
+    for name in &args.allow_database {
+        if checked.iter().any(|(d, _)| d == name) {
+            continue;
+        }
+        let (found, proof_key) = check_guard(&upstream.with_database(name), &cfg, verify)
+            .await
+            .map_err(|e| anyhow::anyhow!("--allow-database {name:?}: {e:#}"))?;
+        anyhow::ensure!(
+            &found == name,
+            "--allow-database {name:?}: the server connected the check to database {found:?}"
+        );
+        checked.push((found, proof_key));
+    }
+    for (database, proof_key) in checked {
+        let verification = match (&verify_flags, proof_key) {
+            (Some(flags), Some(proof_key)) => Some(Arc::new(verify::Verification {
+                keys: flags.keys.clone(),
+                allow_unsigned: flags.allow_unsigned,
+                proof_key,
+            })),
+            (None, Some(_)) => anyhow::bail!(
+                "the guard of {} in database {database:?} accepts only verified fences (init --require-verified): start the proxy with --verify-key FILE",
+                cfg.fence_table.qualified()
+            ),
+            (Some(_), None) => anyhow::bail!(
+                "--verify-key needs the guard of {} in database {database:?} to require verified fences, or the guard would still take any token set by a statement the proxy does not read: run `fence-proxy postgres init --upstream <url of {database}> --fence-table {} --require-verified` first",
+                cfg.fence_table.qualified(),
+                cfg.fence_table.qualified()
+            ),
+            (None, None) => None,
+        };
+        cfg.databases.insert(database, verification);
+    }
+    cfg.url_database = url_database;
     let cfg = Arc::new(cfg);
 
     let listener = TcpListener::bind(args.listen)
@@ -501,26 +534,49 @@ pub async fn run_with_reload(
                     return;
                 }
             };
-            if let Err(e) = session.run(shutdown).await {
-                tracing::debug!(%peer, "session ended: {e}");
+            // A session told to stop may be blocked writing to a client that does not read
+            // (where it does not watch the shutdown): after the grace it is dropped, which
+            // closes both connections; the upstream rolls back whatever was open.
+            let run = session.run(shutdown.clone());
+            let grace = async {
+                shutdown.cancelled().await;
+                tokio::time::sleep(limits::SHUTDOWN_GRACE).await;
+            };
+            tokio::select! {
+                ended = run => if let Err(e) = ended {
+                    tracing::debug!(%peer, "session ended: {e}");
+                },
+                () = grace => tracing::warn!(
+                    %peer,
+                    grace_ms = limits::SHUTDOWN_GRACE.as_millis() as u64,
+                    "closing a session that did not end within the shutdown grace (a client that does not read?)"
+                ),
             }
         });
     }
     tracker.close();
-    tracker.wait().await;
+    // Every task ends within the grace (sessions above, refusals and startups by their own
+    // bounds); the margin covers the closing writes.
+    if tokio::time::timeout(limits::SHUTDOWN_GRACE * 2, tracker.wait())
+        .await
+        .is_err()
+    {
+        tracing::warn!("connections still open after the shutdown grace: exiting anyway");
+    }
     drop(threads);
     Ok(())
 }
 
-/// Refuses to start unless the guard function exists in the upstream URL's database: without it
+/// Refuses to start unless the guard function exists in `upstream`'s database: without it
 /// every transaction would fail, and the operator should learn that now, not from clients.
-/// Returns the fence table's proof key when the guard requires verified fences. `verify`: the
-/// proxy has verify keys, so it must be able to read the proof key.
+/// Returns the database's name (as the server calls it) and the fence table's proof key when
+/// the guard requires verified fences. `verify`: the proxy has verify keys, so it must be able
+/// to read the proof key, and the guard must be of a revision that refuses proofs without one.
 async fn check_guard(
     upstream: &upstream::ParsedUpstream,
     cfg: &Config,
     verify: bool,
-) -> anyhow::Result<Option<verify::ProofKey>> {
+) -> anyhow::Result<(String, Option<verify::ProofKey>)> {
     let mut conn = upstream.connect(cfg.connect_timeout).await.map_err(|e| {
         anyhow::anyhow!(
             "cannot reach the upstream {} to check the guard function: {e:#}",
@@ -578,6 +634,26 @@ async fn read_guard(
     conn: &mut sqlx::PgConnection,
     cfg: &Config,
     verify: bool,
+) -> anyhow::Result<(String, Option<verify::ProofKey>)> {
+    let database: String = sqlx::query_scalar("SELECT pg_catalog.current_database()::text")
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "checking the guard function: {}",
+                upstream::sqlx_message(&e)
+            )
+        })?;
+    let key = read_guard_in(conn, cfg, verify, &database).await?;
+    Ok((database, key))
+}
+
+/// [`read_guard`] once the database is known.
+async fn read_guard_in(
+    conn: &mut sqlx::PgConnection,
+    cfg: &Config,
+    verify: bool,
+    database: &str,
 ) -> anyhow::Result<Option<verify::ProofKey>> {
     let exists: bool = sqlx::query_scalar(sqlx::AssertSqlSafe(cfg.fence_table.exists_sql()))
         .fetch_one(&mut *conn)
@@ -590,11 +666,11 @@ async fn read_guard(
         })?;
     anyhow::ensure!(
         exists,
-        "the guard function {} does not exist in the --upstream database: run `fence-proxy postgres init --upstream <url> --fence-table {}` first",
+        "the guard function {} does not exist in database {database:?}: run `fence-proxy postgres init --upstream <url of {database}> --fence-table {}` first",
         cfg.fence_table.guard_signature(),
         cfg.fence_table.qualified()
     );
-    tracing::info!(guard = %cfg.fence_table.guard_signature(), "guard function present");
+    tracing::info!(guard = %cfg.fence_table.guard_signature(), database, "guard function present");
     if !verify {
         // Only whether a proof key exists: the key itself stays in the database, since this
         // proxy has no use for it and its upstream connection may be unchecked TLS.
@@ -606,7 +682,7 @@ async fn read_guard(
         {
             Ok(false) => Ok(None),
             Ok(true) => anyhow::bail!(
-                "the guard of {} accepts only verified fences (init --require-verified): start the proxy with --verify-key FILE",
+                "the guard of {} in database {database:?} accepts only verified fences (init --require-verified): start the proxy with --verify-key FILE",
                 cfg.fence_table.qualified()
             ),
             // A role that may not see the proof keys learns nothing here; a guard that requires
@@ -617,6 +693,23 @@ async fn read_guard(
             }
         };
     }
+    // An older init's guard takes the token from the value when the proof key is gone.
+    let current: Option<bool> =
+        sqlx::query_scalar(sqlx::AssertSqlSafe(cfg.fence_table.revision_sql()))
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(|e| {
+                anyhow::anyhow!(
+                    "checking the guard's revision: {}",
+                    upstream::sqlx_message(&e)
+                )
+            })?;
+    anyhow::ensure!(
+        current == Some(true),
+        "--verify-key needs the guard {} in database {database:?} from a newer init (one that refuses proofs on a table without proof key): rerun `fence-proxy postgres init --upstream <url of {database}> --fence-table {} --require-verified`",
+        cfg.fence_table.guard_signature(),
+        cfg.fence_table.qualified()
+    );
     let rows: Vec<(Vec<u8>, Vec<u8>)> = match sqlx::query_as(sqlx::AssertSqlSafe(
         cfg.fence_table.proof_key_sql(),
     ))
@@ -625,7 +718,7 @@ async fn read_guard(
     {
         Ok(rows) => rows,
         Err(e) => anyhow::bail!(
-            "--verify-key: cannot read the proof key of {} in {}.proof_key: {}; grant it to the --upstream role: {}",
+            "--verify-key: cannot read the proof key of {} in {}.proof_key of database {database:?}: {}; grant it to the --upstream role: {}",
             cfg.fence_table.qualified(),
             fence_sql::GUARD_SCHEMA,
             upstream::sqlx_message(&e),

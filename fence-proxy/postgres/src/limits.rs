@@ -109,3 +109,10 @@ pub const REFUSALS_IN_FLIGHT_MAX: usize = 256;
 /// Default number of concurrent client sessions. Each session holds one upstream connection, so
 /// this also bounds the proxy's share of the upstream's `max_connections`.
 pub const DEFAULT_MAX_SESSIONS: usize = 1_000;
+
+/// How long a session may take to end once the proxy is told to stop (SIGTERM). A session
+/// normally ends at once (FATAL 57P01 to its client); one blocked writing to a client that stopped
+/// reading does not see the shutdown, and without a bound it kept the proxy running for as long
+/// as that client stayed connected. After the grace the session is dropped: both connections
+/// close, and the upstream rolls back whatever transaction was open.
+pub const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(5);

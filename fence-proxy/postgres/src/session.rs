@@ -173,7 +173,7 @@ use crate::fence_sql;
 use crate::frontend::{Frontend, Malformed, Target};
 use crate::limits::{MAX_GUARDS_PER_QUERY, MAX_NAME_BYTES, MAX_PENDING_UNITS, MAX_TRACKED_NAMES};
 use crate::metrics_names::{RequestResult, record_request};
-use crate::verify::{Proofs, Verified};
+use crate::verify::{Proofs, Verification, Verified};
 
 /// Prepared statement and portal names of the proxy's own extended-protocol work, under the
 /// reserved prefix that client names may not use (see the module header).
@@ -573,6 +573,9 @@ pub struct Reported {
     pub client_encoding: Option<String>,
     /// The startup fence, verified (`--verify-key` only).
     pub fence: Option<Verified>,
+    /// How this session's fences are verified: the verification of its database (`--verify-key`
+    /// only; each database has its own proof key).
+    pub verification: Option<Arc<Verification>>,
 }
 
 /// Whether the relay loop continues.
@@ -657,6 +660,8 @@ pub struct Session {
     out: BytesMut,
     /// Proofs of the fence values verified in this session (`--verify-key` only).
     proofs: Proofs,
+    /// The verification of the session's database (`--verify-key` only).
+    verification: Option<Arc<Verification>>,
     /// An error arrived where one of the proxy's internal groups (see
     /// [`Self::put_internal_with`]) may have stopped after its Parse and before its final
     /// Close: the upstream may hold the proxy's statement (a real `COMMIT`) and portal. At the
@@ -679,6 +684,7 @@ impl Session {
             standard_strings_off,
             client_encoding,
             fence,
+            verification,
         } = reported;
         let mut proofs = Proofs::default();
         if let Some(v) = fence {
@@ -707,6 +713,7 @@ impl Session {
             copy: Copy::Off,
             out: BytesMut::new(),
             proofs,
+            verification,
             internal_may_linger: false,
         }
     }
@@ -807,11 +814,7 @@ impl Session {
     /// The guard call; `at_commit` when it runs right before a COMMIT rather than before a
     /// client statement (see the guard function for why that differs).
     fn guard_sql(&self, at_commit: bool) -> String {
-        let proofs = self
-            .cfg
-            .verification
-            .as_ref()
-            .map(|_| self.proofs.sql_array());
+        let proofs = self.verification.as_ref().map(|_| self.proofs.sql_array());
         self.cfg
             .fence_table
             .guard_call(self.cfg.require_fence, proofs.as_deref(), at_commit)
@@ -912,7 +915,7 @@ impl Session {
             self.ever_fenced = true;
             self.forget_unfenced();
         }
-        let Some(v) = self.cfg.verification.as_ref() else {
+        let Some(v) = self.verification.as_ref() else {
             return Ok(());
         };
         for value in stmts.iter().filter_map(|s| s.sets_fence.as_deref()) {

@@ -2,7 +2,6 @@
 //! packet (whose `lockd.fence` option is checked early for a clear FATAL error), and
 //! authentication relayed to the upstream untouched.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -111,21 +110,42 @@ pub async fn handshake(tcp: TcpStream, cfg: Arc<Config>) -> anyhow::Result<Start
         }
     };
 
-    let params = startup_params(&packet[8..]);
+    let pairs = startup_pairs(&packet[8..]);
+    // Only the databases checked at start: another database may have no guard, an older one,
+    // or one that takes plain tokens where this proxy verifies them.
+    let database = startup_database(&pairs);
+    let Some(verification) = std::str::from_utf8(&database)
+        .ok()
+        .and_then(|d| cfg.databases.get(d))
+        .cloned()
+    else {
+        let served: Vec<&String> = cfg.databases.keys().collect();
+        let e = ProxyError::fatal(
+            error::INVALID_AUTHORIZATION,
+            format!(
+                "database {:?} is not served by this proxy: it serves {served:?} (the --upstream URL's database {:?} and each --allow-database, checked at start)",
+                String::from_utf8_lossy(&database),
+                cfg.url_database
+            ),
+        );
+        refuse(&mut client, e).await;
+        return Ok(Startup::Done);
+    };
     // With --verify-key the startup fence must verify (a sequencer, or a plain token under
     // --allow-unsigned) before anything reaches the upstream; its proof goes with every guard
     // call of the session.
-    let checked = match &cfg.verification {
-        None => startup_fence(&params).map(|f| (f.map(|f| f.to_string()), None)),
-        Some(v) => match startup_fence_value(&params) {
-            None => Ok((None, None)),
-            Some(value) => v
+    let checked = match &verification {
+        None => startup_fence(&pairs).map(|f| (f.map(|f| f.to_string()), None)),
+        Some(v) => match startup_fence_value(&pairs) {
+            Ok(None) => Ok((None, None)),
+            Ok(Some(value)) => v
                 .check(&value)
                 .map(|verified| (Some(value), Some(verified)))
                 .map_err(|mut e| {
                     e.fatal = true;
                     e
                 }),
+            Err(e) => Err(e),
         },
     };
     let (fence, verified) = match checked {
@@ -254,8 +274,8 @@ pub async fn handshake(tcp: TcpStream, cfg: Arc<Config>) -> anyhow::Result<Start
     client_tx.flush().await?;
     client_rx.decoder_mut().max_body_bytes = cfg.max_message_bytes;
     tracing::debug!(
-        user = params.get("user").map(String::as_str).unwrap_or(""),
-        database = params.get("database").map(String::as_str).unwrap_or(""),
+        user = %String::from_utf8_lossy(last(&pairs, "user").unwrap_or_default()),
+        database = %String::from_utf8_lossy(&database),
         fence = fence.unwrap_or_default(),
         "session authenticated"
     );
@@ -270,6 +290,7 @@ pub async fn handshake(tcp: TcpStream, cfg: Arc<Config>) -> anyhow::Result<Start
             standard_strings_off,
             client_encoding,
             fence: verified,
+            verification,
         },
     ))))
 }
@@ -415,25 +436,53 @@ async fn refuse_split(client: &mut crate::session::Tx, e: ProxyError) {
     let _ = client.shutdown().await;
 }
 
-/// The key/value pairs of a StartupMessage body (after the protocol version).
-pub fn startup_params(mut body: &[u8]) -> BTreeMap<String, String> {
-    let mut params = BTreeMap::new();
-    while let Some(key) = codec::read_cstr(&mut body) {
+/// A startup parameter or a setting of `options`: name and value, as bytes.
+pub type Pair = (Vec<u8>, Vec<u8>);
+
+/// The key/value pairs of a StartupMessage body (after the protocol version), in order, as
+/// bytes: Postgres compares them as bytes and applies them in this order.
+pub fn startup_pairs(mut body: &[u8]) -> Vec<Pair> {
+    let mut pairs = Vec::new();
+    while let Some(key) = read_bytes(&mut body) {
         if key.is_empty() {
             break;
         }
-        let Some(value) = codec::read_cstr(&mut body) else {
+        let Some(value) = read_bytes(&mut body) else {
             break;
         };
-        params.insert(key, value);
+        pairs.push((key.to_vec(), value.to_vec()));
     }
-    params
+    pairs
 }
 
-/// The fence given at startup: a `lockd.fence` parameter or `-c lockd.fence=...` /
-/// `--lockd.fence=...` inside `options`; the last one wins, as in Postgres.
-pub fn startup_fence(params: &BTreeMap<String, String>) -> Result<Option<Fence>, ProxyError> {
-    match startup_fence_value(params) {
+fn read_bytes<'a>(buf: &mut &'a [u8]) -> Option<&'a [u8]> {
+    let end = buf.iter().position(|&b| b == 0)?;
+    let (s, rest) = buf.split_at(end);
+    *buf = &rest[1..];
+    Some(s)
+}
+
+/// The last value of parameter `name` (Postgres keeps the last of a repeated one).
+fn last<'a>(pairs: &'a [Pair], name: &str) -> Option<&'a [u8]> {
+    pairs
+        .iter()
+        .rev()
+        .find(|(k, _)| k == name.as_bytes())
+        .map(|(_, v)| v.as_slice())
+}
+
+/// The database the session connects to, as Postgres picks it: the `database` parameter, or
+/// the user's name when it is absent or empty.
+pub fn startup_database(pairs: &[Pair]) -> Vec<u8> {
+    match last(pairs, "database") {
+        Some(db) if !db.is_empty() => db.to_vec(),
+        _ => last(pairs, "user").unwrap_or_default().to_vec(),
+    }
+}
+
+/// The fence given at startup, parsed (see [`startup_fence_value`]).
+pub fn startup_fence(pairs: &[Pair]) -> Result<Option<Fence>, ProxyError> {
+    match startup_fence_value(pairs)? {
         None => Ok(None),
         Some(v) => fence_value::parse(&v).map(Some).map_err(|mut e| {
             e.fatal = true;
@@ -442,67 +491,177 @@ pub fn startup_fence(params: &BTreeMap<String, String>) -> Result<Option<Fence>,
     }
 }
 
-/// The raw `lockd.fence` value of the startup packet, `None` when absent or empty.
-pub fn startup_fence_value(params: &BTreeMap<String, String>) -> Option<String> {
-    let mut value = params.get("lockd.fence").cloned();
-    if let Some(options) = params.get("options") {
-        let words = split_options(options);
-        let mut i = 0;
-        while i < words.len() {
-            let setting = if words[i] == "-c" {
-                i += 1;
-                words.get(i).map(String::as_str)
-            } else if let Some(rest) = words[i].strip_prefix("-c") {
-                Some(rest)
-            } else {
-                words[i].strip_prefix("--")
-            };
-            if let Some((name, v)) = setting.and_then(|s| s.split_once('='))
-                && name.eq_ignore_ascii_case("lockd.fence")
-            {
-                value = Some(v.to_owned());
+/// The `lockd.fence` value the session starts with, `None` when absent or empty, read as
+/// Postgres sets it (`process_startup_options`): first the switches of `options`, then every
+/// other parameter in the packet's order, each overriding what came before; setting names
+/// compare without ASCII case. `options` that mention `lockd.` but do not read exactly as
+/// Postgres reads them are refused (FATAL 22023, naming them): the proxy must check the value
+/// Postgres will hold, not a guess.
+pub fn startup_fence_value(pairs: &[Pair]) -> Result<Option<String>, ProxyError> {
+    let fatal = |message: String| ProxyError::fatal(error::BAD_FENCE, message);
+    let mut value: Option<Vec<u8>> = None;
+    if let Some(options) = last(pairs, "options") {
+        match options_settings(options) {
+            Ok(settings) => {
+                for (name, v) in settings {
+                    if name.eq_ignore_ascii_case(FENCE_SETTING.as_bytes()) {
+                        value = Some(v);
+                    }
+                }
             }
-            i += 1;
+            Err(why) if mentions_lockd(options) => {
+                return Err(fatal(format!(
+                    "the startup options {:?} name a lockd. setting in a form fence-proxy does not read exactly ({why}): give the fence as -c lockd.fence=<resource>:<token>, --lockd.fence=<resource>:<token> or the lockd.fence startup parameter",
+                    String::from_utf8_lossy(options)
+                )));
+            }
+            // Nothing of lockd. in them: whatever they set is not the fence, and Postgres
+            // refuses what it cannot read.
+            Err(_) => {}
         }
     }
-    value.filter(|v| !v.is_empty())
+    for (name, v) in pairs {
+        let special = ["user", "database", "options", "replication"]
+            .iter()
+            .any(|s| name == s.as_bytes())
+            || name.starts_with(b"_pq_.");
+        if !special && name.eq_ignore_ascii_case(FENCE_SETTING.as_bytes()) {
+            value = Some(v.clone());
+        }
+    }
+    match value {
+        None => Ok(None),
+        Some(v) if v.is_empty() => Ok(None),
+        Some(v) => String::from_utf8(v).map(Some).map_err(|e| {
+            fatal(format!(
+                "the startup lockd.fence value {:?} is not UTF-8",
+                String::from_utf8_lossy(e.as_bytes())
+            ))
+        }),
+    }
 }
 
-/// Splits a libpq `options` string at unescaped whitespace; a backslash keeps the next character.
-fn split_options(options: &str) -> Vec<String> {
-    let mut words = Vec::new();
-    let mut word = String::new();
-    let mut chars = options.chars();
-    while let Some(c) = chars.next() {
-        match c {
-            '\\' => {
-                if let Some(n) = chars.next() {
-                    word.push(n);
-                }
-            }
-            c if c.is_whitespace() => {
-                if !word.is_empty() {
-                    words.push(std::mem::take(&mut word));
-                }
-            }
-            c => word.push(c),
-        }
+/// The setting the guard reads.
+const FENCE_SETTING: &str = "lockd.fence";
+
+/// Whether `options` may name a `lockd.` setting, in any case, once backslashes are removed.
+fn mentions_lockd(options: &[u8]) -> bool {
+    let plain: Vec<u8> = options
+        .iter()
+        .filter(|&&b| b != b'\\')
+        .map(u8::to_ascii_lowercase)
+        .collect();
+    plain.windows(6).any(|w| w == b"lockd.")
+}
+
+/// The switches of `postgres` (its getopt string) that take an argument, in the word or the
+/// next one; `-` is `--name=value`.
+const SWITCHES_WITH_ARGUMENT: &[u8] = b"BCcDdfhkNprStvW-";
+/// The switches that take none (and may be bundled: `-ec name=value` is `-e -c name=value`).
+const SWITCHES_ALONE: &[u8] = b"bEeFijlnOPsT";
+
+/// The settings that a startup `options` string makes, `(name, value)` in order, read as
+/// Postgres reads it: `pg_split_opts` splits at unescaped ASCII whitespace (a backslash keeps the
+/// next byte), then `process_postgres_switches` runs getopt over the words with the server's
+/// switches, and `-c name=value` and `--name=value` set `name` (dashes in it read as
+/// underscores). `Err` names what this function does not follow exactly or what Postgres
+/// refuses (a non-ASCII byte, whose whitespace depends on the server's locale; an unknown
+/// switch, a missing argument, a word that is not a switch, a setting without `=`).
+fn options_settings(options: &[u8]) -> Result<Vec<Pair>, String> {
+    if let Some(b) = options.iter().find(|b| !b.is_ascii()) {
+        return Err(format!("byte 0x{b:02x} is not ASCII"));
     }
-    if !word.is_empty() {
+    let mut words: Vec<Vec<u8>> = Vec::new();
+    let mut bytes = options.iter().copied().peekable();
+    loop {
+        while bytes
+            .next_if(|b| b.is_ascii_whitespace() || *b == 0x0b)
+            .is_some()
+        {}
+        if bytes.peek().is_none() {
+            break;
+        }
+        let mut word = Vec::new();
+        while let Some(b) = bytes.next_if(|b| !(b.is_ascii_whitespace() || *b == 0x0b)) {
+            if b == b'\\' {
+                word.extend(bytes.next());
+            } else {
+                word.push(b);
+            }
+        }
         words.push(word);
     }
-    words
+    let mut settings = Vec::new();
+    let mut i = 0;
+    while i < words.len() {
+        let word = &words[i];
+        i += 1;
+        if word.as_slice() == b"--" {
+            if i < words.len() {
+                return Err("words after \"--\"".to_owned());
+            }
+            break;
+        }
+        if word.len() < 2 || word[0] != b'-' {
+            return Err(format!(
+                "{:?} is not a switch",
+                String::from_utf8_lossy(word)
+            ));
+        }
+        let mut j = 1;
+        while j < word.len() {
+            let switch = word[j];
+            j += 1;
+            if SWITCHES_ALONE.contains(&switch) {
+                continue;
+            }
+            if !SWITCHES_WITH_ARGUMENT.contains(&switch) {
+                return Err(format!("unknown switch -{}", switch as char));
+            }
+            let argument = if j < word.len() {
+                word[j..].to_vec()
+            } else if i < words.len() {
+                i += 1;
+                words[i - 1].clone()
+            } else {
+                return Err(format!("-{} without its argument", switch as char));
+            };
+            if switch == b'c' || switch == b'-' {
+                let Some(eq) = argument.iter().position(|&b| b == b'=') else {
+                    return Err(format!(
+                        "{:?} without =value",
+                        String::from_utf8_lossy(&argument)
+                    ));
+                };
+                let name = argument[..eq]
+                    .iter()
+                    .map(|&b| if b == b'-' { b'_' } else { b })
+                    .collect();
+                settings.push((name, argument[eq + 1..].to_vec()));
+            }
+            break;
+        }
+    }
+    Ok(settings)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn params(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+    fn params(pairs: &[(&str, &str)]) -> Vec<(Vec<u8>, Vec<u8>)> {
         pairs
             .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .map(|(k, v)| (k.as_bytes().to_vec(), v.as_bytes().to_vec()))
             .collect()
+    }
+
+    fn value(pairs: &[(&str, &str)]) -> Option<String> {
+        startup_fence_value(&params(pairs)).unwrap()
+    }
+
+    fn refused(pairs: &[(&str, &str)]) -> ProxyError {
+        startup_fence_value(&params(pairs)).unwrap_err()
     }
 
     #[test]
@@ -526,5 +685,114 @@ mod tests {
         assert!(e.fatal);
         assert_eq!(e.code, error::BAD_FENCE);
         assert!(e.message.contains("\"orders\""), "{}", e.message);
+    }
+
+    /// Review L1: Postgres applies `options` first, then the other parameters in order, with
+    /// GUC names compared without ASCII case; the last one wins.
+    #[test]
+    fn parameters_override_options_as_in_postgres() {
+        assert_eq!(
+            value(&[("lockd.fence", "r:5"), ("options", "-c lockd.fence=r:6")]),
+            Some("r:5".into())
+        );
+        assert_eq!(
+            value(&[
+                ("options", "-c lockd.fence=garbage"),
+                ("lockd.fence", "r:6")
+            ]),
+            Some("r:6".into())
+        );
+        assert_eq!(
+            value(&[("lockd.fence", "r:5"), ("LOCKD.Fence", "r:7")]),
+            Some("r:7".into())
+        );
+        assert_eq!(
+            value(&[("options", "-c lockd.fence=r:1 -c LOCKD.FENCE=r:2")]),
+            Some("r:2".into())
+        );
+        // An empty value later clears it.
+        assert_eq!(
+            value(&[("options", "-c lockd.fence=r:1"), ("lockd.fence", "")]),
+            None
+        );
+        // The last options parameter is the one Postgres reads.
+        assert_eq!(
+            value(&[
+                ("options", "-c lockd.fence=r:1"),
+                ("options", "-c search_path=x")
+            ]),
+            None
+        );
+    }
+
+    /// Review L1: `options` is read with getopt over the server's switches, so switches bundle
+    /// and take their argument from the rest of the word or from the next word.
+    #[test]
+    fn options_are_read_with_getopt() {
+        for (options, fence) in [
+            ("-ec lockd.fence=r:9", "r:9"),
+            ("-eclockd.fence=r:9", "r:9"),
+            ("-e -c lockd.fence=r:9", "r:9"),
+            ("-e-lockd.fence=r:9", "r:9"),
+            ("-d 5 -c lockd.fence=r:9", "r:9"),
+            ("-d -c -c lockd.fence=r:9", "r:9"),
+            (
+                "-c lockd.fence=r:8 -c x.y=-clockd.fence=r:1 -c lockd.fence=r:9",
+                "r:9",
+            ),
+            ("-c\tlockd\\.fence=r\\:9", "r:9"),
+            ("\x0b-c\x0blockd.fence=r:9\x0c", "r:9"),
+            ("-c lockd.fence=a\\ b:9 --", "a b:9"),
+            ("-c lockd.fence=r:9\\", "r:9"),
+        ] {
+            assert_eq!(
+                value(&[("options", options)]),
+                Some(fence.into()),
+                "{options:?}"
+            );
+        }
+        // -d takes the next word as its argument, so it is no setting.
+        assert_eq!(value(&[("options", "-d -clockd.fence=r:9")]), None);
+        // Another setting whose name only looks alike.
+        assert_eq!(value(&[("options", "-c lockd.fence_x=r:9")]), None);
+        // Not lockd.: left to Postgres, which refuses what it cannot read.
+        assert_eq!(value(&[("options", "-Q -c search_path=x")]), None);
+    }
+
+    /// Review L1: options that mention lockd. in a form the proxy does not follow exactly are
+    /// refused, naming them.
+    #[test]
+    fn unreadable_options_naming_lockd_are_refused() {
+        for options in [
+            "-c\u{a0}lockd.fence=r:9",
+            "-Q -c lockd.fence=r:9",
+            "x -c lockd.fence=r:9",
+            "-- -c lockd.fence=r:9",
+            "-c lockd.fence",
+            "-c lockd.fence=r:9 -c",
+            "-c lockd\\.fence=r:9 -",
+        ] {
+            let e = refused(&[("options", options)]);
+            assert!(e.fatal, "{options:?}");
+            assert_eq!(e.code, error::BAD_FENCE, "{options:?}");
+            assert!(e.message.contains("lockd."), "{options:?}: {}", e.message);
+        }
+    }
+
+    #[test]
+    fn database_defaults_to_the_user() {
+        assert_eq!(startup_database(&params(&[("user", "u")])), b"u");
+        assert_eq!(
+            startup_database(&params(&[("user", "u"), ("database", "")])),
+            b"u"
+        );
+        assert_eq!(
+            startup_database(&params(&[
+                ("database", "a"),
+                ("user", "u"),
+                ("database", "b")
+            ])),
+            b"b"
+        );
     }
 }

@@ -407,6 +407,23 @@ impl ParsedUpstream {
         self.dbname.as_deref()
     }
 
+    /// The same upstream, role and settings, for the proxy's own connections to database
+    /// `dbname` (the start-up check of each `--allow-database`).
+    pub fn with_database(&self, dbname: &str) -> ParsedUpstream {
+        ParsedUpstream {
+            host: self.host.clone(),
+            port: self.port,
+            user: self.user.clone(),
+            password: self.password.clone(),
+            dbname: Some(dbname.to_owned()),
+            application_name: self.application_name.clone(),
+            options: self.options.clone(),
+            settings: self.settings.clone(),
+            connect_timeout: self.connect_timeout,
+            tls: self.tls.clone(),
+        }
+    }
+
     /// The URL's `application_name`, if any.
     pub fn application_name(&self) -> Option<&str> {
         self.application_name.as_deref()

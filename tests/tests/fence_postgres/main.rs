@@ -27,6 +27,8 @@
 //! - `readiness`: `/readyz` follows the upstream.
 //! - `review_wire`, `review_roles_and_memory`: the adversarial review's raw-wire attacks, and its
 //!   attacks through database ownership and memory.
+//! - `review_startup`: the database a client names, the startup fence read as Postgres reads
+//!   it, and a shutdown that a client which stops reading cannot hold up.
 
 #![allow(
     clippy::unwrap_used,
@@ -50,6 +52,7 @@ mod readiness;
 mod reguard;
 mod relexed;
 mod review_roles_and_memory;
+mod review_startup;
 mod review_wire;
 mod settings;
 mod tokens;

@@ -77,6 +77,7 @@ async fn review13_database_owner_replaces_the_guard_in_public() {
         access: Default::default(),
         verify_key: Vec::new(),
         allow_unsigned: false,
+        allow_database: Vec::new(),
     };
     let shutdown = tokio_util::sync::CancellationToken::new();
     let token = shutdown.clone();
