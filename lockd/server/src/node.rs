@@ -212,8 +212,12 @@ impl AppliedSink for Hub {
                 EventKind::Granted {
                     to_waiter: Some(_),
                     grant,
-                } => self.waits.notify(&e.request_id, WaitEnd::Granted(grant)),
-                EventKind::TimedOut { .. } => self.waits.notify(&e.request_id, WaitEnd::TimedOut),
+                } => self
+                    .waits
+                    .notify(&e.request_id, WaitEnd::Granted(e.resource.clone(), grant)),
+                EventKind::TimedOut { .. } => self
+                    .waits
+                    .notify(&e.request_id, WaitEnd::TimedOut(e.resource.clone())),
                 EventKind::Expired => self
                     .metrics
                     .with(|| metrics::counter!("lockd_lease_expirations_total").increment(1)),

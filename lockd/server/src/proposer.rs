@@ -5,6 +5,7 @@
 //! were in flight and proposes it as one entry, with a bounded number of entries in flight.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Duration;
 
 use lockd_core::{Batch, Command, Outcome, Policy};
@@ -46,6 +47,56 @@ pub enum ProposeError {
 struct Pending {
     command: Command,
     reply: oneshot::Sender<Result<Outcome, ProposeError>>,
+    /// Set for a command whose caller must know, once it has left, whether the command went
+    /// into a batch ([`Proposer::propose_ticketed`]).
+    ticket: Option<Arc<Ticket>>,
+}
+
+impl Pending {
+    /// Whether the command goes into the batch being cut: not if its caller already gave up
+    /// (it needs no slot in the log), nor if its ticket was withdrawn.
+    fn cut(&self) -> bool {
+        !self.reply.is_closed() && self.ticket.as_ref().is_none_or(|t| t.cut())
+    }
+}
+
+/// Whether a command was cut into a batch, decided once, by whichever comes first: the proposer
+/// cutting it ([`Ticket::cut`]) or its caller, gone, withdrawing it ([`Ticket::withdraw`]).
+/// A waiting Acquire whose caller left needs a cancel in the log only if it was cut: one never
+/// cut is never proposed. A flag the proposer set before looking at `is_closed` would not be
+/// enough: a caller reading "not cut" could not know that the proposer would still see it gone.
+#[derive(Debug, Default)]
+pub struct Ticket(AtomicU8);
+
+const TICKET_OPEN: u8 = 0;
+const TICKET_CUT: u8 = 1;
+const TICKET_WITHDRAWN: u8 = 2;
+
+impl Ticket {
+    /// The proposer cuts the command into a batch, unless it was withdrawn.
+    fn cut(&self) -> bool {
+        match self
+            .0
+            .compare_exchange(TICKET_OPEN, TICKET_CUT, Ordering::AcqRel, Ordering::Acquire)
+        {
+            Ok(_) => true,
+            Err(now) => now == TICKET_CUT,
+        }
+    }
+
+    /// The caller left: true if the command was never cut, and now never will be; false if it
+    /// was (it is in the log, or may still be).
+    pub fn withdraw(&self) -> bool {
+        match self.0.compare_exchange(
+            TICKET_OPEN,
+            TICKET_WITHDRAWN,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        ) {
+            Ok(_) => true,
+            Err(now) => now == TICKET_WITHDRAWN,
+        }
+    }
 }
 
 #[derive(Clone)]
@@ -98,9 +149,31 @@ impl Proposer {
     }
 
     pub async fn propose(&self, command: Command) -> Result<Outcome, ProposeError> {
+        self.propose_with(command, None).await
+    }
+
+    /// As [`Proposer::propose`], with a [`Ticket`] that tells the caller, should it leave
+    /// before the answer, whether the command was cut into a batch.
+    pub async fn propose_ticketed(
+        &self,
+        command: Command,
+        ticket: Arc<Ticket>,
+    ) -> Result<Outcome, ProposeError> {
+        self.propose_with(command, Some(ticket)).await
+    }
+
+    async fn propose_with(
+        &self,
+        command: Command,
+        ticket: Option<Arc<Ticket>>,
+    ) -> Result<Outcome, ProposeError> {
         let (reply, rx) = oneshot::channel();
         self.tx
-            .try_send(Pending { command, reply })
+            .try_send(Pending {
+                command,
+                reply,
+                ticket,
+            })
             .map_err(|_| ProposeError::Overloaded)?;
         match tokio::time::timeout(COMMIT_TIMEOUT, rx).await {
             Ok(Ok(result)) => result,
@@ -206,7 +279,7 @@ async fn run(
             }
         }
         // Callers that already gave up need no slot in the log.
-        pending.retain(|p| !p.reply.is_closed());
+        pending.retain(Pending::cut);
         if pending.is_empty() {
             continue;
         }
@@ -269,6 +342,53 @@ async fn run(
 mod tests {
     use super::*;
     use tokio::time::{Instant, advance};
+
+    fn pending(
+        ticket: &Arc<Ticket>,
+    ) -> (Pending, oneshot::Receiver<Result<Outcome, ProposeError>>) {
+        let (reply, rx) = oneshot::channel();
+        let command = Command::Reap {
+            resource: lockd_core::validate::resource("r").unwrap(),
+        };
+        let ticket = Some(ticket.clone());
+        (
+            Pending {
+                command,
+                reply,
+                ticket,
+            },
+            rx,
+        )
+    }
+
+    /// Goal (review of f67ece3, finding 4): a caller that leaves learns whether its command was
+    /// cut into a batch, so that it proposes a cancel only for an Acquire that may be in the
+    /// log, and the proposer never cuts a command its caller withdrew. Method: the two orders
+    /// of cutting and withdrawing, and a caller gone before the cut.
+    #[test]
+    fn a_ticket_is_either_cut_or_withdrawn_never_both() {
+        // Cut first: the caller cannot withdraw it and must cancel.
+        let ticket = Arc::new(Ticket::default());
+        let (p, _rx) = pending(&ticket);
+        assert!(p.cut());
+        assert!(!ticket.withdraw());
+        assert!(p.cut(), "cutting is idempotent");
+
+        // Withdrawn first: never cut, nothing to cancel.
+        let ticket = Arc::new(Ticket::default());
+        let (p, _rx) = pending(&ticket);
+        assert!(ticket.withdraw());
+        assert!(!p.cut());
+        assert!(ticket.withdraw());
+
+        // The caller's reply dropped before the cut: not cut, and the ticket stays open, so
+        // the caller's withdrawal succeeds.
+        let ticket = Arc::new(Ticket::default());
+        let (p, rx) = pending(&ticket);
+        drop(rx);
+        assert!(!p.cut());
+        assert!(ticket.withdraw());
+    }
 
     /// Whether the batching loop's wait for holds has ended after `after` of (paused) time.
     async fn ended_after(wait: &tokio::task::JoinHandle<()>, after: Duration) -> bool {

@@ -1,81 +1,153 @@
-//! Calls waiting for a lock on this node, woken one at a time by applied events.
+//! Calls waiting for a lock on this node, woken one request at a time by applied events.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
-use lockd_core::Grant;
+use lockd_core::{Grant, LeaseId, ResourceName};
 use tokio::sync::oneshot;
 
-/// How a wait ended, as decided by the log.
-#[derive(Debug, Clone, Copy)]
+/// How often at most a failed cancel of a waiter is logged: under overload every waiting call
+/// that leaves may fail to propose its cancel, and the log must not flood with them.
+const CANCEL_FAILURE_LOG_EVERY: Duration = Duration::from_secs(10);
+
+/// How a wait ended, as decided by the log, with the resource the log decided it on: a call
+/// checks it against its own before answering, so that it never answers (nor signs a sequencer
+/// for its resource) with a lease of another.
+#[derive(Debug, Clone)]
 pub enum WaitEnd {
-    Granted(Grant),
-    TimedOut,
+    Granted(ResourceName, Grant),
+    TimedOut(ResourceName),
 }
 
-/// Waiting calls by request_id (the id itself, not a digest: a collision must never hand one
-/// call another's grant). Only the event that names a request wakes its calls: a release wakes
-/// one waiter, never all of them.
+impl WaitEnd {
+    /// The resource the log decided the request on.
+    pub fn resource(&self) -> &ResourceName {
+        match self {
+            WaitEnd::Granted(resource, _) | WaitEnd::TimedOut(resource) => resource,
+        }
+    }
+}
+
+/// Waiting calls by request: request_id (the id itself, not a digest: a collision must never
+/// hand one call another's grant) and resource. Only the event that names a request on a
+/// resource wakes its calls: a release wakes one waiter, never all of them, and a request id
+/// reused for another resource once its record is forgotten is another request.
 ///
 /// A request may have several calls registered at once: a retry whose Acquire has not applied
 /// yet beside the call it retries, or a call about to be refused for reusing the id with other
-/// arguments. Registering therefore ends no other call's wait; only a call the log answered
-/// Queued takes the wait over from the calls registered before it ([`WaitRegistry::take_over`]).
+/// arguments (which answers from its refusal and never reads its channel). Every call of the
+/// request is told how it ended: the log decided it once, and a retry returns the first answer.
 /// Their number is bounded by the node's parked waits (`crate::parked`).
+///
+/// A call that leaves without its answer while another call of its request is still registered
+/// here does not cancel its attempt (the cancel of the current attempt would pass over the
+/// request that the other call still waits for); it leaves the attempt with the request, and
+/// the request's last call to leave, answered or not, takes them all to cancel
+/// ([`WaitRegistry::leave`]). Each such cancel ends nothing unless its attempt is still the
+/// current one.
 #[derive(Default)]
 pub struct WaitRegistry {
-    /// Each request's calls, oldest registration first.
-    calls: Mutex<HashMap<String, Vec<Registration>>>,
+    requests: Mutex<HashMap<(String, ResourceName), Request>>,
     next_id: AtomicU64,
+    /// When a failed cancel was last logged.
+    cancel_failure_logged: Mutex<Option<Instant>>,
 }
 
-/// One waiting call: its registration id (growing, so older calls have lower ids) and where its
-/// wait's end goes.
-type Registration = (u64, oneshot::Sender<WaitEnd>);
+/// One request's calls on this node.
+#[derive(Default)]
+struct Request {
+    /// Each call's registration id and where its wait's end goes.
+    calls: Vec<(u64, oneshot::Sender<WaitEnd>)>,
+    /// The attempts (lease ids) of calls that left without their answer, whose Acquire went into
+    /// a batch: to cancel once no call of the request is left here.
+    left: Vec<LeaseId>,
+}
 
 impl WaitRegistry {
-    /// Registers a call before its Acquire is proposed, so a grant applied at once is not missed.
-    pub fn register(&self, request_id: &str) -> (u64, oneshot::Receiver<WaitEnd>) {
+    /// Registers a call before its Acquire is proposed, so a grant applied at once is not
+    /// missed. Ends no other call's wait.
+    pub fn register(
+        &self,
+        request_id: &str,
+        resource: &ResourceName,
+    ) -> (u64, oneshot::Receiver<WaitEnd>) {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
-        self.calls
+        self.requests
             .lock()
             .expect("waiters lock")
-            .entry(request_id.to_owned())
+            .entry((request_id.to_owned(), resource.clone()))
             .or_default()
+            .calls
             .push((id, tx));
         (id, rx)
     }
 
-    /// Registration `id`'s Acquire was queued (a retry took the waiter over, or it joined the
-    /// queue): the calls of the same request registered before it see their channel close.
-    /// Not done at registration, since the newer call may yet be refused.
-    pub fn take_over(&self, request_id: &str, id: u64) {
-        if let Some(calls) = self.calls.lock().expect("waiters lock").get_mut(request_id) {
-            calls.retain(|(other, _)| *other >= id);
+    /// Registration `id` leaves: with its answer (`left` is `None`), or without it, leaving
+    /// attempt `left`, whose Acquire went into a batch and may queue with no call to answer.
+    /// Returns the attempts to cancel now: none while another call of the request is still
+    /// registered here, all that calls left once none is. Decided under the lock, so a call
+    /// registering at the same moment either is counted or registers after the decision (its
+    /// own attempt, proposed later, then takes the waiter back if one of these cancels passed
+    /// it over).
+    pub fn leave(
+        &self,
+        request_id: &str,
+        resource: &ResourceName,
+        id: u64,
+        left: Option<LeaseId>,
+    ) -> Vec<LeaseId> {
+        let mut requests = self.requests.lock().expect("waiters lock");
+        let key = (request_id.to_owned(), resource.clone());
+        let Some(request) = requests.get_mut(&key) else {
+            // Woken already: the log decided the request, so there is nothing to cancel.
+            return Vec::new();
+        };
+        let before = request.calls.len();
+        request.calls.retain(|(other, _)| *other != id);
+        // Only a call still registered leaves its attempt: one that was woken (and left before
+        // reading its end) belongs to a request the log decided; the calls registered since
+        // are of a later Acquire.
+        if request.calls.len() < before {
+            request.left.extend(left);
         }
+        if !request.calls.is_empty() {
+            return Vec::new();
+        }
+        requests.remove(&key).map(|r| r.left).unwrap_or_default()
     }
 
-    /// Removes registration `id`, if it is still there.
-    pub fn unregister(&self, request_id: &str, id: u64) {
-        let mut calls = self.calls.lock().expect("waiters lock");
-        if let Some(list) = calls.get_mut(request_id) {
-            list.retain(|(other, _)| *other != id);
-            if list.is_empty() {
-                calls.remove(request_id);
-            }
-        }
-    }
-
-    /// Ends the wait of every call registered for the request. The log decided the request, so
-    /// the end is each call's answer; a call whose Acquire is still in flight answers from its
-    /// own outcome instead (the same decision, read from the dedup record, or a refusal).
+    /// Ends the wait of every call registered for the request on `end`'s resource. The log
+    /// decided the request, so the end is each call's answer (a call whose Acquire is still in
+    /// flight answers from its own outcome instead: the same decision, read from the dedup
+    /// record, or a refusal), and the attempts of calls that left need no cancel.
     pub fn notify(&self, request_id: &str, end: WaitEnd) {
-        let calls = self.calls.lock().expect("waiters lock").remove(request_id);
-        for (_, tx) in calls.into_iter().flatten() {
-            let _ = tx.send(end);
+        let key = (request_id.to_owned(), end.resource().clone());
+        let request = self.requests.lock().expect("waiters lock").remove(&key);
+        for (_, tx) in request.into_iter().flat_map(|r| r.calls) {
+            let _ = tx.send(end.clone());
         }
+    }
+
+    /// Logs a cancel that could not be proposed, at most once per [`CANCEL_FAILURE_LOG_EVERY`].
+    pub fn log_cancel_failure(&self, error: &dyn std::fmt::Display) {
+        let mut last = self.cancel_failure_logged.lock().expect("waiters log lock");
+        if last.is_none_or(|t| t.elapsed() >= CANCEL_FAILURE_LOG_EVERY) {
+            *last = Some(Instant::now());
+            tracing::warn!(
+                error = %error,
+                "could not remove a cancelled waiter; the reaper removes it at its deadline \
+                 (further failures in the next {} s are not logged)",
+                CANCEL_FAILURE_LOG_EVERY.as_secs()
+            );
+        }
+    }
+
+    #[cfg(test)]
+    fn is_empty(&self) -> bool {
+        self.requests.lock().unwrap().is_empty()
     }
 }
 
@@ -84,43 +156,116 @@ mod tests {
     use super::*;
     use tokio::sync::oneshot::error::TryRecvError;
 
-    fn grant() -> WaitEnd {
-        WaitEnd::Granted(Grant {
-            lease_id: lockd_core::LeaseId(7),
-            fencing_token: lockd_core::FencingToken(3),
-            expires_at_ms: 1,
-            lease_ttl_ms: 1,
-        })
+    fn resource(name: &str) -> ResourceName {
+        lockd_core::validate::resource(name).unwrap()
+    }
+
+    fn grant(on: &str) -> WaitEnd {
+        WaitEnd::Granted(
+            resource(on),
+            Grant {
+                lease_id: LeaseId(7),
+                fencing_token: lockd_core::FencingToken(3),
+                expires_at_ms: 1,
+                lease_ttl_ms: 1,
+            },
+        )
     }
 
     /// Goal: a second call registered under a request id (a refused reuse of the id, or a retry
     /// not yet queued) ends no earlier call's wait, and the grant reaches the earlier call.
-    /// Method: register twice, unregister the second, notify.
+    /// Method: register twice, the second leaves with its answer, notify.
     #[test]
     fn registering_again_leaves_the_earlier_call_waiting() {
         let waits = WaitRegistry::default();
-        let (_, mut owner) = waits.register("r");
-        let (refused, _) = waits.register("r");
+        let a = resource("a");
+        let (_, mut owner) = waits.register("r", &a);
+        let (refused, _) = waits.register("r", &a);
         assert!(matches!(owner.try_recv(), Err(TryRecvError::Empty)));
-        waits.unregister("r", refused);
+        assert!(waits.leave("r", &a, refused, None).is_empty());
         assert!(matches!(owner.try_recv(), Err(TryRecvError::Empty)));
-        waits.notify("r", grant());
-        assert!(matches!(owner.try_recv(), Ok(WaitEnd::Granted(_))));
-        assert!(waits.calls.lock().unwrap().is_empty());
+        waits.notify("r", grant("a"));
+        assert!(matches!(owner.try_recv(), Ok(WaitEnd::Granted(..))));
+        assert!(waits.is_empty());
     }
 
-    /// Goal: a queued retry takes the wait over from the calls registered before it, not from
-    /// those registered after it. Method: three registrations, the middle one takes over.
+    /// Goal (review of f67ece3, findings 1 and 3): every call of a request gets its end,
+    /// whatever order they registered in; none is retired by another. Method: three
+    /// registrations, one grant.
     #[test]
-    fn a_queued_call_takes_over_from_older_calls_only() {
+    fn every_call_of_the_request_gets_its_end() {
         let waits = WaitRegistry::default();
-        let (_, mut older) = waits.register("r");
-        let (middle, mut queued) = waits.register("r");
-        let (_, mut newer) = waits.register("r");
-        waits.take_over("r", middle);
-        assert!(matches!(older.try_recv(), Err(TryRecvError::Closed)));
-        waits.notify("r", WaitEnd::TimedOut);
-        assert!(matches!(queued.try_recv(), Ok(WaitEnd::TimedOut)));
-        assert!(matches!(newer.try_recv(), Ok(WaitEnd::TimedOut)));
+        let a = resource("a");
+        let mut calls: Vec<_> = (0..3).map(|_| waits.register("r", &a).1).collect();
+        waits.notify("r", WaitEnd::TimedOut(a.clone()));
+        for call in &mut calls {
+            assert!(matches!(call.try_recv(), Ok(WaitEnd::TimedOut(r)) if r == a));
+        }
+        assert!(waits.is_empty());
+    }
+
+    /// Goal (review of f67ece3, finding 2): a call waiting for one resource is never woken by
+    /// an event of another resource under the same request id (a request that reused the id
+    /// once the first one's record was forgotten). On f67ece3 `notify` woke every call of the
+    /// id, and the call answered with the other resource's lease and a sequencer for its own
+    /// resource signed with that lease's token. Method: register for `a`, notify a grant of
+    /// `b` under the same id, then one of `a`.
+    #[test]
+    fn a_grant_of_another_resource_wakes_no_call_of_this_one() {
+        let waits = WaitRegistry::default();
+        let (a, b) = (resource("a"), resource("b"));
+        let (_, mut on_a) = waits.register("r", &a);
+        let (_, mut on_b) = waits.register("r", &b);
+        waits.notify("r", grant("b"));
+        assert!(matches!(on_a.try_recv(), Err(TryRecvError::Empty)));
+        assert!(matches!(on_b.try_recv(), Ok(WaitEnd::Granted(r, _)) if r == b));
+        waits.notify("r", grant("a"));
+        assert!(matches!(on_a.try_recv(), Ok(WaitEnd::Granted(r, _)) if r == a));
+    }
+
+    /// Goal (review of f67ece3, finding 1): a call that leaves without its answer cancels
+    /// nothing while another call of its request waits here (the cancel of the current attempt
+    /// would pass over the request the other call waits for), and the request's last call to
+    /// leave, answered or not, takes every attempt left to cancel. Method: two calls; the
+    /// first leaves without its answer, then the second with it; then the same with a third
+    /// call registering before the last leaves.
+    #[test]
+    fn a_call_that_leaves_cancels_only_once_no_call_of_its_request_is_left() {
+        let waits = WaitRegistry::default();
+        let a = resource("a");
+        let (first, _) = waits.register("r", &a);
+        let (second, _) = waits.register("r", &a);
+        assert!(waits.leave("r", &a, first, Some(LeaseId(1))).is_empty());
+        assert_eq!(waits.leave("r", &a, second, None), vec![LeaseId(1)]);
+        assert!(waits.is_empty());
+
+        let (first, _) = waits.register("r", &a);
+        assert_eq!(
+            waits.leave("r", &a, first, Some(LeaseId(2))),
+            vec![LeaseId(2)]
+        );
+        let (second, _) = waits.register("r", &a);
+        let (third, _) = waits.register("r", &a);
+        assert!(waits.leave("r", &a, second, Some(LeaseId(3))).is_empty());
+        assert_eq!(
+            waits.leave("r", &a, third, Some(LeaseId(4))),
+            vec![LeaseId(3), LeaseId(4)]
+        );
+        assert!(waits.is_empty());
+    }
+
+    /// Goal: a call woken by the log's end of its request and gone before reading it leaves no
+    /// attempt to cancel, neither now nor for a later call of the same id. Method: notify, then
+    /// the woken call leaves without its answer while a later call is registered.
+    #[test]
+    fn a_woken_call_leaves_nothing_to_cancel() {
+        let waits = WaitRegistry::default();
+        let a = resource("a");
+        let (woken, _rx) = waits.register("r", &a);
+        waits.notify("r", grant("a"));
+        let (later, _) = waits.register("r", &a);
+        assert!(waits.leave("r", &a, woken, Some(LeaseId(1))).is_empty());
+        assert!(waits.leave("r", &a, later, None).is_empty());
+        assert!(waits.is_empty());
     }
 }

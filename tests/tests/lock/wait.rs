@@ -543,3 +543,144 @@ async fn review_waiters_low_a_refused_reuse_of_a_request_id_leaves_its_wait_alon
         ("shared-id", granted.fencing_token)
     );
 }
+
+/// Sends a waiting Acquire of `r` to `node` while the nodes `paused` are stopped, so that the
+/// leader cannot commit it; its caller gives up after 400 ms; then resumes the nodes, leaving
+/// time for the call's reset to reach the leader while the log still stands still.
+async fn drop_in_flight(cluster: &Cluster, node: u64, paused: &[u64], r: AcquireRequest) {
+    let mut c = cluster.lock_client(node).await.unwrap();
+    for n in paused {
+        cluster.pause(*n);
+    }
+    let gone = tokio::time::timeout(Duration::from_millis(400), c.acquire(r)).await;
+    assert!(gone.is_err(), "answered without a quorum: {gone:?}");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    for n in paused {
+        cluster.resume(*n);
+    }
+}
+
+/// Goal (review of f67ece3, finding 1): a retry of a waiting request whose caller leaves while
+/// the retry's Acquire is in flight does not end the wait of the request's call still waiting.
+/// On f67ece3 the retry's Acquire became the current attempt and its cancel then passed the
+/// waiter over: at the release the waiter was skipped and its record forgotten, and the older
+/// call, told nothing, waited its whole wait and answered DEADLINE_EXCEEDED. Method: hold
+/// `twice/r`; A1 waits for it with request id `twice`; stop both followers; A2, the same
+/// request, is sent and dropped after 400 ms; resume them; release: A1 is granted within
+/// seconds and Describe shows its holder with its token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review_waiters2_f1_a_dropped_retry_leaves_the_waiting_call_its_grant() {
+    let mut cluster = Cluster::start(patient_elections(3)).await.unwrap();
+    let leader = cluster.leader().await.unwrap();
+    let mut c = cluster.lock_client(leader).await.unwrap();
+    let held = c
+        .acquire(req("twice/r", "holder", 0))
+        .await
+        .unwrap()
+        .into_inner();
+    let a1 = enqueue(&cluster, leader, "twice/r", "twice", 20_000, 1).await;
+    let followers: Vec<u64> = (1..=3).filter(|n| *n != leader).collect();
+    drop_in_flight(
+        &cluster,
+        leader,
+        &followers,
+        req("twice/r", "twice", 20_000),
+    )
+    .await;
+    assert!(release(&mut c, "twice/r", &held).await);
+    let granted = tokio::time::timeout(Duration::from_secs(3), a1)
+        .await
+        .expect("A1 was not granted within 3 s of the release")
+        .unwrap()
+        .unwrap();
+    let d = describe(&mut c, "twice/r").await;
+    assert_eq!(
+        (d.held, d.holder.as_str(), d.fencing_token),
+        (true, "twice", granted.fencing_token)
+    );
+    assert_eq!(
+        cluster.leader().await.unwrap(),
+        leader,
+        "the leader changed"
+    );
+}
+
+/// Goal (review of f67ece3, finding 2): a call waiting for one resource is never answered with
+/// a grant of another resource under its request id (another lease, and a sequencer signed for
+/// its own resource with that lease's token). On f67ece3 it followed from finding 1: the call
+/// stayed registered after its request's record was forgotten, and a later request reusing the
+/// id for `reuse/b`, queued and granted in one entry, woke it. Method: as in the test above up
+/// to the release of `reuse/a`; then stop the followers; a short Acquire of `reuse/dummy` fills
+/// the entry in flight; the id waits for `reuse/b` and `reuse/b` is released, both in the next
+/// entry; resume them. A1 never answers with `reuse/b`'s lease: it has `reuse/a`'s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review_waiters2_f2_a_waiting_call_never_reads_another_resources_grant() {
+    let mut cluster = Cluster::start(patient_elections(3)).await.unwrap();
+    let leader = cluster.leader().await.unwrap();
+    let mut c = cluster.lock_client(leader).await.unwrap();
+    let held_a = c
+        .acquire(req("reuse/a", "holder-a", 0))
+        .await
+        .unwrap()
+        .into_inner();
+    let held_b = c
+        .acquire(req("reuse/b", "holder-b", 0))
+        .await
+        .unwrap()
+        .into_inner();
+    let a1 = enqueue(&cluster, leader, "reuse/a", "reuse", 20_000, 1).await;
+    let followers: Vec<u64> = (1..=3).filter(|n| *n != leader).collect();
+    drop_in_flight(
+        &cluster,
+        leader,
+        &followers,
+        req("reuse/a", "reuse", 20_000),
+    )
+    .await;
+    assert!(release(&mut c, "reuse/a", &held_a).await);
+
+    // The id again, for `reuse/b`: queued and granted in one entry.
+    for n in &followers {
+        cluster.pause(*n);
+    }
+    let mut d = cluster.lock_client(leader).await.unwrap();
+    let dummy = tokio::spawn(async move { d.acquire(req("reuse/dummy", "dummy", 0)).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut c3 = cluster.lock_client(leader).await.unwrap();
+    let mut r3 = req("reuse/b", "reuse", 20_000);
+    r3.holder = "a3".into();
+    let a3 = tokio::spawn(async move { c3.acquire(r3).await.map(|r| r.into_inner()) });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut cb = cluster.lock_client(leader).await.unwrap();
+    let rel_b = tokio::spawn(async move {
+        cb.release(ReleaseRequest {
+            resource: "reuse/b".into(),
+            lease_id: held_b.lease_id.clone(),
+        })
+        .await
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for n in &followers {
+        cluster.resume(*n);
+    }
+    let _ = dummy.await;
+    let _ = rel_b.await;
+    let a3 = tokio::time::timeout(Duration::from_secs(3), a3).await;
+
+    let a1 = tokio::time::timeout(Duration::from_secs(3), a1)
+        .await
+        .expect("A1 had no answer within 3 s")
+        .unwrap();
+    let b = describe(&mut c, "reuse/b").await;
+    if let Ok(a1) = &a1 {
+        assert_ne!(
+            a1.fencing_token, b.fencing_token,
+            "A1, waiting for reuse/a, was answered with reuse/b's lease: {a1:?}, {b:?}, A3: {a3:?}"
+        );
+        let a = describe(&mut c, "reuse/a").await;
+        assert_eq!(
+            (a.holder.as_str(), a.fencing_token),
+            ("reuse", a1.fencing_token)
+        );
+    }
+}

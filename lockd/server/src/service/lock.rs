@@ -27,7 +27,7 @@ use crate::auth::{Caller, Operation, Resourced};
 use crate::members::{WaitConnection, WaitPoolRefused};
 use crate::node::NodeCtx;
 use crate::observe::metrics::Op;
-use crate::proposer::ProposeError;
+use crate::proposer::{ProposeError, Ticket};
 use crate::raft::NodeId;
 use crate::waiters::WaitEnd;
 
@@ -190,32 +190,37 @@ impl LockService {
         validate::holder(&req.holder).map_err(|e| errors::invalid_field("holder", e))?;
 
         // Registered before proposing, so a grant that applies at once is not missed.
-        let registration = (wait > 0).then(|| self.ctx.waits.register(&req.request_id));
+        let registration = (wait > 0).then(|| self.ctx.waits.register(&req.request_id, &resource));
         let lease_id = LeaseId(rand::rng().random::<u128>());
+        let ticket = Arc::new(Ticket::default());
         // Armed before proposing: a caller that leaves while the Acquire is in flight must not
         // leave a live waiter behind, granted a lease nobody receives. The Acquire is queued in
         // the proposer before the first await, so the cancel follows it in the log; a cancel of
-        // an attempt that did not queue (dropped unproposed, granted, refused, or replaced by a
-        // retry) ends nothing.
+        // an attempt that did not queue (granted, refused, or replaced by a retry) ends nothing,
+        // and one that was never cut into a batch needs none (its ticket says so).
         let mut guard = WaitGuard {
             ctx: self.ctx.clone(),
             resource: resource.clone(),
             request_id: req.request_id.clone(),
             attempt: lease_id,
             registration: registration.as_ref().map(|(id, _)| *id),
+            ticket: ticket.clone(),
             armed: wait > 0,
         };
         let proposed = self
             .ctx
             .proposer
-            .propose(Command::AcquireV2 {
-                resource: resource.clone(),
-                request_id: req.request_id.clone(),
-                lease_ttl_ms: ttl,
-                wait_timeout_ms: wait,
-                holder: req.holder.clone(),
-                lease_id,
-            })
+            .propose_ticketed(
+                Command::AcquireV2 {
+                    resource: resource.clone(),
+                    request_id: req.request_id.clone(),
+                    lease_ttl_ms: ttl,
+                    wait_timeout_ms: wait,
+                    holder: req.holder.clone(),
+                    lease_id,
+                },
+                ticket,
+            )
             .await;
         let outcome = match proposed {
             Ok(outcome) => outcome,
@@ -250,9 +255,7 @@ impl LockService {
                 Err(errors::exhausted(limit, msg))
             }
             Outcome::Queued { .. } => {
-                let (id, rx) = registration.expect("queued only when waiting");
-                // Only now: a call refused for reusing the id must not end the owner's wait.
-                self.ctx.waits.take_over(&req.request_id, id);
+                let (_, rx) = registration.expect("queued only when waiting");
                 self.wait_for_grant(&mut guard, rx, wait).await
             }
             other => Err(errors::internal(format!(
@@ -277,15 +280,41 @@ impl LockService {
         loop {
             tokio::select! {
                 end = &mut rx => {
+                    let end = match end {
+                        Ok(end) if *end.resource() == guard.resource => end,
+                        // Never answered, let alone signed for this resource: the registry
+                        // wakes a call only for its own resource, so this is a bug. The call
+                        // leaves without its answer (its attempt is cancelled as such).
+                        Ok(end) => {
+                            tracing::error!(
+                                resource = %guard.resource,
+                                decided_on = %end.resource(),
+                                "lockd: a waiting call was woken by another resource's event; \
+                                 not answered with it"
+                            );
+                            return Err(errors::outcome_unknown(format!(
+                                "node {}: request_id {} was woken for another resource than \
+                                 {:?}; retry with the same request_id",
+                                self.ctx.id,
+                                shown_request_id(&guard.request_id),
+                                guard.resource
+                            )));
+                        }
+                        // The registry ends every call's wait with an end, unless it is gone
+                        // (the node is shutting down).
+                        Err(_) => {
+                            return Err(errors::outcome_unknown(format!(
+                                "node {} stopped waiting for request_id {} without an answer \
+                                 from the log; retry with the same request_id",
+                                self.ctx.id,
+                                shown_request_id(&guard.request_id)
+                            )));
+                        }
+                    };
                     guard.armed = false;
                     return match end {
-                        Ok(WaitEnd::Granted(g)) => self.signed_reply(&guard.resource, g).await,
-                        Ok(WaitEnd::TimedOut) => Err(errors::wait_timed_out(guard.resource.as_str(), wait_ms, Decided::ByStateMachine)),
-                        // A retry of the same request took over the registration.
-                        Err(_) => Err(errors::outcome_unknown(format!(
-                            "a newer call with request_id {} took over this wait",
-                            shown_request_id(&guard.request_id)
-                        ))),
+                        WaitEnd::Granted(_, g) => self.signed_reply(&guard.resource, g).await,
+                        WaitEnd::TimedOut(_) => Err(errors::wait_timed_out(guard.resource.as_str(), wait_ms, Decided::ByStateMachine)),
                     };
                 }
                 _ = &mut backstop => {
@@ -408,7 +437,8 @@ fn grant_reply(g: Grant) -> AcquireResponse {
 }
 
 /// Removes a waiter from the queue when its call ends without an answer from the log (the
-/// caller cancelled or disconnected), also while its Acquire is still in flight.
+/// caller cancelled or disconnected), also while its Acquire is still in flight; but not while
+/// another call of the same request waits on this node (see [`crate::waiters::WaitRegistry`]).
 struct WaitGuard {
     ctx: Arc<NodeCtx>,
     resource: ResourceName,
@@ -416,28 +446,38 @@ struct WaitGuard {
     /// The lease id drawn for this call: its EndWait applies only while this call's attempt is
     /// the current one (a retry with the same request_id replaces it).
     attempt: LeaseId,
+    /// The call's registration in the wait registry; `None` for a call that does not wait.
     registration: Option<u64>,
-    /// Whether dropping the guard proposes the cancel: from before the Acquire is proposed
-    /// until the call has its answer, or has no queued waiter to end.
+    /// Whether the call's Acquire was cut into a batch; withdrawn when the guard drops, so that
+    /// an Acquire never proposed needs no cancel.
+    ticket: Arc<Ticket>,
+    /// Whether the call leaves without its answer when the guard drops: from before the Acquire
+    /// is proposed until the call has its answer, or has no queued waiter to end.
     armed: bool,
 }
 
 impl Drop for WaitGuard {
     fn drop(&mut self) {
-        if let Some(id) = self.registration {
-            self.ctx.waits.unregister(&self.request_id, id);
-        }
-        if self.armed {
+        let Some(id) = self.registration else {
+            return;
+        };
+        // Withdrawn first, so that an Acquire not cut yet never will be.
+        let left = (self.armed && !self.ticket.withdraw()).then_some(self.attempt);
+        let cancels = self
+            .ctx
+            .waits
+            .leave(&self.request_id, &self.resource, id, left);
+        for attempt in cancels {
             let ctx = self.ctx.clone();
             let cmd = Command::EndWaitAttempt {
                 resource: self.resource.clone(),
                 request_id: self.request_id.clone(),
                 reason: EndWaitReason::Cancelled,
-                attempt: self.attempt,
+                attempt,
             };
             tokio::spawn(async move {
                 if let Err(e) = ctx.proposer.propose(cmd).await {
-                    tracing::warn!(error = %e, "could not remove a cancelled waiter; the reaper removes it at its deadline");
+                    ctx.waits.log_cancel_failure(&e);
                 }
             });
         }
