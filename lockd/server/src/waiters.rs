@@ -12,6 +12,9 @@ use tokio::sync::oneshot;
 /// that leaves may fail to propose its cancel, and the log must not flood with them.
 const CANCEL_FAILURE_LOG_EVERY: Duration = Duration::from_secs(10);
 
+/// Attempts kept per request to cancel once its last call leaves (see [`WaitRegistry::leave`]).
+const LEFT_ATTEMPTS_MAX: usize = 32;
+
 /// How a wait ended, as decided by the log, with the resource the log decided it on: a call
 /// checks it against its own before answering, so that it never answers (nor signs a sequencer
 /// for its resource) with a lease of another.
@@ -110,8 +113,18 @@ impl WaitRegistry {
         // Only a call still registered leaves its attempt: one that was woken (and left before
         // reading its end) belongs to a request the log decided; the calls registered since
         // are of a later Acquire.
-        if request.calls.len() < before {
-            request.left.extend(left);
+        if request.calls.len() < before
+            && let Some(attempt) = left
+        {
+            // Bounded: a client that keeps one call waiting and sends retry after retry that
+            // leaves would otherwise grow this list, and the cancels proposed at the end, without
+            // limit. Only a client's own churn of one request gets past the bound, and the worst
+            // it does then is leave its own request granted to nobody for one lease ttl, which
+            // it could do by holding the lock.
+            if request.left.len() == LEFT_ATTEMPTS_MAX {
+                request.left.remove(0);
+            }
+            request.left.push(attempt);
         }
         if !request.calls.is_empty() {
             return Vec::new();
@@ -266,6 +279,27 @@ mod tests {
         let (later, _) = waits.register("r", &a);
         assert!(waits.leave("r", &a, woken, Some(LeaseId(1))).is_empty());
         assert!(waits.leave("r", &a, later, None).is_empty());
+        assert!(waits.is_empty());
+    }
+
+    /// Goal: the attempts a request keeps to cancel are bounded, however many calls of it leave
+    /// while one stays (a client's churn of retries must not grow the registry, or the cancels
+    /// proposed at the end, without limit); the latest are kept. Method: one call stays while
+    /// 100 others register and leave without their answer; then the last leaves.
+    #[test]
+    fn the_attempts_left_to_cancel_are_bounded() {
+        let waits = WaitRegistry::default();
+        let a = resource("a");
+        let (stays, _rx) = waits.register("r", &a);
+        for i in 0..100u128 {
+            let (churn, _) = waits.register("r", &a);
+            assert!(waits.leave("r", &a, churn, Some(LeaseId(i))).is_empty());
+        }
+        let left = waits.leave("r", &a, stays, None);
+        let expected: Vec<LeaseId> = (100 - LEFT_ATTEMPTS_MAX as u128..100)
+            .map(LeaseId)
+            .collect();
+        assert_eq!(left, expected);
         assert!(waits.is_empty());
     }
 }
