@@ -44,12 +44,13 @@ impl WaitEnd {
 /// request is told how it ended: the log decided it once, and a retry returns the first answer.
 /// Their number is bounded by the node's parked waits (`crate::parked`).
 ///
-/// A call that leaves without its answer while another call of its request is still registered
-/// here does not cancel its attempt (the cancel of the current attempt would pass over the
-/// request that the other call still waits for); it leaves the attempt with the request, and
-/// the request's last call to leave, answered or not, takes them all to cancel
-/// ([`WaitRegistry::leave`]). Each such cancel ends nothing unless its attempt is still the
-/// current one.
+/// A call that leaves without its answer while another call of its request with the same
+/// arguments is still registered here does not cancel its attempt (the cancel of the current
+/// attempt would pass over the request that the other call still waits for); it leaves the
+/// attempt with the request, and the last call with those arguments to leave, answered or not,
+/// takes them all to cancel ([`WaitRegistry::leave`]). A call with other arguments holds back
+/// no cancel: the log refuses it, so it never waits for the request. Each such cancel ends
+/// nothing unless its attempt is still the current one.
 #[derive(Default)]
 pub struct WaitRegistry {
     requests: Mutex<HashMap<(String, ResourceName), Request>>,
@@ -61,11 +62,20 @@ pub struct WaitRegistry {
 /// One request's calls on this node.
 #[derive(Default)]
 struct Request {
-    /// Each call's registration id and where its wait's end goes.
-    calls: Vec<(u64, oneshot::Sender<WaitEnd>)>,
+    /// Each call's registration id, its arguments and where its wait's end goes.
+    calls: Vec<(u64, CallArgs, oneshot::Sender<WaitEnd>)>,
     /// The attempts (lease ids) of calls that left without their answer, whose Acquire went into
-    /// a batch: to cancel once no call of the request is left here.
-    left: Vec<LeaseId>,
+    /// a batch, with their arguments: to cancel once no call with those arguments is left here.
+    left: Vec<(LeaseId, CallArgs)>,
+}
+
+/// The arguments of a waiting Acquire besides its request id and resource, as the log compares
+/// them to tell a retry from a reuse of the id: calls that differ in them are not one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CallArgs {
+    pub lease_ttl_ms: u64,
+    pub wait_timeout_ms: u64,
+    pub holder: String,
 }
 
 impl WaitRegistry {
@@ -75,6 +85,7 @@ impl WaitRegistry {
         &self,
         request_id: &str,
         resource: &ResourceName,
+        args: CallArgs,
     ) -> (u64, oneshot::Receiver<WaitEnd>) {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
@@ -84,14 +95,15 @@ impl WaitRegistry {
             .entry((request_id.to_owned(), resource.clone()))
             .or_default()
             .calls
-            .push((id, tx));
+            .push((id, args, tx));
         (id, rx)
     }
 
     /// Registration `id` leaves: with its answer (`left` is `None`), or without it, leaving
     /// attempt `left`, whose Acquire went into a batch and may queue with no call to answer.
-    /// Returns the attempts to cancel now: none while another call of the request is still
-    /// registered here, all that calls left once none is. Decided under the lock, so a call
+    /// Returns the attempts to cancel now: none while another call of the request with the same
+    /// arguments is still registered here, all that calls with those arguments left once none
+    /// is. Decided under the lock, so a call
     /// registering at the same moment either is counted or registers after the decision (its
     /// own attempt, proposed later, then takes the waiter back if one of these cancels passed
     /// it over).
@@ -108,14 +120,14 @@ impl WaitRegistry {
             // Woken already: the log decided the request, so there is nothing to cancel.
             return Vec::new();
         };
-        let before = request.calls.len();
-        request.calls.retain(|(other, _)| *other != id);
-        // Only a call still registered leaves its attempt: one that was woken (and left before
-        // reading its end) belongs to a request the log decided; the calls registered since
-        // are of a later Acquire.
-        if request.calls.len() < before
-            && let Some(attempt) = left
-        {
+        let Some(at) = request.calls.iter().position(|(other, ..)| *other == id) else {
+            // Only a call still registered leaves its attempt: one that was woken (and left
+            // before reading its end) belongs to a request the log decided; the calls
+            // registered since are of a later Acquire.
+            return Vec::new();
+        };
+        let (_, args, _) = request.calls.remove(at);
+        if let Some(attempt) = left {
             // Bounded: a client that keeps one call waiting and sends retry after retry that
             // leaves would otherwise grow this list, and the cancels proposed at the end, without
             // limit. Only a client's own churn of one request gets past the bound, and the worst
@@ -124,12 +136,21 @@ impl WaitRegistry {
             if request.left.len() == LEFT_ATTEMPTS_MAX {
                 request.left.remove(0);
             }
-            request.left.push(attempt);
+            request.left.push((attempt, args.clone()));
         }
-        if !request.calls.is_empty() {
+        if request.calls.iter().any(|(_, other, _)| *other == args) {
             return Vec::new();
         }
-        requests.remove(&key).map(|r| r.left).unwrap_or_default()
+        let cancel = if request.calls.is_empty() {
+            requests.remove(&key).map(|r| r.left).unwrap_or_default()
+        } else {
+            let (cancel, keep) = std::mem::take(&mut request.left)
+                .into_iter()
+                .partition(|(_, a)| *a == args);
+            request.left = keep;
+            cancel
+        };
+        cancel.into_iter().map(|(attempt, _)| attempt).collect()
     }
 
     /// Ends the wait of every call registered for the request on `end`'s resource. The log
@@ -139,7 +160,7 @@ impl WaitRegistry {
     pub fn notify(&self, request_id: &str, end: WaitEnd) {
         let key = (request_id.to_owned(), end.resource().clone());
         let request = self.requests.lock().expect("waiters lock").remove(&key);
-        for (_, tx) in request.into_iter().flat_map(|r| r.calls) {
+        for (_, _, tx) in request.into_iter().flat_map(|r| r.calls) {
             let _ = tx.send(end.clone());
         }
     }
@@ -169,6 +190,14 @@ mod tests {
     use super::*;
     use tokio::sync::oneshot::error::TryRecvError;
 
+    fn args() -> CallArgs {
+        CallArgs {
+            lease_ttl_ms: 30_000,
+            wait_timeout_ms: 10_000,
+            holder: "h".into(),
+        }
+    }
+
     fn resource(name: &str) -> ResourceName {
         lockd_core::validate::resource(name).unwrap()
     }
@@ -192,8 +221,8 @@ mod tests {
     fn registering_again_leaves_the_earlier_call_waiting() {
         let waits = WaitRegistry::default();
         let a = resource("a");
-        let (_, mut owner) = waits.register("r", &a);
-        let (refused, _) = waits.register("r", &a);
+        let (_, mut owner) = waits.register("r", &a, args());
+        let (refused, _) = waits.register("r", &a, args());
         assert!(matches!(owner.try_recv(), Err(TryRecvError::Empty)));
         assert!(waits.leave("r", &a, refused, None).is_empty());
         assert!(matches!(owner.try_recv(), Err(TryRecvError::Empty)));
@@ -209,7 +238,7 @@ mod tests {
     fn every_call_of_the_request_gets_its_end() {
         let waits = WaitRegistry::default();
         let a = resource("a");
-        let mut calls: Vec<_> = (0..3).map(|_| waits.register("r", &a).1).collect();
+        let mut calls: Vec<_> = (0..3).map(|_| waits.register("r", &a, args()).1).collect();
         waits.notify("r", WaitEnd::TimedOut(a.clone()));
         for call in &mut calls {
             assert!(matches!(call.try_recv(), Ok(WaitEnd::TimedOut(r)) if r == a));
@@ -227,8 +256,8 @@ mod tests {
     fn a_grant_of_another_resource_wakes_no_call_of_this_one() {
         let waits = WaitRegistry::default();
         let (a, b) = (resource("a"), resource("b"));
-        let (_, mut on_a) = waits.register("r", &a);
-        let (_, mut on_b) = waits.register("r", &b);
+        let (_, mut on_a) = waits.register("r", &a, args());
+        let (_, mut on_b) = waits.register("r", &b, args());
         waits.notify("r", grant("b"));
         assert!(matches!(on_a.try_recv(), Err(TryRecvError::Empty)));
         assert!(matches!(on_b.try_recv(), Ok(WaitEnd::Granted(r, _)) if r == b));
@@ -246,19 +275,19 @@ mod tests {
     fn a_call_that_leaves_cancels_only_once_no_call_of_its_request_is_left() {
         let waits = WaitRegistry::default();
         let a = resource("a");
-        let (first, _) = waits.register("r", &a);
-        let (second, _) = waits.register("r", &a);
+        let (first, _) = waits.register("r", &a, args());
+        let (second, _) = waits.register("r", &a, args());
         assert!(waits.leave("r", &a, first, Some(LeaseId(1))).is_empty());
         assert_eq!(waits.leave("r", &a, second, None), vec![LeaseId(1)]);
         assert!(waits.is_empty());
 
-        let (first, _) = waits.register("r", &a);
+        let (first, _) = waits.register("r", &a, args());
         assert_eq!(
             waits.leave("r", &a, first, Some(LeaseId(2))),
             vec![LeaseId(2)]
         );
-        let (second, _) = waits.register("r", &a);
-        let (third, _) = waits.register("r", &a);
+        let (second, _) = waits.register("r", &a, args());
+        let (third, _) = waits.register("r", &a, args());
         assert!(waits.leave("r", &a, second, Some(LeaseId(3))).is_empty());
         assert_eq!(
             waits.leave("r", &a, third, Some(LeaseId(4))),
@@ -274,9 +303,9 @@ mod tests {
     fn a_woken_call_leaves_nothing_to_cancel() {
         let waits = WaitRegistry::default();
         let a = resource("a");
-        let (woken, _rx) = waits.register("r", &a);
+        let (woken, _rx) = waits.register("r", &a, args());
         waits.notify("r", grant("a"));
-        let (later, _) = waits.register("r", &a);
+        let (later, _) = waits.register("r", &a, args());
         assert!(waits.leave("r", &a, woken, Some(LeaseId(1))).is_empty());
         assert!(waits.leave("r", &a, later, None).is_empty());
         assert!(waits.is_empty());
@@ -290,9 +319,9 @@ mod tests {
     fn the_attempts_left_to_cancel_are_bounded() {
         let waits = WaitRegistry::default();
         let a = resource("a");
-        let (stays, _rx) = waits.register("r", &a);
+        let (stays, _rx) = waits.register("r", &a, args());
         for i in 0..100u128 {
-            let (churn, _) = waits.register("r", &a);
+            let (churn, _) = waits.register("r", &a, args());
             assert!(waits.leave("r", &a, churn, Some(LeaseId(i))).is_empty());
         }
         let left = waits.leave("r", &a, stays, None);
@@ -300,6 +329,29 @@ mod tests {
             .map(LeaseId)
             .collect();
         assert_eq!(left, expected);
+        assert!(waits.is_empty());
+    }
+
+    /// Goal (review of 41ff66d, M1): a call with other arguments under the same request id
+    /// (refused by the log: it never waits for the request) holds back no cancel of a call that
+    /// left, so the caller who left is passed over at once. Method: the owner and a call with
+    /// another ttl are registered; the owner leaves without its answer; then the other call
+    /// leaves answered (its refusal).
+    #[test]
+    fn a_call_with_other_arguments_holds_back_no_cancel() {
+        let waits = WaitRegistry::default();
+        let a = resource("a");
+        let (owner, _) = waits.register("r", &a, args());
+        let other = CallArgs {
+            lease_ttl_ms: 10_000,
+            ..args()
+        };
+        let (refused, _) = waits.register("r", &a, other);
+        assert_eq!(
+            waits.leave("r", &a, owner, Some(LeaseId(1))),
+            vec![LeaseId(1)]
+        );
+        assert!(waits.leave("r", &a, refused, None).is_empty());
         assert!(waits.is_empty());
     }
 }

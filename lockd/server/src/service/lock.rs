@@ -29,7 +29,7 @@ use crate::node::NodeCtx;
 use crate::observe::metrics::Op;
 use crate::proposer::{ProposeError, Ticket};
 use crate::raft::NodeId;
-use crate::waiters::WaitEnd;
+use crate::waiters::{CallArgs, WaitEnd};
 
 /// How long a call waits for a leader to be known before answering UNAVAILABLE.
 const LEADER_WAIT: Duration = Duration::from_secs(2);
@@ -190,7 +190,14 @@ impl LockService {
         validate::holder(&req.holder).map_err(|e| errors::invalid_field("holder", e))?;
 
         // Registered before proposing, so a grant that applies at once is not missed.
-        let registration = (wait > 0).then(|| self.ctx.waits.register(&req.request_id, &resource));
+        let registration = (wait > 0).then(|| {
+            let args = CallArgs {
+                lease_ttl_ms: ttl,
+                wait_timeout_ms: wait,
+                holder: req.holder.clone(),
+            };
+            self.ctx.waits.register(&req.request_id, &resource, args)
+        });
         let lease_id = LeaseId(rand::rng().random::<u128>());
         let ticket = Arc::new(Ticket::default());
         // Armed before proposing: a caller that leaves while the Acquire is in flight must not
@@ -277,7 +284,20 @@ impl LockService {
         // Changes only when this node gains or loses leadership, so parked calls are not woken
         // by every commit.
         let mut leader = self.ctx.is_leader.subscribe();
+        // A subscription takes the current value as seen: a step-down between the Acquire's
+        // apply and here would otherwise go unnoticed, and the call would wait on a follower,
+        // where its cancel cannot be proposed (review of 41ff66d, L1).
+        let mut stepped_down = !*leader.borrow_and_update();
         loop {
+            if stepped_down {
+                // The queue is replicated: the place is kept for a retry on the new leader.
+                guard.armed = false;
+                return Err(errors::outcome_unknown(format!(
+                    "node {} stopped being the leader while request_id {} waited; retry with the same request_id to keep its place",
+                    self.ctx.id,
+                    shown_request_id(&guard.request_id)
+                )));
+            }
             tokio::select! {
                 end = &mut rx => {
                     let end = match end {
@@ -326,6 +346,17 @@ impl LockService {
                         attempt: guard.attempt,
                     }).await?;
                     return match outcome {
+                        // The table answers a request it already decided from its record, which
+                        // does not name the resource: sign only a lease this resource holds
+                        // (tokens come from one counter, so the token names the lease).
+                        Outcome::Granted(g) if !self.holds(&guard.resource, g.fencing_token) => {
+                            Err(errors::outcome_unknown(format!(
+                                "node {}: request_id {} was decided, but not as a lease {:?} holds now; retry with the same request_id",
+                                self.ctx.id,
+                                shown_request_id(&guard.request_id),
+                                guard.resource
+                            )))
+                        }
                         Outcome::Granted(g) => self.signed_reply(&guard.resource, g).await,
                         // Also when a retry had replaced this attempt (the table then ends
                         // nothing and that retry may still be granted): not the request's outcome.
@@ -333,18 +364,22 @@ impl LockService {
                     };
                 }
                 changed = leader.changed() => {
-                    let still_leader = changed.is_ok() && *leader.borrow_and_update();
-                    if !still_leader {
-                        // The queue is replicated: the place is kept for a retry on the new leader.
-                        guard.armed = false;
-                        return Err(errors::outcome_unknown(format!(
-                            "node {} stopped being the leader while request_id {} waited; retry with the same request_id to keep its place",
-                            self.ctx.id, shown_request_id(&guard.request_id)
-                        )));
-                    }
+                    stepped_down = changed.is_err() || !*leader.borrow_and_update();
                 }
             }
         }
+    }
+
+    /// Whether `resource` is held, in this node's applied table, by the lease of `token`.
+    fn holds(&self, resource: &ResourceName, token: lockd_core::FencingToken) -> bool {
+        let view = self
+            .ctx
+            .sm
+            .read()
+            .expect("state lock")
+            .table
+            .describe(resource);
+        view.held && view.fencing_token == token
     }
 
     /// The reply to a grant, with its sequencer signed by the cluster's active key. A grant is
