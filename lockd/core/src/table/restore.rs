@@ -10,6 +10,18 @@
 //! whose newer grant the backup does not have (same rule as `INV-CONSERVATIVE-FAILOVER`). A
 //! holder of the backup that was superseded after it has a token below the floor: fence stores
 //! that saw the newer token refuse it.
+//!
+//! The backup's active signing key is retired, so the restored cluster's first leader installs
+//! a key of its own (`ensure_key` in lockd-server). A sequencer names its key, not its cluster:
+//! had the restored cluster kept signing with the backup's key, the backed-up cluster (still
+//! running, or back) and a restored copy of it (a disaster-recovery drill, a staging copy) would
+//! issue tokens from overlapping ranges with sequencers that the same fence stores accept, the
+//! same (resource, token) to two holders. Only the retirement is part of the restored state (at
+//! the table's time, which every member restored alike reads the same), so every member still
+//! holds the same table; the new key is made once, by the leader, and replicated. The retired
+//! key stays listed, so sequencers of the kept leases still verify.
+
+use lockd_fence::sequencer::KeyId;
 
 use super::LockTable;
 
@@ -31,6 +43,11 @@ pub struct RestoreReport {
     /// Request-id records kept, so retries of acquires made before the backup get their
     /// original answer.
     pub dedup_records: u64,
+    /// The backup's active signing key, now retired (`None`: the backup had no key).
+    pub retired_key: Option<KeyId>,
+    /// A retired key forgotten to make room for the restored cluster's own key (only when the
+    /// backup kept the most keys allowed).
+    pub forgotten_key: Option<KeyId>,
 }
 
 impl LockTable {
@@ -44,11 +61,14 @@ impl LockTable {
     /// - The clock anchor is cleared, so that the first stamp of the new cluster anchors the
     ///   clock at the table's time whatever its term (the backup's anchor names a term and a
     ///   process of the old cluster; a stamp of a lower term would leave the clock frozen).
+    /// - The active signing key is retired at the table's time, so the restored cluster's first
+    ///   leader installs a key of its own ([`crate::SigningKeys::retire_active`]).
     pub fn prepare_restore(&mut self, token_floor: u64) -> RestoreReport {
         let backup_last_token = self.last_token;
         self.last_token = self.last_token.max(token_floor);
         let leases_extended = self.extend_leases_to_full_ttl();
         self.anchor = None;
+        let (retired_key, forgotten_key) = self.keys.retire_active(self.now_ms);
         let stats = self.stats();
         RestoreReport {
             backup_last_token,
@@ -58,6 +78,8 @@ impl LockTable {
             leases_extended,
             waiters: stats.waiters,
             dedup_records: stats.dedup_records,
+            retired_key,
+            forgotten_key,
         }
     }
 }
