@@ -8,6 +8,11 @@
 //! At most one key is active (the one that signs); retired keys stay listed so that stores keep
 //! verifying the sequencers they signed, at least [`crate::limits::RETIRED_KEY_KEEP_MS`] after
 //! their retirement, within [`crate::limits::SIGNING_KEYS_MAX`] keys in all.
+//!
+//! A restore retires the backup's active key without a successor ([`SigningKeys::retire_active`]):
+//! a cluster restored from a backup signs with a key of its own, made by its first leader, so
+//! that the backed-up cluster (still running, or back) and a copy of it (a drill, staging) never
+//! sign for each other.
 
 use std::fmt;
 
@@ -147,6 +152,26 @@ impl SigningKeys {
             retired_ms: None,
         });
         Ok(key.key_id())
+    }
+
+    /// Retires the active key without a successor, at `now_ms`: a restore (see
+    /// `LockTable::prepare_restore`), after which the restored cluster's first leader finds no
+    /// active key and installs one of its own. The key stays listed, so sequencers it signed
+    /// keep verifying. If the list is full, the oldest retired key is forgotten, so that the
+    /// first leader's key fits at once (otherwise it would wait out the keep time of a key
+    /// retired shortly before the backup, and the restored cluster could not sign meanwhile);
+    /// stores that hold its file keep verifying with it. Returns the retired key and the
+    /// forgotten one.
+    pub fn retire_active(&mut self, now_ms: i64) -> (Option<KeyId>, Option<KeyId>) {
+        let mut retired = None;
+        for k in &mut self.keys {
+            if k.retired_ms.is_none() {
+                k.retired_ms = Some(now_ms);
+                retired = Some(k.id());
+            }
+        }
+        let forgotten = (self.keys.len() >= SIGNING_KEYS_MAX).then(|| self.keys.remove(0).id());
+        (retired, forgotten)
     }
 
     /// Checks what a snapshot brought: bounded, at most one active key, ids and public keys that

@@ -1188,6 +1188,15 @@ impl LockTable {
             ));
         }
         self.dedup.check()?;
+        // Checked like lease tokens: a retry answers a record's token, so one above the counter
+        // would be answered now and granted again later (INV-TOKEN-MONOTONIC).
+        if let Some((i, token)) = self.dedup.token_above(self.last_token) {
+            return Err(format!(
+                "request-id record {i} holds fencing token {token}, above the last token issued \
+                 {}: a retry would be answered with a token that a later grant gets again",
+                self.last_token
+            ));
+        }
         // Every Waiting record has its waiter (the loop above checked the converse), or a retry
         // would look for a queue entry that does not exist.
         if self.dedup.waiting() as u64 != waiting {

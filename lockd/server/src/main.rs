@@ -412,6 +412,8 @@ fn restore(opts: lockd_server::backup::restore::RestoreOptions, json: bool) -> E
                 "leases_extended": r.report.leases_extended,
                 "waiters": r.report.waiters,
                 "dedup_records": r.report.dedup_records,
+                "retired_key_id": r.report.retired_key.map(|k| k.to_string()),
+                "forgotten_key_id": r.report.forgotten_key.map(|k| k.to_string()),
                 "members": members,
                 "elapsed_ms": elapsed_ms,
             })
@@ -441,6 +443,22 @@ fn restore(opts: lockd_server::backup::restore::RestoreOptions, json: bool) -> E
             "kept                 {} leases ({} now last a full ttl from the restart), {} waiters, {} request ids",
             r.report.leases, r.report.leases_extended, r.report.waiters, r.report.dedup_records
         );
+        // The operator must hand the new key to the restored cluster's stores, and only to them.
+        match (r.report.retired_key, r.report.forgotten_key) {
+            (Some(retired), forgotten) => println!(
+                "signing keys         the backup's key {retired} is retired (still listed: \
+                 sequencers it signed verify){}; the restored cluster's first leader makes a new \
+                 key: export it (`lockctl keys export`) to the fence stores of the restored \
+                 cluster, never to those of another cluster",
+                forgotten.map_or_else(String::new, |f| format!(
+                    ", retired key {f} forgotten to make room"
+                ))
+            ),
+            (None, _) => println!(
+                "signing keys         none in the backup; the restored cluster's first leader \
+                 makes one"
+            ),
+        }
         println!("members              {}", members.join(" "));
         println!("restore id           {}", r.restore_id);
         println!("took                 {elapsed_ms} ms");

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use lockd_api::v1::{
     AcquireResponse, DescribeRequest, ReleaseRequest, SigningKeysRequest, lock_client::LockClient,
 };
+use lockd_fence::sequencer::{SequencerError, VerifyKeys, inspect_unverified};
 use lockd_tests::cluster::{Cluster, ClusterOptions};
 use lockd_tests::process::bin_path;
 use tonic::Code;
@@ -203,7 +204,8 @@ async fn wait_logged(what: &str, text: impl Fn() -> String, needles: &[&str]) {
 
 /// Goal: a backup taken under load restores, on every member, into a cluster whose first grant
 /// is above the floor and above every token issued before, and which keeps the backup's leases,
-/// request-id records and signing keys. A member started on its old data dir (the old cluster's)
+/// request-id records and signing keys (the active one retired: the restored cluster signs with
+/// its own). A member started on its old data dir (the old cluster's)
 /// is refused and moves no restored member's term; started empty instead, it catches up.
 /// Method: 120 grants (40 released), then acquire/release load on every node while `lockctl
 /// snapshot save` runs through a follower; every token is recorded. All three nodes are killed,
@@ -506,7 +508,11 @@ async fn backup_under_load_then_restore_every_member_with_a_floor() {
             "retry of held-{i}"
         );
     }
-    assert_eq!(key_ids(&cluster, 3).await, keys_before);
+    // The backup's keys are still listed (sequencers they signed verify), and the restored
+    // cluster signs with a key of its own, listed after them.
+    let keys_after = key_ids(&cluster, 3).await;
+    assert_eq!(keys_after[..keys_before.len()], keys_before[..]);
+    assert_eq!(keys_after.len(), keys_before.len() + 1, "{keys_after:?}");
     // Every member holds the same table at the same applied index (compared at one index:
     // leases of the load, 5 s, expire meanwhile).
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -689,4 +695,113 @@ async fn members_restored_with_different_floors_refuse_each_other() {
         s3.applied_index < cluster.status(leader).await.unwrap().applied_index,
         "node 3 applied the other restore's entries: {s3:?}"
     );
+}
+
+/// `lockctl keys export DIR` through node `via`, which must succeed; the trusted keys of the
+/// files it wrote, as `fence-proxy --verify-key DIR/*.pub.pem` loads them.
+async fn export_keys(cluster: &Cluster, via: u64, dir: &Path) -> VerifyKeys {
+    std::fs::create_dir_all(dir).unwrap();
+    run(
+        "lockctl",
+        &[
+            "--endpoints",
+            &cluster.addr(via),
+            "keys",
+            "export",
+            dir.to_str().unwrap(),
+        ],
+    )
+    .await
+    .ok();
+    let files: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    VerifyKeys::from_pem_files(&files).unwrap()
+}
+
+/// Goal: a restored cluster signs with a key of its own, so the fence stores of the backed-up
+/// cluster do not accept its sequencers (review of the restore, H2: a drill or staging copy
+/// restored from a production backup signed with production's key, and both granted the same
+/// (resource, token) from overlapping token ranges: production's fence-proxy accepted both).
+/// Sequencers of the backup's leases still verify with the restored cluster's exported keys
+/// (the old key stays listed, retired). Method: a grant and an export of the keys; a backup;
+/// every member wiped and restored; a grant of the restored cluster checked against the old
+/// export (refused: unknown key) and against a new export (accepted, the old grant too).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restored_cluster_signs_with_a_key_of_its_own() {
+    let mut cluster = Cluster::start(ClusterOptions {
+        // Open mode: backups are refused to everyone without this flag.
+        extra_args: vec!["--allow-backup-without-policy".into()],
+        ..ClusterOptions::default()
+    })
+    .await
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+
+    // Phase 1: the backed-up cluster grants, its keys go to the fence stores, a backup.
+    let before =
+        acquire_retrying(&cluster, &[1, 2, 3], "keys/before", "keys-before", 300_000).await;
+    let backup_key = inspect_unverified(&before.sequencer).unwrap().key_id;
+    let stores_of_a = export_keys(&cluster, 1, &dir.path().join("keys-a")).await;
+    assert_eq!(stores_of_a.key_ids().collect::<Vec<_>>(), vec![backup_key]);
+    let file = dir.path().join("backup.lockd");
+    let summary = save(&cluster, 1, &file).await;
+    let floor = summary["last_fencing_token"].as_u64().unwrap() + 1_000;
+
+    // Phase 2: every member restored from the file (a drill copy or a disaster recovery alike).
+    for n in 1..=3 {
+        cluster.kill(n);
+        cluster.wipe(n).unwrap();
+        restore(&file, &cluster.data_dir(n), floor).await;
+    }
+    for n in 1..=3 {
+        cluster.start_node(n).unwrap();
+    }
+    cluster
+        .wait_for_leader(Duration::from_secs(30))
+        .await
+        .unwrap();
+
+    // Phase 3: the restored cluster's grant is signed by another key, which the backed-up
+    // cluster's stores do not know.
+    let after = acquire_retrying(&cluster, &[1, 2, 3], "keys/after", "keys-after", 10_000).await;
+    let signed_by = inspect_unverified(&after.sequencer).unwrap().key_id;
+    assert_ne!(
+        signed_by, backup_key,
+        "the restored cluster signs with the backed-up cluster's key {backup_key}"
+    );
+    assert_eq!(
+        stores_of_a.verify(&after.sequencer),
+        Err(SequencerError::UnknownKey(signed_by))
+    );
+
+    // Phase 4: exported again, both verify; every member lists the same keys, the old one
+    // retired.
+    let restored = export_keys(&cluster, 2, &dir.path().join("keys-b")).await;
+    assert_eq!(
+        restored.verify(&after.sequencer).unwrap().token.0,
+        after.fencing_token
+    );
+    assert_eq!(
+        restored.verify(&before.sequencer).unwrap().token.0,
+        before.fencing_token
+    );
+    let listed = key_ids(&cluster, 3).await;
+    assert_eq!(listed, vec![backup_key.to_string(), signed_by.to_string()]);
+    let keys = cluster
+        .cluster_client(1)
+        .await
+        .unwrap()
+        .signing_keys(SigningKeysRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .keys;
+    let active: Vec<_> = keys
+        .iter()
+        .filter(|k| k.active)
+        .map(|k| &k.key_id)
+        .collect();
+    assert_eq!(active, vec![&signed_by.to_string()], "{keys:?}");
 }

@@ -136,8 +136,8 @@ async fn a_rolling_upgrade_from_the_previous_format_under_load_fails_no_call() {
     }
     let metrics = cluster.metrics_text(leader).await.unwrap();
     assert!(
-        metrics.contains("lockd_cluster_peer_protocol 3"),
-        "the upgraded cluster's leader does not report protocol 3 for every member:\n{}",
+        metrics.contains("lockd_cluster_peer_protocol 4"),
+        "the upgraded cluster's leader does not report protocol 4 for every member:\n{}",
         metrics
             .lines()
             .filter(|l| l.contains("peer_protocol"))

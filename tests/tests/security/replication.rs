@@ -653,3 +653,87 @@ async fn forward_stream_of_a_removed_member_is_refused_mid_stream() {
     assert!(held(&cluster, leader, "removed/before").await);
     assert!(!held(&cluster, leader, "removed/after").await);
 }
+
+/// Goal: a call marked as forwarded by a member but carrying no cluster incarnation id is
+/// refused by a leader that has one, once that member announced a peer protocol that sends the
+/// id on every forwarded call (review of the restore, L2: such calls were taken, for followers
+/// of releases that did not send it, so a member of the old cluster, which has no id, forwarded
+/// client and admin calls to a restored leader, SaveSnapshot with the signing keys included:
+/// open mode hands a backup to a call a member forwards). Method: a TLS cluster without a
+/// policy (founded by this release: it has an incarnation id); with a follower's node
+/// certificate, a unary Acquire and a SaveSnapshot to the leader marked as forwarded by that
+/// follower, without the id: FAILED_PRECONDITION naming the id and the follower, nothing
+/// granted, no backup byte. Control: the same Acquire with the cluster's id is granted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review_restore_l2_a_forwarded_call_without_the_incarnation_id_is_refused() {
+    use lockd_api::v1::SaveSnapshotRequest;
+    use lockd_api::v1::cluster_client::ClusterClient;
+    use lockd_api::v1::lock_client::LockClient;
+
+    let mut cluster = Cluster::start(ClusterOptions {
+        tls: true,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let leader = cluster.leader().await.unwrap();
+    let member = (1..=3).find(|i| *i != leader).unwrap();
+    let cert = cluster.tls.as_ref().unwrap().nodes[member as usize - 1].clone();
+    let own = incarnation(channel(&cluster, leader, Some(&cert)), "test")
+        .await
+        .unwrap();
+    // The leader has heard the member's peer protocol on its replies by now (heartbeats).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    fn forwarded<T>(member: u64, incarnation: Option<&str>, msg: T) -> tonic::Request<T> {
+        let mut req = tonic::Request::new(msg);
+        let md = req.metadata_mut();
+        md.insert("lockd-forwarded-by", member.to_string().parse().unwrap());
+        if let Some(id) = incarnation {
+            md.insert("lockd-restore-id", id.parse().unwrap());
+        }
+        req.set_timeout(Duration::from_secs(5));
+        req
+    }
+    let acquire = |resource: &str| AcquireRequest {
+        resource: resource.into(),
+        request_id: format!("req-{resource}"),
+        lease_ttl_ms: 30_000,
+        wait_timeout_ms: 0,
+        holder: "old-cluster".into(),
+    };
+    let refused = |status: &tonic::Status| {
+        assert_eq!(status.code(), Code::FailedPrecondition, "{status:?}");
+        assert!(
+            status.message().contains(&own)
+                && status.message().contains(&format!("node {member}"))
+                && status.message().contains("no restore id"),
+            "{status:?}"
+        );
+    };
+
+    let mut lock = LockClient::new(channel(&cluster, leader, Some(&cert)));
+    let status = lock
+        .acquire(forwarded(member, None, acquire("legacy/forward")))
+        .await
+        .map(|r| r.into_inner())
+        .expect_err("a forwarded Acquire without the incarnation id was granted");
+    refused(&status);
+    assert!(!held(&cluster, leader, "legacy/forward").await);
+
+    let mut admin = ClusterClient::new(channel(&cluster, leader, Some(&cert)));
+    let backup = match admin
+        .save_snapshot(forwarded(member, None, SaveSnapshotRequest {}))
+        .await
+    {
+        Ok(stream) => stream.into_inner().message().await.map(|m| m.is_some()),
+        Err(status) => Err(status),
+    };
+    refused(&backup.expect_err("a forwarded SaveSnapshot without the incarnation id streamed"));
+
+    let granted = lock
+        .acquire(forwarded(member, Some(&own), acquire("legacy/own")))
+        .await
+        .expect("a forwarded Acquire with the cluster's incarnation id is granted")
+        .into_inner();
+    assert!(granted.fencing_token > 0);
+}

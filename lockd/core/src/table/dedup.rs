@@ -716,6 +716,18 @@ impl DedupWindow {
         self.drain(0);
     }
 
+    /// The first live record's token above `last_token`, if any (by position, and the token).
+    /// The table never makes one (tokens come from its counter); a crafted snapshot or backup
+    /// can, and its retries would be answered with a token the counter grants again.
+    pub(super) fn token_above(&self, last_token: u64) -> Option<(usize, u64)> {
+        self.records
+            .iter()
+            .enumerate()
+            .filter(|(_, record)| record.is_live())
+            .map(|(i, record)| (i, u64::from_le_bytes(record.fencing_token)))
+            .find(|(_, token)| *token > last_token)
+    }
+
     /// Checks the index against the records. O(n): for tests and snapshot loading.
     pub(super) fn check(&self) -> Result<(), String> {
         self.records.check()?;

@@ -10,6 +10,18 @@
 //! whose newer grant the backup does not have (same rule as `INV-CONSERVATIVE-FAILOVER`). A
 //! holder of the backup that was superseded after it has a token below the floor: fence stores
 //! that saw the newer token refuse it.
+//!
+//! The backup's active signing key is retired, so the restored cluster's first leader installs
+//! a key of its own (`ensure_key` in lockd-server). A sequencer names its key, not its cluster:
+//! had the restored cluster kept signing with the backup's key, the backed-up cluster (still
+//! running, or back) and a restored copy of it (a disaster-recovery drill, a staging copy) would
+//! issue tokens from overlapping ranges with sequencers that the same fence stores accept, the
+//! same (resource, token) to two holders. Only the retirement is part of the restored state (at
+//! the table's time, which every member restored alike reads the same), so every member still
+//! holds the same table; the new key is made once, by the leader, and replicated. The retired
+//! key stays listed, so sequencers of the kept leases still verify.
+
+use lockd_fence::sequencer::KeyId;
 
 use super::LockTable;
 
@@ -31,6 +43,11 @@ pub struct RestoreReport {
     /// Request-id records kept, so retries of acquires made before the backup get their
     /// original answer.
     pub dedup_records: u64,
+    /// The backup's active signing key, now retired (`None`: the backup had no key).
+    pub retired_key: Option<KeyId>,
+    /// A retired key forgotten to make room for the restored cluster's own key (only when the
+    /// backup kept the most keys allowed).
+    pub forgotten_key: Option<KeyId>,
 }
 
 impl LockTable {
@@ -44,11 +61,14 @@ impl LockTable {
     /// - The clock anchor is cleared, so that the first stamp of the new cluster anchors the
     ///   clock at the table's time whatever its term (the backup's anchor names a term and a
     ///   process of the old cluster; a stamp of a lower term would leave the clock frozen).
+    /// - The active signing key is retired at the table's time, so the restored cluster's first
+    ///   leader installs a key of its own ([`crate::SigningKeys::retire_active`]).
     pub fn prepare_restore(&mut self, token_floor: u64) -> RestoreReport {
         let backup_last_token = self.last_token;
         self.last_token = self.last_token.max(token_floor);
         let leases_extended = self.extend_leases_to_full_ttl();
         self.anchor = None;
+        let (retired_key, forgotten_key) = self.keys.retire_active(self.now_ms);
         let stats = self.stats();
         RestoreReport {
             backup_last_token,
@@ -58,14 +78,17 @@ impl LockTable {
             leases_extended,
             waiters: stats.waiters,
             dedup_records: stats.dedup_records,
+            retired_key,
+            forgotten_key,
         }
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use crate::KeyRecord;
     use crate::command::{Batch, Command, Outcome, Stamp};
-    use crate::limits::Policy;
+    use crate::limits::{Policy, SIGNING_KEYS_MAX};
     use crate::types::{LeaseId, ResourceName};
 
     use super::*;
@@ -146,6 +169,89 @@ mod tests {
                 Outcome::Granted(g) => assert_eq!((g.fencing_token.0, g.lease_id), (1, LeaseId(1))),
                 other => panic!("{other:?}"),
             }
+            table.check_consistency().unwrap();
+        }
+    }
+
+    /// A new signing key, as a leader makes one.
+    fn install_key(replaces: Option<[u8; 8]>) -> Command {
+        Command::InstallSigningKey {
+            pkcs8: lockd_fence::sequencer::SigningKey::generate()
+                .pkcs8_der()
+                .to_vec(),
+            replaces,
+        }
+    }
+
+    fn installed(outcome: &Outcome) -> [u8; 8] {
+        match outcome {
+            Outcome::SigningKeyInstalled { key_id } => *key_id,
+            other => panic!("key not installed: {other:?}"),
+        }
+    }
+
+    /// Goal: a restored cluster never signs with the backed-up cluster's key (review of the
+    /// restore, H2: the active key kept signing, so a drill or staging copy restored from a
+    /// production backup, or the old cluster and the restored one side by side, signed
+    /// sequencers for the same (resource, token) that the same fence stores accept). The
+    /// backup's active key is retired at the table's time, so every member restored alike holds
+    /// the same keys; it stays listed, so sequencers of the kept leases still verify; the
+    /// restored cluster's first leader then installs a key of its own (`replaces` = none, as
+    /// `ensure_key` proposes it), also when the backup kept as many keys as allowed.
+    /// Method: backups with one key and with `SIGNING_KEYS_MAX` keys rotated within the keep
+    /// time; restore each twice from the same bytes; install as a new cluster's leader does.
+    #[test]
+    fn a_restore_retires_the_backups_active_key() {
+        for kept in [1, SIGNING_KEYS_MAX] {
+            let mut backup = backed_up();
+            let mut active = None;
+            for _ in 0..kept {
+                let out = backup.apply(
+                    7,
+                    &batch(7, 70, 20_000, vec![install_key(active)]),
+                    &mut Vec::new(),
+                );
+                active = Some(installed(&out[0]));
+            }
+            let backup_key = active.expect("a key");
+            let bytes = backup.encode_snapshot();
+            let at_backup = backup.stats().now_ms;
+
+            let mut table = LockTable::decode_snapshot(&bytes).unwrap();
+            table.prepare_restore(10);
+            table.check_consistency().unwrap();
+            let keys = table.signing_keys();
+            assert!(
+                keys.active().is_none(),
+                "{kept} keys: the restored table still signs with the backup's key {}",
+                KeyRecord::id(keys.active().unwrap())
+            );
+            let old = keys.all().iter().find(|k| k.key_id == backup_key);
+            assert_eq!(
+                old.map(|k| k.retired_ms),
+                Some(Some(at_backup)),
+                "{kept} keys"
+            );
+            // Restored alike, byte for byte (the restore id covers only file, floor, members).
+            let mut again = LockTable::decode_snapshot(&bytes).unwrap();
+            again.prepare_restore(10);
+            assert_eq!(again.encode_snapshot(), table.encode_snapshot());
+
+            // The restored cluster's first leader, in a lower term, right after its anchor.
+            let out = table.apply(
+                2,
+                &batch(2, 99, 5, vec![install_key(None)]),
+                &mut Vec::new(),
+            );
+            let new_key = installed(&out[0]);
+            assert_ne!(new_key, backup_key);
+            let keys = table.signing_keys();
+            assert_eq!(keys.active().map(|k| k.key_id), Some(new_key));
+            assert!(
+                keys.all().iter().any(|k| k.key_id == backup_key),
+                "{kept} keys"
+            );
+            assert!(keys.all().len() <= SIGNING_KEYS_MAX);
             table.check_consistency().unwrap();
         }
     }

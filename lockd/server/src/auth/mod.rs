@@ -39,7 +39,7 @@ pub(crate) use tokens::Tokens;
 
 use crate::local_peer::{LocalPeers, PeerOwner};
 use crate::observe::metrics::NodeMetrics;
-use crate::raft::NodeId;
+use crate::raft::{NodeId, peer_protocol};
 use crate::service::errors;
 use crate::tls::TlsHandle;
 
@@ -204,7 +204,7 @@ impl Auth {
                 return Err(errors::unauthenticated(why));
             }
             if marked {
-                self.same_incarnation(md)?;
+                self.same_incarnation(md, None)?;
             }
             return Ok(Caller {
                 identity: None,
@@ -229,7 +229,7 @@ impl Auth {
         }
         let forwarded = node.is_some() && marked;
         if forwarded {
-            self.same_incarnation(md)?;
+            self.same_incarnation(md, node)?;
         }
         if self.policy.is_none() {
             return Ok(Caller {
@@ -295,21 +295,32 @@ impl Auth {
 
     /// A forwarded call must come from this node's cluster incarnation (its restore id, see
     /// `raft::restore_id`), as Raft messages must: FAILED_PRECONDITION naming both ids otherwise.
-    /// A call without the id is taken: followers of releases before it was sent on forwarded
-    /// calls send none (a rolling upgrade); the forward stream always requires it.
-    fn same_incarnation(&self, md: &tonic::metadata::MetadataMap) -> Result<(), Status> {
-        let Some(theirs) = crate::raft::restore_id::from_metadata(md) else {
-            return Ok(());
-        };
-        let from = md
-            .get(FORWARDED_HEADER)
-            .and_then(|v| v.to_str().ok())
-            .map_or_else(|| "the forwarding node".to_owned(), |n| format!("node {n}"));
-        let restore = &self.members.dial().restore;
-        restore.check(&from, Some(theirs)).map_err(|why| {
-            restore.log_mismatch(&why);
-            errors::precondition("restore_id", why)
-        })
+    /// A call without the id is taken only from a sender of a peer protocol before
+    /// `FORWARDS_RESTORE_ID`, on the call or on the sender's Raft traffic (`sender`: the member
+    /// its certificate proves, else the one it names): such followers sent none on unary calls
+    /// (a rolling upgrade). From a newer one it means a node without an id, such as a member of
+    /// the old cluster forwarding to a restored leader. The forward stream always requires it.
+    fn same_incarnation(
+        &self,
+        md: &tonic::metadata::MetadataMap,
+        sender: Option<NodeId>,
+    ) -> Result<(), Status> {
+        let named = md.get(FORWARDED_HEADER).and_then(|v| v.to_str().ok());
+        let from = named.map_or_else(|| "the forwarding node".to_owned(), |n| format!("node {n}"));
+        let dial = self.members.dial();
+        let heard = sender
+            .or_else(|| named.and_then(|n| n.parse().ok()))
+            .and_then(|n| dial.protocols.of(n));
+        let announced = peer_protocol::announced(md)
+            .unwrap_or(peer_protocol::OLDEST)
+            .max(heard.unwrap_or(peer_protocol::OLDEST));
+        let theirs = crate::raft::restore_id::from_metadata(md);
+        dial.restore
+            .check_forwarded(&from, theirs, announced)
+            .map_err(|why| {
+                dial.restore.log_mismatch(&why);
+                errors::precondition("restore_id", why)
+            })
     }
 
     /// What the caller's certificate is, if it presented one; checked once per certificate and
@@ -472,7 +483,10 @@ impl Auth {
     /// for `caller`.
     pub fn mark_forwarded<T>(&self, node: NodeId, caller: &Caller, req: &mut Request<T>) {
         let md = req.metadata_mut();
+        // The version tells the leader that a call without a restore id comes from a node that
+        // has none (`same_incarnation`).
         self.members.dial().restore.attach(md);
+        peer_protocol::attach(md);
         md.insert(
             FORWARDED_HEADER,
             node.to_string().parse().expect("digits are valid metadata"),

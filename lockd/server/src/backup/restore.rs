@@ -27,8 +27,16 @@
 //! restore id from the peers that vouch for its proof.
 //!
 //! What the restore changes in the backed-up table is decided in `lockd-core`
-//! (`LockTable::prepare_restore`): the token counter rises to the floor; leases, waiters,
-//! request-id records and signing keys are kept.
+//! (`LockTable::prepare_restore`): the token counter rises to the floor; leases, waiters and
+//! request-id records are kept; the active signing key is retired (kept, so its sequencers still
+//! verify), and the restored cluster's first leader installs a key of its own
+//! (`crate::signing::ensure_key`), so that a restored copy never signs for the backed-up cluster.
+//!
+//! The backup file is not authenticated: its digest detects damage, not tampering. Whoever can
+//! write it chooses the restored cluster's state, the keys it lists included, so a file must be
+//! kept and fetched as carefully as the signing key it contains. The checks on read
+//! (`Backup::verify`, `LockTable::check_consistency`) refuse values no lockd writes, such as a
+//! token of a lease or request-id record above the counter, not a well-formed forgery.
 //!
 //! Nothing is half-applied: the data dir must be empty or missing; while the files are written a
 //! marker file (`restore.incomplete`) sits in it, and lockd refuses to start on a data dir that
@@ -360,7 +368,8 @@ mod tests {
         LogId::new(CommittedLeaderId::new(4, 2), 77)
     }
 
-    /// A backup file of a table with 10 leases (tokens 1..=10), at log id (4, 2, 77).
+    /// A backup file of a table with 10 leases (tokens 1..=10) and a signing key, at log id
+    /// (4, 2, 77).
     fn backup_file(dir: &Path) -> PathBuf {
         let mut table = LockTable::new();
         let batch = Batch {
@@ -381,6 +390,12 @@ mod tests {
                     holder: "h".into(),
                     lease_id: LeaseId(i as u128 + 1),
                 })
+                .chain([Command::InstallSigningKey {
+                    pkcs8: lockd_fence::sequencer::SigningKey::generate()
+                        .pkcs8_der()
+                        .to_vec(),
+                    replaces: None,
+                }])
                 .collect(),
         };
         table.apply(4, &batch, &mut Vec::new());
@@ -447,6 +462,13 @@ mod tests {
         assert_eq!(s.table.stats().last_token, 500);
         assert_eq!(s.table.stats().active_locks, 10);
         assert_eq!(s.membership.membership().voter_ids().count(), 3);
+        // The backup's key is retired and listed; the first leader installs the next one.
+        let keys = s.table.signing_keys();
+        assert!(keys.active().is_none());
+        assert_eq!(
+            keys.all().iter().map(|k| k.id()).collect::<Vec<_>>(),
+            vec![restored.report.retired_key.expect("the backup's key")]
+        );
     }
 
     /// Goal: no floor, a non-empty data dir, an interrupted restore and a damaged file are each
@@ -501,9 +523,9 @@ mod tests {
     }
 
     /// Goal: every member restored from the same file with the same floor and members gets the
-    /// same state machine byte for byte, the same log records and the same restore id; another
-    /// floor or another member list gives another restore id; a floor above 2^62 is refused
-    /// naming the value.
+    /// same state machine byte for byte (the retired signing key included), the same log
+    /// records and the same restore id; another floor or another member list gives another
+    /// restore id; a floor above 2^62 is refused naming the value.
     #[tokio::test]
     async fn restores_alike_are_identical_and_any_difference_changes_the_restore_id() {
         let tmp = tempfile::tempdir().unwrap();

@@ -23,7 +23,10 @@
 //! Version 2 changes no encoding: it is the first to announce itself. Version 3 changes none
 //! either: its nodes serve the forward stream (`lockd.raft.v1.Forward`), which a follower uses
 //! only with a leader that announced 3 or later (`crate::forwarder`); with an older leader it
-//! forwards one call at a time, as before. What each node last
+//! forwards one call at a time, as before. Version 4 changes none either: its nodes send their
+//! restore id (`raft::restore_id`) and their version on every call they forward, unary calls
+//! included ([`FORWARDS_RESTORE_ID`]), so a leader that has a restore id refuses a forwarded call
+//! without one from a member of version 4 or later. What each node last
 //! announced is exported as `lockd_peer_protocol{peer}`, and the version every member speaks as
 //! `lockd_cluster_peer_protocol`: an upgrade is complete when the leader's reads [`CURRENT`]
 //! (a follower hears only from the leader and counts the other followers as [`OLDEST`]).
@@ -40,7 +43,13 @@ use super::NodeId;
 pub(crate) const HEADER: &str = "lockd-peer-protocol";
 
 /// The version this build writes when every member speaks it.
-pub const CURRENT: u32 = 3;
+pub const CURRENT: u32 = 4;
+
+/// The first version whose nodes send their restore id on every call they forward, unary calls
+/// included. Nodes of version 3 send it on the forward stream, but on unary forwards only the
+/// builds since commit b4d725d do: a version-3 call without it may come from a member in the
+/// middle of a rolling upgrade, and is taken.
+pub const FORWARDS_RESTORE_ID: u32 = 4;
 
 /// The oldest version this build reads and writes; members below it are refused.
 pub const OLDEST: u32 = 1;
