@@ -1370,6 +1370,81 @@ mod tests {
         }
     }
 
+    /// Goal (review H1, the reviewer's run): an acknowledgement the lost disk gave before it was
+    /// lost, which a leader still counts, must not let the wiped node vote for a log without the
+    /// entry it helps commit. Method: five voters; leader 5 (term 2) replicated entry 2-4 to node
+    /// 1 alone, then 1 lost its disk. Nodes 2, 3 and 4 (at 2-3) answer, 5 is cut off: three
+    /// answers of peers that kept their log, enough before the fix, and a proof ending at 2-3.
+    /// Leader 5 then commits 2-4 with node 2 and the lost disk's old acknowledgement, and
+    /// candidate 3 (at 2-3) wins term 3 with the votes of 3, 4 and 1, overwriting 2-4. So the
+    /// proof waits for the leader's answer, which brings its bound to 2-4.
+    #[test]
+    fn review_h1_a_leader_that_may_count_the_lost_disks_acknowledgement_must_answer() {
+        let follower = report(2, Some((2, 3)));
+        let without_leader = [follower.clone(), follower.clone(), follower.clone()];
+        let early = prove(5, &without_leader);
+        assert!(
+            admits_candidate_while_rejoining(3, Some(log_id(2, 3)), early).is_err(),
+            "node 1 voted for a candidate at 2-3 with proof {early:?}, though leader 5 (not \
+             asked) may still commit 2-4 with node 1's old acknowledgement"
+        );
+        let ids: Vec<NodeId> = (1..=5).collect();
+        let answers: Vec<(NodeId, VoteReport)> = (2..=4)
+            .map(|id| (id, with_membership(follower.clone(), &[&ids], &[])))
+            .collect();
+        let e = proof_from(1, &flags(&ids), &none(), &answers).unwrap_err();
+        assert!(e.contains("[5]"), "{e}");
+        let leader = report(2, Some((2, 4)));
+        let p = prove(5, &[follower.clone(), follower.clone(), follower, leader]).unwrap();
+        assert_eq!((p.term, p.log), (2, Some(log_id(2, 4))));
+        assert!(admits_candidate_while_rejoining(3, Some(log_id(2, 3)), Some(p)).is_err());
+        assert!(admits_candidate_while_rejoining(3, Some(log_id(2, 4)), Some(p)).is_ok());
+    }
+
+    /// Goal (review H1, the variant for votes): a vote the lost disk cast before it was lost,
+    /// which a candidate still counts, must not let the wiped node vote again in that term, nor
+    /// follow a leader of an older one. Method: five voters; node 1 voted for candidate 5 in term
+    /// 7, then lost its disk; 2, 3 and 4 (term 6, leader 2) answer, and only afterwards does 4's
+    /// vote for 5 arrive, so 5 wins term 7 with the votes of 5, 4 and the lost disk. Before the
+    /// fix the three answers made a proof of term 6: node 1 then followed leader 2 of term 6,
+    /// whose commits with 3 and node 1 the leader of term 7 lacks, and could vote for another
+    /// candidate in term 7 (two leaders in one term). So the proof waits for candidate 5's answer
+    /// (a candidate's term is on its disk before it asks for votes), which brings its term to 7.
+    #[test]
+    fn review_h1_a_candidate_that_may_count_the_lost_disks_vote_must_answer() {
+        let before_the_vote = report(6, Some((6, 50)));
+        let early = prove(
+            5,
+            &[
+                before_the_vote.clone(),
+                before_the_vote.clone(),
+                before_the_vote.clone(),
+            ],
+        );
+        assert!(
+            admits_leader_while_rejoining(6, early).is_err(),
+            "node 1 follows leader 2 of term 6 with proof {early:?}, though candidate 5 (not \
+             asked) may still win term 7 with node 1's old vote"
+        );
+        assert!(admits_candidate_while_rejoining(7, Some(log_id(6, 50)), early).is_err());
+        let candidate = report(7, Some((6, 50)));
+        let p = prove(
+            5,
+            &[
+                before_the_vote.clone(),
+                before_the_vote.clone(),
+                before_the_vote,
+                candidate,
+            ],
+        )
+        .unwrap();
+        assert_eq!(p.term, 7);
+        assert!(admits_leader_while_rejoining(6, Some(p)).is_err());
+        assert!(admits_leader_while_rejoining(7, Some(p)).is_ok());
+        assert!(admits_candidate_while_rejoining(7, Some(log_id(6, 50)), Some(p)).is_err());
+        assert!(admits_candidate_while_rejoining(8, Some(log_id(6, 50)), Some(p)).is_ok());
+    }
+
     /// Three voters: one wiped node and another wiped node is beyond what Raft tolerates (an
     /// entry committed by the two of them exists nowhere else), so the node waits: a rejoining
     /// peer's answer, empty or partial, never completes the proof. Once that peer has caught
