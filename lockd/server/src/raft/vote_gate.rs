@@ -4,14 +4,42 @@
 //! Raft's safety assumes a voter never forgets its log or its term. A node restarted with an empty
 //! data dir has forgotten both, so it is *rejoining*: it records that durably and first asks its
 //! peers (`CurrentVote`) for their vote and last log id, and whether they are rejoining
-//! themselves. Answers from `n - majority + 1` peers that are *not* rejoining (that kept their
-//! log) always include a member of every majority but this node, so their highest vote term is at
-//! least the term of every leader this node may have helped elect, and their highest last log id
-//! is at least the last entry of every commit this node may have been part of. Until it has that
-//! *proof* the node accepts no Raft message and starts no election. With it, until it has applied
-//! the commit index a leader reports in that leader's own term (a commit in the leader's own term
-//! covers every entry committed before: the leader holds them all), three rules hold, each
-//! closing one way a wiped node could let committed entries be lost and tokens repeat:
+//! themselves. For each voter configuration (see "Membership") it needs two things of one round
+//! of answers:
+//!
+//! - **What was decided with the lost disk.** Answers from `n - majority + 1` peers that are
+//!   *not* rejoining (that kept their log) include a member of every majority that formed, with
+//!   this node in it, before they answered.
+//! - **What may still be decided with it** (review H1). The lost disk's answers outlive it in the
+//!   memory of the nodes it gave them to: a leader counts the entries this node acknowledged
+//!   (openraft's `matching`) until this node answers with a conflict, which it does not while its
+//!   gate refuses that leader, and a candidate counts this node's vote until it wins or its term
+//!   ends. So a majority can form *after* the answers with an old acknowledgement or vote in it:
+//!   with five nodes, an entry the leader had sent to the lost disk alone, three followers
+//!   answering, then the leader committing the entry with one of them and the old
+//!   acknowledgement, and this node voting for a candidate without it (the reviewer's run: one
+//!   token issued twice). So every other voter of each configuration this node is a voter of
+//!   must answer too, rejoining or not. Such a leader or candidate had this node's answer before
+//!   the disk was lost, so its own answer comes after: a leader's shows a last log id at or past
+//!   every entry it can still commit with an old acknowledgement (it held them then, and its log
+//!   only grows while it leads), and a candidate's shows a term at or above the one it can still
+//!   win with an old vote (its term is on its disk before it asks, and never goes down). A
+//!   configuration that does not count this node never counted its answers, so a joiner needs
+//!   only the first. In three-node clusters the first already takes both other voters; with five
+//!   or more the second makes a wiped node wait while any voter is silent.
+//!
+//! So the highest vote term of the answers is at least the term of every leader this node helped
+//! elect or may still help elect, and their highest last log id at least the last entry of every
+//! commit it was part of or may still count toward. (A candidate whose last log id is at or past
+//! a leader's, which is in that leader's own term, holds what that leader held then: its log ends
+//! in that term with the same leader's entries, or in a later term whose leader held them.) Until
+//! it has that *proof* the node accepts no Raft message and starts no election. With it, until it
+//! has applied the commit index a leader reports in that leader's own term (a commit in the
+//! leader's own term covers every entry committed before: the leader holds them all), three rules
+//! hold, each closing one way a wiped node could let committed entries be lost and tokens repeat
+//! (rules 1 and 3 need both parts of the proof: with only the first, an old vote lets a candidate
+//! win a term above the proof's after the answers, and then a vote in that term, or following a
+//! leader of an older one whose commits the winner lacks, repeats tokens too):
 //!
 //! 1. **Votes only for a complete log**: it grants a vote only to a
 //!    candidate whose last log id is at least the proof's, in a term above the proof's. An empty
@@ -30,8 +58,9 @@
 //! it catches up. Its vote and log say nothing about what the cluster committed (it may have lost
 //! exactly the commits in question), so such an answer never counts toward the proof of a cluster
 //! with history; its term and log id still enter the bound (they come from real candidates and
-//! leaders, so they can only raise it). If fewer than `n - majority + 1` answers come from peers
-//! that kept their log, the node keeps asking, and says so every few seconds. Three cases:
+//! leaders, so they can only raise it), and it is the answer every voter must give (see above).
+//! If fewer than `n - majority + 1` answers come from peers that kept their log, or a voter is
+//! silent, the node keeps asking, and says so every few seconds. Three cases:
 //!
 //! - **Five voters, two wiped.** Entry 100 is committed by {1, 4, 5}; 4 and 5 lose their disks
 //!   (two failures of five: within tolerance). Node 4 hears from 2 and 3 (both at 99) and from 5.
@@ -74,8 +103,11 @@
 //! all restart then, each finds only one peer that kept its log (the old leader) and its other
 //! answers come from a rejoining peer that already holds entries, which is neither a proof nor a
 //! first bootstrap. Reusing the proof is sound because it bounds what the *lost* disk held, which
-//! no later event changes; what the node did since (votes, entries) is on its disk like any
-//! node's. The proof is cleared with the flag once the node has caught up.
+//! no later event changes, and what other nodes may still count of it, which no later event
+//! raises (the lost disk gives no new answers); what the node did since (votes, entries) is on
+//! its disk like any node's. The proof is cleared with the flag once the node has caught up. (A
+//! proof kept by an older lockd, made without the answers of silent voters, is used as it is:
+//! let a rejoining node catch up before upgrading it.)
 //!
 //! # Founding a new cluster
 //!
@@ -135,7 +167,8 @@
 //!
 //! **Joining.** A node added at runtime (`lockd --join`, then `lockctl member add`) starts with
 //! an empty data dir like a wiped node and goes through the same gate: it never was a voter, so
-//! the gate costs it nothing but the `CurrentVote` round, and a joiner that is wiped again after
+//! the gate costs it nothing but the `CurrentVote` round (no reported configuration counts it, so
+//! a silent voter does not hold it back), and a joiner that is wiped again after
 //! its promotion is then protected like any other voter. With `--join` the node never proposes
 //! an initial membership, and says so in its `CurrentVote` answers, which then never count
 //! towards founding: it only ever waits for the leader to add it, so a mistyped `--peer` cannot
@@ -146,6 +179,12 @@
 //! cluster and issue tokens from the start again; its new incarnation id at least keeps any
 //! surviving member of the old one out of it. Only a restore from backup brings the old state
 //! back.
+//!
+//! Known limit (review H1, not argued): every other voter must answer only in the configurations
+//! some answer or this node's log reports. A leader or candidate cut off while the cluster removed
+//! it by a membership change, whose configuration nobody reports any more, is not asked; whether
+//! it can still count an old answer of this node toward a majority of that configuration is not
+//! shown either way.
 //!
 //! Known limit: the proof's term is the highest any peer reports, which can be a failed
 //! candidate's. If a one-way partition lets a candidate's term climb past the live leader's, the
@@ -768,9 +807,10 @@ impl VoteGate {
                 tracing::warn!(
                     answered = ?reports.iter().map(|(id, _)| *id).collect::<Vec<_>>(),
                     from_peers_that_kept_their_log = kept,
-                    "lockd: rejoining after an empty data dir: too few peers that kept their log \
-                     answered to know what the lost disk held ({not_proven}); not founding a new \
-                     cluster either ({not_founding}); taking no part in replication until then"
+                    "lockd: rejoining after an empty data dir: too few peers answered to know \
+                     what the lost disk held or what they may still count of it ({not_proven}); \
+                     not founding a new cluster either ({not_founding}); taking no part in \
+                     replication until then"
                 );
                 if self.founding.join {
                     tracing::warn!(
@@ -859,8 +899,9 @@ fn may_campaign(own_last_log: Option<LogId>, proof: &Proof) -> bool {
     own_last_log >= proof.log
 }
 
-/// Peers whose answers always include a member of any majority other than this node:
-/// `n - majority + 1` of a configuration of `n` voters, where the majority counts this node.
+/// Peers whose answers always include a member of any majority that formed before they
+/// answered, other than this node: `n - majority + 1` of a configuration of `n` voters, where the
+/// majority counts this node.
 fn answers_needed(cluster_size: usize) -> usize {
     let majority = cluster_size / 2 + 1;
     cluster_size - majority + 1
@@ -909,7 +950,8 @@ fn proof_for(
 
 /// What the answers prove, if there are enough of them for every configuration this node's log
 /// and the answers hold: `n - majority + 1` answers of its voters other than this node, from
-/// peers that kept their log (see the module docs). Answers of rejoining peers and of older
+/// peers that kept their log, and an answer of every other voter of one that counts this node
+/// (see the module docs). Answers of rejoining peers and of older
 /// nodes, which do not say, never count; their terms and log ids still enter the bound (they
 /// come from real candidates and leaders, so they can only raise it). Otherwise which
 /// configuration lacks answers, for the log.
@@ -941,6 +983,24 @@ fn proof_from(
                  answered",
                 config.iter().collect::<Vec<_>>()
             ));
+        }
+        // A silent voter may be a leader still counting the lost disk's acknowledgements, or a
+        // candidate still counting its vote (review H1); only a configuration that counts this
+        // node has them, so a joiner is not held back.
+        if config.contains(&me) {
+            let silent: Vec<NodeId> = config
+                .iter()
+                .filter(|id| **id != me && !reports.iter().any(|(p, _)| p == *id))
+                .copied()
+                .collect();
+            if !silent.is_empty() {
+                return Err(format!(
+                    "every other voter of {:?}, rejoining or not (one may be a leader or \
+                     candidate still counting what the lost disk acknowledged or voted), not yet \
+                     {silent:?}",
+                    config.iter().collect::<Vec<_>>()
+                ));
+            }
         }
     }
     Ok(Proof {
@@ -1325,19 +1385,19 @@ mod tests {
         let p = prove(3, &[report(4, Some((4, 90))), report(9, Some((0, 0)))]).unwrap();
         assert_eq!(p.term, 9);
         assert_eq!(p.log, Some(log_id(4, 90)));
-        // Five nodes: three answers.
-        assert_eq!(prove(5, &[report(1, Some((1, 5))), report(1, None)]), None);
-        assert!(
-            prove(
-                5,
-                &[
-                    report(1, Some((1, 5))),
-                    report(1, None),
-                    report(1, Some((1, 4)))
-                ]
-            )
-            .is_some()
-        );
+        // Five nodes: three answers of peers that kept their log, and (review H1) an answer of
+        // the fourth voter too, which may be rejoining.
+        let kept = [
+            report(1, Some((1, 5))),
+            report(1, None),
+            report(1, Some((1, 4))),
+        ];
+        assert_eq!(prove(5, &kept[..2]), None);
+        assert_eq!(prove(5, &kept), None);
+        let p = prove(5, &[&kept[..], &[rejoining(2, Some((2, 6)))]].concat()).unwrap();
+        assert_eq!((p.term, p.log), (2, Some(log_id(2, 6))));
+        let two_kept = [&kept[..2], &[rejoining(1, None), rejoining(1, None)]].concat();
+        assert_eq!(prove(5, &two_kept), None);
         // (Answers of a lockd before runtime membership: its configuration is the --peer list.)
         let three = flags(&[1, 2, 3]);
         let old = vec![(2, report(4, Some((4, 90)))), (3, report(9, Some((0, 0))))];
@@ -1368,6 +1428,81 @@ mod tests {
             assert_eq!(p.log, Some(log_id(3, 100)));
             assert_eq!(p.term, 3);
         }
+    }
+
+    /// Goal (review H1, the reviewer's run): an acknowledgement the lost disk gave before it was
+    /// lost, which a leader still counts, must not let the wiped node vote for a log without the
+    /// entry it helps commit. Method: five voters; leader 5 (term 2) replicated entry 2-4 to node
+    /// 1 alone, then 1 lost its disk. Nodes 2, 3 and 4 (at 2-3) answer, 5 is cut off: three
+    /// answers of peers that kept their log, enough before the fix, and a proof ending at 2-3.
+    /// Leader 5 then commits 2-4 with node 2 and the lost disk's old acknowledgement, and
+    /// candidate 3 (at 2-3) wins term 3 with the votes of 3, 4 and 1, overwriting 2-4. So the
+    /// proof waits for the leader's answer, which brings its bound to 2-4.
+    #[test]
+    fn review_h1_a_leader_that_may_count_the_lost_disks_acknowledgement_must_answer() {
+        let follower = report(2, Some((2, 3)));
+        let without_leader = [follower.clone(), follower.clone(), follower.clone()];
+        let early = prove(5, &without_leader);
+        assert!(
+            admits_candidate_while_rejoining(3, Some(log_id(2, 3)), early).is_err(),
+            "node 1 voted for a candidate at 2-3 with proof {early:?}, though leader 5 (not \
+             asked) may still commit 2-4 with node 1's old acknowledgement"
+        );
+        let ids: Vec<NodeId> = (1..=5).collect();
+        let answers: Vec<(NodeId, VoteReport)> = (2..=4)
+            .map(|id| (id, with_membership(follower.clone(), &[&ids], &[])))
+            .collect();
+        let e = proof_from(1, &flags(&ids), &none(), &answers).unwrap_err();
+        assert!(e.contains("[5]"), "{e}");
+        let leader = report(2, Some((2, 4)));
+        let p = prove(5, &[follower.clone(), follower.clone(), follower, leader]).unwrap();
+        assert_eq!((p.term, p.log), (2, Some(log_id(2, 4))));
+        assert!(admits_candidate_while_rejoining(3, Some(log_id(2, 3)), Some(p)).is_err());
+        assert!(admits_candidate_while_rejoining(3, Some(log_id(2, 4)), Some(p)).is_ok());
+    }
+
+    /// Goal (review H1, the variant for votes): a vote the lost disk cast before it was lost,
+    /// which a candidate still counts, must not let the wiped node vote again in that term, nor
+    /// follow a leader of an older one. Method: five voters; node 1 voted for candidate 5 in term
+    /// 7, then lost its disk; 2, 3 and 4 (term 6, leader 2) answer, and only afterwards does 4's
+    /// vote for 5 arrive, so 5 wins term 7 with the votes of 5, 4 and the lost disk. Before the
+    /// fix the three answers made a proof of term 6: node 1 then followed leader 2 of term 6,
+    /// whose commits with 3 and node 1 the leader of term 7 lacks, and could vote for another
+    /// candidate in term 7 (two leaders in one term). So the proof waits for candidate 5's answer
+    /// (a candidate's term is on its disk before it asks for votes), which brings its term to 7.
+    #[test]
+    fn review_h1_a_candidate_that_may_count_the_lost_disks_vote_must_answer() {
+        let before_the_vote = report(6, Some((6, 50)));
+        let early = prove(
+            5,
+            &[
+                before_the_vote.clone(),
+                before_the_vote.clone(),
+                before_the_vote.clone(),
+            ],
+        );
+        assert!(
+            admits_leader_while_rejoining(6, early).is_err(),
+            "node 1 follows leader 2 of term 6 with proof {early:?}, though candidate 5 (not \
+             asked) may still win term 7 with node 1's old vote"
+        );
+        assert!(admits_candidate_while_rejoining(7, Some(log_id(6, 50)), early).is_err());
+        let candidate = report(7, Some((6, 50)));
+        let p = prove(
+            5,
+            &[
+                before_the_vote.clone(),
+                before_the_vote.clone(),
+                before_the_vote,
+                candidate,
+            ],
+        )
+        .unwrap();
+        assert_eq!(p.term, 7);
+        assert!(admits_leader_while_rejoining(6, Some(p)).is_err());
+        assert!(admits_leader_while_rejoining(7, Some(p)).is_ok());
+        assert!(admits_candidate_while_rejoining(7, Some(log_id(6, 50)), Some(p)).is_err());
+        assert!(admits_candidate_while_rejoining(8, Some(log_id(6, 50)), Some(p)).is_ok());
     }
 
     /// Three voters: one wiped node and another wiped node is beyond what Raft tolerates (an
@@ -1404,7 +1539,17 @@ mod tests {
             prove(5, &[n2.clone(), n3.clone(), older(3, Some((3, 99)))]),
             None
         );
-        assert!(prove(5, &[n2, n3, report(3, Some((3, 100)))]).is_some());
+        // It still answers for the bound, as every other voter must (review H1).
+        assert_eq!(
+            prove(5, &[n2.clone(), n3.clone(), report(3, Some((3, 100)))]),
+            None
+        );
+        let p = prove(
+            5,
+            &[n2, n3, report(3, Some((3, 100))), older(4, Some((3, 99)))],
+        )
+        .unwrap();
+        assert_eq!((p.term, p.log), (4, Some(log_id(3, 100))));
         let ids = [1, 2, 3];
         let me = founding(&ids, false);
         let own = me.answer(None, 0);
