@@ -33,11 +33,23 @@ pub struct Config {
     /// Whether a client must have started TLS before its startup message (`--require-tls`).
     pub require_tls: bool,
     /// The databases sessions may connect to: the `--upstream` URL's and each
-    /// `--allow-database`, every one checked at start as the URL's is. Each maps to its
-    /// verification under `--verify-key` (the keys, `--allow-unsigned`, and the proof key of
-    /// that database's fence table: every database has its own), `None` without. A session
+    /// `--allow-database`, every one checked at start as the URL's is, by name. A session
     /// naming another database is refused before anything reaches the upstream.
-    pub databases: BTreeMap<String, Option<Arc<crate::verify::Verification>>>,
+    pub databases: BTreeMap<String, Served>,
     /// The `--upstream` URL's database, as the server named it; named in refusals.
     pub url_database: String,
+}
+
+/// A database sessions may connect to, as the start-up check found it.
+#[derive(Clone)]
+pub struct Served {
+    /// Its `pg_database.oid` when the check ran. The name is what a client asks for, but the
+    /// check holds only for that database: another one renamed into the name later (a clone
+    /// made with `TEMPLATE` or a restore, with the same guard, fence table and proof key, and
+    /// the tokens of the moment it was copied) would take tokens its original already refused.
+    /// Each session's first query compares the oid of the database it is in with this one.
+    pub oid: u32,
+    /// Its verification under `--verify-key` (the keys, `--allow-unsigned`, and the proof key
+    /// of this database's fence table: every database has its own), `None` without.
+    pub verification: Option<Arc<crate::verify::Verification>>,
 }

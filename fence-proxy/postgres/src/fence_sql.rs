@@ -131,12 +131,15 @@ impl FenceTable {
         )
     }
 
-    /// Whether the guard in the connected database is at least [`GUARD_REVISION`]: a proxy with
-    /// `--verify-key` needs a guard that refuses proofs on a table without a proof key. NULL
-    /// when the guard is missing.
+    /// Whether the guard in the connected database is of revision [`GUARD_REVISION_NUMBER`] or
+    /// later: a proxy with `--verify-key` needs a guard that refuses proofs on a table without a
+    /// proof key. The number is read from the guard's revision line, so that the guard of a
+    /// later init (whose line says more) is accepted too; `false` when the line is missing, NULL
+    /// (no row) when the guard is.
     pub fn revision_sql(&self) -> String {
         format!(
-            "SELECT pg_catalog.strpos(p.prosrc, '{GUARD_REVISION}') > 0 FROM pg_catalog.pg_proc p \
+            "SELECT COALESCE(pg_catalog.substring(p.prosrc, '{GUARD_REVISION_PREFIX}([0-9]+)')::pg_catalog.numeric \
+             OPERATOR(pg_catalog.>=) {GUARD_REVISION_NUMBER}, false) FROM pg_catalog.pg_proc p \
              WHERE p.oid = pg_catalog.to_regprocedure('{}')",
             self.guard_signature()
         )
@@ -497,9 +500,17 @@ fn quote_ident(name: &str) -> String {
 }
 
 /// A line of the guard's body that names its revision; a proxy with `--verify-key` refuses to
-/// start on a guard without it (an older `init`'s guard takes plain tokens from a table whose
-/// proof key is gone, see the guard).
+/// start on a guard whose revision is below [`GUARD_REVISION_NUMBER`] or that has no such line
+/// (an older `init`'s guard takes plain tokens from a table whose proof key is gone, see the
+/// guard). It is [`GUARD_REVISION_PREFIX`], the number, and a colon.
 pub const GUARD_REVISION: &str = "fence-proxy guard revision 5: proofs need a proof key";
+
+/// What precedes the number in [`GUARD_REVISION`]; the proxy reads the number after it.
+pub const GUARD_REVISION_PREFIX: &str = "fence-proxy guard revision ";
+
+/// The revision of the guard this proxy needs under `--verify-key`, the number in
+/// [`GUARD_REVISION`]. A later revision of the guard keeps what this one promises.
+pub const GUARD_REVISION_NUMBER: u32 = 5;
 
 /// The largest token the `bigint` column holds.
 pub const MAX_RECORDABLE_TOKEN: u64 = i64::MAX as u64;
@@ -509,11 +520,28 @@ pub const MAX_RECORDABLE_TOKEN: u64 = i64::MAX as u64;
 const UNFENCED_EXPR: &str =
     "COALESCE(pg_catalog.current_setting('lockd.fence', true), '') OPERATOR(pg_catalog.=) ''";
 
-/// What the proxy asks once when a session starts (without `--require-fence`): whether it has a
-/// fence from its startup options or its role's and database's defaults, in the second column
-/// like a guard call's answer. A fence seen there keeps every opening guard of the session.
-pub fn session_fence_sql() -> String {
-    format!("SELECT NULL, {UNFENCED_EXPR}")
+/// The `pg_database.oid` of the connected database, `NULL` if it has none (never). The name is
+/// compared with `OPERATOR(pg_catalog.=)`: a client's `search_path` may put a schema with an
+/// `=` of its own for `name` ahead of `pg_catalog`, which could pick another database's row.
+const DATABASE_OID_EXPR: &str = "(SELECT d.oid FROM pg_catalog.pg_database d \
+     WHERE d.datname OPERATOR(pg_catalog.=) pg_catalog.current_database())";
+
+/// What the start-up check asks first: the connected database's name and oid (as `int8`), the
+/// oid being what each session's first query compares (see [`session_start_sql`]).
+pub const CHECKED_DATABASE_SQL: &str = "SELECT pg_catalog.current_database()::pg_catalog.text, \
+     (SELECT d.oid::pg_catalog.int8 FROM pg_catalog.pg_database d \
+     WHERE d.datname OPERATOR(pg_catalog.=) pg_catalog.current_database())";
+
+/// What the proxy asks once when a session starts, before anything of the client's goes
+/// upstream. The third column is the oid of the database the session is in: the proxy checked a
+/// database of that name at start, and refuses the session unless it is the same one (a clone
+/// renamed into the name would take tokens its original refused). Without `--require-fence`
+/// the second column says whether the session has a fence from its startup options or its
+/// role's and database's defaults, like a guard call's answer: a fence seen there keeps every
+/// opening guard of the session. Under `--require-fence` it is NULL and not read.
+pub fn session_start_sql(require_fence: bool) -> String {
+    let unfenced = if require_fence { "NULL" } else { UNFENCED_EXPR };
+    format!("SELECT NULL, {unfenced}, {DATABASE_OID_EXPR}")
 }
 
 // The proxy's own transaction statements, sent where the client's statements need a block.
@@ -562,6 +590,17 @@ mod tests {
         ] {
             assert!(FenceTable::parse(bad).is_err(), "{bad:?} accepted");
         }
+    }
+
+    /// The revision line says the number the proxy looks for, after the prefix it looks after.
+    #[test]
+    fn the_revision_line_carries_the_number() {
+        assert!(
+            GUARD_REVISION.starts_with(&format!("{GUARD_REVISION_PREFIX}{GUARD_REVISION_NUMBER}:")),
+            "{GUARD_REVISION}"
+        );
+        let sql = FenceTable::parse("lockd_fence").unwrap().revision_sql();
+        assert!(sql.contains(GUARD_REVISION_PREFIX), "{sql}");
     }
 
     #[test]

@@ -18,7 +18,8 @@
 //! - `limits`: every bound, with its reason.
 //! - `codec`: length-bounded message framing.
 //! - `frontend`: complete, strict reading of each client message, as Postgres reads it.
-//! - `startup`: SSL/cancel requests, startup packet, authentication relay.
+//! - `startup`: SSL/cancel requests, startup packet, authentication relay, and the session's
+//!   first query (its database is the one checked at start; its fence from the start).
 //! - `session`: the relay, the proxy's blocks and the guard placement.
 //! - [`classify`]: statement classification by Postgres's own parser (pure, fuzzable).
 //! - `fence_sql`: the fence table, the guard function and `init`'s SQL.
@@ -361,22 +362,22 @@ pub async fn run_with_reload(
     // looked at may have no guard, an older one, or (under --verify-key) one that takes plain
     // tokens, which a client naming it in its startup packet would reach.
     let verify = verify_flags.is_some();
-    let (url_database, proof_key) = check_guard(&upstream, &cfg, verify).await?;
-    let mut checked = vec![(url_database.clone(), proof_key)];
+    let (url_database, url_oid, proof_key) = check_guard(&upstream, &cfg, verify).await?;
+    let mut checked = vec![(url_database.clone(), url_oid, proof_key)];
     for name in &args.allow_database {
-        if checked.iter().any(|(d, _)| d == name) {
+        if checked.iter().any(|(d, _, _)| d == name) {
             continue;
         }
-        let (found, proof_key) = check_guard(&upstream.with_database(name), &cfg, verify)
+        let (found, oid, proof_key) = check_guard(&upstream.with_database(name), &cfg, verify)
             .await
             .map_err(|e| anyhow::anyhow!("--allow-database {name:?}: {e:#}"))?;
         anyhow::ensure!(
             &found == name,
             "--allow-database {name:?}: the server connected the check to database {found:?}"
         );
-        checked.push((found, proof_key));
+        checked.push((found, oid, proof_key));
     }
-    for (database, proof_key) in checked {
+    for (database, oid, proof_key) in checked {
         let verification = match (&verify_flags, proof_key) {
             (Some(flags), Some(proof_key)) => Some(Arc::new(verify::Verification {
                 keys: flags.keys.clone(),
@@ -394,7 +395,8 @@ pub async fn run_with_reload(
             ),
             (None, None) => None,
         };
-        cfg.databases.insert(database, verification);
+        cfg.databases
+            .insert(database, config::Served { oid, verification });
     }
     cfg.url_database = url_database;
     let cfg = Arc::new(cfg);
@@ -569,14 +571,15 @@ pub async fn run_with_reload(
 
 /// Refuses to start unless the guard function exists in `upstream`'s database: without it
 /// every transaction would fail, and the operator should learn that now, not from clients.
-/// Returns the database's name (as the server calls it) and the fence table's proof key when
+/// Returns the database's name (as the server calls it), its oid (which each session compares
+/// with the database it is in, see `config::Served::oid`) and the fence table's proof key when
 /// the guard requires verified fences. `verify`: the proxy has verify keys, so it must be able
 /// to read the proof key, and the guard must be of a revision that refuses proofs without one.
 async fn check_guard(
     upstream: &upstream::ParsedUpstream,
     cfg: &Config,
     verify: bool,
-) -> anyhow::Result<(String, Option<verify::ProofKey>)> {
+) -> anyhow::Result<(String, u32, Option<verify::ProofKey>)> {
     let mut conn = upstream.connect(cfg.connect_timeout).await.map_err(|e| {
         anyhow::anyhow!(
             "cannot reach the upstream {} to check the guard function: {e:#}",
@@ -634,18 +637,22 @@ async fn read_guard(
     conn: &mut sqlx::PgConnection,
     cfg: &Config,
     verify: bool,
-) -> anyhow::Result<(String, Option<verify::ProofKey>)> {
-    let database: String = sqlx::query_scalar("SELECT pg_catalog.current_database()::text")
-        .fetch_one(&mut *conn)
-        .await
-        .map_err(|e| {
-            anyhow::anyhow!(
-                "checking the guard function: {}",
-                upstream::sqlx_message(&e)
-            )
-        })?;
+) -> anyhow::Result<(String, u32, Option<verify::ProofKey>)> {
+    let (database, oid): (String, Option<i64>) =
+        sqlx::query_as(sqlx::AssertSqlSafe(fence_sql::CHECKED_DATABASE_SQL))
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(|e| {
+                anyhow::anyhow!(
+                    "checking the guard function: {}",
+                    upstream::sqlx_message(&e)
+                )
+            })?;
+    let oid = oid
+        .and_then(|oid| u32::try_from(oid).ok())
+        .ok_or_else(|| anyhow::anyhow!("database {database:?} has no oid in pg_database"))?;
     let key = read_guard_in(conn, cfg, verify, &database).await?;
-    Ok((database, key))
+    Ok((database, oid, key))
 }
 
 /// [`read_guard`] once the database is known.

@@ -258,9 +258,6 @@ enum After {
     /// The end of an extended-protocol group: roll back the proxy's block if an error left it
     /// failed, then report.
     SyncEnd,
-    /// The proxy's read of the session's fence at its start: no request of the client's is
-    /// outstanding; an error of it goes nowhere (the session then counts as fenced).
-    Startup,
     /// The proxy's BEGIN (and opening guard) ahead of a client FunctionCall: send the call once
     /// the block is open, then end the block; if it did not open, the call never runs.
     Held(bytes::Bytes),
@@ -576,6 +573,10 @@ pub struct Reported {
     /// How this session's fences are verified: the verification of its database (`--verify-key`
     /// only; each database has its own proof key).
     pub verification: Option<Arc<Verification>>,
+    /// The proxy's read at the session's start found a fence (from the startup options or the
+    /// role's and database's defaults): the session is never taken for unfenced (see
+    /// `Session::unfenced_seen`). Always true under `--require-fence`, where it is not read.
+    pub fenced_at_start: bool,
 }
 
 /// Whether the relay loop continues.
@@ -611,11 +612,12 @@ pub struct Session {
     /// one. A value the session set in that transaction with `SET LOCAL` or `set_config(...,
     /// true)` goes away at the commit, so that guard may see an empty local value over a fence
     /// that comes back: hence "never had one" (`ever_fenced`: from the session's start, which
-    /// the proxy reads once, any guard's answer, any failed guard, any `SET lockd.fence` of a
-    /// value the proxy parses). What may set a fence between a commit and the next data
-    /// statement is a client statement the proxy believes to be transaction control or a SET or
-    /// RESET that may reach `lockd.fence` (`StatementKind::Setting::touches_fence`; SHOW,
-    /// SAVEPOINT, RELEASE and SETs of other settings cannot), so the state is forgotten on every
+    /// the proxy reads once before the client's first message, any guard's answer, any failed
+    /// guard, any `SET lockd.fence` of a value the proxy parses). What may set a fence between
+    /// a commit and the next data statement is a client statement the proxy believes to be
+    /// transaction control or a SET or RESET that may reach `lockd.fence`
+    /// (`StatementKind::Setting::touches_fence`; SHOW, SAVEPOINT, RELEASE and SETs of other
+    /// settings cannot), so the state is forgotten on every
     /// such statement other than a COMMIT whose tag proves it was one (a statement SQL `PREPARE`
     /// redefined cannot answer `COMMIT`), on every error, and while a commit guard's answer is
     /// outstanding. A name believed to be SHOW that SQL `PREPARE` redefined as a `SELECT
@@ -685,6 +687,7 @@ impl Session {
             client_encoding,
             fence,
             verification,
+            fenced_at_start,
         } = reported;
         let mut proofs = Proofs::default();
         if let Some(v) = fence {
@@ -699,7 +702,7 @@ impl Session {
             status,
             guarded: false,
             unfenced_seen: false,
-            ever_fenced: false,
+            ever_fenced: fenced_at_start,
             fence_epoch: 0,
             tentative_unfenced: false,
             standard_strings_off,
@@ -724,19 +727,6 @@ impl Session {
         // and leave the token's waiter list, a mutex every session shares.
         let cancelled = shutdown.cancelled();
         tokio::pin!(cancelled);
-        if !self.cfg.require_fence {
-            // The fence the session starts with (startup options, role and database defaults):
-            // its first guard may come only after a SET LOCAL has hidden it.
-            // The client's first request waits for its answer, so that nothing of it is
-            // charged to that request (see `After::Startup`).
-            self.put_query(&fence_sql::session_fence_sql())?;
-            let mut p = Pending::ready(true, false, After::Startup);
-            p.reading = Some(Reading::FenceOnly);
-            self.pending.push_back(p);
-            self.awaiting_ready = true;
-            self.write_out().await?;
-            self.up_tx.flush().await?;
-        }
         loop {
             // In COPY FROM STDIN the upstream waits for the client's data, so reading the client
             // never stops there; while a COPY's start is unanswered, the client waits.
@@ -2153,15 +2143,6 @@ impl Session {
             self.ever_fenced = true;
         }
         self.forget_unfenced();
-        if self
-            .pending
-            .front()
-            .is_some_and(|p| matches!(p.after, After::Startup))
-        {
-            // The first fence read failed (a cancel, a `statement_timeout` of the startup
-            // options): `ever_fenced` is set above; the client asked for nothing.
-            return Ok(());
-        }
         // The proxy's own group may have stopped between its Parse and its final Close: the
         // failed unit or one the upstream now skips is one of its messages (or the error cannot
         // be placed at all). Its statement and portal are closed before anything more of the
@@ -2316,11 +2297,6 @@ impl Session {
         let failed = self.request.client_failed || self.request.internal_failed;
         match ready.after {
             After::Continue => Ok(Flow::Continue),
-            After::Startup => {
-                self.awaiting_ready = false;
-                self.request = Request::new();
-                Ok(Flow::Continue)
-            }
             After::Report => self.report(status).await,
             After::CommitPart { sql, owns } => {
                 if failed {
@@ -2543,7 +2519,7 @@ fn forgets_unfenced(kind: &StatementKind) -> bool {
 }
 
 /// Column `index` of a DataRow body (`None` for SQL NULL or a malformed row).
-fn data_row_column(body: &[u8], index: usize) -> Option<&[u8]> {
+pub(crate) fn data_row_column(body: &[u8], index: usize) -> Option<&[u8]> {
     let count = usize::from(u16::from_be_bytes(body.get(..2)?.try_into().ok()?));
     if index >= count {
         return None;

@@ -1,6 +1,9 @@
 //! The startup phase of a client connection: encryption requests, cancel requests, the startup
-//! packet (whose `lockd.fence` option is checked early for a clear FATAL error), and
-//! authentication relayed to the upstream untouched.
+//! packet (whose `lockd.fence` option is checked early for a clear FATAL error),
+//! authentication relayed to the upstream untouched, and the proxy's first query on the session
+//! (sent behind the AuthenticationOk, answered before the client's ReadyForQuery): the session
+//! must be in the very database the proxy checked at start under the name it gave, and without
+//! `--require-fence` its fence from the start is read there.
 
 use std::sync::Arc;
 
@@ -114,10 +117,9 @@ pub async fn handshake(tcp: TcpStream, cfg: Arc<Config>) -> anyhow::Result<Start
     // Only the databases checked at start: another database may have no guard, an older one,
     // or one that takes plain tokens where this proxy verifies them.
     let database = startup_database(&pairs);
-    let Some(verification) = std::str::from_utf8(&database)
+    let Some((name, served)) = std::str::from_utf8(&database)
         .ok()
-        .and_then(|d| cfg.databases.get(d))
-        .cloned()
+        .and_then(|d| cfg.databases.get_key_value(d))
     else {
         let served: Vec<&String> = cfg.databases.keys().collect();
         let e = ProxyError::fatal(
@@ -131,6 +133,13 @@ pub async fn handshake(tcp: TcpStream, cfg: Arc<Config>) -> anyhow::Result<Start
         refuse(&mut client, e).await;
         return Ok(Startup::Done);
     };
+    // The name was checked at start; that this is still the database checked is the session's
+    // first query (`session_start`).
+    let served_database = Checked {
+        name: name.clone(),
+        oid: served.oid,
+    };
+    let verification = served.verification.clone();
     // With --verify-key the startup fence must verify (a sequencer, or a plain token under
     // --allow-unsigned) before anything reaches the upstream; its proof goes with every guard
     // call of the session.
@@ -186,14 +195,20 @@ pub async fn handshake(tcp: TcpStream, cfg: Arc<Config>) -> anyhow::Result<Start
     up_tx.write_all(&packet).await?;
     up_tx.flush().await?;
 
-    // Tracked from ParameterStatus: the session must know how the server lexes strings.
-    let mut standard_strings_off = false;
-    // The server converts client SQL from client_encoding; the proxy reads UTF-8 only, so it must
-    // know the encoding (GUC_REPORT: the server reports it during startup).
-    let mut client_encoding: Option<String> = None;
+    let mut reported = Parameters::default();
+    // The proxy's own first query (see `session_start`) goes upstream right behind the
+    // AuthenticationOk: the server reads it once it has finished the session's start and sent
+    // its ReadyForQuery, so it costs no round trip of its own.
+    let mut start_query = bytes::BytesMut::new();
+    postgres_protocol::message::frontend::query(
+        &crate::fence_sql::session_start_sql(cfg.require_fence),
+        &mut start_query,
+    )?;
+    let mut start_sent = false;
     // Authentication is the upstream's business: relay its requests and the client's answers
-    // (cleartext, md5, SASL/SCRAM) byte for byte until the first ReadyForQuery.
-    let status = loop {
+    // (cleartext, md5, SASL/SCRAM) byte for byte until the first ReadyForQuery, which the client
+    // gets only once the proxy's query has confirmed the database.
+    loop {
         let msg = match up_rx.next().await {
             Some(Ok(m)) => m,
             Some(Err(e)) => {
@@ -216,22 +231,15 @@ pub async fn handshake(tcp: TcpStream, cfg: Arc<Config>) -> anyhow::Result<Start
                 return Ok(Startup::Done);
             }
         };
+        if msg.tag == b'Z' {
+            break;
+        }
         match without_plus_mechanisms(&msg, upstream_tls) {
             Some(frame) => client_tx.write_all(&frame).await?,
             None => client_tx.write_all(&msg.frame).await?,
         }
-        if msg.tag == b'S' {
-            let mut body = msg.body();
-            match codec::read_cstr(&mut body).as_deref() {
-                Some("standard_conforming_strings") => {
-                    standard_strings_off = codec::read_cstr(&mut body).as_deref() != Some("on");
-                }
-                Some("client_encoding") => client_encoding = codec::read_cstr(&mut body),
-                _ => {}
-            }
-        }
+        reported.track(&msg);
         match msg.tag {
-            b'Z' => break msg.body().first().copied().unwrap_or(b'I'),
             b'E' => {
                 client_tx.flush().await?;
                 return Ok(Startup::Done);
@@ -243,7 +251,11 @@ pub async fn handshake(tcp: TcpStream, cfg: Arc<Config>) -> anyhow::Result<Start
                     .map(|b| i32::from_be_bytes([b[0], b[1], b[2], b[3]]))
                     .unwrap_or(0);
                 // 0 = AuthenticationOk, 12 = SASLFinal: no answer expected.
-                if kind != 0 && kind != 12 {
+                if kind == 0 && !start_sent {
+                    up_tx.write_all(&start_query).await?;
+                    up_tx.flush().await?;
+                    start_sent = true;
+                } else if kind != 0 && kind != 12 {
                     client_tx.flush().await?;
                     let answer = match client_rx.next().await {
                         Some(Ok(m)) => m,
@@ -270,9 +282,28 @@ pub async fn handshake(tcp: TcpStream, cfg: Arc<Config>) -> anyhow::Result<Start
             }
             _ => {}
         }
+    }
+    if !start_sent {
+        // A server that never said AuthenticationOk (none does): the query goes now.
+        up_tx.write_all(&start_query).await?;
+        up_tx.flush().await?;
+    }
+    let started = match session_start(&mut up_rx, &mut client_tx, &mut reported, &cfg).await? {
+        Ok(started) => started,
+        Err(e) => {
+            refuse_split(&mut client_tx, e).await;
+            return Ok(Startup::Done);
+        }
     };
+    if let Err(e) = served_database.confirm(&started) {
+        tracing::warn!(database = %served_database.name, "{}", e.message);
+        refuse_split(&mut client_tx, e).await;
+        return Ok(Startup::Done);
+    }
+    client_tx.write_all(&started.ready.frame).await?;
     client_tx.flush().await?;
     client_rx.decoder_mut().max_body_bytes = cfg.max_message_bytes;
+    let fenced_at_start = cfg.require_fence || !started.unfenced;
     tracing::debug!(
         user = %String::from_utf8_lossy(last(&pairs, "user").unwrap_or_default()),
         database = %String::from_utf8_lossy(&database),
@@ -286,13 +317,162 @@ pub async fn handshake(tcp: TcpStream, cfg: Arc<Config>) -> anyhow::Result<Start
         up_rx,
         up_tx,
         crate::session::Reported {
-            status,
-            standard_strings_off,
-            client_encoding,
+            status: started.ready.body().first().copied().unwrap_or(b'I'),
+            standard_strings_off: reported.standard_strings_off,
+            client_encoding: reported.client_encoding,
             fence: verified,
             verification,
+            fenced_at_start,
         },
     ))))
+}
+
+/// Settings the server reports (ParameterStatus) that the session must know.
+#[derive(Default)]
+struct Parameters {
+    /// How the server lexes strings (`standard_conforming_strings` off).
+    standard_strings_off: bool,
+    /// The server converts client SQL from `client_encoding`; the proxy reads UTF-8 only, so it
+    /// must know the encoding (GUC_REPORT: the server reports it during startup).
+    client_encoding: Option<String>,
+}
+
+impl Parameters {
+    /// Takes what a ParameterStatus says; other messages change nothing.
+    fn track(&mut self, msg: &codec::Message) {
+        if msg.tag != b'S' {
+            return;
+        }
+        let mut body = msg.body();
+        match codec::read_cstr(&mut body).as_deref() {
+            Some("standard_conforming_strings") => {
+                self.standard_strings_off = codec::read_cstr(&mut body).as_deref() != Some("on");
+            }
+            Some("client_encoding") => self.client_encoding = codec::read_cstr(&mut body),
+            _ => {}
+        }
+    }
+}
+
+/// The database a session named, as the proxy checked it at start.
+struct Checked {
+    /// The name the client gave (one of the served names).
+    name: String,
+    /// Its `pg_database.oid` at the start-up check.
+    oid: u32,
+}
+
+/// What the proxy's first query on a session (`fence_sql::session_start_sql`) found.
+struct Started {
+    /// The oid of the database the session is in, as the server wrote it; `None` without a row.
+    oid: Option<String>,
+    /// The upstream's message when the query failed.
+    failed: Option<String>,
+    /// The second column was `t`: the session has no fence from its startup options or its
+    /// role's and database's defaults (read without `--require-fence` only).
+    unfenced: bool,
+    /// The ReadyForQuery that ended the query, for the client.
+    ready: codec::Message,
+}
+
+impl Checked {
+    /// Ok only when the session is in the very database the proxy checked at start under the
+    /// name the client gave: a database renamed into that name since (a clone made with
+    /// `TEMPLATE`, a restore: the same guard, fence table and proof key, and the tokens of the
+    /// moment it was copied) would take tokens the original refused. Fails closed: an error of
+    /// the query, or no row, refuses the session too.
+    fn confirm(&self, started: &Started) -> Result<(), ProxyError> {
+        let Checked { name, oid } = self;
+        let why = match (&started.failed, &started.oid) {
+            (None, Some(found)) if *found == oid.to_string() => return Ok(()),
+            (None, Some(found)) => format!(
+                "database {name:?} is not the database this proxy checked at start under that name (its oid is {found}, the one checked was {oid}: it was renamed or created since)"
+            ),
+            (Some(message), _) => format!(
+                "cannot confirm that database {name:?} is the one this proxy checked at start: the proxy's query failed: {message}"
+            ),
+            (None, None) => format!(
+                "cannot confirm that database {name:?} is the one this proxy checked at start: the proxy's query gave no oid"
+            ),
+        };
+        Err(ProxyError::fatal(
+            error::INVALID_AUTHORIZATION,
+            format!(
+                "{why}; restart the proxy after renaming or recreating a served database, so that it checks the one now under that name"
+            ),
+        ))
+    }
+}
+
+/// Reads the answer to the proxy's first query on a session, up to its ReadyForQuery: nothing of
+/// it goes to the client but a ParameterStatus. The outer `Err` is a failed write to the client;
+/// the inner one the client's FATAL when the upstream broke off or sent what that query cannot
+/// answer.
+async fn session_start(
+    up_rx: &mut crate::session::Rx,
+    client_tx: &mut crate::session::Tx,
+    reported: &mut Parameters,
+    cfg: &Config,
+) -> anyhow::Result<Result<Started, ProxyError>> {
+    let mut oid = None;
+    let mut failed = None;
+    let mut unfenced = false;
+    loop {
+        let msg = match up_rx.next().await {
+            Some(Ok(m)) => m,
+            Some(Err(e)) => {
+                return Ok(Err(ProxyError::fatal(
+                    error::PROTOCOL_VIOLATION,
+                    format!("upstream {} during startup: {e}", cfg.upstream_addr),
+                )));
+            }
+            None => {
+                return Ok(Err(ProxyError::fatal(
+                    error::CONNECTION_FAILURE,
+                    format!(
+                        "upstream {} closed the connection during startup",
+                        cfg.upstream_addr
+                    ),
+                )));
+            }
+        };
+        match msg.tag {
+            b'Z' => {
+                return Ok(Ok(Started {
+                    oid,
+                    failed,
+                    unfenced,
+                    ready: msg,
+                }));
+            }
+            b'D' => {
+                let body = msg.body();
+                unfenced = crate::session::data_row_column(body, 1) == Some(&b"t"[..]);
+                oid = crate::session::data_row_column(body, 2)
+                    .map(|o| String::from_utf8_lossy(o).into_owned());
+            }
+            b'E' => {
+                failed = Some(
+                    error::error_field(msg.body(), b'M').unwrap_or_else(|| "no message".to_owned()),
+                );
+            }
+            // Descriptions, completions and notices of the proxy's own query are its own.
+            b'T' | b'C' | b'N' => {}
+            b'S' => {
+                reported.track(&msg);
+                client_tx.write_all(&msg.frame).await?;
+            }
+            other => {
+                return Ok(Err(ProxyError::fatal(
+                    error::PROTOCOL_VIOLATION,
+                    format!(
+                        "upstream {} answered the proxy's first query with message {:?}",
+                        cfg.upstream_addr, other as char
+                    ),
+                )));
+            }
+        }
+    }
 }
 
 /// Opens a connection to the upstream and negotiates TLS as `--upstream`'s sslmode says. Any
@@ -648,6 +828,49 @@ fn options_settings(options: &[u8]) -> Result<Vec<Pair>, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Goal: a session is admitted only when the proxy's first query found the oid checked at
+    /// start; another oid, an error or no row each refuse it with 28000 naming the database.
+    #[test]
+    fn only_the_checked_database_is_confirmed() {
+        let checked = Checked {
+            name: "app".to_owned(),
+            oid: 16384,
+        };
+        let started = |oid: Option<&str>, failed: Option<&str>| Started {
+            oid: oid.map(str::to_owned),
+            failed: failed.map(str::to_owned),
+            unfenced: true,
+            ready: codec::Message {
+                tag: b'Z',
+                frame: Bytes::from_static(b"Z\0\0\0\x05I"),
+            },
+        };
+        assert!(checked.confirm(&started(Some("16384"), None)).is_ok());
+        for (oid, failed, says) in [
+            (
+                Some("16385"),
+                None,
+                "its oid is 16385, the one checked was 16384",
+            ),
+            (
+                Some("16384"),
+                Some("canceling statement"),
+                "canceling statement",
+            ),
+            (None, None, "gave no oid"),
+        ] {
+            let e = checked.confirm(&started(oid, failed)).unwrap_err();
+            assert!(e.fatal && e.code == error::INVALID_AUTHORIZATION, "{e:?}");
+            assert!(
+                e.message.contains("\"app\"")
+                    && e.message.contains(says)
+                    && e.message.contains("restart the proxy"),
+                "{}",
+                e.message
+            );
+        }
+    }
 
     fn params(pairs: &[(&str, &str)]) -> Vec<(Vec<u8>, Vec<u8>)> {
         pairs

@@ -472,3 +472,203 @@ async fn review_l3_a_client_that_stops_reading_does_not_block_shutdown() {
         "the proxy was still running {took:?} after shutdown, held by a client that stopped reading"
     );
 }
+
+/// Goal (review M1, second round): a served database is the database the proxy checked at
+/// start, not whatever database bears its name later. A clone of a served database (`CREATE
+/// DATABASE ... TEMPLATE`, a restore) has the same guard, fence table and table OIDs, and records
+/// the tokens of the moment it was taken; an application role that owns both and has CREATEDB
+/// can rename the clone into the served name through the proxy (`ALTER DATABASE ... RENAME` runs
+/// in a block), and a holder whose token the original had already refused then commits in it.
+/// Method: role `o` (LOGIN CREATEDB); database A (the URL's) and C (`--allow-database`, owned by
+/// `o`), each with `init --grant-to o`, and a data table in C. Through the proxy, the holder of
+/// token 5 writes in C; C is cloned (`TEMPLATE`, owned by `o`) while 5 is the highest; the holder
+/// of 6 writes; the holder of 5 is refused (55P03). Then `o`, in a session on A through the
+/// proxy, renames C away and the clone in under C's name. The holder of 5 connects to C again and
+/// inserts, through a proxy without and one with `--require-fence` (both started before the
+/// swap): each must be refused, and no row of it may be written in the database now named C.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review_m1_a_clone_renamed_into_a_served_name_takes_no_stale_token() {
+    lockd_tests::skip_without_postgres!();
+    let direct = pg::connect(&pg::direct_url().parse().unwrap()).await;
+    let role = pg::unique_name("review_m1r_o");
+    let db_a = pg::unique_name("review_m1r_a");
+    let db_c = pg::unique_name("review_m1r_c");
+    let db_old = format!("{db_c}_old");
+    let db_clone = pg::unique_name("review_m1r_clone");
+    // Databases first (they may be under any of these names by then), then the role.
+    let _cleanup = pg::SqlOnDrop(vec![
+        format!("DROP DATABASE IF EXISTS {db_a} WITH (FORCE)"),
+        format!("DROP DATABASE IF EXISTS {db_c} WITH (FORCE)"),
+        format!("DROP DATABASE IF EXISTS {db_old} WITH (FORCE)"),
+        format!("DROP DATABASE IF EXISTS {db_clone} WITH (FORCE)"),
+        format!("DROP ROLE IF EXISTS {role}"),
+    ]);
+    // One at a time: CREATE DATABASE cannot run in the implicit block of several statements.
+    for sql in [
+        format!("CREATE ROLE {role} LOGIN CREATEDB"),
+        format!("CREATE DATABASE {db_a}"),
+        format!("CREATE DATABASE {db_c} OWNER {role}"),
+    ] {
+        direct.batch_execute(&sql).await.unwrap();
+    }
+    let table = format!("{}.lockd_fence", pg::unique_name("review_m1r"));
+    for db in [&db_a, &db_c] {
+        pg::try_init(fence_proxy_postgres::InitArgs {
+            upstream: url_of(db),
+            fence_table: table.clone(),
+            grant_to: vec![role.clone()],
+            require_verified: false,
+            token_floor: None,
+        })
+        .unwrap();
+    }
+    {
+        let in_c = pg::connect(&url_of(&db_c).parse().unwrap()).await;
+        in_c.batch_execute(&format!(
+            "CREATE TABLE m1r_rows (v text NOT NULL); GRANT SELECT, INSERT ON m1r_rows TO {role}"
+        ))
+        .await
+        .unwrap();
+    }
+    let proxies = [false, true].map(|require_fence| {
+        let mut args = pg::proxy_args(url_of(&db_a), table.clone(), require_fence);
+        args.allow_database = vec![db_c.clone()];
+        PgProxy::start_args(args)
+    });
+    let proxy = &proxies[0];
+    let resource = pg::unique_name("review_m1r");
+    let holder = |token: u64, addr: std::net::SocketAddr| {
+        let options = format!("-c lockd.fence={resource}:{token}");
+        let (role, db_c) = (role.clone(), db_c.clone());
+        async move {
+            RawConn::start(
+                addr,
+                &[
+                    ("user", role.as_str()),
+                    ("database", db_c.as_str()),
+                    ("options", options.as_str()),
+                ],
+            )
+            .await
+        }
+    };
+
+    let (mut s, r) = holder(5, proxy.addr).await;
+    assert!(r.errors.is_empty(), "{r:?}");
+    let r = s.query("INSERT INTO m1r_rows VALUES ('5')").await;
+    assert!(r.errors.is_empty(), "holder of 5: {r:?}");
+    drop(s);
+    // An operator's copy of C (a staging clone, a restore) while 5 is the highest token; the
+    // template must have no session, which Postgres waits up to 5 s for.
+    direct
+        .batch_execute(&format!(
+            "CREATE DATABASE {db_clone} TEMPLATE {db_c} OWNER {role}"
+        ))
+        .await
+        .unwrap();
+    let (mut s, r) = holder(6, proxy.addr).await;
+    assert!(r.errors.is_empty(), "{r:?}");
+    let r = s.query("INSERT INTO m1r_rows VALUES ('6')").await;
+    assert!(r.errors.is_empty(), "holder of 6: {r:?}");
+    drop(s);
+    let (mut s, r) = holder(5, proxy.addr).await;
+    assert!(r.errors.is_empty(), "{r:?}");
+    let r = s.query("INSERT INTO m1r_rows VALUES ('5-late')").await;
+    assert_eq!(r.first_error(), crate::STALE, "holder of 5 after 6: {r:?}");
+    drop(s);
+
+    // The swap, by the application role through the proxy, from a session on A.
+    let (mut attacker, r) =
+        RawConn::start(proxy.addr, &[("user", &role), ("database", &db_a)]).await;
+    assert!(r.errors.is_empty(), "{r:?}");
+    for (from, to) in [(&db_c, &db_old), (&db_clone, &db_c)] {
+        let r = attacker
+            .query(&format!("ALTER DATABASE {from} RENAME TO {to}"))
+            .await;
+        assert!(r.errors.is_empty(), "renaming {from} to {to}: {r:?}");
+    }
+    drop(attacker);
+
+    let mut seen = Vec::new();
+    for (i, proxy) in proxies.iter().enumerate() {
+        let (mut s, r) = holder(5, proxy.addr).await;
+        let what = format!("holder of 5 after the swap (require_fence {})", i == 1);
+        if !r.errors.is_empty() {
+            seen.push((what, "startup".to_owned(), r));
+            continue;
+        }
+        let r = s
+            .query(&format!("INSERT INTO m1r_rows VALUES ('5-stale-{i}')"))
+            .await;
+        seen.push((what, "INSERT".to_owned(), r));
+    }
+    eprintln!("{seen:#?}");
+    let now_c = pg::connect(&url_of(&db_c).parse().unwrap()).await;
+    let stale: i64 = now_c
+        .query_one(
+            "SELECT count(*) FROM m1r_rows WHERE v LIKE '5-stale-%'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        stale, 0,
+        "a token-5 holder committed in the clone renamed into {db_c}, after 6 was recorded: {seen:#?}"
+    );
+    for (what, at, r) in &seen {
+        assert!(
+            r.first_error() == "28000"
+                && r.errors[0].1.contains(&db_c)
+                && r.errors[0].1.contains("restart"),
+            "{what}: {at} got {r:?}, expected FATAL 28000 naming {db_c} and saying to restart the proxy"
+        );
+    }
+}
+
+/// Goal (review M1, second round): under `--verify-key` the proxy needs a guard of revision 5 or
+/// later; the guard of a later init, whose revision line carries a higher number, must not be
+/// refused (the check looked for revision 5's exact line), and one below, or without the line,
+/// still is.
+/// Method: a database with `init --require-verified`; its guard replaced by a no-op whose body
+/// has the revision line with 6, then with 4, then none; a `--verify-key` proxy must start on
+/// the first and refuse the others, naming init.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review_m1_a_later_guard_revision_is_accepted() {
+    lockd_tests::skip_without_postgres!();
+    let direct = pg::connect(&pg::direct_url().parse().unwrap()).await;
+    let (db, _drop) = database(&direct, "review_m1v").await;
+    let table = format!("{}.lockd_fence", pg::unique_name("review_m1v"));
+    pg::try_init_guard_with(&url_of(&db), &table, true).unwrap();
+    let in_db = pg::connect(&url_of(&db).parse().unwrap()).await;
+    let guard = fence_proxy_postgres::fence_sql::FenceTable::parse(&table)
+        .unwrap()
+        .guard_function();
+    let keys = Keys::new();
+    for (line, starts) in [
+        ("-- fence-proxy guard revision 6: a later one", true),
+        ("-- fence-proxy guard revision 4: an older one", false),
+        ("-- no revision line", false),
+    ] {
+        in_db
+            .batch_execute(&format!(
+                "CREATE OR REPLACE FUNCTION {guard}(require_fence boolean, proofs text[], at_commit boolean) \
+                 RETURNS void LANGUAGE plpgsql SECURITY DEFINER AS $g$ BEGIN\n{line}\nEND $g$"
+            ))
+            .await
+            .unwrap();
+        let mut args = pg::proxy_args(url_of(&db), table.clone(), false);
+        args.verify_key = vec![keys.file.clone()];
+        match PgProxy::try_start_args(args) {
+            Ok(proxy) => {
+                drop(proxy);
+                assert!(starts, "{line}: the proxy started");
+            }
+            Err(e) => {
+                let e = format!("{e:#}");
+                assert!(!starts, "{line}: the proxy refused to start: {e}");
+                assert!(e.contains(&db) && e.contains("init"), "{line}: {e}");
+            }
+        }
+    }
+}
