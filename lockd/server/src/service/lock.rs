@@ -372,14 +372,19 @@ impl LockService {
 
     /// Whether `resource` is held, in this node's applied table, by the lease of `token`.
     fn holds(&self, resource: &ResourceName, token: lockd_core::FencingToken) -> bool {
-        let view = self
-            .ctx
+        let view = self.applied_view(resource);
+        view.held && view.fencing_token == token
+    }
+
+    /// What this node's applied table shows of `resource` (linearizable only after a read
+    /// barrier or a commit of this node's).
+    fn applied_view(&self, resource: &ResourceName) -> lockd_core::ResourceView {
+        self.ctx
             .sm
             .read()
             .expect("state lock")
             .table
-            .describe(resource);
-        view.held && view.fencing_token == token
+            .describe(resource)
     }
 
     /// The reply to a grant, with its sequencer signed by the cluster's active key. A grant is
@@ -428,13 +433,7 @@ impl LockService {
                 )));
             }
         }
-        let view = self
-            .ctx
-            .sm
-            .read()
-            .expect("state lock")
-            .table
-            .describe(&resource);
+        let view = self.applied_view(&resource);
         Ok(DescribeResponse {
             held: view.held,
             holder: view.holder,
