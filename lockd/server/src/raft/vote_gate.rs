@@ -19,14 +19,39 @@
 //!   answering, then the leader committing the entry with one of them and the old
 //!   acknowledgement, and this node voting for a candidate without it (the reviewer's run: one
 //!   token issued twice). So every other voter of each configuration this node is a voter of
-//!   must answer too, rejoining or not. Such a leader or candidate had this node's answer before
+//!   must answer too, rejoining or not, and every other node of each membership (both halves of
+//!   a joint one, and its learners) one of whose configurations counts this node. Learners,
+//!   because a leader or candidate may be a voter only in the new half of a joint configuration
+//!   that no answer reports yet (review of H1: during `member promote 6` from voters 1..5, the
+//!   joint entry reached only 6, 6 won term 2 and had the lost disk acknowledge its entries, and
+//!   2, 3, 4 and 5 reported {1..5} with 6 a learner; 6 could then commit with the old
+//!   acknowledgement in both halves). Openraft's `is_voter` accepts a voter of either half, and
+//!   such a node is named in an answer: openraft makes a learner a joint voter only by an entry
+//!   appended after its add-learner entry, and refuses a membership change while the previous
+//!   one is uncommitted, so the add-learner entry was committed by a majority of this node's
+//!   configuration, and the answers include a member of that majority, which reports the
+//!   learner (or a later membership: see the known limit below). Such a leader or candidate had
+//!   this node's answer before
 //!   the disk was lost, so its own answer comes after: a leader's shows a last log id at or past
 //!   every entry it can still commit with an old acknowledgement (it held them then, and its log
 //!   only grows while it leads), and a candidate's shows a term at or above the one it can still
 //!   win with an old vote (its term is on its disk before it asks, and never goes down). A
 //!   configuration that does not count this node never counted its answers, so a joiner needs
-//!   only the first. In three-node clusters the first already takes both other voters; with five
-//!   or more the second makes a wiped node wait while any voter is silent.
+//!   only the first. In a three-voter cluster without learners the first already takes both
+//!   other voters; with four voters or more, in a joint configuration, or beside a learner, the
+//!   second makes a wiped node wait while any of them is silent (a learner that is gone for good
+//!   holds a wiped voter back until it is removed).
+//!
+//!   A wiped peer that has no restore id yet answers as rejoining without one, so it would be
+//!   silent in the group of this node's id (see "Restored clusters"), and two wiped voters of
+//!   five would each wait for the other for good. Its answer counts as that node's answer here
+//!   (never toward the first requirement nor the bound): a wiped node records the id before its
+//!   proof, so without an id it has no proof, and until then it grants no vote, accepts no
+//!   leader's message and starts no election (`admits_candidate`, `admits_leader`, elections
+//!   off from the start); what it counted of this node's answers before was lost with its disk.
+//!   (Or it proved with answers that carry no id: then it belongs to another cluster
+//!   incarnation, whose Raft messages the members of this id, and this node once it has the id,
+//!   refuse.)
 //!
 //! So the highest vote term of the answers is at least the term of every leader this node helped
 //! elect or may still help elect, and their highest last log id at least the last entry of every
@@ -59,14 +84,17 @@
 //! exactly the commits in question), so such an answer never counts toward the proof of a cluster
 //! with history; its term and log id still enter the bound (they come from real candidates and
 //! leaders, so they can only raise it), and it is the answer every voter must give (see above).
-//! If fewer than `n - majority + 1` answers come from peers that kept their log, or a voter is
-//! silent, the node keeps asking, and says so every few seconds. Three cases:
+//! If fewer than `n - majority + 1` answers come from peers that kept their log, or a node that
+//! must answer is silent, the node keeps asking, and says so every few seconds (the reason of
+//! the restore-id group with the most answers of peers that kept their log). Three cases:
 //!
 //! - **Five voters, two wiped.** Entry 100 is committed by {1, 4, 5}; 4 and 5 lose their disks
 //!   (two failures of five: within tolerance). Node 4 hears from 2 and 3 (both at 99) and from 5.
 //!   Counting 5 would make three answers and a proof that stops at 99; node 2 could then win with
 //!   the votes of {2, 3, 4, 5} and overwrite entry 100, reusing its token. Without 5 there are
-//!   two, so node 4 waits for node 1, whose answer brings the bound to 100.
+//!   two, so node 4 waits for node 1, whose answer brings the bound to 100. Node 5's answer
+//!   (rejoining, no restore id yet) is still the answer every voter must give, so once 1, 2 and
+//!   3 answered both wiped nodes prove, whatever their restore id.
 //! - **Three voters, one wiped and then another.** If two nodes are empty at once, a commit the
 //!   two made may exist nowhere else: beyond what Raft tolerates. Each wiped node has one answer
 //!   from a node that kept its log and needs two, so it waits (for good, if both are wiped, until
@@ -168,7 +196,7 @@
 //! **Joining.** A node added at runtime (`lockd --join`, then `lockctl member add`) starts with
 //! an empty data dir like a wiped node and goes through the same gate: it never was a voter, so
 //! the gate costs it nothing but the `CurrentVote` round (no reported configuration counts it, so
-//! a silent voter does not hold it back), and a joiner that is wiped again after
+//! a silent voter or learner does not hold it back), and a joiner that is wiped again after
 //! its promotion is then protected like any other voter. With `--join` the node never proposes
 //! an initial membership, and says so in its `CurrentVote` answers, which then never count
 //! towards founding: it only ever waits for the leader to add it, so a mistyped `--peer` cannot
@@ -180,7 +208,7 @@
 //! surviving member of the old one out of it. Only a restore from backup brings the old state
 //! back.
 //!
-//! Known limit (review H1, not argued): every other voter must answer only in the configurations
+//! Known limit (review H1, not argued): every other node must answer only in the memberships
 //! some answer or this node's log reports. A leader or candidate cut off while the cluster removed
 //! it by a membership change, whose configuration nobody reports any more, is not asked; whether
 //! it can still count an old answer of this node toward a majority of that configuration is not
@@ -926,7 +954,9 @@ fn proof_for(
             }
         }
     }
-    let mut first_error = None;
+    // The error of the group with the most answers of peers that kept their log says what is
+    // really missing (an id-less group of wiped peers would only say it holds no membership).
+    let mut best_error: Option<(usize, String)> = None;
     for id in ids {
         let group: Vec<(NodeId, VoteReport)> = reports
             .iter()
@@ -938,34 +968,53 @@ fn proof_for(
         if group.is_empty() && own_id.is_none() && !reports.is_empty() {
             continue;
         }
-        match proof_from(me, flags, own, &group) {
+        match proof_in(me, flags, own, &group, reports) {
             Ok(p) => return Ok((p, id.map(str::to_owned))),
             Err(e) => {
-                first_error.get_or_insert(e);
+                let kept = group
+                    .iter()
+                    .filter(|(_, r)| r.standing == Standing::KeptLog)
+                    .count();
+                if best_error.as_ref().is_none_or(|(k, _)| kept > *k) {
+                    best_error = Some((kept, e));
+                }
             }
         }
     }
-    Err(first_error.unwrap_or_else(|| "no answer".to_owned()))
+    Err(best_error.map_or_else(|| "no answer".to_owned(), |(_, e)| e))
 }
 
 /// What the answers prove, if there are enough of them for every configuration this node's log
 /// and the answers hold: `n - majority + 1` answers of its voters other than this node, from
-/// peers that kept their log, and an answer of every other voter of one that counts this node
-/// (see the module docs). Answers of rejoining peers and of older
+/// peers that kept their log, and an answer of every other node (voter or learner) of a
+/// membership that counts this node as a voter (see the module docs). Answers of rejoining peers and of older
 /// nodes, which do not say, never count; their terms and log ids still enter the bound (they
 /// come from real candidates and leaders, so they can only raise it). Otherwise which
 /// configuration lacks answers, for the log.
+#[cfg(test)]
 fn proof_from(
     me: NodeId,
     flags: &BTreeMap<NodeId, BasicNode>,
     own: &openraft::Membership<NodeId, BasicNode>,
     reports: &[(NodeId, VoteReport)],
 ) -> Result<Proof, String> {
+    proof_in(me, flags, own, reports, reports)
+}
+
+/// [`proof_from`] for the answers of one restore id (`reports`); `all` holds every answer, of
+/// any id, for the answers of wiped peers that have no id yet (see [`answered`]).
+fn proof_in(
+    me: NodeId,
+    flags: &BTreeMap<NodeId, BasicNode>,
+    own: &openraft::Membership<NodeId, BasicNode>,
+    reports: &[(NodeId, VoteReport)],
+    all: &[(NodeId, VoteReport)],
+) -> Result<Proof, String> {
     let configs = configurations(flags, own, reports);
     if configs.is_empty() {
         return Err("no answer holds a membership".to_owned());
     }
-    for config in configs {
+    for config in &configs {
         if config.len() == 1 && config.contains(&me) {
             return Err(format!(
                 "node {me} was the only voter and lost its disk, so the only copy of what was \
@@ -984,24 +1033,25 @@ fn proof_from(
                 config.iter().collect::<Vec<_>>()
             ));
         }
-        // A silent voter may be a leader still counting the lost disk's acknowledgements, or a
-        // candidate still counting its vote (review H1); only a configuration that counts this
-        // node has them, so a joiner is not held back.
-        if config.contains(&me) {
-            let silent: Vec<NodeId> = config
-                .iter()
-                .filter(|id| **id != me && !reports.iter().any(|(p, _)| p == *id))
-                .copied()
-                .collect();
-            if !silent.is_empty() {
-                return Err(format!(
-                    "every other voter of {:?}, rejoining or not (one may be a leader or \
-                     candidate still counting what the lost disk acknowledged or voted), not yet \
-                     {silent:?}",
-                    config.iter().collect::<Vec<_>>()
-                ));
-            }
-        }
+    }
+    // A silent node may be a leader still counting the lost disk's acknowledgements, or a
+    // candidate still counting its vote (review H1): any voter of a configuration that counts
+    // this node, and any other node of a membership that does, a learner included, which may be
+    // a voter of a joint configuration no answer reports yet (see the module docs). A joiner (no
+    // configuration counts it) is not held back.
+    let everyone = everyone_to_hear(me, own, reports, &configs);
+    let silent: Vec<NodeId> = everyone
+        .iter()
+        .filter(|id| !answered(**id, reports, all))
+        .copied()
+        .collect();
+    if !silent.is_empty() {
+        return Err(format!(
+            "every other node of a membership that counts node {me} as a voter, learners and \
+             rejoining nodes included (one may be a leader or candidate still counting what the \
+             lost disk acknowledged or voted): {:?}, not yet {silent:?}",
+            everyone.iter().collect::<Vec<_>>()
+        ));
     }
     Ok(Proof {
         term: reports
@@ -1011,6 +1061,49 @@ fn proof_from(
             .unwrap_or(0),
         log: reports.iter().filter_map(|(_, r)| r.last_log_id).max(),
     })
+}
+
+/// Every node other than `me` that must answer before a proof: each voter of a configuration in
+/// `configs` that counts `me`, and each node (voter or learner) of a membership, reported or in
+/// this node's log, one of whose configurations counts `me`.
+fn everyone_to_hear(
+    me: NodeId,
+    own: &openraft::Membership<NodeId, BasicNode>,
+    reports: &[(NodeId, VoteReport)],
+    configs: &BTreeSet<BTreeSet<NodeId>>,
+) -> BTreeSet<NodeId> {
+    let mut everyone: BTreeSet<NodeId> = configs
+        .iter()
+        .filter(|c| c.contains(&me))
+        .flatten()
+        .copied()
+        .collect();
+    for m in reports
+        .iter()
+        .filter_map(|(_, r)| r.membership.as_ref())
+        .chain(std::iter::once(own))
+    {
+        if m.get_joint_config().iter().any(|c| c.contains(&me)) {
+            everyone.extend(m.voter_ids());
+            everyone.extend(m.nodes().map(|(id, _)| *id));
+        }
+    }
+    everyone.remove(&me);
+    everyone
+}
+
+/// Whether node `id` answered: in this restore id's answers (`reports`), or among `all` as a
+/// wiped peer without a restore id (rejoining, no id). Such a peer has no proof yet (a wiped
+/// node records the id of the answers that prove before the proof), so it has accepted no
+/// leader's message, granted no vote and started no election since it lost its disk, and what it
+/// had counted of this node's answers was lost with its disk. (Or it proved with answers that
+/// carry no id: then it belongs to a cluster incarnation whose Raft messages the members of this
+/// restore id, and this node once it takes the id, refuse.)
+fn answered(id: NodeId, reports: &[(NodeId, VoteReport)], all: &[(NodeId, VoteReport)]) -> bool {
+    reports.iter().any(|(p, _)| *p == id)
+        || all
+            .iter()
+            .any(|(p, r)| *p == id && r.standing == Standing::Rejoining && r.restore_id.is_none())
 }
 
 /// Every voter configuration this node's log and the answers hold (both halves of a joint one).
@@ -1503,6 +1596,96 @@ mod tests {
         assert!(admits_leader_while_rejoining(7, Some(p)).is_ok());
         assert!(admits_candidate_while_rejoining(7, Some(log_id(6, 50)), Some(p)).is_err());
         assert!(admits_candidate_while_rejoining(8, Some(log_id(6, 50)), Some(p)).is_ok());
+    }
+
+    /// Goal (review of H1, finding 1): a leader or candidate that is a voter only in the new half
+    /// of a joint configuration must answer too. Method: voters 1..5, learner 6, all at 1-9;
+    /// leader 1 appends the joint configuration ({1..5}, {1..6}) at 1-10, reaching only 6; 6 wins
+    /// term 2 (votes of 2, 3, 4), appends 2-11 and a grant at 2-12 reaching only node 1, which
+    /// acknowledges and loses its disk. 2, 3, 4 (term 2) and 5 (term 1) answer at 1-9 and report
+    /// {1..5} with learner 6; 6 is silent. Before the fix that made a proof of term 2 ending at
+    /// 1-9; 6 then commits 2-12 with node 1's old acknowledgement in both halves, and 5 wins term
+    /// 3 with the votes of 4 and node 1, truncating 2-12: one token issued twice. So every node
+    /// of a membership that counts this node as a voter, learners included, must answer.
+    #[test]
+    fn review_h1b_a_learner_that_may_lead_a_joint_configuration_must_answer() {
+        let ids: Vec<NodeId> = (1..=5).collect();
+        let m = |r| with_membership(r, &[&ids], &[6]);
+        let a = vec![
+            (2, m(report(2, Some((1, 9))))),
+            (3, m(report(2, Some((1, 9))))),
+            (4, m(report(2, Some((1, 9))))),
+            (5, m(report(1, Some((1, 9))))),
+        ];
+        let p = proof_from(1, &flags(&ids), &none(), &a).ok();
+        assert!(
+            admits_candidate_while_rejoining(3, Some(log_id(1, 9)), p).is_err(),
+            "node 1 voted for candidate 5 at 1-9 in term 3 with proof {p:?}, though node 6 (not \
+             asked) may lead the joint configuration and commit 2-12 with node 1's old \
+             acknowledgement"
+        );
+        let e = proof_from(1, &flags(&ids), &none(), &a).unwrap_err();
+        assert!(e.contains("[6]"), "{e}");
+        // With 6's answer the bound reaches its log and term.
+        let mut all = a.clone();
+        all.push((
+            6,
+            with_membership(report(2, Some((2, 12))), &[&ids, &[1, 2, 3, 4, 5, 6]], &[]),
+        ));
+        let p = proof_from(1, &flags(&ids), &none(), &all).unwrap();
+        assert_eq!((p.term, p.log), (2, Some(log_id(2, 12))));
+        assert!(admits_candidate_while_rejoining(3, Some(log_id(1, 9)), Some(p)).is_err());
+        // A joiner (a learner of the membership, no voter anywhere) is not held back by it.
+        let joiner = a[..3].to_vec();
+        assert!(proof_from(6, &flags(&[6, 1]), &none(), &joiner).is_ok());
+    }
+
+    /// Goal (review of H1, finding 2): two wiped voters of five both prove, as before H1. Method:
+    /// nodes 4 and 5 lost their disks; a wiped node answers without a restore id until it has
+    /// its proof, so in the group of the restore id "x" the other wiped node was silent and each
+    /// waited for the other for good. Such an answer (rejoining, no restore id) now counts as the
+    /// answer of that voter: the peer has no proof, so it neither campaigns nor accepts a leader
+    /// or a candidate, and it lost what it had counted. And the error named is the one of the
+    /// group with the most answers of peers that kept their log, not the id-less group's.
+    #[test]
+    fn review_h1b_two_wiped_voters_of_five_both_prove() {
+        let ids: Vec<NodeId> = (1..=5).collect();
+        let x = |r| VoteReport {
+            restore_id: Some("x".to_owned()),
+            ..with_membership(r, &[&ids], &[])
+        };
+        let wiped = VoteReport {
+            membership: Some(none()),
+            ..rejoining(0, None)
+        };
+        let mut a: Vec<(NodeId, VoteReport)> = (2..=4)
+            .map(|id| (id, x(report(3, Some((3, 100))))))
+            .collect();
+        a.push((5, wiped.clone()));
+        let (p, id) = proof_for(1, &flags(&ids), &none(), &a, None).unwrap();
+        assert_eq!(
+            (p.term, p.log, id.as_deref()),
+            (3, Some(log_id(3, 100)), Some("x"))
+        );
+        // Two answers of "x" and the wiped node's: the error says what "x" lacks.
+        let a = vec![
+            (2, x(report(3, Some((3, 100))))),
+            (3, x(report(3, Some((3, 100))))),
+            (5, wiped.clone()),
+        ];
+        let e = proof_for(1, &flags(&ids), &none(), &a, None).unwrap_err();
+        assert!(e.contains("2 answered"), "{e}");
+        // A rejoining peer with the group's id (it has its proof) is counted as before, and an
+        // id-less answer of a peer that kept its log (the old cluster) is not.
+        let a: Vec<(NodeId, VoteReport)> = (2..=4)
+            .map(|id| (id, x(report(3, Some((3, 100))))))
+            .chain(std::iter::once((
+                5,
+                with_membership(report(3, Some((3, 100))), &[&ids], &[]),
+            )))
+            .collect();
+        let e = proof_for(1, &flags(&ids), &none(), &a, None).unwrap_err();
+        assert!(e.contains("[5]"), "{e}");
     }
 
     /// Three voters: one wiped node and another wiped node is beyond what Raft tolerates (an
