@@ -82,8 +82,10 @@
 //! A peer answers "rejoining" while its own gate is closed: before its proof, and after it while
 //! it catches up. Its vote and log say nothing about what the cluster committed (it may have lost
 //! exactly the commits in question), so such an answer never counts toward the proof of a cluster
-//! with history; its term and log id still enter the bound (they come from real candidates and
-//! leaders, so they can only raise it), and it is the answer every voter must give (see above).
+//! with history; the term and log id of one with the group's restore id still enter the bound
+//! (they come from real candidates and leaders, so they can only raise it; a wiped peer without
+//! an id, which counts only as answered, is blank), and it is the answer every voter must give
+//! (see above).
 //! If fewer than `n - majority + 1` answers come from peers that kept their log, or a node that
 //! must answer is silent, the node keeps asking, and says so every few seconds (the reason of
 //! the restore-id group with the most answers of peers that kept their log). Three cases:
@@ -1099,11 +1101,25 @@ fn everyone_to_hear(
 /// had counted of this node's answers was lost with its disk. (Or it proved with answers that
 /// carry no id: then it belongs to a cluster incarnation whose Raft messages the members of this
 /// restore id, and this node once it takes the id, refuse.)
+///
+/// Only a blank one counts (no vote, no log, no voters), which a peer without a proof always is:
+/// so that an answer under that id from another process (a second process of the same id started
+/// empty at another address, a node of another cluster that reuses the ids) never stands in for
+/// a member that may still count this node's old acknowledgement (review of 7118a43).
 fn answered(id: NodeId, reports: &[(NodeId, VoteReport)], all: &[(NodeId, VoteReport)]) -> bool {
     reports.iter().any(|(p, _)| *p == id)
-        || all
-            .iter()
-            .any(|(p, r)| *p == id && r.standing == Standing::Rejoining && r.restore_id.is_none())
+        || all.iter().any(|(p, r)| {
+            *p == id && r.standing == Standing::Rejoining && r.restore_id.is_none() && is_blank(r)
+        })
+}
+
+/// Whether an answer shows nothing of a cluster: vote of term 0, no log, no voter.
+fn is_blank(r: &VoteReport) -> bool {
+    r.vote.leader_id().term == 0
+        && r.last_log_id.is_none()
+        && r.membership
+            .as_ref()
+            .is_none_or(|m| m.voter_ids().next().is_none())
 }
 
 /// Every voter configuration this node's log and the answers hold (both halves of a joint one).
@@ -1686,6 +1702,27 @@ mod tests {
             .collect();
         let e = proof_for(1, &flags(&ids), &none(), &a, None).unwrap_err();
         assert!(e.contains("[5]"), "{e}");
+        // Review of 7118a43: an id-less rejoining answer that is not blank (a second process of
+        // node 5, or a node of another cluster under that id, that holds a vote, a log or
+        // voters) does not stand in for node 5.
+        for not_blank in [
+            VoteReport {
+                membership: Some(none()),
+                ..rejoining(3, None)
+            },
+            VoteReport {
+                membership: Some(none()),
+                ..rejoining(0, Some((3, 100)))
+            },
+            with_membership(rejoining(0, None), &[&ids], &[]),
+        ] {
+            let a: Vec<(NodeId, VoteReport)> = (2..=4)
+                .map(|id| (id, x(report(3, Some((3, 100))))))
+                .chain(std::iter::once((5, not_blank)))
+                .collect();
+            let e = proof_for(1, &flags(&ids), &none(), &a, None).unwrap_err();
+            assert!(e.contains("[5]"), "{e}");
+        }
     }
 
     /// Three voters: one wiped node and another wiped node is beyond what Raft tolerates (an
