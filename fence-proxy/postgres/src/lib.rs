@@ -642,17 +642,20 @@ async fn read_guard(
         sqlx::query_as(sqlx::AssertSqlSafe(fence_sql::CHECKED_DATABASE_SQL))
             .fetch_one(&mut *conn)
             .await
-            .map_err(|e| {
-                anyhow::anyhow!(
-                    "checking the guard function: {}",
-                    upstream::sqlx_message(&e)
-                )
-            })?;
+            .map_err(guard_check_failed)?;
     let oid = oid
         .and_then(|oid| u32::try_from(oid).ok())
         .ok_or_else(|| anyhow::anyhow!("database {database:?} has no oid in pg_database"))?;
     let key = read_guard_in(conn, cfg, verify, &database).await?;
     Ok((database, oid, key))
+}
+
+/// A query of the start-up guard check that failed.
+fn guard_check_failed(e: sqlx::Error) -> anyhow::Error {
+    anyhow::anyhow!(
+        "checking the guard function: {}",
+        upstream::sqlx_message(&e)
+    )
 }
 
 /// [`read_guard`] once the database is known.
@@ -665,12 +668,7 @@ async fn read_guard_in(
     let exists: bool = sqlx::query_scalar(sqlx::AssertSqlSafe(cfg.fence_table.exists_sql()))
         .fetch_one(&mut *conn)
         .await
-        .map_err(|e| {
-            anyhow::anyhow!(
-                "checking the guard function: {}",
-                upstream::sqlx_message(&e)
-            )
-        })?;
+        .map_err(guard_check_failed)?;
     anyhow::ensure!(
         exists,
         "the guard function {} does not exist in database {database:?}: run `fence-proxy postgres init --upstream <url of {database}> --fence-table {}` first",
